@@ -1,0 +1,41 @@
+"""curvbench's curvature library; its public API follows KFAC-JAX's.
+
+`import estimators as kfac_jax` gives the same names: loss registration,
+layer tags, the tracer, curvature blocks and the curvature estimators.
+"""
+
+from estimators import blocks, curvature, estimation_modes, losses, patches
+from estimators import tags, tracer, utils
+from estimators.blocks import (
+    CurvatureBlock, Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored,
+    DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, Diagonal, Full,
+    NaiveDiagonal, NaiveFull, RepeatedDenseTwoKroneckerFactored,
+    ScaleAndShiftDiagonal, ScaleAndShiftFull, ScaledIdentity,
+    TwoKroneckerFactored, get_default_eigen_decomposition_threshold,
+    get_max_parallel_elements, set_default_eigen_decomposition_threshold,
+    set_max_parallel_elements)
+from estimators.curvature import (
+    BlockDiagonalCurvature, CurvatureEstimator, ExplicitExactCurvature,
+    ImplicitExactCurvature, default_batch_size_extractor,
+    get_default_tag_to_block_ctor, set_default_tag_to_block_ctor)
+from estimators.estimation_modes import ESTIMATION_MODES
+from estimators.optimizer import Optimizer
+from estimators.losses import (
+    CategoricalLogitsNegativeLogProbLoss, DistributionNegativeLogProbLoss,
+    LossFunction, MultiBernoulliNegativeLogProbLoss, NegativeLogProbLoss,
+    NormalMeanNegativeLogProbLoss, NormalMeanVarianceNegativeLogProbLoss,
+    OneHotCategoricalLogitsNegativeLogProbLoss,
+    register_categorical_predictive_distribution,
+    register_multi_bernoulli_predictive_distribution,
+    register_normal_predictive_distribution,
+    register_sigmoid_cross_entropy_loss, register_softmax_cross_entropy_loss,
+    register_squared_error_loss)
+from estimators.patches import patches_moments, patches_moments_explicit
+from estimators.tags import (
+    LayerTag, LossTag, register_conv2d, register_dense, register_generic,
+    register_repeated_dense, register_scale_and_shift)
+from estimators.tracer import (
+    ProcessedJaxpr, TracingError, layer_tags_vjp, loss_tags_hvp, loss_tags_jvp,
+    loss_tags_vjp)
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,447 @@
+"""`CurvatureBlock`: the public methods every block shares.
+
+A block approximates the curvature of one layer tag. The base class owns the
+public surface (argument checks, the block scale, the cache and its fixed key
+set); a family implements a few private hooks:
+
+  `_init(rng, exact_powers, approx_powers, cache_eigenvalues)`  initial state
+  `_batch_statistics(estimation_data, batch_size)`  this batch's statistics
+  `_fold_statistics(state, stats, ema_old, ema_new)`  moving-average update
+  `_multiply_matpower_unscaled(state, vector, identity_weight, power,
+                               exact_power, use_cached)`
+  `_eigenvalues_unscaled(state)`
+  `_update_cache(state, identity_weight, exact_powers, approx_powers,
+                 eigenvalues, state_scale)`  new values of cache entries
+
+Scaling convention: the curvature is `scale * M` with `M` the unscaled
+estimate and `scale = fixed_scale() * state_dependent_scale(state)`. Hooks work
+on `M` with the identity weight divided by the scale, and the base multiplies
+results by `scale ** power`. Cached entries already contain the state
+dependent scale (they are values for `state_scale * M + identity_weight I`),
+so cached products are only rescaled by the fixed scale.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from estimators import tags
+from estimators import utils
+
+_MAX_PARALLEL_ELEMENTS = 2 ** 23
+_DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
+
+
+def set_max_parallel_elements(value: int) -> None:
+  """Sets how many examples the conv Diagonal/Full blocks vmap over at once."""
+  global _MAX_PARALLEL_ELEMENTS
+  if not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError("max parallel elements must be a positive int, got "
+                     f"{value!r}.")
+  _MAX_PARALLEL_ELEMENTS = int(value)
+
+
+def get_max_parallel_elements() -> int:
+  return _MAX_PARALLEL_ELEMENTS
+
+
+def set_default_eigen_decomposition_threshold(value: int) -> None:
+  """Sets how many cached powers make `Full` cache an eigendecomposition."""
+  global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
+  if not isinstance(value, numbers.Integral) or value < 0:
+    raise ValueError("the eigen decomposition threshold must be a non-negative "
+                     f"int, got {value!r}.")
+  _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = int(value)
+
+
+def get_default_eigen_decomposition_threshold() -> int:
+  return _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
+
+
+def canonical_power(power):
+  """A static matrix power as an int when integral, else a float."""
+  if utils.is_tracer(power):
+    raise ValueError("Matrix powers must be Python numbers known at trace time "
+                     "(they select cache entries and code paths); got a traced "
+                     "value.")
+  try:
+    value = float(power)
+  except (TypeError, ValueError):
+    raise ValueError(f"A matrix power must be a real number, got {power!r}.") \
+        from None
+  if isinstance(power, bool) or not math.isfinite(value):
+    raise ValueError("A matrix power must be a finite real number, got "
+                     f"{power!r}.")
+  return int(value) if value.is_integer() else value
+
+
+def canonical_powers(powers) -> tuple:
+  """None, a number or a sequence of numbers -> a tuple of distinct powers."""
+  if powers is None:
+    return ()
+  if isinstance(powers, (Sequence, np.ndarray)) and not isinstance(powers, str):
+    items = list(powers)
+  else:
+    items = [powers]
+  return tuple(dict.fromkeys(canonical_power(p) for p in items))
+
+
+def cache_key(power, exact: bool) -> str:
+  return f"{'exact' if exact else 'approx'}_pow_{canonical_power(power)}"
+
+
+def power_cache_keys(exact_powers, approx_powers) -> list[tuple[str, Any]]:
+  """(cache key, power) for each exact and approximate power."""
+  return ([(cache_key(p, True), p) for p in exact_powers]
+          + [(cache_key(p, False), p) for p in approx_powers])
+
+
+def _concrete_float(value):
+  """The value of a concrete scalar, or None for tracers and arrays."""
+  if utils.is_tracer(value) or np.ndim(value) != 0:
+    return None
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return None
+
+
+class CurvatureBlock(abc.ABC):
+  """Approximates the curvature of one layer tag; see the module docstring."""
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State:
+    """Block state; `cache` maps keys such as "exact_pow_-1" to values."""
+    cache: dict[str, Any]
+
+  # Estimation data keys a family reads (checked before `_batch_statistics`).
+  _REQUIRED_DATA: tuple[str, ...] = ()
+  # Tag primitives the block understands; None accepts any layer tag.
+  _TAG_PRIMITIVES: tuple[tags.LayerTag, ...] | None = None
+  # Whether an undamped estimate is commonly singular (blocks fitted to data).
+  _MAY_BE_SINGULAR = True
+
+  def __init__(self, layer_tag_eq, name: str):
+    if not tags.is_layer_tag_eqn(layer_tag_eq):
+      primitive = getattr(layer_tag_eq, "primitive", None)
+      raise TypeError(f"{type(self).__name__} needs a layer tag equation, got "
+                      f"one with primitive {primitive}.")
+    if (self._TAG_PRIMITIVES is not None
+        and layer_tag_eq.primitive not in self._TAG_PRIMITIVES):
+      wanted = ", ".join(p.name for p in self._TAG_PRIMITIVES)
+      raise ValueError(f"{type(self).__name__} handles {wanted} equations, not "
+                       f"{layer_tag_eq.primitive.name} (block {name!r}).")
+    self._layer_tag_eq = layer_tag_eq
+    self._name = name
+    if not self.parameter_variables:
+      raise ValueError(f"Block {name!r}: the tag has no parameters.")
+    self._check_layer()
+
+  def _check_layer(self) -> None:
+    """Hook for layer-specific validation of the tag equation."""
+
+  # --- properties of the tagged layer ------------------------------------
+
+  @property
+  def name(self) -> str:
+    return self._name
+
+  @property
+  def layer_tag_eq(self):
+    return self._layer_tag_eq
+
+  @property
+  def layer_tag_primitive(self) -> tags.LayerTag:
+    return self._layer_tag_eq.primitive
+
+  @property
+  def outputs_variables(self) -> tuple:
+    return tags.layer_eqn_parts(self._layer_tag_eq)[0]
+
+  @property
+  def inputs_variables(self) -> tuple:
+    return tags.layer_eqn_parts(self._layer_tag_eq)[1]
+
+  @property
+  def parameter_variables(self) -> tuple:
+    return tags.layer_eqn_parts(self._layer_tag_eq)[2]
+
+  @property
+  def outputs_shapes(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(v.aval.shape) for v in self.outputs_variables)
+
+  @property
+  def inputs_shapes(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(v.aval.shape) for v in self.inputs_variables)
+
+  @property
+  def parameters_shapes(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(v.aval.shape) for v in self.parameter_variables)
+
+  @property
+  def parameters_dtype(self):
+    return jnp.result_type(*[v.aval.dtype for v in self.parameter_variables])
+
+  @property
+  def parameters_canonical_order(self) -> tuple[int, ...]:
+    """Order of the parameters in block vectors: that of the tag's operands."""
+    return tuple(range(self.number_of_parameters))
+
+  @property
+  def layer_tag_extra_params(self) -> dict[str, Any]:
+    return dict(self._layer_tag_eq.params)
+
+  @property
+  def number_of_parameters(self) -> int:
+    return len(self.parameter_variables)
+
+  @property
+  def dim(self) -> int:
+    return sum(utils.product(s) for s in self.parameters_shapes)
+
+  # --- scale --------------------------------------------------------------
+
+  def fixed_scale(self):
+    """A constant factor in front of the unscaled estimate."""
+    return 1
+
+  def state_dependent_scale(self, state: "CurvatureBlock.State"):
+    """A factor computed from the current estimate (1 for built-in blocks)."""
+    del state
+    return 1
+
+  def scale(self, state: "CurvatureBlock.State", use_cache: bool):
+    """The factor for unscaled values (cached ones hold the state part)."""
+    if use_cache:
+      return self.fixed_scale()
+    return self.fixed_scale() * self.state_dependent_scale(state)
+
+  # --- state --------------------------------------------------------------
+
+  def init(self, rng, exact_powers_to_cache, approx_powers_to_cache,
+           cache_eigenvalues: bool) -> "CurvatureBlock.State":
+    """Zero statistics and a cache with one entry per requested power.
+
+    The cache's keys are fixed here, so later states have the same pytree
+    structure; `update_cache` and `use_cached=True` only accept these keys.
+    Entries hold zeros until the first `update_cache`.
+    """
+    exact = canonical_powers(exact_powers_to_cache)
+    approx = canonical_powers(approx_powers_to_cache)
+    for power in exact + approx:
+      self._check_power(power, identity_weight=None)
+    cache_eigenvalues = bool(cache_eigenvalues)
+    state = self._init(rng, exact, approx, cache_eigenvalues)
+    # The entries' shapes are those `_update_cache` produces.
+    shapes = jax.eval_shape(
+        lambda s: self._update_cache(s, 1.0, exact, approx, cache_eigenvalues,
+                                     1.0), state)
+    entries = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                     shapes)
+    return dataclasses.replace(state, cache={**state.cache, **entries})
+
+  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
+                                       ema_new, batch_size, pmap_axis_name):
+    """Folds this batch's statistics into the moving averages.
+
+    The statistics are averaged over `pmap_axis_name` (when not None) first.
+    `ema_old=0, ema_new=1` replaces the estimate by this batch's.
+    """
+    self._check_estimation_data(estimation_data, batch_size)
+    stats = self._batch_statistics(estimation_data, batch_size)
+    if pmap_axis_name is not None and jax.tree_util.tree_leaves(stats):
+      stats = jax.lax.pmean(stats, pmap_axis_name)
+    return self._fold_statistics(state, stats, ema_old, ema_new)
+
+  def update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                   eigenvalues: bool) -> "CurvatureBlock.State":
+    """Recomputes the named cache entries from the current estimate."""
+    exact = canonical_powers(exact_powers)
+    approx = canonical_powers(approx_powers)
+    for power in exact:
+      self._check_cached(state, power, True)
+      self._check_power(power, identity_weight)
+    for power in approx:
+      self._check_cached(state, power, False)
+      self._check_power(power, identity_weight)
+    if eigenvalues and "eigenvalues" not in state.cache:
+      raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
+                       "cache_eigenvalues=True to init to cache them.")
+    if not (exact or approx or eigenvalues):
+      return state
+    updates = self._update_cache(
+        state, identity_weight / self.fixed_scale(), exact, approx,
+        bool(eigenvalues), self.state_dependent_scale(state))
+    return dataclasses.replace(state, cache={**state.cache, **updates})
+
+  # --- products -------------------------------------------------------------
+
+  def multiply_matpower(self, state, vector, identity_weight, power,
+                        exact_power: bool, use_cached: bool):
+    """`(block + identity_weight I) ** power @ vector`.
+
+    With `use_cached=True` the cached value of the power is used, and with it
+    the identity weight given to the last `update_cache`. `exact_power=False`
+    allows a family-specific approximation (the Kronecker blocks use factored
+    damping; other blocks are exact anyway).
+    """
+    vector = self._check_vector(vector)
+    power = canonical_power(power)
+    scale = self.scale(state, use_cached)
+    if use_cached:
+      self._check_cached(state, power, exact_power)
+    else:
+      self._check_power(power, identity_weight)
+      identity_weight = identity_weight / scale
+    result = self._multiply_matpower_unscaled(
+        state, vector, identity_weight, power, bool(exact_power),
+        bool(use_cached))
+    return utils.scalar_mul(result, self._scale_power(scale, power))
+
+  def multiply(self, state, vector, identity_weight, exact_power, use_cached):
+    """`(block + identity_weight I) @ vector`."""
+    return self.multiply_matpower(state, vector, identity_weight, 1,
+                                  exact_power, use_cached)
+
+  def multiply_inverse(self, state, vector, identity_weight, exact_power,
+                       use_cached):
+    """`(block + identity_weight I) ** -1 @ vector`."""
+    return self.multiply_matpower(state, vector, identity_weight, -1,
+                                  exact_power, use_cached)
+
+  def eigenvalues(self, state, use_cached: bool) -> jax.Array:
+    """Eigenvalues of the (undamped, scaled) block, in no particular order."""
+    if use_cached:
+      if "eigenvalues" not in state.cache:
+        raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
+                         "cache_eigenvalues=True to init, or use_cached=False.")
+      values = state.cache["eigenvalues"]
+    else:
+      values = self._eigenvalues_unscaled(state)
+    return values * self.scale(state, use_cached)
+
+  def to_dense_matrix(self, state) -> jax.Array:
+    """The undamped scaled block as a (dim, dim) matrix (for small blocks).
+
+    Rows and columns follow the tag's parameters, each flattened row-major.
+    """
+    eye = jnp.eye(self.dim, dtype=self.parameters_dtype)
+
+    def column(e):
+      v = utils.unflatten_vector(e, self.parameters_shapes)
+      return utils.flatten_arrays(self.multiply(state, v, 0.0, True, False))
+
+    return jax.vmap(column, out_axes=1)(eye)
+
+  # --- checks ---------------------------------------------------------------
+
+  def _scale_power(self, scale, power):
+    if power == 1:
+      return scale
+    return jnp.power(jnp.asarray(scale, self.parameters_dtype), power)
+
+  def _check_cached(self, state, power, exact):
+    key = cache_key(power, exact)
+    if key not in state.cache:
+      kind = "exact" if exact else "approx"
+      raise ValueError(
+          f"Block {self.name!r} has no cached {kind} power {power} (cache key "
+          f"{key!r}); pass it in {kind}_powers_to_cache to init, or use "
+          "use_cached=False.")
+
+  def _check_power(self, power, identity_weight):
+    """Rejects powers whose result would be NaN/inf for a reason known now."""
+    weight = _concrete_float(identity_weight)
+    if weight is None:
+      return
+    if power < 0 and weight == 0 and self._MAY_BE_SINGULAR:
+      raise ValueError(
+          f"Block {self.name!r}: power {power} of an undamped "
+          f"{type(self).__name__} block; estimates from a batch are usually "
+          "singular, so this would give inf/NaN. Pass a positive "
+          "identity_weight (damping).")
+    if weight < 0 and not float(power).is_integer():
+      raise ValueError(
+          f"Block {self.name!r}: the non-integer power {power} needs a PSD "
+          f"matrix, but identity_weight={weight} is negative.")
+
+  def _check_vector(self, vector) -> tuple[jax.Array, ...]:
+    if not isinstance(vector, (tuple, list)):
+      raise TypeError(f"Block {self.name!r}: vectors are tuples of arrays shaped "
+                      f"like the parameters {self.parameters_shapes}, got "
+                      f"{type(vector).__name__}.")
+    shapes = tuple(tuple(jnp.shape(v)) for v in vector)
+    if shapes != self.parameters_shapes:
+      raise ValueError(f"Block {self.name!r}: vector shapes {shapes} do not match "
+                       f"the parameter shapes {self.parameters_shapes}.")
+    return tuple(jnp.asarray(v) for v in vector)
+
+  def _check_estimation_data(self, data, batch_size) -> None:
+    missing = [k for k in self._REQUIRED_DATA if not data.get(k)]
+    if missing:
+      raise ValueError(
+          f"{type(self).__name__} block {self.name!r} needs {missing} in the "
+          "estimation data; this block type cannot be used for tags (such as "
+          "generic_tag) that do not provide them.")
+    b = _concrete_float(batch_size)
+    expected = {"inputs": self.inputs_shapes, "outputs": self.outputs_shapes,
+                "outputs_tangent": self.outputs_shapes,
+                "params": self.parameters_shapes,
+                "params_tangent": self.parameters_shapes}
+    for key, shapes in expected.items():
+      values = data.get(key) or ()
+      if values and len(values) != len(shapes):
+        raise ValueError(f"Block {self.name!r}: estimation_data[{key!r}] has "
+                         f"{len(values)} arrays, the tag has {len(shapes)}.")
+      batched = int(key in ("inputs", "outputs", "outputs_tangent"))
+      for value, shape in zip(values, shapes):
+        # Tangents carry a leading sample axis; batched arrays may have any
+        # batch size but must agree with `batch_size` when it is known.
+        got = tuple(jnp.shape(value))[1 if key.endswith("_tangent") else 0:]
+        ok = len(got) == len(shape) and got[batched:] == tuple(shape)[batched:]
+        if ok and batched and b is not None:
+          ok = got[0] == b
+        if not ok:
+          lead = "(S, " if key.endswith("_tangent") else "("
+          raise ValueError(
+              f"Block {self.name!r}: estimation_data[{key!r}] has an array of "
+              f"shape {jnp.shape(value)}; expected {lead}*{shape}) with batch "
+              f"size {batch_size}.")
+
+  # --- hooks ------------------------------------------------------------------
+
+  @abc.abstractmethod
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    """The initial state; its cache holds only family-specific entries."""
+
+  @abc.abstractmethod
+  def _batch_statistics(self, estimation_data, batch_size):
+    """A pytree of this batch's statistics (averaged over the batch)."""
+
+  @abc.abstractmethod
+  def _fold_statistics(self, state, stats, ema_old, ema_new):
+    """The state with `stats` folded into its moving averages."""
+
+  @abc.abstractmethod
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    """`(M + identity_weight I) ** power @ vector` or its cached version."""
+
+  @abc.abstractmethod
+  def _eigenvalues_unscaled(self, state):
+    """Eigenvalues of `M`."""
+
+  @abc.abstractmethod
+  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                    eigenvalues, state_scale) -> dict[str, Any]:
+    """New cache entries for `state_scale * M + identity_weight I`."""

@@ -1,0 +1,147 @@
+"""Full blocks: the whole (dim x dim) curvature matrix of a layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from estimators import utils
+from estimators.blocks import base
+from estimators.blocks import layers
+
+_EIGEN = "eigendecomposition"
+
+
+class Full(base.CurvatureBlock):
+  """A dense matrix over the layer's parameters, flattened in operand order.
+
+  Cached powers are stored as matrices, unless more powers than
+  `eigen_decomposition_threshold` are requested at init: then the cache holds
+  one eigendecomposition (key "eigendecomposition") and each power's entry is
+  the identity weight it was cached with. Exact and approximate powers are the
+  same for this block.
+  """
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State(base.CurvatureBlock.State):
+    """`matrix`: a WeightedMovingAverage of the (dim, dim) curvature."""
+    matrix: utils.WeightedMovingAverage
+
+  def __init__(self, layer_tag_eq, name, eigen_decomposition_threshold=None):
+    super().__init__(layer_tag_eq, name)
+    if eigen_decomposition_threshold is None:
+      eigen_decomposition_threshold = (
+          base.get_default_eigen_decomposition_threshold())
+    self._eigen_decomposition_threshold = int(eigen_decomposition_threshold)
+
+  @property
+  def eigen_decomposition_threshold(self) -> int:
+    return self._eigen_decomposition_threshold
+
+  def parameters_list_to_single_vector(self, parameters_shaped_list):
+    return utils.flatten_arrays(parameters_shaped_list)
+
+  def single_vector_to_parameters_list(self, vector):
+    return utils.unflatten_vector(vector, self.parameters_shapes)
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    del rng, cache_eigenvalues
+    n, dtype = self.dim, self.parameters_dtype
+    cache = {}
+    num_powers = len(exact_powers) + len(approx_powers)
+    if num_powers > self.eigen_decomposition_threshold:
+      cache[_EIGEN] = {"eigenvalues": jnp.zeros([n], dtype),
+                       "eigenvectors": jnp.zeros([n, n], dtype)}
+    return Full.State(cache=cache,
+                      matrix=utils.WeightedMovingAverage.zeros([n, n], dtype))
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    grads = utils.flatten_arrays(
+        self._per_example_gradients(estimation_data), leading=1)
+    return grads.T @ grads / batch_size
+
+  def _fold_statistics(self, state, stats, ema_old, ema_new):
+    return dataclasses.replace(
+        state, matrix=state.matrix.update(stats, ema_old, ema_new))
+
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    v = self.parameters_list_to_single_vector(vector)
+    matrix = state.matrix.value
+    if use_cached:
+      entry = state.cache[base.cache_key(power, exact_power)]
+      if _EIGEN in state.cache:
+        eig = state.cache[_EIGEN]
+        u = eig["eigenvectors"]
+        result = u @ (jnp.power(eig["eigenvalues"] + entry, power) * (u.T @ v))
+      else:
+        result = entry @ v
+    elif power == 1:  # no factorisation needed
+      result = matrix @ v + identity_weight * v
+    else:
+      damped = matrix + identity_weight * jnp.eye(self.dim, dtype=matrix.dtype)
+      result = utils.psd_matrix_power(damped, power) @ v
+    return self.single_vector_to_parameters_list(result)
+
+  def _eigenvalues_unscaled(self, state):
+    return utils.psd_eigvalsh(state.matrix.value)
+
+  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                    eigenvalues, state_scale):
+    matrix = state_scale * state.matrix.value
+    keys = base.power_cache_keys(exact_powers, approx_powers)
+    updates = {}
+    if _EIGEN in state.cache:
+      values, vectors = utils.safe_psd_eigh(matrix)
+      updates[_EIGEN] = {"eigenvalues": values, "eigenvectors": vectors}
+      weight = jnp.asarray(identity_weight, matrix.dtype)
+      updates.update({key: weight for key, _ in keys})
+      if eigenvalues:
+        updates["eigenvalues"] = values
+      return updates
+    damped = matrix + identity_weight * jnp.eye(self.dim, dtype=matrix.dtype)
+    updates.update({key: utils.psd_matrix_power(damped, p) for key, p in keys})
+    if eigenvalues:
+      updates["eigenvalues"] = utils.psd_eigvalsh(matrix)
+    return updates
+
+
+class NaiveFull(Full):
+  """`(1/B) sum_s p_s p_sᵀ` with `p_s` the batch-summed parameter gradient.
+
+  It only needs the parameter gradients, so it works for any tag. Its
+  expectation is the curvature only for the sampled Fisher (cross-example
+  terms cancel in expectation); with exact modes it is not `mean_i g_i g_iᵀ`.
+  """
+
+  _REQUIRED_DATA = ("params_tangent",)
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    p = utils.flatten_arrays(estimation_data["params_tangent"], leading=1)
+    return p.T @ p / batch_size
+
+
+class DenseFull(layers.DenseMixin, Full):
+  """Exact `(1/B) sum_si g_si g_siᵀ` for dense layers, from one matmul."""
+
+
+class Conv2DFull(layers.PerExampleConv2DMixin, Full):
+  """Exact `(1/B) sum_si g_si g_siᵀ` for 2-D convolutions.
+
+  Per-example kernel gradients come from the convolution's VJP, vmapped over
+  at most `max_elements_for_vmap` examples at a time (default
+  `get_max_parallel_elements()`) and looped over the rest.
+  """
+
+  def __init__(self, layer_tag_eq, name, max_elements_for_vmap=None,
+               eigen_decomposition_threshold=None):
+    super().__init__(
+        layer_tag_eq, name, max_elements_for_vmap=max_elements_for_vmap,
+        eigen_decomposition_threshold=eigen_decomposition_threshold)
+
+
+class ScaleAndShiftFull(layers.ScaleAndShiftMixin, Full):
+  """Exact `(1/B) sum_si g_si g_siᵀ` for scale-and-shift layers."""

@@ -1,0 +1,253 @@
+"""Kronecker-factored blocks: curvature ≈ scale * A ⊗ G (K-FAC).
+
+A block's parameters are laid out as one `(input_size, output_size)` matrix
+`V` (for a dense layer: the weight, with the bias as an extra last row), and
+`(A ⊗ G) vec(V) = A V G` with row-major `vec`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from estimators import patches
+from estimators import utils
+from estimators.blocks import base
+from estimators.blocks import layers
+
+
+class TwoKroneckerFactored(base.CurvatureBlock):
+  """`A ⊗ G` with `A` from the layer inputs and `G` from the output tangents.
+
+  Exact powers use eigendecompositions of both factors. Approximate powers
+  (`exact_power=False`) split the damping between the factors with the
+  pi-adjusted rule and raise each damped factor to the power.
+
+  Cache: when exact powers are cached, both factors' eigendecompositions
+  ("inputs_factor_eigenvalues", "inputs_factor_eigenvectors" and the same for
+  "outputs_factor"), shared by all exact powers, and per exact power the
+  identity weight it was cached with. Per approximate power, the two powered
+  damped factors under "inputs_factor" and "outputs_factor".
+  """
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State(base.CurvatureBlock.State):
+    """`inputs_factor` (A) and `outputs_factor` (G), as moving averages."""
+    inputs_factor: utils.WeightedMovingAverage
+    outputs_factor: utils.WeightedMovingAverage
+
+  @property
+  def has_bias(self) -> bool:
+    return self.number_of_parameters == 2
+
+  @abc.abstractmethod
+  def input_size(self) -> int:
+    """Size of the inputs factor A."""
+
+  @abc.abstractmethod
+  def output_size(self) -> int:
+    """Size of the outputs factor G."""
+
+  def _to_matrix(self, vector):
+    """Parameters-shaped tuple -> `(input_size, output_size)` matrix."""
+    w = vector[0].reshape(-1, self.output_size())
+    return jnp.concatenate([w, vector[1][None]]) if self.has_bias else w
+
+  def _from_matrix(self, matrix):
+    if not self.has_bias:
+      return (matrix.reshape(self.parameters_shapes[0]),)
+    return (matrix[:-1].reshape(self.parameters_shapes[0]), matrix[-1])
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    del rng, exact_powers, approx_powers, cache_eigenvalues
+    zeros = utils.WeightedMovingAverage.zeros
+    dtype = self.parameters_dtype
+    return TwoKroneckerFactored.State(
+        cache={},
+        inputs_factor=zeros([self.input_size()] * 2, dtype),
+        outputs_factor=zeros([self.output_size()] * 2, dtype))
+
+  def _fold_statistics(self, state, stats, ema_old, ema_new):
+    a, g = stats
+    return dataclasses.replace(
+        state, inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
+        outputs_factor=state.outputs_factor.update(g, ema_old, ema_new))
+
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    v = self._to_matrix(vector)
+    cache = state.cache
+    a, g = state.inputs_factor.value, state.outputs_factor.value
+    if exact_power and use_cached:
+      grid = jnp.outer(cache["inputs_factor_eigenvalues"],
+                       cache["outputs_factor_eigenvalues"])
+      grid = jnp.power(grid + cache[base.cache_key(power, True)], power)
+      result = utils.kronecker_eigen_multiply(
+          cache["inputs_factor_eigenvectors"],
+          cache["outputs_factor_eigenvectors"], grid, v)
+    elif exact_power and power == 1:  # cheap without eigendecompositions
+      result = a @ v @ g + identity_weight * v
+    elif exact_power:
+      a_vals, a_vecs = utils.safe_psd_eigh(a)
+      g_vals, g_vecs = utils.safe_psd_eigh(g)
+      grid = jnp.power(jnp.outer(a_vals, g_vals) + identity_weight, power)
+      result = utils.kronecker_eigen_multiply(a_vecs, g_vecs, grid, v)
+    else:
+      if use_cached:
+        entry = cache[base.cache_key(power, False)]
+        a_pow, g_pow = entry["inputs_factor"], entry["outputs_factor"]
+      else:
+        a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, power)
+      result = a_pow @ v @ g_pow
+    return self._from_matrix(result)
+
+  def _approx_factor_powers(self, a, g, identity_weight, power):
+    a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
+        a, g, identity_weight)
+    return (utils.psd_matrix_power(a_damped, power),
+            utils.psd_matrix_power(g_damped, power))
+
+  def _eigenvalues_unscaled(self, state):
+    return utils.kronecker_product_eigenvalues(
+        utils.psd_eigvalsh(state.inputs_factor.value),
+        utils.psd_eigvalsh(state.outputs_factor.value))
+
+  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                    eigenvalues, state_scale):
+    # The state dependent scale is folded into G; A is left as is.
+    a = state.inputs_factor.value
+    g = state_scale * state.outputs_factor.value
+    updates = {}
+    if exact_powers or eigenvalues:
+      a_vals, a_vecs = utils.safe_psd_eigh(a)
+      g_vals, g_vecs = utils.safe_psd_eigh(g)
+      if eigenvalues:
+        updates["eigenvalues"] = utils.kronecker_product_eigenvalues(a_vals,
+                                                                     g_vals)
+      if exact_powers:
+        # Shared by all exact powers, so refreshing one power keeps the
+        # others consistent (they keep their own identity weights).
+        updates.update(inputs_factor_eigenvalues=a_vals,
+                       inputs_factor_eigenvectors=a_vecs,
+                       outputs_factor_eigenvalues=g_vals,
+                       outputs_factor_eigenvectors=g_vecs)
+      for p in exact_powers:
+        updates[base.cache_key(p, True)] = jnp.asarray(identity_weight, a.dtype)
+    for p in approx_powers:
+      a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, p)
+      updates[base.cache_key(p, False)] = {"inputs_factor": a_pow,
+                                           "outputs_factor": g_pow}
+    return updates
+
+
+class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
+  """K-FAC for dense layers: `A = mean_i x̃ x̃ᵀ`, `G = (1/B) sum_si dy dyᵀ`.
+
+  `x̃` is the input with a 1 appended when the layer has a bias.
+  """
+
+  def input_size(self) -> int:
+    return self.parameters_shapes[0][0] + int(self.has_bias)
+
+  def output_size(self) -> int:
+    return self.parameters_shapes[0][1]
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+    x = x.reshape(-1, x.shape[-1])
+    dy = dy.reshape(-1, dy.shape[-1])
+    if self.has_bias:
+      x = jnp.concatenate([x, jnp.ones_like(x[:, :1])], axis=1)
+    return x.T @ x / batch_size, dy.T @ dy / batch_size
+
+
+class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
+  """K-FAC for a dense layer applied over extra axes, `x: (B, r1, ..., d_in)`.
+
+  Every axis but the last acts as a batch axis of the factors, which are
+  averaged over `B * R` rows (`R = r1 * ...`); `fixed_scale() = R` restores
+  the sum over the R applications inside each example.
+  """
+
+  @property
+  def num_repeats(self) -> int:
+    (x_shape,) = self.inputs_shapes
+    return utils.product(x_shape[1:-1])
+
+  def fixed_scale(self):
+    return self.num_repeats
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    return super()._batch_statistics(estimation_data,
+                                     batch_size * self.num_repeats)
+
+
+class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
+  """K-FAC for 2-D convolutions (Grosse & Martens, 2016).
+
+  `A` is the second moment of the input patches (bias as an appended 1) and
+  `G` that of the output tangents, both averaged over examples and output
+  locations; `fixed_scale() = num_locations`. The patch layout is
+  `(kernel_h, kernel_w, in_channels)`. Only ungrouped, undilated convolutions
+  are supported.
+  """
+
+  def _check_layer(self):
+    super()._check_layer()
+    p = self.layer_tag_extra_params
+    if (p["feature_group_count"] != 1 or p["batch_group_count"] != 1
+        or tuple(p["lhs_dilation"]) != (1, 1)
+        or tuple(p["rhs_dilation"]) != (1, 1)):
+      raise ValueError(
+          f"Block {self.name!r}: Conv2DTwoKroneckerFactored supports only "
+          "convolutions without grouping or dilation; use Conv2DDiagonal or "
+          "Conv2DFull for this layer.")
+
+  def input_size(self) -> int:
+    return self.weights_spatial_size * self.num_inputs_channels + int(
+        self.has_bias)
+
+  def output_size(self) -> int:
+    return self.num_outputs_channels
+
+  def fixed_scale(self):
+    return self.num_locations
+
+  def _kernel_axes(self):
+    """Kernel axes ordered (spatial..., in, out), the patch layout."""
+    spec = self.dimension_numbers.rhs_spec
+    return (spec[2], spec[3], spec[1], spec[0])
+
+  def _to_matrix(self, vector):
+    kernel = jnp.transpose(vector[0], self._kernel_axes())
+    return super()._to_matrix((kernel,) + tuple(vector[1:]))
+
+  def _from_matrix(self, matrix):
+    axes = self._kernel_axes()
+    shape = tuple(self.parameters_shapes[0][i] for i in axes)
+    kernel_rows = matrix[:-1] if self.has_bias else matrix
+    inverse = tuple(axes.index(i) for i in range(4))
+    kernel = jnp.transpose(kernel_rows.reshape(shape), inverse)
+    return (kernel, matrix[-1]) if self.has_bias else (kernel,)
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+    p = self.layer_tag_extra_params
+    second, first = patches.patches_moments(
+        x, self.weights_spatial_shape, strides=p["window_strides"],
+        padding=p["padding"], data_format=None,
+        dim_numbers=self.dimension_numbers)
+    k = second.shape[0] * second.shape[1] * second.shape[2]
+    a = second.reshape(k, k)
+    if self.has_bias:
+      first = first.reshape(k, 1)
+      a = jnp.block([[a, first], [first.T, jnp.ones((1, 1), a.dtype)]])
+    # (S, B, ...) with channels last -> rows of output tangents.
+    dy = jnp.moveaxis(dy, 1 + self.outputs_channel_index, -1)
+    dy = dy.reshape(-1, self.num_outputs_channels)
+    g = dy.T @ dy / (batch_size * self.num_locations)
+    return a, g

@@ -1,0 +1,206 @@
+"""Layer knowledge shared by the block families: tag checks, properties and
+per-example parameter gradients.
+
+`_per_example_gradients(estimation_data)` returns, for each parameter, an
+array of shape `(N, *param_shape)` whose rows are the gradients `g_si` of
+every (sample, example) pair, so a batch contributes `(1/B) sum_rows g gᵀ`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from estimators import tags
+from estimators import utils
+from estimators.blocks import base
+
+
+class DenseMixin:
+  """Dense tags: `y = x @ w (+ b)`, parameters `(w, [b])`.
+
+  Repeated dense tags (`x: (B, ..., d_in)`) are accepted too: an example's
+  gradient then sums over its extra axes.
+  """
+
+  _TAG_PRIMITIVES = (tags.dense, tags.repeated_dense)
+  _REQUIRED_DATA = ("inputs", "outputs_tangent")
+
+  def _check_layer(self):
+    n = self.number_of_parameters
+    (x_shape,) = self.inputs_shapes
+    if n not in (1, 2) or len(self.parameters_shapes[0]) != 2:
+      raise ValueError(f"Block {self.name!r}: a dense tag needs a 2-D weight and "
+                       f"an optional bias, got shapes {self.parameters_shapes}.")
+    if self.layer_tag_primitive is tags.dense and len(x_shape) != 2:
+      raise ValueError(f"Block {self.name!r}: dense inputs must be (batch, d_in),"
+                       f" got {x_shape}; tag the layer with "
+                       "register_repeated_dense instead.")
+
+  @property
+  def has_bias(self) -> bool:
+    return self.number_of_parameters == 2
+
+  def _per_example_gradients(self, data):
+    (x,), (dy,) = data["inputs"], data["outputs_tangent"]
+    d_in, d_out = self.parameters_shapes[0]
+    s, b = dy.shape[:2]
+    grads = [jnp.einsum("b...i,sb...o->sbio", x, dy).reshape(s * b, d_in,
+                                                             d_out)]
+    if self.has_bias:
+      grads.append(dy.reshape(s * b, -1, d_out).sum(axis=1))
+    return tuple(grads)
+
+
+class ScaleAndShiftMixin:
+  """Scale-and-shift tags: `y = x * scale + shift`, broadcast on the right."""
+
+  _TAG_PRIMITIVES = (tags.scale_and_shift,)
+  _REQUIRED_DATA = ("inputs", "outputs_tangent")
+
+  @property
+  def has_scale(self) -> bool:
+    return bool(self.layer_tag_extra_params["has_scale"])
+
+  @property
+  def has_shift(self) -> bool:
+    return bool(self.layer_tag_extra_params["has_shift"])
+
+  def _check_layer(self):
+    if self.number_of_parameters != self.has_scale + self.has_shift:
+      raise ValueError(f"Block {self.name!r}: has_scale={self.has_scale} and "
+                       f"has_shift={self.has_shift} do not match the "
+                       f"{self.number_of_parameters} parameters of the tag.")
+
+  def _reduce_to(self, values, param_shape):
+    """Sums `(N, *x_shape[1:])` over the axes a parameter broadcasts along."""
+    features = values.shape[1:]
+    core = tuple(param_shape)
+    if len(core) == len(features) + 1:  # a leading 1 aligned with the batch
+      core = core[1:]
+    core = (1,) * (len(features) - len(core)) + core
+    axes = tuple(i + 1 for i, (c, f) in enumerate(zip(core, features))
+                 if c == 1 and f != 1)
+    summed = jnp.sum(values, axis=axes, keepdims=True)
+    return summed.reshape((values.shape[0],) + tuple(param_shape))
+
+  def _per_example_gradients(self, data):
+    (x,), (dy,) = data["inputs"], data["outputs_tangent"]
+    rows = lambda v: v.reshape((-1,) + v.shape[2:])  # (S, B, ...) -> (S*B, ...)
+    shapes = list(self.parameters_shapes)
+    grads = []
+    if self.has_scale:
+      grads.append(self._reduce_to(rows(dy * x), shapes.pop(0)))
+    if self.has_shift:
+      grads.append(self._reduce_to(rows(dy), shapes.pop(0)))
+    return tuple(grads)
+
+
+class Conv2DMixin:
+  """2-D convolution tags: parameters `(kernel, [bias])`, batch axis first."""
+
+  _TAG_PRIMITIVES = (tags.conv2d,)
+  _REQUIRED_DATA = ("inputs", "outputs_tangent")
+
+  def _check_layer(self):
+    dn = self.dimension_numbers
+    if self.number_of_parameters not in (1, 2):
+      raise ValueError(f"Block {self.name!r}: a conv2d tag has a kernel and an "
+                       f"optional bias, got {self.number_of_parameters} params.")
+    if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
+      raise ValueError(f"Block {self.name!r}: the batch must be the leading axis "
+                       "of the convolution's inputs and outputs.")
+
+  @property
+  def dimension_numbers(self) -> lax.ConvDimensionNumbers:
+    return self.layer_tag_extra_params["dimension_numbers"]
+
+  @property
+  def has_bias(self) -> bool:
+    return self.number_of_parameters == 2
+
+  @property
+  def outputs_channel_index(self) -> int:
+    return self.dimension_numbers.out_spec[1]
+
+  @property
+  def inputs_channel_index(self) -> int:
+    return self.dimension_numbers.lhs_spec[1]
+
+  @property
+  def weights_output_channel_index(self) -> int:
+    return self.dimension_numbers.rhs_spec[0]
+
+  @property
+  def weights_input_channel_index(self) -> int:
+    return self.dimension_numbers.rhs_spec[1]
+
+  @property
+  def weights_spatial_shape(self) -> tuple[int, ...]:
+    kernel = self.parameters_shapes[0]
+    return tuple(kernel[i] for i in self.dimension_numbers.rhs_spec[2:])
+
+  @property
+  def weights_spatial_size(self) -> int:
+    return utils.product(self.weights_spatial_shape)
+
+  @property
+  def outputs_spatial_shape(self) -> tuple[int, ...]:
+    out = self.outputs_shapes[0]
+    return tuple(out[i] for i in self.dimension_numbers.out_spec[2:])
+
+  @property
+  def num_locations(self) -> int:
+    return utils.product(self.outputs_spatial_shape)
+
+  @property
+  def num_inputs_channels(self) -> int:
+    return self.inputs_shapes[0][self.inputs_channel_index]
+
+  @property
+  def num_outputs_channels(self) -> int:
+    return self.outputs_shapes[0][self.outputs_channel_index]
+
+  def _conv(self, x, kernel):
+    p = self.layer_tag_extra_params
+    return lax.conv_general_dilated(
+        x, kernel, p["window_strides"], p["padding"], p["lhs_dilation"],
+        p["rhs_dilation"], p["dimension_numbers"], p["feature_group_count"],
+        p["batch_group_count"])
+
+
+class PerExampleConv2DMixin(Conv2DMixin):
+  """Per-example kernel gradients via the convolution's VJP, in chunks."""
+
+  def __init__(self, layer_tag_eq, name, max_elements_for_vmap=None, **kwargs):
+    self._max_elements_for_vmap = max_elements_for_vmap
+    super().__init__(layer_tag_eq, name, **kwargs)
+
+  def _check_layer(self):
+    super()._check_layer()
+    if self.layer_tag_extra_params["batch_group_count"] != 1:
+      raise ValueError(f"Block {self.name!r}: batch_group_count > 1 mixes "
+                       "examples, so per-example gradients are undefined.")
+
+  @property
+  def max_elements_for_vmap(self) -> int:
+    """Examples processed in parallel; the rest are looped over."""
+    return self._max_elements_for_vmap or base.get_max_parallel_elements()
+
+  def _per_example_gradients(self, data):
+    (x,), (dy,), kernel = data["inputs"], data["outputs_tangent"], \
+        data["params"][0]
+    spatial_axes = tuple(self.dimension_numbers.out_spec[2:])
+
+    def one_example(args):
+      xi, dyi = args  # dyi: (S, *output_shape[1:]); S sits where the batch was
+      _, vjp = jax.vjp(lambda k: self._conv(xi[None], k), kernel)
+      grads = [jax.vmap(lambda d: vjp(d[None])[0])(dyi)]
+      if self.has_bias:
+        grads.append(jnp.sum(dyi, axis=spatial_axes))
+      return tuple(grads)
+
+    chunk = max(1, min(x.shape[0], self.max_elements_for_vmap))
+    grads = lax.map(one_example, (x, jnp.swapaxes(dy, 0, 1)), batch_size=chunk)
+    return tuple(g.reshape((-1,) + g.shape[2:]) for g in grads)

@@ -1,0 +1,702 @@
+"""Curvature estimators: block-diagonal, explicit exact and implicit exact.
+
+Parameter vectors are pytrees shaped like the model's params. Dense exports
+(`to_dense_matrix`) and `dim` use the order of `jax.flatten_util.ravel_pytree`
+(the params' leaves in tree order, each raveled).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+
+from estimators import blocks as curvature_blocks
+from estimators import estimation_modes, tracer, utils
+
+CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
+
+_DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
+    "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
+    "repeated_dense_tag": curvature_blocks.RepeatedDenseTwoKroneckerFactored,
+    "conv2d_tag": curvature_blocks.Conv2DTwoKroneckerFactored,
+    "generic_tag": curvature_blocks.NaiveDiagonal,
+    "scale_and_shift_tag": curvature_blocks.ScaleAndShiftDiagonal,
+}
+
+
+def set_default_tag_to_block_ctor(tag_name: str, block_ctor: CurvatureBlockCtor):
+  """Sets the block class used by default for layers with this tag name."""
+  _DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
+
+
+def get_default_tag_to_block_ctor(tag_name: str) -> CurvatureBlockCtor | None:
+  """The block class used by default for this tag name (None if unknown)."""
+  return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
+
+
+def default_batch_size_extractor(batch) -> int:
+  """The size of the leading axis of the first array in the batch."""
+  return jax.tree.leaves(batch)[0].shape[0]
+
+
+def _as_tuple(powers) -> tuple:
+  if powers is None:
+    return ()
+  if isinstance(powers, (int, float)):
+    return (powers,)
+  return tuple(powers)
+
+
+def _check_params_tree(expected, vector, what):
+  got = jax.tree.structure(vector)
+  if got != expected:
+    raise ValueError(f"The {what} does not have the structure of the model's "
+                     f"params: expected {expected}, got {got}.")
+
+
+class CurvatureEstimator(abc.ABC):
+  """What every estimator provides: estimate updates, products, eigenvalues."""
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               default_estimation_mode: str = "fisher_gradients"):
+    self.func = func
+    self.params_index = params_index
+    self.default_estimation_mode = estimation_modes.check_estimation_mode(
+        default_estimation_mode)
+
+  @property
+  def default_mat_type(self) -> str:
+    return estimation_modes.matrix_type(self.default_estimation_mode)
+
+  @property
+  @abc.abstractmethod
+  def dim(self) -> int:
+    """Number of parameter elements."""
+
+  @abc.abstractmethod
+  def init(self, rng, func_args, exact_powers_to_cache,
+           approx_powers_to_cache, cache_eigenvalues=False):
+    """The initial state; the powers to cache must be named here."""
+
+  @abc.abstractmethod
+  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
+                                       batch_size, rng, func_args,
+                                       pmap_axis_name=None,
+                                       estimation_mode=None):
+    """Folds one batch's estimate into the moving average."""
+
+  @abc.abstractmethod
+  def update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                   eigenvalues, pmap_axis_name=None):
+    """Refreshes cached powers / eigenvalues from the current estimate."""
+
+  @abc.abstractmethod
+  def multiply_matpower(self, state, parameter_structured_vector,
+                        identity_weight, power, exact_power, use_cached,
+                        pmap_axis_name=None):
+    """`(C + identity_weight I)^power v`."""
+
+  def multiply(self, state, parameter_structured_vector, identity_weight=0.0,
+               exact_power=True, use_cached=False, pmap_axis_name=None):
+    return self.multiply_matpower(state, parameter_structured_vector,
+                                  identity_weight, 1, exact_power, use_cached,
+                                  pmap_axis_name)
+
+  def multiply_inverse(self, state, parameter_structured_vector,
+                       identity_weight=0.0, exact_power=True, use_cached=False,
+                       pmap_axis_name=None):
+    return self.multiply_matpower(state, parameter_structured_vector,
+                                  identity_weight, -1, exact_power, use_cached,
+                                  pmap_axis_name)
+
+  @abc.abstractmethod
+  def eigenvalues(self, state, use_cached=False):
+    """All eigenvalues of the estimate (one array)."""
+
+  @abc.abstractmethod
+  def to_dense_matrix(self, state, use_cached=False):
+    """The estimate as a (dim, dim) matrix in ravel_pytree order."""
+
+  def _mode(self, estimation_mode):
+    return estimation_modes.check_estimation_mode(
+        estimation_mode or self.default_estimation_mode)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _BlockDiagonalState:
+  blocks_states: tuple
+
+
+def _block_name(paths, indices, tag_name):
+  keys = [jax.tree_util.keystr(paths[i]) for i in indices]
+  return f"{keys[0] if len(keys) == 1 else ','.join(keys)} [{tag_name}]"
+
+
+class BlockDiagonalCurvature(CurvatureEstimator):
+  """One curvature block per layer tag; the blocks form a block diagonal."""
+
+  State = _BlockDiagonalState
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               default_estimation_mode: str = "fisher_gradients",
+               layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor]
+               | None = None,
+               index_to_block_ctor: Mapping[tuple[int, ...],
+                                            CurvatureBlockCtor] | None = None,
+               auto_register_tags: bool = True,
+               distributed_multiplies: bool = True,
+               distributed_cache_updates: bool = True,
+               **auto_register_kwargs):
+    super().__init__(func, params_index, default_estimation_mode)
+    self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
+    self._index_to_block_ctor = dict(index_to_block_ctor or {})
+    # Every device computes all blocks; the flags are accepted for API
+    # compatibility (block-wise distribution across devices is not done).
+    self.distributed_multiplies = distributed_multiplies
+    self.distributed_cache_updates = distributed_cache_updates
+    self._traced = tracer._Traced(func, params_index, auto_register_tags,
+                                  **auto_register_kwargs)
+    self._blocks = None
+    self._jaxpr = None
+
+  # --- structure ---------------------------------------------------------
+
+  def layer_tag_to_block_ctor(self, layer_tag_eq) -> CurvatureBlockCtor:
+    """The block class for a tag equation (user mapping, then the default)."""
+    name = layer_tag_eq.primitive.name
+    ctor = self._layer_tag_to_block_ctor.get(name)
+    ctor = ctor or get_default_tag_to_block_ctor(name)
+    if ctor is None:
+      raise ValueError(f"No curvature block is known for the tag {name!r}: pass"
+                       " layer_tag_to_block_ctor={" f"'{name}': <block class>" "}.")
+    return ctor
+
+  def index_to_block_ctor(self, indices) -> CurvatureBlockCtor | None:
+    return self._index_to_block_ctor.get(tuple(indices))
+
+  def _finalize(self, func_args):
+    if self._jaxpr is not None:
+      return
+    func_args = tuple(func_args)
+    jaxpr = self._traced.processed(func_args)
+    params = func_args[self.params_index]
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    blocks = []
+    for eqn, idx in zip(jaxpr.layer_tags, jaxpr.layer_indices):
+      ctor = self.index_to_block_ctor(idx) or self.layer_tag_to_block_ctor(eqn)
+      try:
+        blocks.append(ctor(eqn, _block_name(paths, idx, eqn.primitive.name)))
+      except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(
+            f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "
+            f"{eqn.primitive.name} on params {idx}: {e}") from e
+    self._jaxpr = jaxpr
+    self._blocks = tuple(blocks)
+    self._param_sizes = [int(np.prod(v.aval.shape, dtype=np.int64))
+                         for v in jaxpr.params_vars_flat]
+
+  def _require_finalized(self):
+    if self._jaxpr is None:
+      raise RuntimeError("The estimator has not seen the model yet: call "
+                         "init(rng, func_args, ...) first.")
+
+  @property
+  def blocks(self):
+    return self._blocks
+
+  @property
+  def num_blocks(self) -> int:
+    self._require_finalized()
+    return len(self._blocks)
+
+  @property
+  def block_dims(self) -> tuple[int, ...]:
+    self._require_finalized()
+    return tuple(b.dim for b in self._blocks)
+
+  @property
+  def dim(self) -> int:
+    self._require_finalized()
+    return int(sum(self._param_sizes))
+
+  @property
+  def jaxpr(self) -> tracer.ProcessedJaxpr:
+    self._require_finalized()
+    return self._jaxpr
+
+  @property
+  def num_params_variables(self) -> int:
+    return len(self.jaxpr.params_vars_flat)
+
+  @property
+  def params_structure_vector_of_indices(self):
+    return jax.tree.unflatten(self.jaxpr.params_tree,
+                              list(range(self.num_params_variables)))
+
+  @property
+  def indices_to_block_map(self):
+    return dict(zip(self.jaxpr.layer_indices, self._blocks))
+
+  @property
+  def params_block_index(self):
+    which = [None] * self.num_params_variables
+    for b, idx in enumerate(self.jaxpr.layer_indices):
+      for i in idx:
+        which[i] = b
+    return jax.tree.unflatten(self.jaxpr.params_tree, which)
+
+  def params_vector_to_blocks_vectors(self, parameter_structured_vector):
+    _check_params_tree(self.jaxpr.params_tree, parameter_structured_vector,
+                       "vector")
+    leaves = jax.tree.leaves(parameter_structured_vector)
+    return tuple(tuple(leaves[i] for i in idx)
+                 for idx in self.jaxpr.layer_indices)
+
+  def blocks_vectors_to_params_vector(self, blocks_vectors):
+    leaves = [None] * self.num_params_variables
+    for idx, vecs in zip(self.jaxpr.layer_indices, blocks_vectors):
+      for i, v in zip(idx, vecs):
+        leaves[i] = v
+    return jax.tree.unflatten(self.jaxpr.params_tree, leaves)
+
+  def _per_block(self, value, what):
+    if isinstance(value, (list, tuple)):
+      if len(value) != self.num_blocks:
+        raise ValueError(f"{what} has {len(value)} entries but the estimator "
+                         f"has {self.num_blocks} blocks.")
+      return tuple(value)
+    return (value,) * self.num_blocks
+
+  # --- state -------------------------------------------------------------
+
+  def init(self, rng, func_args, exact_powers_to_cache=None,
+           approx_powers_to_cache=None, cache_eigenvalues=False):
+    self._finalize(func_args)
+    rngs = jax.random.split(rng, self.num_blocks)
+    return self.State(tuple(
+        b.init(r, _as_tuple(exact_powers_to_cache),
+               _as_tuple(approx_powers_to_cache), cache_eigenvalues)
+        for b, r in zip(self._blocks, rngs)))
+
+  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
+                                       batch_size, rng, func_args,
+                                       pmap_axis_name=None,
+                                       estimation_mode=None):
+    mode = self._mode(estimation_mode)
+    self._finalize(func_args)
+    _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
+        self._traced, tuple(func_args))
+    loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
+    layer_tangents = jax.vmap(tangents_fn)(loss_tangents)
+    new_states = []
+    for block, block_state, value, (outs_t, params_t) in zip(
+        self._blocks, state.blocks_states, values, layer_tangents):
+      data = dict(value, outputs_tangent=outs_t, params_tangent=params_t)
+      new_states.append(block.update_curvature_matrix_estimate(
+          block_state, data, ema_old, ema_new, batch_size, pmap_axis_name))
+    return self.State(tuple(new_states))
+
+  def update_cache(self, state, identity_weight, exact_powers=None,
+                   approx_powers=None, eigenvalues=False, pmap_axis_name=None):
+    del pmap_axis_name
+    self._require_finalized()
+    weights = self._per_block(identity_weight, "identity_weight")
+    return self.State(tuple(
+        b.update_cache(s, w, _as_tuple(exact_powers), _as_tuple(approx_powers),
+                       eigenvalues)
+        for b, s, w in zip(self._blocks, state.blocks_states, weights)))
+
+  # --- products ------------------------------------------------------------
+
+  def multiply_matpower(self, state, parameter_structured_vector,
+                        identity_weight, power, exact_power, use_cached,
+                        pmap_axis_name=None):
+    del pmap_axis_name
+    vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
+    weights = self._per_block(identity_weight, "identity_weight")
+    results = tuple(
+        b.multiply_matpower(s, v, w, power, exact_power, use_cached)
+        for b, s, v, w in zip(self._blocks, state.blocks_states, vectors,
+                              weights))
+    return self.blocks_vectors_to_params_vector(results)
+
+  def block_eigenvalues(self, state, use_cached=False):
+    self._require_finalized()
+    return tuple(b.eigenvalues(s, use_cached)
+                 for b, s in zip(self._blocks, state.blocks_states))
+
+  def eigenvalues(self, state, use_cached=False):
+    return jnp.concatenate(self.block_eigenvalues(state, use_cached))
+
+  def to_dense_matrix(self, state, use_cached=False, identity_weight=0.0,
+                      exact_power=True, power=1):
+    """The block-diagonal matrix `(C + identity_weight I)^power`, densely."""
+    self._require_finalized()
+    offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
+    dtype = jnp.result_type(*[v.aval.dtype
+                              for v in self.jaxpr.params_vars_flat])
+    matrix = jnp.zeros((self.dim, self.dim), dtype)
+    shapes = [v.aval.shape for v in self.jaxpr.params_vars_flat]
+    weights = self._per_block(identity_weight, "identity_weight")
+    for block, s, idx, w in zip(self._blocks, state.blocks_states,
+                                self.jaxpr.layer_indices, weights):
+      sizes = [self._param_sizes[i] for i in idx]
+      split = np.cumsum(sizes)[:-1]
+
+      def apply(col, block=block, s=s, idx=idx, w=w, split=split):
+        parts = jnp.split(col, split)
+        vec = tuple(p.reshape(shapes[i]) for p, i in zip(parts, idx))
+        out = block.multiply_matpower(s, vec, w, power, exact_power, use_cached)
+        return jnp.concatenate([o.ravel() for o in out])
+
+      dense = jax.vmap(apply, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))
+      where = np.concatenate([np.arange(offsets[i], offsets[i + 1])
+                              for i in idx])
+      matrix = matrix.at[np.ix_(where, where)].set(dense)
+    return matrix
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _ExplicitState:
+  matrix: utils.WeightedMovingAverage
+  factor: jax.Array  # rows r with matrix == r.T @ r when factor_is_exact
+  factor_is_exact: jax.Array
+  cache: dict
+
+
+class ExplicitExactCurvature(CurvatureEstimator):
+  """The whole curvature as one dense (dim, dim) matrix.
+
+  The estimate is formed from per-example gradients of the chosen mode: with
+  rows R (one per example and sample, scaled by 1/sqrt(batch)) it is `RᵀR`,
+  one symmetric product. The rows of the latest batch are kept, so when the
+  estimate is that batch alone (the usual exact-spectrum case) its non-zero
+  eigenvalues come from the small Gram matrix `R Rᵀ`.
+  """
+
+  State = _ExplicitState
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               batch_index: int = 1,
+               default_estimation_mode: str = "fisher_exact",
+               layer_tag_to_block_ctor=None, index_to_block_ctor=None,
+               auto_register_tags: bool = True, **auto_register_kwargs):
+    super().__init__(func, params_index, default_estimation_mode)
+    del layer_tag_to_block_ctor, index_to_block_ctor  # one dense block
+    self._batch_index = batch_index
+    self._loss_vjp = tracer.loss_tags_vjp(func, params_index)
+    self._auto_register_tags = auto_register_tags
+    self._params_tree = None
+    self._dim = None
+
+  @property
+  def batch_index(self) -> int:
+    return self._batch_index
+
+  @property
+  def dim(self) -> int:
+    if self._dim is None:
+      raise RuntimeError("Call init(rng, func_args, ...) first.")
+    return self._dim
+
+  def _finalize(self, func_args):
+    if self._params_tree is None:
+      if not 0 <= self._batch_index < len(func_args):
+        raise ValueError(f"batch_index={self._batch_index} but the function "
+                         f"takes {len(func_args)} arguments.")
+      params = func_args[self.params_index]
+      tracer.ProcessedJaxpr.make_from_func(
+          self.func, func_args, self.params_index,
+          auto_register_tags=True)  # validates the loss registration
+      self._params_tree = jax.tree.structure(params)
+      self._dim = int(sum(np.size(x) for x in jax.tree.leaves(params)))
+    _check_params_tree(self._params_tree, func_args[self.params_index],
+                       "params argument")
+
+  def params_vector_to_blocks_vectors(self, parameter_structured_vector):
+    _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
+    return (tuple(jax.tree.leaves(parameter_structured_vector)),)
+
+  def blocks_vectors_to_params_vector(self, blocks_vectors):
+    return jax.tree.unflatten(self._params_tree, list(blocks_vectors[0]))
+
+  def init(self, rng, func_args, exact_powers_to_cache=None,
+           approx_powers_to_cache=None, cache_eigenvalues=False):
+    del rng
+    self._finalize(tuple(func_args))
+    params = func_args[self.params_index]
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    n_rows = self._rows_shape(tuple(func_args))[0]
+    powers = set(_as_tuple(exact_powers_to_cache)) | set(
+        _as_tuple(approx_powers_to_cache))
+    cache = {f"pow_{p}": jnp.zeros((self.dim, self.dim), dtype)
+             for p in sorted(powers)}
+    if cache_eigenvalues:
+      cache["eigenvalues"] = jnp.zeros((self.dim,), dtype)
+    return self.State(
+        matrix=utils.WeightedMovingAverage.zeros((self.dim, self.dim), dtype),
+        factor=jnp.zeros((n_rows, self.dim), dtype),
+        factor_is_exact=jnp.array(False), cache=cache)
+
+  def _rows_shape(self, func_args):
+    shapes = jax.eval_shape(
+        lambda: self._per_example_rows(jax.random.PRNGKey(0), func_args,
+                                       self.default_estimation_mode))
+    return shapes.shape
+
+  def _per_example_rows(self, rng, func_args, mode):
+    batch = func_args[self._batch_index]
+    batch_size = default_batch_size_extractor(batch)
+
+    def one_example(example, key):
+      args = list(func_args)
+      args[self._batch_index] = jax.tree.map(lambda x: x[None], example)
+      losses, vjp = self._loss_vjp(tuple(args))
+      tangents = estimation_modes.loss_tangents(losses, mode, key)
+      grads = jax.vmap(vjp)(tangents)
+      return jax.vmap(lambda g: jax.flatten_util.ravel_pytree(g)[0])(grads)
+
+    keys = jax.random.split(rng, batch_size)
+    rows = jax.vmap(one_example)(batch, keys)
+    return rows.reshape((-1, rows.shape[-1])) / jnp.sqrt(batch_size)
+
+  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
+                                       batch_size, rng, func_args,
+                                       pmap_axis_name=None,
+                                       estimation_mode=None):
+    del batch_size  # the batch argument's leading axis is used
+    func_args = tuple(func_args)
+    self._finalize(func_args)
+    rows = self._per_example_rows(rng, func_args, self._mode(estimation_mode))
+    # The rows' count depends on the mode (one per example and sample), so the
+    # stored factor takes the shape of the latest update.
+    if pmap_axis_name is not None:
+      n_dev = jax.lax.psum(1, pmap_axis_name)
+      all_rows = jax.lax.all_gather(rows, pmap_axis_name, tiled=True)
+      matrix = all_rows.T @ all_rows / n_dev
+      rows = rows * 0  # one device's rows no longer factor the average
+      exact = jnp.array(False)
+    else:
+      matrix = _symmetric_gram(rows)
+      exact = (jnp.asarray(ema_old) == 0) | (state.matrix.weight == 0)
+    return dataclasses.replace(
+        state, matrix=state.matrix.update(matrix, ema_old, ema_new),
+        factor=rows, factor_is_exact=exact)
+
+  def _matpower(self, matrix, identity_weight, power):
+    eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
+    if power == 1:
+      return matrix + identity_weight * eye
+    return utils.psd_matrix_power(matrix + identity_weight * eye, power)
+
+  def update_cache(self, state, identity_weight, exact_powers=None,
+                   approx_powers=None, eigenvalues=False, pmap_axis_name=None):
+    del pmap_axis_name
+    cache = dict(state.cache)
+    for p in set(_as_tuple(exact_powers)) | set(_as_tuple(approx_powers)):
+      if f"pow_{p}" not in cache:
+        raise ValueError(f"Power {p} was not requested at init; pass it in "
+                         "exact_powers_to_cache.")
+      cache[f"pow_{p}"] = self._matpower(state.matrix.value, identity_weight, p)
+    if eigenvalues:
+      if "eigenvalues" not in cache:
+        raise ValueError("Eigenvalues were not requested at init; pass "
+                         "cache_eigenvalues=True.")
+      cache["eigenvalues"] = self.eigenvalues(state, use_cached=False)
+    return dataclasses.replace(state, cache=cache)
+
+  def multiply_matpower(self, state, parameter_structured_vector,
+                        identity_weight, power, exact_power, use_cached,
+                        pmap_axis_name=None):
+    del exact_power, pmap_axis_name
+    _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
+    v, unravel = jax.flatten_util.ravel_pytree(parameter_structured_vector)
+    if use_cached:
+      if f"pow_{power}" not in state.cache:
+        raise ValueError(f"Power {power} is not cached; request it at init.")
+      return unravel(state.cache[f"pow_{power}"] @ v)
+    matrix = state.matrix.value
+    if power == 1:
+      return unravel(matrix @ v + identity_weight * v)
+    if power == -1:
+      eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
+      return unravel(jnp.linalg.solve(matrix + identity_weight * eye, v))
+    return unravel(self._matpower(matrix, identity_weight, power) @ v)
+
+  def eigenvalues(self, state, use_cached=False):
+    """Eigenvalues in ascending order.
+
+    When the estimate is the latest batch alone (`factor_is_exact`), the
+    non-zero eigenvalues are those of the small Gram matrix of the gradient
+    rows. Call this outside `jit` to get that route: with a traced state the
+    choice needs a `lax.cond`, which on CPU copies the dense matrix.
+    """
+    if use_cached:
+      if "eigenvalues" not in state.cache:
+        raise ValueError("Eigenvalues are not cached; pass "
+                         "cache_eigenvalues=True to init.")
+      return state.cache["eigenvalues"]
+    n_rows, dim = state.factor.shape
+    if n_rows >= dim:
+      return _dense_eigenvalues(state.matrix.value)
+    try:
+      use_gram = bool(state.factor_is_exact)
+    except jax.errors.ConcretizationTypeError:
+      return jax.lax.cond(state.factor_is_exact, _gram_eigenvalues,
+                          lambda f, m: _dense_eigenvalues(m), state.factor,
+                          state.matrix.value)
+    if use_gram:
+      return _gram_eigenvalues(state.factor, None)
+    return _dense_eigenvalues(state.matrix.value)
+
+  def to_dense_matrix(self, state, use_cached=False):
+    del use_cached
+    return state.matrix.value
+
+
+def _symmetric_gram(rows, tiles: int = 8):
+  """rowsᵀ rows, computing only the tiles on and above the diagonal.
+
+  The product is symmetric, so the tiles below the diagonal are transposes:
+  this halves the arithmetic of the dominant step of the exact estimate.
+  """
+  dim = rows.shape[1]
+  if dim < 512:
+    return rows.T @ rows
+  bounds = np.linspace(0, dim, tiles + 1).astype(int)
+  cols = [rows[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+  upper = {(i, j): cols[i].T @ cols[j]
+           for i in range(tiles) for j in range(i, tiles)}
+  return jnp.block([[upper[i, j] if j >= i else upper[j, i].T
+                     for j in range(tiles)] for i in range(tiles)])
+
+
+@jax.jit
+def _dense_eigenvalues(matrix):
+  return jnp.linalg.eigvalsh(matrix)
+
+
+@jax.jit
+def _gram_eigenvalues(rows, unused_matrix=None):
+  """Eigenvalues of rowsᵀ rows from the smaller rows rowsᵀ (zeros padded)."""
+  del unused_matrix
+  n_rows, dim = rows.shape
+  small = jnp.maximum(jnp.linalg.eigvalsh(rows @ rows.T), 0)
+  return jnp.concatenate([jnp.zeros(dim - n_rows, small.dtype), small])
+
+
+class ImplicitExactCurvature:
+  """Exact curvature matrices used only through matrix-vector products.
+
+  All products are with the curvature of the loss averaged over the batch.
+  """
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               batch_size_extractor: Callable[[Any], int]
+               = default_batch_size_extractor):
+    self.func = func
+    self.params_index = params_index
+    self._batch_size_extractor = batch_size_extractor
+    self._vjp = tracer.loss_tags_vjp(func, params_index)
+    self._jvp = tracer.loss_tags_jvp(func, params_index)
+    self._hvp = tracer.loss_tags_hvp(func, params_index)
+
+  def batch_size(self, func_args) -> int:
+    return self._batch_size_extractor(func_args[-1])
+
+  def multiply_hessian(self, func_args, parameter_structured_vector):
+    hvp, _ = self._hvp(func_args, parameter_structured_vector)
+    return jax.tree.map(lambda x: x / self.batch_size(func_args), hvp)
+
+  def multiply_jacobian_transpose(self, func_args, loss_input_vectors):
+    _, vjp = self._vjp(func_args)
+    return vjp(loss_input_vectors)
+
+  def _multiply(self, func_args, vector, kind):
+    losses, tangents = self._jvp(func_args, vector)
+    products = tuple(
+        loss.multiply_fisher(t) if kind == "fisher" else loss.multiply_ggn(t)
+        for loss, t in zip(losses, tangents))
+    result = self.multiply_jacobian_transpose(func_args, products)
+    return jax.tree.map(lambda x: x / self.batch_size(func_args), result)
+
+  def multiply_fisher(self, func_args, parameter_structured_vector):
+    return self._multiply(func_args, parameter_structured_vector, "fisher")
+
+  def multiply_ggn(self, func_args, parameter_structured_vector):
+    return self._multiply(func_args, parameter_structured_vector, "ggn")
+
+  def _factor_transpose(self, func_args, vector, kind):
+    losses, tangents = self._jvp(func_args, vector)
+    scale = 1 / jnp.sqrt(self.batch_size(func_args))
+    return tuple(
+        scale * (loss.multiply_fisher_factor_transpose(t) if kind == "fisher"
+                 else loss.multiply_ggn_factor_transpose(t))
+        for loss, t in zip(losses, tangents))
+
+  def multiply_fisher_factor_transpose(self, func_args,
+                                       parameter_structured_vector):
+    return self._factor_transpose(func_args, parameter_structured_vector,
+                                  "fisher")
+
+  def multiply_ggn_factor_transpose(self, func_args,
+                                    parameter_structured_vector):
+    return self._factor_transpose(func_args, parameter_structured_vector,
+                                  "ggn")
+
+  def _factor(self, func_args, loss_inner_vectors, kind):
+    losses, vjp = self._vjp(func_args)
+    if len(loss_inner_vectors) != len(losses):
+      raise ValueError(f"Got {len(loss_inner_vectors)} inner vectors for "
+                       f"{len(losses)} registered losses.")
+    products = tuple(
+        loss.multiply_fisher_factor(v) if kind == "fisher"
+        else loss.multiply_ggn_factor(v)
+        for loss, v in zip(losses, loss_inner_vectors))
+    scale = 1 / jnp.sqrt(self.batch_size(func_args))
+    return jax.tree.map(lambda x: scale * x, vjp(products))
+
+  def multiply_fisher_factor(self, func_args, loss_inner_vectors):
+    return self._factor(func_args, loss_inner_vectors, "fisher")
+
+  def multiply_ggn_factor(self, func_args, loss_inner_vectors):
+    return self._factor(func_args, loss_inner_vectors, "ggn")
+
+  def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode: str):
+    if mode not in ("fisher", "ggn"):
+      raise ValueError(f"mode must be 'fisher' or 'ggn', got {mode!r}.")
+    losses, _ = self._vjp(func_args)
+    shapes = tuple(tuple(getattr(loss, f"{mode}_factor_inner_shape"))
+                   for loss in losses)
+    return shapes, self.batch_size(func_args)
+
+  def get_loss_input_shapes_and_batch_size(self, func_args):
+    losses, _ = self._vjp(func_args)
+    shapes = tuple(tuple(tuple(x.shape) for x in loss.parameter_dependants)
+                   for loss in losses)
+    return shapes, self.batch_size(func_args)
+
+  def to_dense_matrix(self, func_args, mat_type: str = "ggn"):
+    """The exact 'hessian', 'fisher' or 'ggn' as a (dim, dim) matrix."""
+    products = dict(hessian=self.multiply_hessian, fisher=self.multiply_fisher,
+                    ggn=self.multiply_ggn)
+    if mat_type not in products:
+      raise ValueError(f"mat_type must be one of {sorted(products)}, got "
+                       f"{mat_type!r}.")
+    params = func_args[self.params_index]
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+
+    def column(e):
+      return jax.flatten_util.ravel_pytree(
+          products[mat_type](func_args, unravel(e)))[0]
+
+    return jax.vmap(column, out_axes=1)(jnp.eye(flat.size, dtype=flat.dtype))

@@ -1,0 +1,91 @@
+"""Estimation modes: which loss-input tangents are backpropagated.
+
+Every mode produces, for each registered loss, tangents with a leading
+"sample" axis S. Backpropagating sample s gives per-example gradients g_si,
+and the curvature estimate is `(1/batch) * sum_s sum_i g_si g_siᵀ`:
+
+- `fisher_gradients`: one gradient of the loss at targets sampled from the
+  model's predictive distribution (unbiased for the Fisher).
+- `fisher_empirical`: the gradient at the data targets (empirical Fisher).
+- `fisher_curvature_prop` / `ggn_curvature_prop`: the loss's Fisher / GGN
+  factor times a random ±1 vector (unbiased).
+- `fisher_exact` / `ggn_exact`: the factor times every one-hot vector of the
+  factor's inner space, one sample each (exact).
+
+With several losses, sampled modes add the losses' independent samples in one
+backward pass (cross terms vanish in expectation); exact modes stack each
+loss's one-hot samples, with zeros for the other losses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ESTIMATION_MODES = (
+    "fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
+    "fisher_exact", "ggn_curvature_prop", "ggn_exact",
+)
+
+
+def check_estimation_mode(mode: str) -> str:
+  if mode not in ESTIMATION_MODES:
+    raise ValueError(f"Unknown estimation mode {mode!r}; choose one of "
+                     f"{', '.join(ESTIMATION_MODES)}.")
+  return mode
+
+
+def matrix_type(mode: str) -> str:
+  """The matrix a mode estimates: 'fisher', 'empirical_fisher' or 'ggn'."""
+  check_estimation_mode(mode)
+  if mode == "fisher_empirical":
+    return "empirical_fisher"
+  return mode.split("_")[0]
+
+
+def _factor_products(loss, kind):
+  if kind == "fisher":
+    return loss.multiply_fisher_factor, loss.fisher_factor_inner_shape
+  return loss.multiply_ggn_factor, loss.ggn_factor_inner_shape
+
+
+def _one_loss_tangents(loss, mode, rng):
+  if mode == "fisher_gradients":
+    return tuple(g[None] for g in loss.grad_of_evaluate_on_sample(rng, "sqrt"))
+  if mode == "fisher_empirical":
+    if loss.targets is None:
+      raise ValueError(
+          f"estimation_mode='fisher_empirical' needs the data targets, but a "
+          f"{type(loss).__name__} was registered without them: pass "
+          "targets= to its register_* call.")
+    return tuple(g[None] for g in loss.grad_of_evaluate(None, "regular"))
+  kind = mode.split("_")[0]
+  multiply_factor, inner_shape = _factor_products(loss, kind)
+  inner_shape = tuple(inner_shape)
+  if mode.endswith("curvature_prop"):
+    v = jax.random.rademacher(rng, inner_shape, dtype=loss.dtype)
+    return tuple(t[None] for t in multiply_factor(v))
+  # Exact: the factor times the one-hot vector of every inner coordinate,
+  # replicated over the batch.
+  k = int(np.prod(inner_shape[1:], dtype=np.int64))
+  one_hots = jnp.eye(k, dtype=loss.dtype).reshape((k, 1) + inner_shape[1:])
+  one_hots = jnp.broadcast_to(one_hots, (k,) + inner_shape)
+  return tuple(jax.vmap(multiply_factor)(one_hots))
+
+
+def loss_tangents(losses, mode: str, rng) -> tuple[tuple[jax.Array, ...], ...]:
+  """Per-loss tangents, each shaped `(S, *loss_input_shape)`, same S for all."""
+  check_estimation_mode(mode)
+  rngs = jax.random.split(rng, len(losses))
+  per_loss = [_one_loss_tangents(loss, mode, r) for loss, r in zip(losses, rngs)]
+  if not mode.endswith("exact") or len(losses) == 1:
+    return tuple(per_loss)
+  sizes = [t[0].shape[0] for t in per_loss]
+  total, out, offset = sum(sizes), [], 0
+  for tangents, size in zip(per_loss, sizes):
+    pad = ((offset, total - offset - size),)
+    out.append(tuple(jnp.pad(t, pad + ((0, 0),) * (t.ndim - 1))
+                     for t in tangents))
+    offset += size
+  return tuple(out)

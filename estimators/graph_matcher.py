@@ -1,0 +1,805 @@
+"""Automatic layer registration: finds the layers of a model in its jaxpr.
+
+`auto_register_tags(func, func_args)` returns `func` with a layer tag after
+every dense, convolution and scale-and-shift layer it computes and a generic
+tag on every other parameter. The model's jaxpr is flattened into one graph
+(`_Graph`: jit, custom_jvp/vjp and remat bodies inlined; scan, while and cond
+opaque). Each `GraphPattern` is traced to a small graph of the same kind, and
+from every model equation with the primitive of a pattern's output, `_Matcher`
+walks backwards through both graphs in lock step: equations must be
+equivalent (`GraphMatcherComparator`), pattern inputs bind to model values and
+pattern parameters to leaves of the params argument. Layout equations
+(reshape, broadcast, casts) are looked through. Matches whose parameters or
+intermediates feed anything else on the way to a loss, or whose shapes the
+tag rejects, are dropped; hand-written tags claim their parameters first and
+patterns claim greedily, in order. `TaggedFunction` then re-evaluates the
+jaxpr, binding each tag right after the equation making the layer's output.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from estimators import tags
+from estimators import tracer
+
+logger = logging.getLogger(__name__)
+Literal = jex_core.Literal
+# pylint: disable=protected-access
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMatcherComparator:
+  """Decides when a pattern equation and a model equation do the same thing.
+
+  They must have the same primitive and arity, and equal static parameters
+  except for `ignored_params`; primitives in `params_free_primitives` match
+  whatever their parameters (a convolution's strides, padding etc. are read
+  from the match instead), and `dot_general` axes are counted from the last
+  axis, so a matmul over extra leading axes matches the 2-D one. Equations
+  of `layout_primitives` are looked through, and `commutative_primitives`
+  may have their two operands matched in either order.
+  """
+
+  ignored_params: frozenset[str] = frozenset({
+      "precision", "preferred_element_type", "accumulation_type",
+      "out_sharding", "sharding"})
+  params_free_primitives: frozenset[str] = frozenset({"conv_general_dilated"})
+  layout_primitives: frozenset[str] = frozenset({
+      "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+      "convert_element_type", "copy", "copy_p"})
+  commutative_primitives: frozenset[str] = frozenset({
+      "add", "add_any", "mul", "max", "min"})
+
+  def is_layout(self, eqn) -> bool:
+    return eqn.primitive.name in self.layout_primitives
+
+  def is_commutative(self, eqn) -> bool:
+    return (eqn.primitive.name in self.commutative_primitives
+            and len(eqn.invars) == 2)
+
+  def equivalent(self, pattern_eqn, graph_eqn) -> bool:
+    name = pattern_eqn.primitive.name
+    if (name != graph_eqn.primitive.name
+        or len(pattern_eqn.invars) != len(graph_eqn.invars)
+        or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):
+      return False
+    if name in self.params_free_primitives:
+      return True
+    for key in (set(pattern_eqn.params) | set(graph_eqn.params)
+                ) - self.ignored_params:
+      a, b = pattern_eqn.params.get(key), graph_eqn.params.get(key)
+      if name == "dot_general" and key == "dimension_numbers":
+        a, b = _dot_axes_from_end(pattern_eqn), _dot_axes_from_end(graph_eqn)
+      try:
+        if not bool(a == b):
+          return False
+      except Exception:  # pylint: disable=broad-except  (arrays, jaxprs)
+        if a is not b:
+          return False
+    return True
+
+
+def _dot_axes_from_end(eqn):
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = (v.aval.ndim for v in eqn.invars)
+  return tuple(tuple(a - n for a in axes)
+               for axes, n in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+
+
+def _call_body(eqn):
+  """(jaxpr, consts) of a call-like equation whose body can be inlined."""
+  if eqn.primitive.name not in tracer._INLINABLE:
+    return None
+  subs = list(tracer._sub_jaxprs(eqn))
+  return subs[0] if len(subs) == 1 else None
+
+
+# `path`: ids of the enclosing call equations, then id(eqn); `inputs` and
+# `outputs`: canonical keys (or Literals) of eqn.invars and eqn.outvars.
+_Node = collections.namedtuple("_Node", "eqn path inputs outputs")
+
+
+class _Graph:
+  """A jaxpr with every inlinable call flattened away.
+
+  A variable is named by a key `(ctx, var)`, `ctx` being the path of call
+  equations around it. A call body's inputs and outputs are aliased to the
+  keys they stand for, so each value has one canonical key, made by one node.
+  """
+
+  def __init__(self, jaxpr, consts=()):
+    self.jaxpr = jaxpr  # keeps the equations, whose ids name paths, alive
+    self.nodes: list[_Node] = []
+    self.producer = {}  # key -> (node index, output index)
+    self.node_at, self.alias, self.consts, self.call_outputs = {}, {}, {}, {}
+    self._flatten(jaxpr, consts, (), None)
+    self.invars = [self.canon((), v) for v in jaxpr.invars]
+    self.outvars = [self.canon((), v) for v in jaxpr.outvars]
+
+  def canon(self, ctx, var):
+    if isinstance(var, Literal):
+      return var
+    return self.alias.get((ctx, var), (ctx, var))
+
+  def _flatten(self, jaxpr, consts, ctx, inputs):
+    if inputs is not None:
+      self.alias.update(((ctx, v), k) for v, k in zip(jaxpr.invars, inputs))
+    self.consts.update(((ctx, v), c) for v, c in zip(jaxpr.constvars, consts))
+    for eqn in jaxpr.eqns:
+      path = ctx + (id(eqn),)
+      ins = [self.canon(ctx, v) for v in eqn.invars]
+      body = _call_body(eqn)
+      if body is None:
+        node = _Node(eqn, path, ins, [(ctx, v) for v in eqn.outvars])
+        self.node_at[path] = len(self.nodes)
+        self.producer.update((k, (len(self.nodes), i))
+                             for i, k in enumerate(node.outputs))
+        self.nodes.append(node)
+        continue
+      sub, sub_consts = body
+      # custom_jvp/custom_vjp calls pass their consts as leading operands.
+      self._flatten(sub, sub_consts, path, ins[len(ins) - len(sub.invars):])
+      outs = [self.canon(path, v) for v in sub.outvars]
+      self.alias.update(((ctx, v), k) for v, k in zip(eqn.outvars, outs))
+      self.call_outputs[path] = frozenset(
+          k for k in outs if not isinstance(k, Literal))
+
+  def back_through_layout(self, key, rules, stop=()):
+    """(key reached, layout nodes crossed) walking back from `key` over
+    layout equations, stopping early at a key in `stop`."""
+    chain = []
+    while not isinstance(key, Literal) and key not in stop:
+      prod = self.producer.get(key)
+      if prod is None or not rules.is_layout(self.nodes[prod[0]].eqn):
+        break
+      chain.append(prod[0])
+      key = self.nodes[prod[0]].inputs[0]
+    return key, chain[::-1]
+
+  def ancestors(self, starts) -> set[int]:
+    seen, stack = set(starts), list(starts)
+    while stack:
+      for k in self.nodes[stack.pop()].inputs:
+        prod = None if isinstance(k, Literal) else self.producer.get(k)
+        if prod is not None and prod[0] not in seen:
+          seen.add(prod[0])
+          stack.append(prod[0])
+    return seen
+
+
+def _shape(key):
+  return tuple(key[1].aval.shape)
+
+
+@dataclasses.dataclass(eq=False)
+class GraphPattern:
+  """A layer computation to look for, and the tag to bind where it is found.
+
+  Attributes:
+    name: names the pattern in reports and in `patterns_to_skip`.
+    tag_primitive: the `LayerTag` bound as `(output, *inputs, *params)`; a
+      dense match with extra leading input axes binds `repeated_dense`.
+    compute_func: `compute_func(inputs, params) -> output`, the layer alone.
+    parameters_extractor_func: maps the matched model equations (in pattern
+      order) to the tag's static keyword arguments.
+    example_args: `[inputs, params]` to trace `compute_func` on (any shapes).
+    in_values_preprocessor: optional map from the matched input values to the
+      tag's inputs (e.g. centred input and inverse std -> normalized input).
+    precedence: higher precedence is tried first; ties keep the given order.
+  """
+
+  name: str
+  tag_primitive: tags.LayerTag
+  compute_func: Callable[..., Any]
+  parameters_extractor_func: Callable[[Sequence[Any]], Mapping[str, Any]]
+  example_args: Sequence[Any]
+  in_values_preprocessor: Callable[[list], list] | None = None
+  precedence: int = 0
+  _graph: _Graph | None = dataclasses.field(default=None, repr=False)
+
+  @property
+  def graph(self) -> _Graph:
+    """The traced pattern, with `roles`, `root`, `num_inputs`, `num_params`."""
+    if self._graph is None:
+      self._graph = self._trace()
+    return self._graph
+
+  def _trace(self) -> _Graph:
+    def fail(why):
+      return ValueError(f"GraphPattern {self.name!r}: {why}")
+
+    if len(self.example_args) != 2:
+      raise fail("example_args must be [inputs, params].")
+    (ins, in_tree), (ps, p_tree) = map(jax.tree.flatten, self.example_args)
+    n = len(ins)
+
+    def flat(*leaves):
+      return self.compute_func(jax.tree.unflatten(in_tree, leaves[:n]),
+                               jax.tree.unflatten(p_tree, leaves[n:]))
+
+    try:
+      closed, out = jax.make_jaxpr(flat, return_shape=True)(*ins, *ps)
+    except Exception as e:  # pylint: disable=broad-except
+      raise fail("its compute_func could not be traced on its example_args "
+                 f"({type(e).__name__}: {e}).") from e
+    if len(jax.tree.leaves(out)) != 1:
+      raise fail("compute_func must return one array, the layer's output.")
+    g = _Graph(closed.jaxpr, closed.consts)
+    g.num_inputs, g.num_params = n, len(ps)
+    g.roles = {k: ("input", i) for i, k in enumerate(g.invars[:n])}
+    g.roles.update((k, ("param", i)) for i, k in enumerate(g.invars[n:]))
+    key, _ = g.back_through_layout(g.outvars[0], GraphMatcherComparator())
+    if isinstance(key, Literal) or key not in g.producer:
+      raise fail("compute_func computes nothing from its arguments.")
+    g.root = g.producer[key]
+    used = {k for i in g.ancestors([g.root[0]]) for k in g.nodes[i].inputs
+            if not isinstance(k, Literal)}
+    unused = [f"{kind} {pos}" for k, (kind, pos) in g.roles.items()
+              if k not in used]
+    if unused:
+      raise fail(f"compute_func does not use its {', '.join(unused)}.")
+    return g
+
+
+def _dense(x, params):
+  w, *b = params
+  y = jnp.matmul(x, w)
+  return y + b[0] if b else y
+
+
+def _conv2d(x, params):
+  w, *b = params
+  y = lax.conv_general_dilated(x, w, (1, 1), "VALID",
+                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return y + b[0] if b else y
+
+
+def _scale_and_shift(x, params, has_scale, has_shift):
+  params = list(params)
+  if has_scale:
+    x = x * params.pop(0)
+  return x + params.pop(0) if has_shift else x
+
+
+def _normalization(inputs, params, has_shift):
+  """Haiku's LayerNorm/BatchNorm: `centred * (scale * inv) [+ offset]`."""
+  centred, inv = inputs
+  y = centred * (params[0] * inv)
+  return y + params[1] if has_shift else y
+
+
+_CONV_META = ("window_strides", "padding", "dimension_numbers", "lhs_dilation",
+              "rhs_dilation", "feature_group_count", "batch_group_count")
+
+
+def _conv2d_extractor(eqns):
+  eqn = next(e for e in eqns if e.primitive.name == "conv_general_dilated")
+  return {k: eqn.params[k] for k in _CONV_META}
+
+
+def _default_patterns():
+  z = np.zeros
+  x, s, norm_in = z((2, 5)), z((5,)), [z((2, 5)), z((2, 1))]
+  img, kernel, kb = z((2, 6, 6, 3)), z((3, 3, 3, 4)), z((4,))
+
+  def flags(has_scale, has_shift):
+    return lambda eqns: dict(has_scale=has_scale, has_shift=has_shift)
+
+  def ss(name, has_scale, has_shift):
+    return GraphPattern(
+        name, tags.scale_and_shift,
+        functools.partial(_scale_and_shift, has_scale=has_scale,
+                          has_shift=has_shift),
+        flags(has_scale, has_shift), [x, [s] * (has_scale + has_shift)])
+
+  def norm(name, has_shift):
+    return GraphPattern(
+        name, tags.scale_and_shift,
+        functools.partial(_normalization, has_shift=has_shift),
+        flags(True, has_shift), [norm_in, [s] * (1 + has_shift)],
+        in_values_preprocessor=lambda ins: [ins[0] * ins[1]])  # normalized
+
+  dense = functools.partial(GraphPattern, tag_primitive=tags.dense,
+                            compute_func=_dense,
+                            parameters_extractor_func=lambda eqns: {})
+  conv = functools.partial(GraphPattern, tag_primitive=tags.conv2d,
+                           compute_func=_conv2d,
+                           parameters_extractor_func=_conv2d_extractor)
+  return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
+          dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
+          conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
+          conv("conv2d_no_bias", example_args=[img, [kernel]]),
+          norm("normalization_haiku", True),
+          norm("normalization_haiku_scale_only", False),
+          ss("scale_and_shift", True, True), ss("scale_only", True, False),
+          ss("shift_only", False, True))
+
+
+DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
+
+
+@dataclasses.dataclass
+class _State:
+  """A partial match: pattern keys and nodes bound to model keys and nodes."""
+  keys: dict = dataclasses.field(default_factory=dict)
+  nodes: dict = dataclasses.field(default_factory=dict)
+  inputs: dict = dataclasses.field(default_factory=dict)   # position -> key
+  params: dict = dataclasses.field(default_factory=dict)   # position -> leaf
+  chains: list = dataclasses.field(default_factory=list)   # (position, nodes)
+  layout: list = dataclasses.field(default_factory=list)   # nodes looked past
+
+  def copy(self):
+    return _State(dict(self.keys), dict(self.nodes), dict(self.inputs),
+                  dict(self.params), list(self.chains), list(self.layout))
+
+
+class _Matcher:
+  """Finds one pattern at given model nodes (step 3 of the module docstring)."""
+
+  def __init__(self, pattern, graph, rules, leaves, free):
+    self.p, self.g = pattern.graph, graph
+    self.rules, self.leaves, self.free = rules, leaves, free
+
+  def match_at(self, node) -> _State | None:
+    p = self.p
+    st = self._unify(p.nodes[p.root[0]].outputs[p.root[1]],
+                     self.g.nodes[node].outputs[p.root[1]], _State())
+    if (st is None or len(st.inputs) != p.num_inputs
+        or len(set(st.params.values())) != p.num_params):
+      return None
+    return st
+
+  def _unify(self, pk, gk, st):
+    """Extends `st` so that pattern key `pk` stands for model key `gk`."""
+    if isinstance(pk, Literal) or isinstance(gk, Literal):
+      same = (isinstance(pk, Literal) and isinstance(gk, Literal)
+              and np.array_equal(pk.val, gk.val))
+      return st if same else None
+    if pk in st.keys:
+      return st if st.keys[pk] == gk else None
+    if pk in self.p.roles:
+      kind, pos = self.p.roles[pk]
+      leaf, chain = self.g.back_through_layout(gk, self.rules, self.leaves)
+      is_leaf = not isinstance(leaf, Literal) and leaf in self.leaves
+      if (kind == "param") != is_leaf:
+        return None  # a parameter must come from a leaf, an input must not
+      st = st.copy()
+      st.keys[pk] = gk
+      if kind == "param":
+        st.params[pos] = leaf
+        st.chains.append((pos, chain))
+      else:
+        st.inputs[pos] = gk
+      return st
+    if pk not in self.p.producer:
+      return None  # a constant of the pattern
+    pi, out = self.p.producer[pk]
+    pnode = self.p.nodes[pi]
+    if self.rules.is_layout(pnode.eqn):
+      return self._unify(pnode.inputs[0], gk, st)
+    gk, layout = self.g.back_through_layout(gk, self.rules)
+    if isinstance(gk, Literal):
+      return None
+    gi, gout = self.g.producer.get(gk, (None, None))
+    if (gi not in self.free or gout != out
+        or not self.rules.equivalent(pnode.eqn, self.g.nodes[gi].eqn)):
+      return None
+    if pi in st.nodes:
+      return st if st.nodes[pi] == gi else None
+    st = st.copy()
+    st.keys[pk] = gk
+    st.nodes[pi] = gi
+    st.layout.extend(layout)
+    g_inputs = self.g.nodes[gi].inputs
+    orders = [g_inputs]
+    if self.rules.is_commutative(pnode.eqn):
+      orders.append(g_inputs[::-1])
+    for operands in orders:
+      new = st
+      for a, b in zip(pnode.inputs, operands):
+        new = self._unify(a, b, new)
+        if new is None:
+          break
+      if new is not None:
+        return new
+    return None
+
+
+def _param_axes(graph, chain, shape):
+  """Where a parameter's non-unit axes sit after its layout chain.
+
+  Returns ({parameter axis: axis at the use}, shape at the use), or None if
+  the chain does more than cast, broadcast or add/remove unit axes.
+  """
+  axes, cur = {i: i for i, d in enumerate(shape) if d != 1}, tuple(shape)
+  for n in chain:
+    eqn = graph.nodes[n].eqn
+    out, name = tuple(eqn.outvars[0].aval.shape), eqn.primitive.name
+    if name == "broadcast_in_dim":
+      dims = eqn.params["broadcast_dimensions"]
+      axes = {a: dims[u] for a, u in axes.items()}
+    elif name in ("reshape", "squeeze", "expand_dims"):
+      src = [i for i, d in enumerate(cur) if d != 1]
+      dst = [i for i, d in enumerate(out) if d != 1]
+      if [cur[i] for i in src] != [out[i] for i in dst]:
+        return None
+      axes = {a: dict(zip(src, dst))[u] for a, u in axes.items()}
+    elif name not in ("convert_element_type", "copy", "copy_p"):
+      return None
+    cur = out
+  return axes, cur
+
+
+def _check_tag(tag, y, xs, ps, uses, meta):
+  """The tag to bind for a match, or None when the shapes (of output, inputs
+  and parameters; `uses[i]` is `_param_axes` of parameter i) do not fit it."""
+  def unchanged(i):  # a weight used as it is stored
+    return uses[i] is not None and uses[i][1] == ps[i] and all(
+        a == u for a, u in uses[i][0].items())
+
+  def aligned_right(i, ndim):  # broadcast against the trailing axes
+    return uses[i] is not None and len(uses[i][1]) == ndim and all(
+        u == ndim - len(ps[i]) + a for a, u in uses[i][0].items())
+
+  if tag in (tags.dense, tags.repeated_dense):
+    if len(xs) != 1 or len(ps) not in (1, 2) or len(ps[0]) != 2:
+      return None
+    (x,), w = xs, ps[0]
+    if (len(x) < 2 or x[-1] != w[0] or y != x[:-1] + (w[1],)
+        or not unchanged(0)):
+      return None
+    if len(ps) == 2 and (ps[1] != (w[1],) or not aligned_right(1, len(y))):
+      return None
+    return tags.dense if len(x) == 2 else tags.repeated_dense
+  if tag is tags.conv2d:
+    dn = meta.get("dimension_numbers")
+    if (len(xs) != 1 or len(ps) not in (1, 2) or len(xs[0]) != 4
+        or len(ps[0]) != 4 or not unchanged(0)
+        or meta.get("batch_group_count", 1) != 1):
+      return None
+    if isinstance(dn, lax.ConvDimensionNumbers):
+      if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
+        return None  # the blocks need the batch axis first
+      if len(ps) == 2 and (
+          ps[1] != (ps[0][dn.rhs_spec[0]],) or uses[1] is None
+          or len(uses[1][1]) != 4
+          or any(u != dn.out_spec[1] for u in uses[1][0].values())):
+        return None
+    return tag
+  if tag is tags.scale_and_shift:
+    flags = meta.get("has_scale", True) + meta.get("has_shift", len(ps) == 2)
+    if len(xs) != 1 or xs[0] != y or len(ps) != flags:
+      return None
+    for i, p in enumerate(ps):
+      lead = len(p) - len(y) + 1  # these axes would meet the batch axis
+      if not aligned_right(i, len(y)) or lead > 0 and np.prod(p[:lead]) != 1:
+        return None
+  return tag
+
+
+def _bind_tag(tag, meta, y, xs, ps):
+  """Binds a layer tag through the same `register_*` call a user would make."""
+  meta = dict(meta)
+  if tag is tags.dense:
+    return tags.register_dense(y, *xs, *ps, **meta)
+  if tag is tags.repeated_dense:
+    return tags.register_repeated_dense(y, *xs, *ps, **meta)
+  if tag is tags.conv2d:
+    return tags.register_conv2d(y, *xs, *ps, **meta)
+  if tag is tags.scale_and_shift:
+    ps = list(ps)
+    scale = ps.pop(0) if meta.pop("has_scale", True) else None
+    shift = ps.pop(0) if meta.pop("has_shift", bool(ps)) else None
+    return tags.register_scale_and_shift(y, xs[0], scale, shift, **meta)
+  return tag.bind(y, *xs, *ps, **meta)[0]
+
+
+_Match = collections.namedtuple(
+    "_Match", "pattern tag out_key in_keys leaves nodes meta")
+
+
+class _Registration:
+  """Where every tag goes, for one shape signature of the arguments."""
+
+  def __init__(self, func, func_args, params_index, register_only_generic,
+               compute_only_loss_tags, patterns_to_skip,
+               allow_multiple_registrations, graph_matcher_rules,
+               graph_patterns):
+    func_args = tuple(func_args)
+    if not 0 <= params_index < len(func_args):
+      raise tracer.TracingError(f"params_index={params_index} but the function "
+                                f"takes {len(func_args)} arguments.")
+    flat_args, in_tree = jax.tree.flatten(func_args)
+    closed, out_shape = jax.make_jaxpr(
+        lambda *flat: func(*jax.tree.unflatten(in_tree, flat)),
+        return_shape=True)(*tracer._abstract(flat_args))
+    self.out_tree = jax.tree.structure(out_shape)
+    self.only_loss = compute_only_loss_tags
+    g = self.graph = _Graph(closed.jaxpr, closed.consts)
+    start = sum(len(jax.tree.leaves(a)) for a in func_args[:params_index])
+    paths = jax.tree_util.tree_flatten_with_path(func_args[params_index])[0]
+    self.paths = [jax.tree_util.keystr(path) for path, _ in paths]
+    leaves = g.invars[start:start + len(paths)]
+    self.leaf_index = {k: i for i, k in enumerate(leaves)}
+
+    self.loss_nodes = [i for i, n in enumerate(g.nodes)
+                       if tags.is_loss_tag_eqn(n.eqn)]
+    if not self.loss_nodes:
+      raise tracer.TracingError(
+          "auto_register_tags: the model function registers no loss. Call e.g."
+          " estimators.register_softmax_cross_entropy_loss(logits, targets) on "
+          "the model's output (outside of any scan/while/cond).")
+    manual = [i for i, n in enumerate(g.nodes) if tags.is_layer_tag_eqn(n.eqn)]
+    self.relevant = g.ancestors(self.loss_nodes + manual)
+    self.consumers = {}
+    for i in sorted(self.relevant):
+      for k in g.nodes[i].inputs:
+        if not isinstance(k, Literal):
+          self.consumers.setdefault(k, set()).add(i)
+
+    self.owner = {}  # leaf index -> (tag name, source, layer number)
+    self.matches, self.dropped = {}, set()  # root node -> _Match
+    self._claim_manual(manual, allow_multiple_registrations)
+    if not register_only_generic:
+      patterns = list(graph_patterns) + [
+          p for p in DEFAULT_GRAPH_PATTERNS if p not in graph_patterns]
+      patterns = [p for p in patterns if p.name not in patterns_to_skip]
+      free = self.relevant - set(manual)
+      for pattern in sorted(patterns, key=lambda p: -p.precedence):
+        self._find(pattern, graph_matcher_rules, free,
+                   allow_multiple_registrations)
+    self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
+    for k in self.generic:
+      self._own([self.leaf_index[k]], tags.generic.name, self._why_generic(k))
+    self.inline = self._calls_to_inline(manual)
+    self.needed = {k for i in self.relevant for k in g.nodes[i].outputs}
+    self.report = [dict(path=self.paths[i], tag=self.owner[i][0],
+                        shape=_shape(k), source=self.owner[i][1],
+                        layer=self.owner[i][2]) for i, k in enumerate(leaves)]
+    logger.info("Graph parameter registrations:\n%s", "\n".join(
+        f"  {r['path']} -> {r['tag']} ({r['source']}, layer {r['layer']})"
+        for r in self.report))
+
+  def _own(self, indices, tag_name, source):
+    layer = len({o[2] for o in self.owner.values()})
+    self.owner.update((i, (tag_name, source, layer)) for i in indices)
+
+  def _claim_manual(self, manual, allow_multiple):
+    for n in manual:
+      eqn = self.graph.nodes[n].eqn
+      params = eqn.primitive.split_operands(self.graph.nodes[n].inputs)[2]
+      indices = [self.leaf_index[k] for k in params if k in self.leaf_index]
+      taken = [i for i in indices if i in self.owner]
+      if taken and not allow_multiple:
+        raise tracer.TracingError(
+            f"Parameter {self.paths[taken[0]]} is registered in two layer tags"
+            f" ({self.owner[taken[0]][0]} and {eqn.primitive.name}). Register "
+            "each parameter once, or pass allow_multiple_registrations=True to "
+            "keep only its first registration.")
+      if taken:
+        self.dropped.add(n)  # evaluated as an identity
+      else:
+        self._own(indices, eqn.primitive.name, "manual")
+
+  def _find(self, pattern, rules, free, allow_multiple):
+    """Claims every match of `pattern` among the `free` nodes (updated)."""
+    g, p = self.graph, pattern.graph
+    root_name = p.nodes[p.root[0]].eqn.primitive.name
+    matcher = _Matcher(pattern, g, rules, self.leaf_index, free)
+    for n in sorted(free):
+      if n not in free or g.nodes[n].eqn.primitive.name != root_name:
+        continue
+      st = matcher.match_at(n)
+      if st is None or any(self.leaf_index[k] in self.owner
+                           for k in st.params.values()):
+        continue
+      m = self._checked_match(pattern, g.nodes[n].outputs[p.root[1]], st,
+                              allow_multiple)
+      if m is not None:
+        self.matches[n] = m
+        free -= m.nodes
+        self._own([self.leaf_index[k] for k in m.leaves], m.tag.name,
+                  pattern.name)
+
+  def _checked_match(self, pattern, out_key, st, allow_multiple):
+    g, p = self.graph, pattern.graph
+    nodes = set(st.nodes.values()) | set(st.layout)
+    nodes |= {n for _, chain in st.chains for n in chain}
+    inner = {k for n in nodes for k in g.nodes[n].outputs} - {out_key}
+    leaves = [st.params[i] for i in range(p.num_params)]
+    if any(not self.consumers.get(k, set()) <= nodes for k in (
+        inner if allow_multiple else inner | set(leaves))):
+      return None  # an intermediate value or a parameter is used elsewhere
+    in_keys = [st.inputs[i] for i in range(p.num_inputs)]
+    if inner & set(in_keys):
+      return None
+    meta = dict(pattern.parameters_extractor_func(
+        [g.nodes[st.nodes[i]].eqn for i in sorted(st.nodes)]))
+    xs = [_shape(k) for k in in_keys]
+    if pattern.in_values_preprocessor is not None:
+      xs = [tuple(o.shape) for o in jax.tree.leaves(jax.eval_shape(
+          pattern.in_values_preprocessor,
+          [jax.ShapeDtypeStruct(_shape(k), k[1].aval.dtype) for k in in_keys]))]
+    ps = [_shape(k) for k in leaves]
+    uses = [None] * len(ps)
+    for pos, chain in st.chains:
+      uses[pos] = _param_axes(g, chain, ps[pos])
+    tag = _check_tag(pattern.tag_primitive, _shape(out_key), xs, ps, uses, meta)
+    if tag is None:
+      return None
+    return _Match(pattern, tag, out_key, in_keys, leaves, nodes, meta)
+
+  def _why_generic(self, leaf):
+    users = sorted({self.graph.nodes[n].eqn.primitive.name
+                    for n in self.consumers.get(leaf, ())
+                    if any(tracer._sub_jaxprs(self.graph.nodes[n].eqn))})
+    if users:
+      return f"unmatched: used inside {', '.join(users)}"
+    return "unmatched" if leaf in self.consumers else "unmatched: unused"
+
+  def _calls_to_inline(self, manual):
+    """Paths of the calls to evaluate equation by equation, not as a call."""
+    g, inline = self.graph, set()
+    for n in list(self.matches) + self.loss_nodes + manual:
+      ctx = g.nodes[n].path[:-1]
+      inline.update(ctx[:i] for i in range(1, len(ctx) + 1))
+    wanted = {k for m in self.matches.values() for k in m.in_keys}
+    changed = True
+    while changed:  # an input made inside a call must be readable outside it
+      changed = False
+      for k in wanted:
+        ctx = g.nodes[g.producer[k][0]].path[:-1] if k in g.producer else ()
+        for i in range(1, len(ctx) + 1):
+          if ctx[:i] not in inline:
+            if k in g.call_outputs[ctx[:i]]:
+              break
+            inline.add(ctx[:i])
+            changed = True
+    return inline
+
+  def evaluate(self, flat_args):
+    g = self.graph
+    env = dict(g.consts)
+    env.update(zip(g.invars, flat_args))
+    for k in self.generic:
+      tags.register_generic(env[k])
+    self._run(g.jaxpr, (), env)
+    if self.only_loss:
+      return tuple(tuple(env[k] for k in g.nodes[n].outputs)
+                   for n in self.loss_nodes)
+    return jax.tree.unflatten(self.out_tree, [
+        k.val if isinstance(k, Literal) else env[k] for k in g.outvars])
+
+  def _run(self, jaxpr, ctx, env):
+    g = self.graph
+    for eqn in jaxpr.eqns:
+      path = ctx + (id(eqn),)
+      if path in self.inline:
+        self._run(_call_body(eqn)[0], path, env)
+        continue
+      n = g.node_at.get(path)
+      if self.only_loss and (n not in self.relevant if n is not None else
+                             self.needed.isdisjoint(g.call_outputs[path])):
+        continue
+      invals = [k.val if isinstance(k, Literal) else env[k]
+                for k in (g.canon(ctx, v) for v in eqn.invars)]
+      if n in self.dropped:  # a repeated registration: evaluate as identity
+        outs, _, params = eqn.primitive.split_operands(invals)
+        outvals = list(outs) if eqn.primitive.num_outputs else list(params)
+      else:
+        with eqn.ctx.manager:
+          outvals = eqn.primitive.bind(
+              *invals, **eqn.primitive.get_bind_params(eqn.params))
+        if not eqn.primitive.multiple_results:
+          outvals = [outvals]
+      for v, val in zip(eqn.outvars, outvals):
+        k = g.canon(ctx, v)
+        if not isinstance(k, Literal):
+          env[k] = val
+      m = self.matches.get(n)
+      if m is not None:
+        xs = [env[k] for k in m.in_keys]
+        if m.pattern.in_values_preprocessor is not None:
+          xs = list(m.pattern.in_values_preprocessor(xs))
+        env[m.out_key] = _bind_tag(m.tag, m.meta, env[m.out_key], xs,
+                                   [env[k] for k in m.leaves])
+
+
+class TaggedFunction:
+  """The model function with its layer tags bound; see `auto_register_tags`.
+
+  With `compute_only_loss_tags` it skips what no loss needs and returns one
+  tuple of loss-tag outputs per loss, otherwise what the model returns.
+  Matching is redone for each new shape signature of the arguments.
+  """
+
+  def __init__(self, func: Callable, params_index: int = 0, **options):
+    self.func = func
+    self.params_index = params_index
+    self._options = options
+    self._cache: dict[Any, _Registration] = {}
+    functools.update_wrapper(self, func, updated=())
+
+  def _registration(self, func_args) -> _Registration:
+    leaves, tree = jax.tree.flatten(tuple(func_args))
+    key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    if key not in self._cache:
+      self._cache[key] = _Registration(self.func, func_args, self.params_index,
+                                       **self._options)
+    return self._cache[key]
+
+  def __call__(self, *func_args):
+    return self._registration(func_args).evaluate(jax.tree.leaves(func_args))
+
+  def registrations(self, *func_args) -> list[dict[str, Any]]:
+    """One dict per parameter leaf: `path` (`jax.tree_util.keystr`), `tag`,
+    `shape`, `source` ("manual", a pattern's name, or why it is generic) and
+    `layer` (a number shared by the parameters of one tag)."""
+    return [dict(r) for r in self._registration(func_args).report]
+
+
+def auto_register_tags(
+    func: Callable,
+    func_args: Sequence[Any],
+    params_index: int = 0,
+    register_only_generic: bool = False,
+    compute_only_loss_tags: bool = True,
+    patterns_to_skip: Sequence[str] = (),
+    allow_multiple_registrations: bool = False,
+    graph_matcher_rules: GraphMatcherComparator = GraphMatcherComparator(),
+    graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
+) -> TaggedFunction:
+  """Finds the layers of `func` and returns it with layer tags bound.
+
+  Args:
+    func: the model function; it must register at least one loss.
+    func_args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    params_index: which argument of `func` holds the parameters.
+    register_only_generic: match no patterns; parameters outside hand-written
+      tags all get generic tags.
+    compute_only_loss_tags: compute only what the loss tags need, and return
+      their outputs instead of `func`'s.
+    patterns_to_skip: names of patterns not to look for.
+    allow_multiple_registrations: rather than raising for a parameter in two
+      hand-written tags, keep its first tag (the others act as identities);
+      a parameter shared by several layers goes to the first one matched
+      instead of getting a generic tag.
+    graph_matcher_rules: decides which equations are equivalent.
+    graph_patterns: patterns to look for, then the `DEFAULT_GRAPH_PATTERNS`
+      not among them (new patterns extend the defaults; `patterns_to_skip`
+      removes some). Higher `precedence` first, then the given order.
+
+  Returns:
+    A `TaggedFunction` with the signature of `func`. Its registrations are
+    logged at INFO ("Graph parameter registrations:") and returned by
+    `TaggedFunction.registrations(*func_args)`.
+  """
+  tagged = TaggedFunction(
+      func, params_index, register_only_generic=register_only_generic,
+      compute_only_loss_tags=compute_only_loss_tags,
+      patterns_to_skip=frozenset(patterns_to_skip),
+      allow_multiple_registrations=allow_multiple_registrations,
+      graph_matcher_rules=graph_matcher_rules,
+      graph_patterns=tuple(graph_patterns))
+  tagged._registration(func_args)
+  return tagged
+
+
+def registration_report(func: Callable, func_args: Sequence[Any],
+                        params_index: int = 0,
+                        **auto_register_kwargs) -> list[dict[str, Any]]:
+  """Which tag each parameter gets; see `TaggedFunction.registrations`."""
+  return auto_register_tags(func, func_args, params_index,
+                            **auto_register_kwargs).registrations(*func_args)

@@ -1,0 +1,500 @@
+"""The K-FAC optimizer.
+
+One step: fold the batch into the curvature estimate (an EMA), refresh the
+cached inverses every `inverse_update_period` steps, precondition the
+gradient, choose the learning rate and momentum (fixed, scheduled, or by
+minimising the 2-D quadratic model of the original K-FAC paper), apply the
+update, and every `damping_adaptation_interval` steps adapt the damping with
+the Levenberg–Marquardt rule from the reduction ratio rho.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from estimators import curvature, estimation_modes, tracer
+
+Params = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OptimizerState:
+  """velocities: the last update; damping: the current (adapted) damping."""
+  velocities: Params
+  estimator_state: Any
+  damping: jax.Array
+  data_seen: jax.Array
+  step_counter: jax.Array
+
+
+def _inner(a, b):
+  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a),
+                                            jax.tree.leaves(b)))
+
+
+def _scale(c, tree):
+  return jax.tree.map(lambda x: c * x, tree)
+
+
+def _add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+class Optimizer:
+  """K-FAC with the constructor arguments and defaults of the reference."""
+
+  State = OptimizerState
+
+  def __init__(
+      self, value_and_grad_func: Callable, l2_reg, value_func_has_aux=False,
+      value_func_has_state=False, value_func_has_rng=False,
+      use_adaptive_learning_rate=False, learning_rate_schedule=None,
+      use_adaptive_momentum=False, momentum_schedule=None,
+      use_adaptive_damping=False, damping_schedule=None, initial_damping=None,
+      min_damping=1e-8, max_damping=math.inf,
+      include_damping_in_quad_change=False, damping_adaptation_interval=5,
+      damping_adaptation_decay=0.9, damping_lower_threshold=0.25,
+      damping_upper_threshold=0.75,
+      always_use_exact_qmodel_for_damping_adjustment=False,
+      norm_constraint=None, num_burnin_steps=10,
+      estimation_mode="fisher_gradients", curvature_ema=0.95,
+      inverse_update_period=5, use_exact_inverses=False,
+      batch_process_func=None, register_only_generic=False,
+      patterns_to_skip=(), auto_register_kwargs=None,
+      layer_tag_to_block_ctor=None, multi_device=False, debug=False,
+      batch_size_extractor=curvature.default_batch_size_extractor,
+      pmap_axis_name="kfac_axis",
+      forbid_setting_attributes_after_finalize=True,
+      modifiable_attribute_exceptions=(), include_norms_in_stats=False,
+      include_per_param_norms_in_stats=False, distributed_precon_apply=True,
+      distributed_inverses=True):
+    if use_adaptive_learning_rate and learning_rate_schedule is not None:
+      raise ValueError("Pass either use_adaptive_learning_rate=True or a "
+                       "learning_rate_schedule, not both.")
+    if use_adaptive_momentum and momentum_schedule is not None:
+      raise ValueError("Pass either use_adaptive_momentum=True or a "
+                       "momentum_schedule, not both.")
+    if use_adaptive_damping and damping_schedule is not None:
+      raise ValueError("Pass either use_adaptive_damping=True or a "
+                       "damping_schedule, not both.")
+    if use_adaptive_damping and initial_damping is None:
+      raise ValueError("use_adaptive_damping=True needs initial_damping.")
+    if norm_constraint is not None and use_adaptive_learning_rate:
+      raise ValueError("norm_constraint cannot be combined with "
+                       "use_adaptive_learning_rate=True: the adaptive rule "
+                       "already sets the step length.")
+    if not 0 < damping_lower_threshold < damping_upper_threshold:
+      raise ValueError("Need 0 < damping_lower_threshold < "
+                       "damping_upper_threshold.")
+    estimation_modes.check_estimation_mode(estimation_mode)
+    self._value_and_grad_func = value_and_grad_func
+    self._l2_reg = l2_reg
+    self._has_aux, self._has_state = value_func_has_aux, value_func_has_state
+    self._has_rng = value_func_has_rng
+    self._adaptive_lr = use_adaptive_learning_rate
+    self._lr_schedule = learning_rate_schedule
+    self._adaptive_momentum = use_adaptive_momentum
+    self._momentum_schedule = momentum_schedule
+    self._adaptive_damping = use_adaptive_damping
+    self._damping_schedule = damping_schedule
+    self._initial_damping = initial_damping
+    self._min_damping, self._max_damping = min_damping, max_damping
+    self._include_damping_in_quad_change = include_damping_in_quad_change
+    self._damping_interval = damping_adaptation_interval
+    self._damping_decay = damping_adaptation_decay
+    self._damping_lower, self._damping_upper = (damping_lower_threshold,
+                                                damping_upper_threshold)
+    self._exact_qmodel_for_damping = (
+        always_use_exact_qmodel_for_damping_adjustment)
+    self._norm_constraint = norm_constraint
+    self._num_burnin_steps = num_burnin_steps
+    self._estimation_mode = estimation_mode
+    self._curvature_ema = curvature_ema
+    self._inverse_update_period = inverse_update_period
+    self._use_exact_inverses = use_exact_inverses
+    self._batch_process_func = batch_process_func or (lambda b: b)
+    self._multi_device = multi_device and not debug
+    self._debug = debug
+    self._batch_size_extractor = batch_size_extractor
+    self._pmap_axis_name = pmap_axis_name if self._multi_device else None
+    self._include_norms = include_norms_in_stats
+    self._include_per_param_norms = include_per_param_norms_in_stats
+    self.distributed_precon_apply = distributed_precon_apply
+    self.distributed_inverses = distributed_inverses
+
+    auto_kwargs = dict(auto_register_kwargs or {})
+    if register_only_generic:
+      auto_kwargs["register_only_generic"] = True
+    if patterns_to_skip:
+      auto_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
+    self._value_func = self._make_value_func()
+    self._estimator = curvature.BlockDiagonalCurvature(
+        self._value_func, params_index=0,
+        default_estimation_mode=estimation_mode,
+        layer_tag_to_block_ctor=layer_tag_to_block_ctor, **auto_kwargs)
+    self._implicit = curvature.ImplicitExactCurvature(
+        self._value_func, batch_size_extractor=batch_size_extractor)
+    self._jvp = tracer.loss_tags_jvp(self._value_func)
+    self._compiled_step = self._stage(self._step, static_argnums=())
+    self._compiled_init = self._stage(self._init, static_argnums=())
+    self._compiled_burnin = self._stage(self._burnin_step, static_argnums=())
+    self._finalized = False
+    self._modifiable = set(modifiable_attribute_exceptions)
+    self._forbid_setting = forbid_setting_attributes_after_finalize
+
+  def __setattr__(self, name, value):
+    if getattr(self, "_finalized", False) and getattr(
+        self, "_forbid_setting", False) and name not in getattr(
+            self, "_modifiable", ()):
+      raise AttributeError(f"Cannot set {name!r} after the optimizer has been "
+                           "initialised (its step is already compiled).")
+    super().__setattr__(name, value)
+
+  # --- properties --------------------------------------------------------
+
+  @property
+  def num_burnin_steps(self) -> int:
+    return self._num_burnin_steps
+
+  @property
+  def l2_reg(self):
+    return jnp.asarray(self._l2_reg)
+
+  @property
+  def estimator(self) -> curvature.BlockDiagonalCurvature:
+    return self._estimator
+
+  @property
+  def damping_decay_factor(self):
+    return self._damping_decay ** self._damping_interval
+
+  # --- plumbing ----------------------------------------------------------
+
+  def _stage(self, fn, static_argnums):
+    if self._debug:
+      return fn
+    if self._multi_device:
+      return jax.pmap(fn, axis_name=self._pmap_axis_name)
+    return jax.jit(fn, static_argnums=static_argnums)
+
+  def _split_outputs(self, out):
+    """(loss, func_state, aux) from the value function's first output."""
+    if not (self._has_aux or self._has_state):
+      return out, None, None
+    loss, rest = out
+    if self._has_aux and self._has_state:
+      func_state, aux = rest
+      return loss, func_state, aux
+    return (loss, rest, None) if self._has_state else (loss, None, rest)
+
+  def _make_value_func(self):
+    def value_func(*args):
+      out, _ = self._value_and_grad_func(*args)
+      return self._split_outputs(out)[0]
+    return value_func
+
+  def _func_args(self, params, func_state, rng, batch):
+    args = [params]
+    if self._has_state:
+      args.append(func_state)
+    if self._has_rng:
+      args.append(rng)
+    args.append(batch)
+    return tuple(args)
+
+  def _mean(self, x):
+    if self._pmap_axis_name is None:
+      return x
+    return jax.lax.pmean(x, self._pmap_axis_name)
+
+  def _batch_size(self, batch):
+    return self._batch_size_extractor(batch)
+
+  # --- public API ----------------------------------------------------------
+
+  def verify_args_and_get_step_counter(self, step_counter, learning_rate=None,
+                                       momentum=None, damping=None,
+                                       global_step_int=None) -> int:
+    """Checks the per-step arguments; returns the step as a Python int."""
+    for name, adaptive, schedule, value in (
+        ("learning_rate", self._adaptive_lr, self._lr_schedule, learning_rate),
+        ("momentum", self._adaptive_momentum, self._momentum_schedule,
+         momentum),
+        ("damping", self._adaptive_damping, self._damping_schedule, damping)):
+      if adaptive and value is not None:
+        raise ValueError(f"{name} was passed to step() but the optimizer "
+                         f"adapts it (use_adaptive_{name}=True); drop it.")
+      if schedule is not None and value is not None:
+        raise ValueError(f"{name} was passed to step() but a {name}_schedule "
+                         "was given to the constructor; use one of them.")
+      if not adaptive and schedule is None and value is None:
+        raise ValueError(f"step() needs {name}=...: the optimizer was built "
+                         f"without use_adaptive_{name} or a {name}_schedule.")
+    if global_step_int is not None:
+      return int(global_step_int)
+    counter = np.asarray(jax.device_get(step_counter))
+    return int(counter.ravel()[0])
+
+  def should_update_damping(self, state):
+    return self._adaptive_damping & (
+        state.step_counter % self._damping_interval == 0)
+
+  def compute_loss_value(self, func_args):
+    out, _ = self._value_and_grad_func(*func_args)
+    return self._split_outputs(out)[0]
+
+  def compute_l2_quad_matrix(self, vectors: Sequence[Params]):
+    return self.l2_reg * self._gram(vectors)
+
+  @staticmethod
+  def _gram(vectors):
+    n = len(vectors)
+    return jnp.array([[_inner(vectors[i], vectors[j]) for j in range(n)]
+                      for i in range(n)])
+
+  def compute_exact_quad_model(self, vectors, grads, func_args=None):
+    """(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ) with C the exact curvature of the mode.
+
+    C is the GGN for the ggn modes and the Fisher otherwise (equal for the
+    registered losses), averaged over the batch; products go through the
+    network's Jacobian once per vector (forward mode), never a dense matrix.
+    """
+    if func_args is None:
+      raise ValueError("compute_exact_quad_model needs func_args.")
+    kind = estimation_modes.matrix_type(self._estimation_mode)
+    jvps = [self._jvp(func_args, v) for v in vectors]
+    losses = jvps[0][0]
+    batch_size = self._batch_size(func_args[-1])
+    n = len(vectors)
+    matrix = jnp.zeros((n, n))
+    for l, loss in enumerate(losses):
+      multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
+      jv = [tangents[l] for _, tangents in jvps]
+      cjv = [multiply(t) for t in jv]
+      matrix = matrix + jnp.array(
+          [[_inner(jv[i], cjv[j]) for j in range(n)] for i in range(n)])
+    matrix = self._mean(matrix / batch_size)
+    return matrix, self._gram(vectors), jnp.array(
+        [_inner(v, grads) for v in vectors])
+
+  def compute_approx_quad_model(self, state, vectors, grads):
+    """The same three terms with C the optimizer's curvature estimate."""
+    products = [self._estimator.multiply(state.estimator_state, v, 0.0,
+                                         True, False) for v in vectors]
+    n = len(vectors)
+    matrix = jnp.array([[_inner(vectors[i], products[j]) for j in range(n)]
+                        for i in range(n)])
+    return matrix, self._gram(vectors), jnp.array(
+        [_inner(v, grads) for v in vectors])
+
+  def init(self, params, rng, batch, func_state=None) -> OptimizerState:
+    """The optimizer state (the estimator is traced on this batch)."""
+    batch = self._batch_process_func(batch)
+    state = self._compiled_init(params, rng, batch, func_state)
+    self._finalized = True
+    return state
+
+  def _init(self, params, rng, batch, func_state):
+    func_args = self._func_args(params, func_state, rng, batch)
+    exact = -1 if self._use_exact_inverses else None
+    approx = None if self._use_exact_inverses else -1
+    estimator_state = self._estimator.init(rng, func_args, exact, approx)
+    damping = self._initial_damping if self._adaptive_damping else 0.0
+    return OptimizerState(
+        velocities=jax.tree.map(jnp.zeros_like, params),
+        estimator_state=estimator_state,
+        damping=jnp.asarray(damping, jnp.result_type(float)),
+        data_seen=jnp.zeros((), jnp.int32),
+        step_counter=jnp.zeros((), jnp.int32))
+
+  def _burnin_step(self, params, state, rng, batch, func_state):
+    func_args = self._func_args(params, func_state, rng, batch)
+    estimator_state = self._estimator.update_curvature_matrix_estimate(
+        state.estimator_state, 1.0, 1.0, self._batch_size(batch), rng,
+        func_args, self._pmap_axis_name)
+    return dataclasses.replace(state, estimator_state=estimator_state)
+
+  def burnin(self, num_steps, params, state, rng, data_iterator,
+             func_state=None):
+    """Accumulates `num_steps` curvature estimates; params are not changed."""
+    for _ in range(num_steps):
+      rng, key = (jax.random.split(rng) if not self._multi_device
+                  else (rng, rng))
+      batch = self._batch_process_func(next(data_iterator))
+      state = self._compiled_burnin(params, state, key, batch, func_state)
+    return state, func_state
+
+  def step(self, params, state, rng, data_iterator: Iterator | None = None,
+           batch=None, func_state=None, learning_rate=None, momentum=None,
+           damping=None, global_step_int=None):
+    """One optimizer step; returns (params, state, [func_state,] stats)."""
+    if (data_iterator is None) == (batch is None):
+      raise ValueError("Pass exactly one of data_iterator and batch to step().")
+    step = self.verify_args_and_get_step_counter(
+        state.step_counter, learning_rate, momentum, damping, global_step_int)
+    counter = state.step_counter
+    # Reading the device counter would stall the pipeline, so it is compared
+    # only when it is already computed (always on the first step).
+    if global_step_int is not None and (
+        global_step_int == 0 or self._debug or counter.is_ready()):
+      actual = int(np.asarray(jax.device_get(counter)).ravel()[0])
+      if actual != global_step_int:
+        raise ValueError(f"global_step_int={global_step_int} but the "
+                         f"optimizer state is at step {actual}.")
+    if step == 0 and self._num_burnin_steps > 0:
+      burnin_data = data_iterator if data_iterator is not None else iter(
+          [batch] * self._num_burnin_steps)
+      state, func_state = self.burnin(self._num_burnin_steps, params, state,
+                                      rng, burnin_data, func_state)
+    if batch is None:
+      batch = next(data_iterator)
+    batch = self._batch_process_func(batch)
+    hyper = [self._hyper(learning_rate, self._lr_schedule, step),
+             self._hyper(momentum, self._momentum_schedule, step),
+             self._hyper(damping, self._damping_schedule, step)]
+    params, state, func_state, stats = self._compiled_step(
+        params, state, rng, batch, func_state, *hyper)
+    if self._has_state:
+      return params, state, func_state, stats
+    return params, state, stats
+
+  def _hyper(self, value, schedule, step):
+    if schedule is not None:
+      value = schedule(step)
+    if value is None:
+      return None
+    value = jnp.asarray(value, jnp.result_type(float))
+    if self._multi_device:
+      value = jnp.broadcast_to(value, (jax.local_device_count(),))
+    return value
+
+  # --- the staged step ----------------------------------------------------
+
+  def _step(self, params, state, rng, batch, func_state, learning_rate,
+            momentum, damping):
+    func_args = self._func_args(params, func_state, rng, batch)
+    batch_size = self._batch_size(batch)
+    estimator_state = self._estimator.update_curvature_matrix_estimate(
+        state.estimator_state, self._curvature_ema, 1.0, batch_size, rng,
+        func_args, self._pmap_axis_name)
+    damping = state.damping if self._adaptive_damping else damping
+    identity_weight = damping + self._l2_reg
+    exact = self._use_exact_inverses
+    refresh = state.step_counter % self._inverse_update_period == 0
+    estimator_state = jax.lax.cond(
+        refresh,
+        lambda s: self._estimator.update_cache(
+            s, identity_weight, -1 if exact else None,
+            None if exact else -1, False),
+        lambda s: s, estimator_state)
+
+    out, grads = self._value_and_grad_func(*func_args)
+    loss, new_func_state, aux = self._split_outputs(out)
+    loss, grads = self._mean((loss, grads))
+    precon = self._estimator.multiply_inverse(estimator_state, grads,
+                                              identity_weight, exact, True)
+    if self._norm_constraint is not None:
+      sq_norm = _inner(precon, grads) * learning_rate ** 2
+      precon = _scale(jnp.minimum(
+          1.0, jnp.sqrt(self._norm_constraint / sq_norm)), precon)
+
+    vectors = (precon, state.velocities)
+    adaptive = self._adaptive_lr or self._adaptive_momentum
+    use_exact_q = adaptive or self._exact_qmodel_for_damping
+    if use_exact_q:
+      curv, gram, linear = self.compute_exact_quad_model(vectors, grads,
+                                                         func_args)
+    else:
+      curv, gram, linear = self.compute_approx_quad_model(
+          dataclasses.replace(state, estimator_state=estimator_state),
+          vectors, grads)
+    quad = curv + self._l2_reg * gram
+    coefficients = self._coefficients(quad + damping * gram, linear,
+                                      learning_rate, momentum,
+                                      first_step=state.step_counter == 0)
+    delta = _add(_scale(coefficients[0], precon),
+                 _scale(coefficients[1], state.velocities))
+    new_params = _add(params, delta)
+
+    quad_for_change = quad + (damping * gram
+                              if self._include_damping_in_quad_change else 0)
+    q_change = 0.5 * coefficients @ quad_for_change @ coefficients + (
+        coefficients @ linear)
+    new_damping, rho = self._adapt_damping(state, damping, loss, q_change,
+                                           new_params, func_state, rng, batch)
+    new_state = OptimizerState(
+        velocities=delta, estimator_state=estimator_state,
+        damping=new_damping if self._adaptive_damping else state.damping,
+        data_seen=state.data_seen + batch_size * (
+            jax.lax.psum(1, self._pmap_axis_name) if self._pmap_axis_name
+            else 1),
+        step_counter=state.step_counter + 1)
+    stats = dict(loss=loss, learning_rate=-coefficients[0],
+                 momentum=coefficients[1], damping=damping, rho=rho,
+                 quad_model_change=q_change, data_seen=new_state.data_seen,
+                 step=new_state.step_counter)
+    if aux is not None:
+      stats["aux"] = self._mean(aux)
+    if self._include_norms or self._include_per_param_norms:
+      stats.update(self._norms(grads, precon, delta))
+    return new_params, new_state, new_func_state, stats
+
+  def _coefficients(self, quad, linear, learning_rate, momentum, first_step):
+    """(α, μ) of the update α·precon + μ·velocity.
+
+    Adaptive entries minimise ½ cᵀ Q c + bᵀ c with the others held fixed; the
+    velocity is zero on the first step, so μ is then 0.
+    """
+    dtype = quad.dtype
+    if self._adaptive_lr and self._adaptive_momentum:
+      solved = jnp.linalg.solve(quad, -linear)
+      only_lr = -linear[0] / quad[0, 0]
+      return jnp.where(first_step, jnp.array([only_lr, 0.0], dtype), solved)
+    alpha = None if self._adaptive_lr else -learning_rate
+    mu = None if self._adaptive_momentum else momentum
+    mu = jnp.where(first_step, 0.0, mu) if mu is not None else None
+    if alpha is None:  # momentum fixed, learning rate adaptive
+      alpha = -(linear[0] + quad[0, 1] * mu) / quad[0, 0]
+    if mu is None:  # learning rate fixed, momentum adaptive
+      mu = jnp.where(first_step, 0.0,
+                     -(linear[1] + quad[1, 0] * alpha) / quad[1, 1])
+    return jnp.stack([jnp.asarray(alpha, dtype), jnp.asarray(mu, dtype)])
+
+  def _adapt_damping(self, state, damping, loss, q_change, new_params,
+                     func_state, rng, batch):
+    """Levenberg–Marquardt: rho = actual / predicted loss change."""
+    if not self._adaptive_damping:
+      return damping, jnp.nan
+
+    def rho_and_damping(_):
+      new_loss = self._mean(self.compute_loss_value(
+          self._func_args(new_params, func_state, rng, batch)))
+      rho = (new_loss - loss) / q_change
+      factor = self.damping_decay_factor
+      new = jnp.where(rho < self._damping_lower, damping / factor,
+                      jnp.where(rho > self._damping_upper, damping * factor,
+                                damping))
+      return jnp.clip(new, self._min_damping, self._max_damping), rho
+
+    return jax.lax.cond(self.should_update_damping(state), rho_and_damping,
+                        lambda _: (damping, jnp.asarray(jnp.nan, loss.dtype)),
+                        None)
+
+  def _norms(self, grads, precon, delta):
+    stats = {}
+    named = dict(grad=grads, precon_grad=precon, update=delta)
+    if self._include_norms:
+      for name, tree in named.items():
+        stats[f"{name}_norm"] = jnp.sqrt(_inner(tree, tree))
+    if self._include_per_param_norms:
+      for name, tree in named.items():
+        stats[f"per_param_{name}_norm"] = jax.tree.map(jnp.linalg.norm, tree)
+    return stats

@@ -1,0 +1,192 @@
+"""First and second moments of 2-D convolution patches (the K-FAC factor `A`).
+
+A patch is the `(kernel_h, kernel_w, channels)` window of the (zero padded)
+input that one output location of the convolution sees. Both functions return
+`(second, first)`: the averages over examples and output locations of
+`w * p ⊗ p` (shape `kernel_spatial_shape + (C,) + kernel_spatial_shape + (C,)`)
+and of `w * p` (shape `kernel_spatial_shape + (C,)`), where `w` is the
+optional `weighting_array` (1 by default).
+
+`weighting_array` must broadcast to `(batch, out_h, out_w)` (spatial axes in
+the order of the input's spatial axes); a 1-D array of length `batch` weights
+whole examples.
+
+Depthwise convolutions (`feature_group_count == C`): a kernel only mixes
+positions within one channel, so only same-channel moments are meaningful.
+The second moment keeps its full shape, with the entries pairing two
+different channels set to zero; the first moment is unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def _pair(value, name):
+  if isinstance(value, (int, np.integer)):
+    return (int(value),) * 2
+  value = tuple(int(v) for v in value)
+  if len(value) != 2:
+    raise ValueError(f"patches_moments: {name} must be an int or a pair, got "
+                     f"{value}.")
+  return value
+
+
+def _check_no_dilation(value, name):
+  if value is None:
+    return
+  if _pair(value, name) != (1, 1):
+    raise ValueError(f"patches_moments: {name}={value} is not supported; only "
+                     "undilated convolutions (None, 1 or (1, 1)) are.")
+
+
+def _prepare(inputs, kernel_spatial_shape, strides, padding, data_format,
+             dim_numbers, inputs_dilation, kernel_dilation,
+             feature_group_count, batch_group_count, weighting_array):
+  """Validates arguments; returns the padded NHWC input and the geometry."""
+  inputs = jnp.asarray(inputs)
+  if inputs.ndim != 4:
+    raise ValueError("patches_moments supports 2-D convolutions only: inputs "
+                     f"must be 4-D, got shape {inputs.shape}.")
+  kernel = _pair(kernel_spatial_shape, "kernel_spatial_shape")
+  strides = _pair(strides, "strides")
+  _check_no_dilation(inputs_dilation, "inputs_dilation")
+  _check_no_dilation(kernel_dilation, "kernel_dilation")
+  if batch_group_count != 1:
+    raise ValueError("patches_moments supports only batch_group_count=1, got "
+                     f"{batch_group_count}.")
+  if dim_numbers is None:
+    if data_format not in ("NHWC", "NCHW"):
+      raise ValueError(f"patches_moments: unknown data_format {data_format!r}; "
+                       "use 'NHWC' or 'NCHW', or pass dim_numbers.")
+    dim_numbers = (data_format, "HWIO", data_format)
+  if not isinstance(dim_numbers, lax.ConvDimensionNumbers):
+    dim_numbers = lax.conv_dimension_numbers(inputs.shape, (1, 1, 1, 1),
+                                             dim_numbers)
+  lhs = dim_numbers.lhs_spec
+  x = jnp.transpose(inputs, (lhs[0], lhs[2], lhs[3], lhs[1]))  # -> NHWC
+  n, h, w, c = x.shape
+  if feature_group_count not in (1, c):
+    raise ValueError("patches_moments supports feature_group_count 1 or the "
+                     f"number of channels ({c}), got {feature_group_count}.")
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads((h, w), kernel, strides, padding)
+  else:
+    pads = tuple(_pair(p, "padding") for p in padding)
+  x = jnp.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+  out = tuple((x.shape[1 + i] - kernel[i]) // strides[i] + 1 for i in range(2))
+  if min(out) < 1:
+    raise ValueError(f"patches_moments: a {kernel} kernel does not fit the "
+                     f"padded input of spatial shape {x.shape[1:3]}.")
+  if weighting_array is None:
+    weights = jnp.ones((n,) + out, x.dtype)
+  else:
+    weights = jnp.asarray(weighting_array, x.dtype)
+    if weights.ndim == 1:
+      weights = weights.reshape(-1, 1, 1)
+    try:
+      weights = jnp.broadcast_to(weights, (n,) + out)
+    except ValueError:
+      raise ValueError(f"patches_moments: weighting_array of shape "
+                       f"{jnp.shape(weighting_array)} does not broadcast to "
+                       f"(batch, out_h, out_w) = {(n,) + out}.") from None
+  depthwise = feature_group_count == c and c > 1
+  return x, kernel, strides, out, weights, depthwise
+
+
+def _finish(second, first, kernel, c, depthwise, norm):
+  """(K, K, C, C) and (K, C) sums -> the documented shapes, averaged."""
+  kh, kw = kernel
+  if depthwise:
+    second = second * jnp.eye(c, dtype=second.dtype)
+  second = jnp.transpose(second, (0, 2, 1, 3)).reshape(kh, kw, c, kh, kw, c)
+  return second / norm, first.reshape(kh, kw, c) / norm
+
+
+def patches_moments(inputs, kernel_spatial_shape, strides=1, padding="VALID",
+                    data_format="NHWC", dim_numbers=None, inputs_dilation=None,
+                    kernel_dilation=None, feature_group_count=1,
+                    batch_group_count=1, unroll_loop=False, precision=None,
+                    weighting_array=None):
+  """Patch moments without materialising the patches (see module docstring).
+
+  Each pair of kernel offsets contributes one `(C, C)` block, computed from
+  two strided views of the input, so memory stays at the input's size.
+  `unroll_loop=True` writes the loop over offset pairs in Python (using the
+  symmetry, half the pairs); otherwise it is a `lax.map` loop.
+  """
+  x, kernel, strides, out, weights, depthwise = _prepare(
+      inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers,
+      inputs_dilation, kernel_dilation, feature_group_count,
+      batch_group_count, weighting_array)
+  n, c = x.shape[0], x.shape[3]
+  kh, kw = kernel
+  extent = (n, (out[0] - 1) * strides[0] + 1, (out[1] - 1) * strides[1] + 1, c)
+
+  def view(index):
+    """The input values at kernel offset `index` for every output location."""
+    a, b = index // kw, index % kw
+    window = lax.dynamic_slice(x, (0, a, b, 0), extent)
+    return window[:, ::strides[0], ::strides[1], :]
+
+  def block(xi, xj):
+    if depthwise:  # only the same-channel products are kept
+      return jnp.diag(jnp.einsum("nhwc,nhw,nhwc->c", xi, weights, xj,
+                                 precision=precision))
+    return jnp.einsum("nhwc,nhw,nhwd->cd", xi, weights, xj,
+                      precision=precision)
+
+  k = kh * kw
+  if unroll_loop:
+    views = [view(i) for i in range(k)]
+    rows = [[None] * k for _ in range(k)]
+    for i in range(k):
+      for j in range(i, k):
+        rows[i][j] = block(views[i], views[j])
+        rows[j][i] = rows[i][j].T
+    second = jnp.stack([jnp.stack(r) for r in rows])
+    first = jnp.stack([jnp.einsum("nhwc,nhw->c", v, weights,
+                                  precision=precision) for v in views])
+  else:
+    indices = jnp.arange(k)
+
+    def row(i):
+      xi = view(i)
+      return (lax.map(lambda j: block(xi, view(j)), indices),
+              jnp.einsum("nhwc,nhw->c", xi, weights, precision=precision))
+
+    second, first = lax.map(row, indices)
+  return _finish(second, first, kernel, c, depthwise, n * out[0] * out[1])
+
+
+def patches_moments_explicit(inputs, kernel_spatial_shape, strides=1,
+                             padding="VALID", data_format="NHWC",
+                             dim_numbers=None, inputs_dilation=None,
+                             kernel_dilation=None, feature_group_count=1,
+                             batch_group_count=1, unroll_loop=False,
+                             precision=None, weighting_array=None):
+  """Same as `patches_moments`, extracting all patches first (more memory).
+
+  Uses `jax.lax.conv_general_dilated_patches`; `unroll_loop` is ignored.
+  """
+  del unroll_loop
+  x, kernel, strides, out, weights, depthwise = _prepare(
+      inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers,
+      inputs_dilation, kernel_dilation, feature_group_count,
+      batch_group_count, weighting_array)
+  n, c = x.shape[0], x.shape[3]
+  kh, kw = kernel
+  patches = lax.conv_general_dilated_patches(
+      x, kernel, strides, "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      precision=precision)
+  # The patch features come channel-major, (C, kh, kw); reorder to (kh, kw, C).
+  patches = patches.reshape((n,) + out + (c, kh * kw))
+  patches = jnp.swapaxes(patches, -1, -2).reshape(-1, kh * kw * c)
+  w = weights.reshape(-1, 1)
+  second = jnp.matmul((w * patches).T, patches, precision=precision)
+  first = jnp.sum(w * patches, axis=0)
+  second = jnp.transpose(second.reshape(kh * kw, c, kh * kw, c), (0, 2, 1, 3))
+  return _finish(second, first, kernel, c, depthwise, n * out[0] * out[1])

@@ -1,0 +1,267 @@
+"""Loss and layer tags: JAX primitives that mark what the curvature code needs.
+
+A tag is an identity at run time (it returns some of its operands unchanged),
+so a tagged model computes exactly what the untagged one does, under `jit`,
+`vmap`, `grad` and `jvp`. In a traced jaxpr, though, a tag equation names a
+loss (and the distribution it stands for) or a layer (and which variables are
+its inputs, outputs and parameters). The tracer reads these equations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+
+def _register_identity_rules(primitive, num_returned, returned_start):
+  """Makes `primitive` an identity on `operands[returned_start:][:num_returned]`.
+
+  Its derivative is that of the identity on those operands, so under `grad` the
+  tag vanishes from the linearised graph while the primal graph keeps it.
+  """
+
+  def impl(*operands, **params):
+    del params
+    return list(operands[returned_start:returned_start + num_returned(operands)])
+
+  def abstract_eval(*operands, **params):
+    return impl(*operands, **params)
+
+  def jvp(primals, tangents, **params):
+    out = primitive.bind(*primals, **params)
+    sel = slice(returned_start, returned_start + len(out))
+    out_tangents = [
+        ad.instantiate_zeros(t) for t in tangents[sel]
+    ]
+    return out, out_tangents
+
+  def batch(args, dims, **params):
+    out = primitive.bind(*args, **params)
+    return out, list(dims[returned_start:returned_start + len(out)])
+
+  primitive.multiple_results = True
+  primitive.def_impl(impl)
+  primitive.def_abstract_eval(abstract_eval)
+  ad.primitive_jvps[primitive] = jvp
+  batching.primitive_batchers[primitive] = batch
+  mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=True))
+
+
+class LossTag(jex_core.Primitive):
+  """Marks a loss: `bind(*args, args_names=...)` returns the parameter dependants.
+
+  `args` are the loss constructor's array arguments that are present, named by
+  `args_names`; the parameter-dependent ones (e.g. `logits`) come first.
+  """
+
+  def __init__(self, cls, parameter_dependants: Sequence[str],
+               parameter_independants: Sequence[str]):
+    super().__init__(f"{cls.__name__}_tag")
+    self._cls = cls
+    self._parameter_dependants = tuple(parameter_dependants)
+    self._parameter_independants = tuple(parameter_independants)
+    _register_identity_rules(
+        self, lambda ops: len(self._parameter_dependants), 0)
+
+  @property
+  def parameter_dependants_names(self) -> tuple[str, ...]:
+    return self._parameter_dependants
+
+  @property
+  def parameter_independants_names(self) -> tuple[str, ...]:
+    return self._parameter_independants
+
+  @property
+  def arguments_names(self) -> tuple[str, ...]:
+    return self._parameter_dependants + self._parameter_independants
+
+  def get_outputs(self, *args, args_names):
+    del args_names
+    return args[:len(self._parameter_dependants)]
+
+  def loss(self, *args, args_names: Sequence[str]):
+    """Builds the `LossFunction` this tag stands for from its operand values."""
+    if len(args) != len(args_names):
+      raise ValueError(
+          f"{self.name}: got {len(args)} arguments but {len(args_names)} names.")
+    return self._cls(**dict(zip(args_names, args)))
+
+  def bind_loss(self, **kwargs):
+    """Binds the tag on the given (non-None) named arguments."""
+    names = tuple(n for n in self.arguments_names if kwargs.get(n) is not None)
+    unknown = set(kwargs) - set(self.arguments_names)
+    if unknown:
+      raise TypeError(f"{self.name} does not take {sorted(unknown)}.")
+    args = [jnp.asarray(kwargs[n]) for n in names]
+    return self.bind(*args, args_names=names)
+
+
+class LayerTag(jex_core.Primitive):
+  """Marks a layer: `bind(*outputs, *inputs, *parameters, **meta)`.
+
+  Returns the outputs unchanged (a layer with no outputs, such as the generic
+  tag, returns its parameters). `meta` must be hashable constants.
+  """
+
+  def __init__(self, name: str, num_inputs: int, num_outputs: int):
+    super().__init__(name)
+    self._num_inputs = num_inputs
+    self._num_outputs = num_outputs
+    if num_outputs:
+      _register_identity_rules(self, lambda ops: num_outputs, 0)
+    else:
+      _register_identity_rules(
+          self, lambda ops: len(ops) - num_inputs, num_inputs)
+
+  @property
+  def num_inputs(self) -> int:
+    return self._num_inputs
+
+  @property
+  def num_outputs(self) -> int:
+    return self._num_outputs
+
+  def split_operands(self, operands: Sequence[Any]):
+    """Splits a tag's operands (values or jaxpr vars) into (outputs, inputs, params)."""
+    n_out, n_in = self._num_outputs, self._num_inputs
+    return (tuple(operands[:n_out]), tuple(operands[n_out:n_out + n_in]),
+            tuple(operands[n_out + n_in:]))
+
+
+generic = LayerTag("generic_tag", num_inputs=0, num_outputs=0)
+dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1)
+repeated_dense = LayerTag("repeated_dense_tag", num_inputs=1, num_outputs=1)
+conv2d = LayerTag("conv2d_tag", num_inputs=1, num_outputs=1)
+scale_and_shift = LayerTag("scale_and_shift_tag", num_inputs=1, num_outputs=1)
+
+
+def is_loss_tag_eqn(eqn) -> bool:
+  return isinstance(eqn.primitive, LossTag)
+
+
+def is_layer_tag_eqn(eqn) -> bool:
+  return isinstance(eqn.primitive, LayerTag)
+
+
+def layer_eqn_parts(eqn):
+  """(outputs, inputs, params) jaxpr variables of a layer tag equation."""
+  return eqn.primitive.split_operands(eqn.invars)
+
+
+def _single(tag_out):
+  return tag_out[0]
+
+
+def register_generic(*parameters):
+  """Tags parameters that no structured block knows; returns them unchanged."""
+  if not parameters:
+    raise ValueError("register_generic needs at least one parameter array.")
+  out = generic.bind(*parameters)
+  return out[0] if len(parameters) == 1 else tuple(out)
+
+
+def register_dense(y, x, w, b=None, **kwargs):
+  """Tags a dense layer `y = x @ w + b` with `x: (batch, d_in)`; returns `y`."""
+  _check_dense(x, w, b, "register_dense", repeated=False)
+  operands = (y, x, w) if b is None else (y, x, w, b)
+  return _single(dense.bind(*operands, **kwargs))
+
+
+def register_repeated_dense(y, x, w, b=None, **kwargs):
+  """Tags a dense layer applied over extra leading axes, `x: (batch, ..., d_in)`.
+
+  Every axis but the last acts as a batch axis for the curvature statistics.
+  """
+  _check_dense(x, w, b, "register_repeated_dense", repeated=True)
+  operands = (y, x, w) if b is None else (y, x, w, b)
+  return _single(repeated_dense.bind(*operands, **kwargs))
+
+
+def _check_dense(x, w, b, fn, repeated):
+  if jnp.ndim(w) != 2:
+    raise ValueError(f"{fn}: the weight must be 2-D (d_in, d_out), got shape "
+                     f"{jnp.shape(w)}.")
+  if repeated and jnp.ndim(x) < 2 or not repeated and jnp.ndim(x) != 2:
+    hint = ("use register_repeated_dense for inputs with extra leading axes"
+            if not repeated else "inputs need a batch axis and a feature axis")
+    raise ValueError(f"{fn}: inputs of shape {jnp.shape(x)} are not supported; "
+                     f"{hint}.")
+  if jnp.shape(x)[-1] != jnp.shape(w)[0]:
+    raise ValueError(f"{fn}: inputs have {jnp.shape(x)[-1]} features but the "
+                     f"weight expects {jnp.shape(w)[0]}.")
+  if b is not None and jnp.shape(b) != (jnp.shape(w)[1],):
+    raise ValueError(f"{fn}: the bias must have shape ({jnp.shape(w)[1]},), got "
+                     f"{jnp.shape(b)}.")
+
+
+def _normalize_pairs(value, n, name):
+  if value is None:
+    return (1,) * n
+  if isinstance(value, int):
+    return (value,) * n
+  return tuple(int(v) for v in value)
+
+
+def register_conv2d(y, x, w, b=None, *, window_strides=1, padding="VALID",
+                    data_format: str | None = "NHWC", dimension_numbers=None,
+                    lhs_dilation=None, rhs_dilation=None,
+                    feature_group_count: int = 1, batch_group_count: int = 1,
+                    **kwargs):
+  """Tags a 2-D convolution `y = conv(x, w) + b`; returns `y`.
+
+  The convolution arguments are those of `jax.lax.conv_general_dilated`;
+  `data_format` ("NHWC" or "NCHW", kernel "HWIO" or "OIHW") is used when
+  `dimension_numbers` is not given.
+  """
+  if jnp.ndim(x) != 4 or jnp.ndim(w) != 4:
+    raise ValueError("register_conv2d: inputs and kernel must be 4-D, got "
+                     f"{jnp.shape(x)} and {jnp.shape(w)}.")
+  if dimension_numbers is None:
+    if data_format not in ("NHWC", "NCHW"):
+      raise ValueError(f"register_conv2d: unknown data_format {data_format!r};"
+                       " use 'NHWC' or 'NCHW' or pass dimension_numbers.")
+    kernel = "HWIO" if data_format == "NHWC" else "OIHW"
+    dimension_numbers = (data_format, kernel, data_format)
+  dn = lax.conv_dimension_numbers(jnp.shape(x), jnp.shape(w), dimension_numbers)
+  strides = _normalize_pairs(window_strides, 2, "window_strides")
+  lhs_dilation = _normalize_pairs(lhs_dilation, 2, "lhs_dilation")
+  rhs_dilation = _normalize_pairs(rhs_dilation, 2, "rhs_dilation")
+  if isinstance(padding, str):
+    spatial_in = [jnp.shape(x)[d] for d in dn.lhs_spec[2:]]
+    spatial_k = [jnp.shape(w)[d] for d in dn.rhs_spec[2:]]
+    dilated_k = [(k - 1) * r + 1 for k, r in zip(spatial_k, rhs_dilation)]
+    padding = lax.padtype_to_pads(spatial_in, dilated_k, strides, padding)
+  padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+  operands = (y, x, w) if b is None else (y, x, w, b)
+  return _single(conv2d.bind(
+      *operands, window_strides=strides, padding=padding,
+      dimension_numbers=dn, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, feature_group_count=int(feature_group_count),
+      batch_group_count=int(batch_group_count), **kwargs))
+
+
+def register_scale_and_shift(y, inputs, scale=None, shift=None, **kwargs):
+  """Tags `y = inputs * scale + shift` (either term may be absent); returns `y`.
+
+  `scale` and `shift` broadcast against the trailing axes of `inputs`; the
+  leading axis is the batch.
+  """
+  if scale is None and shift is None:
+    raise ValueError("register_scale_and_shift needs a scale, a shift or both.")
+  for name, p in (("scale", scale), ("shift", shift)):
+    if p is not None and jnp.ndim(p) >= jnp.ndim(inputs) and jnp.ndim(p) > 0 \
+        and np.prod(jnp.shape(p)[:jnp.ndim(p) - jnp.ndim(inputs) + 1]) != 1:
+      raise ValueError(f"register_scale_and_shift: the {name} of shape "
+                       f"{jnp.shape(p)} would vary over the batch axis of inputs "
+                       f"{jnp.shape(inputs)}.")
+  params = tuple(p for p in (scale, shift) if p is not None)
+  return _single(scale_and_shift.bind(
+      y, inputs, *params, has_scale=scale is not None,
+      has_shift=shift is not None, **kwargs))

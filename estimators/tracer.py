@@ -1,0 +1,443 @@
+"""Tracing a tagged model function and differentiating through its tags.
+
+`ProcessedJaxpr` traces the model once and finds its loss and layer tags. The
+transforms below (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_hvp`,
+`layer_tags_vjp`) re-evaluate that jaxpr equation by equation, which lets them
+read every tag's operands and add a zero "perturbation" to each layer's
+outputs: the cotangent of that perturbation is the derivative of the loss
+w.r.t. the layer's outputs, which JAX cannot otherwise give for intermediates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from estimators import tags
+
+# Call-like primitives whose body is inlined when it holds a tag, so that the
+# tag shows up in the flat top-level jaxpr. Others (scan, while, cond) cannot
+# be flattened and a tag inside them is an error.
+_INLINABLE = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+})
+
+
+class TracingError(ValueError):
+  """The model function cannot be used by the curvature code as written."""
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    if isinstance(value, jex_core.ClosedJaxpr):
+      yield value.jaxpr, value.consts
+    elif isinstance(value, jex_core.Jaxpr):
+      yield value, ()
+
+
+def _holds_tag(jaxpr) -> bool:
+  for eqn in jaxpr.eqns:
+    if isinstance(eqn.primitive, (tags.LossTag, tags.LayerTag)):
+      return True
+    if any(_holds_tag(sub) for sub, _ in _sub_jaxprs(eqn)):
+      return True
+  return False
+
+
+def _bind(eqn, invals) -> list:
+  """Applies one equation's primitive to values, as `jax.core.eval_jaxpr` does."""
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval_inlined(jaxpr, consts, *args):
+  """Evaluates `jaxpr`, inlining call primitives whose bodies hold tags."""
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for var, val in zip(jaxpr.constvars, consts):
+    env[var] = val
+  for var, val in zip(jaxpr.invars, args):
+    env[var] = val
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    subs = list(_sub_jaxprs(eqn))
+    if subs and any(_holds_tag(s) for s, _ in subs):
+      if eqn.primitive.name not in _INLINABLE or len(subs) != 1:
+        raise TracingError(
+            f"A loss or layer tag sits inside a `{eqn.primitive.name}`, which "
+            "the tracer cannot flatten. Register the tags outside of "
+            "scan/while/cond (e.g. unroll the loop).")
+      sub, sub_consts = subs[0]
+      # custom_jvp/vjp calls carry their consts as leading operands.
+      n_extra = len(invals) - len(sub.invars)
+      outvals = _eval_inlined(sub, sub_consts, *invals[n_extra:])
+    else:
+      outvals = _bind(eqn, invals)
+    for var, val in zip(eqn.outvars, outvals):
+      env[var] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _abstract(tree):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenericParamsTag:
+  """A stand-in generic tag equation for parameters that no tag claims."""
+  invars: tuple
+  primitive: tags.LayerTag = tags.generic
+  params: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def outvars(self):
+    return self.invars
+
+
+class ProcessedJaxpr:
+  """The flattened jaxpr of a model function, with its tags located."""
+
+  def __init__(self, jaxpr, consts, in_tree, params_index: int = 0,
+               allow_left_out_params: bool = False,
+               register_left_out_as_generic: bool = False):
+    self.jaxpr = jaxpr
+    self.consts = tuple(consts)
+    self.in_tree = in_tree
+    self.params_index = params_index
+    in_vars = jax.tree.unflatten(in_tree, jaxpr.invars)
+    if not 0 <= params_index < len(in_vars):
+      raise TracingError(
+          f"params_index={params_index} but the function takes "
+          f"{len(in_vars)} positional arguments.")
+    self._in_vars = in_vars
+    self._param_position = {
+        v: i for i, v in enumerate(jax.tree.leaves(in_vars[params_index]))}
+
+    self.loss_tags = tuple(e for e in jaxpr.eqns if tags.is_loss_tag_eqn(e))
+    if not self.loss_tags:
+      raise TracingError(
+          "No loss was registered in the model function: call e.g. "
+          "estimators.register_softmax_cross_entropy_loss(logits, targets) "
+          "(or another estimators.register_*_loss) on the model's output.")
+    layer_tags = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)]
+    claimed = {}
+    for eqn in layer_tags:
+      for var in tags.layer_eqn_parts(eqn)[2]:
+        if var not in self._param_position:
+          raise TracingError(
+              f"A {eqn.primitive.name} was given a parameter that is not a "
+              "leaf of the params argument (e.g. a reshaped or cast copy). "
+              "Pass the parameter arrays to the register_* call unchanged.")
+        if var in claimed:
+          raise TracingError(
+              f"Parameter #{self._param_position[var]} is registered in two "
+              f"layer tags ({claimed[var].primitive.name} and "
+              f"{eqn.primitive.name}); register each parameter once.")
+        claimed[var] = eqn
+    left_out = [v for v in self.params_vars_flat if v not in claimed]
+    if left_out and register_left_out_as_generic:
+      layer_tags.extend(_GenericParamsTag((v,)) for v in left_out)
+    elif left_out and not allow_left_out_params:
+      shapes = [tuple(v.aval.shape) for v in left_out]
+      raise TracingError(
+          f"{len(left_out)} parameter(s) with shapes {shapes} are not in any "
+          "layer tag. Register them (e.g. estimators.register_generic) or let "
+          "the estimator register them (auto_register_tags=True).")
+    indices = [self._layer_param_indices(e) for e in layer_tags]
+    order = sorted(range(len(layer_tags)), key=lambda i: indices[i])
+    self.layer_tags = tuple(layer_tags[i] for i in order)
+    self.layer_indices = tuple(indices[i] for i in order)
+    self._last_loss_position = max(
+        i for i, e in enumerate(jaxpr.eqns) if tags.is_loss_tag_eqn(e))
+
+  def _layer_param_indices(self, eqn) -> tuple[int, ...]:
+    return tuple(self._param_position[v] for v in tags.layer_eqn_parts(eqn)[2])
+
+  @property
+  def in_vars_flat(self):
+    return list(self.jaxpr.invars)
+
+  @property
+  def in_vars(self):
+    return self._in_vars
+
+  @property
+  def params_vars(self):
+    return self._in_vars[self.params_index]
+
+  @property
+  def params_vars_flat(self):
+    return jax.tree.leaves(self.params_vars)
+
+  @property
+  def params_tree(self):
+    return jax.tree.structure(self.params_vars)
+
+  @classmethod
+  def make_from_func(cls, func: Callable, func_args: Sequence[Any],
+                     params_index: int = 0, auto_register_tags: bool = True,
+                     allow_left_out_params: bool = False,
+                     **auto_registration_kwargs) -> ProcessedJaxpr:
+    """Traces `func(*func_args)` and builds the processed jaxpr.
+
+    With `auto_register_tags`, `func` is first passed through
+    `graph_matcher.auto_register_tags` (with `auto_registration_kwargs`),
+    which tags the layers it recognises and gives every other parameter a
+    generic tag.
+    """
+    func_args = tuple(func_args)
+    # --- graph_matcher plug-in: automatic layer registration ---
+    if auto_register_tags:
+      from estimators import graph_matcher  # pylint: disable=g-import-not-at-top
+      func = graph_matcher.auto_register_tags(
+          func, func_args, params_index, **auto_registration_kwargs)
+    # --- end of graph_matcher plug-in ---
+    flat_args, in_tree = jax.tree.flatten(func_args)
+
+    def flat_func(*flat):
+      return func(*jax.tree.unflatten(in_tree, flat))
+
+    closed = jax.make_jaxpr(flat_func)(*_abstract(flat_args))
+    flat = jax.make_jaxpr(functools.partial(
+        _eval_inlined, closed.jaxpr, closed.consts))(*_abstract(flat_args))
+    return cls(flat.jaxpr, flat.consts, in_tree, params_index,
+               allow_left_out_params=allow_left_out_params,
+               register_left_out_as_generic=auto_register_tags)
+
+  def evaluate_tags(self, flat_args, perturbations=None):
+    """Runs the model up to its last loss tag.
+
+    Returns (loss operand values per loss tag, per-layer dict of
+    inputs/outputs/params values). When `perturbations` (one tuple per layer
+    tag) is given, it is added to that layer's outputs.
+    """
+    env = {}
+
+    def read(v):
+      return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for var, val in zip(self.jaxpr.constvars, self.consts):
+      env[var] = val
+    for var, val in zip(self.jaxpr.invars, flat_args):
+      env[var] = val
+    layer_position = {id(e): i for i, e in enumerate(self.layer_tags)}
+    layer_values = [None] * len(self.layer_tags)
+    losses_args = []
+    for eqn in self.jaxpr.eqns[:self._last_loss_position + 1]:
+      invals = [read(v) for v in eqn.invars]
+      outvals = _bind(eqn, invals)
+      if tags.is_loss_tag_eqn(eqn):
+        losses_args.append(tuple(invals))
+      elif id(eqn) in layer_position:
+        j = layer_position[id(eqn)]
+        outs, ins, params = eqn.primitive.split_operands(invals)
+        layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
+        if perturbations is not None and outs:
+          outvals = [o + p for o, p in zip(outvals, perturbations[j])]
+      for var, val in zip(eqn.outvars, outvals):
+        env[var] = val
+    for j, eqn in enumerate(self.layer_tags):
+      if layer_values[j] is None:  # a parameters-only (generic) tag
+        params = tuple(read(v) for v in tags.layer_eqn_parts(eqn)[2])
+        layer_values[j] = dict(inputs=(), outputs=(), params=params)
+    return losses_args, layer_values
+
+  def make_losses(self, losses_args):
+    return tuple(
+        eqn.primitive.loss(*args, **eqn.params)
+        for eqn, args in zip(self.loss_tags, losses_args))
+
+
+class _Traced:
+  """Caches one ProcessedJaxpr per argument structure (shapes and dtypes)."""
+
+  def __init__(self, func, params_index, auto_register_tags=True,
+               raise_error_on_diff_jaxpr=True, **auto_registration_kwargs):
+    self.func = func
+    self.params_index = params_index
+    self.auto_register_tags = auto_register_tags
+    self.raise_error_on_diff_jaxpr = raise_error_on_diff_jaxpr
+    self.kwargs = auto_registration_kwargs
+    self._cache = {}
+
+  def processed(self, func_args) -> ProcessedJaxpr:
+    leaves, tree = jax.tree.flatten(tuple(func_args))
+    key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    if key not in self._cache:
+      proc = ProcessedJaxpr.make_from_func(
+          self.func, func_args, self.params_index,
+          auto_register_tags=self.auto_register_tags, **self.kwargs)
+      if self._cache and self.raise_error_on_diff_jaxpr:
+        first = next(iter(self._cache.values()))
+        if first.layer_indices != proc.layer_indices or len(
+            first.loss_tags) != len(proc.loss_tags):
+          raise TracingError(
+              "Tracing the model with new argument shapes found different "
+              "loss or layer tags than before; the curvature blocks no longer "
+              "match the model.")
+      self._cache[key] = proc
+    return self._cache[key]
+
+  def split(self, func_args):
+    proc = self.processed(func_args)
+    flat_args = jax.tree.leaves(tuple(func_args))
+    positions = [i for i, v in enumerate(proc.jaxpr.invars)
+                 if v in proc._param_position]
+    return proc, flat_args, positions
+
+
+def _with_params(flat_args, positions, params_flat):
+  flat = list(flat_args)
+  for i, p in zip(positions, params_flat):
+    flat[i] = p
+  return flat
+
+
+def _params_flat(proc, flat_args, positions):
+  return [flat_args[i] for i in positions]
+
+
+def _loss_inputs_fn(traced: _Traced, func_args):
+  """(proc, losses, f) with f(params_flat) -> parameter dependants per loss."""
+  proc, flat_args, positions = traced.split(func_args)
+
+  def f(params_flat):
+    losses_args, _ = proc.evaluate_tags(
+        _with_params(flat_args, positions, params_flat))
+    return tuple(
+        tuple(args[:len(e.primitive.parameter_dependants_names)])
+        for e, args in zip(proc.loss_tags, losses_args))
+
+  losses_args, _ = proc.evaluate_tags(flat_args)
+  return proc, proc.make_losses(losses_args), f, _params_flat(
+      proc, flat_args, positions)
+
+
+def loss_tags_vjp(func: Callable, params_index: int = 0):
+  """Returns `f(func_args) -> (losses, vjp)`.
+
+  `vjp(tangents)` maps one tuple of tangents per loss (shaped like that loss's
+  parameter-dependent inputs) to the parameter gradient, structured as params.
+  """
+  traced = _Traced(func, params_index)
+
+  def transformed(func_args):
+    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
+    _, vjp = jax.vjp(f, params_flat)
+
+    def vjp_func(tangents):
+      tangents = tuple(tuple(t) for t in tangents)
+      return jax.tree.unflatten(proc.params_tree, vjp(tangents)[0])
+
+    return losses, vjp_func
+
+  return transformed
+
+
+def loss_tags_jvp(func: Callable, params_index: int = 0):
+  """Returns `f(func_args, params_tangents) -> (losses, loss input tangents)`."""
+  traced = _Traced(func, params_index)
+
+  def transformed(func_args, params_tangents):
+    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
+    _, tangents = jax.jvp(f, (params_flat,), (jax.tree.leaves(params_tangents),))
+    return losses, tangents
+
+  return transformed
+
+
+def loss_tags_hvp(func: Callable, params_index: int = 0):
+  """Returns `f(func_args, params_tangents) -> (hvp, losses)`.
+
+  The Hessian is that of the sum over losses of `sum(loss.evaluate())`, i.e.
+  of the loss summed (not averaged) over the batch.
+  """
+  traced = _Traced(func, params_index)
+
+  def transformed(func_args, params_tangents):
+    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
+
+    def total_loss(p_flat):
+      inputs = f(p_flat)
+      return sum(jnp.sum(loss.copy_with_different_inputs(x).evaluate())
+                 for loss, x in zip(losses, inputs))
+
+    _, hvp = jax.jvp(jax.grad(total_loss), (params_flat,),
+                     (jax.tree.leaves(params_tangents),))
+    return jax.tree.unflatten(proc.params_tree, hvp), losses
+
+  return transformed
+
+
+def layer_tags_vjp_parts(traced: _Traced, func_args):
+  """The pieces of `layer_tags_vjp`, kept apart so the estimators can vmap.
+
+  Returns (proc, losses, layer_values, tangents_fn), where `tangents_fn` maps
+  one tuple of tangents per loss to (outputs_tangent, params_tangent) per layer.
+  """
+  proc, flat_args, positions = traced.split(func_args)
+  params_flat = _params_flat(proc, flat_args, positions)
+  losses_args, layer_values = proc.evaluate_tags(flat_args)
+  losses = proc.make_losses(losses_args)
+  zeros = tuple(tuple(jnp.zeros_like(o) for o in v["outputs"])
+                for v in layer_values)
+
+  def f(p_flat, perturbations):
+    l_args, _ = proc.evaluate_tags(
+        _with_params(flat_args, positions, p_flat), perturbations)
+    return tuple(
+        tuple(args[:len(e.primitive.parameter_dependants_names)])
+        for e, args in zip(proc.loss_tags, l_args))
+
+  _, vjp = jax.vjp(f, params_flat, zeros)
+
+  def tangents_fn(loss_tangents):
+    loss_tangents = tuple(tuple(t) for t in loss_tangents)
+    params_grads, outputs_grads = vjp(loss_tangents)
+    return tuple(
+        (outputs_grads[j], tuple(params_grads[i] for i in idx))
+        for j, idx in enumerate(proc.layer_indices))
+
+  return proc, losses, layer_values, tangents_fn
+
+
+def layer_tags_vjp(func: Callable, params_index: int = 0,
+                   auto_register_tags: bool = True,
+                   raise_error_on_diff_jaxpr: bool = True,
+                   **auto_registration_kwargs):
+  """Returns `f(func_args) -> (losses, vjp)` for per-layer statistics.
+
+  `vjp(tangents)` takes one tuple of tangents per loss and returns, for every
+  layer tag, a dict with the keys `inputs`, `outputs`, `params`,
+  `outputs_tangent` and `params_tangent`.
+  """
+  traced = _Traced(func, params_index, auto_register_tags,
+                   raise_error_on_diff_jaxpr, **auto_registration_kwargs)
+
+  def transformed(func_args):
+    _, losses, values, tangents_fn = layer_tags_vjp_parts(traced, func_args)
+
+    def vjp_func(tangents):
+      return [dict(v, outputs_tangent=o, params_tangent=p)
+              for v, (o, p) in zip(values, tangents_fn(tangents))]
+
+    return losses, vjp_func
+
+  return transformed
+
+
+def num_elements(shapes) -> int:
+  return int(sum(np.prod(s, dtype=np.int64) for s in shapes))

@@ -1,0 +1,18 @@
+"""Shared utilities: moving averages, PSD linear algebra, pytree helpers."""
+
+from estimators.utils.linalg import (kronecker_eigen_multiply,
+                                     kronecker_product_eigenvalues,
+                                     pi_adjusted_kronecker_damping,
+                                     psd_eigvalsh, psd_matrix_power,
+                                     safe_psd_eigh, symmetrize)
+from estimators.utils.moving_average import WeightedMovingAverage
+from estimators.utils.pytree import (flatten_arrays, is_tracer, product,
+                                     scalar_mul, unflatten_vector)
+
+__all__ = [
+    "WeightedMovingAverage", "flatten_arrays", "is_tracer",
+    "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
+    "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
+    "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
+    "unflatten_vector",
+]

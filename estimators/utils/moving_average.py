@@ -1,0 +1,45 @@
+"""A weighted exponential moving average that is a pytree, so it jits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WeightedMovingAverage:
+  """Keeps `raw_value` (a decayed sum) and `weight` (the sum of its weights).
+
+  The average is `raw_value / weight`. Because the weight is tracked, the
+  first update after `zeros` gives exactly the new value whatever `ema_old` is.
+  """
+
+  weight: jax.Array
+  raw_value: jax.Array
+
+  @classmethod
+  def zeros(cls, shape, dtype=jnp.float32) -> "WeightedMovingAverage":
+    return cls(weight=jnp.zeros([], dtype), raw_value=jnp.zeros(shape, dtype))
+
+  @property
+  def value(self) -> jax.Array:
+    # Before any update the weight is 0; report the (zero) raw value rather
+    # than 0/0, so an untouched estimate reads as the zero matrix.
+    weight = jnp.where(self.weight == 0, jnp.ones_like(self.weight),
+                       self.weight)
+    return self.raw_value / weight.astype(self.raw_value.dtype)
+
+  def update(self, value, ema_old, ema_new) -> "WeightedMovingAverage":
+    """A new average: old terms times `ema_old`, `value` times `ema_new`."""
+    value = jnp.asarray(value, self.raw_value.dtype)
+    if value.shape != self.raw_value.shape:
+      raise ValueError(f"WeightedMovingAverage.update: value of shape "
+                       f"{value.shape} does not match the average's shape "
+                       f"{self.raw_value.shape}.")
+    return WeightedMovingAverage(
+        weight=(ema_old * self.weight + ema_new).astype(self.weight.dtype),
+        raw_value=(ema_old * self.raw_value + ema_new * value).astype(
+            self.raw_value.dtype))

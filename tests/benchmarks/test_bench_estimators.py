@@ -1,0 +1,165 @@
+"""pytest-benchmark timings of the estimators (float32, jit-compiled).
+
+`make bench` runs them; `make test` runs each once as a smoke test. Compile
+time is excluded: every benchmarked function is compiled and run once before
+timing, and each round ends with `block_until_ready`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import estimators as kfac
+
+F32 = jnp.float32
+BLOCK_FAMILIES = {
+    "kfac": {},
+    "diagonal": {"dense_tag": kfac.DenseDiagonal,
+                 "conv2d_tag": kfac.Conv2DDiagonal},
+    "full": {"dense_tag": kfac.DenseFull, "conv2d_tag": kfac.Conv2DFull},
+    "identity": {"dense_tag": kfac.ScaledIdentity,
+                 "conv2d_tag": kfac.ScaledIdentity},
+}
+
+
+def _dense_stack(params, x, sizes):
+  for i in range(len(sizes) - 1):
+    w, b = params[f"w{i}"], params[f"b{i}"]
+    y = kfac.register_dense(x @ w + b, x, w, b)
+    x = jnp.tanh(y) if i < len(sizes) - 2 else y
+  return x
+
+
+def mlp_problem(sizes=(100, 50, 50, 50, 10), batch=128, seed=0):
+  rng = jax.random.PRNGKey(seed)
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"w{i}"] = jax.random.normal(jax.random.fold_in(rng, i), (a, b),
+                                        F32) / jnp.sqrt(a)
+    params[f"b{i}"] = jnp.zeros((b,), F32)
+  x = jax.random.normal(jax.random.fold_in(rng, 100), (batch, sizes[0]), F32)
+  labels = jax.random.randint(jax.random.fold_in(rng, 101), (batch,), 0,
+                              sizes[-1])
+
+  def loss_fn(p, data):
+    x, labels = data
+    logits = kfac.register_softmax_cross_entropy_loss(
+        _dense_stack(p, x, sizes), labels)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         labels[:, None], 1))
+
+  return loss_fn, params, (x, labels)
+
+
+def convnet_problem(batch=32, seed=0):
+  rng = jax.random.PRNGKey(seed)
+  shapes = {"k0": (3, 3, 1, 16), "kb0": (16,), "k1": (3, 3, 16, 32),
+            "kb1": (32,), "w": (7 * 7 * 32, 10), "b": (10,)}
+  params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
+            for i, (n, s) in enumerate(shapes.items())}
+  x = jax.random.normal(jax.random.fold_in(rng, 100), (batch, 28, 28, 1), F32)
+  labels = jax.random.randint(jax.random.fold_in(rng, 101), (batch,), 0, 10)
+
+  def loss_fn(p, data):
+    h, labels = data
+    for i in range(2):
+      y = lax.conv_general_dilated(h, p[f"k{i}"], (2, 2), "SAME",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      y = kfac.register_conv2d(y + p[f"kb{i}"], h, p[f"k{i}"], p[f"kb{i}"],
+                               window_strides=2, padding="SAME")
+      h = jax.nn.relu(y)
+    h = h.reshape(h.shape[0], -1)
+    logits = kfac.register_dense(h @ p["w"] + p["b"], h, p["w"], p["b"])
+    kfac.register_softmax_cross_entropy_loss(logits, labels)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         labels[:, None], 1))
+
+  return loss_fn, params, (x, labels)
+
+
+PROBLEMS = {"mlp": mlp_problem, "convnet": convnet_problem}
+
+
+def _run(benchmark, fn, *args):
+  jax.block_until_ready(fn(*args))  # compile outside the timed rounds
+  benchmark.pedantic(lambda: jax.block_until_ready(fn(*args)), rounds=10,
+                     warmup_rounds=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(problem, family):
+  loss_fn, params, batch = PROBLEMS[problem]()
+  est = kfac.BlockDiagonalCurvature(
+      loss_fn, layer_tag_to_block_ctor=BLOCK_FAMILIES[family])
+  args = (params, batch)
+  rng = jax.random.PRNGKey(0)
+  state = est.init(rng, args, exact_powers_to_cache=-1,
+                   approx_powers_to_cache=-1)
+  batch_size = batch[0].shape[0]
+  update = jax.jit(lambda s: est.update_curvature_matrix_estimate(
+      s, 0.95, 0.05, batch_size, rng, args, estimation_mode="fisher_gradients"))
+  state = update(state)
+  return est, state, params, update
+
+
+@pytest.mark.benchmark(group="estimator-update")
+@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_update_curvature_estimate(benchmark, problem, family):
+  _, state, _, update = _setup(problem, family)
+  _run(benchmark, update, state)
+
+
+@pytest.mark.benchmark(group="cache-update")
+@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_update_cache(benchmark, problem, family):
+  est, state, _, _ = _setup(problem, family)
+  cache = jax.jit(lambda s: est.update_cache(s, 1e-3, None, -1, False))
+  _run(benchmark, cache, state)
+
+
+@pytest.mark.benchmark(group="multiply-inverse")
+@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_multiply_inverse(benchmark, problem, family):
+  est, state, params, _ = _setup(problem, family)
+  state = jax.jit(lambda s: est.update_cache(s, 1e-3, None, -1, False))(state)
+  apply = jax.jit(lambda s, v: est.multiply_inverse(s, v, 1e-3, False, True))
+  _run(benchmark, apply, state, params)
+
+
+@functools.lru_cache(maxsize=None)
+def _explicit_ggn():
+  """The issue's reference problem: MLP 100-50-50-50-10, batch 128."""
+  loss_fn, params, batch = mlp_problem()
+  est = kfac.ExplicitExactCurvature(loss_fn)
+  args = (params, batch)
+  state = est.init(jax.random.PRNGKey(0), args)
+  update = jax.jit(lambda s: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, 128, jax.random.PRNGKey(0), args,
+      estimation_mode="ggn_exact"))
+  return est, state, update
+
+
+@pytest.mark.benchmark(group="explicit-exact-ggn")
+def test_explicit_exact_ggn_build(benchmark):
+  est, state, update = _explicit_ggn()
+  assert est.dim == 10_660
+  jax.block_until_ready(update(state))
+  benchmark.pedantic(lambda: jax.block_until_ready(update(state)), rounds=3,
+                     warmup_rounds=0)
+
+
+@pytest.mark.benchmark(group="explicit-exact-ggn")
+def test_explicit_exact_ggn_eigenvalues(benchmark):
+  est, state, update = _explicit_ggn()
+  state = update(state)
+  eig = est.eigenvalues  # not under jit: it picks the Gram route itself
+  values = jax.block_until_ready(eig(state))
+  assert values.shape == (10_660,)
+  benchmark.pedantic(lambda: jax.block_until_ready(eig(state)), rounds=3,
+                     warmup_rounds=0)
