@@ -162,8 +162,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     # compatibility (block-wise distribution across devices is not done).
     self.distributed_multiplies = distributed_multiplies
     self.distributed_cache_updates = distributed_cache_updates
-    self._traced = tracer._Traced(func, params_index, auto_register_tags,
-                                  **auto_register_kwargs)
+    if not auto_register_tags:
+      auto_register_kwargs["auto_register_tags"] = False
+    self._traced = tracer.traced_function(func, params_index,
+                                          **auto_register_kwargs)
     self._blocks = None
     self._jaxpr = None
 

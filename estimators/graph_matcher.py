@@ -484,7 +484,9 @@ def _check_tag(tag, y, xs, ps, uses, meta):
       return None
     for i, p in enumerate(ps):
       lead = len(p) - len(y) + 1  # these axes would meet the batch axis
-      if not aligned_right(i, len(y)) or lead > 0 and np.prod(p[:lead]) != 1:
+      if (np.prod(p) == 1  # a scalar (e.g. a temperature) stays generic
+          or not aligned_right(i, len(y))
+          or lead > 0 and np.prod(p[:lead]) != 1):
         return None
   return tag
 

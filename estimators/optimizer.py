@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimators import curvature, estimation_modes, tracer
+from estimators import curvature, estimation_modes, tracer, utils
 
 Params = Any
 
@@ -35,9 +35,9 @@ class OptimizerState:
   step_counter: jax.Array
 
 
-def _inner(a, b):
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a),
-                                            jax.tree.leaves(b)))
+def state_dtype(tree):
+  """The floating dtype of a params-like tree (the optimizer computes in it)."""
+  return jnp.result_type(*jax.tree.leaves(tree))
 
 
 def _scale(c, tree):
@@ -257,7 +257,7 @@ class Optimizer:
   @staticmethod
   def _gram(vectors):
     n = len(vectors)
-    return jnp.array([[_inner(vectors[i], vectors[j]) for j in range(n)]
+    return jnp.array([[utils.inner_product(vectors[i], vectors[j]) for j in range(n)]
                       for i in range(n)])
 
   def compute_exact_quad_model(self, vectors, grads, func_args=None):
@@ -274,26 +274,26 @@ class Optimizer:
     losses = jvps[0][0]
     batch_size = self._batch_size(func_args[-1])
     n = len(vectors)
-    matrix = jnp.zeros((n, n))
+    matrix = jnp.zeros((n, n), state_dtype(vectors))
     for l, loss in enumerate(losses):
       multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
       jv = [tangents[l] for _, tangents in jvps]
       cjv = [multiply(t) for t in jv]
       matrix = matrix + jnp.array(
-          [[_inner(jv[i], cjv[j]) for j in range(n)] for i in range(n)])
+          [[utils.inner_product(jv[i], cjv[j]) for j in range(n)] for i in range(n)])
     matrix = self._mean(matrix / batch_size)
     return matrix, self._gram(vectors), jnp.array(
-        [_inner(v, grads) for v in vectors])
+        [utils.inner_product(v, grads) for v in vectors])
 
   def compute_approx_quad_model(self, state, vectors, grads):
     """The same three terms with C the optimizer's curvature estimate."""
     products = [self._estimator.multiply(state.estimator_state, v, 0.0,
                                          True, False) for v in vectors]
     n = len(vectors)
-    matrix = jnp.array([[_inner(vectors[i], products[j]) for j in range(n)]
+    matrix = jnp.array([[utils.inner_product(vectors[i], products[j]) for j in range(n)]
                         for i in range(n)])
     return matrix, self._gram(vectors), jnp.array(
-        [_inner(v, grads) for v in vectors])
+        [utils.inner_product(v, grads) for v in vectors])
 
   def init(self, params, rng, batch, func_state=None) -> OptimizerState:
     """The optimizer state (the estimator is traced on this batch)."""
@@ -311,7 +311,7 @@ class Optimizer:
     return OptimizerState(
         velocities=jax.tree.map(jnp.zeros_like, params),
         estimator_state=estimator_state,
-        damping=jnp.asarray(damping, jnp.result_type(float)),
+        damping=jnp.asarray(damping, state_dtype(params)),
         data_seen=jnp.zeros((), jnp.int32),
         step_counter=jnp.zeros((), jnp.int32))
 
@@ -357,21 +357,22 @@ class Optimizer:
     if batch is None:
       batch = next(data_iterator)
     batch = self._batch_process_func(batch)
-    hyper = [self._hyper(learning_rate, self._lr_schedule, step),
-             self._hyper(momentum, self._momentum_schedule, step),
-             self._hyper(damping, self._damping_schedule, step)]
+    dtype = state.damping.dtype
+    hyper = [self._hyper(learning_rate, self._lr_schedule, step, dtype),
+             self._hyper(momentum, self._momentum_schedule, step, dtype),
+             self._hyper(damping, self._damping_schedule, step, dtype)]
     params, state, func_state, stats = self._compiled_step(
         params, state, rng, batch, func_state, *hyper)
     if self._has_state:
       return params, state, func_state, stats
     return params, state, stats
 
-  def _hyper(self, value, schedule, step):
+  def _hyper(self, value, schedule, step, dtype):
     if schedule is not None:
       value = schedule(step)
     if value is None:
       return None
-    value = jnp.asarray(value, jnp.result_type(float))
+    value = jnp.asarray(value, dtype)
     if self._multi_device:
       value = jnp.broadcast_to(value, (jax.local_device_count(),))
     return value
@@ -402,7 +403,7 @@ class Optimizer:
     precon = self._estimator.multiply_inverse(estimator_state, grads,
                                               identity_weight, exact, True)
     if self._norm_constraint is not None:
-      sq_norm = _inner(precon, grads) * learning_rate ** 2
+      sq_norm = utils.inner_product(precon, grads) * learning_rate ** 2
       precon = _scale(jnp.minimum(
           1.0, jnp.sqrt(self._norm_constraint / sq_norm)), precon)
 
@@ -477,12 +478,13 @@ class Optimizer:
     def rho_and_damping(_):
       new_loss = self._mean(self.compute_loss_value(
           self._func_args(new_params, func_state, rng, batch)))
-      rho = (new_loss - loss) / q_change
+      rho = ((new_loss - loss) / q_change).astype(loss.dtype)
       factor = self.damping_decay_factor
       new = jnp.where(rho < self._damping_lower, damping / factor,
                       jnp.where(rho > self._damping_upper, damping * factor,
                                 damping))
-      return jnp.clip(new, self._min_damping, self._max_damping), rho
+      new = jnp.clip(new, self._min_damping, self._max_damping)
+      return new.astype(damping.dtype), rho
 
     return jax.lax.cond(self.should_update_damping(state), rho_and_damping,
                         lambda _: (damping, jnp.asarray(jnp.nan, loss.dtype)),
@@ -493,7 +495,7 @@ class Optimizer:
     named = dict(grad=grads, precon_grad=precon, update=delta)
     if self._include_norms:
       for name, tree in named.items():
-        stats[f"{name}_norm"] = jnp.sqrt(_inner(tree, tree))
+        stats[f"{name}_norm"] = jnp.sqrt(utils.inner_product(tree, tree))
     if self._include_per_param_norms:
       for name, tree in named.items():
         stats[f"per_param_{name}_norm"] = jax.tree.map(jnp.linalg.norm, tree)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 
 from estimators import tags
@@ -306,24 +306,38 @@ def _with_params(flat_args, positions, params_flat):
   return flat
 
 
-def _params_flat(proc, flat_args, positions):
-  return [flat_args[i] for i in positions]
+_SHARED_TRACES = weakref.WeakKeyDictionary()
+
+
+def traced_function(func, params_index=0, **kwargs) -> _Traced:
+  """The (shared) trace cache of `func`: each transform of the same model
+  function reuses one ProcessedJaxpr instead of tracing and matching again."""
+  if kwargs:
+    return _Traced(func, params_index, **kwargs)
+  try:
+    per_func = _SHARED_TRACES.setdefault(func, {})
+  except TypeError:  # not weak-referenceable
+    return _Traced(func, params_index)
+  if params_index not in per_func:
+    per_func[params_index] = _Traced(func, params_index)
+  return per_func[params_index]
+
+
+def _deps(proc, losses_args):
+  return tuple(tuple(args[:len(e.primitive.parameter_dependants_names)])
+               for e, args in zip(proc.loss_tags, losses_args))
 
 
 def _loss_inputs_fn(traced: _Traced, func_args):
-  """(proc, losses, f) with f(params_flat) -> parameter dependants per loss."""
+  """(proc, params_flat, f); f(params_flat) -> (dependants, all loss args)."""
   proc, flat_args, positions = traced.split(func_args)
 
   def f(params_flat):
     losses_args, _ = proc.evaluate_tags(
         _with_params(flat_args, positions, params_flat))
-    return tuple(
-        tuple(args[:len(e.primitive.parameter_dependants_names)])
-        for e, args in zip(proc.loss_tags, losses_args))
+    return _deps(proc, losses_args), losses_args
 
-  losses_args, _ = proc.evaluate_tags(flat_args)
-  return proc, proc.make_losses(losses_args), f, _params_flat(
-      proc, flat_args, positions)
+  return proc, [flat_args[i] for i in positions], f
 
 
 def loss_tags_vjp(func: Callable, params_index: int = 0):
@@ -332,29 +346,30 @@ def loss_tags_vjp(func: Callable, params_index: int = 0):
   `vjp(tangents)` maps one tuple of tangents per loss (shaped like that loss's
   parameter-dependent inputs) to the parameter gradient, structured as params.
   """
-  traced = _Traced(func, params_index)
+  traced = traced_function(func, params_index)
 
   def transformed(func_args):
-    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
-    _, vjp = jax.vjp(f, params_flat)
+    proc, params_flat, f = _loss_inputs_fn(traced, func_args)
+    _, vjp, losses_args = jax.vjp(f, params_flat, has_aux=True)
 
     def vjp_func(tangents):
       tangents = tuple(tuple(t) for t in tangents)
       return jax.tree.unflatten(proc.params_tree, vjp(tangents)[0])
 
-    return losses, vjp_func
+    return proc.make_losses(losses_args), vjp_func
 
   return transformed
 
 
 def loss_tags_jvp(func: Callable, params_index: int = 0):
   """Returns `f(func_args, params_tangents) -> (losses, loss input tangents)`."""
-  traced = _Traced(func, params_index)
+  traced = traced_function(func, params_index)
 
   def transformed(func_args, params_tangents):
-    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
-    _, tangents = jax.jvp(f, (params_flat,), (jax.tree.leaves(params_tangents),))
-    return losses, tangents
+    proc, params_flat, f = _loss_inputs_fn(traced, func_args)
+    (_, losses_args), (tangents, _) = jax.jvp(
+        f, (params_flat,), (jax.tree.leaves(params_tangents),))
+    return proc.make_losses(losses_args), tangents
 
   return transformed
 
@@ -365,19 +380,21 @@ def loss_tags_hvp(func: Callable, params_index: int = 0):
   The Hessian is that of the sum over losses of `sum(loss.evaluate())`, i.e.
   of the loss summed (not averaged) over the batch.
   """
-  traced = _Traced(func, params_index)
+  traced = traced_function(func, params_index)
 
   def transformed(func_args, params_tangents):
-    proc, losses, f, params_flat = _loss_inputs_fn(traced, func_args)
+    proc, params_flat, f = _loss_inputs_fn(traced, func_args)
 
     def total_loss(p_flat):
-      inputs = f(p_flat)
-      return sum(jnp.sum(loss.copy_with_different_inputs(x).evaluate())
-                 for loss, x in zip(losses, inputs))
+      _, losses_args = f(p_flat)
+      losses = proc.make_losses(losses_args)
+      return sum(jnp.sum(loss.evaluate()) for loss in losses), losses_args
 
-    _, hvp = jax.jvp(jax.grad(total_loss), (params_flat,),
-                     (jax.tree.leaves(params_tangents),))
-    return jax.tree.unflatten(proc.params_tree, hvp), losses
+    _, hvp, losses_args = jax.jvp(
+        lambda p: jax.grad(total_loss, has_aux=True)(p), (params_flat,),
+        (jax.tree.leaves(params_tangents),), has_aux=True)
+    return jax.tree.unflatten(proc.params_tree, hvp), proc.make_losses(
+        losses_args)
 
   return transformed
 
@@ -389,20 +406,19 @@ def layer_tags_vjp_parts(traced: _Traced, func_args):
   one tuple of tangents per loss to (outputs_tangent, params_tangent) per layer.
   """
   proc, flat_args, positions = traced.split(func_args)
-  params_flat = _params_flat(proc, flat_args, positions)
-  losses_args, layer_values = proc.evaluate_tags(flat_args)
-  losses = proc.make_losses(losses_args)
-  zeros = tuple(tuple(jnp.zeros_like(o) for o in v["outputs"])
-                for v in layer_values)
+  params_flat = [flat_args[i] for i in positions]
+  zeros = tuple(
+      tuple(jnp.zeros(v.aval.shape, v.aval.dtype)
+            for v in tags.layer_eqn_parts(eqn)[0])
+      for eqn in proc.layer_tags)
 
   def f(p_flat, perturbations):
-    l_args, _ = proc.evaluate_tags(
+    losses_args, layer_values = proc.evaluate_tags(
         _with_params(flat_args, positions, p_flat), perturbations)
-    return tuple(
-        tuple(args[:len(e.primitive.parameter_dependants_names)])
-        for e, args in zip(proc.loss_tags, l_args))
+    return _deps(proc, losses_args), (losses_args, layer_values)
 
-  _, vjp = jax.vjp(f, params_flat, zeros)
+  _, vjp, (losses_args, layer_values) = jax.vjp(f, params_flat, zeros,
+                                                has_aux=True)
 
   def tangents_fn(loss_tangents):
     loss_tangents = tuple(tuple(t) for t in loss_tangents)
@@ -411,7 +427,7 @@ def layer_tags_vjp_parts(traced: _Traced, func_args):
         (outputs_grads[j], tuple(params_grads[i] for i in idx))
         for j, idx in enumerate(proc.layer_indices))
 
-  return proc, losses, layer_values, tangents_fn
+  return proc, proc.make_losses(losses_args), layer_values, tangents_fn
 
 
 def layer_tags_vjp(func: Callable, params_index: int = 0,
@@ -437,7 +453,3 @@ def layer_tags_vjp(func: Callable, params_index: int = 0,
     return losses, vjp_func
 
   return transformed
-
-
-def num_elements(shapes) -> int:
-  return int(sum(np.prod(s, dtype=np.int64) for s in shapes))

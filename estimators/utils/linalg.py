@@ -40,10 +40,34 @@ def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
   if power == 0:
     return jnp.eye(n, dtype=matrix.dtype)
   if power == -1:
-    factor = jsp_linalg.cho_factor(symmetrize(matrix), lower=True)
-    return jsp_linalg.cho_solve(factor, jnp.eye(n, dtype=matrix.dtype))
+    return psd_inverse(matrix)
   values, vectors = safe_psd_eigh(matrix)
   return (vectors * values ** power) @ vectors.T
+
+
+def lower_triangular_inverse(lower: jax.Array) -> jax.Array:
+  """Inverse of a lower-triangular matrix by recursive 2x2 blocking.
+
+  Everything but the small diagonal blocks is matrix multiplication, which on
+  CPU is over ten times faster than XLA's triangular solve with a full
+  right-hand side.
+  """
+  n = lower.shape[-1]
+  if n <= 16:
+    return jsp_linalg.solve_triangular(lower, jnp.eye(n, dtype=lower.dtype),
+                                       lower=True)
+  h = n // 2
+  top = lower_triangular_inverse(lower[:h, :h])
+  bottom = lower_triangular_inverse(lower[h:, h:])
+  return jnp.block([[top, jnp.zeros((h, n - h), lower.dtype)],
+                    [-bottom @ lower[h:, :h] @ top, bottom]])
+
+
+def psd_inverse(matrix: jax.Array) -> jax.Array:
+  """Inverse of a positive definite matrix through its Cholesky factor."""
+  inverse_factor = lower_triangular_inverse(
+      jnp.linalg.cholesky(symmetrize(matrix)))
+  return inverse_factor.T @ inverse_factor
 
 
 def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):

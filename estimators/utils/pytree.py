@@ -40,3 +40,9 @@ def unflatten_vector(vector: jax.Array,
 
 def is_tracer(value) -> bool:
   return isinstance(value, jax.core.Tracer)
+
+
+def inner_product(a, b):
+  """Sum over all leaves of the elementwise product of two matching pytrees."""
+  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a),
+                                            jax.tree.leaves(b)))

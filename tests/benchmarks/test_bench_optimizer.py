@@ -1,0 +1,173 @@
+"""K-FAC optimizer step time against Adam on the same problem (float32).
+
+Settings follow the reference measurements: adaptive learning rate, momentum
+and damping, inverses refreshed every 5 steps, batch 128. Each round runs one
+full refresh period (5 steps) and ends with `block_until_ready`; the
+per-step time is a fifth of that. The first K-FAC step (trace + compile +
+run) is recorded apart, as `first_step_s`, and the ratio to Adam measured in
+the same run as `ratio_to_adam`. `make bench` runs them all; `make test`
+skips the large problems.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+
+import estimators as kfac
+
+F32 = jnp.float32
+BATCH = 128
+PERIOD = 5
+
+
+def _dense_params(rng, sizes):
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"w{i}"] = jax.random.normal(jax.random.fold_in(rng, i), (a, b),
+                                        F32) / jnp.sqrt(a)
+    params[f"b{i}"] = jnp.zeros((b,), F32)
+  return params
+
+
+def _dense_net(params, x, n_layers, activation, final=None):
+  for i in range(n_layers):
+    x = x @ params[f"w{i}"] + params[f"b{i}"]
+    if i < n_layers - 1 and (final is None or i != final):
+      x = activation(x)
+  return x
+
+
+def mlp():
+  sizes = (100, 50, 50, 50, 10)
+  rng = jax.random.PRNGKey(0)
+  x = jax.random.normal(rng, (BATCH, 100), F32)
+  y = jax.random.randint(jax.random.fold_in(rng, 1), (BATCH,), 0, 10)
+
+  def loss_fn(params, batch):
+    x, y = batch
+    logits = _dense_net(params, x, 4, jnp.tanh)
+    kfac.register_softmax_cross_entropy_loss(logits, y)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         y[:, None], 1))
+
+  return loss_fn, _dense_params(rng, sizes), (x, y)
+
+
+def autoencoder():
+  sizes = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+  rng = jax.random.PRNGKey(0)
+  x = jax.random.uniform(rng, (BATCH, 784), F32)
+
+  def loss_fn(params, batch):
+    x, = batch
+    # The 30-unit code layer (layer 3) is linear, as in the K-FAC paper.
+    logits = _dense_net(params, x, 8, jnp.tanh, final=3)
+    kfac.register_sigmoid_cross_entropy_loss(logits, x)
+    return jnp.mean(jnp.sum(optax.sigmoid_binary_cross_entropy(logits, x), -1))
+
+  return loss_fn, _dense_params(rng, sizes), (x,)
+
+
+def convnet():
+  rng = jax.random.PRNGKey(0)
+  shapes = {"k0": (3, 3, 1, 32), "c0": (32,), "k1": (3, 3, 32, 64),
+            "c1": (64,), "w": (7 * 7 * 64, 10), "b": (10,)}
+  params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
+            for i, (n, s) in enumerate(shapes.items())}
+  x = jax.random.normal(rng, (BATCH, 28, 28, 1), F32)
+  y = jax.random.randint(jax.random.fold_in(rng, 1), (BATCH,), 0, 10)
+
+  def loss_fn(params, batch):
+    h, y = batch
+    for i in range(2):
+      h = lax.conv_general_dilated(h, params[f"k{i}"], (2, 2), "SAME",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      h = jax.nn.relu(h + params[f"c{i}"])
+    logits = h.reshape(BATCH, -1) @ params["w"] + params["b"]
+    kfac.register_softmax_cross_entropy_loss(logits, y)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         y[:, None], 1))
+
+  return loss_fn, params, (x, y)
+
+
+PROBLEMS = {"mlp": mlp, "autoencoder": autoencoder, "convnet": convnet}
+LARGE = {"autoencoder", "convnet"}
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+def _adam_runner(loss_fn, params, batch):
+  adam = optax.adam(1e-3)
+
+  @jax.jit
+  def step(p, s):
+    grads = jax.grad(loss_fn)(p, batch)
+    updates, s = adam.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  carry = [params, adam.init(params)]
+  compile_s = _timed(lambda: step(*carry))
+
+  def run():
+    for _ in range(PERIOD):
+      carry[:] = step(*carry)
+    return carry[0]
+
+  return run, compile_s
+
+
+def _kfac_runner(loss_fn, params, batch):
+  opt = kfac.Optimizer(
+      jax.value_and_grad(loss_fn), l2_reg=0.0,
+      use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+      use_adaptive_damping=True, initial_damping=1.0, num_burnin_steps=0,
+      inverse_update_period=PERIOD)
+  rng = jax.random.PRNGKey(0)
+  state = opt.init(params, rng, batch)
+  carry = [params, state, 0]
+
+  def one_step():
+    p, s, i = carry
+    p, s, _ = opt.step(p, s, rng, batch=batch, global_step_int=i)
+    carry[:] = [p, s, i + 1]
+    return p
+
+  first_step_s = _timed(one_step)
+  for _ in range(PERIOD - 1):  # align rounds with the refresh period
+    one_step()
+
+  def run():
+    for _ in range(PERIOD):
+      one_step()
+    return carry[0]
+
+  return run, first_step_s
+
+
+@pytest.mark.benchmark(group="optimizer-step")
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_kfac_step_against_adam(benchmark, name):
+  if benchmark.disabled and name in LARGE:
+    pytest.skip("timing run on a large problem: use `make bench`")
+  loss_fn, params, batch = PROBLEMS[name]()
+  adam_run, adam_compile_s = _adam_runner(loss_fn, params, batch)
+  kfac_run, first_step_s = _kfac_runner(loss_fn, params, batch)
+  rounds = 3 if name in LARGE else 20
+  adam_times = sorted(_timed(adam_run) / PERIOD for _ in range(rounds))
+  benchmark.pedantic(kfac_run, rounds=rounds, warmup_rounds=1)
+  adam_median = adam_times[len(adam_times) // 2]
+  if not benchmark.disabled:
+    kfac_median = benchmark.stats.stats.median / PERIOD
+    benchmark.extra_info.update(
+        kfac_step_ms=1e3 * kfac_median, adam_step_ms=1e3 * adam_median,
+        ratio_to_adam=kfac_median / adam_median, first_step_s=first_step_s,
+        adam_first_step_s=adam_compile_s, device=jax.devices()[0].device_kind)
