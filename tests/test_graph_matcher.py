@@ -309,19 +309,19 @@ def test_plain_scale_and_shift_with_broadcasting():
 
 def test_unusual_parameters_get_generic_tags():
   p = _init({"w": (4, 3), "b": (3,), "temperature": (), "log_scale": (3,),
-             "w_t": (3, 3), "shared": (3, 3)})
+             "w_t": (3, 3), "shared": (3, 3), "gate": (1,), "beta": ()})
 
   def forward(p, x):
     h = jnp.tanh((x @ p["w"] + p["b"]) * jnp.exp(p["log_scale"]))
     h = h @ p["w_t"].T                      # transposed weight
     h = jnp.tanh(h @ p["shared"]) @ p["shared"]  # shared weight
+    h = h * p["gate"] + h * p["beta"]       # scalar gates
     return h / p["temperature"]             # learned temperature
 
   report = report_of(_loss(forward), (p, _batch((4, 4))))
-  assert layers(report) == {
-      ("dense_tag", "b", "w"), ("generic_tag", "temperature"),
-      ("generic_tag", "log_scale"), ("generic_tag", "w_t"),
-      ("generic_tag", "shared")}
+  assert layers(report) == {("dense_tag", "b", "w")} | {
+      ("generic_tag", n) for n in ("temperature", "log_scale", "w_t",
+                                   "shared", "gate", "beta")}
   shared = report_of(_loss(forward), (p, _batch((4, 4))),
                      allow_multiple_registrations=True)
   assert ("dense_tag", "shared") in layers(shared)
