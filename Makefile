@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
+# The default benchmark: spectra, timing and training on the three small
+# problems, then the merged report (reports/quick/report/report.md + figures).
 run: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/curvbench
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --benchmark-disable -q

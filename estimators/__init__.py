@@ -18,7 +18,12 @@ from estimators.curvature import (
     BlockDiagonalCurvature, CurvatureEstimator, ExplicitExactCurvature,
     ImplicitExactCurvature, default_batch_size_extractor,
     get_default_tag_to_block_ctor, set_default_tag_to_block_ctor)
+from estimators import graph_matcher
+from estimators import graph_matcher as tag_graph_matcher
 from estimators.estimation_modes import ESTIMATION_MODES
+from estimators.graph_matcher import (
+    DEFAULT_GRAPH_PATTERNS, GraphMatcherComparator, GraphPattern,
+    TaggedFunction, auto_register_tags, registration_report)
 from estimators.optimizer import Optimizer
 from estimators.losses import (
     CategoricalLogitsNegativeLogProbLoss, DistributionNegativeLogProbLoss,

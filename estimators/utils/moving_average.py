@@ -39,6 +39,11 @@ class WeightedMovingAverage:
       raise ValueError(f"WeightedMovingAverage.update: value of shape "
                        f"{value.shape} does not match the average's shape "
                        f"{self.raw_value.shape}.")
+    if isinstance(ema_old, (int, float)) and ema_old == 0:
+      # A fresh estimate: skip reading the old value (large for dense blocks).
+      return WeightedMovingAverage(
+          weight=jnp.asarray(ema_new, self.weight.dtype) + 0 * self.weight,
+          raw_value=(ema_new * value).astype(self.raw_value.dtype))
     return WeightedMovingAverage(
         weight=(ema_old * self.weight + ema_new).astype(self.weight.dtype),
         raw_value=(ema_old * self.raw_value + ema_new * value).astype(

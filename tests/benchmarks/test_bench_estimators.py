@@ -55,9 +55,13 @@ def mlp_problem(sizes=(100, 50, 50, 50, 10), batch=128, seed=0):
 
 
 def convnet_problem(batch=32, seed=0):
+  """Three stride-2 3x3 convolutions (8, 16, 16 channels) and a dense layer."""
   rng = jax.random.PRNGKey(seed)
-  shapes = {"k0": (3, 3, 1, 16), "kb0": (16,), "k1": (3, 3, 16, 32),
-            "kb1": (32,), "w": (7 * 7 * 32, 10), "b": (10,)}
+  channels = (1, 8, 16, 16)
+  shapes = {}
+  for i, (c_in, c_out) in enumerate(zip(channels[:-1], channels[1:])):
+    shapes |= {f"k{i}": (3, 3, c_in, c_out), f"kb{i}": (c_out,)}
+  shapes |= {"w": (4 * 4 * 16, 10), "b": (10,)}
   params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
             for i, (n, s) in enumerate(shapes.items())}
   x = jax.random.normal(jax.random.fold_in(rng, 100), (batch, 28, 28, 1), F32)
@@ -65,7 +69,7 @@ def convnet_problem(batch=32, seed=0):
 
   def loss_fn(p, data):
     h, labels = data
-    for i in range(2):
+    for i in range(3):
       y = lax.conv_general_dilated(h, p[f"k{i}"], (2, 2), "SAME",
                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
       y = kfac.register_conv2d(y + p[f"kb{i}"], h, p[f"k{i}"], p[f"kb{i}"],

@@ -120,7 +120,7 @@ def _adam_runner(loss_fn, params, batch):
   def run():
     for _ in range(PERIOD):
       carry[:] = step(*carry)
-    return carry[0]
+    return jax.block_until_ready(carry[0])
 
   return run, compile_s
 
@@ -148,7 +148,7 @@ def _kfac_runner(loss_fn, params, batch):
   def run():
     for _ in range(PERIOD):
       one_step()
-    return carry[0]
+    return jax.block_until_ready(carry[0])
 
   return run, first_step_s
 

@@ -1,0 +1,5 @@
+"""`python -m curvbench ...` is the `curvbench` command."""
+
+from curvbench.app import cli
+
+cli()

@@ -1,0 +1,120 @@
+"""`curvbench report DIR`: merge a sweep's finished runs into tables and figures.
+
+Writes under `DIR/report/` (or `--out`): `report.md`, one CSV per table and
+the figures of `curvbench.plots` as PNG and PDF.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from curvbench import plots, records
+
+TABLES = ("spectra", "quality", "timing", "training")
+
+
+def load_sweep(root) -> dict[str, pd.DataFrame]:
+  """Each table concatenated over the completed runs under `root`."""
+  parts: dict[str, list[pd.DataFrame]] = {t: [] for t in TABLES}
+  for run in records.find_runs(root):
+    if run.marker().get("status") != "complete":
+      continue
+    for name, df in run.tables().items():
+      if name in parts:
+        parts[name].append(df.assign(run_dir=str(run.path.relative_to(root))))
+  return {name: pd.concat(dfs, ignore_index=True)
+          for name, dfs in parts.items() if dfs}
+
+
+def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+  """Small tables for reading: one row per problem and method."""
+  out = {}
+  if "quality" in tables:
+    out["quality"] = tables["quality"].pivot_table(
+        index=["problem", "reference", "block_type", "method"],
+        columns="metric", values="value", aggfunc="mean",
+        dropna=False).dropna(how="all").reset_index()
+  if "timing" in tables:
+    t = tables["timing"]
+    out["timing"] = t.pivot_table(
+        index=["problem", "device_kind", "method"], columns="phase",
+        values="ratio_to_grad_step", aggfunc="mean").reset_index()
+    out["timing_seconds"] = t.pivot_table(
+        index=["problem", "device_kind", "method"], columns="phase",
+        values=["median_s", "compile_s"], aggfunc="mean")
+    out["timing_seconds"].columns = [f"{p}_{v}" for v, p in
+                                     out["timing_seconds"].columns]
+    out["timing_seconds"] = out["timing_seconds"].reset_index()
+  if "training" in tables:
+    t = tables["training"].sort_values("step")
+    groups = t.groupby(["problem", "method"], dropna=False)
+    out["training"] = groups.agg(
+        steps=("step", "max"), wall_s=("wall_s", "max"),
+        final_train_loss=("train_loss", "last"),
+        best_test_loss=("test_loss", "min")).reset_index()
+  return out
+
+
+def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
+  """A GitHub markdown table (no extra dependency)."""
+  def cell(v):
+    if isinstance(v, float):
+      return "" if pd.isna(v) else f"{v:.{digits}g}"
+    return "" if v is None else str(v)
+  head = "| " + " | ".join(map(str, df.columns)) + " |"
+  rule = "|" + "|".join("---" for _ in df.columns) + "|"
+  rows = ["| " + " | ".join(cell(v) for v in row) + " |"
+          for row in df.itertuples(index=False)]
+  return "\n".join([head, rule, *rows])
+
+
+def write(root, out=None) -> dict[str, list[Path]]:
+  """Writes the merged tables, summaries and figures; returns the paths."""
+  root = Path(root)
+  out = Path(out) if out else root / "report"
+  tables = load_sweep(root)
+  if not tables:
+    raise FileNotFoundError(f"No finished runs with records under {root}: run "
+                            "a sweep first (curvbench -m +experiment=quick).")
+  out.mkdir(parents=True, exist_ok=True)
+  written = {"tables": [], "figures": []}
+  for name, df in tables.items():
+    path = out / f"{name}_all.csv"
+    records._atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
+    written["tables"].append(path)
+  lines = [f"# curvbench report: {root}", ""]
+  titles = dict(quality="Approximation quality (vs the exact matrix)",
+                timing="Time per phase / time of a gradient step",
+                timing_seconds="Seconds per phase (median) and compile time",
+                training="Training")
+  for name, df in summaries(tables).items():
+    path = out / f"{name}.csv"
+    records._atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
+    written["tables"].append(path)
+    lines += [f"## {titles[name]}", "", to_markdown(df), ""]
+  figures = plots.all_figures(tables, out / "figures")
+  written["figures"] = figures
+  lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})"
+                                 for p in figures if p.suffix == ".png"]
+  md = out / "report.md"
+  records._atomic_write(md, lambda tmp: Path(tmp).write_text(
+      "\n".join(lines) + "\n"))
+  written["tables"].append(md)
+  return written
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="curvbench report",
+      description="Merge a sweep's runs into tables and figures.")
+  parser.add_argument("dir", help="a sweep directory, e.g. reports/quick")
+  parser.add_argument("--out", help="output directory (default DIR/report)")
+  args = parser.parse_args(argv)
+  written = write(args.dir, args.out)
+  print(f"[curvbench] wrote {len(written['tables'])} tables and "
+        f"{len(written['figures'])} figures under "
+        f"{args.out or Path(args.dir) / 'report'}")
+  return 0

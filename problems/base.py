@@ -1,0 +1,129 @@
+"""The `Problem` type: a model, its registered loss, data and batch order."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import estimators as kfac
+from problems.data import Dataset
+
+TASKS = ("classification", "autoencoder")
+
+
+def softmax_cross_entropy(logits, labels):
+  """Mean over the batch of `-log softmax(logits)[label]`, registered."""
+  logits = kfac.register_softmax_cross_entropy_loss(logits, labels)
+  log_p = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(log_p, labels[:, None], axis=1))
+
+
+def sigmoid_cross_entropy(logits, targets):
+  """Mean over the batch of the summed Bernoulli NLL of `targets`, registered."""
+  logits = kfac.register_sigmoid_cross_entropy_loss(logits, targets)
+  per_pixel = (jnp.maximum(logits, 0) - logits * targets
+               + jnp.log1p(jnp.exp(-jnp.abs(logits))))
+  return jnp.mean(jnp.sum(per_pixel, axis=-1))
+
+
+def squared_error(prediction, targets):
+  """Mean over the batch of `0.5 * ||targets - prediction||^2`, registered."""
+  prediction = kfac.register_squared_error_loss(prediction, targets, weight=0.5)
+  return jnp.mean(0.5 * jnp.sum((targets - prediction) ** 2, axis=-1))
+
+
+LOSSES = {"softmax_cross_entropy": softmax_cross_entropy,
+          "sigmoid_cross_entropy": sigmoid_cross_entropy,
+          "squared_error": squared_error}
+
+
+def loss(name: str) -> Callable:
+  if name not in LOSSES:
+    raise ValueError(f"Unknown loss {name!r}; choose one of {', '.join(LOSSES)}.")
+  return LOSSES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What is optimized: `loss_fn(params, (inputs, targets))` and its data.
+
+  The loss is averaged over the batch, registered with `estimators`, and the
+  model's layers are tagged. Batches come in a fixed order given by the seed.
+  """
+
+  name: str
+  task: str
+  net: hk.Transformed
+  loss_name: str
+  data: Dataset
+  batch_size: int
+  seed: int = 0
+  config: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f"Unknown task {self.task!r}; choose one of {TASKS}.")
+    if self.batch_size < 1 or self.batch_size > len(self.data.x_train):
+      raise ValueError(f"batch_size={self.batch_size} must be between 1 and "
+                       f"the {len(self.data.x_train)} training examples.")
+
+  def loss_fn(self, params, batch):
+    inputs, targets = batch
+    return loss(self.loss_name)(self.net.apply(params, inputs), targets)
+
+  def init_params(self, rng, dtype=None):
+    x = jnp.asarray(self.data.x_train[:1], dtype)
+    return jax.jit(self.net.init)(rng, x)
+
+  @property
+  def num_params(self) -> int:
+    shapes = jax.eval_shape(self.init_params, jax.random.PRNGKey(0))
+    return int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
+
+  def _targets(self, x, y):
+    return x.reshape(len(x), -1) if self.task == "autoencoder" else y
+
+  def batches(self, split: str = "train", batch_size: int | None = None,
+              seed: int | None = None, epochs: int | None = None,
+              dtype=np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Batches `(inputs, targets)`, reshuffled each epoch; the last partial
+    batch of an epoch is dropped. Endless when `epochs` is None."""
+    if split not in ("train", "test"):
+      raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
+    x, y = getattr(self.data, f"x_{split}"), getattr(self.data, f"y_{split}")
+    size = batch_size or self.batch_size
+    if size > len(x):
+      raise ValueError(f"A batch of {size} does not fit the {len(x)} {split} "
+                       "examples; lower the batch size or raise the data size.")
+    seed = self.seed if seed is None else seed
+    epoch = 0
+    while epochs is None or epoch < epochs:
+      order = np.random.default_rng([seed, epoch]).permutation(len(x))
+      for start in range(0, len(x) - size + 1, size):
+        idx = order[start:start + size]
+        xb = x[idx].astype(dtype)
+        yield xb, self._targets(xb, y[idx])
+      epoch += 1
+
+  def fixed_batch(self, size: int | None = None, split: str = "train",
+                  dtype=np.float32):
+    """The first batch of the seed's order (for curvature measurements)."""
+    return next(self.batches(split, size, dtype=dtype))
+
+  def evaluation_batch(self, size: int | None = None, dtype=np.float32):
+    """The first `size` test examples (all of them when None)."""
+    x = self.data.x_test[:size].astype(dtype)
+    return x, self._targets(x, self.data.y_test[:size])
+
+  def metadata(self) -> dict:
+    return dict(problem=self.name, task=self.task, loss=self.loss_name,
+                dataset=self.data.name, num_params=self.num_params,
+                batch_size=self.batch_size, seed=self.seed,
+                num_train=len(self.data.x_train),
+                num_test=len(self.data.x_test),
+                input_shape=list(self.data.input_shape))

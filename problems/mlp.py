@@ -1,0 +1,30 @@
+"""MLP classifier with softmax cross-entropy."""
+
+import haiku as hk
+
+from problems import layers
+from problems.base import Problem
+
+
+def hidden_sizes(cfg) -> list[int]:
+  """`cfg["hidden"]` if given, else `depth` layers of `width` units."""
+  if cfg.get("hidden") is not None:
+    return [int(h) for h in cfg["hidden"]]
+  return [int(cfg.get("width", 32))] * int(cfg.get("depth", 2))
+
+
+def build(data, cfg) -> Problem:
+  sizes = hidden_sizes(cfg)
+  act = layers.activation(cfg.get("activation", "tanh"))
+
+  def model(x):
+    h = x.reshape(x.shape[0], -1)
+    for i, size in enumerate(sizes):
+      h = act(layers.Dense(size, name=f"dense_{i}")(h))
+    return layers.Dense(data.num_classes, name="logits")(h)
+
+  return Problem(name=cfg.get("label", "mlp"), task="classification",
+                 net=hk.without_apply_rng(hk.transform(model)),
+                 loss_name="softmax_cross_entropy", data=data,
+                 batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
+                 config=dict(cfg))

@@ -1,0 +1,188 @@
+"""Problems and offline data: shapes, determinism by seed, losses, no network."""
+
+import gzip
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import estimators as kfac
+import problems
+from problems import data
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+  """Any attempt to open a connection fails the test."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("network access attempted")
+  monkeypatch.setattr(socket.socket, "connect", refuse)
+  monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def cache(tmp_path):
+  return str(tmp_path / "cache")
+
+
+def test_digits_shapes_range_and_split_by_seed():
+  d = data.digits(seed=0)
+  assert d.x_train.shape == (1500, 8, 8, 1) and d.x_test.shape == (297, 8, 8, 1)
+  assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int32
+  assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+  np.testing.assert_array_equal(d.x_test, data.digits(seed=0).x_test)
+  assert not np.array_equal(d.y_test, data.digits(seed=1).y_test)
+
+
+def test_digits_upsampled_are_cached(cache):
+  d = data.digits(size=28, num_train=100, cache=cache)
+  assert d.x_train.shape == (100, 28, 28, 1)
+  files = list((data.cache_dir(cache)).glob("digits-*.npz"))
+  assert len(files) == 1
+  again = data.digits(size=28, num_train=100, cache=cache)
+  np.testing.assert_array_equal(d.x_train, again.x_train)
+
+
+def test_mnist1d_generated_deterministic_and_leaves_numpy_rng(cache):
+  state = np.random.get_state()[1].copy()
+  d = data.mnist1d(num_samples=200, seed=3, cache=cache)
+  np.testing.assert_array_equal(np.random.get_state()[1], state)
+  assert d.x_train.shape == (160, 40, 1) and d.x_test.shape == (40, 40, 1)
+  assert set(np.unique(d.y_train)) <= set(range(10))
+  fresh = data.mnist1d(num_samples=200, seed=3, cache=cache + "2")
+  np.testing.assert_allclose(d.x_train, fresh.x_train)
+  other = data.mnist1d(num_samples=200, seed=4, cache=cache)
+  assert not np.allclose(d.x_train, other.x_train)
+
+
+def test_curves_generated_deterministic(cache):
+  d = data.curves(num_train=12, num_test=4, seed=0, cache=cache)
+  assert d.x_train.shape == (12, 28, 28, 1) and d.x_test.shape == (4, 28, 28, 1)
+  assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+  ink = d.x_train.reshape(12, -1).sum(1)
+  assert np.all(ink > 5) and np.all(ink < 300)  # a thin curve, not a blob
+  again = data.curves(num_train=12, num_test=4, seed=0, cache=cache + "2")
+  np.testing.assert_allclose(d.x_train, again.x_train)
+  assert not np.allclose(
+      d.x_train, data.curves(num_train=12, num_test=4, seed=1,
+                             cache=cache).x_train)
+
+
+def test_ink_curves_passes_through_its_points():
+  points = np.array([[[5.5, 5.5], [14.5, 20.5], [22.5, 8.5]]])
+  image = data.ink_curves(points)[0]
+  for r, c in points[0]:
+    assert image[int(r), int(c)] > 0.9
+
+
+def test_real_data_missing_says_which_files(tmp_path, monkeypatch):
+  monkeypatch.delenv("CURVBENCH_DATA", raising=False)
+  with pytest.raises(FileNotFoundError, match="data_dir"):
+    data.mnist()
+  with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+    data.mnist(tmp_path)
+  with pytest.raises(FileNotFoundError, match="cifar10.npz"):
+    data.cifar10(tmp_path)
+  with pytest.raises(ValueError, match="Unknown dataset 'imagenet'"):
+    data.load("imagenet")
+
+
+def _write_idx(path, array):
+  header = bytes([0, 0, 8, array.ndim]) + b"".join(
+      int(s).to_bytes(4, "big") for s in array.shape)
+  with gzip.open(path, "wb") as f:
+    f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_idx_and_cifar_npz_loaders(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (6, 28, 28))
+  labels = rng.integers(0, 10, (6,))
+  for split in ("train", "t10k"):
+    _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images)
+    _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", labels)
+  d = data.mnist(tmp_path)
+  assert d.x_train.shape == (6, 28, 28, 1)
+  np.testing.assert_allclose(d.x_train[..., 0] * 255, images, atol=1e-3)
+  np.testing.assert_array_equal(d.y_test, labels)
+  np.savez(tmp_path / "cifar10.npz", x_train=rng.integers(0, 256, (4, 32, 32, 3)),
+           y_train=np.arange(4)[:, None], x_test=np.zeros((2, 32, 32, 3)),
+           y_test=np.array([[1], [2]]))
+  c = data.cifar10(tmp_path)
+  assert c.x_train.shape == (4, 32, 32, 3) and c.y_train.shape == (4,)
+
+
+TINY = {
+    "mlp": dict(name="mlp", batch_size=8, width=3, depth=1),
+    "autoencoder": dict(name="autoencoder", batch_size=8, encoder=[6],
+                        code=2),
+    "convnet": dict(name="convnet", batch_size=8, channels=[2, 3], dense=[4]),
+    "convnet_norm": dict(name="convnet", batch_size=8, channels=[2, 3],
+                         dense=[4], normalize=True),
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+  return {k: problems.make(dict(v, data=dict(name="digits")))
+          for k, v in TINY.items()}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_problem_batches_fixed_by_seed(built, name):
+  p = built[name]
+  first = [b for _, b in zip(range(3), p.batches())]
+  again = [b for _, b in zip(range(3), p.batches())]
+  for (x1, y1), (x2, y2) in zip(first, again):
+    np.testing.assert_array_equal(x1, x2)
+    np.testing.assert_array_equal(y1, y2)
+  other = next(p.batches(seed=p.seed + 1))
+  assert not np.array_equal(first[0][0], other[0])
+  x, y = first[0]
+  assert x.shape == (8, 8, 8, 1)
+  assert y.shape == ((8, 64) if p.task == "autoencoder" else (8,))
+  assert len(list(p.batches(epochs=1))) == 1500 // 8
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_problem_loss_matches_plain_formula(built, name):
+  p = built[name]
+  params = p.init_params(jax.random.PRNGKey(0), jnp.float64)
+  x, y = p.fixed_batch(dtype=np.float64)
+  out, loss = jax.jit(lambda w, x, y: (p.net.apply(w, x), p.loss_fn(w, (x, y))))(
+      params, x, y)
+  if p.task == "autoencoder":
+    expected = optax.sigmoid_binary_cross_entropy(out, y).sum(1).mean()
+  else:
+    expected = optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+  np.testing.assert_allclose(loss, expected, rtol=1e-10)
+  sizes = sum(np.size(v) for v in jax.tree.leaves(params))
+  assert p.num_params == sizes and p.metadata()["num_params"] == sizes
+
+
+def test_layers_are_tagged_once_each(built):
+  expected = {"mlp": 2, "autoencoder": 4, "convnet": 4, "convnet_norm": 6}
+  for name, p in built.items():
+    params = p.init_params(jax.random.PRNGKey(0))
+    est = kfac.BlockDiagonalCurvature(p.loss_fn, auto_register_tags=False)
+    est.init(jax.random.PRNGKey(0), (params, p.fixed_batch()))
+    assert est.num_blocks == expected[name], name
+    assert sum(est.block_dims) == p.num_params
+
+
+def test_problem_config_errors(cache):
+  with pytest.raises(ValueError, match="Unknown problem 'resnet'.*mlp"):
+    problems.make(dict(name="resnet", batch_size=8))
+  with pytest.raises(ValueError, match="batch_size"):
+    problems.make(dict(name="mlp", batch_size=5000, data=dict(name="digits")))
+  with pytest.raises(ValueError, match="Unknown activation"):
+    problems.make(dict(name="mlp", batch_size=8, activation="swish2",
+                       data=dict(name="digits"))).init_params(
+                           jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match="needs images"):
+    problems.make(dict(name="convnet", batch_size=8,
+                       data=dict(name="mnist1d", num_samples=100,
+                                 cache=cache)))
