@@ -111,6 +111,18 @@ class Problem:
     return jax.hessian(mean_loss)(flat)
 
 
+def _problem(register, per_example, layers, params, batch):
+  """A Problem from `layers(params, x, tag)` and a loss registration."""
+
+  def tagged(p, batch):
+    x, t = batch
+    z = register(layers(p, x, True), t)
+    return jnp.mean(jax.vmap(per_example)(z, t))
+
+  return Problem(tagged, lambda p, x: layers(p, x, False), per_example,
+                 params, batch, lambda p, x: layers(p, x, True))
+
+
 def _init(rng, shapes):
   keys = jax.random.split(rng, len(shapes))
   return {name: 0.5 * jax.random.normal(k, s)
@@ -138,13 +150,7 @@ def mlp(loss="softmax", batch=6, d_in=4, hidden=5, k=3, seed=0, bias=True,
       z = kfac.register_dense(z, a, p["w2"], p.get("b2"))
     return z
 
-  def tagged(p, batch):
-    x, t = batch
-    z = register(layers(p, x, True), t)
-    return jnp.mean(jax.vmap(per_example)(z, t))
-
-  return Problem(tagged, lambda p, x: layers(p, x, False), per_example,
-                 params, (x, t), lambda p, x: layers(p, x, True))
+  return _problem(register, per_example, layers, params, (x, t))
 
 
 def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
@@ -154,7 +160,6 @@ def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
   kernel = "HWIO" if data_format == "NHWC" else "OIHW"
   kshape = (3, 3, 2, 3) if kernel == "HWIO" else (3, 2, 3, 3)
   xshape = (batch, 6, 6, 2) if data_format == "NHWC" else (batch, 2, 6, 6)
-  out_sp = 3 if (padding == "SAME" and strides == 2) else None
   params = _init(rng, {"k": kshape, "kb": (3,)})
   x = jax.random.normal(jax.random.fold_in(rng, 1), xshape)
   dn = (data_format, kernel, data_format)
@@ -164,7 +169,6 @@ def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
   params |= _init(jax.random.fold_in(rng, 3),
                   {"w": (int(np.prod(feat[1:])), k), "b": (k,)})
   t = make_targets(target_kind, jax.random.fold_in(rng, 2), batch, k)
-  del out_sp
   bias_shape = (1, 1, 1, 3) if data_format == "NHWC" else (1, 3, 1, 1)
 
   def layers(p, x, tag):
@@ -180,13 +184,7 @@ def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
       z = kfac.register_dense(z, a, p["w"], p["b"])
     return z
 
-  def tagged(p, batch):
-    x, t = batch
-    z = register(layers(p, x, True), t)
-    return jnp.mean(jax.vmap(per_example)(z, t))
-
-  return Problem(tagged, lambda p, x: layers(p, x, False), per_example,
-                 params, (x, t), lambda p, x: layers(p, x, True))
+  return _problem(register, per_example, layers, params, (x, t))
 
 
 def scale_shift_net(loss="squared", batch=5, seed=0):
@@ -210,13 +208,7 @@ def scale_shift_net(loss="squared", batch=5, seed=0):
       z = kfac.register_dense(z, jnp.tanh(s), p["w2"])
     return z
 
-  def tagged(p, batch):
-    x, t = batch
-    z = register(layers(p, x, True), t)
-    return jnp.mean(jax.vmap(per_example)(z, t))
-
-  return Problem(tagged, lambda p, x: layers(p, x, False), per_example,
-                 params, (x, t), lambda p, x: layers(p, x, True))
+  return _problem(register, per_example, layers, params, (x, t))
 
 
 def deep_linear(batch=7, seed=0):
