@@ -10,7 +10,7 @@ from estimators.blocks import (
     CurvatureBlock, Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored,
     DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, Diagonal, Full,
     NaiveDiagonal, NaiveFull, RepeatedDenseTwoKroneckerFactored,
-    ScaleAndShiftDiagonal, ScaleAndShiftFull, ScaledIdentity,
+    ScaleAndShiftDiagonal, ScaleAndShiftFull, ScaledIdentity, Stacked,
     TwoKroneckerFactored, get_default_eigen_decomposition_threshold,
     get_max_parallel_elements, set_default_eigen_decomposition_threshold,
     set_max_parallel_elements)
@@ -40,7 +40,7 @@ from estimators.tags import (
     LayerTag, LossTag, register_conv2d, register_dense, register_generic,
     register_repeated_dense, register_scale_and_shift)
 from estimators.tracer import (
-    ProcessedJaxpr, TracingError, layer_tags_vjp, loss_tags_hvp, loss_tags_jvp,
+    ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp, loss_tags_hvp, loss_tags_jvp,
     loss_tags_vjp)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

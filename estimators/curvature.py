@@ -194,8 +194,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     blocks = []
     for eqn, idx in zip(jaxpr.layer_tags, jaxpr.layer_indices):
       ctor = self.index_to_block_ctor(idx) or self.layer_tag_to_block_ctor(eqn)
+      stacked = isinstance(eqn, tracer.StackedLayerTag)
       try:
-        blocks.append(ctor(eqn, _block_name(paths, idx, eqn.primitive.name)))
+        block = ctor(eqn.inner if stacked else eqn,
+                     _block_name(paths, idx, eqn.primitive.name))
+        blocks.append(curvature_blocks.Stacked(block, eqn.length)
+                      if stacked else block)
       except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(
             f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "

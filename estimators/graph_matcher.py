@@ -3,8 +3,11 @@
 `auto_register_tags(func, func_args)` returns `func` with a layer tag after
 every dense, convolution and scale-and-shift layer it computes and a generic
 tag on every other parameter. The model's jaxpr is flattened into one graph
-(`_Graph`: jit, custom_jvp/vjp and remat bodies inlined; scan, while and cond
-opaque). Each `GraphPattern` is traced to a small graph of the same kind, and
+(`_Graph`: jit, custom_jvp/vjp and remat bodies inlined; while and cond
+opaque; a scan stays one node, and its body joins the graph in a context of
+its own, where the slices of stacked parameter leaves that the scan iterates
+over count as parameters, so `hk.experimental.layer_stack` layers are found
+and tagged inside the scan). Each `GraphPattern` is traced to a small graph of the same kind, and
 from every model equation with the primitive of a pattern's output, `_Matcher`
 walks backwards through both graphs in lock step: equations must be
 equivalent (`GraphMatcherComparator`), pattern inputs bind to model values and
@@ -124,6 +127,7 @@ class _Graph:
     self.nodes: list[_Node] = []
     self.producer = {}  # key -> (node index, output index)
     self.node_at, self.alias, self.consts, self.call_outputs = {}, {}, {}, {}
+    self.scan_body = {}  # scan path -> its body's jaxpr
     self._flatten(jaxpr, consts, (), None)
     self.invars = [self.canon((), v) for v in jaxpr.invars]
     self.outvars = [self.canon((), v) for v in jaxpr.outvars]
@@ -147,6 +151,10 @@ class _Graph:
         self.producer.update((k, (len(self.nodes), i))
                              for i, k in enumerate(node.outputs))
         self.nodes.append(node)
+        if eqn.primitive.name == "scan":
+          closed = eqn.params["jaxpr"]
+          self.scan_body[path] = closed.jaxpr
+          self._flatten(closed.jaxpr, closed.consts, path, None)
         continue
       sub, sub_consts = body
       # custom_jvp/custom_vjp calls pass their consts as leading operands.
@@ -169,14 +177,33 @@ class _Graph:
     return key, chain[::-1]
 
   def ancestors(self, starts) -> set[int]:
+    """The nodes `starts` depend on; a scan depends on its whole body."""
     seen, stack = set(starts), list(starts)
     while stack:
-      for k in self.nodes[stack.pop()].inputs:
+      node = self.nodes[stack.pop()]
+      keys = list(node.inputs)
+      if node.path in self.scan_body:
+        keys += [self.canon(node.path, v)
+                 for v in self.scan_body[node.path].outvars]
+      for k in keys:
         prod = None if isinstance(k, Literal) else self.producer.get(k)
         if prod is not None and prod[0] not in seen:
           seen.add(prod[0])
           stack.append(prod[0])
     return seen
+
+  def stacked_slices(self, leaves) -> dict:
+    """Scan-body keys of the slices of `leaves` that a scan iterates over:
+    slice key -> (leaf key, scan node index, number of iterations)."""
+    found = {}
+    for path, body in self.scan_body.items():
+      n = self.node_at[path]
+      eqn = self.nodes[n].eqn
+      xs = tracer._scan_parts(eqn, self.nodes[n].inputs)[2]
+      for var, k in zip(tracer._scan_parts(eqn, body.invars)[2], xs):
+        if not isinstance(k, Literal) and k in leaves:
+          found[(path, var)] = (k, n, eqn.params["length"])
+    return found
 
 
 def _shape(key):
@@ -535,6 +562,10 @@ class _Registration:
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths]
     leaves = g.invars[start:start + len(paths)]
     self.leaf_index = {k: i for i, k in enumerate(leaves)}
+    # A slice of a stacked leaf inside a scan body stands for that leaf.
+    self.slices = g.stacked_slices(self.leaf_index)
+    self.leaf_index.update((k, self.leaf_index[leaf])
+                           for k, (leaf, _, _) in self.slices.items())
 
     self.loss_nodes = [i for i, n in enumerate(g.nodes)
                        if tags.is_loss_tag_eqn(n.eqn)]
@@ -551,7 +582,7 @@ class _Registration:
         if not isinstance(k, Literal):
           self.consumers.setdefault(k, set()).add(i)
 
-    self.owner = {}  # leaf index -> (tag name, source, layer number)
+    self.owner = {}  # leaf index -> (tag name, source, layer number, stack)
     self.matches, self.dropped = {}, set()  # root node -> _Match
     self._claim_manual(manual, allow_multiple_registrations)
     if not register_only_generic:
@@ -564,26 +595,33 @@ class _Registration:
                    allow_multiple_registrations)
     self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
     for k in self.generic:
-      self._own([self.leaf_index[k]], tags.generic.name, self._why_generic(k))
+      self._own([k], tags.generic.name, self._why_generic(k))
     self.inline = self._calls_to_inline(manual)
     self.needed = {k for i in self.relevant for k in g.nodes[i].outputs}
     self.report = [dict(path=self.paths[i], tag=self.owner[i][0],
                         shape=_shape(k), source=self.owner[i][1],
-                        layer=self.owner[i][2]) for i, k in enumerate(leaves)]
+                        layer=self.owner[i][2], stacked=self.owner[i][3])
+                   for i, k in enumerate(leaves)]
     logger.info("Graph parameter registrations:\n%s", "\n".join(
-        f"  {r['path']} -> {r['tag']} ({r['source']}, layer {r['layer']})"
+        f"  {r['path']} -> {r['tag']} ({r['source']}, layer {r['layer']}"
+        + (f", stacked x{r['stacked']})" if r["stacked"] else ")")
         for r in self.report))
 
-  def _own(self, indices, tag_name, source):
+  def _own(self, keys, tag_name, source):
+    """Gives the leaves behind `keys` (leaves or their scanned slices) a tag."""
     layer = len({o[2] for o in self.owner.values()})
-    self.owner.update((i, (tag_name, source, layer)) for i in indices)
+    stack = max((self.slices[k][2] for k in keys if k in self.slices),
+                default=None)
+    self.owner.update((self.leaf_index[k], (tag_name, source, layer, stack))
+                      for k in keys)
 
   def _claim_manual(self, manual, allow_multiple):
     for n in manual:
       eqn = self.graph.nodes[n].eqn
       params = eqn.primitive.split_operands(self.graph.nodes[n].inputs)[2]
-      indices = [self.leaf_index[k] for k in params if k in self.leaf_index]
-      taken = [i for i in indices if i in self.owner]
+      keys = [k for k in params if k in self.leaf_index]
+      taken = [self.leaf_index[k] for k in keys
+               if self.leaf_index[k] in self.owner]
       if taken and not allow_multiple:
         raise tracer.TracingError(
             f"Parameter {self.paths[taken[0]]} is registered in two layer tags"
@@ -593,7 +631,7 @@ class _Registration:
       if taken:
         self.dropped.add(n)  # evaluated as an identity
       else:
-        self._own(indices, eqn.primitive.name, "manual")
+        self._own(keys, eqn.primitive.name, "manual")
 
   def _find(self, pattern, rules, free, allow_multiple):
     """Claims every match of `pattern` among the `free` nodes (updated)."""
@@ -612,8 +650,7 @@ class _Registration:
       if m is not None:
         self.matches[n] = m
         free -= m.nodes
-        self._own([self.leaf_index[k] for k in m.leaves], m.tag.name,
-                  pattern.name)
+        self._own(m.leaves, m.tag.name, pattern.name)
 
   def _checked_match(self, pattern, out_key, st, allow_multiple):
     g, p = self.graph, pattern.graph
@@ -624,6 +661,9 @@ class _Registration:
     if any(not self.consumers.get(k, set()) <= nodes for k in (
         inner if allow_multiple else inner | set(leaves))):
       return None  # an intermediate value or a parameter is used elsewhere
+    if any(k in self.slices and self.consumers.get(self.slices[k][0], set())
+           != {self.slices[k][1]} for k in leaves):
+      return None  # a stacked leaf that is also used outside its scan
     in_keys = [st.inputs[i] for i in range(p.num_inputs)]
     if inner & set(in_keys):
       return None
@@ -688,7 +728,7 @@ class _Registration:
     g = self.graph
     for eqn in jaxpr.eqns:
       path = ctx + (id(eqn),)
-      if path in self.inline:
+      if path in self.inline and path not in g.scan_body:
         self._run(_call_body(eqn)[0], path, env)
         continue
       n = g.node_at.get(path)
@@ -700,6 +740,8 @@ class _Registration:
       if n in self.dropped:  # a repeated registration: evaluate as identity
         outs, _, params = eqn.primitive.split_operands(invals)
         outvals = list(outs) if eqn.primitive.num_outputs else list(params)
+      elif path in self.inline:  # a scan with tags to bind in its body
+        outvals = self._run_scan(eqn, path, invals, env)
       else:
         with eqn.ctx.manager:
           outvals = eqn.primitive.bind(
@@ -717,6 +759,20 @@ class _Registration:
           xs = list(m.pattern.in_values_preprocessor(xs))
         env[m.out_key] = _bind_tag(m.tag, m.meta, env[m.out_key], xs,
                                    [env[k] for k in m.leaves])
+
+
+  def _run_scan(self, eqn, path, invals, env):
+    g, body = self.graph, self.graph.scan_body[path]
+
+    def body_fn(consts, carry, xs, _):
+      env.update((g.canon(path, v), x)
+                 for v, x in zip(body.invars, consts + carry + xs))
+      self._run(body, path, env)
+      outs = [k.val if isinstance(k, Literal) else env[k]
+              for k in (g.canon(path, v) for v in body.outvars)]
+      return outs[:len(carry)], outs[len(carry):], None
+
+    return tracer._rebind_scan(eqn, invals, body_fn)[0]
 
 
 class TaggedFunction:

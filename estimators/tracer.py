@@ -6,6 +6,11 @@ transforms below (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_hvp`,
 read every tag's operands and add a zero "perturbation" to each layer's
 outputs: the cotangent of that perturbation is the derivative of the loss
 w.r.t. the layer's outputs, which JAX cannot otherwise give for intermediates.
+
+Layer tags inside a `scan` whose parameters are slices of stacked parameter
+leaves (as `hk.experimental.layer_stack` makes) stay inside the scan: they
+become `StackedLayerTag`s, whose values and perturbations carry a leading
+axis over the scan's iterations.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from jax.extend import core as jex_core
 from estimators import tags
 
 # Call-like primitives whose body is inlined when it holds a tag, so that the
-# tag shows up in the flat top-level jaxpr. Others (scan, while, cond) cannot
-# be flattened and a tag inside them is an error.
+# tag shows up in the flat top-level jaxpr. A scan keeps its layer tags (see
+# `StackedLayerTag`); any other tag inside scan, while or cond is an error.
 _INLINABLE = frozenset({
     "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -43,13 +48,37 @@ def _sub_jaxprs(eqn):
       yield value, ()
 
 
-def _holds_tag(jaxpr) -> bool:
+def _holds_tag(jaxpr, kinds=(tags.LossTag, tags.LayerTag)) -> bool:
   for eqn in jaxpr.eqns:
-    if isinstance(eqn.primitive, (tags.LossTag, tags.LayerTag)):
+    if isinstance(eqn.primitive, kinds):
       return True
-    if any(_holds_tag(sub) for sub, _ in _sub_jaxprs(eqn)):
+    if any(_holds_tag(sub, kinds) for sub, _ in _sub_jaxprs(eqn)):
       return True
   return False
+
+
+def _scan_parts(eqn, values):
+  """(consts, initial carry, scanned inputs) of a scan equation's operands."""
+  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+  return (values[:n_consts], values[n_consts:n_consts + n_carry],
+          values[n_consts + n_carry:])
+
+
+def _rebind_scan(eqn, invals, body_fn, extra=None):
+  """Runs `eqn`'s scan with `body_fn(consts, carry, xs, extra_i) -> (carry,
+  ys, extra_ys)` as its body; `extra` is a pytree scanned along with `xs`.
+  Returns (the scan's outputs, stacked `extra_ys`)."""
+  consts, init, xs = _scan_parts(eqn, invals)
+
+  def step(carry, scanned):
+    xs_i, extra_i = scanned
+    new_carry, ys, extra_ys = body_fn(consts, list(carry), list(xs_i), extra_i)
+    return new_carry, (ys, extra_ys)
+
+  carry, (ys, extra_ys) = jax.lax.scan(
+      step, init, (xs, extra), length=eqn.params["length"],
+      reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+  return list(carry) + list(ys), extra_ys
 
 
 def _bind(eqn, invals) -> list:
@@ -74,20 +103,40 @@ def _eval_inlined(jaxpr, consts, *args):
     invals = [read(v) for v in eqn.invars]
     subs = list(_sub_jaxprs(eqn))
     if subs and any(_holds_tag(s) for s, _ in subs):
-      if eqn.primitive.name not in _INLINABLE or len(subs) != 1:
+      if eqn.primitive.name == "scan" and not _holds_tag(subs[0][0],
+                                                          tags.LossTag):
+        outvals = _eval_scan_inlined(eqn, invals)
+      elif eqn.primitive.name not in _INLINABLE or len(subs) != 1:
         raise TracingError(
             f"A loss or layer tag sits inside a `{eqn.primitive.name}`, which "
-            "the tracer cannot flatten. Register the tags outside of "
-            "scan/while/cond (e.g. unroll the loop).")
-      sub, sub_consts = subs[0]
-      # custom_jvp/vjp calls carry their consts as leading operands.
-      n_extra = len(invals) - len(sub.invars)
-      outvals = _eval_inlined(sub, sub_consts, *invals[n_extra:])
+            "the tracer cannot flatten. Register losses outside of any "
+            "scan/while/cond, and layers outside of while/cond (layers inside "
+            "a scan over stacked parameters are supported).")
+      else:
+        outvals = _eval_call_inlined(subs[0], invals)
     else:
       outvals = _bind(eqn, invals)
     for var, val in zip(eqn.outvars, outvals):
       env[var] = val
   return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_call_inlined(sub_and_consts, invals):
+  sub, sub_consts = sub_and_consts
+  # custom_jvp/vjp calls carry their consts as leading operands.
+  n_extra = len(invals) - len(sub.invars)
+  return _eval_inlined(sub, sub_consts, *invals[n_extra:])
+
+
+def _eval_scan_inlined(eqn, invals):
+  """Re-stages a scan whose body holds layer tags, with that body flattened."""
+  body = eqn.params["jaxpr"]
+
+  def body_fn(consts, carry, xs, _):
+    outs = _eval_inlined(body.jaxpr, body.consts, *consts, *carry, *xs)
+    return outs[:len(carry)], outs[len(carry):], None
+
+  return _rebind_scan(eqn, invals, body_fn)[0]
 
 
 def _abstract(tree):
@@ -105,6 +154,46 @@ class _GenericParamsTag:
   @property
   def outvars(self):
     return self.invars
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackedLayerTag:
+  """A layer tag inside a top-level scan, applied once per iteration.
+
+  `inner` is the tag equation in the scan's body; its parameters are the
+  per-iteration slices of the stacked parameter leaves `params_vars`. Values
+  of the layer (inputs, outputs, params) have a leading axis of size
+  `length`, one entry per iteration.
+  """
+  inner: Any
+  scan: Any
+  params_vars: tuple
+
+  @property
+  def primitive(self) -> tags.LayerTag:
+    return self.inner.primitive
+
+  @property
+  def params(self) -> dict:
+    return self.inner.params
+
+  @property
+  def length(self) -> int:
+    return self.scan.params["length"]
+
+
+def _param_vars(tag) -> tuple:
+  if isinstance(tag, StackedLayerTag):
+    return tag.params_vars
+  return tags.layer_eqn_parts(tag)[2]
+
+
+def _outputs_avals(tag) -> list:
+  if isinstance(tag, StackedLayerTag):
+    return [jax.ShapeDtypeStruct((tag.length,) + tuple(v.aval.shape),
+                                 v.aval.dtype)
+            for v in tags.layer_eqn_parts(tag.inner)[0]]
+  return [v.aval for v in tags.layer_eqn_parts(tag)[0]]
 
 
 class ProcessedJaxpr:
@@ -133,9 +222,14 @@ class ProcessedJaxpr:
           "estimators.register_softmax_cross_entropy_loss(logits, targets) "
           "(or another estimators.register_*_loss) on the model's output.")
     layer_tags = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)]
+    self._stacked_in = {}  # id(scan eqn) -> [(layer, inner tag eqn)]
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan" and _holds_tag(
+          eqn.params["jaxpr"].jaxpr, tags.LayerTag):
+        layer_tags.extend(self._stacked_tags(eqn))
     claimed = {}
     for eqn in layer_tags:
-      for var in tags.layer_eqn_parts(eqn)[2]:
+      for var in _param_vars(eqn):
         if var not in self._param_position:
           raise TracingError(
               f"A {eqn.primitive.name} was given a parameter that is not a "
@@ -160,11 +254,38 @@ class ProcessedJaxpr:
     order = sorted(range(len(layer_tags)), key=lambda i: indices[i])
     self.layer_tags = tuple(layer_tags[i] for i in order)
     self.layer_indices = tuple(indices[i] for i in order)
+    for j, tag in enumerate(self.layer_tags):
+      if isinstance(tag, StackedLayerTag):
+        self._stacked_in.setdefault(id(tag.scan), []).append((j, tag.inner))
     self._last_loss_position = max(
         i for i, e in enumerate(jaxpr.eqns) if tags.is_loss_tag_eqn(e))
 
   def _layer_param_indices(self, eqn) -> tuple[int, ...]:
-    return tuple(self._param_position[v] for v in tags.layer_eqn_parts(eqn)[2])
+    return tuple(self._param_position[v] for v in _param_vars(eqn))
+
+  def _stacked_tags(self, scan) -> list[StackedLayerTag]:
+    """The layer tags in `scan`'s body, with their stacked parameter leaves."""
+    body = scan.params["jaxpr"].jaxpr
+    _, _, xs = _scan_parts(scan, scan.invars)
+    scanned = dict(zip(_scan_parts(scan, body.invars)[2], xs))
+    found = []
+    for eqn in body.eqns:
+      if any(_holds_tag(sub) for sub, _ in _sub_jaxprs(eqn)):
+        raise TracingError(
+            "A layer tag sits in a scan nested inside another scan; only one "
+            "level of stacked layers is supported.")
+      if not tags.is_layer_tag_eqn(eqn):
+        continue
+      params = tags.layer_eqn_parts(eqn)[2]
+      outer = [scanned.get(v) for v in params]
+      if any(v is None or v not in self._param_position for v in outer):
+        raise TracingError(
+            f"A {eqn.primitive.name} inside a scan takes a parameter that is "
+            "not a slice of a stacked leaf of the params argument. Inside a "
+            "scan, register layers whose parameters are the scanned slices of "
+            "params leaves (as hk.experimental.layer_stack does).")
+      found.append(StackedLayerTag(eqn, scan, tuple(outer)))
+    return found
 
   @property
   def in_vars_flat(self):
@@ -238,7 +359,17 @@ class ProcessedJaxpr:
     losses_args = []
     for eqn in self.jaxpr.eqns[:self._last_loss_position + 1]:
       invals = [read(v) for v in eqn.invars]
-      outvals = _bind(eqn, invals)
+      stacked = self._stacked_in.get(id(eqn))
+      if stacked:
+        outvals, stacked_values = _eval_stacked_scan(
+            eqn, invals, [inner for _, inner in stacked],
+            None if perturbations is None else
+            [perturbations[j] for j, _ in stacked])
+        for (j, _), (ins, outs) in zip(stacked, stacked_values):
+          params = tuple(read(v) for v in self.layer_tags[j].params_vars)
+          layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
+      else:
+        outvals = _bind(eqn, invals)
       if tags.is_loss_tag_eqn(eqn):
         losses_args.append(tuple(invals))
       elif id(eqn) in layer_position:
@@ -251,14 +382,53 @@ class ProcessedJaxpr:
         env[var] = val
     for j, eqn in enumerate(self.layer_tags):
       if layer_values[j] is None:  # a parameters-only (generic) tag
-        params = tuple(read(v) for v in tags.layer_eqn_parts(eqn)[2])
+        params = tuple(read(v) for v in _param_vars(eqn))
         layer_values[j] = dict(inputs=(), outputs=(), params=params)
     return losses_args, layer_values
+
+  def perturbation_zeros(self):
+    """Zeros shaped like each layer's outputs (stacked ones with their axis)."""
+    return tuple(tuple(jnp.zeros(a.shape, a.dtype) for a in _outputs_avals(t))
+                 for t in self.layer_tags)
 
   def make_losses(self, losses_args):
     return tuple(
         eqn.primitive.loss(*args, **eqn.params)
         for eqn, args in zip(self.loss_tags, losses_args))
+
+
+def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
+  """Runs `scan`, reading the operands of `inner_tags` in each iteration.
+
+  Returns the scan's outputs and, per tag, its (inputs, outputs) stacked over
+  iterations; `perturbations` (one tuple per tag, stacked) are added to the
+  tags' outputs.
+  """
+  body = scan.params["jaxpr"]
+  position = {id(e): k for k, e in enumerate(inner_tags)}
+
+  def body_fn(consts, carry, xs, perturbation):
+    env = dict(zip(body.jaxpr.constvars, body.consts))
+    env.update(zip(body.jaxpr.invars, consts + carry + xs))
+
+    def read(v):
+      return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    recorded = [None] * len(inner_tags)
+    for eqn in body.jaxpr.eqns:
+      vals = [read(v) for v in eqn.invars]
+      outvals = _bind(eqn, vals)
+      k = position.get(id(eqn))
+      if k is not None:
+        outs, ins, _ = eqn.primitive.split_operands(vals)
+        recorded[k] = (tuple(ins), tuple(outs))
+        if perturbation is not None and outs:
+          outvals = [o + p for o, p in zip(outvals, perturbation[k])]
+      env.update(zip(eqn.outvars, outvals))
+    outs = [read(v) for v in body.jaxpr.outvars]
+    return outs[:len(carry)], outs[len(carry):], recorded
+
+  return _rebind_scan(scan, invals, body_fn, perturbations)
 
 
 class _Traced:
@@ -407,10 +577,7 @@ def layer_tags_vjp_parts(traced: _Traced, func_args):
   """
   proc, flat_args, positions = traced.split(func_args)
   params_flat = [flat_args[i] for i in positions]
-  zeros = tuple(
-      tuple(jnp.zeros(v.aval.shape, v.aval.dtype)
-            for v in tags.layer_eqn_parts(eqn)[0])
-      for eqn in proc.layer_tags)
+  zeros = proc.perturbation_zeros()
 
   def f(p_flat, perturbations):
     losses_args, layer_values = proc.evaluate_tags(

@@ -5,6 +5,7 @@ import logging
 
 import haiku as hk
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -177,7 +178,7 @@ def test_normalization_tag_inputs_are_the_normalized_values():
   np.testing.assert_allclose(x_hat, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_haiku_layer_stack_keeps_the_scan_and_stacked_params_are_generic():
+def test_haiku_layer_stack_layers_are_dense_and_stay_in_the_scan():
   def forward(x):
     x = hk.Linear(4)(x)
     stack = hk.experimental.layer_stack(3)(
@@ -187,12 +188,22 @@ def test_haiku_layer_stack_keeps_the_scan_and_stacked_params_are_generic():
   loss_fn, args = haiku_problem(forward, np.ones((3, 5), np.float32))
   report = report_of(loss_fn, args)
   stacked = "__layer_stack_no_per_layer/linear"
-  assert layers(report) == dense("linear", "linear_1") | {
-      ("generic_tag", f"{stacked}/b"), ("generic_tag", f"{stacked}/w")}
-  assert {r["source"] for r in report if r["tag"] == "generic_tag"} == {
-      "unmatched: used inside scan"}
+  assert layers(report) == dense("linear", "linear_1", stacked)
+  assert {_short(r["path"]): r["stacked"] for r in report} == {
+      f"{stacked}/b": 3, f"{stacked}/w": 3, "linear/b": None, "linear/w": None,
+      "linear_1/b": None, "linear_1/w": None}
   jaxpr = jax.make_jaxpr(gm.auto_register_tags(loss_fn, args))(*args)
-  assert "scan" in {e.primitive.name for e in jaxpr.eqns}
+  assert "scan" in {e.primitive.name for e in jaxpr.eqns}  # not unrolled
+
+  est = kfac.BlockDiagonalCurvature(loss_fn)
+  est.init(jax.random.PRNGKey(0), args)
+  stack_block, = [b for b in est.blocks if isinstance(b, kfac.Stacked)]
+  assert stacked in stack_block.name
+  assert isinstance(stack_block.block, kfac.DenseTwoKroneckerFactored)
+  assert stack_block.length == 3
+  assert stack_block.parameters_shapes == ((3, 4, 4), (3, 4))
+  assert sum(isinstance(b, kfac.DenseTwoKroneckerFactored)
+             for b in est.blocks) == 2
 
 
 # --- plain jax.numpy models ---------------------------------------------
@@ -547,3 +558,165 @@ def test_new_argument_shapes_are_matched_again():
     jaxpr = jax.make_jaxpr(tagged)(p, _batch(shape))
     names = {e.primitive.name for e in jaxpr.eqns}
     assert ("dense_tag" if len(shape) == 2 else "repeated_dense_tag") in names
+
+
+# --- layer stacks: layers applied by a scan over stacked parameters --------
+
+STACK = 3
+
+
+def _stack_params(rng=np.random.default_rng(0)):
+  def normal(*shape):
+    return rng.normal(size=shape)
+  return dict(w0=normal(4, 3), b0=normal(3), ws=normal(STACK, 3, 3),
+              bs=normal(STACK, 3), w1=normal(3, 2), b1=normal(2))
+
+
+def _scanned_net(p, batch, manual=False):
+  """An MLP whose middle layers are one `lax.scan` over stacked weights."""
+  x, t = batch
+
+  def layer(h, wb):
+    z = h @ wb[0] + wb[1]
+    if manual:
+      z = kfac.register_dense(z, h, *wb)
+    return jnp.tanh(z), None
+
+  h, _ = lax.scan(layer, jnp.tanh(x @ p["w0"] + p["b0"]), (p["ws"], p["bs"]))
+  out = kfac.register_softmax_cross_entropy_loss(h @ p["w1"] + p["b1"], t)
+  return jnp.sum(out)
+
+
+def _unrolled(p):
+  flat = {k: v for k, v in p.items() if k not in ("ws", "bs")}
+  flat.update({f"w_{i}": p["ws"][i] for i in range(STACK)})
+  flat.update({f"b_{i}": p["bs"][i] for i in range(STACK)})
+  return flat
+
+
+def _unrolled_net(p, batch):
+  x, t = batch
+  h = jnp.tanh(x @ p["w0"] + p["b0"])
+  for i in range(STACK):
+    h = jnp.tanh(h @ p[f"w_{i}"] + p[f"b_{i}"])
+  out = kfac.register_softmax_cross_entropy_loss(h @ p["w1"] + p["b1"], t)
+  return jnp.sum(out)
+
+
+def _dense_curvature(func, params, batch, mode, family):
+  est = kfac.BlockDiagonalCurvature(
+      func, layer_tag_to_block_ctor={"dense_tag": family})
+  args = (params, batch)
+  state = est.init(jax.random.PRNGKey(0), args)
+  state = est.update_curvature_matrix_estimate(
+      state, 0.0, 1.0, len(batch[0]), jax.random.PRNGKey(1), args,
+      estimation_mode=mode)
+  return est.to_dense_matrix(state)
+
+
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+@pytest.mark.parametrize("family", [kfac.DenseTwoKroneckerFactored,
+                                    kfac.DenseDiagonal, kfac.DenseFull])
+def test_layer_stack_curvature_equals_the_unrolled_and_hand_tagged_twins(
+    mode, family):
+  params = _stack_params()
+  batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
+  auto, manual = (jax.jit(functools.partial(
+      _dense_curvature, functools.partial(_scanned_net, manual=m),
+      mode=mode, family=family))(params, batch) for m in (False, True))
+  unrolled = jax.jit(functools.partial(
+      _dense_curvature, _unrolled_net, mode=mode, family=family))(
+          _unrolled(params), batch)
+  # Where each stacked-model coordinate sits in the unrolled model's vector.
+  flat_index, unravel = jax.flatten_util.ravel_pytree(params)
+  order = jax.flatten_util.ravel_pytree(_unrolled(unravel(
+      np.arange(flat_index.size, dtype=np.float64))))[0].astype(int)
+  np.testing.assert_allclose(auto, manual, rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(auto[np.ix_(order, order)], unrolled,
+                             rtol=1e-10, atol=1e-12)
+
+
+def test_layer_stack_cached_inverse_and_eigenvalues_equal_the_unrolled_twin():
+  params = _stack_params()
+  batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(func, params, vector):
+    est = kfac.BlockDiagonalCurvature(func)
+    args = (params, batch)
+    state = est.init(jax.random.PRNGKey(0), args, exact_powers_to_cache=-1,
+                     cache_eigenvalues=True)
+    state = est.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, 5, jax.random.PRNGKey(1), args,
+        estimation_mode="fisher_exact")
+    state = est.update_cache(state, 0.1, exact_powers=-1, eigenvalues=True)
+    return (est.multiply_inverse(state, vector, 0.1, use_cached=True),
+            jnp.sort(est.eigenvalues(state, use_cached=True)),
+            jnp.sort(est.eigenvalues(state)))
+
+  vector = jax.tree.map(np.cos, _stack_params(np.random.default_rng(2)))
+  inv, eig_cached, eig = run(_scanned_net, params, vector)
+  twin = run(_unrolled_net, _unrolled(params), _unrolled(vector))
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10),
+               _unrolled(inv), twin[0])
+  np.testing.assert_allclose(eig_cached, twin[1], rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(eig, twin[2], rtol=1e-10, atol=1e-14)
+
+
+def test_layer_stack_full_blocks_equal_the_exact_ggn_blocks():
+  params = _stack_params()
+  batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
+  estimate = _dense_curvature(_scanned_net, params, batch, "ggn_exact",
+                              kfac.DenseFull)
+
+  def logits(p, x):
+    h = jnp.tanh(x @ p["w0"] + p["b0"])
+    h, _ = lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), h,
+                    (p["ws"], p["bs"]))
+    return h @ p["w1"] + p["b1"]
+
+  ggn = gt.Problem(None, logits, gt.LOSSES["softmax"][1], params, batch).ggn()
+  # Each layer of the stack is its own block: label every coordinate.
+  labels = {"w0": 0, "b0": 0, "w1": 1, "b1": 1,
+            "ws": 2 + np.arange(STACK)[:, None, None] + np.zeros((1, 3, 3)),
+            "bs": 2 + np.arange(STACK)[:, None] + np.zeros((1, 3))}
+  owner = jax.flatten_util.ravel_pytree(jax.tree.map(
+      lambda p, l: np.broadcast_to(l, np.shape(p)).astype(float), params,
+      labels))[0]
+  np.testing.assert_allclose(estimate, ggn * (owner[:, None] == owner),
+                             rtol=1e-8, atol=1e-10)
+
+
+def test_stacked_weight_used_outside_its_scan_is_generic():
+  def tied(p, batch):  # the first stacked weight also feeds the output
+    x, t = batch
+    h, _ = lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None),
+                    jnp.tanh(x @ p["w0"] + p["b0"]), (p["ws"], p["bs"]))
+    out = h @ p["w1"] + p["b1"] + p["ws"][0, 0, :2]
+    return jnp.sum(kfac.register_softmax_cross_entropy_loss(out, t))
+
+  params = _stack_params()
+  batch = (np.ones((5, 4)), np.arange(5) % 2)
+  report = {_short(r["path"]): r for r in report_of(tied, (params, batch))}
+  # The shifts left alone in the scan still form stacked layers.
+  assert {k: (r["tag"], r["stacked"]) for k, r in report.items()} == {
+      "ws": ("generic_tag", None), "bs": ("scale_and_shift_tag", STACK),
+      "w0": ("dense_tag", None), "b0": ("dense_tag", None),
+      "w1": ("dense_tag", None), "b1": ("dense_tag", None)}
+  matrix = _dense_curvature(tied, params, batch, "ggn_exact",
+                            kfac.DenseDiagonal)
+  assert np.all(np.isfinite(matrix)) and np.trace(matrix) > 0
+
+
+def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
+  params = _stack_params()
+
+  def shared_weight(p, batch):
+    def layer(h, _):
+      return kfac.register_dense(h @ p["ws"][0], h, p["ws"][0]), None
+    h, _ = lax.scan(layer, batch[0] @ p["w0"], None, length=2)
+    return jnp.sum(kfac.register_softmax_cross_entropy_loss(h, batch[1]))
+
+  with pytest.raises(kfac.TracingError, match="not a slice of a stacked leaf"):
+    kfac.ProcessedJaxpr.make_from_func(
+        shared_weight, (params, (np.ones((5, 4)), np.arange(5) % 3)))

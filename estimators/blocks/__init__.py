@@ -14,13 +14,14 @@ from estimators.blocks.kronecker import (Conv2DTwoKroneckerFactored,
                                          DenseTwoKroneckerFactored,
                                          RepeatedDenseTwoKroneckerFactored,
                                          TwoKroneckerFactored)
+from estimators.blocks.stacked import Stacked
 
 __all__ = [
     "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
     "Diagonal", "Full", "NaiveDiagonal", "NaiveFull",
     "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
-    "ScaleAndShiftFull", "ScaledIdentity", "TwoKroneckerFactored",
+    "ScaleAndShiftFull", "ScaledIdentity", "Stacked", "TwoKroneckerFactored",
     "get_default_eigen_decomposition_threshold", "get_max_parallel_elements",
     "set_default_eigen_decomposition_threshold", "set_max_parallel_elements",
 ]
