@@ -27,6 +27,13 @@ def _mlp(x):
   return hk.Linear(10)(x)
 
 
+def _mlp_layer_stack(x):
+  x = jax.nn.relu(hk.Linear(128)(x))
+  x = hk.experimental.layer_stack(18)(
+      lambda h: jax.nn.relu(hk.Linear(128)(h)))(x)
+  return hk.Linear(10)(x)
+
+
 def _convnet(x):
   for i in range(10):
     x = jax.nn.relu(hk.Conv2D(32, 3, stride=2 if i in (3, 6) else 1)(x))
@@ -51,6 +58,7 @@ def _resnet(x):
 
 MODELS = {
     "mlp_20_layers": (_mlp, (128, 256)),
+    "mlp_20_layers_layer_stack": (_mlp_layer_stack, (128, 256)),
     "convnet_10_layers": (_convnet, (32, 32, 32, 3)),
     "resnet_batchnorm_layernorm": (_resnet, (32, 32, 32, 3)),
 }
