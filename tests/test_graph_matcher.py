@@ -720,3 +720,34 @@ def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
   with pytest.raises(kfac.TracingError, match="not a slice of a stacked leaf"):
     kfac.ProcessedJaxpr.make_from_func(
         shared_weight, (params, (np.ones((5, 4)), np.arange(5) % 3)))
+
+
+def test_model_with_a_learned_temperature_and_a_layer_stack_trains():
+  params = dict(_stack_params(), temperature=np.array(0.5))
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(32, 4))
+  batch = (x, (x[:, 0] + x[:, 1] > 0).astype(int))
+
+  def loss_fn(p, batch):
+    x, t = batch
+    h = jnp.tanh(x @ p["w0"] + p["b0"])
+    h, _ = lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), h,
+                    (p["ws"], p["bs"]))
+    logits = kfac.register_softmax_cross_entropy_loss(
+        (h @ p["w1"] + p["b1"]) / p["temperature"], t)
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(t)), t])
+
+  opt = kfac.Optimizer(jax.value_and_grad(loss_fn), l2_reg=0.0,
+                       use_adaptive_learning_rate=True,
+                       use_adaptive_momentum=True, use_adaptive_damping=True,
+                       initial_damping=1.0)
+  state = opt.init(params, jax.random.PRNGKey(0), batch)
+  assert {type(b).__name__ for b in opt.estimator.blocks} == {
+      "NaiveDiagonal", "DenseTwoKroneckerFactored", "Stacked"}
+  first = float(loss_fn(params, batch))
+  for i in range(15):
+    params, state, stats = opt.step(params, state, jax.random.PRNGKey(i),
+                                    batch=batch)
+    assert np.isfinite(stats["loss"])
+  assert float(loss_fn(params, batch)) < 0.5 * first
+  assert float(params["temperature"]) != 0.5
