@@ -2,7 +2,6 @@
 
 from estimators.utils.linalg import (kronecker_eigen_multiply,
                                      kronecker_product_eigenvalues,
-                                     lower_triangular_inverse,
                                      pi_adjusted_kronecker_damping,
                                      psd_inverse,
                                      psd_eigvalsh, psd_matrix_power,
@@ -15,7 +14,7 @@ from estimators.utils.pytree import (flatten_arrays, inner_product,
 __all__ = [
     "WeightedMovingAverage", "flatten_arrays", "inner_product", "is_tracer",
     "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
-    "lower_triangular_inverse", "psd_inverse",
+    "psd_inverse",
     "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
     "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
     "unflatten_vector",

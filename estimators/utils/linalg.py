@@ -45,29 +45,17 @@ def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
   return (vectors * values ** power) @ vectors.T
 
 
-def lower_triangular_inverse(lower: jax.Array) -> jax.Array:
-  """Inverse of a lower-triangular matrix by recursive 2x2 blocking.
-
-  Everything but the small diagonal blocks is matrix multiplication, which on
-  CPU is over ten times faster than XLA's triangular solve with a full
-  right-hand side.
-  """
-  n = lower.shape[-1]
-  if n <= 16:
-    return jsp_linalg.solve_triangular(lower, jnp.eye(n, dtype=lower.dtype),
-                                       lower=True)
-  h = n // 2
-  top = lower_triangular_inverse(lower[:h, :h])
-  bottom = lower_triangular_inverse(lower[h:, h:])
-  return jnp.block([[top, jnp.zeros((h, n - h), lower.dtype)],
-                    [-bottom @ lower[h:, :h] @ top, bottom]])
-
-
 def psd_inverse(matrix: jax.Array) -> jax.Array:
-  """Inverse of a positive definite matrix through its Cholesky factor."""
-  inverse_factor = lower_triangular_inverse(
-      jnp.linalg.cholesky(symmetrize(matrix)))
-  return inverse_factor.T @ inverse_factor
+  """Inverse of a positive definite matrix through its Cholesky factor.
+
+  On jax 0.10's CPU backend this LAPACK-backed solve is as fast as a blocked
+  inverse made of matrix products at every size from 50 to 3,000, and it
+  compiles in a fraction of the time (a recursive blocking took seconds to
+  compile for a 1,000-wide factor).
+  """
+  lower = jnp.linalg.cholesky(symmetrize(matrix))
+  identity = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
+  return jsp_linalg.cho_solve((lower, True), identity)
 
 
 def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
