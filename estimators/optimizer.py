@@ -270,18 +270,23 @@ class Optimizer:
     if func_args is None:
       raise ValueError("compute_exact_quad_model needs func_args.")
     kind = estimation_modes.matrix_type(self._estimation_mode)
-    jvps = [self._jvp(func_args, v) for v in vectors]
-    losses = jvps[0][0]
+
+    def products(vector):
+      # (J v, C J v) for every loss; under vmap the network's forward values
+      # do not depend on v, so they are computed once for all the vectors.
+      losses, tangents = self._jvp(func_args, vector)
+      out = []
+      for loss, jv in zip(losses, tangents):
+        multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
+        out.append((tuple(jv), tuple(multiply(jv))))
+      return out
+
+    stacked = jax.tree.map(lambda *v: jnp.stack(v), *vectors)
+    pairs = jax.vmap(products)(stacked)
+    matrix = sum(jnp.einsum("i...,j...->ij", jv, cjv)
+                 for jvs, cjvs in pairs for jv, cjv in zip(jvs, cjvs))
     batch_size = self._batch_size(func_args[-1])
-    n = len(vectors)
-    matrix = jnp.zeros((n, n), state_dtype(vectors))
-    for l, loss in enumerate(losses):
-      multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
-      jv = [tangents[l] for _, tangents in jvps]
-      cjv = [multiply(t) for t in jv]
-      matrix = matrix + jnp.array(
-          [[utils.inner_product(jv[i], cjv[j]) for j in range(n)] for i in range(n)])
-    matrix = self._mean(matrix / batch_size)
+    matrix = self._mean(matrix.astype(state_dtype(vectors)) / batch_size)
     return matrix, self._gram(vectors), jnp.array(
         [utils.inner_product(v, grads) for v in vectors])
 

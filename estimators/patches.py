@@ -170,7 +170,10 @@ def patches_moments_explicit(inputs, kernel_spatial_shape, strides=1,
                              precision=None, weighting_array=None):
   """Same as `patches_moments`, extracting all patches first (more memory).
 
-  Uses `jax.lax.conv_general_dilated_patches`; `unroll_loop` is ignored.
+  The patches are strided views of the input stacked side by side (a copy,
+  no arithmetic), so both moments come from one matrix product; this is the
+  fast choice whenever the `(locations, kernel size)` patch matrix fits in
+  memory. `unroll_loop` is ignored.
   """
   del unroll_loop
   x, kernel, strides, out, weights, depthwise = _prepare(
@@ -179,14 +182,14 @@ def patches_moments_explicit(inputs, kernel_spatial_shape, strides=1,
       batch_group_count, weighting_array)
   n, c = x.shape[0], x.shape[3]
   kh, kw = kernel
-  patches = lax.conv_general_dilated_patches(
-      x, kernel, strides, "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-      precision=precision)
-  # The patch features come channel-major, (C, kh, kw); reorder to (kh, kw, C).
-  patches = patches.reshape((n,) + out + (c, kh * kw))
-  patches = jnp.swapaxes(patches, -1, -2).reshape(-1, kh * kw * c)
-  w = weights.reshape(-1, 1)
-  second = jnp.matmul((w * patches).T, patches, precision=precision)
-  first = jnp.sum(w * patches, axis=0)
+  stop = tuple((out[i] - 1) * strides[i] + 1 for i in range(2))
+  views = [x[:, a:a + stop[0]:strides[0], b:b + stop[1]:strides[1], :]
+           for a in range(kh) for b in range(kw)]
+  # Features in (kh, kw, C) order, the layout of the documented shapes.
+  patches = jnp.stack(views, axis=3).reshape(-1, kh * kw * c)
+  weighted = (patches if weighting_array is None
+              else weights.reshape(-1, 1) * patches)
+  second = jnp.matmul(weighted.T, patches, precision=precision)
+  first = jnp.sum(weighted, axis=0)
   second = jnp.transpose(second.reshape(kh * kw, c, kh * kw, c), (0, 2, 1, 3))
   return _finish(second, first, kernel, c, depthwise, n * out[0] * out[1])

@@ -614,3 +614,18 @@ def test_settings_round_trip():
   blocks.set_default_eigen_decomposition_threshold(old)
   with pytest.raises(ValueError):
     blocks.set_max_parallel_elements(0)
+
+
+# psd_inverse: one LAPACK Cholesky solve up to 512 rows, a Schur-complement
+# split above (1100 splits twice).
+@pytest.mark.parametrize("n", [5, 300, 513, 1100])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_psd_inverse_matches_numpy(n, dtype):
+  rows = np.random.RandomState(n).randn(2 * n, n)
+  matrix = rows.T @ rows / (2 * n) + 1e-2 * np.eye(n)
+  want = np.linalg.inv(matrix)
+  got = jax.jit(utils.psd_inverse)(jnp.asarray(matrix, dtype))
+  assert got.dtype == dtype
+  tol = 1e-9 if dtype == np.float64 else 2e-5
+  np.testing.assert_allclose(np.asarray(got, np.float64) / np.abs(want).max(),
+                             want / np.abs(want).max(), atol=tol)

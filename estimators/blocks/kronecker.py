@@ -237,7 +237,15 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
   def _batch_statistics(self, estimation_data, batch_size):
     (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
     p = self.layer_tag_extra_params
-    second, first = patches.patches_moments(
+    # One matrix product over explicit patches is far faster than the
+    # memory-saving loop over kernel offsets; use it when the patches fit the
+    # same element budget the conv blocks use for vmapping.
+    rows = x.shape[self.dimension_numbers.lhs_spec[0]] * self.num_locations
+    explicit = (rows * self.input_size()
+                <= base.get_max_parallel_elements())
+    moments = (patches.patches_moments_explicit if explicit
+               else patches.patches_moments)
+    second, first = moments(
         x, self.weights_spatial_shape, strides=p["window_strides"],
         padding=p["padding"], data_format=None,
         dim_numbers=self.dimension_numbers)

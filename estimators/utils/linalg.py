@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsp_linalg
@@ -45,17 +47,66 @@ def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
   return (vectors * values ** power) @ vectors.T
 
 
-def psd_inverse(matrix: jax.Array) -> jax.Array:
-  """Inverse of a positive definite matrix through its Cholesky factor.
+# Largest matrix inverted by one LAPACK Cholesky solve; bigger ones are split
+# (see `psd_inverse`).
+_LAPACK_MAX_SIZE = 512
 
-  On jax 0.10's CPU backend this LAPACK-backed solve is as fast as a blocked
-  inverse made of matrix products at every size from 50 to 3,000, and it
-  compiles in a fraction of the time (a recursive blocking took seconds to
-  compile for a 1,000-wide factor).
+
+def psd_inverse(matrix: jax.Array) -> jax.Array:
+  """Inverse of a positive definite matrix.
+
+  Up to `_LAPACK_MAX_SIZE` rows this is a LAPACK Cholesky solve. Bigger
+  matrices are split in two by the Schur complement, `S = D - Bᵀ A⁻¹ B`,
+  recursively: almost all the work then is matrix products, which XLA runs on
+  all cores, and the few LAPACK calls keep the compiled program small.
   """
-  lower = jnp.linalg.cholesky(symmetrize(matrix))
-  identity = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
-  return jsp_linalg.cho_solve((lower, True), identity)
+  _limit_lapack_threads()
+  return _spd_inverse(symmetrize(matrix))
+
+
+def _spd_inverse(matrix):
+  n = matrix.shape[-1]
+  if n <= _LAPACK_MAX_SIZE:
+    lower = jnp.linalg.cholesky(matrix)
+    return jsp_linalg.cho_solve((lower, True), jnp.eye(n, dtype=matrix.dtype))
+  h = n // 2
+  a, b, d = matrix[:h, :h], matrix[:h, h:], matrix[h:, h:]
+  a_inv = _spd_inverse(a)
+  x = a_inv @ b
+  s_inv = _spd_inverse(symmetrize(d - b.T @ x))
+  y = x @ s_inv
+  return jnp.block([[a_inv + y @ x.T, -y], [-y.T, s_inv]])
+
+
+_lapack_threads_limited = False
+
+
+def _limit_lapack_threads():
+  """Makes the OpenBLAS that jax's CPU LAPACK calls use single-threaded.
+
+  jax runs LAPACK (scipy's OpenBLAS) from inside XLA's thread pool. On a busy
+  machine OpenBLAS's own worker threads then wait for a free core, and a
+  0.1 ms Cholesky of a 100-wide matrix can take 10 ms or more. One thread per
+  call avoids that; big matrices get their parallelism from the matrix
+  products of `psd_inverse` instead. Only scipy's copy of OpenBLAS (the one
+  jax uses) is touched, and nothing is done when the user has set
+  OPENBLAS_NUM_THREADS or threadpoolctl is not installed.
+  """
+  global _lapack_threads_limited
+  if _lapack_threads_limited:
+    return
+  _lapack_threads_limited = True
+  if "OPENBLAS_NUM_THREADS" in os.environ:
+    return
+  try:
+    import scipy.linalg.cython_lapack  # noqa: F401  (loads the library)
+    import threadpoolctl
+  except ImportError:
+    return
+  for lib in threadpoolctl.ThreadpoolController().lib_controllers:
+    if lib.internal_api == "openblas" and "scipy" in os.path.basename(
+        os.path.dirname(lib.filepath)):
+      lib.set_num_threads(1)
 
 
 def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
