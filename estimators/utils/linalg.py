@@ -53,29 +53,39 @@ _LAPACK_MAX_SIZE = 512
 
 
 def psd_inverse(matrix: jax.Array) -> jax.Array:
-  """Inverse of a positive definite matrix.
+  """Inverse of a positive definite matrix through its Cholesky factor `L`.
 
-  Up to `_LAPACK_MAX_SIZE` rows this is a LAPACK Cholesky solve. Bigger
-  matrices are split in two by the Schur complement, `S = D - Bᵀ A⁻¹ B`,
-  recursively: almost all the work then is matrix products, which XLA runs on
-  all cores, and the few LAPACK calls keep the compiled program small.
+  Up to `_LAPACK_MAX_SIZE` rows this is one LAPACK Cholesky solve. Bigger
+  matrices are factored blockwise, as a right-looking blocked Cholesky does,
+  and the inverse is assembled from the blocks of `L⁻¹`: almost all the work
+  is matrix products, which XLA runs on all cores, and the few LAPACK calls
+  keep the compiled program small. (A split by an explicitly inverted Schur
+  complement is cheaper but lost positive definiteness in float32 once the
+  damping got small.)
   """
   _limit_lapack_threads()
-  return _spd_inverse(symmetrize(matrix))
+  return _inverse_and_factor_inverse(symmetrize(matrix))[0]
 
 
-def _spd_inverse(matrix):
+def _inverse_and_factor_inverse(matrix):
+  """(`matrix⁻¹`, `L⁻¹`) for the lower Cholesky factor `L` of `matrix`."""
   n = matrix.shape[-1]
+  eye = jnp.eye(n, dtype=matrix.dtype)
   if n <= _LAPACK_MAX_SIZE:
     lower = jnp.linalg.cholesky(matrix)
-    return jsp_linalg.cho_solve((lower, True), jnp.eye(n, dtype=matrix.dtype))
+    return (jsp_linalg.cho_solve((lower, True), eye),
+            jsp_linalg.solve_triangular(lower, eye, lower=True))
   h = n // 2
-  a, b, d = matrix[:h, :h], matrix[:h, h:], matrix[h:, h:]
-  a_inv = _spd_inverse(a)
-  x = a_inv @ b
-  s_inv = _spd_inverse(symmetrize(d - b.T @ x))
-  y = x @ s_inv
-  return jnp.block([[a_inv + y @ x.T, -y], [-y.T, s_inv]])
+  top, top_factor = _inverse_and_factor_inverse(matrix[:h, :h])
+  below = matrix[h:, :h] @ top_factor.T  # L21 = A21 L11⁻ᵀ
+  schur = symmetrize(matrix[h:, h:] - below @ below.T)
+  bottom, bottom_factor = _inverse_and_factor_inverse(schur)
+  corner = -bottom_factor @ below @ top_factor  # the (2, 1) block of L⁻¹
+  off = bottom_factor.T @ corner
+  inverse = jnp.block([[top + corner.T @ corner, off.T], [off, bottom]])
+  factor = jnp.block([[top_factor, jnp.zeros((h, n - h), matrix.dtype)],
+                      [corner, bottom_factor]])
+  return inverse, factor
 
 
 _lapack_threads_limited = False
