@@ -40,7 +40,7 @@ from estimators.tags import (
     LayerTag, LossTag, register_conv2d, register_dense, register_generic,
     register_repeated_dense, register_scale_and_shift)
 from estimators.tracer import (
-    ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp, loss_tags_hvp, loss_tags_jvp,
-    loss_tags_vjp)
+    ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp,
+    loss_tags_hvp, loss_tags_jvp, loss_tags_vjp)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -7,8 +7,8 @@ tag on every other parameter. The model's jaxpr is flattened into one graph
 opaque; a scan stays one node, and its body joins the graph in a context of
 its own, where the slices of stacked parameter leaves that the scan iterates
 over count as parameters, so `hk.experimental.layer_stack` layers are found
-and tagged inside the scan). Each `GraphPattern` is traced to a small graph of the same kind, and
-from every model equation with the primitive of a pattern's output, `_Matcher`
+and tagged inside the scan). Each `GraphPattern` is traced to a small graph
+of the same kind, and from every model equation with the primitive of a pattern's output, `_Matcher`
 walks backwards through both graphs in lock step: equations must be
 equivalent (`GraphMatcherComparator`), pattern inputs bind to model values and
 pattern parameters to leaves of the params argument. Layout equations
@@ -759,7 +759,6 @@ class _Registration:
           xs = list(m.pattern.in_values_preprocessor(xs))
         env[m.out_key] = _bind_tag(m.tag, m.meta, env[m.out_key], xs,
                                    [env[k] for k in m.leaves])
-
 
   def _run_scan(self, eqn, path, invals, env):
     g, body = self.graph, self.graph.scan_body[path]

@@ -366,7 +366,7 @@ class ProcessedJaxpr:
             None if perturbations is None else
             [perturbations[j] for j, _ in stacked])
         for (j, _), (ins, outs) in zip(stacked, stacked_values):
-          params = tuple(read(v) for v in self.layer_tags[j].params_vars)
+          params = tuple(read(v) for v in _param_vars(self.layer_tags[j]))
           layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
       else:
         outvals = _bind(eqn, invals)
@@ -374,10 +374,10 @@ class ProcessedJaxpr:
         losses_args.append(tuple(invals))
       elif id(eqn) in layer_position:
         j = layer_position[id(eqn)]
-        outs, ins, params = eqn.primitive.split_operands(invals)
+        ins, outs, outvals = _read_layer_tag(eqn, invals, outvals,
+                                             perturbations, j)
+        params = eqn.primitive.split_operands(invals)[2]
         layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
-        if perturbations is not None and outs:
-          outvals = [o + p for o, p in zip(outvals, perturbations[j])]
       for var, val in zip(eqn.outvars, outvals):
         env[var] = val
     for j, eqn in enumerate(self.layer_tags):
@@ -395,6 +395,15 @@ class ProcessedJaxpr:
     return tuple(
         eqn.primitive.loss(*args, **eqn.params)
         for eqn, args in zip(self.loss_tags, losses_args))
+
+
+def _read_layer_tag(eqn, invals, outvals, perturbations, index):
+  """(inputs, outputs) of a layer tag, and its results with
+  `perturbations[index]` added (when `perturbations` is not None)."""
+  outs, ins, _ = eqn.primitive.split_operands(invals)
+  if perturbations is not None and outs:
+    outvals = [o + p for o, p in zip(outvals, perturbations[index])]
+  return tuple(ins), tuple(outs), outvals
 
 
 def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
@@ -420,10 +429,9 @@ def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
       outvals = _bind(eqn, vals)
       k = position.get(id(eqn))
       if k is not None:
-        outs, ins, _ = eqn.primitive.split_operands(vals)
-        recorded[k] = (tuple(ins), tuple(outs))
-        if perturbation is not None and outs:
-          outvals = [o + p for o, p in zip(outvals, perturbation[k])]
+        ins, outs, outvals = _read_layer_tag(eqn, vals, outvals,
+                                             perturbation, k)
+        recorded[k] = (ins, outs)
       env.update(zip(eqn.outvars, outvals))
     outs = [read(v) for v in body.jaxpr.outvars]
     return outs[:len(carry)], outs[len(carry):], recorded
