@@ -6,8 +6,6 @@ The paper's sizes: MNIST 784-1000-500-250-30-250-500-1000-784 and CURVES
 784-400-200-100-50-25-6-25-50-100-200-400-784 (see conf/problem/).
 """
 
-import haiku as hk
-
 from problems import layers
 from problems.base import Problem
 
@@ -30,8 +28,5 @@ def build(data, cfg) -> Problem:
     return layers.Dense(out_dim, name="logits")(h)
 
   loss_name = cfg.get("loss", "sigmoid_cross_entropy")
-  return Problem(name=cfg.get("label", "autoencoder"), task="autoencoder",
-                 net=hk.without_apply_rng(hk.transform(model)),
-                 loss_name=loss_name, data=data,
-                 batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
-                 config=dict(cfg))
+  return Problem.from_model(model, data, cfg, task="autoencoder",
+                            loss_name=loss_name, default_label="autoencoder")

@@ -72,6 +72,17 @@ class Problem:
       raise ValueError(f"batch_size={self.batch_size} must be between 1 and "
                        f"the {len(self.data.x_train)} training examples.")
 
+  @classmethod
+  def from_model(cls, model: Callable, data: Dataset, cfg: dict, *, task: str,
+                 loss_name: str, default_label: str) -> "Problem":
+    """A problem around the Haiku forward function `model(inputs)`; the name,
+    batch size and seed come from the problem config `cfg`."""
+    return cls(name=cfg.get("label", default_label), task=task,
+               net=hk.without_apply_rng(hk.transform(model)),
+               loss_name=loss_name, data=data,
+               batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
+               config=dict(cfg))
+
   def loss_fn(self, params, batch):
     inputs, targets = batch
     return loss(self.loss_name)(self.net.apply(params, inputs), targets)

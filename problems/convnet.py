@@ -30,8 +30,5 @@ def build(data, cfg) -> Problem:
       h = act(layers.Dense(size, name=f"dense_{i}")(h))
     return layers.Dense(data.num_classes, name="logits")(h)
 
-  return Problem(name=cfg.get("label", "convnet"), task="classification",
-                 net=hk.without_apply_rng(hk.transform(model)),
-                 loss_name="softmax_cross_entropy", data=data,
-                 batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
-                 config=dict(cfg))
+  return Problem.from_model(model, data, cfg, task="classification",
+                            loss_name="softmax_cross_entropy", default_label="convnet")

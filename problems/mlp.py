@@ -1,7 +1,5 @@
 """MLP classifier with softmax cross-entropy."""
 
-import haiku as hk
-
 from problems import layers
 from problems.base import Problem
 
@@ -23,8 +21,5 @@ def build(data, cfg) -> Problem:
       h = act(layers.Dense(size, name=f"dense_{i}")(h))
     return layers.Dense(data.num_classes, name="logits")(h)
 
-  return Problem(name=cfg.get("label", "mlp"), task="classification",
-                 net=hk.without_apply_rng(hk.transform(model)),
-                 loss_name="softmax_cross_entropy", data=data,
-                 batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
-                 config=dict(cfg))
+  return Problem.from_model(model, data, cfg, task="classification",
+                            loss_name="softmax_cross_entropy", default_label="mlp")
