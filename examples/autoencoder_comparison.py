@@ -29,6 +29,7 @@ import jax
 import matplotlib
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 import problems
 from curvbench import curvatures, training
@@ -37,6 +38,8 @@ from problems import fetch
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
+PROBLEM_CONFIG = (Path(__file__).resolve().parents[1]
+                  / "conf/problem/autoencoder_mnist.yaml")
 ADAM_LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 SGD_LEARNING_RATES = (0.01, 0.03, 0.1, 0.3)
 SGD_MOMENTA = (0.9, 0.99)
@@ -72,11 +75,11 @@ def _device() -> str:
 
 
 def _problem(args):
-  cfg = dict(name="autoencoder", label="autoencoder_mnist",
-             batch_size=args.batch_size, seed=args.seed,
-             encoder=list(args.encoder), code=args.code, activation="sigmoid",
-             loss="sigmoid_cross_entropy",
-             data=dict(name="mnist", data_dir=str(args.data_dir)))
+  """conf/problem/autoencoder_mnist.yaml with the command line's overrides."""
+  cfg = OmegaConf.to_container(OmegaConf.load(PROBLEM_CONFIG))
+  cfg.update(batch_size=args.batch_size, seed=args.seed,
+             encoder=list(args.encoder), code=args.code)
+  cfg["data"]["data_dir"] = str(args.data_dir)
   return problems.make(cfg)
 
 
