@@ -41,6 +41,6 @@ from estimators.tags import (
     register_repeated_dense, register_scale_and_shift)
 from estimators.tracer import (
     ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp,
-    loss_tags_hvp, loss_tags_jvp, loss_tags_vjp)
+    loss_tags_hvp, loss_tags_jvp, loss_tags_linearize, loss_tags_vjp)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

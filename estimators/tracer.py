@@ -1,11 +1,12 @@
 """Tracing a tagged model function and differentiating through its tags.
 
 `ProcessedJaxpr` traces the model once and finds its loss and layer tags. The
-transforms below (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_hvp`,
-`layer_tags_vjp`) re-evaluate that jaxpr equation by equation, which lets them
-read every tag's operands and add a zero "perturbation" to each layer's
-outputs: the cotangent of that perturbation is the derivative of the loss
-w.r.t. the layer's outputs, which JAX cannot otherwise give for intermediates.
+transforms below (`loss_tags_vjp`, `loss_tags_jvp`, `loss_tags_linearize`,
+`loss_tags_hvp`, `layer_tags_vjp`) re-evaluate that jaxpr equation by
+equation, which lets them read every tag's operands and add a zero
+"perturbation" to each layer's outputs: the cotangent of that perturbation
+is the derivative of the loss w.r.t. the layer's outputs, which JAX cannot
+otherwise give for intermediates.
 
 Layer tags inside a `scan` whose parameters are slices of stacked parameter
 leaves (as `hk.experimental.layer_stack` makes) stay inside the scan: they
@@ -548,6 +549,26 @@ def loss_tags_jvp(func: Callable, params_index: int = 0):
     (_, losses_args), (tangents, _) = jax.jvp(
         f, (params_flat,), (jax.tree.leaves(params_tangents),))
     return proc.make_losses(losses_args), tangents
+
+  return transformed
+
+
+def loss_tags_linearize(func: Callable, params_index: int = 0):
+  """Returns `f(func_args) -> (losses, jvp)`.
+
+  `jvp(params_tangents)` gives the loss input tangents, like `loss_tags_jvp`,
+  but the forward pass runs once however many tangents are pushed through.
+  """
+  traced = traced_function(func, params_index)
+
+  def transformed(func_args):
+    proc, params_flat, f = _loss_inputs_fn(traced, func_args)
+    _, linear, losses_args = jax.linearize(f, params_flat, has_aux=True)
+
+    def jvp_func(params_tangents):
+      return linear(jax.tree.leaves(params_tangents))
+
+    return proc.make_losses(losses_args), jvp_func
 
   return transformed
 
