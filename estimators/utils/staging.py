@@ -1,0 +1,70 @@
+"""Compiling a function without copying the inputs it hands back unchanged.
+
+`jax.jit` gives every output its own buffer, so an input returned as it came
+in is copied (jax-ml/jax#6284). An optimizer state whose cached inverses are
+refreshed only every few steps would be copied whole on all the other steps.
+`stage` records at trace time which outputs are inputs, leaves them out of
+the compiled program, and puts the caller's arrays back in their place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Forwarding:
+  """Static part of a staged output: where each output leaf comes from."""
+  tree: Any  # treedef of the full output
+  sources: tuple  # per output leaf: the index of the input leaf it is, or None
+
+
+def _dynamic_leaves(args, static_argnums):
+  return jax.tree.leaves(
+      [a for i, a in enumerate(args) if i not in static_argnums])
+
+
+def _as_array(x):
+  # A Python or NumPy input would have come back from `jit` as an array.
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def stage(fn: Callable, static_argnums: Sequence[int] = (),
+          pmap_axis_name: str | None = None) -> Callable:
+  """`jax.jit(fn)` (or `jax.pmap` over `pmap_axis_name`) minus passthrough copies.
+
+  The result is a tree equal to `fn(*args)`; outputs that are inputs returned
+  untouched are the caller's own arrays.
+  """
+  static_argnums = tuple(static_argnums)
+
+  def pruned(*args):
+    out = fn(*args)
+    position = {id(x): i for i, x in
+                enumerate(_dynamic_leaves(args, static_argnums))}
+    leaves, tree = jax.tree.flatten(out)
+    sources = tuple(position.get(id(x)) for x in leaves)
+    computed = [x for x, s in zip(leaves, sources) if s is None]
+    return computed, _Forwarding(tree, sources)
+
+  if pmap_axis_name is None:
+    compiled = jax.jit(pruned, static_argnums=static_argnums)
+  else:
+    compiled = jax.pmap(pruned, axis_name=pmap_axis_name,
+                        static_broadcasted_argnums=static_argnums)
+
+  def call(*args):
+    computed, forwarding = compiled(*args)
+    inputs = _dynamic_leaves(args, static_argnums)
+    computed = iter(computed)
+    return jax.tree.unflatten(forwarding.tree, [
+        next(computed) if s is None else _as_array(inputs[s])
+        for s in forwarding.sources])
+
+  return call
