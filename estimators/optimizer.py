@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import curvature, estimation_modes, tracer, utils
+from estimators.utils import staging
 
 Params = Any
 
@@ -142,8 +143,11 @@ class Optimizer:
         layer_tag_to_block_ctor=layer_tag_to_block_ctor, **auto_kwargs)
     self._implicit = curvature.ImplicitExactCurvature(
         self._value_func, batch_size_extractor=batch_size_extractor)
-    self._jvp = tracer.loss_tags_jvp(self._value_func)
-    self._compiled_step = self._stage(self._step, static_argnums=())
+    self._linearized = tracer.loss_tags_linearize(self._value_func)
+    # Whether a step refreshes the inverses or adapts the damping is known on
+    # the host, so each combination is its own program: a `lax.cond` would
+    # copy the whole estimator state through its untaken branch.
+    self._compiled_step = self._stage(self._step, static_argnums=(8, 9))
     self._compiled_init = self._stage(self._init, static_argnums=())
     self._compiled_burnin = self._stage(self._burnin_step, static_argnums=())
     self._finalized = False
@@ -181,9 +185,7 @@ class Optimizer:
   def _stage(self, fn, static_argnums):
     if self._debug:
       return fn
-    if self._multi_device:
-      return jax.pmap(fn, axis_name=self._pmap_axis_name)
-    return jax.jit(fn, static_argnums=static_argnums)
+    return staging.stage(fn, static_argnums, self._pmap_axis_name)
 
   def _split_outputs(self, out):
     """(loss, func_state, aux) from the value function's first output."""
@@ -247,6 +249,12 @@ class Optimizer:
     return self._adaptive_damping & (
         state.step_counter % self._damping_interval == 0)
 
+  def _is_refresh_step(self, step: int) -> bool:
+    return step % self._inverse_update_period == 0
+
+  def _is_damping_step(self, step: int) -> bool:
+    return self._adaptive_damping and step % self._damping_interval == 0
+
   def compute_loss_value(self, func_args):
     out, _ = self._value_and_grad_func(*func_args)
     return self._split_outputs(out)[0]
@@ -270,21 +278,17 @@ class Optimizer:
     if func_args is None:
       raise ValueError("compute_exact_quad_model needs func_args.")
     kind = estimation_modes.matrix_type(self._estimation_mode)
-
-    def products(vector):
-      # (J v, C J v) for every loss; under vmap the network's forward values
-      # do not depend on v, so they are computed once for all the vectors.
-      losses, tangents = self._jvp(func_args, vector)
-      out = []
-      for loss, jv in zip(losses, tangents):
-        multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
-        out.append((tuple(jv), tuple(multiply(jv))))
-      return out
-
-    stacked = jax.tree.map(lambda *v: jnp.stack(v), *vectors)
-    pairs = jax.vmap(products)(stacked)
-    matrix = sum(jnp.einsum("i...,j...->ij", jv, cjv)
-                 for jvs, cjvs in pairs for jv, cjv in zip(jvs, cjvs))
+    losses, jvp = self._linearized(func_args)
+    # Pushing the vectors one at a time keeps them apart: stacking them for a
+    # vmap would copy every parameter twice.
+    tangents = [jvp(v) for v in vectors]
+    n = len(vectors)
+    matrix = jnp.zeros((n, n), jnp.result_type(*jax.tree.leaves(tangents)))
+    for k, loss in enumerate(losses):
+      multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
+      products = [multiply(tuple(t[k])) for t in tangents]
+      matrix += jnp.array([[utils.inner_product(tangents[i][k], products[j])
+                            for j in range(n)] for i in range(n)])
     batch_size = self._batch_size(func_args[-1])
     matrix = self._mean(matrix.astype(state_dtype(vectors)) / batch_size)
     return matrix, self._gram(vectors), jnp.array(
@@ -367,7 +371,8 @@ class Optimizer:
              self._hyper(momentum, self._momentum_schedule, step, dtype),
              self._hyper(damping, self._damping_schedule, step, dtype)]
     params, state, func_state, stats = self._compiled_step(
-        params, state, rng, batch, func_state, *hyper)
+        params, state, rng, batch, func_state, *hyper,
+        self._is_refresh_step(step), self._is_damping_step(step))
     if self._has_state:
       return params, state, func_state, stats
     return params, state, stats
@@ -385,7 +390,7 @@ class Optimizer:
   # --- the staged step ----------------------------------------------------
 
   def _step(self, params, state, rng, batch, func_state, learning_rate,
-            momentum, damping):
+            momentum, damping, refresh, update_damping):
     func_args = self._func_args(params, func_state, rng, batch)
     batch_size = self._batch_size(batch)
     estimator_state = self._estimator.update_curvature_matrix_estimate(
@@ -394,13 +399,10 @@ class Optimizer:
     damping = state.damping if self._adaptive_damping else damping
     identity_weight = damping + self._l2_reg
     exact = self._use_exact_inverses
-    refresh = state.step_counter % self._inverse_update_period == 0
-    estimator_state = jax.lax.cond(
-        refresh,
-        lambda s: self._estimator.update_cache(
-            s, identity_weight, -1 if exact else None,
-            None if exact else -1, False),
-        lambda s: s, estimator_state)
+    if refresh:
+      estimator_state = self._estimator.update_cache(
+          estimator_state, identity_weight, -1 if exact else None,
+          None if exact else -1, False)
 
     out, grads = self._value_and_grad_func(*func_args)
     loss, new_func_state, aux = self._split_outputs(out)
@@ -434,8 +436,12 @@ class Optimizer:
                               if self._include_damping_in_quad_change else 0)
     q_change = 0.5 * coefficients @ quad_for_change @ coefficients + (
         coefficients @ linear)
-    new_damping, rho = self._adapt_damping(state, damping, loss, q_change,
-                                           new_params, func_state, rng, batch)
+    if update_damping:
+      new_damping, rho = self._adapt_damping(damping, loss, q_change,
+                                             new_params, func_state, rng,
+                                             batch)
+    else:
+      new_damping, rho = damping, jnp.asarray(jnp.nan, loss.dtype)
     new_state = OptimizerState(
         velocities=delta, estimator_state=estimator_state,
         damping=new_damping if self._adaptive_damping else state.damping,
@@ -474,26 +480,18 @@ class Optimizer:
                      -(linear[1] + quad[1, 0] * alpha) / quad[1, 1])
     return jnp.stack([jnp.asarray(alpha, dtype), jnp.asarray(mu, dtype)])
 
-  def _adapt_damping(self, state, damping, loss, q_change, new_params,
-                     func_state, rng, batch):
+  def _adapt_damping(self, damping, loss, q_change, new_params, func_state,
+                     rng, batch):
     """Levenberg–Marquardt: rho = actual / predicted loss change."""
-    if not self._adaptive_damping:
-      return damping, jnp.nan
-
-    def rho_and_damping(_):
-      new_loss = self._mean(self.compute_loss_value(
-          self._func_args(new_params, func_state, rng, batch)))
-      rho = ((new_loss - loss) / q_change).astype(loss.dtype)
-      factor = self.damping_decay_factor
-      new = jnp.where(rho < self._damping_lower, damping / factor,
-                      jnp.where(rho > self._damping_upper, damping * factor,
-                                damping))
-      new = jnp.clip(new, self._min_damping, self._max_damping)
-      return new.astype(damping.dtype), rho
-
-    return jax.lax.cond(self.should_update_damping(state), rho_and_damping,
-                        lambda _: (damping, jnp.asarray(jnp.nan, loss.dtype)),
-                        None)
+    new_loss = self._mean(self.compute_loss_value(
+        self._func_args(new_params, func_state, rng, batch)))
+    rho = ((new_loss - loss) / q_change).astype(loss.dtype)
+    factor = self.damping_decay_factor
+    new = jnp.where(rho < self._damping_lower, damping / factor,
+                    jnp.where(rho > self._damping_upper, damping * factor,
+                              damping))
+    new = jnp.clip(new, self._min_damping, self._max_damping)
+    return new.astype(damping.dtype), rho
 
   def _norms(self, grads, precon, delta):
     stats = {}
