@@ -629,3 +629,39 @@ def test_psd_inverse_matches_numpy(n, dtype):
   tol = 1e-9 if dtype == np.float64 else 2e-5
   np.testing.assert_allclose(np.asarray(got, np.float64) / np.abs(want).max(),
                              want / np.abs(want).max(), atol=tol)
+
+
+@pytest.mark.parametrize("n", [300, 1100])
+def test_psd_inverse_root_is_the_inverse_cholesky_factor(n):
+  rows = np.random.RandomState(n).randn(2 * n, n)
+  matrix = rows.T @ rows / (2 * n) + 1e-2 * np.eye(n)
+  root = np.asarray(jax.jit(utils.psd_inverse_root)(jnp.asarray(matrix)))
+  np.testing.assert_array_equal(root, np.tril(root))
+  np.testing.assert_allclose(root @ np.linalg.cholesky(matrix), np.eye(n),
+                             atol=1e-8)
+
+
+@pytest.mark.parametrize("sizes", [(1100, 2), (2, 1100)])
+def test_big_factor_facing_a_small_one_is_cached_as_its_inverse_root(sizes):
+  d_in, d_out = sizes
+  eqn, data, _ = make_case(dense_layer, tags.register_dense,
+                           rand(3, B, d_in), (rand(1, d_in, d_out),))
+  block, state, _, _ = fitted(blocks.DenseTwoKroneckerFactored,
+                              (eqn, data, None), approx=(-1,))
+  v = random_vector(block)
+
+  @jax.jit
+  def run(state, v):
+    cached = block.update_cache(state, DAMPING, None, (-1,), False)
+    return (cached.cache, block.multiply_inverse(cached, v, DAMPING, False,
+                                                 True),
+            utils.pi_adjusted_kronecker_damping(
+                state.inputs_factor.value, state.outputs_factor.value,
+                DAMPING))
+
+  cache, got, (a_d, g_d) = run(state, v)
+  big = "inputs_factor" if d_in > d_out else "outputs_factor"
+  assert f"{big}_inverse_root" in cache["approx_pow_-1"]
+  damped = np.kron(np.asarray(a_d), np.asarray(g_d))
+  np.testing.assert_allclose(flat(got), np.linalg.solve(damped, flat(v)),
+                             rtol=1e-7, atol=1e-9)

@@ -30,7 +30,10 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   ("inputs_factor_eigenvalues", "inputs_factor_eigenvectors" and the same for
   "outputs_factor"), shared by all exact powers, and per exact power the
   identity weight it was cached with. Per approximate power, the two powered
-  damped factors under "inputs_factor" and "outputs_factor".
+  damped factors under "inputs_factor" and "outputs_factor"; for power -1 a
+  big factor facing a small one is kept as its inverse Cholesky root `L⁻¹`
+  (`factor⁻¹ = L⁻ᵀ L⁻¹`) under "inputs_factor_inverse_root" or
+  "outputs_factor_inverse_root".
   """
 
   @jax.tree_util.register_dataclass
@@ -96,12 +99,20 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       g_vals, g_vecs = utils.safe_psd_eigh(g)
       grid = jnp.power(jnp.outer(a_vals, g_vals) + identity_weight, power)
       result = utils.kronecker_eigen_multiply(a_vecs, g_vecs, grid, v)
-    else:
-      if use_cached:
-        entry = cache[base.cache_key(power, False)]
-        a_pow, g_pow = entry["inputs_factor"], entry["outputs_factor"]
+    elif use_cached:
+      entry = cache[base.cache_key(power, False)]
+      if "inputs_factor_inverse_root" in entry:
+        root = entry["inputs_factor_inverse_root"]
+        v = root.T @ (root @ v)
       else:
-        a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, power)
+        v = entry["inputs_factor"] @ v
+      if "outputs_factor_inverse_root" in entry:
+        root = entry["outputs_factor_inverse_root"]
+        result = (v @ root.T) @ root
+      else:
+        result = v @ entry["outputs_factor"]
+    else:
+      a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, power)
       result = a_pow @ v @ g_pow
     return self._from_matrix(result)
 
@@ -138,10 +149,28 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       for p in exact_powers:
         updates[base.cache_key(p, True)] = jnp.asarray(identity_weight, a.dtype)
     for p in approx_powers:
-      a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, p)
-      updates[base.cache_key(p, False)] = {"inputs_factor": a_pow,
-                                           "outputs_factor": g_pow}
+      a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
+          a, g, identity_weight)
+      updates[base.cache_key(p, False)] = {
+          **_cached_factor_power("inputs_factor", a_damped, p, g.shape[0]),
+          **_cached_factor_power("outputs_factor", g_damped, p, a.shape[0])}
     return updates
+
+
+# A factor's inverse is cached as its Cholesky root `L⁻¹` instead when the
+# factor is big and the other one small: the parameter matrix then has few
+# columns (or rows) for the root's two products, and the root takes a third
+# less work to refresh than the inverse (e.g. a 3137-wide dense head).
+_ROOT_MIN_SIZE = 1024
+_ROOT_MIN_RATIO = 8
+
+
+def _cached_factor_power(name, factor, power, other_size):
+  """The cache entries of one damped factor raised to `power`."""
+  n = factor.shape[0]
+  if power == -1 and n >= _ROOT_MIN_SIZE and n >= _ROOT_MIN_RATIO * other_size:
+    return {f"{name}_inverse_root": utils.psd_inverse_root(factor)}
+  return {name: utils.psd_matrix_power(factor, power)}
 
 
 class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):

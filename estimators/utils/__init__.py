@@ -3,7 +3,7 @@
 from estimators.utils.linalg import (kronecker_eigen_multiply,
                                      kronecker_product_eigenvalues,
                                      pi_adjusted_kronecker_damping,
-                                     psd_inverse,
+                                     psd_inverse, psd_inverse_root,
                                      psd_eigvalsh, psd_matrix_power,
                                      safe_psd_eigh, symmetrize)
 from estimators.utils.moving_average import WeightedMovingAverage
@@ -14,7 +14,7 @@ from estimators.utils.pytree import (flatten_arrays, inner_product,
 __all__ = [
     "WeightedMovingAverage", "flatten_arrays", "inner_product", "is_tracer",
     "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
-    "psd_inverse",
+    "psd_inverse", "psd_inverse_root",
     "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
     "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
     "unflatten_vector",
