@@ -25,6 +25,12 @@ class _Forwarding:
   sources: tuple  # per output leaf: the index of the input leaf it is, or None
 
 
+# An optimizer step's time goes to library matrix products and LAPACK; LLVM's
+# default optimisation level makes no measurable difference to it on CPU but
+# takes about a third longer to compile the step.
+_CPU_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
 def _dynamic_leaves(args, static_argnums):
   return jax.tree.leaves(
       [a for i, a in enumerate(args) if i not in static_argnums])
@@ -54,7 +60,9 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
     return computed, _Forwarding(tree, sources)
 
   if pmap_axis_name is None:
-    compiled = jax.jit(pruned, static_argnums=static_argnums)
+    options = _CPU_OPTIONS if jax.default_backend() == "cpu" else None
+    compiled = jax.jit(pruned, static_argnums=static_argnums,
+                       compiler_options=options)
   else:
     compiled = jax.pmap(pruned, axis_name=pmap_axis_name,
                         static_broadcasted_argnums=static_argnums)
