@@ -246,14 +246,14 @@ class Optimizer:
     return int(counter.ravel()[0])
 
   def should_update_damping(self, state):
-    return self._adaptive_damping & (
-        state.step_counter % self._damping_interval == 0)
+    return self._is_damping_step(state.step_counter)
+
+  def _is_damping_step(self, step):
+    """Works on the host's step number and on the state's counter alike."""
+    return self._adaptive_damping & (step % self._damping_interval == 0)
 
   def _is_refresh_step(self, step: int) -> bool:
     return step % self._inverse_update_period == 0
-
-  def _is_damping_step(self, step: int) -> bool:
-    return self._adaptive_damping and step % self._damping_interval == 0
 
   def compute_loss_value(self, func_args):
     out, _ = self._value_and_grad_func(*func_args)

@@ -99,28 +99,11 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       g_vals, g_vecs = utils.safe_psd_eigh(g)
       grid = jnp.power(jnp.outer(a_vals, g_vals) + identity_weight, power)
       result = utils.kronecker_eigen_multiply(a_vecs, g_vecs, grid, v)
-    elif use_cached:
-      entry = cache[base.cache_key(power, False)]
-      if "inputs_factor_inverse_root" in entry:
-        root = entry["inputs_factor_inverse_root"]
-        v = root.T @ (root @ v)
-      else:
-        v = entry["inputs_factor"] @ v
-      if "outputs_factor_inverse_root" in entry:
-        root = entry["outputs_factor_inverse_root"]
-        result = (v @ root.T) @ root
-      else:
-        result = v @ entry["outputs_factor"]
     else:
-      a_pow, g_pow = self._approx_factor_powers(a, g, identity_weight, power)
-      result = a_pow @ v @ g_pow
+      entry = (cache[base.cache_key(power, False)] if use_cached else
+               _approx_power_entry(a, g, identity_weight, power))
+      result = _apply_approx_power(entry, v)
     return self._from_matrix(result)
-
-  def _approx_factor_powers(self, a, g, identity_weight, power):
-    a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
-        a, g, identity_weight)
-    return (utils.psd_matrix_power(a_damped, power),
-            utils.psd_matrix_power(g_damped, power))
 
   def _eigenvalues_unscaled(self, state):
     return utils.kronecker_product_eigenvalues(
@@ -149,11 +132,8 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       for p in exact_powers:
         updates[base.cache_key(p, True)] = jnp.asarray(identity_weight, a.dtype)
     for p in approx_powers:
-      a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
-          a, g, identity_weight)
-      updates[base.cache_key(p, False)] = {
-          **_cached_factor_power("inputs_factor", a_damped, p, g.shape[0]),
-          **_cached_factor_power("outputs_factor", g_damped, p, a.shape[0])}
+      updates[base.cache_key(p, False)] = _approx_power_entry(
+          a, g, identity_weight, p)
     return updates
 
 
@@ -165,12 +145,32 @@ _ROOT_MIN_SIZE = 1024
 _ROOT_MIN_RATIO = 8
 
 
-def _cached_factor_power(name, factor, power, other_size):
-  """The cache entries of one damped factor raised to `power`."""
+def _approx_power_entry(a, g, identity_weight, power):
+  """Both pi-damped factors raised to `power`, keyed as in the cache."""
+  a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
+      a, g, identity_weight)
+  return {**_factor_power("inputs_factor", a_damped, power, g.shape[0]),
+          **_factor_power("outputs_factor", g_damped, power, a.shape[0])}
+
+
+def _factor_power(name, factor, power, other_size):
   n = factor.shape[0]
   if power == -1 and n >= _ROOT_MIN_SIZE and n >= _ROOT_MIN_RATIO * other_size:
     return {f"{name}_inverse_root": utils.psd_inverse_root(factor)}
   return {name: utils.psd_matrix_power(factor, power)}
+
+
+def _apply_approx_power(entry, v):
+  """`A^p V G^p` from an entry of `_approx_power_entry`."""
+  if "inputs_factor_inverse_root" in entry:
+    root = entry["inputs_factor_inverse_root"]
+    v = root.T @ (root @ v)
+  else:
+    v = entry["inputs_factor"] @ v
+  if "outputs_factor_inverse_root" in entry:
+    root = entry["outputs_factor_inverse_root"]
+    return (v @ root.T) @ root
+  return v @ entry["outputs_factor"]
 
 
 class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
