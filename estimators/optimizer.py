@@ -49,6 +49,13 @@ def _add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+def _solve_2x2(matrix, rhs):
+  """Cramer's rule: a LAPACK solve would cost more than the whole 2x2 model."""
+  (a, b), (c, d) = matrix
+  return jnp.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - c * rhs[0]]) / (
+      a * d - b * c)
+
+
 class Optimizer:
   """K-FAC with the constructor arguments and defaults of the reference."""
 
@@ -260,13 +267,14 @@ class Optimizer:
     return self._split_outputs(out)[0]
 
   def compute_l2_quad_matrix(self, vectors: Sequence[Params]):
-    return self.l2_reg * self._gram(vectors)
+    return self.l2_reg * utils.gram_matrix(vectors)
 
   @staticmethod
-  def _gram(vectors):
+  def _gram_and_linear(vectors, grads):
+    """(vᵢᵀ vⱼ, gᵀ vᵢ) from one Gram matrix of the vectors and the gradient."""
     n = len(vectors)
-    return jnp.array([[utils.inner_product(vectors[i], vectors[j]) for j in range(n)]
-                      for i in range(n)])
+    gram = utils.gram_matrix([*vectors, grads])
+    return gram[:n, :n], gram[:n, n]
 
   def compute_exact_quad_model(self, vectors, grads, func_args=None):
     """(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ) with C the exact curvature of the mode.
@@ -282,27 +290,21 @@ class Optimizer:
     # Pushing the vectors one at a time keeps them apart: stacking them for a
     # vmap would copy every parameter twice.
     tangents = [jvp(v) for v in vectors]
-    n = len(vectors)
-    matrix = jnp.zeros((n, n), jnp.result_type(*jax.tree.leaves(tangents)))
-    for k, loss in enumerate(losses):
-      multiply = loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
-      products = [multiply(tuple(t[k])) for t in tangents]
-      matrix += jnp.array([[utils.inner_product(tangents[i][k], products[j])
-                            for j in range(n)] for i in range(n)])
+    multiplies = [loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
+                  for loss in losses]
+    products = [[multiply(tuple(t)) for multiply, t in zip(multiplies, ts)]
+                for ts in tangents]
+    matrix = utils.gram_matrix(tangents, products)
     batch_size = self._batch_size(func_args[-1])
     matrix = self._mean(matrix.astype(state_dtype(vectors)) / batch_size)
-    return matrix, self._gram(vectors), jnp.array(
-        [utils.inner_product(v, grads) for v in vectors])
+    return (matrix, *self._gram_and_linear(vectors, grads))
 
   def compute_approx_quad_model(self, state, vectors, grads):
     """The same three terms with C the optimizer's curvature estimate."""
     products = [self._estimator.multiply(state.estimator_state, v, 0.0,
                                          True, False) for v in vectors]
-    n = len(vectors)
-    matrix = jnp.array([[utils.inner_product(vectors[i], products[j]) for j in range(n)]
-                        for i in range(n)])
-    return matrix, self._gram(vectors), jnp.array(
-        [utils.inner_product(v, grads) for v in vectors])
+    return (utils.gram_matrix(vectors, products),
+            *self._gram_and_linear(vectors, grads))
 
   def init(self, params, rng, batch, func_state=None) -> OptimizerState:
     """The optimizer state (the estimator is traced on this batch)."""
@@ -467,7 +469,7 @@ class Optimizer:
     """
     dtype = quad.dtype
     if self._adaptive_lr and self._adaptive_momentum:
-      solved = jnp.linalg.solve(quad, -linear)
+      solved = _solve_2x2(quad, -linear)
       only_lr = -linear[0] / quad[0, 0]
       return jnp.where(first_step, jnp.array([only_lr, 0.0], dtype), solved)
     alpha = None if self._adaptive_lr else -learning_rate

@@ -7,13 +7,13 @@ from estimators.utils.linalg import (kronecker_eigen_multiply,
                                      psd_eigvalsh, psd_matrix_power,
                                      safe_psd_eigh, symmetrize)
 from estimators.utils.moving_average import WeightedMovingAverage
-from estimators.utils.pytree import (flatten_arrays, inner_product,
-                                     is_tracer, product,
+from estimators.utils.pytree import (flatten_arrays, gram_matrix,
+                                     inner_product, is_tracer, product,
                                      scalar_mul, unflatten_vector)
 
 __all__ = [
-    "WeightedMovingAverage", "flatten_arrays", "inner_product", "is_tracer",
-    "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
+    "WeightedMovingAverage", "flatten_arrays", "gram_matrix", "inner_product",
+    "is_tracer", "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
     "psd_inverse", "psd_inverse_root",
     "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
     "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
