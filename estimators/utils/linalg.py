@@ -47,19 +47,20 @@ def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
   return (vectors * values ** power) @ vectors.T
 
 
-# Largest matrix inverted by one LAPACK Cholesky solve; bigger ones are split
-# (see `psd_inverse`).
+# Largest matrix inverted through one LAPACK Cholesky factor; bigger ones are
+# split (see `psd_inverse`).
 _LAPACK_MAX_SIZE = 512
 
 
 def psd_inverse(matrix: jax.Array) -> jax.Array:
   """Inverse of a positive definite matrix through its Cholesky factor `L`.
 
-  Up to `_LAPACK_MAX_SIZE` rows this is one LAPACK Cholesky solve. Bigger
-  matrices are factored blockwise, as a right-looking blocked Cholesky does,
-  and the inverse is assembled from the blocks of `L⁻¹`: almost all the work
-  is matrix products, which XLA runs on all cores, and the few LAPACK calls
-  keep the compiled program small. (A split by an explicitly inverted Schur
+  Up to `_LAPACK_MAX_SIZE` rows, LAPACK factors the matrix and solves for
+  `L⁻¹`, and the inverse is `L⁻ᵀ L⁻¹`. Bigger matrices are factored
+  blockwise, as a right-looking blocked Cholesky does, and the inverse is
+  assembled from the blocks of `L⁻¹`: almost all the work is matrix
+  products, which XLA runs on all cores, and the few LAPACK calls keep the
+  compiled program small. (A split by an explicitly inverted Schur
   complement is cheaper but lost positive definiteness in float32 once the
   damping got small.)
   """
