@@ -148,8 +148,6 @@ class Optimizer:
         self._value_func, params_index=0,
         default_estimation_mode=estimation_mode,
         layer_tag_to_block_ctor=layer_tag_to_block_ctor, **auto_kwargs)
-    self._implicit = curvature.ImplicitExactCurvature(
-        self._value_func, batch_size_extractor=batch_size_extractor)
     self._linearized = tracer.loss_tags_linearize(self._value_func)
     # Whether a step refreshes the inverses or adapts the damping is known on
     # the host, so each combination is its own program: a `lax.cond` would
