@@ -6,7 +6,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsp_linalg
 
 
 def symmetrize(matrix: jax.Array) -> jax.Array:
@@ -56,16 +55,18 @@ def psd_inverse(matrix: jax.Array) -> jax.Array:
   """Inverse of a positive definite matrix through its Cholesky factor `L`.
 
   Up to `_LAPACK_MAX_SIZE` rows, LAPACK factors the matrix and solves for
-  `L⁻¹`, and the inverse is `L⁻ᵀ L⁻¹`. Bigger matrices are factored
-  blockwise, as a right-looking blocked Cholesky does, and the inverse is
-  assembled from the blocks of `L⁻¹`: almost all the work is matrix
-  products, which XLA runs on all cores, and the few LAPACK calls keep the
-  compiled program small. (A split by an explicitly inverted Schur
-  complement is cheaper but lost positive definiteness in float32 once the
-  damping got small.)
+  `L⁻¹`, and the inverse is `L⁻ᵀ L⁻¹`. Bigger matrices are split in two:
+  the top block is inverted (with its `L⁻¹`) recursively, the Schur
+  complement `A22 - L21 L21ᵀ` of the bottom block too, and with
+  `K = A21 A11⁻¹` the inverse is `[[A11⁻¹ + Kᵀ S⁻¹ K, -(S⁻¹ K)ᵀ], [-S⁻¹ K,
+  S⁻¹]]`. Almost all the work is matrix products, which XLA runs on all
+  cores, and the few LAPACK calls keep the compiled program small. (Forming
+  the Schur complement as `A22 - K A12` saves a product but lost positive
+  definiteness in float32 once the damping got small.)
   """
   _limit_lapack_threads()
-  return _inverse_and_factor_inverse(symmetrize(matrix))[0]
+  return _inverse_and_factor_inverse(symmetrize(matrix),
+                                      with_factor=False)[0]
 
 
 def psd_inverse_root(matrix: jax.Array) -> jax.Array:
@@ -79,13 +80,14 @@ def psd_inverse_root(matrix: jax.Array) -> jax.Array:
   return _inverse_and_factor_inverse(symmetrize(matrix), with_inverse=False)[1]
 
 
-def _inverse_and_factor_inverse(matrix, with_inverse=True):
-  """(`matrix⁻¹` or None, `L⁻¹`) for the lower Cholesky factor `L`."""
+def _inverse_and_factor_inverse(matrix, with_inverse=True, with_factor=True):
+  """(`matrix⁻¹`, `L⁻¹`) for the lower Cholesky factor `L`; None where unasked."""
   n = matrix.shape[-1]
-  eye = jnp.eye(n, dtype=matrix.dtype)
   if n <= _LAPACK_MAX_SIZE:
-    lower = jnp.linalg.cholesky(matrix)
-    factor = jsp_linalg.solve_triangular(lower, eye, lower=True)
+    # The callers symmetrise once; LAPACK would otherwise do it again.
+    lower = jax.lax.linalg.cholesky(matrix, symmetrize_input=False)
+    factor = jax.lax.linalg.triangular_solve(
+        lower, jnp.eye(n, dtype=matrix.dtype), left_side=True, lower=True)
     # As LAPACK's potri: one triangular solve, then a matrix product, which
     # is cheaper than the two solves of `cho_solve`.
     return (factor.T @ factor if with_inverse else None), factor
@@ -93,14 +95,16 @@ def _inverse_and_factor_inverse(matrix, with_inverse=True):
   top, top_factor = _inverse_and_factor_inverse(matrix[:h, :h], with_inverse)
   below = matrix[h:, :h] @ top_factor.T  # L21 = A21 L11⁻ᵀ
   schur = symmetrize(matrix[h:, h:] - below @ below.T)
-  bottom, bottom_factor = _inverse_and_factor_inverse(schur, with_inverse)
-  corner = -bottom_factor @ below @ top_factor  # the (2, 1) block of L⁻¹
-  factor = jnp.block([[top_factor, jnp.zeros((h, n - h), matrix.dtype)],
-                      [corner, bottom_factor]])
-  if not with_inverse:
-    return None, factor
-  off = bottom_factor.T @ corner
-  inverse = jnp.block([[top + corner.T @ corner, off.T], [off, bottom]])
+  bottom, bottom_factor = _inverse_and_factor_inverse(schur, with_inverse,
+                                                      with_factor)
+  gain = below @ top_factor  # A21 A11⁻¹
+  inverse = factor = None
+  if with_inverse:
+    off = -bottom @ gain  # the (2, 1) block of the inverse
+    inverse = jnp.block([[top - gain.T @ off, off.T], [off, bottom]])
+  if with_factor:
+    factor = jnp.block([[top_factor, jnp.zeros((h, n - h), matrix.dtype)],
+                        [-bottom_factor @ gain, bottom_factor]])
   return inverse, factor
 
 
@@ -135,6 +139,11 @@ def _limit_lapack_threads():
       lib.set_num_threads(1)
 
 
+def _trace(matrix):
+  # A strided slice of the diagonal: `jnp.trace` masks the whole matrix.
+  return jnp.sum(matrix.reshape(-1)[::matrix.shape[0] + 1])
+
+
 def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
   """Splits `damping` between the factors of `a ⊗ g` (Martens & Grosse, 2015).
 
@@ -143,8 +152,8 @@ def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
   approximates `a ⊗ g + damping I`. When either normalised trace is zero the
   ratio is meaningless and `pi = 1` is used instead.
   """
-  a_norm = jnp.trace(a) / a.shape[0]
-  g_norm = jnp.trace(g) / g.shape[0]
+  a_norm = _trace(a) / a.shape[0]
+  g_norm = _trace(g) / g.shape[0]
   ok = (a_norm > 0) & (g_norm > 0)
   pi = jnp.sqrt(jnp.where(ok, a_norm, 1) / jnp.where(ok, g_norm, 1))
   root = jnp.sqrt(jnp.asarray(damping, a.dtype))
