@@ -155,6 +155,9 @@ class Optimizer:
     self._compiled_step = self._stage(self._step, static_argnums=(8, 9))
     self._compiled_init = self._stage(self._init, static_argnums=())
     self._compiled_burnin = self._stage(self._burnin_step, static_argnums=())
+    # The counter array the last step returned and its value: a state passed
+    # back in unchanged needs no device read to know its step.
+    self._last_counter = [None, None]
     self._finalized = False
     self._modifiable = set(modifiable_attribute_exceptions)
     self._forbid_setting = forbid_setting_attributes_after_finalize
@@ -247,8 +250,17 @@ class Optimizer:
                          f"without use_adaptive_{name} or a {name}_schedule.")
     if global_step_int is not None:
       return int(global_step_int)
-    counter = np.asarray(jax.device_get(step_counter))
-    return int(counter.ravel()[0])
+    return self._read_step(step_counter)
+
+  def _known_step(self, step_counter) -> int | None:
+    array, value = self._last_counter
+    return value if step_counter is array else None
+
+  def _read_step(self, step_counter) -> int:
+    known = self._known_step(step_counter)
+    if known is not None:
+      return known
+    return int(np.asarray(jax.device_get(step_counter)).ravel()[0])
 
   def should_update_damping(self, state):
     return self._is_damping_step(state.step_counter)
@@ -350,11 +362,13 @@ class Optimizer:
     step = self.verify_args_and_get_step_counter(
         state.step_counter, learning_rate, momentum, damping, global_step_int)
     counter = state.step_counter
-    # Reading the device counter would stall the pipeline, so it is compared
-    # only when it is already computed (always on the first step).
-    if global_step_int is not None and (
-        global_step_int == 0 or self._debug or counter.is_ready()):
-      actual = int(np.asarray(jax.device_get(counter)).ravel()[0])
+    # Waiting for the device counter would stall the pipeline, so an unknown
+    # one is compared only when it is already computed (always at step 0).
+    verified = global_step_int is None or (
+        self._known_step(counter) is not None or global_step_int == 0
+        or self._debug or counter.is_ready())
+    if global_step_int is not None and verified:
+      actual = self._read_step(counter)
       if actual != global_step_int:
         raise ValueError(f"global_step_int={global_step_int} but the "
                          f"optimizer state is at step {actual}.")
@@ -373,6 +387,7 @@ class Optimizer:
     params, state, func_state, stats = self._compiled_step(
         params, state, rng, batch, func_state, *hyper,
         self._is_refresh_step(step), self._is_damping_step(step))
+    self._last_counter[:] = [state.step_counter, step + 1 if verified else None]
     if self._has_state:
       return params, state, func_state, stats
     return params, state, stats

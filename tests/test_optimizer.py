@@ -207,3 +207,26 @@ def test_errors():
                learning_rate=0.1, global_step_int=4, **kwargs)
   with pytest.raises(ValueError, match="estimation mode"):
     kfac.Optimizer(vg, 0.0, estimation_mode="fisher_magic")
+
+
+def test_global_step_int_is_checked_against_the_state_it_comes_with():
+  problem = gt.mlp(loss="softmax")
+  opt = make(problem)
+  rng = jax.random.PRNGKey(0)
+  kwargs = dict(batch=problem.batch, learning_rate=0.1, momentum=0.0,
+                damping=0.1)
+  first = opt.init(problem.params, rng, problem.batch)
+  params, second, _ = opt.step(problem.params, first, rng, global_step_int=0,
+                               **kwargs)
+  # The state the last step returned is known to be at step 1 ...
+  with pytest.raises(ValueError, match="global_step_int=2 but the optimizer "
+                     "state is at step 1"):
+    opt.step(params, second, rng, global_step_int=2, **kwargs)
+  # ... and an older state is read back from the device, not assumed.
+  jax.block_until_ready(first)
+  with pytest.raises(ValueError, match="global_step_int=1 but the optimizer "
+                     "state is at step 0"):
+    opt.step(params, first, rng, global_step_int=1, **kwargs)
+  _, third, _ = opt.step(params, second, rng, global_step_int=1, **kwargs)
+  _, _, stats = opt.step(params, third, rng, **kwargs)
+  assert int(stats["step"]) == 3
