@@ -42,11 +42,13 @@ def _as_array(x):
 
 
 def stage(fn: Callable, static_argnums: Sequence[int] = (),
-          pmap_axis_name: str | None = None) -> Callable:
+          pmap_axis_name: str | None = None,
+          cpu_options: dict | None = None) -> Callable:
   """`jax.jit(fn)` (or `jax.pmap` over `pmap_axis_name`) minus passthrough copies.
 
   The result is a tree equal to `fn(*args)`; outputs that are inputs returned
-  untouched are the caller's own arrays.
+  untouched are the caller's own arrays. `cpu_options` are XLA compiler
+  options added when compiling for CPU.
   """
   static_argnums = tuple(static_argnums)
 
@@ -60,7 +62,8 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
     return computed, _Forwarding(tree, sources)
 
   if pmap_axis_name is None:
-    options = _CPU_OPTIONS if jax.default_backend() == "cpu" else None
+    options = ({**_CPU_OPTIONS, **(cpu_options or {})}
+               if jax.default_backend() == "cpu" else None)
     compiled = jax.jit(pruned, static_argnums=static_argnums,
                        compiler_options=options)
   else:
