@@ -616,9 +616,9 @@ def test_settings_round_trip():
     blocks.set_max_parallel_elements(0)
 
 
-# psd_inverse: one LAPACK Cholesky solve up to 512 rows, a Schur-complement
-# split above (1100 splits twice).
-@pytest.mark.parametrize("n", [5, 300, 513, 1100])
+# psd_inverse: one LAPACK Cholesky solve up to 256 rows, a Schur-complement
+# split above (300 splits once, 513 twice on one side, 1100 three times).
+@pytest.mark.parametrize("n", [5, 256, 300, 513, 1100])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_psd_inverse_matches_numpy(n, dtype):
   rows = np.random.RandomState(n).randn(2 * n, n)

@@ -47,8 +47,9 @@ def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
 
 
 # Largest matrix inverted through one LAPACK Cholesky factor; bigger ones are
-# split (see `psd_inverse`).
-_LAPACK_MAX_SIZE = 512
+# split (see `psd_inverse`). At 256 rather than 512 a refresh of the
+# autoencoder's factors is 25 ms faster for 0.6 s more compile time.
+_LAPACK_MAX_SIZE = 256
 
 
 def psd_inverse(matrix: jax.Array) -> jax.Array:
