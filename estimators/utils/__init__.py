@@ -1,6 +1,7 @@
 """Shared utilities: moving averages, PSD linear algebra, pytree helpers."""
 
-from estimators.utils.linalg import (kronecker_eigen_multiply,
+from estimators.utils.linalg import (inverse_root_multiply,
+                                     kronecker_eigen_multiply,
                                      kronecker_product_eigenvalues,
                                      pi_adjusted_kronecker_damping,
                                      psd_inverse, psd_inverse_root,
@@ -13,7 +14,7 @@ from estimators.utils.pytree import (flatten_arrays, gram_matrix,
 
 __all__ = [
     "WeightedMovingAverage", "flatten_arrays", "gram_matrix", "inner_product",
-    "is_tracer", "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
+    "inverse_root_multiply", "is_tracer", "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
     "psd_inverse", "psd_inverse_root",
     "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
     "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
