@@ -14,7 +14,8 @@ from estimators.utils.pytree import (flatten_arrays, gram_matrix,
 
 __all__ = [
     "WeightedMovingAverage", "flatten_arrays", "gram_matrix", "inner_product",
-    "inverse_root_multiply", "is_tracer", "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
+    "inverse_root_multiply", "is_tracer", "kronecker_eigen_multiply",
+    "kronecker_product_eigenvalues",
     "psd_inverse", "psd_inverse_root",
     "pi_adjusted_kronecker_damping", "product", "psd_eigvalsh",
     "psd_matrix_power", "safe_psd_eigh", "scalar_mul", "symmetrize",
