@@ -32,8 +32,8 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   identity weight it was cached with. Per approximate power, the two powered
   damped factors under "inputs_factor" and "outputs_factor"; for power -1 a
   big factor facing a small one is kept as its inverse Cholesky root `L⁻¹`
-  (`factor⁻¹ = L⁻ᵀ L⁻¹`) under "inputs_factor_inverse_root" or
-  "outputs_factor_inverse_root".
+  (`factor⁻¹ = L⁻ᵀ L⁻¹`, in the blocks of `utils.psd_inverse_root`) under
+  "inputs_factor_inverse_root" or "outputs_factor_inverse_root".
   """
 
   @jax.tree_util.register_dataclass
