@@ -54,19 +54,17 @@ _LAPACK_MAX_SIZE = 512
 def psd_inverse(matrix: jax.Array) -> jax.Array:
   """Inverse of a positive definite matrix through its Cholesky factor `L`.
 
-  Up to `_LAPACK_MAX_SIZE` rows, LAPACK factors the matrix and solves for
-  `L⁻¹`, and the inverse is `L⁻ᵀ L⁻¹`. Bigger matrices are split in two:
-  the top block is inverted (with its `L⁻¹`) recursively, the Schur
-  complement `A22 - L21 L21ᵀ` of the bottom block too, and with
-  `K = A21 A11⁻¹` the inverse is `[[A11⁻¹ + Kᵀ S⁻¹ K, -(S⁻¹ K)ᵀ], [-S⁻¹ K,
-  S⁻¹]]`. Almost all the work is matrix products, which XLA runs on all
-  cores, and the few LAPACK calls keep the compiled program small. (Forming
-  the Schur complement as `A22 - K A12` saves a product but lost positive
-  definiteness in float32 once the damping got small.)
+  The inverse is assembled from the blocks of the inverse Cholesky root
+  (`psd_inverse_root`): a leaf root gives `L⁻ᵀ L⁻¹`, and a split one, with
+  `K = A21 A11⁻¹ = L21 L11⁻¹`, gives `[[A11⁻¹ + Kᵀ S⁻¹ K, -(S⁻¹ K)ᵀ],
+  [-S⁻¹ K, S⁻¹]]` for the Schur complement `S = A22 - L21 L21ᵀ`. Almost all
+  the work is matrix products, which XLA runs on all cores, and the few
+  LAPACK calls keep the compiled program small. (Forming the Schur
+  complement as `A22 - K A12` saves a product but lost positive definiteness
+  in float32 once the damping got small.)
   """
   _limit_lapack_threads()
-  return _inverse_and_factor_inverse(symmetrize(matrix),
-                                      with_factor=False)[0]
+  return _inverse_from_root(_inverse_root_blocks(symmetrize(matrix)))
 
 
 def psd_inverse_root(matrix: jax.Array):
@@ -116,34 +114,24 @@ def _leaf_root(matrix):
   # LAPACK reads column-major arrays and, told to use the lower triangle,
   # reads the upper one of the transpose (the same symmetric matrix). Without
   # the transpose XLA lays out the whole unsplit matrix column-major: a slow
-  # transposing copy of a big factor. The callers symmetrise if they need to.
+  # transposing copy of a big factor.
   lower = jax.lax.linalg.cholesky(matrix.T, symmetrize_input=False)
   return jax.lax.linalg.triangular_solve(
       lower, jnp.eye(matrix.shape[-1], dtype=matrix.dtype), left_side=True,
       lower=True)
 
 
-def _inverse_and_factor_inverse(matrix, with_factor=True):
-  """(`matrix⁻¹`, `L⁻¹` or None) for the lower Cholesky factor `L`."""
-  n = matrix.shape[-1]
-  if n <= _LAPACK_MAX_SIZE:
-    factor = _leaf_root(matrix)
-    # As LAPACK's potri: one triangular solve, then a matrix product, which
-    # is cheaper than the two solves of `cho_solve`.
-    return factor.T @ factor, factor
-  h = n // 2
-  top, top_factor = _inverse_and_factor_inverse(matrix[:h, :h])
-  below = matrix[h:, :h] @ top_factor.T  # L21 = A21 L11⁻ᵀ
-  schur = symmetrize(matrix[h:, h:] - below @ below.T)
-  bottom, bottom_factor = _inverse_and_factor_inverse(schur, with_factor)
-  gain = below @ top_factor  # A21 A11⁻¹
+def _inverse_from_root(root):
+  """`L⁻ᵀ L⁻¹` from the blocks of `psd_inverse_root`."""
+  if not isinstance(root, tuple):
+    # As LAPACK's potri: one triangular solve gave `L⁻¹`, then a product,
+    # which is cheaper than the two solves of `cho_solve`.
+    return root.T @ root
+  top_root, below, bottom_root = root
+  top, bottom = _inverse_from_root(top_root), _inverse_from_root(bottom_root)
+  gain = inverse_root_multiply(top_root, below.T, transpose=True).T  # K
   off = -bottom @ gain  # the (2, 1) block of the inverse
-  inverse = jnp.block([[top - gain.T @ off, off.T], [off, bottom]])
-  if not with_factor:
-    return inverse, None
-  factor = jnp.block([[top_factor, jnp.zeros((h, n - h), matrix.dtype)],
-                      [-bottom_factor @ gain, bottom_factor]])
-  return inverse, factor
+  return jnp.block([[top - gain.T @ off, off.T], [off, bottom]])
 
 
 _lapack_threads_limited = False
