@@ -384,6 +384,28 @@ def test_samples_have_the_targets_layout(case):
   assert loss.evaluate(sample).shape == (BATCH,)
 
 
+@pytest.mark.parametrize("case", ("categorical", "one_hot"))
+def test_class_samples_follow_the_softmax(case):
+  # A sure class, a near-impossible one and the last class are the edges of
+  # inverting the CDF.
+  logits = jnp.array([[0.3, -1.2, 2.0, 0.0, 0.7],
+                      [30.0, 0.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 30.0],
+                      [-30.0, 1.0, 1.0, 1.0, 1.0]], jnp.float32)
+  loss = make_loss(case, 1.0)
+  loss = type(loss)(logits, None)
+  samples = jax.jit(jax.vmap(loss.sample))(
+      jax.random.split(jax.random.PRNGKey(3), NUM_SAMPLES))
+  if case == "one_hot":
+    np.testing.assert_array_equal(np.asarray(samples).sum(-1), 1)
+    samples = np.argmax(samples, -1)
+  counts = np.asarray(jax.nn.one_hot(samples, 5), np.float64)
+  assert_close_to_monte_carlo_mean(counts, np.asarray(jax.nn.softmax(logits)))
+  np.testing.assert_array_equal(np.asarray(samples)[:, 1], 0)
+  np.testing.assert_array_equal(np.asarray(samples)[:, 2], 4)
+  assert not np.any(np.asarray(samples)[:, 3] == 0)
+
+
 # Masks, copies, jit.
 
 
