@@ -7,8 +7,11 @@ per-step time is a fifth of that; an Adam round, timed the same way, runs
 before each K-FAC round. The first two K-FAC steps (trace + compile +
 run of the refresh step, then of the plain step) are recorded apart, as
 `first_step_s` and `second_step_s`, and the ratio to Adam measured in
-the same run as `ratio_to_adam`. `make bench` runs them all; `make test`
-skips the large problems.
+the same run as `ratio_to_adam`. Next to it, `flop_ratio_to_adam` is the
+ratio of the arithmetic XLA counts in the compiled steps (averaged over a
+refresh period; LAPACK calls are not counted): a time ratio near it means the
+step is bound by arithmetic, not overhead. `make bench` runs them all;
+`make test` skips the large problems.
 """
 
 import time
@@ -107,6 +110,10 @@ def _timed(fn):
   return time.perf_counter() - start
 
 
+def _flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
 def _adam_runner(loss_fn, params, batch):
   adam = optax.adam(1e-3)
 
@@ -124,7 +131,7 @@ def _adam_runner(loss_fn, params, batch):
       carry[:] = step(*carry)
     return jax.block_until_ready(carry[0])
 
-  return run, compile_s
+  return run, compile_s, lambda: _flops(step, params, adam.init(params))
 
 
 def _kfac_runner(loss_fn, params, batch):
@@ -154,7 +161,16 @@ def _kfac_runner(loss_fn, params, batch):
       one_step()
     return jax.block_until_ready(carry[0])
 
-  return run, compile_s
+  def flops_per_step():
+    # The first step of each period refreshes the inverses and adapts the
+    # damping (both intervals are PERIOD); the others do neither.
+    def step(refresh):
+      return lambda p, s: opt._step(p, s, rng, batch, None, None, None, None,
+                                    refresh, refresh)
+    plain, first = (_flops(step(r), params, state) for r in (False, True))
+    return (first + (PERIOD - 1) * plain) / PERIOD
+
+  return run, compile_s, flops_per_step
 
 
 @pytest.mark.benchmark(group="optimizer-step")
@@ -163,8 +179,9 @@ def test_kfac_step_against_adam(benchmark, name):
   if benchmark.disabled and name in LARGE:
     pytest.skip("timing run on a large problem: use `make bench`")
   loss_fn, params, batch = PROBLEMS[name]()
-  adam_run, adam_compile_s = _adam_runner(loss_fn, params, batch)
-  kfac_run, (first_step_s, second_step_s) = _kfac_runner(loss_fn, params, batch)
+  adam_run, adam_compile_s, adam_flops = _adam_runner(loss_fn, params, batch)
+  kfac_run, (first_step_s, second_step_s), kfac_flops = _kfac_runner(
+      loss_fn, params, batch)
   rounds = 7 if name in LARGE else 30
   adam_times = []
   # An Adam round before every K-FAC round, so that both see the same load.
@@ -174,8 +191,10 @@ def test_kfac_step_against_adam(benchmark, name):
   adam_median = sorted(adam_times)[len(adam_times) // 2]
   if not benchmark.disabled:
     kfac_median = benchmark.stats.stats.median / PERIOD
+    kfac_gflop, adam_gflop = kfac_flops() / 1e9, adam_flops() / 1e9
     benchmark.extra_info.update(
         kfac_step_ms=1e3 * kfac_median, adam_step_ms=1e3 * adam_median,
-        ratio_to_adam=kfac_median / adam_median, first_step_s=first_step_s,
-        second_step_s=second_step_s,
+        ratio_to_adam=kfac_median / adam_median, kfac_gflop=kfac_gflop,
+        adam_gflop=adam_gflop, flop_ratio_to_adam=kfac_gflop / adam_gflop,
+        first_step_s=first_step_s, second_step_s=second_step_s,
         adam_first_step_s=adam_compile_s, device=jax.devices()[0].device_kind)
