@@ -163,7 +163,8 @@ def _kfac_runner(loss_fn, params, batch):
 
   def flops_per_step():
     # The first step of each period refreshes the inverses and adapts the
-    # damping (both intervals are PERIOD); the others do neither.
+    # damping (both intervals are PERIOD); the others do neither. The
+    # unstaged step differs from `step()`'s program only by copies.
     def step(refresh):
       return lambda p, s: opt._step(p, s, rng, batch, None, None, None, None,
                                     refresh, refresh)
