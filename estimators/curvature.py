@@ -166,6 +166,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       auto_register_kwargs["auto_register_tags"] = False
     self._traced = tracer.traced_function(func, params_index,
                                           **auto_register_kwargs)
+    # The same tags on a trace that keeps the function's value (the one
+    # above computes only the loss tags' operands).
+    self._value_traced = tracer.traced_function(
+        func, params_index, **auto_register_kwargs,
+        **({} if "auto_register_tags" in auto_register_kwargs else
+           {"compute_only_loss_tags": False}))
     self._blocks = None
     self._jaxpr = None
 
@@ -333,6 +339,51 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         for b, s, v, w in zip(self._blocks, state.blocks_states, vectors,
                               weights))
     return self.blocks_vectors_to_params_vector(results)
+
+  def multiply_inverse_of_gradient(self, state, grads, func_args,
+                                   identity_weight=0.0, exact_power=True,
+                                   use_cached=False, pmap_axis_name=None):
+    """`multiply_inverse(grads)` where `grads` is the gradient of the
+    function's (scalar) value at `func_args`, averaged over `pmap_axis_name`.
+
+    A dense layer's gradient is a sum of outer products, one per input row.
+    Where that is cheaper (a layer wider than the batch has rows), its block
+    preconditions those (cached approximate inverses only) and skips its
+    part of `grads`: the deep autoencoder's preconditioning takes a third of
+    the work. That needs the layer's parameters to reach the value only
+    through the layer, e.g. no L2 term on them inside the loss; the jaxpr is
+    checked for it.
+    """
+    func_args = tuple(func_args)
+    self._finalize(func_args)
+    chosen = []
+    if use_cached and not exact_power and any(
+        b.outer_sum_is_cheaper() for b in self._blocks):
+      proc = self._value_traced.processed(func_args)
+      if proc.layer_indices == self._jaxpr.layer_indices:
+        chosen = [j for j, b in enumerate(self._blocks)
+                  if b.outer_sum_is_cheaper()
+                  and proc.params_reach_outputs_only_through_layer(j)]
+    if not chosen:
+      return self.multiply_inverse(state, grads, identity_weight, exact_power,
+                                   use_cached)
+    rows = dict(zip(chosen, tracer.layer_tags_value_vjp(
+        self._value_traced, func_args, chosen)))
+    vectors = self.params_vector_to_blocks_vectors(grads)
+    weights = self._per_block(identity_weight, "identity_weight")
+    results = []
+    for j, (block, s, v, w) in enumerate(zip(
+        self._blocks, state.blocks_states, vectors, weights)):
+      if j in rows:
+        # Linear in the gradient, so averaging the devices' results is the
+        # result for the averaged gradient.
+        result = block.multiply_inverse_outer_sum(s, *rows[j])
+        if pmap_axis_name is not None:
+          result = jax.lax.pmean(result, pmap_axis_name)
+      else:
+        result = block.multiply_inverse(s, v, w, exact_power, use_cached)
+      results.append(result)
+    return self.blocks_vectors_to_params_vector(tuple(results))
 
   def block_eigenvalues(self, state, use_cached=False):
     self._require_finalized()

@@ -437,8 +437,9 @@ class Optimizer:
     out, grads = self._value_and_grad_func(*func_args)
     loss, new_func_state, aux = self._split_outputs(out)
     loss, grads = self._mean((loss, grads))
-    precon = self._estimator.multiply_inverse(estimator_state, grads,
-                                              identity_weight, exact, True)
+    precon = self._estimator.multiply_inverse_of_gradient(
+        estimator_state, grads, func_args, identity_weight, exact, True,
+        self._pmap_axis_name)
     if self._norm_constraint is not None:
       sq_norm = utils.inner_product(precon, grads) * learning_rate ** 2
       precon = _scale(jnp.minimum(

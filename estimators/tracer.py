@@ -346,6 +346,33 @@ class ProcessedJaxpr:
     inputs/outputs/params values). When `perturbations` (one tuple per layer
     tag) is given, it is added to that layer's outputs.
     """
+    _, losses_args, layer_values = self._evaluate(
+        flat_args, perturbations, self._last_loss_position + 1)
+    return losses_args, layer_values
+
+  def evaluate_outputs(self, flat_args, perturbations=None):
+    """Runs what the model's outputs need: (the outputs, per-layer values as
+    above, for the layers among it)."""
+    outputs, _, layer_values = self._evaluate(flat_args, perturbations,
+                                              len(self.jaxpr.eqns),
+                                              self._output_eqns)
+    return outputs, layer_values
+
+  @functools.cached_property
+  def _output_eqns(self) -> frozenset[int]:
+    """Ids of the equations the outputs depend on: a value-and-grad function
+    also holds its backward pass, which would only slow down compiling."""
+    needed = {v for v in self.jaxpr.outvars
+              if not isinstance(v, jex_core.Literal)}
+    kept = set()
+    for eqn in reversed(self.jaxpr.eqns):
+      if any(v in needed for v in eqn.outvars):
+        kept.add(id(eqn))
+        needed.update(v for v in eqn.invars
+                      if not isinstance(v, jex_core.Literal))
+    return frozenset(kept)
+
+  def _evaluate(self, flat_args, perturbations, stop, only=None):
     env = {}
 
     def read(v):
@@ -358,7 +385,9 @@ class ProcessedJaxpr:
     layer_position = {id(e): i for i, e in enumerate(self.layer_tags)}
     layer_values = [None] * len(self.layer_tags)
     losses_args = []
-    for eqn in self.jaxpr.eqns[:self._last_loss_position + 1]:
+    for eqn in self.jaxpr.eqns[:stop]:
+      if only is not None and id(eqn) not in only:
+        continue
       invals = [read(v) for v in eqn.invars]
       stacked = self._stacked_in.get(id(eqn))
       if stacked:
@@ -385,7 +414,30 @@ class ProcessedJaxpr:
       if layer_values[j] is None:  # a parameters-only (generic) tag
         params = tuple(read(v) for v in _param_vars(eqn))
         layer_values[j] = dict(inputs=(), outputs=(), params=params)
-    return losses_args, layer_values
+    outputs = (None if stop < len(self.jaxpr.eqns) else
+               [read(v) for v in self.jaxpr.outvars])
+    return outputs, losses_args, layer_values
+
+  def params_reach_outputs_only_through_layer(self, index: int) -> bool:
+    """Whether the function's outputs see layer `index`'s parameters only
+    through that layer tag's outputs (no other use, e.g. an L2 term).
+
+    Then the parameters' gradient is the layer's own: for a dense layer, the
+    sum over rows of input times output-cotangent outer products.
+    """
+    tag = self.layer_tags[index]
+    if isinstance(tag, (StackedLayerTag, _GenericParamsTag)) or (
+        id(tag) not in self._output_eqns):
+      return False
+    tainted = set(_param_vars(tag))
+    for eqn in self.jaxpr.eqns:
+      if eqn is tag:
+        continue
+      if any(not isinstance(v, jex_core.Literal) and v in tainted
+             for v in eqn.invars):
+        tainted.update(eqn.outvars)
+    return not any(v in tainted for v in self.jaxpr.outvars
+                   if not isinstance(v, jex_core.Literal))
 
   def perturbation_zeros(self):
     """Zeros shaped like each layer's outputs (stacked ones with their axis)."""
@@ -624,6 +676,27 @@ def layer_tags_vjp_parts(traced: _Traced, func_args):
         for j, idx in enumerate(proc.layer_indices))
 
   return proc, proc.make_losses(losses_args), layer_values, tangents_fn
+
+
+def layer_tags_value_vjp(traced: _Traced, func_args, layers: Sequence[int]):
+  """Per layer in `layers`: (its inputs, the cotangent of the function's
+  scalar output at its outputs), from one forward and one backward pass."""
+  proc, flat_args, _ = traced.split(func_args)
+  out_aval = proc.jaxpr.outvars[0].aval
+  if len(proc.jaxpr.outvars) != 1 or out_aval.shape != ():
+    raise TracingError("The function must return one scalar (the loss) to "
+                       "differentiate it at the layer outputs.")
+  zeros = proc.perturbation_zeros()
+
+  def value(perturbations):
+    outputs, layer_values = proc.evaluate_outputs(
+        flat_args, [perturbations.get(j, zeros[j])
+                    for j in range(len(zeros))])
+    return outputs[0], [layer_values[j]["inputs"] for j in layers]
+
+  _, vjp, inputs = jax.vjp(value, {j: zeros[j] for j in layers}, has_aux=True)
+  cotangents, = vjp(jnp.ones((), out_aval.dtype))
+  return [(ins, cotangents[j]) for ins, j in zip(inputs, layers)]
 
 
 def layer_tags_vjp(func: Callable, params_index: int = 0,

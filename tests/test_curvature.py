@@ -253,6 +253,56 @@ def test_cached_inverse_matches_uncached():
                              jnp.sort(est.eigenvalues(state, False)), rtol=1e-8)
 
 
+def _outer_sum_loss(problem, variant):
+  """The MLP's loss, with w1 also used outside its layer for some variants."""
+  if variant == "l2":
+    return lambda p, b: problem.tagged(p, b) + 0.1 * jnp.sum(p["w1"] ** 2)
+  if variant != "untagged_use":
+    return problem.tagged
+
+  def loss(p, batch):  # the first layer's untagged output reaches the loss
+    x, t = batch
+    h = x @ p["w1"] + p["b1"]
+    a = jnp.tanh(kfac.register_dense(h, x, p["w1"], p["b1"]))
+    z = kfac.register_dense(a @ p["w2"] + p["b2"], a, p["w2"], p["b2"])
+    z = kfac.register_softmax_cross_entropy_loss(z + h[:, :3], t)
+    return jnp.mean(jax.vmap(problem.per_example_loss)(z, t))
+
+  return loss
+
+
+@pytest.mark.parametrize("variant, d_in, only_through_layer", [
+    ("plain", 6, (True, True)),
+    ("inverse_root", 1100, (True, True)),  # A⁻¹ kept as a Cholesky root
+    ("l2", 6, (False, True)),
+    ("untagged_use", 6, (False, True)),
+])
+def test_gradient_preconditioned_from_layer_rows_equals_multiply_inverse(
+    variant, d_in, only_through_layer):
+  problem = gt.mlp(loss="softmax", batch=2, d_in=d_in, hidden=8)
+  loss = _outer_sum_loss(problem, variant)
+  args = (problem.params, problem.batch)
+  proc = kfac.tracer.ProcessedJaxpr.make_from_func(
+      loss, args, compute_only_loss_tags=False)
+  assert tuple(proc.params_reach_outputs_only_through_layer(j)
+               for j in range(2)) == only_through_layer
+  est = kfac.BlockDiagonalCurvature(loss)
+  state = est.init(jax.random.PRNGKey(0), args, approx_powers_to_cache=-1)
+  state = est.update_curvature_matrix_estimate(
+      state, 0.0, 1.0, 2, jax.random.PRNGKey(1), args,
+      estimation_mode="ggn_exact")
+  state = est.update_cache(state, 0.1, None, -1)
+  # Two rows against 8-wide layers: both blocks offer the outer-sum product.
+  assert all(b.outer_sum_is_cheaper() for b in est.blocks)
+  grads = jax.grad(loss)(*args)
+  expected = est.multiply_inverse(state, grads, 0.1, False, True)
+  actual = est.multiply_inverse_of_gradient(state, grads, args, 0.1, False,
+                                            True)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-10,
+                               atol=1e-14, err_msg=name)
+
+
 def test_estimator_structure_helpers():
   problem = gt.scale_shift_net()
   est, state = estimate(problem, "ggn_exact")

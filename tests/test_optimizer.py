@@ -116,10 +116,18 @@ def test_burnin_leaves_params_unchanged_and_accumulates_curvature():
   assert not np.allclose(ravel(params), ravel(problem.params))
 
 
-def test_two_devices_equal_one_device():
-  problem = gt.mlp(loss="softmax", batch=8)
+# Kronecker blocks with cached approximate inverses, as the optimizer's
+# defaults: with few rows per device against wide layers, the gradient is
+# preconditioned from the layers' rows (`multiply_inverse_of_gradient`).
+KFAC = dict(layer_tag_to_block_ctor=None, use_exact_inverses=False)
+
+
+@pytest.mark.parametrize("blocks", ["full", "kfac"])
+def test_two_devices_equal_one_device(blocks):
+  problem = gt.mlp(loss="softmax", batch=8, d_in=6, hidden=12)
   kwargs = dict(learning_rate=0.2, momentum=0.5, damping=0.1)
-  single = make(problem)
+  options = KFAC if blocks == "kfac" else {}
+  single = make(problem, **options)
   rng = jax.random.PRNGKey(0)
   state = single.init(problem.params, rng, problem.batch)
   p1, s1, _ = single.step(problem.params, state, rng, batch=problem.batch,
@@ -127,7 +135,7 @@ def test_two_devices_equal_one_device():
   p1, _, _ = single.step(p1, s1, rng, batch=problem.batch,
                          global_step_int=1, **kwargs)
 
-  multi = make(problem, multi_device=True)
+  multi = make(problem, multi_device=True, **options)
   replicate = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)
   shard = jax.tree.map(lambda x: x.reshape((2, 4) + x.shape[1:]),
                        problem.batch)
@@ -140,6 +148,25 @@ def test_two_devices_equal_one_device():
                         **kwargs)
   np.testing.assert_allclose(ravel(jax.tree.map(lambda x: x[0], p2)),
                              ravel(p1), rtol=1e-9, atol=1e-12)
+  if blocks == "kfac":  # the first layer: 8 rows on one device, 4 on two
+    assert multi.estimator.blocks[0].outer_sum_is_cheaper()
+    assert not single.estimator.blocks[0].outer_sum_is_cheaper()
+
+
+def test_kronecker_step_preconditions_the_gradient_with_the_cached_inverse():
+  problem = gt.mlp(loss="softmax", batch=2, d_in=6, hidden=8)
+  lr, damping, l2 = 0.3, 0.05, 0.01
+  opt = make(problem, **KFAC)
+  rng = jax.random.PRNGKey(0)
+  state = opt.init(problem.params, rng, problem.batch)
+  params, state, _ = opt.step(problem.params, state, rng, batch=problem.batch,
+                              learning_rate=lr, momentum=0.5, damping=damping)
+  assert all(b.outer_sum_is_cheaper() for b in opt.estimator.blocks)
+  grads = jax.grad(problem.tagged)(problem.params, problem.batch)
+  precon = opt.estimator.multiply_inverse(state.estimator_state, grads,
+                                          damping + l2, False, True)
+  np.testing.assert_allclose(ravel(params) - ravel(problem.params),
+                             -lr * ravel(precon), rtol=1e-9, atol=1e-13)
 
 
 def test_aux_state_and_rng_variants_pass_values_through():

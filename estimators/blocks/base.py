@@ -319,6 +319,13 @@ class CurvatureBlock(abc.ABC):
     return self.multiply_matpower(state, vector, identity_weight, -1,
                                   exact_power, use_cached)
 
+  def outer_sum_is_cheaper(self) -> bool:
+    """Whether the block offers `multiply_inverse_outer_sum(state, inputs,
+    outputs_cotangent)`, the cached approximate inverse applied to the
+    layer's gradient given as its rows (`Σ_rows inputs ⊗ outputs_cotangent`),
+    and it beats `multiply_inverse` on the assembled gradient."""
+    return False
+
   def eigenvalues(self, state, use_cached: bool) -> jax.Array:
     """Eigenvalues of the (undamped, scaled) block, in no particular order."""
     if use_cached:

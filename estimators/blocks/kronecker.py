@@ -164,10 +164,18 @@ def _factor_power(name, factor, power, other_size):
 
 def _apply_approx_power(entry, v):
   """`A^p V G^p` from an entry of `_approx_power_entry`."""
+  return _outputs_side(entry, _inputs_side(entry, v))
+
+
+def _inputs_side(entry, v):
+  """`A^p V`."""
   if "inputs_factor_inverse_root" in entry:
-    v = _solve_with_root(entry["inputs_factor_inverse_root"], v)
-  else:
-    v = entry["inputs_factor"] @ v
+    return _solve_with_root(entry["inputs_factor_inverse_root"], v)
+  return entry["inputs_factor"] @ v
+
+
+def _outputs_side(entry, v):
+  """`V G^p`."""
   if "outputs_factor_inverse_root" in entry:
     return _solve_with_root(entry["outputs_factor_inverse_root"], v.T).T
   return v @ entry["outputs_factor"]
@@ -191,13 +199,36 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
   def output_size(self) -> int:
     return self.parameters_shapes[0][1]
 
-  def _batch_statistics(self, estimation_data, batch_size):
-    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+  def _rows(self, inputs, outputs_tangent):
+    """(x̃, dy) as matrices with one row per example (and position)."""
+    (x,), (dy,) = inputs, outputs_tangent
     x = x.reshape(-1, x.shape[-1])
     dy = dy.reshape(-1, dy.shape[-1])
     if self.has_bias:
       x = jnp.concatenate([x, jnp.ones_like(x[:, :1])], axis=1)
+    return x, dy
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    x, dy = self._rows(estimation_data["inputs"],
+                       estimation_data["outputs_tangent"])
     return x.T @ x / batch_size, dy.T @ dy / batch_size
+
+  def outer_sum_is_cheaper(self) -> bool:
+    rows = utils.product(self.inputs_shapes[0][:-1])
+    i, o = self.input_size(), self.output_size()
+    return rows * (i * i + o * o + i * o) < i * o * (i + o)
+
+  def multiply_inverse_outer_sum(self, state, inputs, outputs_cotangent):
+    # `A⁻¹ (X̃ᵀ dY) G⁻¹ = (A⁻¹ X̃ᵀ)(dY G⁻¹)`: rows·(i² + o² + i·o) work
+    # against i·o·(i + o) for the matrix (a quarter on a 1000-wide layer
+    # with 128 rows).
+    self._check_cached(state, -1, False)
+    x, dy = self._rows(inputs, outputs_cotangent)
+    entry = state.cache[base.cache_key(-1, False)]
+    result = self._from_matrix(_inputs_side(entry, x.T) @
+                               _outputs_side(entry, dy))
+    return utils.scalar_mul(result,
+                            self._scale_power(self.scale(state, True), -1))
 
 
 class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
