@@ -349,10 +349,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     A dense layer's gradient is a sum of outer products, one per input row.
     Where that is cheaper (a layer wider than the batch has rows), its block
     preconditions those (cached approximate inverses only) and skips its
-    part of `grads`: the deep autoencoder's preconditioning takes a third of
-    the work. That needs the layer's parameters to reach the value only
-    through the layer, e.g. no L2 term on them inside the loss; the jaxpr is
-    checked for it.
+    part of `grads`: the deep autoencoder's preconditioning takes about a
+    quarter of the work. That needs the layer's parameters to reach the value
+    only through the layer, e.g. no L2 term on them inside the loss; the
+    jaxpr is checked for it.
     """
     func_args = tuple(func_args)
     self._finalize(func_args)
