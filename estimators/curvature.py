@@ -168,10 +168,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                                           **auto_register_kwargs)
     # The same tags on a trace that keeps the function's value (the one
     # above computes only the loss tags' operands).
-    self._value_traced = tracer.traced_function(
-        func, params_index, **auto_register_kwargs,
-        **({} if "auto_register_tags" in auto_register_kwargs else
-           {"compute_only_loss_tags": False}))
+    value_kwargs = dict(auto_register_kwargs)
+    if auto_register_tags:
+      value_kwargs["compute_only_loss_tags"] = False
+    self._value_traced = tracer.traced_function(func, params_index,
+                                                **value_kwargs)
     self._blocks = None
     self._jaxpr = None
 
@@ -357,13 +358,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     func_args = tuple(func_args)
     self._finalize(func_args)
     chosen = []
-    if use_cached and not exact_power and any(
-        b.outer_sum_is_cheaper() for b in self._blocks):
+    if use_cached and not exact_power:
+      chosen = [j for j, b in enumerate(self._blocks)
+                if b.outer_sum_is_cheaper()]
+    if chosen:
       proc = self._value_traced.processed(func_args)
-      if proc.layer_indices == self._jaxpr.layer_indices:
-        chosen = [j for j, b in enumerate(self._blocks)
-                  if b.outer_sum_is_cheaper()
-                  and proc.params_reach_outputs_only_through_layer(j)]
+      same_tags = proc.layer_indices == self._jaxpr.layer_indices
+      chosen = [j for j in chosen if same_tags
+                and proc.params_reach_outputs_only_through_layer(j)]
     if not chosen:
       return self.multiply_inverse(state, grads, identity_weight, exact_power,
                                    use_cached)

@@ -347,32 +347,34 @@ class ProcessedJaxpr:
     tag) is given, it is added to that layer's outputs.
     """
     _, losses_args, layer_values = self._evaluate(
-        flat_args, perturbations, self._last_loss_position + 1)
+        flat_args, perturbations,
+        self.jaxpr.eqns[:self._last_loss_position + 1])
     return losses_args, layer_values
 
   def evaluate_outputs(self, flat_args, perturbations=None):
     """Runs what the model's outputs need: (the outputs, per-layer values as
     above, for the layers among it)."""
-    outputs, _, layer_values = self._evaluate(flat_args, perturbations,
-                                              len(self.jaxpr.eqns),
-                                              self._output_eqns)
+    outputs, _, layer_values = self._evaluate(
+        flat_args, perturbations, self._output_eqns, self.jaxpr.outvars)
     return outputs, layer_values
 
   @functools.cached_property
-  def _output_eqns(self) -> frozenset[int]:
-    """Ids of the equations the outputs depend on: a value-and-grad function
-    also holds its backward pass, which would only slow down compiling."""
+  def _output_eqns(self) -> tuple:
+    """The equations the outputs depend on, in order: a value-and-grad
+    function also holds its backward pass, which would only slow down
+    compiling."""
     needed = {v for v in self.jaxpr.outvars
               if not isinstance(v, jex_core.Literal)}
-    kept = set()
+    kept = []
     for eqn in reversed(self.jaxpr.eqns):
       if any(v in needed for v in eqn.outvars):
-        kept.add(id(eqn))
+        kept.append(eqn)
         needed.update(v for v in eqn.invars
                       if not isinstance(v, jex_core.Literal))
-    return frozenset(kept)
+    return tuple(reversed(kept))
 
-  def _evaluate(self, flat_args, perturbations, stop, only=None):
+  def _evaluate(self, flat_args, perturbations, eqns, outvars=()):
+    """Runs `eqns`: (the values of `outvars`, loss operands, layer values)."""
     env = {}
 
     def read(v):
@@ -385,9 +387,7 @@ class ProcessedJaxpr:
     layer_position = {id(e): i for i, e in enumerate(self.layer_tags)}
     layer_values = [None] * len(self.layer_tags)
     losses_args = []
-    for eqn in self.jaxpr.eqns[:stop]:
-      if only is not None and id(eqn) not in only:
-        continue
+    for eqn in eqns:
       invals = [read(v) for v in eqn.invars]
       stacked = self._stacked_in.get(id(eqn))
       if stacked:
@@ -414,9 +414,7 @@ class ProcessedJaxpr:
       if layer_values[j] is None:  # a parameters-only (generic) tag
         params = tuple(read(v) for v in _param_vars(eqn))
         layer_values[j] = dict(inputs=(), outputs=(), params=params)
-    outputs = (None if stop < len(self.jaxpr.eqns) else
-               [read(v) for v in self.jaxpr.outvars])
-    return outputs, losses_args, layer_values
+    return [read(v) for v in outvars], losses_args, layer_values
 
   def params_reach_outputs_only_through_layer(self, index: int) -> bool:
     """Whether the function's outputs see layer `index`'s parameters only
@@ -426,8 +424,8 @@ class ProcessedJaxpr:
     sum over rows of input times output-cotangent outer products.
     """
     tag = self.layer_tags[index]
-    if isinstance(tag, (StackedLayerTag, _GenericParamsTag)) or (
-        id(tag) not in self._output_eqns):
+    if isinstance(tag, (StackedLayerTag, _GenericParamsTag)) or not any(
+        eqn is tag for eqn in self._output_eqns):
       return False
     tainted = set(_param_vars(tag))
     for eqn in self.jaxpr.eqns:
