@@ -27,6 +27,9 @@ ESTIMATION_MODES = (
     "fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
     "fisher_exact", "ggn_curvature_prop", "ggn_exact",
 )
+# The matrices a mode can estimate, each with the mode that gives it exactly.
+EXACT_MODE_OF_MATRIX = {"ggn": "ggn_exact", "fisher": "fisher_exact",
+                        "empirical_fisher": "fisher_empirical"}
 
 
 def check_estimation_mode(mode: str) -> str:
@@ -42,6 +45,15 @@ def matrix_type(mode: str) -> str:
   if mode == "fisher_empirical":
     return "empirical_fisher"
   return mode.split("_")[0]
+
+
+def exact_mode(matrix: str) -> str:
+  """The estimation mode that gives `matrix` ('ggn', 'fisher' or
+  'empirical_fisher') exactly."""
+  if matrix not in EXACT_MODE_OF_MATRIX:
+    raise ValueError(f"No estimation mode computes {matrix!r}; choose one of "
+                     f"{', '.join(EXACT_MODE_OF_MATRIX)}.")
+  return EXACT_MODE_OF_MATRIX[matrix]
 
 
 def _factor_products(loss, kind):
