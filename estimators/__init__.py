@@ -43,4 +43,44 @@ from estimators.tracer import (
     ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp,
     loss_tags_hvp, loss_tags_jvp, loss_tags_linearize, loss_tags_vjp)
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    # modules
+    "blocks", "curvature", "estimation_modes", "graph_matcher", "losses",
+    "optimizer", "patches", "tag_graph_matcher", "tags", "tracer", "utils",
+    # curvature blocks and their settings
+    "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
+    "CurvatureBlock", "DenseDiagonal", "DenseFull",
+    "DenseTwoKroneckerFactored", "Diagonal", "Full", "NaiveDiagonal",
+    "NaiveFull", "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
+    "ScaleAndShiftFull", "ScaledIdentity", "Stacked", "TwoKroneckerFactored",
+    "get_default_eigen_decomposition_threshold", "get_max_parallel_elements",
+    "set_default_eigen_decomposition_threshold", "set_max_parallel_elements",
+    # curvature estimators
+    "BlockDiagonalCurvature", "CurvatureEstimator", "ESTIMATION_MODES",
+    "ExplicitExactCurvature", "ImplicitExactCurvature",
+    "default_batch_size_extractor", "get_default_tag_to_block_ctor",
+    "set_default_tag_to_block_ctor",
+    # automatic layer registration
+    "DEFAULT_GRAPH_PATTERNS", "GraphMatcherComparator", "GraphPattern",
+    "TaggedFunction", "auto_register_tags", "registration_report",
+    # optimizer
+    "Optimizer",
+    # losses
+    "CategoricalLogitsNegativeLogProbLoss", "DistributionNegativeLogProbLoss",
+    "LossFunction", "MultiBernoulliNegativeLogProbLoss", "NegativeLogProbLoss",
+    "NormalMeanNegativeLogProbLoss", "NormalMeanVarianceNegativeLogProbLoss",
+    "OneHotCategoricalLogitsNegativeLogProbLoss",
+    "register_categorical_predictive_distribution",
+    "register_multi_bernoulli_predictive_distribution",
+    "register_normal_predictive_distribution",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss", "register_squared_error_loss",
+    # convolution patches
+    "patches_moments", "patches_moments_explicit",
+    # tags
+    "LayerTag", "LossTag", "register_conv2d", "register_dense",
+    "register_generic", "register_repeated_dense", "register_scale_and_shift",
+    # tracer
+    "ProcessedJaxpr", "StackedLayerTag", "TracingError", "layer_tags_vjp",
+    "loss_tags_hvp", "loss_tags_jvp", "loss_tags_linearize", "loss_tags_vjp",
+]

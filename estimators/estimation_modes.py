@@ -19,6 +19,9 @@ loss's one-hot samples, with zeros for the other losses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +36,17 @@ EXACT_MODE_OF_MATRIX = {"ggn": "ggn_exact", "fisher": "fisher_exact",
 
 
 def check_estimation_mode(mode: str) -> str:
+  """Checks that `mode` names an estimation mode.
+
+  Args:
+    mode: the name to check.
+
+  Returns:
+    `mode`, unchanged.
+
+  Raises:
+    ValueError: for a name not in `ESTIMATION_MODES`.
+  """
   if mode not in ESTIMATION_MODES:
     raise ValueError(f"Unknown estimation mode {mode!r}; choose one of "
                      f"{', '.join(ESTIMATION_MODES)}.")
@@ -40,7 +54,17 @@ def check_estimation_mode(mode: str) -> str:
 
 
 def matrix_type(mode: str) -> str:
-  """The matrix a mode estimates: 'fisher', 'empirical_fisher' or 'ggn'."""
+  """The matrix an estimation mode estimates.
+
+  Args:
+    mode: one of `ESTIMATION_MODES`.
+
+  Returns:
+    'fisher', 'empirical_fisher' or 'ggn'.
+
+  Raises:
+    ValueError: for an unknown mode.
+  """
   check_estimation_mode(mode)
   if mode == "fisher_empirical":
     return "empirical_fisher"
@@ -48,8 +72,17 @@ def matrix_type(mode: str) -> str:
 
 
 def exact_mode(matrix: str) -> str:
-  """The estimation mode that gives `matrix` ('ggn', 'fisher' or
-  'empirical_fisher') exactly."""
+  """The estimation mode that gives a matrix exactly.
+
+  Args:
+    matrix: 'ggn', 'fisher' or 'empirical_fisher'.
+
+  Returns:
+    The mode's name, from `EXACT_MODE_OF_MATRIX`.
+
+  Raises:
+    ValueError: for any other matrix name.
+  """
   if matrix not in EXACT_MODE_OF_MATRIX:
     raise ValueError(f"No estimation mode computes {matrix!r}; choose one of "
                      f"{', '.join(EXACT_MODE_OF_MATRIX)}.")
@@ -86,8 +119,23 @@ def _one_loss_tangents(loss, mode, rng):
   return tuple(jax.vmap(multiply_factor)(one_hots))
 
 
-def loss_tangents(losses, mode: str, rng) -> tuple[tuple[jax.Array, ...], ...]:
-  """Per-loss tangents, each shaped `(S, *loss_input_shape)`, same S for all."""
+def loss_tangents(losses: Sequence[Any], mode: str,
+                  rng: jax.Array) -> tuple[tuple[jax.Array, ...], ...]:
+  """The loss-input tangents to backpropagate for one estimation mode.
+
+  Args:
+    losses: the registered losses (`LossFunction`s), in tag order.
+    mode: one of `ESTIMATION_MODES`.
+    rng: a PRNG key for the sampled modes.
+
+  Returns:
+    One tuple per loss, with one tangent per parameter-dependent input of
+    that loss, shaped `(S, *input_shape)`; S is the same for all losses.
+
+  Raises:
+    ValueError: for an unknown mode, or `fisher_empirical` on a loss
+      registered without targets.
+  """
   check_estimation_mode(mode)
   rngs = jax.random.split(rng, len(losses))
   per_loss = [_one_loss_tangents(loss, mode, r) for loss, r in zip(losses, rngs)]

@@ -8,8 +8,9 @@ opaque; a scan stays one node, and its body joins the graph in a context of
 its own, where the slices of stacked parameter leaves that the scan iterates
 over count as parameters, so `hk.experimental.layer_stack` layers are found
 and tagged inside the scan). Each `GraphPattern` is traced to a small graph
-of the same kind, and from every model equation with the primitive of a pattern's output, `_Matcher`
-walks backwards through both graphs in lock step: equations must be
+of the same kind, and from every model equation with the primitive of a
+pattern's output, `_Matcher` walks backwards through both graphs in lock
+step: equations must be
 equivalent (`GraphMatcherComparator`), pattern inputs bind to model values and
 pattern parameters to leaves of the params argument. Layout equations
 (reshape, broadcast, casts) are looked through. Matches whose parameters or
@@ -34,12 +35,12 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from estimators import jaxpr_utils
 from estimators import tags
-from estimators import tracer
+from estimators.jaxpr_utils import TracingError
 
 logger = logging.getLogger(__name__)
 Literal = jex_core.Literal
-# pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +66,39 @@ class GraphMatcherComparator:
   commutative_primitives: frozenset[str] = frozenset({
       "add", "add_any", "mul", "max", "min"})
 
-  def is_layout(self, eqn) -> bool:
+  def is_layout(self, eqn: Any) -> bool:
+    """Whether the matcher looks through this equation.
+
+    Args:
+      eqn: a jaxpr equation.
+
+    Returns:
+      True for a layout equation (reshape, broadcast, cast...).
+    """
     return eqn.primitive.name in self.layout_primitives
 
-  def is_commutative(self, eqn) -> bool:
+  def is_commutative(self, eqn: Any) -> bool:
+    """Whether this equation's two operands may be matched in either order.
+
+    Args:
+      eqn: a jaxpr equation.
+
+    Returns:
+      True for a binary equation of a commutative primitive.
+    """
     return (eqn.primitive.name in self.commutative_primitives
             and len(eqn.invars) == 2)
 
-  def equivalent(self, pattern_eqn, graph_eqn) -> bool:
+  def equivalent(self, pattern_eqn: Any, graph_eqn: Any) -> bool:
+    """Whether a pattern equation and a model equation do the same thing.
+
+    Args:
+      pattern_eqn: an equation of a pattern's jaxpr.
+      graph_eqn: an equation of the model's jaxpr.
+
+    Returns:
+      True when they are equivalent under the rules of the class docstring.
+    """
     name = pattern_eqn.primitive.name
     if (name != graph_eqn.primitive.name
         or len(pattern_eqn.invars) != len(graph_eqn.invars)
@@ -103,9 +129,9 @@ def _dot_axes_from_end(eqn):
 
 def _call_body(eqn):
   """(jaxpr, consts) of a call-like equation whose body can be inlined."""
-  if eqn.primitive.name not in tracer._INLINABLE:
+  if eqn.primitive.name not in jaxpr_utils.INLINABLE_PRIMITIVES:
     return None
-  subs = list(tracer._sub_jaxprs(eqn))
+  subs = list(jaxpr_utils.sub_jaxprs(eqn))
   return subs[0] if len(subs) == 1 else None
 
 
@@ -199,8 +225,8 @@ class _Graph:
     for path, body in self.scan_body.items():
       n = self.node_at[path]
       eqn = self.nodes[n].eqn
-      xs = tracer._scan_parts(eqn, self.nodes[n].inputs)[2]
-      for var, k in zip(tracer._scan_parts(eqn, body.invars)[2], xs):
+      xs = jaxpr_utils.scan_parts(eqn, self.nodes[n].inputs)[2]
+      for var, k in zip(jaxpr_utils.scan_parts(eqn, body.invars)[2], xs):
         if not isinstance(k, Literal) and k in leaves:
           found[(path, var)] = (k, n, eqn.params["length"])
     return found
@@ -280,28 +306,74 @@ class GraphPattern:
     return g
 
 
-def _dense(x, params):
+# The layer computations of the default patterns; custom patterns may reuse
+# them as their `compute_func`.
+
+
+def dense_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
+  """A dense layer, `x @ w (+ b)`.
+
+  Args:
+    x: the inputs, features on the last axis.
+    params: `[w]` or `[w, b]`.
+
+  Returns:
+    The layer's output.
+  """
   w, *b = params
   y = jnp.matmul(x, w)
   return y + b[0] if b else y
 
 
-def _conv2d(x, params):
+def conv2d_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
+  """An unstrided, unpadded NHWC/HWIO 2-D convolution (plus a bias).
+
+  Args:
+    x: NHWC inputs.
+    params: `[kernel]` or `[kernel, bias]`, the kernel in HWIO layout.
+
+  Returns:
+    The layer's output.
+  """
   w, *b = params
   y = lax.conv_general_dilated(x, w, (1, 1), "VALID",
                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
   return y + b[0] if b else y
 
 
-def _scale_and_shift(x, params, has_scale, has_shift):
+def scale_and_shift_layer(x: jax.Array, params: Sequence[jax.Array],
+                          has_scale: bool, has_shift: bool) -> jax.Array:
+  """`x * scale + shift`, with either term left out.
+
+  Args:
+    x: the inputs.
+    params: the scale (if `has_scale`), then the shift (if `has_shift`).
+    has_scale: whether `params` holds a scale.
+    has_shift: whether `params` holds a shift.
+
+  Returns:
+    The layer's output.
+  """
   params = list(params)
   if has_scale:
     x = x * params.pop(0)
   return x + params.pop(0) if has_shift else x
 
 
-def _normalization(inputs, params, has_shift):
-  """Haiku's LayerNorm/BatchNorm: `centred * (scale * inv) [+ offset]`."""
+def normalization_layer(inputs: Sequence[jax.Array],
+                        params: Sequence[jax.Array],
+                        has_shift: bool) -> jax.Array:
+  """The affine end of Haiku's LayerNorm/BatchNorm.
+
+  Args:
+    inputs: `[centred, inv]`: the centred inputs and their inverse standard
+      deviation.
+    params: `[scale]` or `[scale, offset]`.
+    has_shift: whether `params` holds an offset.
+
+  Returns:
+    `centred * (scale * inv) (+ offset)`.
+  """
   centred, inv = inputs
   y = centred * (params[0] * inv)
   return y + params[1] if has_shift else y
@@ -327,31 +399,34 @@ def _default_patterns():
   def ss(name, has_scale, has_shift):
     return GraphPattern(
         name, tags.scale_and_shift,
-        functools.partial(_scale_and_shift, has_scale=has_scale,
+        functools.partial(scale_and_shift_layer, has_scale=has_scale,
                           has_shift=has_shift),
-        flags(has_scale, has_shift), [x, [s] * (has_scale + has_shift)])
+        flags(has_scale=has_scale, has_shift=has_shift),
+        [x, [s] * (has_scale + has_shift)])
 
   def norm(name, has_shift):
     return GraphPattern(
         name, tags.scale_and_shift,
-        functools.partial(_normalization, has_shift=has_shift),
-        flags(True, has_shift), [norm_in, [s] * (1 + has_shift)],
+        functools.partial(normalization_layer, has_shift=has_shift),
+        flags(has_scale=True, has_shift=has_shift),
+        [norm_in, [s] * (1 + has_shift)],
         in_values_preprocessor=lambda ins: [ins[0] * ins[1]])  # normalized
 
   dense = functools.partial(GraphPattern, tag_primitive=tags.dense,
-                            compute_func=_dense,
+                            compute_func=dense_layer,
                             parameters_extractor_func=lambda eqns: {})
   conv = functools.partial(GraphPattern, tag_primitive=tags.conv2d,
-                           compute_func=_conv2d,
+                           compute_func=conv2d_layer,
                            parameters_extractor_func=_conv2d_extractor)
   return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
           conv("conv2d_no_bias", example_args=[img, [kernel]]),
-          norm("normalization_haiku", True),
-          norm("normalization_haiku_scale_only", False),
-          ss("scale_and_shift", True, True), ss("scale_only", True, False),
-          ss("shift_only", False, True))
+          norm("normalization_haiku", has_shift=True),
+          norm("normalization_haiku_scale_only", has_shift=False),
+          ss("scale_and_shift", has_scale=True, has_shift=True),
+          ss("scale_only", has_scale=True, has_shift=False),
+          ss("shift_only", has_scale=False, has_shift=True))
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
@@ -548,12 +623,12 @@ class _Registration:
                graph_patterns):
     func_args = tuple(func_args)
     if not 0 <= params_index < len(func_args):
-      raise tracer.TracingError(f"params_index={params_index} but the function "
-                                f"takes {len(func_args)} arguments.")
+      raise TracingError(f"params_index={params_index} but the function "
+                         f"takes {len(func_args)} arguments.")
     flat_args, in_tree = jax.tree.flatten(func_args)
     closed, out_shape = jax.make_jaxpr(
         lambda *flat: func(*jax.tree.unflatten(in_tree, flat)),
-        return_shape=True)(*tracer._abstract(flat_args))
+        return_shape=True)(*jaxpr_utils.shape_dtype_structs(flat_args))
     self.out_tree = jax.tree.structure(out_shape)
     self.only_loss = compute_only_loss_tags
     g = self.graph = _Graph(closed.jaxpr, closed.consts)
@@ -570,7 +645,7 @@ class _Registration:
     self.loss_nodes = [i for i, n in enumerate(g.nodes)
                        if tags.is_loss_tag_eqn(n.eqn)]
     if not self.loss_nodes:
-      raise tracer.TracingError(
+      raise TracingError(
           "auto_register_tags: the model function registers no loss. Call e.g."
           " estimators.register_softmax_cross_entropy_loss(logits, targets) on "
           "the model's output (outside of any scan/while/cond).")
@@ -584,7 +659,8 @@ class _Registration:
 
     self.owner = {}  # leaf index -> (tag name, source, layer number, stack)
     self.matches, self.dropped = {}, set()  # root node -> _Match
-    self._claim_manual(manual, allow_multiple_registrations)
+    self._claim_manual(manual,
+                       allow_multiple=allow_multiple_registrations)
     if not register_only_generic:
       patterns = list(graph_patterns) + [
           p for p in DEFAULT_GRAPH_PATTERNS if p not in graph_patterns]
@@ -592,7 +668,7 @@ class _Registration:
       free = self.relevant - set(manual)
       for pattern in sorted(patterns, key=lambda p: -p.precedence):
         self._find(pattern, graph_matcher_rules, free,
-                   allow_multiple_registrations)
+                   allow_multiple=allow_multiple_registrations)
     self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
     for k in self.generic:
       self._own([k], tags.generic.name, self._why_generic(k))
@@ -623,7 +699,7 @@ class _Registration:
       taken = [self.leaf_index[k] for k in keys
                if self.leaf_index[k] in self.owner]
       if taken and not allow_multiple:
-        raise tracer.TracingError(
+        raise TracingError(
             f"Parameter {self.paths[taken[0]]} is registered in two layer tags"
             f" ({self.owner[taken[0]][0]} and {eqn.primitive.name}). Register "
             "each parameter once, or pass allow_multiple_registrations=True to "
@@ -646,7 +722,7 @@ class _Registration:
                            for k in st.params.values()):
         continue
       m = self._checked_match(pattern, g.nodes[n].outputs[p.root[1]], st,
-                              allow_multiple)
+                              allow_multiple=allow_multiple)
       if m is not None:
         self.matches[n] = m
         free -= m.nodes
@@ -686,7 +762,7 @@ class _Registration:
   def _why_generic(self, leaf):
     users = sorted({self.graph.nodes[n].eqn.primitive.name
                     for n in self.consumers.get(leaf, ())
-                    if any(tracer._sub_jaxprs(self.graph.nodes[n].eqn))})
+                    if any(jaxpr_utils.sub_jaxprs(self.graph.nodes[n].eqn))})
     if users:
       return f"unmatched: used inside {', '.join(users)}"
     return "unmatched" if leaf in self.consumers else "unmatched: unused"
@@ -743,11 +819,7 @@ class _Registration:
       elif path in self.inline:  # a scan with tags to bind in its body
         outvals = self._run_scan(eqn, path, invals, env)
       else:
-        with eqn.ctx.manager:
-          outvals = eqn.primitive.bind(
-              *invals, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-          outvals = [outvals]
+        outvals = jaxpr_utils.bind_equation(eqn, invals)
       for v, val in zip(eqn.outvars, outvals):
         k = g.canon(ctx, v)
         if not isinstance(k, Literal):
@@ -771,7 +843,7 @@ class _Registration:
               for k in (g.canon(path, v) for v in body.outvars)]
       return outs[:len(carry)], outs[len(carry):], None
 
-    return tracer._rebind_scan(eqn, invals, body_fn)[0]
+    return jaxpr_utils.rebind_scan(eqn, invals, body_fn)[0]
 
 
 class TaggedFunction:
@@ -782,7 +854,14 @@ class TaggedFunction:
   Matching is redone for each new shape signature of the arguments.
   """
 
-  def __init__(self, func: Callable, params_index: int = 0, **options):
+  def __init__(self, func: Callable, params_index: int = 0, **options: Any):
+    """Wraps `func`; matching happens on the first call per signature.
+
+    Args:
+      func: the model function.
+      params_index: which argument holds the parameters.
+      **options: the matching options of `auto_register_tags`.
+    """
     self.func = func
     self.params_index = params_index
     self._options = options
@@ -797,13 +876,30 @@ class TaggedFunction:
                                        **self._options)
     return self._cache[key]
 
-  def __call__(self, *func_args):
+  def __call__(self, *func_args: Any) -> Any:
+    """Runs the model with its layer tags bound.
+
+    Args:
+      *func_args: the model's positional arguments.
+
+    Returns:
+      One tuple of loss-tag outputs per loss with `compute_only_loss_tags`,
+      otherwise what the model returns.
+    """
     return self._registration(func_args).evaluate(jax.tree.leaves(func_args))
 
-  def registrations(self, *func_args) -> list[dict[str, Any]]:
-    """One dict per parameter leaf: `path` (`jax.tree_util.keystr`), `tag`,
-    `shape`, `source` ("manual", a pattern's name, or why it is generic) and
-    `layer` (a number shared by the parameters of one tag)."""
+  def registrations(self, *func_args: Any) -> list[dict[str, Any]]:
+    """Which tag each parameter gets for arguments like these.
+
+    Args:
+      *func_args: the model's positional arguments (or shape structs).
+
+    Returns:
+      One dict per parameter leaf: `path` (`jax.tree_util.keystr`), `tag`,
+      `shape`, `source` ("manual", a pattern's name, or why it is generic),
+      `layer` (a number shared by the parameters of one tag) and `stacked`
+      (the number of scan iterations for a stacked leaf, else None).
+    """
     return [dict(r) for r in self._registration(func_args).report]
 
 
@@ -850,13 +946,23 @@ def auto_register_tags(
       allow_multiple_registrations=allow_multiple_registrations,
       graph_matcher_rules=graph_matcher_rules,
       graph_patterns=tuple(graph_patterns))
-  tagged._registration(func_args)
+  tagged._registration(func_args)  # pylint: disable=protected-access
   return tagged
 
 
 def registration_report(func: Callable, func_args: Sequence[Any],
                         params_index: int = 0,
-                        **auto_register_kwargs) -> list[dict[str, Any]]:
-  """Which tag each parameter gets; see `TaggedFunction.registrations`."""
+                        **auto_register_kwargs: Any) -> list[dict[str, Any]]:
+  """Which tag each parameter of a model gets.
+
+  Args:
+    func: the model function.
+    func_args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    params_index: which argument of `func` holds the parameters.
+    **auto_register_kwargs: other options of `auto_register_tags`.
+
+  Returns:
+    The list of `TaggedFunction.registrations`.
+  """
   return auto_register_tags(func, func_args, params_index,
                             **auto_register_kwargs).registrations(*func_args)

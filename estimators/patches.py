@@ -19,6 +19,9 @@ different channels set to zero; the first moment is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,7 +100,7 @@ def _prepare(inputs, kernel_spatial_shape, strides, padding, data_format,
   return x, kernel, strides, out, weights, depthwise
 
 
-def _finish(second, first, kernel, c, depthwise, norm):
+def _finish(second, first, kernel, c, norm, depthwise):
   """(K, K, C, C) and (K, C) sums -> the documented shapes, averaged."""
   kh, kw = kernel
   if depthwise:
@@ -106,17 +109,43 @@ def _finish(second, first, kernel, c, depthwise, norm):
   return second / norm, first.reshape(kh, kw, c) / norm
 
 
-def patches_moments(inputs, kernel_spatial_shape, strides=1, padding="VALID",
-                    data_format="NHWC", dim_numbers=None, inputs_dilation=None,
-                    kernel_dilation=None, feature_group_count=1,
-                    batch_group_count=1, unroll_loop=False, precision=None,
-                    weighting_array=None):
+def patches_moments(
+    inputs: jax.Array, kernel_spatial_shape: int | Sequence[int],
+    strides: int | Sequence[int] = 1,
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+    data_format: str | None = "NHWC", dim_numbers: Any = None,
+    inputs_dilation: int | Sequence[int] | None = None,
+    kernel_dilation: int | Sequence[int] | None = None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    unroll_loop: bool = False, precision: Any = None,
+    weighting_array: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Patch moments without materialising the patches (see module docstring).
 
   Each pair of kernel offsets contributes one `(C, C)` block, computed from
   two strided views of the input, so memory stays at the input's size.
-  `unroll_loop=True` writes the loop over offset pairs in Python (using the
-  symmetry, half the pairs); otherwise it is a `lax.map` loop.
+
+  Args:
+    inputs: the convolution's 4-D input.
+    kernel_spatial_shape: the kernel's spatial size, an int or a pair.
+    strides: the convolution's strides, an int or a pair.
+    padding: "SAME", "VALID" or explicit `(low, high)` pairs.
+    data_format: "NHWC" or "NCHW", used when `dim_numbers` is None.
+    dim_numbers: as `dimension_numbers` of `lax.conv_general_dilated`.
+    inputs_dilation: must be None or 1 (no dilation).
+    kernel_dilation: must be None or 1 (no dilation).
+    feature_group_count: 1, or the number of channels (depthwise).
+    batch_group_count: must be 1.
+    unroll_loop: write the loop over offset pairs in Python (using the
+      symmetry, half the pairs) instead of a `lax.map` loop.
+    precision: the precision of the products, as for `jnp.einsum`.
+    weighting_array: per-location weights (see module docstring), or None.
+
+  Returns:
+    `(second moment, first moment)`, shaped as the module docstring says.
+
+  Raises:
+    ValueError: for unsupported or inconsistent arguments.
   """
   x, kernel, strides, out, weights, depthwise = _prepare(
       inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers,
@@ -159,21 +188,48 @@ def patches_moments(inputs, kernel_spatial_shape, strides=1, padding="VALID",
               jnp.einsum("nhwc,nhw->c", xi, weights, precision=precision))
 
     second, first = lax.map(row, indices)
-  return _finish(second, first, kernel, c, depthwise, n * out[0] * out[1])
+  return _finish(second, first, kernel, c, n * out[0] * out[1],
+                 depthwise=depthwise)
 
 
-def patches_moments_explicit(inputs, kernel_spatial_shape, strides=1,
-                             padding="VALID", data_format="NHWC",
-                             dim_numbers=None, inputs_dilation=None,
-                             kernel_dilation=None, feature_group_count=1,
-                             batch_group_count=1, unroll_loop=False,
-                             precision=None, weighting_array=None):
+def patches_moments_explicit(
+    inputs: jax.Array, kernel_spatial_shape: int | Sequence[int],
+    strides: int | Sequence[int] = 1,
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+    data_format: str | None = "NHWC", dim_numbers: Any = None,
+    inputs_dilation: int | Sequence[int] | None = None,
+    kernel_dilation: int | Sequence[int] | None = None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    unroll_loop: bool = False, precision: Any = None,
+    weighting_array: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Same as `patches_moments`, extracting all patches first (more memory).
 
   The patches are strided views of the input stacked side by side (a copy,
   no arithmetic), so both moments come from one matrix product; this is the
   fast choice whenever the `(locations, kernel size)` patch matrix fits in
-  memory. `unroll_loop` is ignored.
+  memory.
+
+  Args:
+    inputs: as for `patches_moments`.
+    kernel_spatial_shape: as for `patches_moments`.
+    strides: as for `patches_moments`.
+    padding: as for `patches_moments`.
+    data_format: as for `patches_moments`.
+    dim_numbers: as for `patches_moments`.
+    inputs_dilation: as for `patches_moments`.
+    kernel_dilation: as for `patches_moments`.
+    feature_group_count: as for `patches_moments`.
+    batch_group_count: as for `patches_moments`.
+    unroll_loop: ignored.
+    precision: as for `patches_moments`.
+    weighting_array: as for `patches_moments`.
+
+  Returns:
+    `(second moment, first moment)`, as `patches_moments` returns them.
+
+  Raises:
+    ValueError: for unsupported or inconsistent arguments.
   """
   del unroll_loop
   x, kernel, strides, out, weights, depthwise = _prepare(
@@ -192,4 +248,5 @@ def patches_moments_explicit(inputs, kernel_spatial_shape, strides=1,
   second = jnp.matmul(weighted.T, patches, precision=precision)
   first = jnp.sum(weighted, axis=0)
   second = jnp.transpose(second.reshape(kh * kw, c, kh * kw, c), (0, 2, 1, 3))
-  return _finish(second, first, kernel, c, depthwise, n * out[0] * out[1])
+  return _finish(second, first, kernel, c, n * out[0] * out[1],
+                 depthwise=depthwise)

@@ -61,8 +61,17 @@ class LossTag(jex_core.Primitive):
   `args_names`; the parameter-dependent ones (e.g. `logits`) come first.
   """
 
-  def __init__(self, cls, parameter_dependants: Sequence[str],
+  def __init__(self, cls: type, parameter_dependants: Sequence[str],
                parameter_independants: Sequence[str]):
+    """Makes the tag of one loss class.
+
+    Args:
+      cls: the `LossFunction` class the tag stands for; its constructor takes
+        the named arguments.
+      parameter_dependants: names of the arguments that depend on the
+        parameters (the network outputs), in order.
+      parameter_independants: names of the other arguments (e.g. targets).
+    """
     super().__init__(f"{cls.__name__}_tag")
     self._cls = cls
     self._parameter_dependants = tuple(parameter_dependants)
@@ -72,29 +81,62 @@ class LossTag(jex_core.Primitive):
 
   @property
   def parameter_dependants_names(self) -> tuple[str, ...]:
+    """Names of the arguments that depend on the parameters."""
     return self._parameter_dependants
 
   @property
   def parameter_independants_names(self) -> tuple[str, ...]:
+    """Names of the arguments that do not (e.g. targets)."""
     return self._parameter_independants
 
   @property
   def arguments_names(self) -> tuple[str, ...]:
+    """All argument names: the parameter dependants first."""
     return self._parameter_dependants + self._parameter_independants
 
-  def get_outputs(self, *args, args_names):
+  def get_outputs(self, *args: Any, args_names: Sequence[str]) -> tuple:
+    """What binding the tag returns.
+
+    Args:
+      *args: the tag's operands.
+      args_names: their names (unused: the dependants always come first).
+
+    Returns:
+      The parameter-dependent operands.
+    """
     del args_names
     return args[:len(self._parameter_dependants)]
 
-  def loss(self, *args, args_names: Sequence[str]):
-    """Builds the `LossFunction` this tag stands for from its operand values."""
+  def loss(self, *args: Any, args_names: Sequence[str]) -> Any:
+    """Builds the `LossFunction` this tag stands for from its operand values.
+
+    Args:
+      *args: the tag's operand values.
+      args_names: their names, as bound.
+
+    Returns:
+      An instance of the tag's loss class.
+
+    Raises:
+      ValueError: if there are not as many names as values.
+    """
     if len(args) != len(args_names):
       raise ValueError(
           f"{self.name}: got {len(args)} arguments but {len(args_names)} names.")
     return self._cls(**dict(zip(args_names, args)))
 
-  def bind_loss(self, **kwargs):
-    """Binds the tag on the given (non-None) named arguments."""
+  def bind_loss(self, **kwargs: Any) -> list[jax.Array]:
+    """Binds the tag on the given named arguments, skipping None ones.
+
+    Args:
+      **kwargs: the loss's arguments by name (arrays or None).
+
+    Returns:
+      The parameter-dependent arguments, unchanged.
+
+    Raises:
+      TypeError: for a name the loss does not take.
+    """
     names = tuple(n for n in self.arguments_names if kwargs.get(n) is not None)
     unknown = set(kwargs) - set(self.arguments_names)
     if unknown:
@@ -111,6 +153,14 @@ class LayerTag(jex_core.Primitive):
   """
 
   def __init__(self, name: str, num_inputs: int, num_outputs: int):
+    """Makes a layer tag.
+
+    Args:
+      name: the primitive's name (e.g. "dense_tag").
+      num_inputs: how many operands are layer inputs.
+      num_outputs: how many operands are layer outputs (0 for a tag that
+        only marks parameters).
+    """
     super().__init__(name)
     self._num_inputs = num_inputs
     self._num_outputs = num_outputs
@@ -122,14 +172,23 @@ class LayerTag(jex_core.Primitive):
 
   @property
   def num_inputs(self) -> int:
+    """How many of the operands are layer inputs."""
     return self._num_inputs
 
   @property
   def num_outputs(self) -> int:
+    """How many of the operands are layer outputs."""
     return self._num_outputs
 
-  def split_operands(self, operands: Sequence[Any]):
-    """Splits a tag's operands (values or jaxpr vars) into (outputs, inputs, params)."""
+  def split_operands(self, operands: Sequence[Any]) -> tuple[tuple, ...]:
+    """Splits a tag's operands by their role.
+
+    Args:
+      operands: the tag's operands, as values or jaxpr variables.
+
+    Returns:
+      `(outputs, inputs, params)`, three tuples.
+    """
     n_out, n_in = self._num_outputs, self._num_inputs
     return (tuple(operands[:n_out]), tuple(operands[n_out:n_out + n_in]),
             tuple(operands[n_out + n_in:]))
@@ -142,16 +201,39 @@ conv2d = LayerTag("conv2d_tag", num_inputs=1, num_outputs=1)
 scale_and_shift = LayerTag("scale_and_shift_tag", num_inputs=1, num_outputs=1)
 
 
-def is_loss_tag_eqn(eqn) -> bool:
+def is_loss_tag_eqn(eqn: Any) -> bool:
+  """Whether a jaxpr equation binds a `LossTag`.
+
+  Args:
+    eqn: a jaxpr equation.
+
+  Returns:
+    True for a loss tag equation.
+  """
   return isinstance(eqn.primitive, LossTag)
 
 
-def is_layer_tag_eqn(eqn) -> bool:
+def is_layer_tag_eqn(eqn: Any) -> bool:
+  """Whether a jaxpr equation binds a `LayerTag`.
+
+  Args:
+    eqn: a jaxpr equation.
+
+  Returns:
+    True for a layer tag equation.
+  """
   return isinstance(eqn.primitive, LayerTag)
 
 
-def layer_eqn_parts(eqn):
-  """(outputs, inputs, params) jaxpr variables of a layer tag equation."""
+def layer_eqn_parts(eqn: Any) -> tuple[tuple, ...]:
+  """The jaxpr variables of a layer tag equation, by role.
+
+  Args:
+    eqn: a layer tag equation.
+
+  Returns:
+    `(outputs, inputs, params)`, three tuples of variables.
+  """
   return eqn.primitive.split_operands(eqn.invars)
 
 
@@ -159,25 +241,66 @@ def _single(tag_out):
   return tag_out[0]
 
 
-def register_generic(*parameters):
-  """Tags parameters that no structured block knows; returns them unchanged."""
+def register_generic(
+    *parameters: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+  """Tags parameters that no structured block knows.
+
+  Args:
+    *parameters: one or more parameter arrays.
+
+  Returns:
+    The parameters unchanged: one array for one parameter, else a tuple.
+
+  Raises:
+    ValueError: if no parameter is given.
+  """
   if not parameters:
     raise ValueError("register_generic needs at least one parameter array.")
   out = generic.bind(*parameters)
   return out[0] if len(parameters) == 1 else tuple(out)
 
 
-def register_dense(y, x, w, b=None, **kwargs):
-  """Tags a dense layer `y = x @ w + b` with `x: (batch, d_in)`; returns `y`."""
+def register_dense(y: jax.Array, x: jax.Array, w: jax.Array,
+                   b: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+  """Tags a dense layer `y = x @ w + b`.
+
+  Args:
+    y: the layer's output, `(batch, d_out)`.
+    x: its input, `(batch, d_in)`.
+    w: the weight, `(d_in, d_out)`.
+    b: the bias, `(d_out,)`, if any.
+    **kwargs: hashable constants kept on the tag.
+
+  Returns:
+    `y`, unchanged.
+
+  Raises:
+    ValueError: if the shapes do not fit a dense layer.
+  """
   _check_dense(x, w, b, "register_dense", repeated=False)
   operands = (y, x, w) if b is None else (y, x, w, b)
   return _single(dense.bind(*operands, **kwargs))
 
 
-def register_repeated_dense(y, x, w, b=None, **kwargs):
-  """Tags a dense layer applied over extra leading axes, `x: (batch, ..., d_in)`.
+def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
+                            b: jax.Array | None = None,
+                            **kwargs: Any) -> jax.Array:
+  """Tags a dense layer applied over extra leading axes.
 
   Every axis but the last acts as a batch axis for the curvature statistics.
+
+  Args:
+    y: the layer's output, `(batch, ..., d_out)`.
+    x: its input, `(batch, ..., d_in)`.
+    w: the weight, `(d_in, d_out)`.
+    b: the bias, `(d_out,)`, if any.
+    **kwargs: hashable constants kept on the tag.
+
+  Returns:
+    `y`, unchanged.
+
+  Raises:
+    ValueError: if the shapes do not fit a dense layer.
   """
   _check_dense(x, w, b, "register_repeated_dense", repeated=True)
   operands = (y, x, w) if b is None else (y, x, w, b)
@@ -209,16 +332,44 @@ def _normalize_pairs(value, n, name):
   return tuple(int(v) for v in value)
 
 
-def register_conv2d(y, x, w, b=None, *, window_strides=1, padding="VALID",
-                    data_format: str | None = "NHWC", dimension_numbers=None,
-                    lhs_dilation=None, rhs_dilation=None,
+def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
+                    b: jax.Array | None = None, *,
+                    window_strides: int | Sequence[int] = 1,
+                    padding: str | Sequence[tuple[int, int]] = "VALID",
+                    data_format: str | None = "NHWC",
+                    dimension_numbers: Any = None,
+                    lhs_dilation: int | Sequence[int] | None = None,
+                    rhs_dilation: int | Sequence[int] | None = None,
                     feature_group_count: int = 1, batch_group_count: int = 1,
-                    **kwargs):
-  """Tags a 2-D convolution `y = conv(x, w) + b`; returns `y`.
+                    **kwargs: Any) -> jax.Array:
+  """Tags a 2-D convolution `y = conv(x, w) + b`.
 
-  The convolution arguments are those of `jax.lax.conv_general_dilated`;
-  `data_format` ("NHWC" or "NCHW", kernel "HWIO" or "OIHW") is used when
-  `dimension_numbers` is not given.
+  The convolution arguments mean what they mean for
+  `jax.lax.conv_general_dilated`; they are stored on the tag in a normalised
+  form (pairs of ints, explicit padding).
+
+  Args:
+    y: the layer's output.
+    x: its input, 4-D.
+    w: the kernel, 4-D.
+    b: the bias, one entry per output channel, if any.
+    window_strides: the strides, an int or a pair.
+    padding: "SAME", "VALID" or explicit `(low, high)` pairs.
+    data_format: "NHWC" (kernel "HWIO") or "NCHW" (kernel "OIHW"), used when
+      `dimension_numbers` is None.
+    dimension_numbers: as for `lax.conv_general_dilated`.
+    lhs_dilation: input dilation, an int or a pair.
+    rhs_dilation: kernel dilation, an int or a pair.
+    feature_group_count: as for `lax.conv_general_dilated`.
+    batch_group_count: as for `lax.conv_general_dilated`.
+    **kwargs: hashable constants kept on the tag.
+
+  Returns:
+    `y`, unchanged.
+
+  Raises:
+    ValueError: for inputs or kernels that are not 4-D, or an unknown
+      `data_format`.
   """
   if jnp.ndim(x) != 4 or jnp.ndim(w) != 4:
     raise ValueError("register_conv2d: inputs and kernel must be 4-D, got "
@@ -247,11 +398,24 @@ def register_conv2d(y, x, w, b=None, *, window_strides=1, padding="VALID",
       batch_group_count=int(batch_group_count), **kwargs))
 
 
-def register_scale_and_shift(y, inputs, scale=None, shift=None, **kwargs):
-  """Tags `y = inputs * scale + shift` (either term may be absent); returns `y`.
+def register_scale_and_shift(y: jax.Array, inputs: jax.Array,
+                             scale: jax.Array | None = None,
+                             shift: jax.Array | None = None,
+                             **kwargs: Any) -> jax.Array:
+  """Tags `y = inputs * scale + shift`, where either term may be absent.
 
-  `scale` and `shift` broadcast against the trailing axes of `inputs`; the
-  leading axis is the batch.
+  Args:
+    y: the layer's output.
+    inputs: its input; the leading axis is the batch.
+    scale: broadcasts against the trailing axes of `inputs`, or None.
+    shift: broadcasts against the trailing axes of `inputs`, or None.
+    **kwargs: hashable constants kept on the tag.
+
+  Returns:
+    `y`, unchanged.
+
+  Raises:
+    ValueError: if both terms are absent, or one would vary over the batch.
   """
   if scale is None and shift is None:
     raise ValueError("register_scale_and_shift needs a scale, a shift or both.")

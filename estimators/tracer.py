@@ -26,71 +26,29 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from estimators import graph_matcher
+from estimators import jaxpr_utils
 from estimators import tags
-
-# Call-like primitives whose body is inlined when it holds a tag, so that the
-# tag shows up in the flat top-level jaxpr. A scan keeps its layer tags (see
-# `StackedLayerTag`); any other tag inside scan, while or cond is an error.
-_INLINABLE = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-})
-
-
-class TracingError(ValueError):
-  """The model function cannot be used by the curvature code as written."""
-
-
-def _sub_jaxprs(eqn):
-  for value in eqn.params.values():
-    if isinstance(value, jex_core.ClosedJaxpr):
-      yield value.jaxpr, value.consts
-    elif isinstance(value, jex_core.Jaxpr):
-      yield value, ()
+from estimators.jaxpr_utils import TracingError
 
 
 def _holds_tag(jaxpr, kinds=(tags.LossTag, tags.LayerTag)) -> bool:
   for eqn in jaxpr.eqns:
     if isinstance(eqn.primitive, kinds):
       return True
-    if any(_holds_tag(sub, kinds) for sub, _ in _sub_jaxprs(eqn)):
+    if any(_holds_tag(sub, kinds) for sub, _ in jaxpr_utils.sub_jaxprs(eqn)):
       return True
   return False
 
 
-def _scan_parts(eqn, values):
-  """(consts, initial carry, scanned inputs) of a scan equation's operands."""
-  n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-  return (values[:n_consts], values[n_consts:n_consts + n_carry],
-          values[n_consts + n_carry:])
-
-
-def _rebind_scan(eqn, invals, body_fn, extra=None):
-  """Runs `eqn`'s scan with `body_fn(consts, carry, xs, extra_i) -> (carry,
-  ys, extra_ys)` as its body; `extra` is a pytree scanned along with `xs`.
-  Returns (the scan's outputs, stacked `extra_ys`)."""
-  consts, init, xs = _scan_parts(eqn, invals)
-
-  def step(carry, scanned):
-    xs_i, extra_i = scanned
-    new_carry, ys, extra_ys = body_fn(consts, list(carry), list(xs_i), extra_i)
-    return new_carry, (ys, extra_ys)
-
-  carry, (ys, extra_ys) = jax.lax.scan(
-      step, init, (xs, extra), length=eqn.params["length"],
-      reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
-  return list(carry) + list(ys), extra_ys
-
-
-def _bind(eqn, invals) -> list:
-  """Applies one equation's primitive to values, as `jax.core.eval_jaxpr` does."""
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _eval_inlined(jaxpr, consts, *args):
-  """Evaluates `jaxpr`, inlining call primitives whose bodies hold tags."""
+  """Evaluates `jaxpr`, inlining call primitives whose bodies hold tags.
+
+  A call (`jaxpr_utils.INLINABLE_PRIMITIVES`) whose body holds a tag is
+  inlined, so that the tag shows up in the flat top-level jaxpr. A scan keeps
+  its layer tags (see `StackedLayerTag`); any other tag inside scan, while or
+  cond is an error.
+  """
   env = {}
 
   def read(v):
@@ -102,12 +60,13 @@ def _eval_inlined(jaxpr, consts, *args):
     env[var] = val
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    subs = list(_sub_jaxprs(eqn))
+    subs = list(jaxpr_utils.sub_jaxprs(eqn))
     if subs and any(_holds_tag(s) for s, _ in subs):
       if eqn.primitive.name == "scan" and not _holds_tag(subs[0][0],
                                                           tags.LossTag):
         outvals = _eval_scan_inlined(eqn, invals)
-      elif eqn.primitive.name not in _INLINABLE or len(subs) != 1:
+      elif (eqn.primitive.name not in jaxpr_utils.INLINABLE_PRIMITIVES
+            or len(subs) != 1):
         raise TracingError(
             f"A loss or layer tag sits inside a `{eqn.primitive.name}`, which "
             "the tracer cannot flatten. Register losses outside of any "
@@ -116,7 +75,7 @@ def _eval_inlined(jaxpr, consts, *args):
       else:
         outvals = _eval_call_inlined(subs[0], invals)
     else:
-      outvals = _bind(eqn, invals)
+      outvals = jaxpr_utils.bind_equation(eqn, invals)
     for var, val in zip(eqn.outvars, outvals):
       env[var] = val
   return [read(v) for v in jaxpr.outvars]
@@ -137,12 +96,7 @@ def _eval_scan_inlined(eqn, invals):
     outs = _eval_inlined(body.jaxpr, body.consts, *consts, *carry, *xs)
     return outs[:len(carry)], outs[len(carry):], None
 
-  return _rebind_scan(eqn, invals, body_fn)[0]
-
-
-def _abstract(tree):
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+  return jaxpr_utils.rebind_scan(eqn, invals, body_fn)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +126,17 @@ class StackedLayerTag:
 
   @property
   def primitive(self) -> tags.LayerTag:
+    """The inner tag's primitive."""
     return self.inner.primitive
 
   @property
   def params(self) -> dict:
+    """The inner tag's static parameters."""
     return self.inner.params
 
   @property
   def length(self) -> int:
+    """The number of iterations of the scan."""
     return self.scan.params["length"]
 
 
@@ -198,11 +155,41 @@ def _outputs_avals(tag) -> list:
 
 
 class ProcessedJaxpr:
-  """The flattened jaxpr of a model function, with its tags located."""
+  """The flattened jaxpr of a model function, with its tags located.
 
-  def __init__(self, jaxpr, consts, in_tree, params_index: int = 0,
+  Attributes:
+    jaxpr: the flat jaxpr (tag-holding calls inlined).
+    consts: the values of its constants.
+    in_tree: the tree structure of the function's positional arguments.
+    params_index: which argument holds the parameters.
+    loss_tags: the loss tag equations, in order.
+    layer_tags: the layer tags (equations, `StackedLayerTag`s or stand-in
+      generic tags), ordered by the position of their parameters.
+    layer_indices: per layer tag, the positions of its parameters among the
+      leaves of the params argument.
+  """
+
+  def __init__(self, jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
+               in_tree: Any, params_index: int = 0,
                allow_left_out_params: bool = False,
                register_left_out_as_generic: bool = False):
+    """Locates the tags of an already flattened jaxpr.
+
+    Args:
+      jaxpr: the flat jaxpr of the function, taking flattened arguments.
+      consts: the values of its constants.
+      in_tree: the tree structure of the function's positional arguments.
+      params_index: which argument holds the parameters.
+      allow_left_out_params: accept parameters that no layer tag claims (they
+        get no block).
+      register_left_out_as_generic: give every such parameter a generic tag
+        of its own.
+
+    Raises:
+      TracingError: if no loss is registered, a parameter is registered
+        twice or not as a leaf of the params argument, or one is left out
+        when that is not allowed.
+    """
     self.jaxpr = jaxpr
     self.consts = tuple(consts)
     self.in_tree = in_tree
@@ -267,11 +254,11 @@ class ProcessedJaxpr:
   def _stacked_tags(self, scan) -> list[StackedLayerTag]:
     """The layer tags in `scan`'s body, with their stacked parameter leaves."""
     body = scan.params["jaxpr"].jaxpr
-    _, _, xs = _scan_parts(scan, scan.invars)
-    scanned = dict(zip(_scan_parts(scan, body.invars)[2], xs))
+    _, _, xs = jaxpr_utils.scan_parts(scan, scan.invars)
+    scanned = dict(zip(jaxpr_utils.scan_parts(scan, body.invars)[2], xs))
     found = []
     for eqn in body.eqns:
-      if any(_holds_tag(sub) for sub, _ in _sub_jaxprs(eqn)):
+      if any(_holds_tag(sub) for sub, _ in jaxpr_utils.sub_jaxprs(eqn)):
         raise TracingError(
             "A layer tag sits in a scan nested inside another scan; only one "
             "level of stacked layers is supported.")
@@ -289,23 +276,28 @@ class ProcessedJaxpr:
     return found
 
   @property
-  def in_vars_flat(self):
+  def in_vars_flat(self) -> list:
+    """The jaxpr's input variables, one per leaf of the arguments."""
     return list(self.jaxpr.invars)
 
   @property
-  def in_vars(self):
+  def in_vars(self) -> Any:
+    """The input variables, structured like the positional arguments."""
     return self._in_vars
 
   @property
-  def params_vars(self):
+  def params_vars(self) -> Any:
+    """The input variables of the params argument, structured like it."""
     return self._in_vars[self.params_index]
 
   @property
-  def params_vars_flat(self):
+  def params_vars_flat(self) -> list:
+    """The input variables of the params argument's leaves, in order."""
     return jax.tree.leaves(self.params_vars)
 
   @property
-  def params_tree(self):
+  def params_tree(self) -> Any:
+    """The tree structure of the params argument."""
     return jax.tree.structure(self.params_vars)
 
   @classmethod
@@ -315,45 +307,72 @@ class ProcessedJaxpr:
                      **auto_registration_kwargs) -> ProcessedJaxpr:
     """Traces `func(*func_args)` and builds the processed jaxpr.
 
-    With `auto_register_tags`, `func` is first passed through
-    `graph_matcher.auto_register_tags` (with `auto_registration_kwargs`),
-    which tags the layers it recognises and gives every other parameter a
-    generic tag.
+    Args:
+      func: the model function; it must register at least one loss.
+      func_args: example positional arguments (arrays or shape structs).
+      params_index: which argument holds the parameters.
+      auto_register_tags: first pass `func` through
+        `graph_matcher.auto_register_tags`, which tags the layers it
+        recognises and gives every other parameter a generic tag.
+      allow_left_out_params: accept parameters that no layer tag claims.
+      **auto_registration_kwargs: passed on to `auto_register_tags`.
+
+    Returns:
+      The processed jaxpr.
+
+    Raises:
+      TracingError: if the function cannot be used as written (see
+        `ProcessedJaxpr.__init__`).
     """
     func_args = tuple(func_args)
-    # --- graph_matcher plug-in: automatic layer registration ---
     if auto_register_tags:
-      from estimators import graph_matcher  # pylint: disable=g-import-not-at-top
       func = graph_matcher.auto_register_tags(
           func, func_args, params_index, **auto_registration_kwargs)
-    # --- end of graph_matcher plug-in ---
     flat_args, in_tree = jax.tree.flatten(func_args)
 
     def flat_func(*flat):
       return func(*jax.tree.unflatten(in_tree, flat))
 
-    closed = jax.make_jaxpr(flat_func)(*_abstract(flat_args))
+    abstract_args = jaxpr_utils.shape_dtype_structs(flat_args)
+    closed = jax.make_jaxpr(flat_func)(*abstract_args)
     flat = jax.make_jaxpr(functools.partial(
-        _eval_inlined, closed.jaxpr, closed.consts))(*_abstract(flat_args))
+        _eval_inlined, closed.jaxpr, closed.consts))(*abstract_args)
     return cls(flat.jaxpr, flat.consts, in_tree, params_index,
                allow_left_out_params=allow_left_out_params,
                register_left_out_as_generic=auto_register_tags)
 
-  def evaluate_tags(self, flat_args, perturbations=None):
+  def evaluate_tags(self, flat_args: Sequence[Any],
+                    perturbations: Sequence[tuple] | None = None
+                    ) -> tuple[list[tuple], list[dict]]:
     """Runs the model up to its last loss tag.
 
-    Returns (loss operand values per loss tag, per-layer dict of
-    inputs/outputs/params values). When `perturbations` (one tuple per layer
-    tag) is given, it is added to that layer's outputs.
+    Args:
+      flat_args: values of the flattened arguments.
+      perturbations: one tuple per layer tag, added to that layer's outputs;
+        None adds nothing.
+
+    Returns:
+      `(losses_args, layer_values)`: the operand values of each loss tag,
+      and per layer tag a dict of its `inputs`, `outputs` and `params`.
     """
     _, losses_args, layer_values = self._evaluate(
         flat_args, perturbations,
         self.jaxpr.eqns[:self._last_loss_position + 1])
     return losses_args, layer_values
 
-  def evaluate_outputs(self, flat_args, perturbations=None):
-    """Runs what the model's outputs need: (the outputs, per-layer values as
-    above, for the layers among it)."""
+  def evaluate_outputs(self, flat_args: Sequence[Any],
+                       perturbations: Sequence[tuple] | None = None
+                       ) -> tuple[list, list[dict]]:
+    """Runs only what the function's outputs need.
+
+    Args:
+      flat_args: values of the flattened arguments.
+      perturbations: as for `evaluate_tags`.
+
+    Returns:
+      `(outputs, layer_values)`: the flat outputs, and the layer values as
+      `evaluate_tags` gives them, for the layers that were run.
+    """
     outputs, _, layer_values = self._evaluate(
         flat_args, perturbations, self._output_eqns, self.jaxpr.outvars)
     return outputs, layer_values
@@ -399,7 +418,7 @@ class ProcessedJaxpr:
           params = tuple(read(v) for v in _param_vars(self.layer_tags[j]))
           layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
       else:
-        outvals = _bind(eqn, invals)
+        outvals = jaxpr_utils.bind_equation(eqn, invals)
       if tags.is_loss_tag_eqn(eqn):
         losses_args.append(tuple(invals))
       elif id(eqn) in layer_position:
@@ -417,11 +436,18 @@ class ProcessedJaxpr:
     return [read(v) for v in outvars], losses_args, layer_values
 
   def params_reach_outputs_only_through_layer(self, index: int) -> bool:
-    """Whether the function's outputs see layer `index`'s parameters only
-    through that layer tag's outputs (no other use, e.g. an L2 term).
+    """Whether a layer's parameters reach the outputs only through the layer.
 
-    Then the parameters' gradient is the layer's own: for a dense layer, the
-    sum over rows of input times output-cotangent outer products.
+    If so (no other use, e.g. an L2 term), the parameters' gradient is the
+    layer's own: for a dense layer, the sum over rows of input times
+    output-cotangent outer products.
+
+    Args:
+      index: the position of the layer in `layer_tags`.
+
+    Returns:
+      True when the outputs see the parameters only through that layer tag's
+      outputs; False for stacked and generic tags.
     """
     tag = self.layer_tags[index]
     if isinstance(tag, (StackedLayerTag, _GenericParamsTag)) or not any(
@@ -437,12 +463,25 @@ class ProcessedJaxpr:
     return not any(v in tainted for v in self.jaxpr.outvars
                    if not isinstance(v, jex_core.Literal))
 
-  def perturbation_zeros(self):
-    """Zeros shaped like each layer's outputs (stacked ones with their axis)."""
+  def perturbation_zeros(self) -> tuple[tuple[jax.Array, ...], ...]:
+    """Zero perturbations for every layer.
+
+    Returns:
+      One tuple per layer tag of zeros shaped like its outputs (stacked
+      layers with their leading iteration axis).
+    """
     return tuple(tuple(jnp.zeros(a.shape, a.dtype) for a in _outputs_avals(t))
                  for t in self.layer_tags)
 
-  def make_losses(self, losses_args):
+  def make_losses(self, losses_args: Sequence[tuple]) -> tuple:
+    """Builds the loss objects from loss tag operands.
+
+    Args:
+      losses_args: the operand values of each loss tag.
+
+    Returns:
+      One `LossFunction` per loss tag.
+    """
     return tuple(
         eqn.primitive.loss(*args, **eqn.params)
         for eqn, args in zip(self.loss_tags, losses_args))
@@ -477,7 +516,7 @@ def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
     recorded = [None] * len(inner_tags)
     for eqn in body.jaxpr.eqns:
       vals = [read(v) for v in eqn.invars]
-      outvals = _bind(eqn, vals)
+      outvals = jaxpr_utils.bind_equation(eqn, vals)
       k = position.get(id(eqn))
       if k is not None:
         ins, outs, outvals = _read_layer_tag(eqn, vals, outvals,
@@ -487,14 +526,29 @@ def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
     outs = [read(v) for v in body.jaxpr.outvars]
     return outs[:len(carry)], outs[len(carry):], recorded
 
-  return _rebind_scan(scan, invals, body_fn, perturbations)
+  return jaxpr_utils.rebind_scan(scan, invals, body_fn, perturbations)
 
 
-class _Traced:
-  """Caches one ProcessedJaxpr per argument structure (shapes and dtypes)."""
+class TracedFunction:
+  """A model function with one `ProcessedJaxpr` cached per argument signature.
 
-  def __init__(self, func, params_index, auto_register_tags=True,
-               raise_error_on_diff_jaxpr=True, **auto_registration_kwargs):
+  The signature is the arguments' tree structure, shapes and dtypes.
+  """
+
+  def __init__(self, func: Callable, params_index: int,
+               auto_register_tags: bool = True,
+               raise_error_on_diff_jaxpr: bool = True,
+               **auto_registration_kwargs):
+    """Wraps `func`; nothing is traced yet.
+
+    Args:
+      func: the model function.
+      params_index: which argument holds the parameters.
+      auto_register_tags: as for `ProcessedJaxpr.make_from_func`.
+      raise_error_on_diff_jaxpr: raise when a new signature finds tags that
+        differ from the first one's.
+      **auto_registration_kwargs: passed on to `auto_register_tags`.
+    """
     self.func = func
     self.params_index = params_index
     self.auto_register_tags = auto_register_tags
@@ -502,7 +556,19 @@ class _Traced:
     self.kwargs = auto_registration_kwargs
     self._cache = {}
 
-  def processed(self, func_args) -> ProcessedJaxpr:
+  def processed(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
+    """The processed jaxpr for these arguments, traced on first use.
+
+    Args:
+      func_args: the function's positional arguments.
+
+    Returns:
+      The cached or newly built `ProcessedJaxpr`.
+
+    Raises:
+      TracingError: if `raise_error_on_diff_jaxpr` and the tags differ from
+        those found for an earlier signature.
+    """
     leaves, tree = jax.tree.flatten(tuple(func_args))
     key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in self._cache:
@@ -520,7 +586,17 @@ class _Traced:
       self._cache[key] = proc
     return self._cache[key]
 
-  def split(self, func_args):
+  def split(self, func_args: Sequence[Any]
+            ) -> tuple[ProcessedJaxpr, list, list[int]]:
+    """The processed jaxpr, the flat argument values and where the params are.
+
+    Args:
+      func_args: the function's positional arguments.
+
+    Returns:
+      `(proc, flat_args, positions)`: `positions` are the indices in
+      `flat_args` of the params argument's leaves.
+    """
     proc = self.processed(func_args)
     flat_args = jax.tree.leaves(tuple(func_args))
     positions = [i for i, v in enumerate(proc.jaxpr.invars)
@@ -538,17 +614,29 @@ def _with_params(flat_args, positions, params_flat):
 _SHARED_TRACES = weakref.WeakKeyDictionary()
 
 
-def traced_function(func, params_index=0, **kwargs) -> _Traced:
-  """The (shared) trace cache of `func`: each transform of the same model
-  function reuses one ProcessedJaxpr instead of tracing and matching again."""
+def traced_function(func: Callable, params_index: int = 0,
+                    **kwargs) -> TracedFunction:
+  """The trace cache of `func`, shared when no options are given.
+
+  Every transform of the same model function then reuses one
+  `ProcessedJaxpr` instead of tracing and matching again.
+
+  Args:
+    func: the model function.
+    params_index: which argument holds the parameters.
+    **kwargs: options of `TracedFunction`; with any, a private cache is made.
+
+  Returns:
+    The `TracedFunction` of `func`.
+  """
   if kwargs:
-    return _Traced(func, params_index, **kwargs)
+    return TracedFunction(func, params_index, **kwargs)
   try:
     per_func = _SHARED_TRACES.setdefault(func, {})
   except TypeError:  # not weak-referenceable
-    return _Traced(func, params_index)
+    return TracedFunction(func, params_index)
   if params_index not in per_func:
-    per_func[params_index] = _Traced(func, params_index)
+    per_func[params_index] = TracedFunction(func, params_index)
   return per_func[params_index]
 
 
@@ -557,7 +645,7 @@ def _deps(proc, losses_args):
                for e, args in zip(proc.loss_tags, losses_args))
 
 
-def _loss_inputs_fn(traced: _Traced, func_args):
+def _loss_inputs_fn(traced: TracedFunction, func_args):
   """(proc, params_flat, f); f(params_flat) -> (dependants, all loss args)."""
   proc, flat_args, positions = traced.split(func_args)
 
@@ -569,11 +657,17 @@ def _loss_inputs_fn(traced: _Traced, func_args):
   return proc, [flat_args[i] for i in positions], f
 
 
-def loss_tags_vjp(func: Callable, params_index: int = 0):
-  """Returns `f(func_args) -> (losses, vjp)`.
+def loss_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
+  """The VJP from the registered losses' inputs back to the parameters.
 
-  `vjp(tangents)` maps one tuple of tangents per loss (shaped like that loss's
-  parameter-dependent inputs) to the parameter gradient, structured as params.
+  Args:
+    func: the model function; it must register at least one loss.
+    params_index: which argument holds the parameters.
+
+  Returns:
+    `f(func_args) -> (losses, vjp)`. `vjp(tangents)` maps one tuple of
+    tangents per loss (shaped like that loss's parameter-dependent inputs)
+    to the parameter gradient, structured like the params.
   """
   traced = traced_function(func, params_index)
 
@@ -590,8 +684,17 @@ def loss_tags_vjp(func: Callable, params_index: int = 0):
   return transformed
 
 
-def loss_tags_jvp(func: Callable, params_index: int = 0):
-  """Returns `f(func_args, params_tangents) -> (losses, loss input tangents)`."""
+def loss_tags_jvp(func: Callable, params_index: int = 0) -> Callable:
+  """The JVP from the parameters to the registered losses' inputs.
+
+  Args:
+    func: the model function; it must register at least one loss.
+    params_index: which argument holds the parameters.
+
+  Returns:
+    `f(func_args, params_tangents) -> (losses, loss input tangents)`, with
+    one tuple of tangents per loss.
+  """
   traced = traced_function(func, params_index)
 
   def transformed(func_args, params_tangents):
@@ -603,11 +706,16 @@ def loss_tags_jvp(func: Callable, params_index: int = 0):
   return transformed
 
 
-def loss_tags_linearize(func: Callable, params_index: int = 0):
-  """Returns `f(func_args) -> (losses, jvp)`.
+def loss_tags_linearize(func: Callable, params_index: int = 0) -> Callable:
+  """Like `loss_tags_jvp`, with one forward pass for any number of tangents.
 
-  `jvp(params_tangents)` gives the loss input tangents, like `loss_tags_jvp`,
-  but the forward pass runs once however many tangents are pushed through.
+  Args:
+    func: the model function; it must register at least one loss.
+    params_index: which argument holds the parameters.
+
+  Returns:
+    `f(func_args) -> (losses, jvp)`, where `jvp(params_tangents)` gives the
+    loss input tangents as `loss_tags_jvp` does.
   """
   traced = traced_function(func, params_index)
 
@@ -623,11 +731,19 @@ def loss_tags_linearize(func: Callable, params_index: int = 0):
   return transformed
 
 
-def loss_tags_hvp(func: Callable, params_index: int = 0):
-  """Returns `f(func_args, params_tangents) -> (hvp, losses)`.
+def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
+  """Hessian-vector products of the registered losses w.r.t. the parameters.
 
   The Hessian is that of the sum over losses of `sum(loss.evaluate())`, i.e.
   of the loss summed (not averaged) over the batch.
+
+  Args:
+    func: the model function; it must register at least one loss.
+    params_index: which argument holds the parameters.
+
+  Returns:
+    `f(func_args, params_tangents) -> (hvp, losses)`, `hvp` structured like
+    the params.
   """
   traced = traced_function(func, params_index)
 
@@ -648,11 +764,20 @@ def loss_tags_hvp(func: Callable, params_index: int = 0):
   return transformed
 
 
-def layer_tags_vjp_parts(traced: _Traced, func_args):
+def layer_tags_vjp_parts(
+    traced: TracedFunction, func_args: Sequence[Any]
+) -> tuple[ProcessedJaxpr, tuple, list[dict], Callable]:
   """The pieces of `layer_tags_vjp`, kept apart so the estimators can vmap.
 
-  Returns (proc, losses, layer_values, tangents_fn), where `tangents_fn` maps
-  one tuple of tangents per loss to (outputs_tangent, params_tangent) per layer.
+  Args:
+    traced: the model's trace cache.
+    func_args: the function's positional arguments.
+
+  Returns:
+    `(proc, losses, layer_values, tangents_fn)`: `layer_values` as
+    `ProcessedJaxpr.evaluate_tags` gives them, and `tangents_fn` mapping one
+    tuple of tangents per loss to `(outputs_tangent, params_tangent)` per
+    layer.
   """
   proc, flat_args, positions = traced.split(func_args)
   params_flat = [flat_args[i] for i in positions]
@@ -676,9 +801,22 @@ def layer_tags_vjp_parts(traced: _Traced, func_args):
   return proc, proc.make_losses(losses_args), layer_values, tangents_fn
 
 
-def layer_tags_value_vjp(traced: _Traced, func_args, layers: Sequence[int]):
-  """Per layer in `layers`: (its inputs, the cotangent of the function's
-  scalar output at its outputs), from one forward and one backward pass."""
+def layer_tags_value_vjp(traced: TracedFunction, func_args: Sequence[Any],
+                         layers: Sequence[int]) -> list[tuple[tuple, tuple]]:
+  """Layer inputs and output cotangents of a scalar function, in one pass.
+
+  Args:
+    traced: the trace cache of a function returning one scalar (the loss).
+    func_args: its positional arguments.
+    layers: positions in `layer_tags` of the layers wanted.
+
+  Returns:
+    Per layer in `layers`: (its inputs, the cotangent of the function's
+    output at the layer's outputs), from one forward and one backward pass.
+
+  Raises:
+    TracingError: if the function does not return one scalar.
+  """
   proc, flat_args, _ = traced.split(func_args)
   out_aval = proc.jaxpr.outvars[0].aval
   if len(proc.jaxpr.outvars) != 1 or out_aval.shape != ():
@@ -700,15 +838,25 @@ def layer_tags_value_vjp(traced: _Traced, func_args, layers: Sequence[int]):
 def layer_tags_vjp(func: Callable, params_index: int = 0,
                    auto_register_tags: bool = True,
                    raise_error_on_diff_jaxpr: bool = True,
-                   **auto_registration_kwargs):
-  """Returns `f(func_args) -> (losses, vjp)` for per-layer statistics.
+                   **auto_registration_kwargs) -> Callable:
+  """Per-layer values and cotangents, for the curvature statistics.
 
-  `vjp(tangents)` takes one tuple of tangents per loss and returns, for every
-  layer tag, a dict with the keys `inputs`, `outputs`, `params`,
-  `outputs_tangent` and `params_tangent`.
+  Args:
+    func: the model function; it must register at least one loss.
+    params_index: which argument holds the parameters.
+    auto_register_tags: as for `ProcessedJaxpr.make_from_func`.
+    raise_error_on_diff_jaxpr: as for `TracedFunction`.
+    **auto_registration_kwargs: passed on to `auto_register_tags`.
+
+  Returns:
+    `f(func_args) -> (losses, vjp)`. `vjp(tangents)` takes one tuple of
+    tangents per loss and returns, for every layer tag, a dict with the keys
+    `inputs`, `outputs`, `params`, `outputs_tangent` and `params_tangent`.
   """
-  traced = _Traced(func, params_index, auto_register_tags,
-                   raise_error_on_diff_jaxpr, **auto_registration_kwargs)
+  traced = TracedFunction(
+      func, params_index, auto_register_tags=auto_register_tags,
+      raise_error_on_diff_jaxpr=raise_error_on_diff_jaxpr,
+      **auto_registration_kwargs)
 
   def transformed(func_args):
     _, losses, values, tangents_fn = layer_tags_vjp_parts(traced, func_args)

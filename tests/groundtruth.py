@@ -22,7 +22,8 @@ import estimators as kfac
 
 # --- per-example losses: (registration, per-example loss of (z, t)) ----------
 
-def _softmax_xent(z, t):
+def softmax_cross_entropy(z, t):
+  """Softmax cross-entropy of one example's logits `z` at its label `t`."""
   return -jax.nn.log_softmax(z)[t]
 
 
@@ -36,10 +37,10 @@ def _squared(z, t, weight=1.0):
 
 LOSSES = {
     "softmax": (lambda z, t: kfac.register_softmax_cross_entropy_loss(z, t),
-                _softmax_xent, "int"),
+                softmax_cross_entropy, "int"),
     "categorical": (
         lambda z, t: kfac.register_categorical_predictive_distribution(z, t),
-        _softmax_xent, "int"),
+        softmax_cross_entropy, "int"),
     "sigmoid": (lambda z, t: kfac.register_sigmoid_cross_entropy_loss(z, t),
                 _sigmoid_xent, "binary"),
     "squared": (lambda z, t: kfac.register_squared_error_loss(z, t, weight=0.7),
@@ -233,6 +234,20 @@ def deep_linear(batch=7, seed=0):
                  lambda z, t: _squared(z, t), params, (x, t))
 
 
+def random_normal(seed, *shape):
+  """A standard normal array of `shape`, reproducible from `seed`."""
+  return jnp.asarray(np.random.RandomState(seed).standard_normal(shape))
+
+
+def numpy_psd_power(matrix, power):
+  """`matrix ** power` in numpy, through an eigendecomposition.
+
+  The matrix is symmetrised and its eigenvalues clipped at zero first.
+  """
+  values, vectors = np.linalg.eigh((matrix + matrix.T) / 2)
+  return (vectors * np.maximum(values, 0) ** power) @ vectors.T
+
+
 def block_mask(problem: Problem, groups):
   """0/1 mask of the block diagonal whose blocks are the given param groups."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(problem.params)
@@ -245,3 +260,20 @@ def block_mask(problem: Problem, groups):
       i = names.index(name)
       owner[offsets[i]:offsets[i + 1]] = g
   return (owner[:, None] == owner[None, :]).astype(np.float64)
+
+
+# --- a layer stack: one scan over stacked weights -----------------------------
+
+STACK = 3
+
+
+def layer_stack_params(rng=np.random.default_rng(0)):
+  """Parameters of an MLP whose `STACK` middle layers share one scan.
+
+  `ws` and `bs` hold the middle layers' weights and biases stacked on a
+  leading axis; `w0`/`b0` and `w1`/`b1` are the first and last layers.
+  """
+  def normal(*shape):
+    return rng.normal(size=shape)
+  return dict(w0=normal(4, 3), b0=normal(3), ws=normal(STACK, 3, 3),
+              bs=normal(STACK, 3), w1=normal(3, 2), b1=normal(2))

@@ -11,6 +11,7 @@ from jax import lax
 from estimators import blocks
 from estimators import tags
 from estimators import utils
+from tests.groundtruth import numpy_psd_power, random_normal
 
 B, S = 4, 2
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -58,7 +59,7 @@ def make_case(layer, register, x, params, seed=0, same_dy=False, samples=S):
       lambda x, *p: register(layer(x, p), x, *p))(x, *params).jaxpr.eqns
          if tags.is_layer_tag_eqn(e)][0]
   y_shape = jax.eval_shape(layer, x, params).shape
-  dy = rand(100 + seed, samples, *y_shape)
+  dy = random_normal(100 + seed, samples, *y_shape)
   if same_dy:
     dy = jnp.broadcast_to(dy[:, :1], dy.shape)
   data, c = _brute_force(layer, x, tuple(params), dy)
@@ -83,14 +84,11 @@ def _brute_force(layer, x, params, dy):
   return data, rows.T @ rows / x.shape[0]
 
 
-def rand(seed, *shape):
-  return jnp.asarray(np.random.RandomState(seed).standard_normal(shape))
-
-
 def dense_case(bias=True, **kw):
-  params = (rand(1, 3, 2), rand(2, 2)) if bias else (rand(1, 3, 2),)
-  return make_case(dense_layer, tags.register_dense, rand(3, B, 3), params,
-                   **kw)
+  params = ((random_normal(1, 3, 2), random_normal(2, 2)) if bias
+            else (random_normal(1, 3, 2),))
+  return make_case(dense_layer, tags.register_dense, random_normal(3, B, 3),
+                   params, **kw)
 
 
 def conv_case(fmt="NHWC", strides=2, padding="SAME", bias=True, batch=3,
@@ -98,8 +96,9 @@ def conv_case(fmt="NHWC", strides=2, padding="SAME", bias=True, batch=3,
   layer, register = conv_layer(fmt, strides, padding)
   kshape = (3, 3, 2, 3) if fmt == "NHWC" else (3, 2, 3, 3)
   xshape = (batch, 5, 5, 2) if fmt == "NHWC" else (batch, 2, 5, 5)
-  params = (rand(1, *kshape),) + ((rand(2, 3),) if bias else ())
-  return make_case(layer, register, rand(3, *xshape), params, **kw)
+  params = (random_normal(1, *kshape),) + (
+      (random_normal(2, 3),) if bias else ())
+  return make_case(layer, register, random_normal(3, *xshape), params, **kw)
 
 
 SCALE_SHIFT = {  # name: (has_scale, has_shift, param shapes), x: (B, 3, 4)
@@ -113,8 +112,8 @@ SCALE_SHIFT = {  # name: (has_scale, has_shift, param shapes), x: (B, 3, 4)
 def scale_shift_case(name, **kw):
   has_scale, has_shift, shapes = SCALE_SHIFT[name]
   layer, register = scale_shift_layer(has_scale, has_shift)
-  params = tuple(rand(10 + i, *s) for i, s in enumerate(shapes))
-  return make_case(layer, register, rand(3, B, 3, 4), params, **kw)
+  params = tuple(random_normal(10 + i, *s) for i, s in enumerate(shapes))
+  return make_case(layer, register, random_normal(3, B, 3, 4), params, **kw)
 
 
 def fitted(block_cls, case, *args, exact=(), approx=(), eig=False, batch=B,
@@ -135,17 +134,12 @@ def to_dense(block, state):
 
 
 def random_vector(block, seed=5):
-  return tuple(rand(seed + i, *s)
+  return tuple(random_normal(seed + i, *s)
                for i, s in enumerate(block.parameters_shapes))
 
 
 def flat(v):
   return np.asarray(utils.flatten_arrays(v))
-
-
-def np_power(matrix, power):
-  values, vectors = np.linalg.eigh((matrix + matrix.T) / 2)
-  return (vectors * np.maximum(values, 0) ** power) @ vectors.T
 
 
 # --- Full and Diagonal equal the brute-force curvature -----------------------
@@ -154,8 +148,8 @@ EXACT_CASES = {
     "dense": lambda: dense_case(),
     "dense_nobias": lambda: dense_case(bias=False),
     "dense_repeated": lambda: make_case(
-        dense_layer, tags.register_repeated_dense, rand(3, B, 2, 3),
-        (rand(1, 3, 2), rand(2, 2))),
+        dense_layer, tags.register_repeated_dense, random_normal(3, B, 2, 3),
+        (random_normal(1, 3, 2), random_normal(2, 2))),
     "conv_nhwc_s2_same": lambda: conv_case("NHWC", 2, "SAME"),
     "conv_nchw_s2_same_nobias": lambda: conv_case("NCHW", 2, "SAME", False),
     "conv_nchw_s1_valid": lambda: conv_case("NCHW", 1, "VALID"),
@@ -227,7 +221,7 @@ def test_naive_blocks_use_summed_gradients_on_generic_tags():
   np.testing.assert_allclose(
       flat([f.value for f in state.diagonal_factors]), np.diag(expected), **TOL)
   # A generic tag provides only parameter data.
-  w = rand(1, 3, 2)
+  w = random_normal(1, 3, 2)
   geqn = [e for e in jax.make_jaxpr(tags.register_generic)(w).jaxpr.eqns
           if tags.is_layer_tag_eqn(e)][0]
   gdata = dict(params=(w,), params_tangent=data["params_tangent"][:1])
@@ -250,7 +244,8 @@ def test_dense_kronecker_factors_and_exactness_for_shared_tangents():
 
 
 def test_repeated_dense_kronecker():
-  x, w, b = rand(1, B, 2, 3, 4), rand(2, 4, 2), rand(3, 2)
+  x, w, b = (random_normal(1, B, 2, 3, 4), random_normal(2, 4, 2),
+             random_normal(3, 2))
   eqn, data, _ = make_case(dense_layer, tags.register_repeated_dense, x,
                            (w, b))
   block, state, _, _ = fitted(blocks.RepeatedDenseTwoKroneckerFactored,
@@ -386,7 +381,7 @@ def test_products_match_numpy(name):
   m = np.asarray(out["dense"])
   for p, e, c in modes:
     if e or "kfac" not in name:  # approximate powers are exact here
-      expected = np_power(m + DAMPING * np.eye(len(m)), p) @ flat(v)
+      expected = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ flat(v)
       np.testing.assert_allclose(out[f"{p} {e} {c}"], expected, rtol=1e-8,
                                  atol=1e-10)
   np.testing.assert_allclose(out["back"], flat(v), rtol=1e-8, atol=1e-10)
@@ -446,7 +441,7 @@ def test_refreshing_one_cached_power_keeps_the_others_consistent(cls):
 
 
 def test_pi_adjusted_powers_with_block_scale():
-  x, w = rand(1, B, 3, 4), rand(2, 4, 2)
+  x, w = random_normal(1, B, 3, 4), random_normal(2, 4, 2)
   eqn, data, _ = make_case(dense_layer, tags.register_repeated_dense, x, (w,))
   block, state, _, _ = fitted(blocks.RepeatedDenseTwoKroneckerFactored,
                               (eqn, data, None), approx=POWERS)
@@ -473,31 +468,12 @@ def test_pi_adjusted_powers_with_block_scale():
   np.testing.assert_allclose(out["damped"][1], g_d, **TOL)
   damped = s * np.kron(a_d, g_d)  # the explicitly damped Kronecker product
   for power in POWERS:
-    expected = np_power(damped, power) @ flat(v)
+    expected = numpy_psd_power(damped, power) @ flat(v)
     for use_cached in (False, True):
       np.testing.assert_allclose(out[f"{power} {use_cached}"], expected,
                                  rtol=1e-8, atol=1e-10)
   np.testing.assert_allclose(out["-1 False"], np.linalg.solve(damped, flat(v)),
                              rtol=1e-8, atol=1e-10)
-
-
-def test_pi_adjusted_damping_guards_zero_traces():
-  a, g = jnp.zeros((2, 2)), jnp.eye(3)
-  da, dg = utils.pi_adjusted_kronecker_damping(a, g, 4.0)
-  np.testing.assert_allclose(da, 2 * np.eye(2))
-  np.testing.assert_allclose(dg, 3 * np.eye(3))
-
-
-def test_psd_matrix_power():
-  m = np.asarray(rand(0, 4, 4))
-  m = m @ m.T + 0.1 * np.eye(4)
-  for power in (1, -1, -0.5, 2, 0):
-    np.testing.assert_allclose(utils.psd_matrix_power(m, power),
-                               np_power(m, power), rtol=1e-8, atol=1e-10)
-  np.testing.assert_allclose(
-      np.sort(utils.kronecker_product_eigenvalues(jnp.array([1., 2.]),
-                                                  jnp.array([3., 5.]))),
-      [3, 5, 6, 10])
 
 
 # --- multiple devices ---------------------------------------------------------
@@ -596,7 +572,8 @@ def test_grouped_conv_rejected_by_kronecker_but_fine_per_example():
   def register(y, x, k):
     return tags.register_conv2d(y, x, k, feature_group_count=2)
 
-  case = make_case(layer, register, rand(0, 2, 4, 4, 2), (rand(1, 2, 2, 1, 4),))
+  case = make_case(layer, register, random_normal(0, 2, 4, 4, 2),
+                   (random_normal(1, 2, 2, 1, 4),))
   with pytest.raises(ValueError, match="Conv2DDiagonal or Conv2DFull"):
     blocks.Conv2DTwoKroneckerFactored(case[0], "c")
   _, state, _, c = fitted(blocks.Conv2DFull, case)
@@ -616,45 +593,12 @@ def test_settings_round_trip():
     blocks.set_max_parallel_elements(0)
 
 
-# psd_inverse: one LAPACK Cholesky solve up to 512 rows, a Schur-complement
-# split above (1100 splits twice).
-@pytest.mark.parametrize("n", [5, 300, 513, 1100])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_psd_inverse_matches_numpy(n, dtype):
-  rows = np.random.RandomState(n).randn(2 * n, n)
-  matrix = rows.T @ rows / (2 * n) + 1e-2 * np.eye(n)
-  want = np.linalg.inv(matrix)
-  got = jax.jit(utils.psd_inverse)(jnp.asarray(matrix, dtype))
-  assert got.dtype == dtype
-  tol = 1e-9 if dtype == np.float64 else 2e-5
-  np.testing.assert_allclose(np.asarray(got, np.float64) / np.abs(want).max(),
-                             want / np.abs(want).max(), atol=tol)
-
-
-# Kept whole up to 512 rows, in blocks above (1100 splits twice).
-@pytest.mark.parametrize("n", [300, 1100])
-def test_psd_inverse_root_is_the_inverse_cholesky_factor(n):
-  rows = np.random.RandomState(n).randn(2 * n, n)
-  matrix = rows.T @ rows / (2 * n) + 1e-2 * np.eye(n)
-
-  @jax.jit
-  def assembled(matrix):
-    root, eye = utils.psd_inverse_root(matrix), jnp.eye(n, dtype=matrix.dtype)
-    return (utils.inverse_root_multiply(root, eye),
-            utils.inverse_root_multiply(root, eye, transpose=True))
-
-  root, root_t = map(np.asarray, assembled(jnp.asarray(matrix)))
-  np.testing.assert_array_equal(root, np.tril(root))
-  np.testing.assert_allclose(root @ np.linalg.cholesky(matrix), np.eye(n),
-                             atol=1e-8)
-  np.testing.assert_allclose(root_t, root.T, atol=1e-12)
-
-
 @pytest.mark.parametrize("sizes", [(1100, 2), (2, 1100)])
 def test_big_factor_facing_a_small_one_is_cached_as_its_inverse_root(sizes):
   d_in, d_out = sizes
   eqn, data, _ = make_case(dense_layer, tags.register_dense,
-                           rand(3, B, d_in), (rand(1, d_in, d_out),))
+                           random_normal(3, B, d_in),
+                           (random_normal(1, d_in, d_out),))
   block, state, _, _ = fitted(blocks.DenseTwoKroneckerFactored,
                               (eqn, data, None), approx=(-1,))
   v = random_vector(block)

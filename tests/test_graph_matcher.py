@@ -477,7 +477,8 @@ def test_no_loss_registered():
 
 def test_pattern_whose_example_args_do_not_trace():
   bad = gm.GraphPattern(
-      name="bad_dense", tag_primitive=tags.dense, compute_func=gm._dense,
+      name="bad_dense", tag_primitive=tags.dense,
+      compute_func=gm.dense_layer,
       parameters_extractor_func=lambda eqns: {},
       example_args=[np.zeros([11, 13]), [np.zeros([12, 7])]])
   p = _init({"w": (4, 3)})
@@ -526,7 +527,7 @@ def test_custom_pattern_from_the_internals_guide():
       name="dense_with_bias",
       tag_primitive=tags.dense,
       precedence=0,
-      compute_func=gm._dense,
+      compute_func=gm.dense_layer,
       parameters_extractor_func=_dense_parameter_extractor,
       example_args=[np.zeros([11, 13]), [np.zeros([13, 7]), np.zeros([7])]],
   )
@@ -562,16 +563,6 @@ def test_new_argument_shapes_are_matched_again():
 
 # --- layer stacks: layers applied by a scan over stacked parameters --------
 
-STACK = 3
-
-
-def _stack_params(rng=np.random.default_rng(0)):
-  def normal(*shape):
-    return rng.normal(size=shape)
-  return dict(w0=normal(4, 3), b0=normal(3), ws=normal(STACK, 3, 3),
-              bs=normal(STACK, 3), w1=normal(3, 2), b1=normal(2))
-
-
 def _scanned_net(p, batch, manual=False):
   """An MLP whose middle layers are one `lax.scan` over stacked weights."""
   x, t = batch
@@ -589,15 +580,15 @@ def _scanned_net(p, batch, manual=False):
 
 def _unrolled(p):
   flat = {k: v for k, v in p.items() if k not in ("ws", "bs")}
-  flat.update({f"w_{i}": p["ws"][i] for i in range(STACK)})
-  flat.update({f"b_{i}": p["bs"][i] for i in range(STACK)})
+  flat.update({f"w_{i}": p["ws"][i] for i in range(gt.STACK)})
+  flat.update({f"b_{i}": p["bs"][i] for i in range(gt.STACK)})
   return flat
 
 
 def _unrolled_net(p, batch):
   x, t = batch
   h = jnp.tanh(x @ p["w0"] + p["b0"])
-  for i in range(STACK):
+  for i in range(gt.STACK):
     h = jnp.tanh(h @ p[f"w_{i}"] + p[f"b_{i}"])
   out = kfac.register_softmax_cross_entropy_loss(h @ p["w1"] + p["b1"], t)
   return jnp.sum(out)
@@ -619,7 +610,7 @@ def _dense_curvature(func, params, batch, mode, family):
                                     kfac.DenseDiagonal, kfac.DenseFull])
 def test_layer_stack_curvature_equals_the_unrolled_and_hand_tagged_twins(
     mode, family):
-  params = _stack_params()
+  params = gt.layer_stack_params()
   batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
   auto, manual = (jax.jit(functools.partial(
       _dense_curvature, functools.partial(_scanned_net, manual=m),
@@ -637,7 +628,7 @@ def test_layer_stack_curvature_equals_the_unrolled_and_hand_tagged_twins(
 
 
 def test_layer_stack_cached_inverse_and_eigenvalues_equal_the_unrolled_twin():
-  params = _stack_params()
+  params = gt.layer_stack_params()
   batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
 
   @functools.partial(jax.jit, static_argnums=0)
@@ -654,7 +645,7 @@ def test_layer_stack_cached_inverse_and_eigenvalues_equal_the_unrolled_twin():
             jnp.sort(est.eigenvalues(state, use_cached=True)),
             jnp.sort(est.eigenvalues(state)))
 
-  vector = jax.tree.map(np.cos, _stack_params(np.random.default_rng(2)))
+  vector = jax.tree.map(np.cos, gt.layer_stack_params(np.random.default_rng(2)))
   inv, eig_cached, eig = run(_scanned_net, params, vector)
   twin = run(_unrolled_net, _unrolled(params), _unrolled(vector))
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10),
@@ -664,7 +655,7 @@ def test_layer_stack_cached_inverse_and_eigenvalues_equal_the_unrolled_twin():
 
 
 def test_layer_stack_full_blocks_equal_the_exact_ggn_blocks():
-  params = _stack_params()
+  params = gt.layer_stack_params()
   batch = (np.random.default_rng(1).normal(size=(5, 4)), np.arange(5) % 2)
   estimate = _dense_curvature(_scanned_net, params, batch, "ggn_exact",
                               kfac.DenseFull)
@@ -678,8 +669,8 @@ def test_layer_stack_full_blocks_equal_the_exact_ggn_blocks():
   ggn = gt.Problem(None, logits, gt.LOSSES["softmax"][1], params, batch).ggn()
   # Each layer of the stack is its own block: label every coordinate.
   labels = {"w0": 0, "b0": 0, "w1": 1, "b1": 1,
-            "ws": 2 + np.arange(STACK)[:, None, None] + np.zeros((1, 3, 3)),
-            "bs": 2 + np.arange(STACK)[:, None] + np.zeros((1, 3))}
+            "ws": 2 + np.arange(gt.STACK)[:, None, None] + np.zeros((1, 3, 3)),
+            "bs": 2 + np.arange(gt.STACK)[:, None] + np.zeros((1, 3))}
   owner = jax.flatten_util.ravel_pytree(jax.tree.map(
       lambda p, l: np.broadcast_to(l, np.shape(p)).astype(float), params,
       labels))[0]
@@ -695,12 +686,12 @@ def test_stacked_weight_used_outside_its_scan_is_generic():
     out = h @ p["w1"] + p["b1"] + p["ws"][0, 0, :2]
     return jnp.sum(kfac.register_softmax_cross_entropy_loss(out, t))
 
-  params = _stack_params()
+  params = gt.layer_stack_params()
   batch = (np.ones((5, 4)), np.arange(5) % 2)
   report = {_short(r["path"]): r for r in report_of(tied, (params, batch))}
   # The shifts left alone in the scan still form stacked layers.
   assert {k: (r["tag"], r["stacked"]) for k, r in report.items()} == {
-      "ws": ("generic_tag", None), "bs": ("scale_and_shift_tag", STACK),
+      "ws": ("generic_tag", None), "bs": ("scale_and_shift_tag", gt.STACK),
       "w0": ("dense_tag", None), "b0": ("dense_tag", None),
       "w1": ("dense_tag", None), "b1": ("dense_tag", None)}
   matrix = _dense_curvature(tied, params, batch, "ggn_exact",
@@ -708,22 +699,8 @@ def test_stacked_weight_used_outside_its_scan_is_generic():
   assert np.all(np.isfinite(matrix)) and np.trace(matrix) > 0
 
 
-def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
-  params = _stack_params()
-
-  def shared_weight(p, batch):
-    def layer(h, _):
-      return kfac.register_dense(h @ p["ws"][0], h, p["ws"][0]), None
-    h, _ = lax.scan(layer, batch[0] @ p["w0"], None, length=2)
-    return jnp.sum(kfac.register_softmax_cross_entropy_loss(h, batch[1]))
-
-  with pytest.raises(kfac.TracingError, match="not a slice of a stacked leaf"):
-    kfac.ProcessedJaxpr.make_from_func(
-        shared_weight, (params, (np.ones((5, 4)), np.arange(5) % 3)))
-
-
 def test_model_with_a_learned_temperature_and_a_layer_stack_trains():
-  params = dict(_stack_params(), temperature=np.array(0.5))
+  params = dict(gt.layer_stack_params(), temperature=np.array(0.5))
   rng = np.random.default_rng(3)
   x = rng.normal(size=(32, 4))
   batch = (x, (x[:, 0] + x[:, 1] > 0).astype(int))

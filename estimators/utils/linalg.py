@@ -7,32 +7,65 @@ import os
 import jax
 import jax.numpy as jnp
 
+# The inverse Cholesky root of `psd_inverse_root`: a lower-triangular array,
+# or `(top, below, bottom)` blocks for a big matrix.
+InverseRoot = jax.Array | tuple
+
 
 def symmetrize(matrix: jax.Array) -> jax.Array:
+  """The symmetric part of a matrix (or of a stack of matrices).
+
+  Args:
+    matrix: an array whose last two axes are square.
+
+  Returns:
+    `(matrix + matrixᵀ) / 2`, transposing the last two axes.
+  """
   return (matrix + jnp.swapaxes(matrix, -1, -2)) / 2
 
 
 def safe_psd_eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Eigendecomposition `(eigenvalues, eigenvectors)` of a would-be PSD matrix.
+  """Eigendecomposition of a matrix that should be PSD up to round-off.
 
   The input is symmetrised first (round-off makes estimates slightly
   asymmetric) and the eigenvalues are clipped at zero, since negative ones can
   only come from round-off and would make fractional powers NaN.
+
+  Args:
+    matrix: a square matrix.
+
+  Returns:
+    `(eigenvalues, eigenvectors)`: ascending eigenvalues, clipped at zero,
+    and the eigenvectors as columns.
   """
   values, vectors = jnp.linalg.eigh(symmetrize(matrix))
   return jnp.maximum(values, 0), vectors
 
 
 def psd_eigvalsh(matrix: jax.Array) -> jax.Array:
-  """Ascending eigenvalues of a matrix meant to be PSD, clipped at zero."""
+  """The eigenvalues of a matrix that should be PSD up to round-off.
+
+  Args:
+    matrix: a square matrix; it is symmetrised first.
+
+  Returns:
+    Its eigenvalues in ascending order, clipped at zero.
+  """
   return jnp.maximum(jnp.linalg.eigvalsh(symmetrize(matrix)), 0)
 
 
-def psd_matrix_power(matrix: jax.Array, power) -> jax.Array:
-  """`matrix ** power` for a PSD matrix and a Python scalar power.
+def psd_matrix_power(matrix: jax.Array, power: float) -> jax.Array:
+  """A power of a PSD matrix.
 
   Power 1 returns the matrix, power -1 uses a Cholesky solve (exact for a
   positive definite input), any other power goes through `safe_psd_eigh`.
+
+  Args:
+    matrix: a PSD matrix (positive definite for negative powers).
+    power: a Python scalar, known at trace time.
+
+  Returns:
+    `matrix ** power` in the matrix sense.
   """
   power = float(power)
   n = matrix.shape[-1]
@@ -62,12 +95,20 @@ def psd_inverse(matrix: jax.Array) -> jax.Array:
   LAPACK calls keep the compiled program small. (Forming the Schur
   complement as `A22 - K A12` saves a product but lost positive definiteness
   in float32 once the damping got small.)
+
+  Tracing it calls `limit_lapack_threads`.
+
+  Args:
+    matrix: a positive definite matrix.
+
+  Returns:
+    Its inverse, symmetric by construction.
   """
-  _limit_lapack_threads()
+  limit_lapack_threads()
   return _inverse_from_root(_inverse_root_blocks(symmetrize(matrix)))
 
 
-def psd_inverse_root(matrix: jax.Array):
+def psd_inverse_root(matrix: jax.Array) -> InverseRoot:
   """`L⁻¹` for the lower Cholesky factor `L` of a positive definite matrix.
 
   `matrix⁻¹ = L⁻ᵀ L⁻¹`; apply it with `inverse_root_multiply`. Up to
@@ -79,9 +120,15 @@ def psd_inverse_root(matrix: jax.Array):
   multiply-adds against 2n³/3 for the assembled root) and applying the root
   reads only its nonzero half. Only the upper triangle of `matrix` is read:
   averaging away an estimate's round-off asymmetry would cost a transposing
-  pass over a big matrix.
+  pass over a big matrix. Tracing it calls `limit_lapack_threads`.
+
+  Args:
+    matrix: a positive definite matrix.
+
+  Returns:
+    `L⁻¹`, as a lower-triangular array or as `(top, below, bottom)` blocks.
   """
-  _limit_lapack_threads()
+  limit_lapack_threads()
   return _inverse_root_blocks(matrix)
 
 
@@ -95,15 +142,26 @@ def _inverse_root_blocks(matrix):
   return top, below, _inverse_root_blocks(matrix[h:, h:] - below @ below.T)
 
 
-def inverse_root_multiply(root, matrix: jax.Array, transpose=False):
-  """`L⁻¹ matrix` (or `L⁻ᵀ matrix`) for a root from `psd_inverse_root`."""
+def inverse_root_multiply(root: InverseRoot, matrix: jax.Array,
+                          transpose: bool = False) -> jax.Array:
+  """Multiplies by an inverse Cholesky root, or by its transpose.
+
+  Args:
+    root: `L⁻¹` as returned by `psd_inverse_root`.
+    matrix: the matrix (or vector) to multiply, rows matching `L`.
+    transpose: multiply by `L⁻ᵀ` instead of `L⁻¹`.
+
+  Returns:
+    `L⁻¹ matrix`, or `L⁻ᵀ matrix` when `transpose`.
+  """
   if not isinstance(root, tuple):
     return (root.T if transpose else root) @ matrix
   top, below, bottom = root
   h = below.shape[1]
   if transpose:
-    last = inverse_root_multiply(bottom, matrix[h:], True)
-    first = inverse_root_multiply(top, matrix[:h] - below.T @ last, True)
+    last = inverse_root_multiply(bottom, matrix[h:], transpose=True)
+    first = inverse_root_multiply(top, matrix[:h] - below.T @ last,
+                                  transpose=True)
     return jnp.concatenate([first, last])
   first = inverse_root_multiply(top, matrix[:h])
   last = inverse_root_multiply(bottom, matrix[h:] - below @ first)
@@ -137,16 +195,19 @@ def _inverse_from_root(root):
 _lapack_threads_limited = False
 
 
-def _limit_lapack_threads():
-  """Makes the OpenBLAS that jax's CPU LAPACK calls use single-threaded.
+# Process-wide on purpose: a jitted call returns before its LAPACK work runs
+# (asynchronous dispatch), so no `with` block around the call could cover it.
+def limit_lapack_threads() -> None:
+  """Makes scipy's OpenBLAS, which jax's CPU LAPACK calls use, single-threaded.
 
-  jax runs LAPACK (scipy's OpenBLAS) from inside XLA's thread pool. On a busy
-  machine OpenBLAS's own worker threads then wait for a free core, and a
-  0.1 ms Cholesky of a 100-wide matrix can take 10 ms or more. One thread per
-  call avoids that; big matrices get their parallelism from the matrix
-  products of `psd_inverse` instead. Only scipy's copy of OpenBLAS (the one
-  jax uses) is touched, and nothing is done when the user has set
-  OPENBLAS_NUM_THREADS or threadpoolctl is not installed.
+  jax runs those LAPACK calls inside XLA's own thread pool; OpenBLAS's extra
+  worker threads then compete with it for cores, and on a busy machine a
+  small Cholesky waits for them far longer than it computes. Big matrices get
+  their parallelism from the matrix products of `psd_inverse` instead.
+  `psd_inverse` and `psd_inverse_root` call this when they are traced; call
+  it yourself to apply it earlier. It runs once per process, touches only
+  scipy's copy of OpenBLAS, and does nothing when `OPENBLAS_NUM_THREADS` is
+  set (set it to keep your own thread count) or threadpoolctl is missing.
   """
   global _lapack_threads_limited
   if _lapack_threads_limited:
@@ -170,13 +231,22 @@ def _trace(matrix):
   return jnp.sum(matrix.reshape(-1)[::matrix.shape[0] + 1])
 
 
-def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
+def pi_adjusted_kronecker_damping(
+    a: jax.Array, g: jax.Array,
+    damping: float | jax.Array) -> tuple[jax.Array, jax.Array]:
   """Splits `damping` between the factors of `a ⊗ g` (Martens & Grosse, 2015).
 
-  Returns `(a + pi * sqrt(damping) I, g + sqrt(damping) / pi I)` with
-  `pi = sqrt((tr a / dim a) / (tr g / dim g))`, whose Kronecker product
-  approximates `a ⊗ g + damping I`. When either normalised trace is zero the
-  ratio is meaningless and `pi = 1` is used instead.
+  With `pi = sqrt((tr a / dim a) / (tr g / dim g))` the Kronecker product of
+  the two damped factors approximates `a ⊗ g + damping I`. When either
+  normalised trace is zero the ratio is meaningless and `pi = 1` is used.
+
+  Args:
+    a: the first (input-side) factor, square.
+    g: the second (output-side) factor, square.
+    damping: the damping to add to the Kronecker product.
+
+  Returns:
+    `(a + pi * sqrt(damping) I, g + sqrt(damping) / pi I)`.
   """
   a_norm = _trace(a) / a.shape[0]
   g_norm = _trace(g) / g.shape[0]
@@ -189,15 +259,35 @@ def pi_adjusted_kronecker_damping(a: jax.Array, g: jax.Array, damping):
 
 def kronecker_product_eigenvalues(a_eigenvalues: jax.Array,
                                   g_eigenvalues: jax.Array) -> jax.Array:
-  """Eigenvalues of `a ⊗ g`: all pairwise products, flattened (a-major)."""
+  """The eigenvalues of a Kronecker product from those of its factors.
+
+  Args:
+    a_eigenvalues: eigenvalues of the first factor `a`.
+    g_eigenvalues: eigenvalues of the second factor `g`.
+
+  Returns:
+    The eigenvalues of `a ⊗ g`: every pairwise product, flattened with the
+    index into `a_eigenvalues` varying slowest.
+  """
   return jnp.outer(a_eigenvalues, g_eigenvalues).reshape(-1)
 
 
-def kronecker_eigen_multiply(u_a, u_g, diagonal, matrix):
-  """`(U_a ⊗ U_g) diag(vec diagonal) (U_a ⊗ U_g)ᵀ vec(matrix)`, row-major vec.
+def kronecker_eigen_multiply(u_a: jax.Array, u_g: jax.Array,
+                             diagonal: jax.Array,
+                             matrix: jax.Array) -> jax.Array:
+  """Applies a spectral function of a Kronecker product to a matrix.
 
-  For `(a ⊗ g) vec(V) = vec(a V g)` this applies any spectral function of the
-  Kronecker product whose eigenvalues, laid out as `(dim a, dim g)`, are
-  `diagonal`.
+  With row-major `vec` and `(a ⊗ g) vec(V) = vec(a V g)`, this computes
+  `(U_a ⊗ U_g) diag(vec diagonal) (U_a ⊗ U_g)ᵀ vec(matrix)`.
+
+  Args:
+    u_a: eigenvectors (columns) of the first factor `a`.
+    u_g: eigenvectors (columns) of the second factor `g`.
+    diagonal: the function's values at the eigenvalues of `a ⊗ g`, laid out
+      as `(dim a, dim g)`.
+    matrix: the `(dim a, dim g)` matrix to multiply.
+
+  Returns:
+    The product, shaped like `matrix`.
   """
   return u_a @ ((u_a.T @ matrix @ u_g) * diagonal) @ u_g.T

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +22,40 @@ class WeightedMovingAverage:
   raw_value: jax.Array
 
   @classmethod
-  def zeros(cls, shape, dtype=jnp.float32) -> "WeightedMovingAverage":
+  def zeros(cls, shape: Sequence[int],
+            dtype: jnp.dtype = jnp.float32) -> "WeightedMovingAverage":
+    """An average with no terms yet.
+
+    Args:
+      shape: the shape of the averaged values.
+      dtype: their dtype (the weight uses it too).
+
+    Returns:
+      A zero average with zero weight.
+    """
     return cls(weight=jnp.zeros([], dtype), raw_value=jnp.zeros(shape, dtype))
 
   @property
   def value(self) -> jax.Array:
+    """The current average, `raw_value / weight` (zeros before any update)."""
     # Before any update the weight is 0; report the (zero) raw value rather
     # than 0/0, so an untouched estimate reads as the zero matrix.
     weight = jnp.where(self.weight == 0, jnp.ones_like(self.weight),
                        self.weight)
     return self.raw_value / weight.astype(self.raw_value.dtype)
 
-  def update(self, value, ema_old, ema_new) -> "WeightedMovingAverage":
-    """A new average: old terms times `ema_old`, `value` times `ema_new`."""
+  def update(self, value: jax.Array, ema_old: float | jax.Array,
+             ema_new: float | jax.Array) -> "WeightedMovingAverage":
+    """Adds a new term to the average.
+
+    Args:
+      value: the new term, shaped like the average.
+      ema_old: factor on the old terms (and on their weight).
+      ema_new: weight of the new term.
+
+    Returns:
+      A new average; `self` is left unchanged.
+    """
     value = jnp.asarray(value, self.raw_value.dtype)
     if value.shape != self.raw_value.shape:
       raise ValueError(f"WeightedMovingAverage.update: value of shape "

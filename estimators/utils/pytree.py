@@ -4,29 +4,67 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 
 def product(values: Sequence[int]) -> int:
-  """Product of static integers (1 for an empty sequence)."""
+  """The product of static integers, such as a shape's sizes.
+
+  Args:
+    values: integers known at trace time.
+
+  Returns:
+    Their product as a Python int (1 for an empty sequence).
+  """
   return int(math.prod(int(v) for v in values))
 
 
-def scalar_mul(arrays: Sequence[jax.Array], scalar) -> tuple[jax.Array, ...]:
+def scalar_mul(arrays: Sequence[jax.Array],
+               scalar: float | jax.Array) -> tuple[jax.Array, ...]:
+  """Multiplies every array by one scalar.
+
+  Args:
+    arrays: the arrays.
+    scalar: the factor.
+
+  Returns:
+    A tuple of the scaled arrays.
+  """
   return tuple(a * scalar for a in arrays)
 
 
 def flatten_arrays(arrays: Sequence[jax.Array], leading: int = 0) -> jax.Array:
-  """Concatenates arrays after flattening all but their first `leading` axes."""
+  """Flattens arrays into one, keeping some leading axes.
+
+  Args:
+    arrays: arrays that agree on their first `leading` axes.
+    leading: how many leading axes to keep (0 gives one vector).
+
+  Returns:
+    The arrays, each flattened past its leading axes, concatenated along
+    the first flattened axis.
+  """
   return jnp.concatenate(
       [a.reshape(a.shape[:leading] + (-1,)) for a in arrays], axis=leading)
 
 
 def unflatten_vector(vector: jax.Array,
                      shapes: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
-  """Inverse of `flatten_arrays(..., leading=0)` for the given shapes."""
+  """Splits a vector into arrays; undoes `flatten_arrays(..., leading=0)`.
+
+  Args:
+    vector: a vector with as many entries as the shapes hold together.
+    shapes: the shapes of the arrays, in order.
+
+  Returns:
+    A tuple of arrays with the given shapes.
+
+  Raises:
+    ValueError: if the vector has the wrong size.
+  """
   sizes = [product(s) for s in shapes]
   if vector.shape != (sum(sizes),):
     raise ValueError(f"Expected a vector of shape ({sum(sizes)},), got "
@@ -38,12 +76,28 @@ def unflatten_vector(vector: jax.Array,
   return tuple(parts)
 
 
-def is_tracer(value) -> bool:
+def is_tracer(value: object) -> bool:
+  """Whether `value` is a JAX tracer (an abstract value under a transform).
+
+  Args:
+    value: anything.
+
+  Returns:
+    True for a `jax.core.Tracer`.
+  """
   return isinstance(value, jax.core.Tracer)
 
 
-def inner_product(a, b):
-  """Sum over all leaves of the elementwise product of two matching pytrees."""
+def inner_product(a: Any, b: Any) -> jax.Array:
+  """The inner product of two pytrees with matching leaves.
+
+  Args:
+    a: a pytree of arrays.
+    b: a pytree with the same leaf shapes.
+
+  Returns:
+    The sum over leaves of `vdot(leaf_a, leaf_b)` (0 for empty trees).
+  """
   return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a),
                                             jax.tree.leaves(b)))
 
@@ -54,11 +108,21 @@ _STACKED_LEAF_MAX_SIZE = 1 << 14
 
 
 def gram_matrix(trees: Sequence, others: Sequence | None = None) -> jax.Array:
-  """Pairwise inner products of matching pytrees: `[[<a, b> for b in others]
-  for a in trees]`, with `others` defaulting to `trees`.
+  """Pairwise inner products of pytrees with matching leaves.
 
   This takes a handful of XLA ops instead of one reduction per pair and leaf:
   a small optimizer step is dominated by the count of ops, not arithmetic.
+
+  Args:
+    trees: the pytrees of the rows.
+    others: the pytrees of the columns; `trees` when None.
+
+  Returns:
+    The matrix `[[<a, b> for b in others] for a in trees]`, in the dtype
+    the leaves promote to.
+
+  Raises:
+    ValueError: if the pytrees do not all have the same number of leaves.
   """
   symmetric = others is None
   others = trees if symmetric else others

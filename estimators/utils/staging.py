@@ -25,9 +25,9 @@ class _Forwarding:
   sources: tuple  # per output leaf: the index of the input leaf it is, or None
 
 
-# An optimizer step's time goes to library matrix products and LAPACK; LLVM's
-# default optimisation level makes no measurable difference to it on CPU but
-# takes about a third longer to compile the step.
+# An optimizer step's time goes to library matrix products and LAPACK, which
+# LLVM's default optimisation level does not speed up on CPU; it only makes
+# the step slower to compile.
 _CPU_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
@@ -44,11 +44,18 @@ def _as_array(x):
 def stage(fn: Callable, static_argnums: Sequence[int] = (),
           pmap_axis_name: str | None = None,
           cpu_options: dict | None = None) -> Callable:
-  """`jax.jit(fn)` (or `jax.pmap` over `pmap_axis_name`) minus passthrough copies.
+  """Compiles `fn` like `jax.jit` (or `jax.pmap`), minus passthrough copies.
 
-  The result is a tree equal to `fn(*args)`; outputs that are inputs returned
-  untouched are the caller's own arrays. `cpu_options` are XLA compiler
-  options added when compiling for CPU.
+  Args:
+    fn: the function to compile.
+    static_argnums: positions of its static (hashable, non-array) arguments.
+    pmap_axis_name: when given, compile with `jax.pmap` over this axis name
+      instead of `jax.jit`.
+    cpu_options: XLA compiler options added when compiling for CPU.
+
+  Returns:
+    A function returning a tree equal to `fn(*args)`, in which outputs that
+    are inputs returned untouched are the caller's own arrays.
   """
   static_argnums = tuple(static_argnums)
 
