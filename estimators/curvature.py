@@ -19,8 +19,13 @@ import numpy as np
 
 from estimators import blocks as curvature_blocks
 from estimators import estimation_modes, tracer, utils
+from estimators.blocks.base import Numeric, ScalarOrSequence
 
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
+# A pytree shaped like the model's parameters.
+Params = Any
+# The model function's positional arguments.
+FuncArgs = Sequence[Any]
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
     "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
@@ -31,18 +36,38 @@ _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
 }
 
 
-def set_default_tag_to_block_ctor(tag_name: str, block_ctor: CurvatureBlockCtor):
-  """Sets the block class used by default for layers with this tag name."""
+def set_default_tag_to_block_ctor(tag_name: str,
+                                  block_ctor: CurvatureBlockCtor) -> None:
+  """Sets the block class used by default for layers with this tag name.
+
+  Args:
+    tag_name: a layer tag primitive's name, e.g. "dense_tag".
+    block_ctor: called as `block_ctor(layer_tag_eq, name)` to build a block.
+  """
   _DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
 
 
 def get_default_tag_to_block_ctor(tag_name: str) -> CurvatureBlockCtor | None:
-  """The block class used by default for this tag name (None if unknown)."""
+  """The block class used by default for a tag name.
+
+  Args:
+    tag_name: a layer tag primitive's name, e.g. "dense_tag".
+
+  Returns:
+    The block constructor, or None for an unknown tag.
+  """
   return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
 
 
-def default_batch_size_extractor(batch) -> int:
-  """The size of the leading axis of the first array in the batch."""
+def default_batch_size_extractor(batch: Any) -> int:
+  """The batch size of a batch pytree.
+
+  Args:
+    batch: a pytree of arrays with the batch axis first.
+
+  Returns:
+    The size of the leading axis of its first leaf.
+  """
   return jax.tree.leaves(batch)[0].shape[0]
 
 
@@ -62,10 +87,34 @@ def _check_params_tree(expected, vector, what):
 
 
 class CurvatureEstimator(abc.ABC):
-  """What every estimator provides: estimate updates, products, eigenvalues."""
+  """What every estimator provides: estimate updates, products, eigenvalues.
+
+  The state holds the estimate `C` of the curvature of `func`'s registered
+  losses (averaged over the batch) w.r.t. `func_args[params_index]`, plus a
+  cache of values derived from it (matrix powers, eigenvalues). The cache is
+  refreshed only by `update_cache`, so with `use_cached=True` results may be
+  older than the estimate. Methods take a state and return a new one.
+
+  Attributes:
+    func: the model function, with at least one registered loss.
+    params_index: which of `func`'s positional arguments are the parameters.
+    default_estimation_mode: the mode `update_curvature_matrix_estimate`
+      uses when given none.
+  """
 
   def __init__(self, func: Callable, params_index: int = 0,
                default_estimation_mode: str = "fisher_gradients"):
+    """Stores the model function and checks the estimation mode.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+
+    Raises:
+      ValueError: for an unknown estimation mode.
+    """
     self.func = func
     self.params_index = params_index
     self.default_estimation_mode = estimation_modes.check_estimation_mode(
@@ -73,6 +122,7 @@ class CurvatureEstimator(abc.ABC):
 
   @property
   def default_mat_type(self) -> str:
+    """The matrix the default mode estimates: "fisher" or "ggn"."""
     return estimation_modes.matrix_type(self.default_estimation_mode)
 
   @property
@@ -81,48 +131,143 @@ class CurvatureEstimator(abc.ABC):
     """Number of parameter elements."""
 
   @abc.abstractmethod
-  def init(self, rng, func_args, exact_powers_to_cache,
-           approx_powers_to_cache, cache_eigenvalues=False):
-    """The initial state; the powers to cache must be named here."""
+  def init(self, rng: jax.Array, func_args: FuncArgs,
+           exact_powers_to_cache: ScalarOrSequence,
+           approx_powers_to_cache: ScalarOrSequence,
+           cache_eigenvalues: bool = False) -> Any:
+    """The initial state: a zero estimate and an empty cache.
+
+    Args:
+      rng: a PRNG key for any randomness of the initialisation.
+      func_args: example arguments of `func`; the model is traced on them.
+      exact_powers_to_cache: None, a power or powers that will be used with
+        `exact_power=True, use_cached=True`; the cache has room only for
+        the powers named here.
+      approx_powers_to_cache: the same for `exact_power=False`.
+      cache_eigenvalues: whether to keep room for cached eigenvalues.
+
+    Returns:
+      The estimator state.
+    """
 
   @abc.abstractmethod
-  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
-                                       batch_size, rng, func_args,
-                                       pmap_axis_name=None,
-                                       estimation_mode=None):
-    """Folds one batch's estimate into the moving average."""
+  def update_curvature_matrix_estimate(
+      self, state: Any, ema_old: Numeric, ema_new: Numeric,
+      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
+      pmap_axis_name: str | None = None,
+      estimation_mode: str | None = None) -> Any:
+    """Folds one batch's estimate into the moving average.
+
+    The new estimate is `(ema_old * w * old + ema_new * batch) / (ema_old * w
+    + ema_new)`, `w` the weight the average had; `ema_old=0, ema_new=1` keeps
+    only this batch. The cache is left as it is.
+
+    Args:
+      state: the estimator state.
+      ema_old: the factor on the old estimate.
+      ema_new: the weight of this batch's estimate.
+      batch_size: the number of examples in `func_args`' batch.
+      rng: a PRNG key for the sampled modes.
+      func_args: the arguments of `func` for this batch.
+      pmap_axis_name: when not None, the batch estimate is averaged over
+        this axis.
+      estimation_mode: one of `estimators.ESTIMATION_MODES`; None uses
+        `default_estimation_mode`.
+
+    Returns:
+      The state with the new estimate.
+    """
 
   @abc.abstractmethod
-  def update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                   eigenvalues, pmap_axis_name=None):
-    """Refreshes cached powers / eigenvalues from the current estimate."""
+  def update_cache(self, state: Any, identity_weight: Numeric,
+                   exact_powers: ScalarOrSequence,
+                   approx_powers: ScalarOrSequence, eigenvalues: bool,
+                   pmap_axis_name: str | None = None) -> Any:
+    """Refreshes cached powers and eigenvalues from the current estimate.
+
+    Args:
+      state: the estimator state.
+      identity_weight: the weight `λ` of the identity added to the estimate
+        before the powers are taken (the damping); block-wise estimators
+        also take one weight per block.
+      exact_powers: None, a power or powers named at `init` to refresh.
+      approx_powers: the same for the approximate powers.
+      eigenvalues: whether to refresh the cached (undamped) eigenvalues.
+      pmap_axis_name: the pmap axis, if any (the estimators here compute
+        every block on every device and do not use it).
+
+    Returns:
+      The state with the refreshed cache entries.
+    """
 
   @abc.abstractmethod
-  def multiply_matpower(self, state, parameter_structured_vector,
-                        identity_weight, power, exact_power, use_cached,
-                        pmap_axis_name=None):
-    """`(C + identity_weight I)^power v`."""
+  def multiply_matpower(self, state: Any, parameter_structured_vector: Params,
+                        identity_weight: Numeric, power: float,
+                        exact_power: bool, use_cached: bool,
+                        pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) ** power @ v`.
 
-  def multiply(self, state, parameter_structured_vector, identity_weight=0.0,
-               exact_power=True, use_cached=False, pmap_axis_name=None):
+    Args:
+      state: the estimator state.
+      parameter_structured_vector: `v`, a pytree shaped like the parameters.
+      identity_weight: the weight `λ` of the identity (the damping); ignored
+        with `use_cached=True`, where the `λ` of the last `update_cache`
+        applies. Block-wise estimators also take one weight per block.
+      power: a real power known at trace time.
+      exact_power: False allows a cheaper approximation where a block has
+        one (e.g. factored damping for Kronecker blocks).
+      use_cached: whether to use the cached power (named at `init`)
+        instead of computing it from the current estimate.
+      pmap_axis_name: the pmap axis, if any (unused here).
+
+    Returns:
+      The product, shaped like the parameters.
+    """
+
+  def multiply(self, state: Any, parameter_structured_vector: Params,
+               identity_weight: Numeric = 0.0, exact_power: bool = True,
+               use_cached: bool = False,
+               pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) @ v`; see `multiply_matpower`."""
     return self.multiply_matpower(state, parameter_structured_vector,
-                                  identity_weight, 1, exact_power, use_cached,
-                                  pmap_axis_name)
+                                  identity_weight, 1, exact_power=exact_power,
+                                  use_cached=use_cached,
+                                  pmap_axis_name=pmap_axis_name)
 
-  def multiply_inverse(self, state, parameter_structured_vector,
-                       identity_weight=0.0, exact_power=True, use_cached=False,
-                       pmap_axis_name=None):
+  def multiply_inverse(self, state: Any, parameter_structured_vector: Params,
+                       identity_weight: Numeric = 0.0,
+                       exact_power: bool = True, use_cached: bool = False,
+                       pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) ** -1 @ v`; see `multiply_matpower`."""
     return self.multiply_matpower(state, parameter_structured_vector,
-                                  identity_weight, -1, exact_power, use_cached,
-                                  pmap_axis_name)
+                                  identity_weight, -1, exact_power=exact_power,
+                                  use_cached=use_cached,
+                                  pmap_axis_name=pmap_axis_name)
 
   @abc.abstractmethod
-  def eigenvalues(self, state, use_cached=False):
-    """All eigenvalues of the estimate (one array)."""
+  def eigenvalues(self, state: Any, use_cached: bool = False) -> jax.Array:
+    """All eigenvalues of the (undamped) estimate.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to return the eigenvalues cached by the last
+        `update_cache(..., eigenvalues=True)`.
+
+    Returns:
+      A `(dim,)` array.
+    """
 
   @abc.abstractmethod
-  def to_dense_matrix(self, state, use_cached=False):
-    """The estimate as a (dim, dim) matrix in ravel_pytree order."""
+  def to_dense_matrix(self, state: Any, use_cached: bool = False) -> jax.Array:
+    """The (undamped) estimate as a dense matrix, for small models.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to use cached values where the estimator has them.
+
+    Returns:
+      A `(dim, dim)` array, rows and columns in `ravel_pytree` order.
+    """
 
   def _mode(self, estimation_mode):
     return estimation_modes.check_estimation_mode(
@@ -132,6 +277,11 @@ class CurvatureEstimator(abc.ABC):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _BlockDiagonalState:
+  """State of a `BlockDiagonalCurvature`.
+
+  Attributes:
+    blocks_states: one `CurvatureBlock.State` per block, in `blocks` order.
+  """
   blocks_states: tuple
 
 
@@ -141,7 +291,13 @@ def _block_name(paths, indices, tag_name):
 
 
 class BlockDiagonalCurvature(CurvatureEstimator):
-  """One curvature block per layer tag; the blocks form a block diagonal."""
+  """One curvature block per layer tag; the blocks form a block diagonal.
+
+  The blocks are built on the first `init` from the traced model: each layer
+  tag (registered by hand or found by the graph matcher) gets the block
+  class that `index_to_block_ctor`, then `layer_tag_to_block_ctor`, names.
+  Cross-layer curvature is dropped.
+  """
 
   State = _BlockDiagonalState
 
@@ -155,6 +311,28 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                distributed_multiplies: bool = True,
                distributed_cache_updates: bool = True,
                **auto_register_kwargs):
+    """Prepares the tracing of `func`; blocks are built by `init`.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      layer_tag_to_block_ctor: block constructors by tag name (e.g.
+        "dense_tag"), overriding `get_default_tag_to_block_ctor`.
+      index_to_block_ctor: block constructors for the tags whose parameters
+        have these flat indices; they take precedence over the above.
+      auto_register_tags: whether to tag layers with the graph matcher;
+        otherwise only hand-registered tags are used.
+      distributed_multiplies: accepted for compatibility; every device
+        computes all blocks.
+      distributed_cache_updates: the same.
+      **auto_register_kwargs: passed to the graph matcher (e.g.
+        `register_only_generic`, `patterns_to_skip`).
+
+    Raises:
+      ValueError: for an unknown estimation mode.
+    """
     super().__init__(func, params_index, default_estimation_mode)
     self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
     self._index_to_block_ctor = dict(index_to_block_ctor or {})
@@ -178,8 +356,18 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
   # --- structure ---------------------------------------------------------
 
-  def layer_tag_to_block_ctor(self, layer_tag_eq) -> CurvatureBlockCtor:
-    """The block class for a tag equation (user mapping, then the default)."""
+  def layer_tag_to_block_ctor(self, layer_tag_eq: Any) -> CurvatureBlockCtor:
+    """The block class for a tag equation (user mapping, then the default).
+
+    Args:
+      layer_tag_eq: a layer tag's jaxpr equation.
+
+    Returns:
+      The block constructor.
+
+    Raises:
+      ValueError: if no block is known for the tag.
+    """
     name = layer_tag_eq.primitive.name
     ctor = self._layer_tag_to_block_ctor.get(name)
     ctor = ctor or get_default_tag_to_block_ctor(name)
@@ -188,7 +376,16 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                        " layer_tag_to_block_ctor={" f"'{name}': <block class>" "}.")
     return ctor
 
-  def index_to_block_ctor(self, indices) -> CurvatureBlockCtor | None:
+  def index_to_block_ctor(
+      self, indices: Sequence[int]) -> CurvatureBlockCtor | None:
+    """The constructor given for the tag on these flat parameter indices.
+
+    Args:
+      indices: the flat indices of a tag's parameters.
+
+    Returns:
+      The constructor from `index_to_block_ctor`, or None.
+    """
     return self._index_to_block_ctor.get(tuple(indices))
 
   def _finalize(self, func_args):
@@ -222,58 +419,90 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                          "init(rng, func_args, ...) first.")
 
   @property
-  def blocks(self):
+  def blocks(self) -> tuple[curvature_blocks.CurvatureBlock, ...] | None:
+    """The blocks, one per layer tag in parameter order (None before init)."""
     return self._blocks
 
   @property
   def num_blocks(self) -> int:
+    """The number of blocks."""
     self._require_finalized()
     return len(self._blocks)
 
   @property
   def block_dims(self) -> tuple[int, ...]:
+    """Each block's number of parameter elements."""
     self._require_finalized()
     return tuple(b.dim for b in self._blocks)
 
   @property
   def dim(self) -> int:
+    """The number of parameter elements."""
     self._require_finalized()
     return int(sum(self._param_sizes))
 
   @property
   def jaxpr(self) -> tracer.ProcessedJaxpr:
+    """The traced model the blocks were built from."""
     self._require_finalized()
     return self._jaxpr
 
   @property
   def num_params_variables(self) -> int:
+    """The number of parameter arrays (leaves of the params pytree)."""
     return len(self.jaxpr.params_vars_flat)
 
   @property
-  def params_structure_vector_of_indices(self):
+  def params_structure_vector_of_indices(self) -> Params:
+    """The params pytree with each leaf replaced by its flat index."""
     return jax.tree.unflatten(self.jaxpr.params_tree,
                               list(range(self.num_params_variables)))
 
   @property
-  def indices_to_block_map(self):
+  def indices_to_block_map(
+      self) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
+    """Each block keyed by the flat indices of its parameters."""
     return dict(zip(self.jaxpr.layer_indices, self._blocks))
 
   @property
-  def params_block_index(self):
+  def params_block_index(self) -> Params:
+    """The params pytree with each leaf replaced by its block's index."""
     which = [None] * self.num_params_variables
     for b, idx in enumerate(self.jaxpr.layer_indices):
       for i in idx:
         which[i] = b
     return jax.tree.unflatten(self.jaxpr.params_tree, which)
 
-  def params_vector_to_blocks_vectors(self, parameter_structured_vector):
+  def params_vector_to_blocks_vectors(
+      self, parameter_structured_vector: Params
+  ) -> tuple[tuple[jax.Array, ...], ...]:
+    """Splits a params-shaped pytree into block vectors.
+
+    Args:
+      parameter_structured_vector: a pytree shaped like the parameters.
+
+    Returns:
+      For each block, the tuple of its parameters' leaves.
+
+    Raises:
+      ValueError: if the pytree does not have the parameters' structure.
+    """
     _check_params_tree(self.jaxpr.params_tree, parameter_structured_vector,
                        "vector")
     leaves = jax.tree.leaves(parameter_structured_vector)
     return tuple(tuple(leaves[i] for i in idx)
                  for idx in self.jaxpr.layer_indices)
 
-  def blocks_vectors_to_params_vector(self, blocks_vectors):
+  def blocks_vectors_to_params_vector(
+      self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    """Inverts `params_vector_to_blocks_vectors`.
+
+    Args:
+      blocks_vectors: for each block, one array per parameter.
+
+    Returns:
+      A pytree shaped like the parameters.
+    """
     leaves = [None] * self.num_params_variables
     for idx, vecs in zip(self.jaxpr.layer_indices, blocks_vectors):
       for i, v in zip(idx, vecs):
@@ -290,19 +519,24 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
   # --- state -------------------------------------------------------------
 
-  def init(self, rng, func_args, exact_powers_to_cache=None,
-           approx_powers_to_cache=None, cache_eigenvalues=False):
+  def init(self, rng: jax.Array, func_args: FuncArgs,
+           exact_powers_to_cache: ScalarOrSequence = None,
+           approx_powers_to_cache: ScalarOrSequence = None,
+           cache_eigenvalues: bool = False) -> _BlockDiagonalState:
+    """Builds the blocks on the first call; see `CurvatureEstimator.init`."""
     self._finalize(func_args)
     rngs = jax.random.split(rng, self.num_blocks)
     return self.State(tuple(
         b.init(r, _as_tuple(exact_powers_to_cache),
-               _as_tuple(approx_powers_to_cache), cache_eigenvalues)
+               _as_tuple(approx_powers_to_cache),
+               cache_eigenvalues=cache_eigenvalues)
         for b, r in zip(self._blocks, rngs)))
 
-  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
-                                       batch_size, rng, func_args,
-                                       pmap_axis_name=None,
-                                       estimation_mode=None):
+  def update_curvature_matrix_estimate(
+      self, state: _BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
+      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
+      pmap_axis_name: str | None = None,
+      estimation_mode: str | None = None) -> _BlockDiagonalState:
     mode = self._mode(estimation_mode)
     self._finalize(func_args)
     _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
@@ -317,43 +551,65 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           block_state, data, ema_old, ema_new, batch_size, pmap_axis_name))
     return self.State(tuple(new_states))
 
-  def update_cache(self, state, identity_weight, exact_powers=None,
-                   approx_powers=None, eigenvalues=False, pmap_axis_name=None):
+  def update_cache(self, state: _BlockDiagonalState,
+                   identity_weight: Numeric | Sequence[Numeric],
+                   exact_powers: ScalarOrSequence = None,
+                   approx_powers: ScalarOrSequence = None,
+                   eigenvalues: bool = False,
+                   pmap_axis_name: str | None = None) -> _BlockDiagonalState:
     del pmap_axis_name
     self._require_finalized()
     weights = self._per_block(identity_weight, "identity_weight")
     return self.State(tuple(
         b.update_cache(s, w, _as_tuple(exact_powers), _as_tuple(approx_powers),
-                       eigenvalues)
+                       eigenvalues=eigenvalues)
         for b, s, w in zip(self._blocks, state.blocks_states, weights)))
 
   # --- products ------------------------------------------------------------
 
-  def multiply_matpower(self, state, parameter_structured_vector,
-                        identity_weight, power, exact_power, use_cached,
-                        pmap_axis_name=None):
+  def multiply_matpower(self, state: _BlockDiagonalState,
+                        parameter_structured_vector: Params,
+                        identity_weight: Numeric | Sequence[Numeric],
+                        power: float, exact_power: bool, use_cached: bool,
+                        pmap_axis_name: str | None = None) -> Params:
     del pmap_axis_name
     vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
     results = tuple(
-        b.multiply_matpower(s, v, w, power, exact_power, use_cached)
+        b.multiply_matpower(s, v, w, power, exact_power=exact_power,
+                            use_cached=use_cached)
         for b, s, v, w in zip(self._blocks, state.blocks_states, vectors,
                               weights))
     return self.blocks_vectors_to_params_vector(results)
 
-  def multiply_inverse_of_gradient(self, state, grads, func_args,
-                                   identity_weight=0.0, exact_power=True,
-                                   use_cached=False, pmap_axis_name=None):
-    """`multiply_inverse(grads)` where `grads` is the gradient of the
-    function's (scalar) value at `func_args`, averaged over `pmap_axis_name`.
+  def multiply_inverse_of_gradient(
+      self, state: _BlockDiagonalState, grads: Params, func_args: FuncArgs,
+      identity_weight: Numeric | Sequence[Numeric] = 0.0,
+      exact_power: bool = True, use_cached: bool = False,
+      pmap_axis_name: str | None = None) -> Params:
+    """`multiply_inverse(grads)` for the gradient of `func` at `func_args`.
 
     A dense layer's gradient is a sum of outer products, one per input row.
     Where that is cheaper (a layer wider than the batch has rows), its block
-    preconditions those (cached approximate inverses only) and skips its
-    part of `grads`: the deep autoencoder's preconditioning takes about a
-    quarter of the work. That needs the layer's parameters to reach the value
+    preconditions those rows (cached approximate inverses only) and skips its
+    part of `grads`. That needs the layer's parameters to reach the value
     only through the layer, e.g. no L2 term on them inside the loss; the
-    jaxpr is checked for it.
+    jaxpr is checked for it, and other blocks use `grads`.
+
+    Args:
+      state: the estimator state.
+      grads: the gradient of `func`'s scalar value at `func_args`, averaged
+        over `pmap_axis_name`.
+      func_args: the arguments `grads` was computed at.
+      identity_weight: as for `multiply_inverse`.
+      exact_power: as for `multiply_inverse`; the row route needs False.
+      use_cached: as for `multiply_inverse`; the row route needs True.
+      pmap_axis_name: when not None, the row route's results are averaged
+        over this axis, as `grads` is.
+
+    Returns:
+      The preconditioned gradient, shaped like the parameters; equal to
+      `multiply_inverse(state, grads, ...)` up to rounding.
     """
     func_args = tuple(func_args)
     self._finalize(func_args)
@@ -367,8 +623,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       chosen = [j for j in chosen if same_tags
                 and proc.params_reach_outputs_only_through_layer(j)]
     if not chosen:
-      return self.multiply_inverse(state, grads, identity_weight, exact_power,
-                                   use_cached)
+      return self.multiply_inverse(state, grads, identity_weight,
+                                   exact_power=exact_power,
+                                   use_cached=use_cached)
     rows = dict(zip(chosen, tracer.layer_tags_value_vjp(
         self._value_traced, func_args, chosen)))
     vectors = self.params_vector_to_blocks_vectors(grads)
@@ -383,21 +640,47 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         if pmap_axis_name is not None:
           result = jax.lax.pmean(result, pmap_axis_name)
       else:
-        result = block.multiply_inverse(s, v, w, exact_power, use_cached)
+        result = block.multiply_inverse(s, v, w, exact_power=exact_power,
+                                        use_cached=use_cached)
       results.append(result)
     return self.blocks_vectors_to_params_vector(tuple(results))
 
-  def block_eigenvalues(self, state, use_cached=False):
+  def block_eigenvalues(self, state: _BlockDiagonalState,
+                        use_cached: bool = False) -> tuple[jax.Array, ...]:
+    """Each block's eigenvalues.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to return the cached eigenvalues.
+
+    Returns:
+      One `(block_dim,)` array per block, in `blocks` order.
+    """
     self._require_finalized()
-    return tuple(b.eigenvalues(s, use_cached)
+    return tuple(b.eigenvalues(s, use_cached=use_cached)
                  for b, s in zip(self._blocks, state.blocks_states))
 
-  def eigenvalues(self, state, use_cached=False):
-    return jnp.concatenate(self.block_eigenvalues(state, use_cached))
+  def eigenvalues(self, state: _BlockDiagonalState,
+                  use_cached: bool = False) -> jax.Array:
+    """The blocks' eigenvalues concatenated in `blocks` order, unsorted."""
+    return jnp.concatenate(self.block_eigenvalues(state, use_cached=use_cached))
 
-  def to_dense_matrix(self, state, use_cached=False, identity_weight=0.0,
-                      exact_power=True, power=1):
-    """The block-diagonal matrix `(C + identity_weight I)^power`, densely."""
+  def to_dense_matrix(self, state: _BlockDiagonalState,
+                      use_cached: bool = False,
+                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
+                      exact_power: bool = True, power: float = 1) -> jax.Array:
+    """The block-diagonal matrix `(C + identity_weight I) ** power`, densely.
+
+    Args:
+      state: the estimator state.
+      use_cached: as for `multiply_matpower`.
+      identity_weight: as for `multiply_matpower`.
+      exact_power: as for `multiply_matpower`.
+      power: as for `multiply_matpower`.
+
+    Returns:
+      A `(dim, dim)` array in `ravel_pytree` order, zero between blocks.
+    """
     self._require_finalized()
     offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
     dtype = jnp.result_type(*[v.aval.dtype
@@ -413,7 +696,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       def apply(col, block=block, s=s, idx=idx, w=w, split=split):
         parts = jnp.split(col, split)
         vec = tuple(p.reshape(shapes[i]) for p, i in zip(parts, idx))
-        out = block.multiply_matpower(s, vec, w, power, exact_power, use_cached)
+        out = block.multiply_matpower(s, vec, w, power,
+                                      exact_power=exact_power,
+                                      use_cached=use_cached)
         return jnp.concatenate([o.ravel() for o in out])
 
       dense = jax.vmap(apply, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))
@@ -426,6 +711,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _ExplicitState:
+  """State of an `ExplicitExactCurvature`.
+
+  Attributes:
+    matrix: a WeightedMovingAverage of the `(dim, dim)` estimate.
+    factor: the latest batch's gradient rows `R`, `(rows, dim)`.
+    factor_is_exact: a boolean array, True when `matrix == Rᵀ R`.
+    cache: "pow_<p>" entries, `(dim, dim)`, and optionally "eigenvalues".
+  """
   matrix: utils.WeightedMovingAverage
   factor: jax.Array  # rows r with matrix == r.T @ r when factor_is_exact
   factor_is_exact: jax.Array
@@ -440,6 +733,8 @@ class ExplicitExactCurvature(CurvatureEstimator):
   one symmetric product. The rows of the latest batch are kept, so when the
   estimate is that batch alone (the usual exact-spectrum case) its non-zero
   eigenvalues come from the small Gram matrix `R Rᵀ`.
+
+  Exact and approximate powers are the same here; memory grows as `dim²`.
   """
 
   State = _ExplicitState
@@ -447,8 +742,27 @@ class ExplicitExactCurvature(CurvatureEstimator):
   def __init__(self, func: Callable, params_index: int = 0,
                batch_index: int = 1,
                default_estimation_mode: str = "fisher_exact",
-               layer_tag_to_block_ctor=None, index_to_block_ctor=None,
+               layer_tag_to_block_ctor: Any = None,
+               index_to_block_ctor: Any = None,
                auto_register_tags: bool = True, **auto_register_kwargs):
+    """Prepares the per-example tracing of `func`.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      batch_index: which of them is the batch, looped over example by
+        example.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      layer_tag_to_block_ctor: ignored (there is one dense block).
+      index_to_block_ctor: ignored.
+      auto_register_tags: accepted for compatibility; layer tags play no
+        part in the estimate.
+      **auto_register_kwargs: accepted for compatibility and ignored.
+
+    Raises:
+      ValueError: for an unknown estimation mode.
+    """
     super().__init__(func, params_index, default_estimation_mode)
     del layer_tag_to_block_ctor, index_to_block_ctor  # one dense block
     self._batch_index = batch_index
@@ -459,10 +773,12 @@ class ExplicitExactCurvature(CurvatureEstimator):
 
   @property
   def batch_index(self) -> int:
+    """Which of `func`'s positional arguments is the batch."""
     return self._batch_index
 
   @property
   def dim(self) -> int:
+    """The number of parameter elements (known after `init`)."""
     if self._dim is None:
       raise RuntimeError("Call init(rng, func_args, ...) first.")
     return self._dim
@@ -481,15 +797,36 @@ class ExplicitExactCurvature(CurvatureEstimator):
     _check_params_tree(self._params_tree, func_args[self.params_index],
                        "params argument")
 
-  def params_vector_to_blocks_vectors(self, parameter_structured_vector):
+  def params_vector_to_blocks_vectors(
+      self, parameter_structured_vector: Params
+  ) -> tuple[tuple[jax.Array, ...]]:
+    """The parameters' leaves as the vector of the single block.
+
+    Args:
+      parameter_structured_vector: a pytree shaped like the parameters.
+
+    Returns:
+      A one-element tuple holding the tuple of leaves.
+    """
     _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
     return (tuple(jax.tree.leaves(parameter_structured_vector)),)
 
-  def blocks_vectors_to_params_vector(self, blocks_vectors):
+  def blocks_vectors_to_params_vector(
+      self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    """Inverts `params_vector_to_blocks_vectors`.
+
+    Args:
+      blocks_vectors: a one-element sequence holding the leaves.
+
+    Returns:
+      A pytree shaped like the parameters.
+    """
     return jax.tree.unflatten(self._params_tree, list(blocks_vectors[0]))
 
-  def init(self, rng, func_args, exact_powers_to_cache=None,
-           approx_powers_to_cache=None, cache_eigenvalues=False):
+  def init(self, rng: jax.Array, func_args: FuncArgs,
+           exact_powers_to_cache: ScalarOrSequence = None,
+           approx_powers_to_cache: ScalarOrSequence = None,
+           cache_eigenvalues: bool = False) -> _ExplicitState:
     del rng
     self._finalize(tuple(func_args))
     params = func_args[self.params_index]
@@ -528,10 +865,12 @@ class ExplicitExactCurvature(CurvatureEstimator):
     rows = jax.vmap(one_example)(batch, keys)
     return rows.reshape((-1, rows.shape[-1])) / jnp.sqrt(batch_size)
 
-  def update_curvature_matrix_estimate(self, state, ema_old, ema_new,
-                                       batch_size, rng, func_args,
-                                       pmap_axis_name=None,
-                                       estimation_mode=None):
+  def update_curvature_matrix_estimate(
+      self, state: _ExplicitState, ema_old: Numeric, ema_new: Numeric,
+      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
+      pmap_axis_name: str | None = None,
+      estimation_mode: str | None = None) -> _ExplicitState:
+    """As `CurvatureEstimator`'s; `batch_size` is read from the batch."""
     del batch_size  # the batch argument's leading axis is used
     func_args = tuple(func_args)
     self._finalize(func_args)
@@ -557,8 +896,11 @@ class ExplicitExactCurvature(CurvatureEstimator):
       return matrix + identity_weight * eye
     return utils.psd_matrix_power(matrix + identity_weight * eye, power)
 
-  def update_cache(self, state, identity_weight, exact_powers=None,
-                   approx_powers=None, eigenvalues=False, pmap_axis_name=None):
+  def update_cache(self, state: _ExplicitState, identity_weight: Numeric,
+                   exact_powers: ScalarOrSequence = None,
+                   approx_powers: ScalarOrSequence = None,
+                   eigenvalues: bool = False,
+                   pmap_axis_name: str | None = None) -> _ExplicitState:
     del pmap_axis_name
     cache = dict(state.cache)
     for p in set(_as_tuple(exact_powers)) | set(_as_tuple(approx_powers)):
@@ -573,9 +915,11 @@ class ExplicitExactCurvature(CurvatureEstimator):
       cache["eigenvalues"] = self.eigenvalues(state, use_cached=False)
     return dataclasses.replace(state, cache=cache)
 
-  def multiply_matpower(self, state, parameter_structured_vector,
-                        identity_weight, power, exact_power, use_cached,
-                        pmap_axis_name=None):
+  def multiply_matpower(self, state: _ExplicitState,
+                        parameter_structured_vector: Params,
+                        identity_weight: Numeric, power: float,
+                        exact_power: bool, use_cached: bool,
+                        pmap_axis_name: str | None = None) -> Params:
     del exact_power, pmap_axis_name
     _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
     v, unravel = jax.flatten_util.ravel_pytree(parameter_structured_vector)
@@ -591,7 +935,8 @@ class ExplicitExactCurvature(CurvatureEstimator):
       return unravel(jnp.linalg.solve(matrix + identity_weight * eye, v))
     return unravel(self._matpower(matrix, identity_weight, power) @ v)
 
-  def eigenvalues(self, state, use_cached=False):
+  def eigenvalues(self, state: _ExplicitState,
+                  use_cached: bool = False) -> jax.Array:
     """Eigenvalues in ascending order.
 
     When the estimate is the latest batch alone (`factor_is_exact`), the
@@ -617,7 +962,9 @@ class ExplicitExactCurvature(CurvatureEstimator):
       return _gram_eigenvalues(state.factor, None)
     return _dense_eigenvalues(state.matrix.value)
 
-  def to_dense_matrix(self, state, use_cached=False):
+  def to_dense_matrix(self, state: _ExplicitState,
+                      use_cached: bool = False) -> jax.Array:
+    """The estimate itself; `use_cached` makes no difference."""
     del use_cached
     return state.matrix.value
 
@@ -656,12 +1003,25 @@ def _gram_eigenvalues(rows, unused_matrix=None):
 class ImplicitExactCurvature:
   """Exact curvature matrices used only through matrix-vector products.
 
-  All products are with the curvature of the loss averaged over the batch.
+  All products are with the curvature of the registered losses averaged over
+  the batch: the Hessian `H`, the GGN `G = mean_i J_iᵀ H_i J_i` and the
+  Fisher `F`. The factor `B` of `G` (or `F`) stacks `J_iᵀ B_i / sqrt(batch)`
+  over the examples, `B_i` the loss's factor, so that `B Bᵀ = G`. The batch
+  is the last of `func`'s arguments.
   """
 
   def __init__(self, func: Callable, params_index: int = 0,
                batch_size_extractor: Callable[[Any], int]
                = default_batch_size_extractor):
+    """Prepares the loss tags' Jacobian and Hessian products of `func`.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      batch_size_extractor: maps the batch (`func`'s last argument) to its
+        number of examples.
+    """
     self.func = func
     self.params_index = params_index
     self._batch_size_extractor = batch_size_extractor
@@ -669,14 +1029,37 @@ class ImplicitExactCurvature:
     self._jvp = tracer.loss_tags_jvp(func, params_index)
     self._hvp = tracer.loss_tags_hvp(func, params_index)
 
-  def batch_size(self, func_args) -> int:
+  def batch_size(self, func_args: FuncArgs) -> int:
+    """The number of examples in `func_args`' batch (its last argument)."""
     return self._batch_size_extractor(func_args[-1])
 
-  def multiply_hessian(self, func_args, parameter_structured_vector):
+  def multiply_hessian(self, func_args: FuncArgs,
+                       parameter_structured_vector: Params) -> Params:
+    """`H v`, `H` the Hessian of the batch-averaged loss w.r.t. the params.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      The product, shaped like the parameters.
+    """
     hvp, _ = self._hvp(func_args, parameter_structured_vector)
     return jax.tree.map(lambda x: x / self.batch_size(func_args), hvp)
 
-  def multiply_jacobian_transpose(self, func_args, loss_input_vectors):
+  def multiply_jacobian_transpose(
+      self, func_args: FuncArgs,
+      loss_input_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    """`Jᵀ u`, `J` the Jacobian of the losses' inputs w.r.t. the params.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      loss_input_vectors: `u`: for each registered loss, one array per
+        parameter-dependent input, shaped like it.
+
+    Returns:
+      The product (not divided by the batch size), shaped like the params.
+    """
     _, vjp = self._vjp(func_args)
     return vjp(loss_input_vectors)
 
@@ -688,10 +1071,30 @@ class ImplicitExactCurvature:
     result = self.multiply_jacobian_transpose(func_args, products)
     return jax.tree.map(lambda x: x / self.batch_size(func_args), result)
 
-  def multiply_fisher(self, func_args, parameter_structured_vector):
+  def multiply_fisher(self, func_args: FuncArgs,
+                      parameter_structured_vector: Params) -> Params:
+    """`F v`, `F` the Fisher of the batch-averaged loss w.r.t. the params.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      The product, shaped like the parameters.
+    """
     return self._multiply(func_args, parameter_structured_vector, "fisher")
 
-  def multiply_ggn(self, func_args, parameter_structured_vector):
+  def multiply_ggn(self, func_args: FuncArgs,
+                   parameter_structured_vector: Params) -> Params:
+    """`G v`, `G` the GGN of the batch-averaged loss w.r.t. the params.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      The product, shaped like the parameters.
+    """
     return self._multiply(func_args, parameter_structured_vector, "ggn")
 
   def _factor_transpose(self, func_args, vector, kind):
@@ -702,13 +1105,33 @@ class ImplicitExactCurvature:
                  else loss.multiply_ggn_factor_transpose(t))
         for loss, t in zip(losses, tangents))
 
-  def multiply_fisher_factor_transpose(self, func_args,
-                                       parameter_structured_vector):
+  def multiply_fisher_factor_transpose(
+      self, func_args: FuncArgs,
+      parameter_structured_vector: Params) -> tuple[jax.Array, ...]:
+    """`Bᵀ v` for the factor `B` with `B Bᵀ = F`.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      One array per registered loss, of its `fisher_factor_inner_shape`.
+    """
     return self._factor_transpose(func_args, parameter_structured_vector,
                                   "fisher")
 
-  def multiply_ggn_factor_transpose(self, func_args,
-                                    parameter_structured_vector):
+  def multiply_ggn_factor_transpose(
+      self, func_args: FuncArgs,
+      parameter_structured_vector: Params) -> tuple[jax.Array, ...]:
+    """`Bᵀ v` for the factor `B` with `B Bᵀ = G`.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      One array per registered loss, of its `ggn_factor_inner_shape`.
+    """
     return self._factor_transpose(func_args, parameter_structured_vector,
                                   "ggn")
 
@@ -724,13 +1147,56 @@ class ImplicitExactCurvature:
     scale = 1 / jnp.sqrt(self.batch_size(func_args))
     return jax.tree.map(lambda x: scale * x, vjp(products))
 
-  def multiply_fisher_factor(self, func_args, loss_inner_vectors):
+  def multiply_fisher_factor(self, func_args: FuncArgs,
+                             loss_inner_vectors: Sequence[jax.Array]
+                             ) -> Params:
+    """`B u` for the factor `B` with `B Bᵀ = F`.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      loss_inner_vectors: `u`: one array per registered loss, of its
+        `fisher_factor_inner_shape`.
+
+    Returns:
+      The product, shaped like the parameters.
+
+    Raises:
+      ValueError: if there is not one vector per loss.
+    """
     return self._factor(func_args, loss_inner_vectors, "fisher")
 
-  def multiply_ggn_factor(self, func_args, loss_inner_vectors):
+  def multiply_ggn_factor(self, func_args: FuncArgs,
+                          loss_inner_vectors: Sequence[jax.Array]) -> Params:
+    """`B u` for the factor `B` with `B Bᵀ = G`.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      loss_inner_vectors: `u`: one array per registered loss, of its
+        `ggn_factor_inner_shape`.
+
+    Returns:
+      The product, shaped like the parameters.
+
+    Raises:
+      ValueError: if there is not one vector per loss.
+    """
     return self._factor(func_args, loss_inner_vectors, "ggn")
 
-  def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode: str):
+  def get_loss_inner_vector_shapes_and_batch_size(
+      self, func_args: FuncArgs,
+      mode: str) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The shapes the factor products take, and the batch size.
+
+    Args:
+      func_args: the arguments of `func`.
+      mode: "fisher" or "ggn".
+
+    Returns:
+      Each registered loss's factor inner shape, and the batch size.
+
+    Raises:
+      ValueError: for another mode.
+    """
     if mode not in ("fisher", "ggn"):
       raise ValueError(f"mode must be 'fisher' or 'ggn', got {mode!r}.")
     losses, _ = self._vjp(func_args)
@@ -738,14 +1204,37 @@ class ImplicitExactCurvature:
                    for loss in losses)
     return shapes, self.batch_size(func_args)
 
-  def get_loss_input_shapes_and_batch_size(self, func_args):
+  def get_loss_input_shapes_and_batch_size(
+      self, func_args: FuncArgs
+  ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], int]:
+    """The shapes of the losses' inputs, and the batch size.
+
+    Args:
+      func_args: the arguments of `func`.
+
+    Returns:
+      For each registered loss the shapes of its parameter-dependent
+      inputs, and the batch size.
+    """
     losses, _ = self._vjp(func_args)
     shapes = tuple(tuple(tuple(x.shape) for x in loss.parameter_dependants)
                    for loss in losses)
     return shapes, self.batch_size(func_args)
 
-  def to_dense_matrix(self, func_args, mat_type: str = "ggn"):
-    """The exact 'hessian', 'fisher' or 'ggn' as a (dim, dim) matrix."""
+  def to_dense_matrix(self, func_args: FuncArgs,
+                      mat_type: str = "ggn") -> jax.Array:
+    """An exact curvature matrix formed column by column, for small models.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      mat_type: "hessian", "fisher" or "ggn".
+
+    Returns:
+      A `(dim, dim)` array in `ravel_pytree` order.
+
+    Raises:
+      ValueError: for another matrix type.
+    """
     products = dict(hessian=self.multiply_hessian, fisher=self.multiply_fisher,
                     ggn=self.multiply_ggn)
     if mat_type not in products:

@@ -30,6 +30,7 @@ from estimators.tags import LossTag
 
 Array = jax.Array
 Shape = tuple[int, ...]
+Numeric = float | jax.Array
 
 COEFFICIENT_MODES = ("regular", "sqrt", "off")
 
@@ -80,7 +81,12 @@ class LossFunction:
   dependant_names: tuple[str, ...] = ()
   independant_names: tuple[str, ...] = ("targets", "weight")
 
-  def __init__(self, weight):
+  def __init__(self, weight: Numeric):
+    """Stores the weight; subclasses store their other arguments.
+
+    Args:
+      weight: a scalar multiplying the loss (and so its curvature).
+    """
     self._inputs = {"weight": weight}  # Subclasses add their arguments.
 
   weight = _input("weight", "The loss's relative weight (a scalar).")
@@ -93,6 +99,7 @@ class LossFunction:
 
   @property
   def num_parameter_dependants(self) -> int:
+    """How many parameter-dependent inputs the loss has."""
     return len(self.dependant_names)
 
   @property
@@ -102,14 +109,28 @@ class LossFunction:
 
   @property
   def num_parameter_independants(self) -> int:
+    """How many other arguments the loss has (targets, weight, ...)."""
     return len(self.independant_names)
 
   @property
-  def dtype(self):
+  def dtype(self) -> jnp.dtype:
+    """The dtype of the first parameter-dependent input."""
     return jnp.result_type(self.parameter_dependants[0])
 
-  def copy_with_different_inputs(self, parameter_dependants: Sequence[Array]):
-    """The same loss (targets, weight, ...) on other parameter dependants."""
+  def copy_with_different_inputs(
+      self, parameter_dependants: Sequence[Array]) -> LossFunction:
+    """The same loss (targets, weight, ...) on other parameter dependants.
+
+    Args:
+      parameter_dependants: new values for the inputs named in
+        `dependant_names`, in that order.
+
+    Returns:
+      A new loss of the same class.
+
+    Raises:
+      ValueError: if the number of inputs is wrong.
+    """
     if len(parameter_dependants) != self.num_parameter_dependants:
       raise ValueError(
           f"{type(self).__name__} takes {self.num_parameter_dependants} "
@@ -121,10 +142,18 @@ class LossFunction:
 
   def evaluate(self, targets: Array | None = None,
                coefficient_mode: str = "regular") -> Array:
-    """Per-example loss values, shape `(batch,)`.
+    """Per-example loss values, neither summed nor averaged over the batch.
 
-    `coefficient_mode` 'regular' multiplies them by the weight, 'sqrt' by its
-    square root and 'off' not at all. `targets` default to `self.targets`.
+    Args:
+      targets: the targets to evaluate at; None uses `self.targets`.
+      coefficient_mode: 'regular' multiplies the values by the weight,
+        'sqrt' by its square root and 'off' not at all.
+
+    Returns:
+      A `(batch,)` array.
+
+    Raises:
+      ValueError: if there are no targets, or for an unknown mode.
     """
     coefficient = _coefficient(self.weight, coefficient_mode)
     if targets is None:
@@ -141,7 +170,16 @@ class LossFunction:
 
   def grad_of_evaluate(self, targets: Array | None,
                        coefficient_mode: str) -> tuple[Array, ...]:
-    """Gradient of `sum(evaluate(targets, coefficient_mode))` w.r.t. inputs."""
+    """The gradient of the summed loss w.r.t. the parameter dependants.
+
+    Args:
+      targets: as for `evaluate`.
+      coefficient_mode: as for `evaluate`.
+
+    Returns:
+      The gradient of `sum(evaluate(targets, coefficient_mode))`, one array
+      per parameter dependant, shaped like it.
+    """
     def total(inputs):
       loss = self.copy_with_different_inputs(inputs)
       return jnp.sum(loss.evaluate(targets, coefficient_mode))
@@ -188,36 +226,72 @@ class LossFunction:
     return tuple(jnp.sqrt(self.weight) * r for r in hook(index))
 
   def multiply_ggn(self, vector: Sequence[Array]) -> tuple[Array, ...]:
-    """`weight * G @ vector`, with `vector` shaped like the inputs."""
+    """`weight * G @ vector`, `G` the GGN w.r.t. the parameter dependants.
+
+    Args:
+      vector: one array per parameter dependant, shaped like it.
+
+    Returns:
+      The product, shaped like `vector`.
+    """
     return self._matrix_product(self.multiply_ggn_unweighted, vector)
 
   def multiply_ggn_factor(self, vector: Array) -> tuple[Array, ...]:
-    """`sqrt(weight) * B @ vector`; `vector` has `ggn_factor_inner_shape`."""
+    """`sqrt(weight) * B @ vector`, `B` this class's factor with `B Bᵀ = G`.
+
+    Args:
+      vector: an array of shape `ggn_factor_inner_shape`.
+
+    Returns:
+      The product, one array per parameter dependant, shaped like it.
+    """
     return self._factor_product(self.multiply_ggn_factor_unweighted, vector,
                                 self.ggn_factor_inner_shape)
 
   def multiply_ggn_factor_transpose(self, vector: Sequence[Array]) -> Array:
-    """`sqrt(weight) * B^T @ vector`, an array of `ggn_factor_inner_shape`."""
+    """`sqrt(weight) * Bᵀ @ vector`, with the `B` of `multiply_ggn_factor`.
+
+    Args:
+      vector: one array per parameter dependant, shaped like it.
+
+    Returns:
+      An array of shape `ggn_factor_inner_shape`.
+    """
     return self._factor_transpose_product(
         self.multiply_ggn_factor_transpose_unweighted, vector)
 
   def multiply_ggn_factor_replicated_one_hot(
       self, index: Sequence[int]) -> tuple[Array, ...]:
-    """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example."""
+    """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example.
+
+    Args:
+      index: a position in `ggn_factor_inner_shape[1:]` (all axes but the
+        batch).
+
+    Returns:
+      The product, one array per parameter dependant, shaped like it.
+    """
     return self._one_hot_product(
         self.multiply_ggn_factor_replicated_one_hot_unweighted, index,
         self.ggn_factor_inner_shape)
 
-  def multiply_ggn_unweighted(self, vector):
+  def multiply_ggn_unweighted(
+      self, vector: Sequence[Array]) -> tuple[Array, ...]:
+    """`multiply_ggn` without the weight and the argument checks."""
     raise NotImplementedError
 
-  def multiply_ggn_factor_unweighted(self, vector):
+  def multiply_ggn_factor_unweighted(self, vector: Array) -> tuple[Array, ...]:
+    """`multiply_ggn_factor` without the weight and the argument checks."""
     raise NotImplementedError
 
-  def multiply_ggn_factor_transpose_unweighted(self, vector):
+  def multiply_ggn_factor_transpose_unweighted(
+      self, vector: Sequence[Array]) -> Array:
+    """`multiply_ggn_factor_transpose` without the weight and the checks."""
     raise NotImplementedError
 
-  def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
+  def multiply_ggn_factor_replicated_one_hot_unweighted(
+      self, index: Sequence[int]) -> tuple[Array, ...]:
+    """`multiply_ggn_factor_replicated_one_hot` without the weight."""
     e = _replicated_one_hot(index, self.ggn_factor_inner_shape, self.dtype)
     return self.multiply_ggn_factor_unweighted(e)
 
@@ -247,36 +321,73 @@ class NegativeLogProbLoss(LossFunction):
     return self.params
 
   def multiply_fisher(self, vector: Sequence[Array]) -> tuple[Array, ...]:
-    """`weight * F @ vector`, with `vector` shaped like the inputs."""
+    """`weight * F @ vector`, `F` the Fisher w.r.t. the distribution's params.
+
+    Args:
+      vector: one array per parameter, shaped like it.
+
+    Returns:
+      The product, shaped like `vector`.
+    """
     return self._matrix_product(self.multiply_fisher_unweighted, vector)
 
   def multiply_fisher_factor(self, vector: Array) -> tuple[Array, ...]:
-    """`sqrt(weight) * B @ vector`; `vector` has `fisher_factor_inner_shape`."""
+    """`sqrt(weight) * B @ vector`, `B` this class's factor with `B Bᵀ = F`.
+
+    Args:
+      vector: an array of shape `fisher_factor_inner_shape`.
+
+    Returns:
+      The product, one array per parameter, shaped like it.
+    """
     return self._factor_product(self.multiply_fisher_factor_unweighted, vector,
                                 self.fisher_factor_inner_shape)
 
   def multiply_fisher_factor_transpose(self, vector: Sequence[Array]) -> Array:
-    """`sqrt(weight) * B^T @ vector`, of `fisher_factor_inner_shape`."""
+    """`sqrt(weight) * Bᵀ @ vector`, with the `B` of `multiply_fisher_factor`.
+
+    Args:
+      vector: one array per parameter, shaped like it.
+
+    Returns:
+      An array of shape `fisher_factor_inner_shape`.
+    """
     return self._factor_transpose_product(
         self.multiply_fisher_factor_transpose_unweighted, vector)
 
   def multiply_fisher_factor_replicated_one_hot(
       self, index: Sequence[int]) -> tuple[Array, ...]:
-    """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example."""
+    """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example.
+
+    Args:
+      index: a position in `fisher_factor_inner_shape[1:]` (all axes but the
+        batch).
+
+    Returns:
+      The product, one array per parameter, shaped like it.
+    """
     return self._one_hot_product(
         self.multiply_fisher_factor_replicated_one_hot_unweighted, index,
         self.fisher_factor_inner_shape)
 
-  def multiply_fisher_unweighted(self, vector):
+  def multiply_fisher_unweighted(
+      self, vector: Sequence[Array]) -> tuple[Array, ...]:
+    """`multiply_fisher` without the weight and the argument checks."""
     raise NotImplementedError
 
-  def multiply_fisher_factor_unweighted(self, vector):
+  def multiply_fisher_factor_unweighted(
+      self, vector: Array) -> tuple[Array, ...]:
+    """`multiply_fisher_factor` without the weight and the argument checks."""
     raise NotImplementedError
 
-  def multiply_fisher_factor_transpose_unweighted(self, vector):
+  def multiply_fisher_factor_transpose_unweighted(
+      self, vector: Sequence[Array]) -> Array:
+    """`multiply_fisher_factor_transpose` without the weight and the checks."""
     raise NotImplementedError
 
-  def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
+  def multiply_fisher_factor_replicated_one_hot_unweighted(
+      self, index: Sequence[int]) -> tuple[Array, ...]:
+    """`multiply_fisher_factor_replicated_one_hot` without the weight."""
     e = _replicated_one_hot(index, self.fisher_factor_inner_shape, self.dtype)
     return self.multiply_fisher_factor_unweighted(e)
 
@@ -302,15 +413,28 @@ class NegativeLogProbLoss(LossFunction):
     return self.fisher_factor_inner_shape
 
   def sample(self, rng: Array) -> Array:
-    """Targets drawn from the model's distribution."""
+    """Targets drawn from the model's distribution.
+
+    Args:
+      rng: a PRNG key.
+
+    Returns:
+      One draw per example, shaped like the targets.
+    """
     raise NotImplementedError
 
   def grad_of_evaluate_on_sample(self, rng: Array,
                                  coefficient_mode: str) -> tuple[Array, ...]:
     """`grad_of_evaluate` at targets sampled from the model (held constant).
 
-    The outer product of the result has expectation `c^2 F`, `c` the mode's
-    coefficient: `weight * F` for `coefficient_mode='sqrt'`.
+    Args:
+      rng: a PRNG key for the sample.
+      coefficient_mode: as for `evaluate`.
+
+    Returns:
+      One array per parameter, shaped like it. Per example, the outer
+      product of the result has expectation `c² F`, `c` the mode's
+      coefficient: `weight * F` for `coefficient_mode='sqrt'`.
     """
     targets = jax.lax.stop_gradient(self.sample(rng))
     return self.grad_of_evaluate(targets, coefficient_mode)
@@ -324,6 +448,7 @@ class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
 
   @property
   def dist(self) -> distrax.Distribution:
+    """The distrax distribution of the targets."""
     raise NotImplementedError
 
   def _evaluate(self, targets):
@@ -349,7 +474,16 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("mean",)
   independant_names = ("targets", "variance", "weight")
 
-  def __init__(self, mean, targets=None, variance=0.5, weight=1.0):
+  def __init__(self, mean: Array, targets: Array | None = None,
+               variance: Numeric = 0.5, weight: Numeric = 1.0):
+    """Builds the loss.
+
+    Args:
+      mean: the mean, `(batch, ..., d)`.
+      targets: optional targets, shaped like `mean`.
+      variance: the variance, a scalar (or an array shaped like `mean`).
+      weight: a scalar multiplying the loss.
+    """
     super().__init__(weight)
     owner = type(self).__name__
     _check_shape(owner, "targets", targets, jnp.shape(mean),
@@ -365,6 +499,7 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
   @property
   def dist(self) -> distrax.MultivariateNormalDiag:
+    """`N(mean, variance * I)` over the last axis."""
     scale = jnp.sqrt(self.variance) * jnp.ones_like(self.mean)
     return distrax.MultivariateNormalDiag(loc=self.mean, scale_diag=scale)
 
@@ -393,7 +528,16 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("mean", "variance")
   independant_names = ("targets", "weight")
 
-  def __init__(self, mean, variance, targets=None, weight=1.0):
+  def __init__(self, mean: Array, variance: Array,
+               targets: Array | None = None, weight: Numeric = 1.0):
+    """Builds the loss.
+
+    Args:
+      mean: the mean, `(batch, ..., d)`.
+      variance: the positive variance, shaped like `mean`.
+      targets: optional targets, shaped like `mean`.
+      weight: a scalar multiplying the loss.
+    """
     super().__init__(weight)
     owner = type(self).__name__
     _check_shape(owner, "variance", variance, jnp.shape(mean),
@@ -407,6 +551,7 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
   @property
   def dist(self) -> distrax.MultivariateNormalDiag:
+    """`N(mean, diag(variance))` over the last axis."""
     return distrax.MultivariateNormalDiag(
         loc=self.mean, scale_diag=jnp.sqrt(self.variance))
 
@@ -440,7 +585,15 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("logits",)
   independant_names = ("targets", "weight")
 
-  def __init__(self, logits, targets=None, weight=1.0):
+  def __init__(self, logits: Array, targets: Array | None = None,
+               weight: Numeric = 1.0):
+    """Builds the loss.
+
+    Args:
+      logits: the log-odds, `(batch, ...)`.
+      targets: optional targets in [0, 1], shaped like `logits`.
+      weight: a scalar multiplying the loss.
+    """
     super().__init__(weight)
     _check_shape(type(self).__name__, "targets", targets, jnp.shape(logits),
                  "targets must have the logits' shape")
@@ -450,6 +603,7 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
   @property
   def dist(self) -> distrax.Bernoulli:
+    """Independent Bernoulli variables with log-odds `logits`."""
     return distrax.Bernoulli(logits=self.logits)
 
   def _fisher_diagonal(self):
@@ -469,8 +623,8 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 def _sample_classes(rng, logits):
   """Class indices by inverting the CDF: one uniform number per example.
 
-  The Gumbel-max trick of `distrax` draws one per class and takes an argmax;
-  on CPU that was about a tenth of the benchmark MLP's K-FAC step.
+  The Gumbel-max trick of `distrax` would draw one number per class and take
+  an argmax, which costs noticeably more in a K-FAC step.
   """
   probs = jax.nn.softmax(logits)
   uniform = jax.random.uniform(rng, probs.shape[:-1] + (1,), probs.dtype)
@@ -492,7 +646,17 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("logits",)
   independant_names = ("targets", "mask", "weight")
 
-  def __init__(self, logits, targets=None, mask=None, weight=1.0):
+  def __init__(self, logits: Array, targets: Array | None = None,
+               mask: Array | None = None, weight: Numeric = 1.0):
+    """Builds the loss.
+
+    Args:
+      logits: `(batch, ..., num_classes)`.
+      targets: optional integer classes of shape `logits.shape[:-1]` (for
+        the one-hot class: one-hot vectors shaped like `logits`).
+      mask: an optional 0/1 array of shape `logits.shape[:-1]`.
+      weight: a scalar multiplying the loss.
+    """
     super().__init__(weight)
     owner = type(self).__name__
     if jnp.ndim(logits) < 1:
@@ -517,6 +681,7 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
   @property
   def dist(self) -> distrax.Categorical:
+    """The categorical distribution over the last axis of `logits`."""
     return distrax.Categorical(logits=self.logits)
 
   def sample(self, rng):
@@ -557,6 +722,7 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(
 
   @property
   def dist(self) -> distrax.OneHotCategorical:
+    """As `Categorical`, over one-hot vectors."""
     return distrax.OneHotCategorical(logits=self.logits)
 
   def sample(self, rng):
@@ -606,60 +772,126 @@ def _register(fn: str, tag: LossTag, rank_rule, **kwargs):
   return tag.bind_loss(**kwargs)[0]
 
 
-def register_sigmoid_cross_entropy_loss(logits, targets=None, weight=1.0):
-  """Marks a sigmoid cross-entropy loss on `logits`; returns `logits`.
+def register_sigmoid_cross_entropy_loss(logits: Array,
+                                        targets: Array | None = None,
+                                        weight: Numeric = 1.0) -> Array:
+  """Marks a sigmoid cross-entropy loss on `logits` in a model function.
 
-  Behaves as `register_multi_bernoulli_predictive_distribution`. The targets
-  (needed only for the empirical Fisher) have the logits' shape.
+  It behaves as `register_multi_bernoulli_predictive_distribution`.
+
+  Args:
+    logits: the log-odds, `(batch, ...)`.
+    targets: targets in [0, 1] shaped like `logits`; needed only for the
+      empirical Fisher.
+    weight: a scalar multiplying the loss.
+
+  Returns:
+    `logits`, unchanged (the tag's output).
+
+  Raises:
+    ValueError: for logits without a batch axis, a non-scalar weight or
+      targets of another shape.
   """
   return _register("register_sigmoid_cross_entropy_loss",
                    MultiBernoulliNegativeLogProbLoss_tag, _BERNOULLI_RANK,
                    logits=logits, targets=targets, weight=weight)
 
 
-def register_multi_bernoulli_predictive_distribution(logits, targets=None,
-                                                     weight=1.0):
-  """Marks independent Bernoulli outputs with log-odds `logits`; returns them.
+def register_multi_bernoulli_predictive_distribution(
+    logits: Array, targets: Array | None = None,
+    weight: Numeric = 1.0) -> Array:
+  """Marks independent Bernoulli outputs with log-odds `logits`.
 
-  The weight multiplies the negative log-likelihood and hence the Fisher; it
-  is not a temperature.
+  Args:
+    logits: the log-odds, `(batch, ...)`.
+    targets: values in [0, 1] shaped like `logits`; needed only for the
+      empirical Fisher.
+    weight: a scalar multiplying the negative log-likelihood and hence the
+      Fisher; it is not a temperature.
+
+  Returns:
+    `logits`, unchanged.
+
+  Raises:
+    ValueError: as for `register_sigmoid_cross_entropy_loss`.
   """
   return _register("register_multi_bernoulli_predictive_distribution",
                    MultiBernoulliNegativeLogProbLoss_tag, _BERNOULLI_RANK,
                    logits=logits, targets=targets, weight=weight)
 
 
-def register_softmax_cross_entropy_loss(logits, targets=None, mask=None,
-                                        weight=1.0):
-  """Marks a softmax cross-entropy loss on `logits`; returns `logits`.
+def register_softmax_cross_entropy_loss(logits: Array,
+                                        targets: Array | None = None,
+                                        mask: Array | None = None,
+                                        weight: Numeric = 1.0) -> Array:
+  """Marks a softmax cross-entropy loss on `logits` in a model function.
 
-  `logits` is `(batch, num_classes)`; `targets` (needed only for the empirical
-  Fisher) are integer classes of shape `(batch,)`; a 0/1 `mask` of shape
-  `(batch,)` turns the loss of its zero entries into the constant 0.
+  Args:
+    logits: `(batch, num_classes)`; the softmax is over the last axis.
+    targets: integer classes of shape `(batch,)`; needed only for the
+      empirical Fisher.
+    mask: an optional 0/1 array of shape `(batch,)`; where it is 0 the loss
+      is the constant 0 (no gradient, no curvature).
+    weight: a scalar multiplying the loss.
+
+  Returns:
+    `logits`, unchanged (the tag's output).
+
+  Raises:
+    ValueError: for logits without batch and class axes, a non-scalar
+      weight, or targets or a mask of the wrong shape or dtype.
   """
   return _register("register_softmax_cross_entropy_loss",
                    CategoricalLogitsNegativeLogProbLoss_tag, _CATEGORICAL_RANK,
                    logits=logits, targets=targets, mask=mask, weight=weight)
 
 
-def register_categorical_predictive_distribution(logits, targets=None,
-                                                 mask=None, weight=1.0):
-  """Marks a categorical output distribution with `logits`; returns `logits`.
+def register_categorical_predictive_distribution(
+    logits: Array, targets: Array | None = None, mask: Array | None = None,
+    weight: Numeric = 1.0) -> Array:
+  """Marks a categorical output distribution with `logits`.
 
-  Arguments as for `register_softmax_cross_entropy_loss`. The weight
-  multiplies the negative log-likelihood and hence the Fisher; it is not a
-  temperature.
+  Args:
+    logits: `(batch, num_classes)`.
+    targets: integer classes of shape `(batch,)`; needed only for the
+      empirical Fisher.
+    mask: an optional 0/1 array of shape `(batch,)`; where it is 0 the
+      log-likelihood is the constant 0.
+    weight: a scalar multiplying the negative log-likelihood and hence the
+      Fisher; it is not a temperature.
+
+  Returns:
+    `logits`, unchanged.
+
+  Raises:
+    ValueError: as for `register_softmax_cross_entropy_loss`.
   """
   return _register("register_categorical_predictive_distribution",
                    CategoricalLogitsNegativeLogProbLoss_tag, _CATEGORICAL_RANK,
                    logits=logits, targets=targets, mask=mask, weight=weight)
 
 
-def register_squared_error_loss(prediction, targets=None, weight=1.0):
-  """Marks the loss `weight * ||targets - prediction||^2`; returns `prediction`.
+def register_squared_error_loss(prediction: Array,
+                                targets: Array | None = None,
+                                weight: Numeric = 1.0) -> Array:
+  """Marks the loss `weight * ||targets - prediction||^2` per example.
 
-  It is a normal distribution around `prediction` with variance 0.5; for a
-  loss `0.5 * c * ||targets - prediction||^2`, pass `weight=0.5 * c`.
+  It is a normal distribution around `prediction` with variance 0.5, so its
+  GGN w.r.t. `prediction` is `2 * weight * I`. For a loss
+  `0.5 * c * ||targets - prediction||^2`, pass `weight=0.5 * c`.
+
+  Args:
+    prediction: the network output, `(batch, d)` or `(batch, ..., d)`.
+    targets: targets shaped like `prediction`; needed only for the
+      empirical Fisher.
+    weight: a scalar multiplying the loss.
+
+  Returns:
+    `prediction`, unchanged (the tag's output).
+
+  Raises:
+    ValueError: for a prediction without batch and feature axes, a
+      non-scalar weight or targets of another shape.
   """
   return _register("register_squared_error_loss",
                    NormalMeanNegativeLogProbLoss_tag, _NORMAL_RANK,
@@ -667,12 +899,28 @@ def register_squared_error_loss(prediction, targets=None, weight=1.0):
                    weight=weight)
 
 
-def register_normal_predictive_distribution(mean, targets=None, variance=0.5,
-                                            weight=1.0):
-  """Marks a normal output distribution `N(mean, variance * I)`; returns `mean`.
+def register_normal_predictive_distribution(mean: Array,
+                                            targets: Array | None = None,
+                                            variance: Numeric = 0.5,
+                                            weight: Numeric = 1.0) -> Array:
+  """Marks a normal output distribution `N(mean, variance * I)`.
 
-  The loss is `weight / (2 variance) * ||targets - mean||^2` up to a constant,
-  so `variance=1.0` gives `0.5 * weight * ||targets - mean||^2`.
+  The loss is `weight / (2 variance) * ||targets - mean||^2` up to a constant
+  and its Fisher w.r.t. `mean` is `weight / variance * I`, so `variance=1.0`
+  gives `0.5 * weight * ||targets - mean||^2`.
+
+  Args:
+    mean: the network output, `(batch, d)` or `(batch, ..., d)`.
+    targets: targets shaped like `mean`; needed only for the empirical
+      Fisher.
+    variance: the fixed variance, a scalar.
+    weight: a scalar multiplying the negative log-likelihood.
+
+  Returns:
+    `mean`, unchanged.
+
+  Raises:
+    ValueError: as for `register_squared_error_loss`.
   """
   return _register("register_normal_predictive_distribution",
                    NormalMeanNegativeLogProbLoss_tag, _NORMAL_RANK,

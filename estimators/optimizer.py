@@ -23,12 +23,25 @@ from estimators import curvature, estimation_modes, tracer, utils
 from estimators.utils import staging
 
 Params = Any
+Batch = Any
+FuncState = Any
+Numeric = float | jax.Array
+# A function of the step number giving a hyperparameter's value.
+Schedule = Callable[[int], Numeric]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OptimizerState:
-  """velocities: the last update; damping: the current (adapted) damping."""
+  """The optimizer's state between steps.
+
+  Attributes:
+    velocities: the last update `θ_t - θ_{t-1}`, shaped like the params.
+    estimator_state: the curvature estimator's state.
+    damping: the damping in use (adapted with `use_adaptive_damping`).
+    data_seen: how many examples the steps have used, over all devices.
+    step_counter: the number of steps taken (burn-in not counted).
+  """
   velocities: Params
   estimator_state: Any
   damping: jax.Array
@@ -36,7 +49,7 @@ class OptimizerState:
   step_counter: jax.Array
 
 
-def state_dtype(tree):
+def state_dtype(tree: Params) -> jnp.dtype:
   """The floating dtype of a params-like tree (the optimizer computes in it)."""
   return jnp.result_type(*jax.tree.leaves(tree))
 
@@ -49,13 +62,10 @@ def _add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
-# A refresh step runs once every `inverse_update_period` steps and its time
-# goes to matrix products and LAPACK, but its compile time to the many small
-# fusions around the factor inverses. XLA's older loop emitters compile it
-# in about half the time (autoencoder 3.8 -> 2.6 s, convnet 2.8 -> 1.3 s) and
-# run it as fast there; only the tiny MLP's refresh step is 4-9 % slower,
-# about 2 % of its average step. The other steps keep the newer emitters,
-# whose elementwise code makes the MLP's plain step 9 % faster.
+# A refresh step runs once every `inverse_update_period` steps; its compile
+# time goes to the many small fusions around the factor inverses, which XLA's
+# older loop emitters compile much sooner while running about as fast. The
+# other steps keep the newer emitters, whose elementwise code runs better.
 _REFRESH_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
@@ -67,33 +77,129 @@ def _solve_2x2(matrix, rhs):
 
 
 class Optimizer:
-  """K-FAC with the constructor arguments and defaults of the reference."""
+  """K-FAC with the constructor arguments and defaults of the reference.
+
+  The update is `α · precon + μ · velocity`, `precon = (C + (λ + l2_reg) I)⁻¹
+  g` with `C` the block-diagonal curvature estimate, `λ` the damping and `g`
+  the gradient. The learning rate `-α` and momentum `μ` are given,
+  scheduled, or chosen to minimise the quadratic model
+  `½ cᵀ Q c + bᵀ c` of the loss along `(precon, velocity)`.
+  """
 
   State = OptimizerState
 
   def __init__(
-      self, value_and_grad_func: Callable, l2_reg, value_func_has_aux=False,
-      value_func_has_state=False, value_func_has_rng=False,
-      use_adaptive_learning_rate=False, learning_rate_schedule=None,
-      use_adaptive_momentum=False, momentum_schedule=None,
-      use_adaptive_damping=False, damping_schedule=None, initial_damping=None,
-      min_damping=1e-8, max_damping=math.inf,
-      include_damping_in_quad_change=False, damping_adaptation_interval=5,
-      damping_adaptation_decay=0.9, damping_lower_threshold=0.25,
-      damping_upper_threshold=0.75,
-      always_use_exact_qmodel_for_damping_adjustment=False,
-      norm_constraint=None, num_burnin_steps=10,
-      estimation_mode="fisher_gradients", curvature_ema=0.95,
-      inverse_update_period=5, use_exact_inverses=False,
-      batch_process_func=None, register_only_generic=False,
-      patterns_to_skip=(), auto_register_kwargs=None,
-      layer_tag_to_block_ctor=None, multi_device=False, debug=False,
-      batch_size_extractor=curvature.default_batch_size_extractor,
-      pmap_axis_name="kfac_axis",
-      forbid_setting_attributes_after_finalize=True,
-      modifiable_attribute_exceptions=(), include_norms_in_stats=False,
-      include_per_param_norms_in_stats=False, distributed_precon_apply=True,
-      distributed_inverses=True):
+      self, value_and_grad_func: Callable, l2_reg: Numeric,
+      value_func_has_aux: bool = False, value_func_has_state: bool = False,
+      value_func_has_rng: bool = False,
+      use_adaptive_learning_rate: bool = False,
+      learning_rate_schedule: Schedule | None = None,
+      use_adaptive_momentum: bool = False,
+      momentum_schedule: Schedule | None = None,
+      use_adaptive_damping: bool = False,
+      damping_schedule: Schedule | None = None,
+      initial_damping: Numeric | None = None, min_damping: Numeric = 1e-8,
+      max_damping: Numeric = math.inf,
+      include_damping_in_quad_change: bool = False,
+      damping_adaptation_interval: int = 5,
+      damping_adaptation_decay: Numeric = 0.9,
+      damping_lower_threshold: Numeric = 0.25,
+      damping_upper_threshold: Numeric = 0.75,
+      always_use_exact_qmodel_for_damping_adjustment: bool = False,
+      norm_constraint: Numeric | None = None, num_burnin_steps: int = 10,
+      estimation_mode: str = "fisher_gradients",
+      curvature_ema: Numeric = 0.95, inverse_update_period: int = 5,
+      use_exact_inverses: bool = False,
+      batch_process_func: Callable[[Batch], Batch] | None = None,
+      register_only_generic: bool = False,
+      patterns_to_skip: Sequence[str] = (),
+      auto_register_kwargs: dict[str, Any] | None = None,
+      layer_tag_to_block_ctor: dict[str, curvature.CurvatureBlockCtor]
+      | None = None,
+      multi_device: bool = False, debug: bool = False,
+      batch_size_extractor: Callable[[Batch], int]
+      = curvature.default_batch_size_extractor,
+      pmap_axis_name: str = "kfac_axis",
+      forbid_setting_attributes_after_finalize: bool = True,
+      modifiable_attribute_exceptions: Sequence[str] = (),
+      include_norms_in_stats: bool = False,
+      include_per_param_norms_in_stats: bool = False,
+      distributed_precon_apply: bool = True,
+      distributed_inverses: bool = True):
+    """Checks the settings and prepares the compiled step.
+
+    Args:
+      value_and_grad_func: called as `value_and_grad_func(params,
+        [func_state,] [rng,] batch)`, it returns `(out, grads)` where `out`
+        is the loss, or `(loss, func_state)`, `(loss, aux)` or
+        `(loss, (func_state, aux))` per the two flags below. The loss must
+        be registered, e.g. with `register_softmax_cross_entropy_loss`.
+      l2_reg: the coefficient `c` of an L2 term `c/2 ||θ||²` that the loss
+        already contains; it is added to the damping and to the quadratic
+        model.
+      value_func_has_aux: whether the loss function returns auxiliary data.
+      value_func_has_state: whether it takes and returns a state.
+      value_func_has_rng: whether it takes a PRNG key.
+      use_adaptive_learning_rate: choose the learning rate from the
+        quadratic model (exact curvature); else pass it to `step` or give a
+        schedule.
+      learning_rate_schedule: the learning rate as a function of the step.
+      use_adaptive_momentum: choose the momentum from the quadratic model.
+      momentum_schedule: the momentum as a function of the step.
+      use_adaptive_damping: adapt the damping with the Levenberg–Marquardt
+        rule every `damping_adaptation_interval` steps; else pass it to
+        `step` or give a schedule.
+      damping_schedule: the damping as a function of the step.
+      initial_damping: the starting damping; needed for adaptive damping.
+      min_damping: the adapted damping's lower bound.
+      max_damping: the adapted damping's upper bound.
+      include_damping_in_quad_change: whether the predicted loss change in
+        the reduction ratio includes the damping term (the L2 term always
+        counts).
+      damping_adaptation_interval: steps between damping adaptations.
+      damping_adaptation_decay: the damping is multiplied or divided by this
+        to the power `damping_adaptation_interval`.
+      damping_lower_threshold: below this reduction ratio the damping grows.
+      damping_upper_threshold: above this reduction ratio it shrinks.
+      always_use_exact_qmodel_for_damping_adjustment: whether the reduction
+        ratio always uses the exact curvature (as adaptive learning rate or
+        momentum do anyway), not the estimate.
+      norm_constraint: if given, the update is scaled down so that
+        `lr² · gᵀ precon`, its squared norm under the estimate, is at most
+        this; not with an adaptive learning rate.
+      num_burnin_steps: curvature updates, without parameter updates, run by
+        the first `step`.
+      estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      curvature_ema: the factor on the old estimate in its moving average.
+      inverse_update_period: steps between refreshes of the cached
+        inverses.
+      use_exact_inverses: cache exact inverses (eigendecompositions) rather
+        than the factored-damping approximation.
+      batch_process_func: applied to every batch before use.
+      register_only_generic: tag every parameter with a generic tag instead
+        of matching layers.
+      patterns_to_skip: graph-matcher patterns not to use.
+      auto_register_kwargs: further options for the graph matcher.
+      layer_tag_to_block_ctor: block constructors by tag name.
+      multi_device: run the step under `jax.pmap` over the local devices;
+        inputs then carry a leading device axis.
+      debug: run without `jit`/`pmap` (and on one device).
+      batch_size_extractor: maps a batch to its per-device size.
+      pmap_axis_name: the axis name used with `multi_device`.
+      forbid_setting_attributes_after_finalize: whether setting attributes
+        after `init` raises.
+      modifiable_attribute_exceptions: attributes that may still be set.
+      include_norms_in_stats: add the norms of the gradient, preconditioned
+        gradient and update to the stats.
+      include_per_param_norms_in_stats: the same per parameter array.
+      distributed_precon_apply: accepted for compatibility; every device
+        applies all blocks.
+      distributed_inverses: the same, for cache refreshes.
+
+    Raises:
+      ValueError: for conflicting or invalid settings (e.g. both an
+        adaptive rule and a schedule for one hyperparameter).
+    """
     if use_adaptive_learning_rate and learning_rate_schedule is not None:
       raise ValueError("Pass either use_adaptive_learning_rate=True or a "
                        "learning_rate_schedule, not both.")
@@ -186,18 +292,22 @@ class Optimizer:
 
   @property
   def num_burnin_steps(self) -> int:
+    """Curvature-only updates the first `step` runs."""
     return self._num_burnin_steps
 
   @property
-  def l2_reg(self):
+  def l2_reg(self) -> jax.Array:
+    """The L2 coefficient, added to the damping of the curvature."""
     return jnp.asarray(self._l2_reg)
 
   @property
   def estimator(self) -> curvature.BlockDiagonalCurvature:
+    """The curvature estimator (its blocks exist after `init`)."""
     return self._estimator
 
   @property
-  def damping_decay_factor(self):
+  def damping_decay_factor(self) -> Numeric:
+    """The factor one adaptation multiplies or divides the damping by."""
     return self._damping_decay ** self._damping_interval
 
   # --- plumbing ----------------------------------------------------------
@@ -243,10 +353,29 @@ class Optimizer:
 
   # --- public API ----------------------------------------------------------
 
-  def verify_args_and_get_step_counter(self, step_counter, learning_rate=None,
-                                       momentum=None, damping=None,
-                                       global_step_int=None) -> int:
-    """Checks the per-step arguments; returns the step as a Python int."""
+  def verify_args_and_get_step_counter(
+      self, step_counter: jax.Array, learning_rate: Numeric | None = None,
+      momentum: Numeric | None = None, damping: Numeric | None = None,
+      global_step_int: int | None = None) -> int:
+    """Checks the hyperparameters given to `step` against the settings.
+
+    Each of learning rate, momentum and damping must be given exactly when
+    the optimizer neither adapts nor schedules it.
+
+    Args:
+      step_counter: the state's step counter.
+      learning_rate: the value given to `step`, or None.
+      momentum: the value given to `step`, or None.
+      damping: the value given to `step`, or None.
+      global_step_int: the step as a Python int, if the caller knows it.
+
+    Returns:
+      The step number: `global_step_int`, else the counter's value (read
+      from the device unless this optimizer returned that counter).
+
+    Raises:
+      ValueError: for a missing or superfluous hyperparameter.
+    """
     for name, adaptive, schedule, value in (
         ("learning_rate", self._adaptive_lr, self._lr_schedule, learning_rate),
         ("momentum", self._adaptive_momentum, self._momentum_schedule,
@@ -275,7 +404,15 @@ class Optimizer:
       return known
     return int(np.asarray(jax.device_get(step_counter)).ravel()[0])
 
-  def should_update_damping(self, state):
+  def should_update_damping(self, state: OptimizerState) -> jax.Array:
+    """Whether the step at this state adapts the damping.
+
+    Args:
+      state: the optimizer state.
+
+    Returns:
+      A boolean array (False without adaptive damping).
+    """
     return self._is_damping_step(state.step_counter)
 
   def _is_damping_step(self, step):
@@ -285,11 +422,27 @@ class Optimizer:
   def _is_refresh_step(self, step: int) -> bool:
     return step % self._inverse_update_period == 0
 
-  def compute_loss_value(self, func_args):
+  def compute_loss_value(self, func_args: Sequence[Any]) -> jax.Array:
+    """The loss at `func_args`, without aux or state.
+
+    Args:
+      func_args: `(params, [func_state,] [rng,] batch)`.
+
+    Returns:
+      The scalar loss (this device's, under `multi_device`).
+    """
     out, _ = self._value_and_grad_func(*func_args)
     return self._split_outputs(out)[0]
 
-  def compute_l2_quad_matrix(self, vectors: Sequence[Params]):
+  def compute_l2_quad_matrix(self, vectors: Sequence[Params]) -> jax.Array:
+    """The L2 term of the quadratic model.
+
+    Args:
+      vectors: `n` params-shaped pytrees `v_i`.
+
+    Returns:
+      The `(n, n)` matrix `l2_reg * v_iᵀ v_j`.
+    """
     return self.l2_reg * utils.gram_matrix(vectors)
 
   @staticmethod
@@ -299,12 +452,26 @@ class Optimizer:
     gram = utils.gram_matrix([*vectors, grads])
     return gram[:n, :n], gram[:n, n]
 
-  def compute_exact_quad_model(self, vectors, grads, func_args=None):
-    """(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ) with C the exact curvature of the mode.
+  def compute_exact_quad_model(
+      self, vectors: Sequence[Params], grads: Params,
+      func_args: Sequence[Any] | None = None
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The terms of the quadratic model with the exact curvature `C`.
 
-    C is the GGN for the ggn modes and the Fisher otherwise (equal for the
+    `C` is the GGN for the ggn modes and the Fisher otherwise (equal for the
     registered losses), averaged over the batch; products go through the
     network's Jacobian once per vector (forward mode), never a dense matrix.
+
+    Args:
+      vectors: `n` params-shaped pytrees `v_i`.
+      grads: the gradient `g`, shaped like the params.
+      func_args: `(params, [func_state,] [rng,] batch)` to evaluate `C` at.
+
+    Returns:
+      `(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ)`: two `(n, n)` matrices and an `(n,)` vector.
+
+    Raises:
+      ValueError: without `func_args`.
     """
     if func_args is None:
       raise ValueError("compute_exact_quad_model needs func_args.")
@@ -322,15 +489,41 @@ class Optimizer:
     matrix = self._mean(matrix.astype(state_dtype(vectors)) / batch_size)
     return (matrix, *self._gram_and_linear(vectors, grads))
 
-  def compute_approx_quad_model(self, state, vectors, grads):
-    """The same three terms with C the optimizer's curvature estimate."""
+  def compute_approx_quad_model(
+      self, state: OptimizerState, vectors: Sequence[Params], grads: Params
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The terms of `compute_exact_quad_model` with `C` the estimate.
+
+    Args:
+      state: the optimizer state; its current estimate is used, not the
+        cache.
+      vectors: `n` params-shaped pytrees `v_i`.
+      grads: the gradient `g`, shaped like the params.
+
+    Returns:
+      `(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ)`.
+    """
     products = [self._estimator.multiply(state.estimator_state, v, 0.0,
-                                         True, False) for v in vectors]
+                                         exact_power=True, use_cached=False)
+                for v in vectors]
     return (utils.gram_matrix(vectors, products),
             *self._gram_and_linear(vectors, grads))
 
-  def init(self, params, rng, batch, func_state=None) -> OptimizerState:
-    """The optimizer state (the estimator is traced on this batch)."""
+  def init(self, params: Params, rng: jax.Array, batch: Batch,
+           func_state: FuncState = None) -> OptimizerState:
+    """The initial state; the model is traced and the blocks built here.
+
+    Args:
+      params: the model parameters (with a leading device axis under
+        `multi_device`, as all inputs).
+      rng: a PRNG key.
+      batch: an example batch.
+      func_state: the loss function's state, with `value_func_has_state`.
+
+    Returns:
+      Zero velocities and estimate, damping `initial_damping` (0 without
+      adaptive damping) and counters at 0.
+    """
     batch = self._batch_process_func(batch)
     state = self._compiled_init(params, rng, batch, func_state)
     self._finalized = True
@@ -356,9 +549,26 @@ class Optimizer:
         func_args, self._pmap_axis_name)
     return dataclasses.replace(state, estimator_state=estimator_state)
 
-  def burnin(self, num_steps, params, state, rng, data_iterator,
-             func_state=None):
-    """Accumulates `num_steps` curvature estimates; params are not changed."""
+  def burnin(self, num_steps: int, params: Params, state: OptimizerState,
+             rng: jax.Array, data_iterator: Iterator[Batch],
+             func_state: FuncState = None
+             ) -> tuple[OptimizerState, FuncState]:
+    """Accumulates curvature estimates without changing the parameters.
+
+    Each batch is added to the estimate with equal weight; the step counter
+    does not move.
+
+    Args:
+      num_steps: how many batches to take from `data_iterator`.
+      params: the model parameters.
+      state: the optimizer state.
+      rng: a PRNG key, split for every batch (unless `multi_device`).
+      data_iterator: yields the batches.
+      func_state: the loss function's state, passed through unchanged.
+
+    Returns:
+      The new state and `func_state`.
+    """
     for _ in range(num_steps):
       rng, key = (jax.random.split(rng) if not self._multi_device
                   else (rng, rng))
@@ -366,10 +576,44 @@ class Optimizer:
       state = self._compiled_burnin(params, state, key, batch, func_state)
     return state, func_state
 
-  def step(self, params, state, rng, data_iterator: Iterator | None = None,
-           batch=None, func_state=None, learning_rate=None, momentum=None,
-           damping=None, global_step_int=None):
-    """One optimizer step; returns (params, state, [func_state,] stats)."""
+  def step(self, params: Params, state: OptimizerState, rng: jax.Array,
+           data_iterator: Iterator[Batch] | None = None,
+           batch: Batch | None = None, func_state: FuncState = None,
+           learning_rate: Numeric | None = None,
+           momentum: Numeric | None = None, damping: Numeric | None = None,
+           global_step_int: int | None = None) -> tuple[Any, ...]:
+    """One compiled optimizer step (preceded by burn-in on the first).
+
+    The step folds the batch into the curvature estimate, refreshes the
+    cached inverses every `inverse_update_period` steps, preconditions the
+    gradient, picks the coefficients and, on adaptation steps, adapts the
+    damping.
+
+    Args:
+      params: the model parameters.
+      state: the optimizer state.
+      rng: a PRNG key; use a different one for every step.
+      data_iterator: yields batches (also for burn-in); give it or `batch`.
+      batch: a single batch, also used for every burn-in step.
+      func_state: the loss function's state, with `value_func_has_state`.
+      learning_rate: needed unless adaptive or scheduled.
+      momentum: needed unless adaptive or scheduled.
+      damping: needed unless adaptive or scheduled.
+      global_step_int: the step number as a Python int, which saves a read
+        from the device; checked against the state where that is free.
+
+    Returns:
+      `(params, state, stats)`, or `(params, state, func_state, stats)` with
+      `value_func_has_state`. `stats` holds "loss", "learning_rate",
+      "momentum", "damping", "rho" (NaN unless the damping was adapted),
+      "quad_model_change", "data_seen", "step", and "aux" and norms when
+      configured.
+
+    Raises:
+      ValueError: for missing or superfluous hyperparameters, both or
+        neither of `data_iterator` and `batch`, or a `global_step_int` that
+        differs from the state's step.
+    """
     if (data_iterator is None) == (batch is None):
       raise ValueError("Pass exactly one of data_iterator and batch to step().")
     step = self.verify_args_and_get_step_counter(
@@ -399,6 +643,7 @@ class Optimizer:
              self._hyper(damping, self._damping_schedule, step, dtype)]
     refresh = self._is_refresh_step(step)
     compiled = self._compiled_refresh_step if refresh else self._compiled_step
+    # The two flags are positional: they are the static arguments 8 and 9.
     params, state, func_state, stats = compiled(
         params, state, rng, batch, func_state, *hyper, refresh,
         self._is_damping_step(step))
@@ -419,6 +664,42 @@ class Optimizer:
 
   # --- the staged step ----------------------------------------------------
 
+  def uncompiled_step(
+      self, params: Params, state: OptimizerState, rng: jax.Array,
+      batch: Batch, func_state: FuncState = None,
+      learning_rate: Numeric | None = None, momentum: Numeric | None = None,
+      damping: Numeric | None = None, *, refresh_cache: bool,
+      update_damping: bool
+  ) -> tuple[Params, OptimizerState, FuncState, dict[str, Any]]:
+    """The function `step` compiles, as a pure traceable function.
+
+    Use it to inspect or cost a step (e.g. `jax.jit(...).lower(...)`) or to
+    embed one in a larger program. Unlike `step` it runs no burn-in, applies
+    no `batch_process_func` or schedules and checks no arguments; the caller
+    makes the choices `step` makes from the step number. Under
+    `multi_device` it must run inside `pmap` over `pmap_axis_name`.
+
+    Args:
+      params: the model parameters.
+      state: the optimizer state.
+      rng: a PRNG key.
+      batch: the batch, already processed.
+      func_state: the loss function's state, or None.
+      learning_rate: the learning rate; None when it is adaptive.
+      momentum: the momentum; None when it is adaptive.
+      damping: the damping; ignored with adaptive damping.
+      refresh_cache: whether to refresh the cached inverses first (as on
+        steps divisible by `inverse_update_period`).
+      update_damping: whether to adapt the damping afterwards (as on
+        adaptation steps with adaptive damping).
+
+    Returns:
+      `(params, state, func_state, stats)`, as `step` computes them.
+    """
+    return self._step(params, state, rng, batch, func_state, learning_rate,
+                      momentum, damping, refresh=refresh_cache,
+                      update_damping=update_damping)
+
   def _step(self, params, state, rng, batch, func_state, learning_rate,
             momentum, damping, refresh, update_damping):
     func_args = self._func_args(params, func_state, rng, batch)
@@ -431,15 +712,16 @@ class Optimizer:
     exact = self._use_exact_inverses
     if refresh:
       estimator_state = self._estimator.update_cache(
-          estimator_state, identity_weight, -1 if exact else None,
-          None if exact else -1, False)
+          estimator_state, identity_weight,
+          exact_powers=-1 if exact else None,
+          approx_powers=None if exact else -1, eigenvalues=False)
 
     out, grads = self._value_and_grad_func(*func_args)
     loss, new_func_state, aux = self._split_outputs(out)
     loss, grads = self._mean((loss, grads))
     precon = self._estimator.multiply_inverse_of_gradient(
-        estimator_state, grads, func_args, identity_weight, exact, True,
-        self._pmap_axis_name)
+        estimator_state, grads, func_args, identity_weight, exact_power=exact,
+        use_cached=True, pmap_axis_name=self._pmap_axis_name)
     if self._norm_constraint is not None:
       sq_norm = utils.inner_product(precon, grads) * learning_rate ** 2
       precon = _scale(jnp.minimum(

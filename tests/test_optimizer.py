@@ -1,6 +1,7 @@
 """The K-FAC optimizer against hand-computed updates (float64)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.flatten_util
@@ -64,7 +65,8 @@ def test_adaptive_learning_rate_and_momentum_solve_the_quadratic_model():
                                             global_step_int=step)
     weight = float(stats["damping"]) + 0.01
     precon = ravel(opt.estimator.multiply_inverse(
-        new_state.estimator_state, grads, weight, True, True))
+        new_state.estimator_state, grads, weight, exact_power=True,
+        use_cached=True))
     velocity = ravel(state.velocities)
     vectors = jnp.stack([precon, velocity])
     quad = vectors @ (ggn + weight * jnp.eye(len(ggn))) @ vectors.T
@@ -164,9 +166,31 @@ def test_kronecker_step_preconditions_the_gradient_with_the_cached_inverse():
   assert all(b.outer_sum_is_cheaper() for b in opt.estimator.blocks)
   grads = jax.grad(problem.tagged)(problem.params, problem.batch)
   precon = opt.estimator.multiply_inverse(state.estimator_state, grads,
-                                          damping + l2, False, True)
+                                          damping + l2, exact_power=False,
+                                          use_cached=True)
   np.testing.assert_allclose(ravel(params) - ravel(problem.params),
                              -lr * ravel(precon), rtol=1e-9, atol=1e-13)
+
+
+def test_uncompiled_step_computes_what_step_runs():
+  problem = gt.mlp(loss="softmax")
+  opt = make(problem)
+  rng = jax.random.PRNGKey(0)
+  state = opt.init(problem.params, rng, problem.batch)
+  hyper = dict(learning_rate=0.3, momentum=0.5, damping=0.05)
+  params, new_state, stats = opt.step(problem.params, state, rng,
+                                      batch=problem.batch, global_step_int=0,
+                                      **hyper)
+  # Step 0 refreshes the cached inverses; the damping is not adaptive.
+  body = jax.jit(functools.partial(opt.uncompiled_step, refresh_cache=True,
+                                   update_damping=False))
+  params2, state2, _, stats2 = body(
+      problem.params, state, rng, problem.batch,
+      **{k: jnp.asarray(v, state.damping.dtype) for k, v in hyper.items()})
+  np.testing.assert_allclose(ravel(params2), ravel(params), rtol=1e-9,
+                             atol=1e-12)
+  assert int(state2.step_counter) == int(new_state.step_counter) == 1
+  assert float(stats2["loss"]) == pytest.approx(float(stats["loss"]))
 
 
 def test_aux_state_and_rng_variants_pass_values_through():

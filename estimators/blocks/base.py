@@ -13,6 +13,9 @@ set); a family implements a few private hooks:
   `_update_cache(state, identity_weight, exact_powers, approx_powers,
                  eigenvalues, state_scale)`  new values of cache entries
 
+The base passes the flags and the state scale by keyword, so overrides keep
+these parameter names.
+
 Scaling convention: the curvature is `scale * M` with `M` the unscaled
 estimate and `scale = fixed_scale() * state_dependent_scale(state)`. Hooks work
 on `M` with the identity weight divided by the scale, and the base multiplies
@@ -27,7 +30,7 @@ import abc
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,12 +40,29 @@ import numpy as np
 from estimators import tags
 from estimators import utils
 
+Array = jax.Array
+# A Python number or a scalar array (weights, scales, EMA factors).
+Numeric = float | jax.Array
+# What `init` and `update_cache` accept for powers: None, one or several.
+ScalarOrSequence = float | Sequence[float] | None
+# A vector of a block: one array per parameter, shaped like it.
+BlockVector = tuple[jax.Array, ...]
+
 _MAX_PARALLEL_ELEMENTS = 2 ** 23
 _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
 
 
 def set_max_parallel_elements(value: int) -> None:
-  """Sets how many examples the conv Diagonal/Full blocks vmap over at once."""
+  """Sets the default element budget for work done in parallel.
+
+  `Conv2DDiagonal` and `Conv2DFull` blocks built without
+  `max_elements_for_vmap` vmap over this many examples at a time (and loop
+  over the rest); `Conv2DTwoKroneckerFactored` forms its patches explicitly
+  when they have at most this many elements. Larger values use more memory.
+
+  Args:
+    value: a positive int.
+  """
   global _MAX_PARALLEL_ELEMENTS
   if not isinstance(value, numbers.Integral) or value < 1:
     raise ValueError("max parallel elements must be a positive int, got "
@@ -51,11 +71,19 @@ def set_max_parallel_elements(value: int) -> None:
 
 
 def get_max_parallel_elements() -> int:
+  """The budget set by `set_max_parallel_elements` (default 2**23)."""
   return _MAX_PARALLEL_ELEMENTS
 
 
 def set_default_eigen_decomposition_threshold(value: int) -> None:
-  """Sets how many cached powers make `Full` cache an eigendecomposition."""
+  """Sets when `Full` blocks cache an eigendecomposition instead of powers.
+
+  Args:
+    value: a non-negative int. A `Full` block built without
+      `eigen_decomposition_threshold` and asked at `init` to cache more powers
+      than this caches one eigendecomposition, from which it forms every
+      power.
+  """
   global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
   if not isinstance(value, numbers.Integral) or value < 0:
     raise ValueError("the eigen decomposition threshold must be a non-negative "
@@ -64,10 +92,11 @@ def set_default_eigen_decomposition_threshold(value: int) -> None:
 
 
 def get_default_eigen_decomposition_threshold() -> int:
+  """The threshold set by `set_default_eigen_decomposition_threshold` (5)."""
   return _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
 
 
-def canonical_power(power):
+def canonical_power(power: float) -> int | float:
   """A static matrix power as an int when integral, else a float."""
   if utils.is_tracer(power):
     raise ValueError("Matrix powers must be Python numbers known at trace time "
@@ -84,7 +113,7 @@ def canonical_power(power):
   return int(value) if value.is_integer() else value
 
 
-def canonical_powers(powers) -> tuple:
+def canonical_powers(powers: ScalarOrSequence) -> tuple[int | float, ...]:
   """None, a number or a sequence of numbers -> a tuple of distinct powers."""
   if powers is None:
     return ()
@@ -95,14 +124,17 @@ def canonical_powers(powers) -> tuple:
   return tuple(dict.fromkeys(canonical_power(p) for p in items))
 
 
-def cache_key(power, exact: bool) -> str:
+def cache_key(power: float, exact: bool) -> str:
+  """The cache key of a power, e.g. "exact_pow_-1" or "approx_pow_0.5"."""
   return f"{'exact' if exact else 'approx'}_pow_{canonical_power(power)}"
 
 
-def power_cache_keys(exact_powers, approx_powers) -> list[tuple[str, Any]]:
+def power_cache_keys(exact_powers: Sequence[float],
+                     approx_powers: Sequence[float]
+                     ) -> list[tuple[str, Any]]:
   """(cache key, power) for each exact and approximate power."""
-  return ([(cache_key(p, True), p) for p in exact_powers]
-          + [(cache_key(p, False), p) for p in approx_powers])
+  return ([(cache_key(p, exact=True), p) for p in exact_powers]
+          + [(cache_key(p, exact=False), p) for p in approx_powers])
 
 
 def _concrete_float(value):
@@ -116,12 +148,23 @@ def _concrete_float(value):
 
 
 class CurvatureBlock(abc.ABC):
-  """Approximates the curvature of one layer tag; see the module docstring."""
+  """Approximates the curvature of one layer tag; see the module docstring.
+
+  The block is a `(dim, dim)` matrix over the tag's parameters. Its vectors
+  are tuples with one array per parameter, shaped as `parameters_shapes`.
+  All methods are pure: they take a state and return a new one.
+  """
 
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State:
-    """Block state; `cache` maps keys such as "exact_pow_-1" to values."""
+    """Block state; families add their statistics as further fields.
+
+    Attributes:
+      cache: maps keys such as "exact_pow_-1" or "eigenvalues" to values that
+        only `update_cache` refreshes, so they may be older than the
+        statistics. The key set is fixed by `init`.
+    """
     cache: dict[str, Any]
 
   # Estimation data keys a family reads (checked before `_batch_statistics`).
@@ -131,7 +174,17 @@ class CurvatureBlock(abc.ABC):
   # Whether an undamped estimate is commonly singular (blocks fitted to data).
   _MAY_BE_SINGULAR = True
 
-  def __init__(self, layer_tag_eq, name: str):
+  def __init__(self, layer_tag_eq: Any, name: str):
+    """Checks that the family can handle the tag equation.
+
+    Args:
+      layer_tag_eq: the jaxpr equation of a layer tag, as the tracer finds it.
+      name: the block's name in messages, e.g. its parameters' path.
+
+    Raises:
+      TypeError: if `layer_tag_eq` is not a layer tag equation.
+      ValueError: if the family does not handle this tag or layer.
+    """
     if not tags.is_layer_tag_eqn(layer_tag_eq):
       primitive = getattr(layer_tag_eq, "primitive", None)
       raise TypeError(f"{type(self).__name__} needs a layer tag equation, got "
@@ -154,42 +207,52 @@ class CurvatureBlock(abc.ABC):
 
   @property
   def name(self) -> str:
+    """The name given at construction."""
     return self._name
 
   @property
-  def layer_tag_eq(self):
+  def layer_tag_eq(self) -> Any:
+    """The layer tag's jaxpr equation."""
     return self._layer_tag_eq
 
   @property
   def layer_tag_primitive(self) -> tags.LayerTag:
+    """The tag primitive, e.g. `tags.dense`."""
     return self._layer_tag_eq.primitive
 
   @property
   def outputs_variables(self) -> tuple:
+    """The jaxpr variables of the layer's outputs."""
     return tags.layer_eqn_parts(self._layer_tag_eq)[0]
 
   @property
   def inputs_variables(self) -> tuple:
+    """The jaxpr variables of the layer's inputs."""
     return tags.layer_eqn_parts(self._layer_tag_eq)[1]
 
   @property
   def parameter_variables(self) -> tuple:
+    """The jaxpr variables of the layer's parameters."""
     return tags.layer_eqn_parts(self._layer_tag_eq)[2]
 
   @property
   def outputs_shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the layer's outputs (batch axis first)."""
     return tuple(tuple(v.aval.shape) for v in self.outputs_variables)
 
   @property
   def inputs_shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the layer's inputs (batch axis first)."""
     return tuple(tuple(v.aval.shape) for v in self.inputs_variables)
 
   @property
   def parameters_shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the parameters, which block vectors must have."""
     return tuple(tuple(v.aval.shape) for v in self.parameter_variables)
 
   @property
-  def parameters_dtype(self):
+  def parameters_dtype(self) -> jnp.dtype:
+    """The common dtype of the parameters; the block computes in it."""
     return jnp.result_type(*[v.aval.dtype for v in self.parameter_variables])
 
   @property
@@ -199,63 +262,126 @@ class CurvatureBlock(abc.ABC):
 
   @property
   def layer_tag_extra_params(self) -> dict[str, Any]:
+    """The tag's static parameters (e.g. a convolution's strides)."""
     return dict(self._layer_tag_eq.params)
 
   @property
   def number_of_parameters(self) -> int:
+    """How many parameter arrays the tag has."""
     return len(self.parameter_variables)
 
   @property
   def dim(self) -> int:
+    """The number of parameter elements, the side of the block matrix."""
     return sum(utils.product(s) for s in self.parameters_shapes)
 
   # --- scale --------------------------------------------------------------
 
-  def fixed_scale(self):
-    """A constant factor in front of the unscaled estimate."""
+  def fixed_scale(self) -> Numeric:
+    """A constant factor in front of the unscaled estimate (1 here).
+
+    Layers whose statistics average over more rows than examples (conv
+    locations, repeated dense applications) use it to restore the sum.
+    """
     return 1
 
-  def state_dependent_scale(self, state: "CurvatureBlock.State"):
-    """A factor computed from the current estimate (1 for built-in blocks)."""
+  def state_dependent_scale(self, state: "CurvatureBlock.State") -> Numeric:
+    """A factor computed from the current estimate (1 for built-in blocks).
+
+    Args:
+      state: the block state.
+
+    Returns:
+      A scalar; cache entries are computed with it already applied.
+    """
     del state
     return 1
 
-  def scale(self, state: "CurvatureBlock.State", use_cache: bool):
-    """The factor for unscaled values (cached ones hold the state part)."""
+  def scale(self, state: "CurvatureBlock.State", use_cache: bool) -> Numeric:
+    """The factor that multiplies unscaled or cached values.
+
+    Args:
+      state: the block state.
+      use_cache: whether the values come from the cache, which already holds
+        the state dependent part.
+
+    Returns:
+      `fixed_scale()`, times `state_dependent_scale(state)` unless
+      `use_cache`.
+    """
     if use_cache:
       return self.fixed_scale()
     return self.fixed_scale() * self.state_dependent_scale(state)
 
   # --- state --------------------------------------------------------------
 
-  def init(self, rng, exact_powers_to_cache, approx_powers_to_cache,
+  def init(self, rng: Array, exact_powers_to_cache: ScalarOrSequence,
+           approx_powers_to_cache: ScalarOrSequence,
            cache_eigenvalues: bool) -> "CurvatureBlock.State":
     """Zero statistics and a cache with one entry per requested power.
 
     The cache's keys are fixed here, so later states have the same pytree
     structure; `update_cache` and `use_cached=True` only accept these keys.
     Entries hold zeros until the first `update_cache`.
+
+    Args:
+      rng: a PRNG key, for families that need randomness.
+      exact_powers_to_cache: None, a power or a sequence of powers that will
+        be used with `exact_power=True, use_cached=True`.
+      approx_powers_to_cache: the same for `exact_power=False`.
+      cache_eigenvalues: whether to keep an "eigenvalues" cache entry.
+
+    Returns:
+      The initial state.
+
+    Raises:
+      ValueError: for a power that is not a finite real number.
     """
     exact = canonical_powers(exact_powers_to_cache)
     approx = canonical_powers(approx_powers_to_cache)
     for power in exact + approx:
       self._check_power(power, identity_weight=None)
     cache_eigenvalues = bool(cache_eigenvalues)
-    state = self._init(rng, exact, approx, cache_eigenvalues)
+    state = self._init(rng, exact, approx,
+                       cache_eigenvalues=cache_eigenvalues)
     # The entries' shapes are those `_update_cache` produces.
     shapes = jax.eval_shape(
-        lambda s: self._update_cache(s, 1.0, exact, approx, cache_eigenvalues,
-                                     1.0), state)
+        lambda s: self._update_cache(
+            s, identity_weight=1.0, exact_powers=exact, approx_powers=approx,
+            eigenvalues=cache_eigenvalues, state_scale=1.0), state)
     entries = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
                                      shapes)
     return dataclasses.replace(state, cache={**state.cache, **entries})
 
-  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
-                                       ema_new, batch_size, pmap_axis_name):
+  def update_curvature_matrix_estimate(
+      self, state: "CurvatureBlock.State",
+      estimation_data: Mapping[str, Sequence[Array]], ema_old: Numeric,
+      ema_new: Numeric, batch_size: Numeric,
+      pmap_axis_name: str | None) -> "CurvatureBlock.State":
     """Folds this batch's statistics into the moving averages.
 
-    The statistics are averaged over `pmap_axis_name` (when not None) first.
-    `ema_old=0, ema_new=1` replaces the estimate by this batch's.
+    Each average becomes `(ema_old * w * old + ema_new * new) / (ema_old * w
+    + ema_new)`, `w` the weight it had; `ema_old=0, ema_new=1` replaces the
+    estimate by this batch's. The cache is left as it is.
+
+    Args:
+      state: the block state.
+      estimation_data: the layer's arrays from the tracer: "inputs",
+        "outputs" and "params" (batch axis first where batched), and
+        "outputs_tangent" and "params_tangent" with a leading sample axis.
+        Each maps to a tuple with one array per operand.
+      ema_old: the factor on the old estimate.
+      ema_new: the weight of this batch's estimate.
+      batch_size: the number of examples the statistics average over.
+      pmap_axis_name: when not None, the statistics are averaged over this
+        axis before they are folded in.
+
+    Returns:
+      The state with the new estimate.
+
+    Raises:
+      ValueError: if the data lacks arrays the family needs or has shapes
+        that do not fit the tag.
     """
     self._check_estimation_data(estimation_data, batch_size)
     stats = self._batch_statistics(estimation_data, batch_size)
@@ -263,16 +389,37 @@ class CurvatureBlock(abc.ABC):
       stats = jax.lax.pmean(stats, pmap_axis_name)
     return self._fold_statistics(state, stats, ema_old, ema_new)
 
-  def update_cache(self, state, identity_weight, exact_powers, approx_powers,
+  def update_cache(self, state: "CurvatureBlock.State",
+                   identity_weight: Numeric, exact_powers: ScalarOrSequence,
+                   approx_powers: ScalarOrSequence,
                    eigenvalues: bool) -> "CurvatureBlock.State":
-    """Recomputes the named cache entries from the current estimate."""
+    """Recomputes the named cache entries from the current estimate.
+
+    Args:
+      state: the block state.
+      identity_weight: the weight `λ` of the identity added to the block:
+        the entries become powers of `block + λ I`. Later cached products
+        use this `λ`, whatever weight they are given.
+      exact_powers: None, a power or powers among `init`'s
+        `exact_powers_to_cache`.
+      approx_powers: the same among `approx_powers_to_cache`.
+      eigenvalues: whether to refresh the (undamped) eigenvalues; needs
+        `cache_eigenvalues=True` at `init`.
+
+    Returns:
+      The state with the refreshed entries; the other entries are kept.
+
+    Raises:
+      ValueError: for an entry that `init` did not create, or a power the
+        weight makes ill-defined (e.g. an inverse with `λ = 0`).
+    """
     exact = canonical_powers(exact_powers)
     approx = canonical_powers(approx_powers)
     for power in exact:
-      self._check_cached(state, power, True)
+      self._check_cached(state, power, exact=True)
       self._check_power(power, identity_weight)
     for power in approx:
-      self._check_cached(state, power, False)
+      self._check_cached(state, power, exact=False)
       self._check_power(power, identity_weight)
     if eigenvalues and "eigenvalues" not in state.cache:
       raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
@@ -281,53 +428,96 @@ class CurvatureBlock(abc.ABC):
       return state
     updates = self._update_cache(
         state, identity_weight / self.fixed_scale(), exact, approx,
-        bool(eigenvalues), self.state_dependent_scale(state))
+        eigenvalues=bool(eigenvalues),
+        state_scale=self.state_dependent_scale(state))
     return dataclasses.replace(state, cache={**state.cache, **updates})
 
   # --- products -------------------------------------------------------------
 
-  def multiply_matpower(self, state, vector, identity_weight, power,
-                        exact_power: bool, use_cached: bool):
+  def multiply_matpower(self, state: "CurvatureBlock.State",
+                        vector: Sequence[Array], identity_weight: Numeric,
+                        power: float, exact_power: bool,
+                        use_cached: bool) -> BlockVector:
     """`(block + identity_weight I) ** power @ vector`.
 
-    With `use_cached=True` the cached value of the power is used, and with it
-    the identity weight given to the last `update_cache`. `exact_power=False`
-    allows a family-specific approximation (the Kronecker blocks use factored
-    damping; other blocks are exact anyway).
+    Args:
+      state: the block state.
+      vector: one array per parameter, shaped as `parameters_shapes`.
+      identity_weight: the weight `λ` of the identity added to the block
+        (the damping). Ignored with `use_cached=True`: the cached value was
+        formed with the `λ` given to the last `update_cache`.
+      power: a real power known at trace time; non-integer powers need
+        `block + λ I` positive semi-definite.
+      exact_power: False allows a family-specific approximation (the
+        Kronecker blocks split the damping between their factors; the other
+        blocks are exact anyway).
+      use_cached: whether to use the cached value of the power (which may be
+        older than the estimate) instead of the current estimate.
+
+    Returns:
+      The product, one array per parameter.
+
+    Raises:
+      TypeError, ValueError: for a vector of the wrong structure or shapes, a
+        power that is not cached (with `use_cached=True`), or one that the
+        weight makes ill-defined.
     """
     vector = self._check_vector(vector)
     power = canonical_power(power)
-    scale = self.scale(state, use_cached)
+    scale = self.scale(state, use_cache=use_cached)
     if use_cached:
-      self._check_cached(state, power, exact_power)
+      self._check_cached(state, power, exact=exact_power)
     else:
       self._check_power(power, identity_weight)
       identity_weight = identity_weight / scale
     result = self._multiply_matpower_unscaled(
-        state, vector, identity_weight, power, bool(exact_power),
-        bool(use_cached))
+        state, vector, identity_weight, power, exact_power=bool(exact_power),
+        use_cached=bool(use_cached))
     return utils.scalar_mul(result, self._scale_power(scale, power))
 
-  def multiply(self, state, vector, identity_weight, exact_power, use_cached):
-    """`(block + identity_weight I) @ vector`."""
+  def multiply(self, state: "CurvatureBlock.State", vector: Sequence[Array],
+               identity_weight: Numeric, exact_power: bool,
+               use_cached: bool) -> BlockVector:
+    """`(block + identity_weight I) @ vector`; see `multiply_matpower`."""
     return self.multiply_matpower(state, vector, identity_weight, 1,
-                                  exact_power, use_cached)
+                                  exact_power=exact_power,
+                                  use_cached=use_cached)
 
-  def multiply_inverse(self, state, vector, identity_weight, exact_power,
-                       use_cached):
-    """`(block + identity_weight I) ** -1 @ vector`."""
+  def multiply_inverse(self, state: "CurvatureBlock.State",
+                       vector: Sequence[Array], identity_weight: Numeric,
+                       exact_power: bool, use_cached: bool) -> BlockVector:
+    """`(block + identity_weight I) ** -1 @ vector`; see `multiply_matpower`."""
     return self.multiply_matpower(state, vector, identity_weight, -1,
-                                  exact_power, use_cached)
+                                  exact_power=exact_power,
+                                  use_cached=use_cached)
 
   def outer_sum_is_cheaper(self) -> bool:
-    """Whether the block offers `multiply_inverse_outer_sum(state, inputs,
+    """Whether to precondition the layer's gradient from its rows.
+
+    True when the block offers `multiply_inverse_outer_sum(state, inputs,
     outputs_cotangent)`, the cached approximate inverse applied to the
-    layer's gradient given as its rows (`Σ_rows inputs ⊗ outputs_cotangent`),
-    and it beats `multiply_inverse` on the assembled gradient."""
+    gradient given as the sum over rows of `inputs ⊗ outputs_cotangent`,
+    and that is cheaper than `multiply_inverse` on the assembled gradient.
+    False here.
+    """
     return False
 
-  def eigenvalues(self, state, use_cached: bool) -> jax.Array:
-    """Eigenvalues of the (undamped, scaled) block, in no particular order."""
+  def eigenvalues(self, state: "CurvatureBlock.State",
+                  use_cached: bool) -> Array:
+    """Eigenvalues of the undamped, scaled block.
+
+    Args:
+      state: the block state.
+      use_cached: whether to return the values cached by the last
+        `update_cache(..., eigenvalues=True)` instead of computing them from
+        the current estimate.
+
+    Returns:
+      A `(dim,)` array, in no particular order.
+
+    Raises:
+      ValueError: with `use_cached=True` if `init` did not cache them.
+    """
     if use_cached:
       if "eigenvalues" not in state.cache:
         raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
@@ -335,18 +525,24 @@ class CurvatureBlock(abc.ABC):
       values = state.cache["eigenvalues"]
     else:
       values = self._eigenvalues_unscaled(state)
-    return values * self.scale(state, use_cached)
+    return values * self.scale(state, use_cache=use_cached)
 
-  def to_dense_matrix(self, state) -> jax.Array:
-    """The undamped scaled block as a (dim, dim) matrix (for small blocks).
+  def to_dense_matrix(self, state: "CurvatureBlock.State") -> Array:
+    """The undamped scaled block as a matrix, for small blocks.
 
-    Rows and columns follow the tag's parameters, each flattened row-major.
+    Args:
+      state: the block state; its current estimate is used, not the cache.
+
+    Returns:
+      A `(dim, dim)` array whose rows and columns follow the parameters in
+      operand order, each flattened row-major.
     """
     eye = jnp.eye(self.dim, dtype=self.parameters_dtype)
 
     def column(e):
       v = utils.unflatten_vector(e, self.parameters_shapes)
-      return utils.flatten_arrays(self.multiply(state, v, 0.0, True, False))
+      return utils.flatten_arrays(self.multiply(
+          state, v, 0.0, exact_power=True, use_cached=False))
 
     return jax.vmap(column, out_axes=1)(eye)
 
@@ -358,7 +554,7 @@ class CurvatureBlock(abc.ABC):
     return jnp.power(jnp.asarray(scale, self.parameters_dtype), power)
 
   def _check_cached(self, state, power, exact):
-    key = cache_key(power, exact)
+    key = cache_key(power, exact=exact)
     if key not in state.cache:
       kind = "exact" if exact else "approx"
       raise ValueError(

@@ -15,15 +15,21 @@ from estimators.blocks import layers
 class Diagonal(base.CurvatureBlock):
   """The diagonal of the curvature, one moving average per parameter.
 
-  Powers are elementwise, so exact and approximate powers coincide. Layer
-  subclasses provide `_per_example_gradients` (or override
-  `_batch_statistics`).
+  A batch contributes `(1/B) sum_rows g ⊙ g`, `g` the per-example (and
+  per-sample) parameter gradients. Powers are elementwise, so exact and
+  approximate powers coincide. Layer subclasses provide
+  `_per_example_gradients` (or override `_batch_statistics`).
   """
 
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State(base.CurvatureBlock.State):
-    """`diagonal_factors`: a WeightedMovingAverage per parameter."""
+    """Diagonal block state.
+
+    Attributes:
+      diagonal_factors: one WeightedMovingAverage per parameter, shaped like
+        it, holding the estimated diagonal.
+    """
     diagonal_factors: tuple[utils.WeightedMovingAverage, ...]
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
@@ -48,7 +54,7 @@ class Diagonal(base.CurvatureBlock):
   def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
                                   exact_power, use_cached):
     if use_cached:
-      factors = state.cache[base.cache_key(power, exact_power)]
+      factors = state.cache[base.cache_key(power, exact=exact_power)]
     else:
       factors = self._powers(state, identity_weight, power)
     return tuple(v * f for v, f in zip(vector, factors))

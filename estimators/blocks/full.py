@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +29,24 @@ class Full(base.CurvatureBlock):
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State(base.CurvatureBlock.State):
-    """`matrix`: a WeightedMovingAverage of the (dim, dim) curvature."""
+    """Full block state.
+
+    Attributes:
+      matrix: a WeightedMovingAverage of the `(dim, dim)` curvature.
+    """
     matrix: utils.WeightedMovingAverage
 
-  def __init__(self, layer_tag_eq, name, eigen_decomposition_threshold=None):
+  def __init__(self, layer_tag_eq: Any, name: str,
+               eigen_decomposition_threshold: int | None = None):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the layer tag's jaxpr equation.
+      name: the block's name in messages.
+      eigen_decomposition_threshold: with more cached powers than this, the
+        cache holds one eigendecomposition instead of one matrix per power.
+        None uses `get_default_eigen_decomposition_threshold()`.
+    """
     super().__init__(layer_tag_eq, name)
     if eigen_decomposition_threshold is None:
       eigen_decomposition_threshold = (
@@ -39,12 +55,31 @@ class Full(base.CurvatureBlock):
 
   @property
   def eigen_decomposition_threshold(self) -> int:
+    """More cached powers than this are formed from an eigendecomposition."""
     return self._eigen_decomposition_threshold
 
-  def parameters_list_to_single_vector(self, parameters_shaped_list):
+  def parameters_list_to_single_vector(
+      self, parameters_shaped_list: Sequence[jax.Array]) -> jax.Array:
+    """Flattens a block vector to `(dim,)`, the order of `State.matrix`.
+
+    Args:
+      parameters_shaped_list: one array per parameter.
+
+    Returns:
+      The arrays flattened row-major and concatenated in operand order.
+    """
     return utils.flatten_arrays(parameters_shaped_list)
 
-  def single_vector_to_parameters_list(self, vector):
+  def single_vector_to_parameters_list(
+      self, vector: jax.Array) -> tuple[jax.Array, ...]:
+    """Inverts `parameters_list_to_single_vector`.
+
+    Args:
+      vector: a `(dim,)` array.
+
+    Returns:
+      One array per parameter, shaped as `parameters_shapes`.
+    """
     return utils.unflatten_vector(vector, self.parameters_shapes)
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
@@ -72,7 +107,7 @@ class Full(base.CurvatureBlock):
     v = self.parameters_list_to_single_vector(vector)
     matrix = state.matrix.value
     if use_cached:
-      entry = state.cache[base.cache_key(power, exact_power)]
+      entry = state.cache[base.cache_key(power, exact=exact_power)]
       if _EIGEN in state.cache:
         eig = state.cache[_EIGEN]
         u = eig["eigenvectors"]
@@ -136,8 +171,18 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
   `get_max_parallel_elements()`) and looped over the rest.
   """
 
-  def __init__(self, layer_tag_eq, name, max_elements_for_vmap=None,
-               eigen_decomposition_threshold=None):
+  def __init__(self, layer_tag_eq: Any, name: str,
+               max_elements_for_vmap: int | None = None,
+               eigen_decomposition_threshold: int | None = None):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the conv2d tag's jaxpr equation.
+      name: the block's name in messages.
+      max_elements_for_vmap: how many examples to vmap over at once; None
+        uses `get_max_parallel_elements()`.
+      eigen_decomposition_threshold: as for `Full`.
+    """
     super().__init__(
         layer_tag_eq, name, max_elements_for_vmap=max_elements_for_vmap,
         eigen_decomposition_threshold=eigen_decomposition_threshold)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 
 from estimators.blocks import base
@@ -10,16 +12,26 @@ from estimators.blocks import base
 class ScaledIdentity(base.CurvatureBlock):
   """Curvature `scale * I`; it learns nothing from data, its state is a cache.
 
-  Any layer tag is accepted.
+  Any layer tag is accepted. With damping `λ` its powers are
+  `(scale + λ) ** power` times the identity.
   """
 
   _MAY_BE_SINGULAR = False
 
-  def __init__(self, layer_tag_eq, name, scale=1.0):
+  def __init__(self, layer_tag_eq: Any, name: str,
+               scale: base.Numeric = 1.0):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: any layer tag's jaxpr equation.
+      name: the block's name in messages.
+      scale: the constant in front of the identity.
+    """
     super().__init__(layer_tag_eq, name)
     self._scale = scale
 
-  def fixed_scale(self):
+  def fixed_scale(self) -> base.Numeric:
+    """The `scale` given at construction."""
     return self._scale
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
@@ -35,7 +47,7 @@ class ScaledIdentity(base.CurvatureBlock):
   def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
                                   exact_power, use_cached):
     if use_cached:
-      factor = state.cache[base.cache_key(power, exact_power)]
+      factor = state.cache[base.cache_key(power, exact=exact_power)]
     else:
       weight = jnp.asarray(identity_weight, self.parameters_dtype)
       factor = jnp.power(1 + weight, power)

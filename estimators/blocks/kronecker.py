@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +40,20 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State(base.CurvatureBlock.State):
-    """`inputs_factor` (A) and `outputs_factor` (G), as moving averages."""
+    """Kronecker block state.
+
+    Attributes:
+      inputs_factor: a WeightedMovingAverage of `A`, `(input_size,
+        input_size)`.
+      outputs_factor: a WeightedMovingAverage of `G`, `(output_size,
+        output_size)`.
+    """
     inputs_factor: utils.WeightedMovingAverage
     outputs_factor: utils.WeightedMovingAverage
 
   @property
   def has_bias(self) -> bool:
+    """Whether the tag has a bias (a second parameter)."""
     return self.number_of_parameters == 2
 
   @abc.abstractmethod
@@ -88,7 +97,8 @@ class TwoKroneckerFactored(base.CurvatureBlock):
     if exact_power and use_cached:
       grid = jnp.outer(cache["inputs_factor_eigenvalues"],
                        cache["outputs_factor_eigenvalues"])
-      grid = jnp.power(grid + cache[base.cache_key(power, True)], power)
+      grid = jnp.power(grid + cache[base.cache_key(power, exact=True)],
+                       power)
       result = utils.kronecker_eigen_multiply(
           cache["inputs_factor_eigenvectors"],
           cache["outputs_factor_eigenvectors"], grid, v)
@@ -100,7 +110,7 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       grid = jnp.power(jnp.outer(a_vals, g_vals) + identity_weight, power)
       result = utils.kronecker_eigen_multiply(a_vecs, g_vecs, grid, v)
     else:
-      entry = (cache[base.cache_key(power, False)] if use_cached else
+      entry = (cache[base.cache_key(power, exact=False)] if use_cached else
                _approx_power_entry(a, g, identity_weight, power))
       result = _apply_approx_power(entry, v)
     return self._from_matrix(result)
@@ -130,9 +140,10 @@ class TwoKroneckerFactored(base.CurvatureBlock):
                        outputs_factor_eigenvalues=g_vals,
                        outputs_factor_eigenvectors=g_vecs)
       for p in exact_powers:
-        updates[base.cache_key(p, True)] = jnp.asarray(identity_weight, a.dtype)
+        updates[base.cache_key(p, exact=True)] = jnp.asarray(
+            identity_weight, a.dtype)
     for p in approx_powers:
-      updates[base.cache_key(p, False)] = _approx_power_entry(
+      updates[base.cache_key(p, exact=False)] = _approx_power_entry(
           a, g, identity_weight, p)
     return updates
 
@@ -140,9 +151,7 @@ class TwoKroneckerFactored(base.CurvatureBlock):
 # A factor's inverse is cached as its Cholesky root `L⁻¹` (in blocks, see
 # `utils.psd_inverse_root`) instead when the factor is big and the other one
 # small: the parameter matrix then has few columns (or rows) for the root's
-# two products, and the root takes under a third of the inverse's work to
-# refresh (e.g. a 3137-wide dense head: 110 ms against 260 ms for the
-# assembled root).
+# two products, and the root is much cheaper to refresh than the inverse.
 _ROOT_MIN_SIZE = 1024
 _ROOT_MIN_RATIO = 8
 
@@ -218,17 +227,35 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
     i, o = self.input_size(), self.output_size()
     return rows * (i * i + o * o + i * o) < i * o * (i + o)
 
-  def multiply_inverse_outer_sum(self, state, inputs, outputs_cotangent):
-    # `A⁻¹ (X̃ᵀ dY) G⁻¹ = (A⁻¹ X̃ᵀ)(dY G⁻¹)`: rows·(i² + o² + i·o) work
-    # against i·o·(i + o) for the matrix (a quarter on a 1000-wide layer
-    # with 128 rows).
-    self._check_cached(state, -1, False)
+  def multiply_inverse_outer_sum(
+      self, state: TwoKroneckerFactored.State, inputs: Sequence[jax.Array],
+      outputs_cotangent: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """The cached approximate inverse times the gradient `X̃ᵀ dY`.
+
+    The gradient is never formed: `A⁻¹ (X̃ᵀ dY) G⁻¹ = (A⁻¹ X̃ᵀ)(dY G⁻¹)`
+    costs rows·(i² + o² + i·o) against i·o·(i + o) for the assembled
+    matrix, which `outer_sum_is_cheaper` compares.
+
+    Args:
+      state: the block state, with approximate power -1 cached.
+      inputs: the layer's inputs `(x,)`, `x` of shape `(B, ..., d_in)`.
+      outputs_cotangent: the cotangent `(dy,)` of the layer's outputs for
+        the value being differentiated, shaped like the outputs.
+
+    Returns:
+      What `multiply_inverse(state, grad, λ, exact_power=False,
+      use_cached=True)` gives for that gradient, one array per parameter.
+
+    Raises:
+      ValueError: if the approximate inverse is not cached.
+    """
+    self._check_cached(state, -1, exact=False)
     x, dy = self._rows(inputs, outputs_cotangent)
-    entry = state.cache[base.cache_key(-1, False)]
+    entry = state.cache[base.cache_key(-1, exact=False)]
     result = self._from_matrix(_inputs_side(entry, x.T) @
                                _outputs_side(entry, dy))
-    return utils.scalar_mul(result,
-                            self._scale_power(self.scale(state, True), -1))
+    return utils.scalar_mul(result, self._scale_power(
+        self.scale(state, use_cache=True), -1))
 
 
 class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
@@ -241,6 +268,7 @@ class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
 
   @property
   def num_repeats(self) -> int:
+    """`R`, the number of applications of the layer within an example."""
     (x_shape,) = self.inputs_shapes
     return utils.product(x_shape[1:-1])
 

@@ -8,6 +8,8 @@ every (sample, example) pair, so a batch contributes `(1/B) sum_rows g gᵀ`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,6 +42,7 @@ class DenseMixin:
 
   @property
   def has_bias(self) -> bool:
+    """Whether the tag has a bias (a second parameter)."""
     return self.number_of_parameters == 2
 
   def _per_example_gradients(self, data):
@@ -61,10 +64,12 @@ class ScaleAndShiftMixin:
 
   @property
   def has_scale(self) -> bool:
+    """Whether the layer multiplies its input by a parameter."""
     return bool(self.layer_tag_extra_params["has_scale"])
 
   @property
   def has_shift(self) -> bool:
+    """Whether the layer adds a parameter to its (scaled) input."""
     return bool(self.layer_tag_extra_params["has_shift"])
 
   def _check_layer(self):
@@ -114,52 +119,64 @@ class Conv2DMixin:
 
   @property
   def dimension_numbers(self) -> lax.ConvDimensionNumbers:
+    """The convolution's dimension numbers (axis layouts)."""
     return self.layer_tag_extra_params["dimension_numbers"]
 
   @property
   def has_bias(self) -> bool:
+    """Whether the tag has a bias (a second parameter)."""
     return self.number_of_parameters == 2
 
   @property
   def outputs_channel_index(self) -> int:
+    """The channel axis of the outputs."""
     return self.dimension_numbers.out_spec[1]
 
   @property
   def inputs_channel_index(self) -> int:
+    """The channel axis of the inputs."""
     return self.dimension_numbers.lhs_spec[1]
 
   @property
   def weights_output_channel_index(self) -> int:
+    """The output-channel axis of the kernel."""
     return self.dimension_numbers.rhs_spec[0]
 
   @property
   def weights_input_channel_index(self) -> int:
+    """The input-channel axis of the kernel."""
     return self.dimension_numbers.rhs_spec[1]
 
   @property
   def weights_spatial_shape(self) -> tuple[int, ...]:
+    """The kernel's spatial extent, in the kernel's axis order."""
     kernel = self.parameters_shapes[0]
     return tuple(kernel[i] for i in self.dimension_numbers.rhs_spec[2:])
 
   @property
   def weights_spatial_size(self) -> int:
+    """The number of kernel positions (product of the spatial shape)."""
     return utils.product(self.weights_spatial_shape)
 
   @property
   def outputs_spatial_shape(self) -> tuple[int, ...]:
+    """The outputs' spatial extent."""
     out = self.outputs_shapes[0]
     return tuple(out[i] for i in self.dimension_numbers.out_spec[2:])
 
   @property
   def num_locations(self) -> int:
+    """The number of output positions each filter is applied at."""
     return utils.product(self.outputs_spatial_shape)
 
   @property
   def num_inputs_channels(self) -> int:
+    """The number of input channels."""
     return self.inputs_shapes[0][self.inputs_channel_index]
 
   @property
   def num_outputs_channels(self) -> int:
+    """The number of output channels."""
     return self.outputs_shapes[0][self.outputs_channel_index]
 
   def _conv(self, x, kernel):
@@ -173,7 +190,17 @@ class Conv2DMixin:
 class PerExampleConv2DMixin(Conv2DMixin):
   """Per-example kernel gradients via the convolution's VJP, in chunks."""
 
-  def __init__(self, layer_tag_eq, name, max_elements_for_vmap=None, **kwargs):
+  def __init__(self, layer_tag_eq: Any, name: str,
+               max_elements_for_vmap: int | None = None, **kwargs):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the conv2d tag's jaxpr equation.
+      name: the block's name in messages.
+      max_elements_for_vmap: how many examples to vmap over at once (the
+        rest are looped over); None uses `get_max_parallel_elements()`.
+      **kwargs: passed on to the block family's constructor.
+    """
     self._max_elements_for_vmap = max_elements_for_vmap
     super().__init__(layer_tag_eq, name, **kwargs)
 

@@ -22,9 +22,22 @@ _DATA_AXIS = {"inputs": 0, "outputs": 0, "params": 0,
 
 
 class Stacked(base.CurvatureBlock):
-  """`length` independent copies of `block`, one per stacked layer."""
+  """`length` independent copies of `block`, one per stacked layer.
+
+  The state is the wrapped block's with a leading `(length,)` axis on every
+  leaf, and so are block vectors; eigenvalues are those of all the layers.
+  """
 
   def __init__(self, block: base.CurvatureBlock, length: int):
+    """Wraps a block.
+
+    Args:
+      block: the block of one layer of the stack (not itself `Stacked`).
+      length: the number of stacked layers.
+
+    Raises:
+      TypeError, ValueError: for another wrapper or a non-positive length.
+    """
     if not isinstance(block, base.CurvatureBlock) or isinstance(block, Stacked):
       raise TypeError("Stacked wraps one (non-stacked) CurvatureBlock, got "
                       f"{type(block).__name__}.")
@@ -43,21 +56,22 @@ class Stacked(base.CurvatureBlock):
 
   @property
   def length(self) -> int:
+    """The number of stacked layers."""
     return self._length
 
   def _stacked(self, shapes):
     return tuple((self._length,) + tuple(s) for s in shapes)
 
   @property
-  def outputs_shapes(self):
+  def outputs_shapes(self) -> tuple[tuple[int, ...], ...]:
     return self._stacked(self._block.outputs_shapes)
 
   @property
-  def inputs_shapes(self):
+  def inputs_shapes(self) -> tuple[tuple[int, ...], ...]:
     return self._stacked(self._block.inputs_shapes)
 
   @property
-  def parameters_shapes(self):
+  def parameters_shapes(self) -> tuple[tuple[int, ...], ...]:
     return self._stacked(self._block.parameters_shapes)
 
   def _check_estimation_data(self, data, batch_size) -> None:
@@ -86,7 +100,8 @@ class Stacked(base.CurvatureBlock):
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     rngs = jax.random.split(rng, self._length)
     return self._map(lambda r: self._block._init(
-        r, exact_powers, approx_powers, cache_eigenvalues), rngs)
+        r, exact_powers, approx_powers, cache_eigenvalues=cache_eigenvalues),
+                     rngs)
 
   def _batch_statistics(self, estimation_data, batch_size):
     data = {k: v for k, v in estimation_data.items() if k in _DATA_AXIS and v}
@@ -102,10 +117,11 @@ class Stacked(base.CurvatureBlock):
                                   exact_power, use_cached):
     # The wrapped block applies its own scale, per layer.
     return self._map(lambda s, v: self._block.multiply_matpower(
-        s, v, identity_weight, power, exact_power, use_cached), state, vector)
+        s, v, identity_weight, power, exact_power=exact_power,
+        use_cached=use_cached), state, vector)
 
   def _eigenvalues_unscaled(self, state):
-    return self.eigenvalues(state, False)
+    return self.eigenvalues(state, use_cached=False)
 
   def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
                     eigenvalues, state_scale):
@@ -113,8 +129,12 @@ class Stacked(base.CurvatureBlock):
     block = self._block
     return self._map(lambda s: block._update_cache(
         s, identity_weight / block.fixed_scale(), exact_powers, approx_powers,
-        eigenvalues, block.state_dependent_scale(s)), state)
+        eigenvalues=eigenvalues, state_scale=block.state_dependent_scale(s)),
+                     state)
 
-  def eigenvalues(self, state, use_cached: bool) -> jax.Array:
-    return self._map(lambda s: self._block.eigenvalues(s, use_cached),
-                     state).reshape(-1)
+  def eigenvalues(self, state: base.CurvatureBlock.State,
+                  use_cached: bool) -> jax.Array:
+    """All layers' eigenvalues, layer after layer: a `(dim,)` array."""
+    return self._map(
+        lambda s: self._block.eigenvalues(s, use_cached=use_cached),
+        state).reshape(-1)

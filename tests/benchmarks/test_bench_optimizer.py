@@ -166,8 +166,8 @@ def _kfac_runner(loss_fn, params, batch):
     # damping (both intervals are PERIOD); the others do neither. The
     # unstaged step differs from `step()`'s program only by copies.
     def step(refresh):
-      return lambda p, s: opt._step(p, s, rng, batch, None, None, None, None,
-                                    refresh, refresh)
+      return lambda p, s: opt.uncompiled_step(
+          p, s, rng, batch, refresh_cache=refresh, update_damping=refresh)
     plain, first = (_flops(step(r), params, state) for r in (False, True))
     return (first + (PERIOD - 1) * plain) / PERIOD
 
