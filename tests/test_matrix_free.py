@@ -1,0 +1,257 @@
+"""Matrix-free spectral estimates against NumPy's eigh, exact traces and the
+harness's earlier hand-written Lanczos, SLQ and Hutchinson code (float64)."""
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from matfree import decomp
+
+from curvbench import matrix_free as mf
+
+N, K, PROBES = 12, 4, 5  # shared so that the tests share compilations
+LIKE_SHAPES = {"w": (3, 2), "b": (6,)}  # a params-shaped pytree with N entries
+
+
+@pytest.fixture(autouse=True)
+def x64():
+  previous = jax.config.read("jax_enable_x64")
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+def _spd(n, seed, low=0.1, high=10.0):
+  """A random SPD matrix with well-separated eigenvalues in [low, high]."""
+  q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+  return (q * np.geomspace(low, high, n)) @ q.T
+
+
+def _like():
+  return {k: jnp.zeros(s, jnp.float64) for k, s in LIKE_SHAPES.items()}
+
+
+def _tree_matvec(v, matrix):
+  """`matrix @ v` for pytrees like `_like()`: the operator as params do it."""
+  flat, unravel = jax.flatten_util.ravel_pytree(v)
+  return unravel(matrix @ flat)
+
+
+def _flat_matvec(v, matrix):
+  return matrix @ v
+
+
+def _first_of_pair(v, a, e):
+  return _tree_matvec(v, a)
+
+
+def _second_of_pair(v, a, e):
+  return _tree_matvec(v, e)
+
+
+def _rows(tree):
+  """A pytree with a leading axis -> a (leading, dim) array."""
+  return np.asarray(jax.vmap(lambda t: jax.flatten_util.ravel_pytree(t)[0])(
+      tree))
+
+
+def _hutchinson_sigma(matrix, num):
+  """Std of the mean of `num` Rademacher quadratic forms `vᵀ M v`."""
+  var = 2 * (np.sum(matrix ** 2) - np.sum(np.diag(matrix) ** 2))
+  return np.sqrt(var / num)
+
+
+# --- references: the harness's hand-written code before matrix_free ---------
+# (copied from curvbench/spectra.py; tridiag_sym is jitted to keep this fast)
+
+def ref_lanczos_top_k(matvec, dim, k, iters, rng, dtype):
+  iters = min(max(iters, k), dim)
+  v0 = jax.random.normal(rng, (dim,), dtype)
+  q, t, *_ = jax.jit(decomp.tridiag_sym(iters), static_argnums=0)(matvec, v0)
+  vals, vecs = jnp.linalg.eigh(t)
+  ritz = np.asarray(vecs.T @ q).T
+  return np.asarray(vals)[::-1][:k], ritz[:, ::-1][:, :k]
+
+
+def ref_slq(matvec, dim, iters, probes, rng, dtype):
+  iters = min(iters, dim)
+  tridiag = jax.jit(decomp.tridiag_sym(iters), static_argnums=0)
+  nodes, weights = [], []
+  for key in jax.random.split(rng, probes):
+    v = jax.random.rademacher(key, (dim,), dtype)
+    _, t, *_ = tridiag(matvec, v)
+    vals, vecs = jnp.linalg.eigh(t)
+    nodes.append(np.asarray(vals))
+    weights.append(np.asarray(vecs[0] ** 2) / probes)
+  return np.concatenate(nodes), np.concatenate(weights)
+
+
+def ref_relative_frobenius(approx_mv, exact_mv, dim, probes, rng, dtype):
+  num, den = 0.0, 0.0
+  for key in jax.random.split(rng, probes):
+    v = jax.random.rademacher(key, (dim,), dtype)
+    ev = np.asarray(exact_mv(v), np.float64)
+    num += np.sum((np.asarray(approx_mv(v), np.float64) - ev) ** 2)
+    den += np.sum(ev ** 2)
+  return np.sqrt(num / den)
+
+
+# --- tests -------------------------------------------------------------------
+
+def test_sampler_draws_one_rademacher_probe_per_split_key():
+  key = jax.random.PRNGKey(4)
+  probes = _rows(mf.rademacher_sampler(_like(), 5)(key))
+  expected = [jax.random.rademacher(k, (N,), jnp.float64)
+              for k in jax.random.split(key, 5)]
+  np.testing.assert_array_equal(probes, np.stack(expected))
+  assert set(np.unique(probes)) == {-1.0, 1.0}
+
+
+def test_top_k_at_full_depth_are_the_top_eigenpairs():
+  a, k = _spd(N, seed=0), K
+  values, vectors = mf.top_k_eigenpairs(_tree_matvec, _like(), k, N,
+                                        jax.random.PRNGKey(1), jnp.asarray(a))
+  exact_values, exact_vectors = np.linalg.eigh(a)
+  np.testing.assert_allclose(values, exact_values[::-1][:k], rtol=1e-10)
+  ritz = _rows(vectors).T  # (N, k) columns
+  np.testing.assert_allclose(ritz.T @ ritz, np.eye(k), atol=1e-10)
+  np.testing.assert_allclose(a @ ritz, ritz * np.asarray(values), atol=1e-9)
+  top = exact_vectors[:, ::-1][:, :k]
+  overlap = np.linalg.norm(top.T @ ritz) ** 2 / k
+  assert overlap == pytest.approx(1.0, abs=1e-10)
+  # The k+1-th eigenvector is orthogonal to the span: overlap is not trivial.
+  assert np.linalg.norm(exact_vectors[:, -k - 1] @ ritz) < 1e-8
+
+
+def test_lanczos_past_the_rank_keeps_only_true_ritz_pairs():
+  """A rank-4 operator at full depth: its Krylov space has 5 dimensions (the
+  null-space part of the start vector adds eigenvalue 0), Lanczos breaks down
+  after 5 steps, and the round-off basis after that must give no eigenvalue
+  and no weight."""
+  q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(N, N)))
+  eigenvalues = np.zeros(N)
+  eigenvalues[-4:] = [0.5, 1.0, 2.0, 4.0]
+  a = jnp.asarray((q * eigenvalues) @ q.T)
+  values, vectors = mf.top_k_eigenpairs(_tree_matvec, _like(), 7, N,
+                                        jax.random.PRNGKey(1), a)
+  np.testing.assert_allclose(values[:5], [4.0, 2.0, 1.0, 0.5, 0.0],
+                             rtol=1e-9, atol=1e-9)
+  assert np.isnan(values[5:]).all()  # not found
+  ritz = _rows(vectors)[:5].T
+  np.testing.assert_allclose(ritz.T @ ritz, np.eye(5), atol=1e-9)
+  np.testing.assert_allclose(np.asarray(a) @ ritz, ritz * values[:5],
+                             atol=1e-9)
+  nodes, weights = mf.slq_density(_tree_matvec, _like(), N, PROBES,
+                                  jax.random.PRNGKey(2), a)
+  assert np.sum(weights) == pytest.approx(1.0, abs=1e-12)
+  weighted = np.asarray(nodes)[np.asarray(weights) > 1e-12]
+  assert weighted.min() > -1e-9 and weighted.max() < 4.0 + 1e-9
+
+
+def test_slq_at_full_depth_is_eigenvalues_with_probe_weights():
+  a, probes, key = _spd(N, seed=1), PROBES, jax.random.PRNGKey(2)
+  nodes, weights = mf.slq_density(_tree_matvec, _like(), N, probes, key,
+                                  jnp.asarray(a))
+  exact_values, exact_vectors = np.linalg.eigh(a)
+  np.testing.assert_allclose(np.reshape(nodes, (probes, N)),
+                             np.tile(exact_values, (probes, 1)), rtol=1e-9)
+  v = _rows(mf.rademacher_sampler(_like(), probes)(key))
+  expected = (v @ exact_vectors) ** 2 / N / probes  # (U^T v)^2 / |v|^2 / P
+  np.testing.assert_allclose(np.reshape(weights, (probes, N)), expected,
+                             atol=1e-12)
+  assert np.sum(weights) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("iters", [5, N])
+def test_slq_moments_are_the_hutchinson_trace_estimates(iters):
+  # Gauss quadrature with `iters` nodes is exact for degrees < 2 * iters.
+  a, probes = _spd(N, seed=2, low=0.5, high=2.0), PROBES
+  key = jax.random.PRNGKey(3)
+  nodes, weights = map(np.asarray, mf.slq_density(
+      _tree_matvec, _like(), iters, probes, key, jnp.asarray(a)))
+  v = _rows(mf.rademacher_sampler(_like(), probes)(key))
+  for p in range(2 * iters):
+    hutchinson = np.mean(np.einsum(
+        "pi,ij,pj->p", v, np.linalg.matrix_power(a, p), v))
+    assert N * np.sum(weights * nodes ** p) == pytest.approx(
+        hutchinson, rel=1e-9), p
+
+
+def test_slq_moments_converge_to_the_exact_trace_moments():
+  a, probes = _spd(N, seed=3, low=0.5, high=2.0), 2000
+  nodes, weights = map(np.asarray, mf.slq_density(
+      _flat_matvec, jnp.zeros(N), N, probes, jax.random.PRNGKey(5),
+      jnp.asarray(a)))
+  for p in (1, 2, 3):
+    power = np.linalg.matrix_power(a, p)
+    tol = 5 * _hutchinson_sigma(power, probes)
+    assert tol < 0.05 * np.trace(power)  # the check is not vacuous
+    assert N * np.sum(weights * nodes ** p) == pytest.approx(
+        np.trace(power), abs=tol)
+
+
+def test_relative_frobenius_is_zero_for_identical_operators():
+  a = jnp.asarray(_spd(N, seed=4))
+  value = mf.relative_frobenius(_first_of_pair, _second_of_pair, _like(),
+                                PROBES, jax.random.PRNGKey(0), a, a)
+  assert float(value) == 0.0
+
+
+def test_relative_frobenius_converges_to_the_exact_ratio():
+  exact, approx, probes = _spd(N, seed=5), _spd(N, seed=6), 10000
+  estimate = mf.relative_frobenius(
+      _first_of_pair, _second_of_pair, _like(), probes, jax.random.PRNGKey(6),
+      jnp.asarray(approx), jnp.asarray(exact))
+  diff = approx - exact
+  num, den = np.sum(diff ** 2), np.sum(exact ** 2)
+  # sqrt(num / den) moves by about half the relative errors of num and den.
+  rel = 0.5 * (_hutchinson_sigma(diff.T @ diff, probes) / num +
+               _hutchinson_sigma(exact.T @ exact, probes) / den)
+  truth = np.sqrt(num / den)
+  assert 5 * rel < 0.05  # the check is not vacuous
+  assert float(estimate) == pytest.approx(truth, rel=5 * rel)
+
+
+@pytest.mark.parametrize("iters", [5, N])
+def test_equals_the_hand_written_reference(iters):
+  exact, approx = _spd(N, seed=7), _spd(N, seed=8)
+  key, k, probes = jax.random.PRNGKey(11), K, PROBES
+  flat = lambda m: (lambda v: jnp.asarray(m) @ v)
+
+  values, vectors = mf.top_k_eigenpairs(_tree_matvec, _like(), k, iters, key,
+                                        jnp.asarray(exact))
+  ref_values, ref_vectors = ref_lanczos_top_k(flat(exact), N, k, iters, key,
+                                              jnp.float64)
+  np.testing.assert_allclose(values, ref_values, rtol=1e-12)
+  ritz = _rows(vectors).T
+  signs = np.sign(np.sum(ritz * ref_vectors, axis=0))
+  np.testing.assert_allclose(ritz * signs, ref_vectors, atol=1e-12)
+
+  nodes, weights = mf.slq_density(_tree_matvec, _like(), iters, probes, key,
+                                  jnp.asarray(exact))
+  ref_nodes, ref_weights = ref_slq(flat(exact), N, iters, probes, key,
+                                   jnp.float64)
+  np.testing.assert_allclose(nodes, ref_nodes, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(weights, ref_weights, atol=1e-12)
+
+  value = mf.relative_frobenius(_first_of_pair, _second_of_pair, _like(),
+                                probes, key, jnp.asarray(approx),
+                                jnp.asarray(exact))
+  ref = ref_relative_frobenius(flat(approx), flat(exact), N, probes, key,
+                               jnp.float64)
+  assert float(value) == pytest.approx(ref, rel=1e-12)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: mf.top_k_eigenpairs(_flat_matvec, jnp.zeros(3), 0, 3,
+                                 jax.random.PRNGKey(0), jnp.eye(3)), "k"),
+    (lambda: mf.slq_density(_flat_matvec, jnp.zeros(3), 3, 0,
+                            jax.random.PRNGKey(0), jnp.eye(3)), "num_probes"),
+    (lambda: mf.relative_frobenius(_flat_matvec, _flat_matvec, jnp.zeros(3),
+                                   0, jax.random.PRNGKey(0), jnp.eye(3)),
+     "num_probes"),
+])
+def test_bad_counts_are_named(call, name):
+  with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+    call()
