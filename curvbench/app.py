@@ -7,59 +7,31 @@ figures. A rerun of a sweep skips runs whose completion marker exists.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.metadata
+import logging
 import sys
 import traceback
-from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-KINDS = ("spectra", "timing", "training")
-PRECISIONS = ("float32", "float64")
+import hydra
+import jax
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+import problems
+from curvbench import config, curvatures, measurements, records, report
+from curvbench import timing, training
+from estimators import graph_matcher
 
 
 def run_dir_name(override_dirname: str, limit: int = 120) -> str:
   """A sweep run's directory name: its overrides, hashed when too long."""
-  import hashlib
   if len(override_dirname) <= limit:
     return override_dirname or "default"
   digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:12]
   return f"{override_dirname[:limit - 14]}..{digest}"
-
-
-def _plain(node) -> dict:
-  from omegaconf import DictConfig, OmegaConf
-  if isinstance(node, DictConfig):
-    return OmegaConf.to_container(node, resolve=True)
-  return dict(node)
-
-
-def validate(cfg) -> None:
-  """Clear errors for bad choices, before anything expensive runs."""
-  import estimators
-  import problems
-  from curvbench import curvatures, training
-  checks = [
-      ("problem.name", cfg.problem.get("name"), tuple(problems.BUILDERS)),
-      ("curvature.estimator", cfg.curvature.get("estimator"),
-       curvatures.ESTIMATORS),
-      ("curvature.mode", cfg.curvature.get("mode"), estimators.ESTIMATION_MODES),
-      ("optimizer.name", cfg.optimizer.get("name"), training.OPTIMIZERS),
-      ("measure.kind", cfg.measure.get("kind"), KINDS),
-  ]
-  kind = cfg.measure.get("kind")
-  if kind in KINDS:
-    checks.append((f"measure.{kind}.precision",
-                   cfg.measure[kind].get("precision"), PRECISIONS))
-  if cfg.curvature.get("estimator") == "block_diagonal":
-    checks.append(("curvature.block_type", cfg.curvature.get("block_type"),
-                   tuple(curvatures.BLOCK_TYPES)))
-  if cfg.curvature.get("estimator") == "implicit_exact":
-    checks.append(("curvature.matrix", cfg.curvature.get("matrix"),
-                   curvatures.IMPLICIT_MATRICES))
-  for key, value, allowed in checks:
-    if value not in allowed:
-      raise ValueError(f"Unknown {key} {value!r}; choose one of "
-                       f"{', '.join(map(str, allowed))}.")
 
 
 def skip_reason(cfg) -> str | None:
@@ -69,20 +41,24 @@ def skip_reason(cfg) -> str | None:
   if kind in ("spectra", "timing") and opt != canon.optimizer:
     return (f"{kind} does not use the optimizer; it runs with "
             f"optimizer={canon.optimizer} only")
-  uses_curvature = kind != "training" or opt == "kfac"
-  if not uses_curvature and (cfg.curvature.name != canon.curvature or
-                             cfg.curvature.mode != canon.mode):
-    return (f"optimizer={opt} does not use the curvature; it runs with "
-            f"curvature={canon.curvature}, mode={canon.mode} only")
-  if (uses_curvature and cfg.curvature.estimator == "implicit_exact"
-      and cfg.curvature.mode != canon.mode):
-    return (f"implicit_exact ignores curvature.mode; it runs with "
+  if not measurements.uses_curvature(cfg):
+    if (cfg.curvature.name != canon.curvature
+        or cfg.curvature.mode != canon.mode):
+      return (f"optimizer={opt} does not use the curvature; it runs with "
+              f"curvature={canon.curvature}, mode={canon.mode} only")
+    return None
+  family = curvatures.family(cfg.curvature)
+  if not family.uses_estimation_mode and cfg.curvature.mode != canon.mode:
+    return (f"{cfg.curvature.name} ignores curvature.mode; it runs with "
             f"mode={canon.mode} only")
+  if (kind == "training"
+      and not training.optimizer_kind(opt).accepts(family)):
+    return (f"optimizer={opt} cannot train with curvature="
+            f"{cfg.curvature.name}")
   return None
 
 
 def environment() -> dict:
-  from curvbench import timing
   versions = {}
   for pkg in ("jax", "jaxlib", "dm-haiku", "optax", "numpy", "pandas",
               "hydra-core", "matfree", "mnist1d", "scikit-learn"):
@@ -96,14 +72,13 @@ def environment() -> dict:
 
 def _identity(cfg, curvature) -> dict:
   kind, opt = cfg.measure.kind, cfg.optimizer.name
-  uses_curvature = kind != "training" or opt == "kfac"
+  uses_curvature = measurements.uses_curvature(cfg)
   label = curvature.label if uses_curvature else None
   method = (label if kind != "training" else
-            (f"kfac[{label}]" if opt == "kfac" else opt))
-  return dict(problem=cfg.problem.get("label", cfg.problem.name),
-              measure=kind, method=method,
+            (f"{opt}[{label}]" if uses_curvature else opt))
+  return dict(problem=cfg.problem.label, measure=kind, method=method,
               curvature=curvature.name if uses_curvature else None,
-              estimator=curvature.estimator if uses_curvature else None,
+              estimator=cfg.curvature.estimator if uses_curvature else None,
               block_type=curvature.block_type if uses_curvature else None,
               mode=curvature.mode if uses_curvature else None,
               optimizer=opt if kind == "training" else None, seed=cfg.seed)
@@ -111,91 +86,65 @@ def _identity(cfg, curvature) -> dict:
 
 def registration(problem, curvature, params, batch, rng) -> dict:
   """Which tag each parameter gets, and the curvature blocks built from them."""
-  import logging
-  for name in ("estimators.graph_matcher", "jax"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-  try:
-    from estimators import graph_matcher
-    report = dict(parameters=graph_matcher.registration_report(
-        problem.loss_fn, (params, batch)))
-  except ImportError:  # automatic registration not available
-    report = dict(parameters=None)
+  report = dict(parameters=graph_matcher.registration_report(
+      problem.loss_fn, (params, batch)))
   if curvature is not None:
     curvature.init(rng, params, batch)  # traces the model
     report["blocks"] = curvature.registration()
   return report
 
 
+@contextlib.contextmanager
+def quiet_logging(names=("estimators.graph_matcher", "jax")):
+  """Raises the named loggers to WARNING for the block, then restores them."""
+  loggers = [logging.getLogger(name) for name in names]
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.setLevel(logging.WARNING)
+  try:
+    yield
+  finally:
+    for logger, level in zip(loggers, levels):
+      logger.setLevel(level)
+
+
 def measure(cfg, run_dir) -> None:
   """Runs the configured measurement and writes its records into `run_dir`.
 
-  The precision is set for the run and restored afterwards.
+  64-bit precision and quiet loggers hold for the measurement only.
   """
-  import jax
-  previous = jax.config.jax_enable_x64
-  try:
-    _measure(cfg, run_dir)
-  finally:
-    jax.config.update("jax_enable_x64", previous)
-
-
-def _measure(cfg, run_dir) -> None:
-  import logging
-
-  import jax
-  import numpy as np
-
-  import problems
-  from curvbench import curvatures, records, spectra, timing, training
-  m = _plain(cfg.measure[cfg.measure.kind])
-  logging.getLogger("jax").setLevel(logging.WARNING)
-  jax.config.update("jax_enable_x64", m.get("precision") == "float64")
-  dtype = np.float64 if m.get("precision") == "float64" else np.float32
-  problem = problems.make(cfg.problem)
-  curvature = curvatures.make(_plain(cfg.curvature), problem.loss_fn)
-  rng = jax.random.PRNGKey(cfg.seed)
-  params = problem.init_params(jax.random.fold_in(rng, 0), dtype)
-  batch = problem.fixed_batch(cfg.measure.get("batch_size"), dtype=dtype)
-  ident = _identity(cfg, curvature)
-  run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
-  run_dir.write_json("environment.json", environment())
-  run_dir.write_json("registration.json", registration(
-      problem, curvature if ident["curvature"] else None, params, batch, rng))
-  ident.update(run=run_dir.path.name, num_params=problem.num_params,
-               batch_size=len(batch[0]))
-
   kind = cfg.measure.kind
-  if kind == "spectra":
-    spec, quality = spectra.measure(problem.loss_fn, curvature, params, batch,
-                                    m, jax.random.fold_in(rng, 1))
-    run_dir.write_table("spectra", records.tidy(spec, **ident))
-    run_dir.write_table("quality", records.tidy(quality, **ident))
-  elif kind == "timing":
-    rows = timing.measure(problem.loss_fn, curvature, params, batch, m,
-                          jax.random.fold_in(rng, 1), progress=cfg.progress)
-    env = timing.environment()
-    run_dir.write_table("timing", records.tidy(
-        rows, **ident, device_kind=env["device_kind"],
-        platform=env["platform"], jax_version=env["jax_version"]))
-  else:
-    opt = training.make_optimizer(problem.loss_fn, _plain(cfg.optimizer),
-                                  curvature)
-    rows = training.run(problem, opt, params, m, jax.random.fold_in(rng, 1),
-                        progress=cfg.progress)
-    run_dir.write_table("training", records.tidy(rows, **ident))
+  float64 = cfg.measure[kind].precision == "float64"
+  with jax.enable_x64(float64), quiet_logging():
+    dtype = np.float64 if float64 else np.float32
+    problem = problems.make(cfg.problem)
+    curvature = curvatures.make(measurements.section(cfg.curvature),
+                                problem.loss_fn)
+    rng = jax.random.PRNGKey(cfg.seed)
+    params = problem.init_params(jax.random.fold_in(rng, 0), dtype)
+    batch = problem.fixed_batch(cfg.measure.batch_size, dtype=dtype)
+    ident = _identity(cfg, curvature)
+    run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
+    run_dir.write_json("environment.json", environment())
+    run_dir.write_json("registration.json", registration(
+        problem, curvature if ident["curvature"] else None, params, batch,
+        rng))
+    ident.update(run=run_dir.path.name, num_params=problem.num_params,
+                 batch_size=len(batch[0]))
+    tables = measurements.MEASUREMENTS[kind](
+        problem, curvature, params, batch, cfg, jax.random.fold_in(rng, 1))
+    for name, rows in tables.items():
+      run_dir.write_table(name, records.tidy(rows, **ident))
 
 
 def run(cfg, out_dir) -> str:
   """One run into `out_dir`; returns 'complete', 'skipped', 'cached' or 'error'."""
-  from omegaconf import OmegaConf
-
-  from curvbench import records
   run_dir = records.RunDir(out_dir)
   if run_dir.done and not cfg.force:
     print(f"[curvbench] {out_dir}: finished earlier, skipping (force=true "
           "redoes it).")
     return "cached"
-  validate(cfg)
+  config.validate(cfg)
   reason = skip_reason(cfg)
   if reason:
     run_dir.mark_done("skipped", reason=reason)
@@ -214,13 +163,10 @@ def run(cfg, out_dir) -> str:
 
 
 def _hydra_main():
-  import hydra
-  from hydra.core.hydra_config import HydraConfig
-  from omegaconf import OmegaConf
   if not OmegaConf.has_resolver("curvbench_run_dir"):
     OmegaConf.register_new_resolver("curvbench_run_dir", run_dir_name)
 
-  @hydra.main(version_base=None, config_path=str(CONF_DIR),
+  @hydra.main(version_base=None, config_path=str(config.CONF_DIR),
               config_name="config")
   def main(cfg):
     return run(cfg, HydraConfig.get().runtime.output_dir)
@@ -232,7 +178,6 @@ def cli(argv=None):
   """Console entry point: `curvbench report DIR` or a Hydra run/sweep."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv and argv[0] == "report":
-    from curvbench import report
     return report.main(argv[1:])
   if not argv:
     print("curvbench: no arguments, so running the default benchmark "
@@ -243,7 +188,6 @@ def cli(argv=None):
     except SystemExit as exit_:
       if exit_.code not in (None, 0):
         raise
-    from curvbench import report
     return report.main(["reports/quick"])
   sys.argv = [sys.argv[0]] + argv
   return _hydra_main()

@@ -19,7 +19,9 @@ import pandas as pd
 MARKER = "DONE.json"
 
 
-def _atomic_write(path: Path, write) -> Path:
+def atomic_write(path: Path, write) -> Path:
+  """Calls `write(tmp)` on a temporary file beside `path`, then renames it to
+  `path`, so `path` is either absent or whole."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                              suffix=".tmp")
@@ -53,16 +55,16 @@ class RunDir:
     return (self.path / MARKER).exists()
 
   def write_table(self, name: str, df: pd.DataFrame) -> Path:
-    return _atomic_write(self.path / f"{name}.parquet",
+    return atomic_write(self.path / f"{name}.parquet",
                          lambda tmp: df.to_parquet(tmp, index=False))
 
   def write_json(self, name: str, obj) -> Path:
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
-    return _atomic_write(self.path / name,
+    return atomic_write(self.path / name,
                          lambda tmp: Path(tmp).write_text(text + "\n"))
 
   def write_text(self, name: str, text: str) -> Path:
-    return _atomic_write(self.path / name, lambda tmp: Path(tmp).write_text(text))
+    return atomic_write(self.path / name, lambda tmp: Path(tmp).write_text(text))
 
   def mark_done(self, status: str = "complete", **info) -> Path:
     """Writes the completion marker; call it after every other file."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from curvbench import plots, records
+from curvbench import curvatures, plots, records
 
 TABLES = ("spectra", "quality", "timing", "training")
 
@@ -58,6 +58,30 @@ def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
   return out
 
 
+def legacy_notes(tables: dict[str, pd.DataFrame]) -> list[str]:
+  """Notes on records whose label meant another algorithm when written.
+
+  Before `optimizer=preconditioned_sgd` existed, `optimizer=kfac` with a
+  curvature that is not block-diagonal trained with SGD-momentum
+  preconditioned by that curvature. Such records keep their label.
+  """
+  training = tables.get("training")
+  if training is None or "estimator" not in training:
+    return []
+  block_diagonal = [name for name, family in curvatures.FAMILIES.items()
+                    if family.is_block_diagonal]
+  old = training[(training.optimizer == "kfac")
+                 & training.estimator.notna()
+                 & ~training.estimator.isin(block_diagonal)]
+  if old.empty:
+    return []
+  methods = ", ".join(sorted(old.method.unique()))
+  return [f"Training records {methods} come from runs that named "
+          "optimizer=kfac with a whole-matrix curvature, which then meant "
+          "SGD-momentum preconditioned by that curvature (now "
+          "optimizer=preconditioned_sgd); they kept their labels."]
+
+
 def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
   """A GitHub markdown table (no extra dependency)."""
   def cell(v):
@@ -83,7 +107,7 @@ def write(root, out=None) -> dict[str, list[Path]]:
   written = {"tables": [], "figures": []}
   for name, df in tables.items():
     path = out / f"{name}_all.csv"
-    records._atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
+    records.atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
     written["tables"].append(path)
   lines = [f"# curvbench report: {root}", ""]
   titles = dict(quality="Approximation quality (vs the exact matrix)",
@@ -92,15 +116,18 @@ def write(root, out=None) -> dict[str, list[Path]]:
                 training="Training")
   for name, df in summaries(tables).items():
     path = out / f"{name}.csv"
-    records._atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
+    records.atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
     written["tables"].append(path)
     lines += [f"## {titles[name]}", "", to_markdown(df), ""]
+  notes = legacy_notes(tables)
+  if notes:
+    lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
   figures = plots.all_figures(tables, out / "figures")
   written["figures"] = figures
   lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})"
                                  for p in figures if p.suffix == ".png"]
   md = out / "report.md"
-  records._atomic_write(md, lambda tmp: Path(tmp).write_text(
+  records.atomic_write(md, lambda tmp: Path(tmp).write_text(
       "\n".join(lines) + "\n"))
   written["tables"].append(md)
   return written

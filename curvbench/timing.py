@@ -74,9 +74,9 @@ def phase_functions(loss_fn, curvature, damping: float, learning_rate: float):
 def measure(loss_fn, curvature, params, batch, cfg, rng,
             progress: bool = False) -> list[dict]:
   """One row per phase; see the module docstring."""
-  damping = float(cfg.get("damping", 1e-3))
+  damping = float(cfg["damping"])
   fns = phase_functions(loss_fn, curvature, damping,
-                        float(cfg.get("learning_rate", 1e-2)))
+                        float(cfg["learning_rate"]))
   state = curvature.init(rng, params, batch)
   state = jax.jit(curvature.update)(state, params, batch, rng)
   grads = jax.grad(loss_fn)(params, batch)
@@ -85,7 +85,7 @@ def measure(loss_fn, curvature, params, batch, cfg, rng,
               cache_update=(state,), precondition=(
                   jax.jit(curvature.refresh)(state, damping), grads),
               full_step=(state, params, batch, rng))
-  phases = list(cfg.get("phases", PHASES))
+  phases = list(cfg["phases"])
   unknown = set(phases) - set(PHASES)
   if unknown:
     raise ValueError(f"Unknown timing phases {sorted(unknown)}; choose from "
@@ -94,8 +94,8 @@ def measure(loss_fn, curvature, params, batch, cfg, rng,
     phases.insert(0, "grad_step")
   rows = []
   for phase in tqdm(phases, desc="timing", disable=not progress, leave=False):
-    stats = time_function(fns[phase], args[phase], int(cfg.get("warmup", 2)),
-                          int(cfg.get("repeats", 10)))
+    stats = time_function(fns[phase], args[phase], int(cfg["warmup"]),
+                          int(cfg["repeats"]))
     rows.append(dict(phase=phase, **stats))
   unit = rows[phases.index("grad_step")]["median_s"]
   for row in rows:

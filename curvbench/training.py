@@ -1,18 +1,26 @@
 """Loss curves against steps and wall time, for K-FAC and first-order baselines.
 
-`optimizer=kfac` with a block-diagonal curvature (kfac, diagonal, full or
-identity blocks, any estimation mode) trains with `estimators.Optimizer`, the
-full K-FAC algorithm (adaptive learning rate, momentum and damping unless the
-config fixes them). With an exact curvature (explicit_exact / implicit_exact)
-it falls back to SGD with momentum on `(C + damping I)^-1 g`, C the exact
-matrix re-estimated every `curvature_update_every` steps. The baselines are
-optax SGD-momentum and Adam. All optimizers see the same initial parameters
-and the same batches in the same order.
+The optimizers, by their config name (`OPTIMIZERS`):
+
+- `kfac`: `estimators.Optimizer`, the full K-FAC algorithm, on a
+  block-diagonal curvature (the curvature group picks block type and mode).
+- `preconditioned_sgd`: SGD with heavy-ball momentum on `(C + damping I)^-1 g`
+  for any configured curvature C (the exact matrix with
+  `curvature=explicit_exact` or `implicit_exact`): the optax transformation
+  `precondition_by_curvature` chained with `optax.sgd`.
+- `sgd`, `adam`: optax's.
+
+Every config key but `name` is an argument of the optimizer's constructor
+(`step` of kfac: of `Optimizer.step`). All optimizers see the same initial
+parameters and the same batches in the same order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,150 +29,185 @@ import optax
 from tqdm.auto import tqdm
 
 import estimators as kfac
-from curvbench import curvatures
-
-OPTIMIZERS = ("kfac", "sgd", "adam")
+from curvbench.curvatures import Curvature
 
 
-def _optax(cfg):
-  lr = float(cfg.get("learning_rate", 1e-2))
-  if cfg["name"] == "sgd":
-    return optax.sgd(lr, momentum=float(cfg.get("momentum", 0.9)) or None)
-  return optax.adam(lr, b1=float(cfg.get("b1", 0.9)),
-                    b2=float(cfg.get("b2", 0.999)), eps=float(cfg.get("eps", 1e-8)))
+class PreconditionState(NamedTuple):
+  count: jax.Array  # steps taken
+  curvature: Any  # the curvature's state
 
 
-class _Baseline:
-  """An optax optimizer behind the interface the training loop uses."""
+def precondition_by_curvature(
+    curvature: Curvature, batch, rng, *, damping: float, curvature_ema: float,
+    curvature_update_period: int, inverse_update_period: int,
+) -> optax.GradientTransformationExtraArgs:
+  """Maps a gradient g to `(C + damping I)^-1 g`, C an EMA of `curvature`.
 
-  def __init__(self, loss_fn, cfg):
-    self.tx = _optax(cfg)
+  Every `curvature_update_period` steps C is re-estimated on the step's batch
+  (`update(..., batch=, rng=)`) and averaged in with weight
+  `1 - curvature_ema` (the first estimate replaces the empty one); every
+  `inverse_update_period` steps its damped inverse is recomputed.
 
-    def apply(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = self.tx.update(grads, opt_state, params)
+  Args:
+    curvature: the curvature to precondition with.
+    batch: an example batch: the estimator is traced on it by `init`.
+    rng: the key of the initial (empty) estimate.
+    damping: added to the curvature before inverting.
+    curvature_ema: the weight of the old estimate in the average.
+    curvature_update_period: steps between curvature estimates.
+    inverse_update_period: steps between inverse refreshes.
+
+  Returns:
+    An optax transformation whose `update` needs `batch=` and `rng=`.
+  """
+
+  def init(params):
+    return PreconditionState(jnp.zeros([], jnp.int32),
+                             curvature.init(rng, params, batch))
+
+  def update(grads, state, params=None, *, batch, rng, **extra):
+    del extra
+    ema_old = jnp.where(state.count == 0, 0.0, curvature_ema)
+
+    def estimate(curv):
+      return curvature.update(curv, params, batch, rng, ema_old, 1 - ema_old)
+
+    curv = jax.lax.cond(state.count % curvature_update_period == 0, estimate,
+                        lambda c: c, state.curvature)
+    curv = jax.lax.cond(state.count % inverse_update_period == 0,
+                        lambda c: curvature.refresh(c, damping), lambda c: c,
+                        curv)
+    direction = curvature.precondition(curv, grads, damping)
+    return direction, PreconditionState(state.count + 1, curv)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+class OptaxTrainer:
+  """Trains with an optax transformation built on the first batch."""
+
+  def __init__(self, loss_fn: Callable, make_transformation: Callable):
+    self.loss_fn = loss_fn
+    self.make_transformation = make_transformation
+
+  def init(self, params, batch, rng):
+    tx = optax.with_extra_args_support(self.make_transformation(batch, rng))
+
+    def step(params, opt_state, batch, rng):
+      loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, batch=batch,
+                                     rng=rng)
       return optax.apply_updates(params, updates), opt_state, loss
 
-    self.apply = jax.jit(apply)
-
-  def init(self, params, batch, rng):
-    del batch, rng
-    return self.tx.init(params)
-
-  def maintain(self, step, opt_state, params, batch, rng):
-    del step, params, batch, rng
-    return opt_state
+    self.step = jax.jit(step)
+    return tx.init(params)
 
 
-class _KFAC:
-  """`estimators.Optimizer` behind the interface the training loop uses."""
+class KFACTrainer:
+  """Trains with `estimators.Optimizer` (adaptive settings from the config)."""
 
-  def __init__(self, loss_fn, curvature, cfg):
-    adaptive = bool(cfg.get("adaptive", True))
-    self.fixed = {} if adaptive else dict(
-        learning_rate=float(cfg.get("learning_rate", 1e-2)),
-        momentum=float(cfg.get("momentum", 0.9)),
-        damping=float(cfg.get("damping", 1e-3)))
+  def __init__(self, loss_fn: Callable, curvature: Curvature, cfg: Mapping):
+    if not curvature.is_block_diagonal:
+      raise ValueError(
+          f"optimizer=kfac runs estimators.Optimizer, which needs a "
+          f"block-diagonal curvature, not {curvature.name!r}; use "
+          "optimizer=preconditioned_sgd to train with that curvature.")
+    kwargs = {k: v for k, v in cfg.items() if k not in ("name", "step")}
+    # Optimizer.step takes a value for each of these that is not adaptive.
+    self.step_kwargs = {k: v for k, v in cfg["step"].items()
+                        if not cfg[f"use_adaptive_{k}"]}
     self.opt = kfac.Optimizer(
-        jax.value_and_grad(loss_fn), l2_reg=float(cfg.get("l2_reg", 0.0)),
-        use_adaptive_learning_rate=adaptive, use_adaptive_momentum=adaptive,
-        use_adaptive_damping=adaptive,
-        initial_damping=float(cfg.get("damping", 1e-3)) if adaptive else None,
-        num_burnin_steps=int(cfg.get("num_burnin_steps", 5)),
-        estimation_mode=curvature.mode,
-        curvature_ema=float(cfg.get("ema_decay", 0.95)),
-        inverse_update_period=int(cfg.get("inverse_update_every", 5)),
-        layer_tag_to_block_ctor=curvatures.BLOCK_TYPES[curvature.block_type]
-        or None)
+        jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
+        layer_tag_to_block_ctor=curvature.block_ctors or None, **kwargs)
 
   def init(self, params, batch, rng):
-    return self.opt.init(params, rng, batch), rng, 0
+    return self.opt.init(params, rng, batch), 0
 
-  def maintain(self, step, opt_state, params, batch, rng):
-    del step, params, batch, rng  # the optimizer keeps its own schedule
-    return opt_state
-
-  def apply(self, params, opt_state, batch):
-    state, rng, step = opt_state
+  def step(self, params, opt_state, batch, rng):
+    state, count = opt_state
     params, state, stats = self.opt.step(
-        params, state, jax.random.fold_in(rng, step), batch=batch,
-        global_step_int=step, **self.fixed)
-    return params, (state, rng, step + 1), stats["loss"]
+        params, state, rng, batch=batch, global_step_int=count,
+        **self.step_kwargs)
+    return params, (state, count + 1), stats["loss"]
 
 
-class _PreconditionedSGD:
-  """SGD-momentum preconditioned by an exact curvature (module docstring)."""
-
-  def __init__(self, loss_fn, curvature, cfg):
-    self.curvature = curvature
-    self.lr = float(cfg.get("learning_rate", 1e-2))
-    self.momentum = float(cfg.get("momentum", 0.9))
-    self.damping = float(cfg.get("damping", 1e-3))
-    self.decay = float(cfg.get("ema_decay", 0.95))
-    self.every_curv = int(cfg.get("curvature_update_every", 1))
-    self.every_inv = int(cfg.get("inverse_update_every", 5))
-    self._update = jax.jit(curvature.update)
-    self._refresh = jax.jit(lambda s: curvature.refresh(s, self.damping))
-
-    def apply(params, opt_state, batch):
-      curv_state, velocity = opt_state
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      direction = curvature.precondition(curv_state, grads, self.damping)
-      velocity = jax.tree.map(lambda v, d: self.momentum * v + d, velocity,
-                              direction)
-      params = jax.tree.map(lambda p, v: p - self.lr * v, params, velocity)
-      return params, (curv_state, velocity), loss
-
-    self.apply = jax.jit(apply)
-
-  def init(self, params, batch, rng):
-    state = self.curvature.init(rng, params, batch)
-    state = self._refresh(self._update(state, params, batch, rng))
-    return state, jax.tree.map(jnp.zeros_like, params)
-
-  def maintain(self, step, opt_state, params, batch, rng):
-    state, velocity = opt_state
-    if step % self.every_curv == 0:
-      state = self._update(state, params, batch, rng, self.decay,
-                           1 - self.decay)
-    if step % self.every_inv == 0:
-      state = self._refresh(state)
-    return state, velocity
+def _preconditioned_sgd(loss_fn, curvature, cfg):
+  def make(batch, rng):
+    return optax.chain(
+        precondition_by_curvature(
+            curvature, batch, rng, damping=cfg["damping"],
+            curvature_ema=cfg["curvature_ema"],
+            curvature_update_period=cfg["curvature_update_period"],
+            inverse_update_period=cfg["inverse_update_period"]),
+        optax.sgd(cfg["learning_rate"], momentum=cfg["momentum"]))
+  return OptaxTrainer(loss_fn, make)
 
 
-def make_optimizer(loss_fn, cfg, curvature=None):
-  name = cfg.get("name")
+def _optax(transformation):
+  def build(loss_fn, curvature, cfg):
+    del curvature
+    kwargs = {k: v for k, v in cfg.items() if k != "name"}
+    return OptaxTrainer(loss_fn, lambda batch, rng: transformation(**kwargs))
+  return build
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerKind:
+  build: Callable  # (loss_fn, curvature, cfg) -> trainer with init and step
+  uses_curvature: bool
+  needs_block_diagonal: bool = False
+
+  def accepts(self, family: type[Curvature]) -> bool:
+    """Whether it can train with curvatures of `family`."""
+    return family.is_block_diagonal or not self.needs_block_diagonal
+
+
+OPTIMIZERS = {
+    "kfac": OptimizerKind(KFACTrainer, uses_curvature=True,
+                          needs_block_diagonal=True),
+    "preconditioned_sgd": OptimizerKind(_preconditioned_sgd,
+                                        uses_curvature=True),
+    "sgd": OptimizerKind(_optax(optax.sgd), uses_curvature=False),
+    "adam": OptimizerKind(_optax(optax.adam), uses_curvature=False),
+}
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
   if name not in OPTIMIZERS:
-    raise ValueError(f"Unknown optimizer {name!r}; choose one of "
+    raise ValueError(f"Unknown optimizer.name {name!r}; choose one of "
                      f"{', '.join(OPTIMIZERS)}.")
-  if name == "kfac":
-    if curvature is None:
-      raise ValueError("The kfac optimizer needs a curvature config.")
-    if curvature.estimator == "block_diagonal":
-      return _KFAC(loss_fn, curvature, cfg)
-    return _PreconditionedSGD(loss_fn, curvature, cfg)
-  return _Baseline(loss_fn, cfg)
+  return OPTIMIZERS[name]
 
 
-def run(problem, optimizer, params, cfg, rng, progress: bool = True):
-  """Trains for `cfg.num_steps`; one row per logged step.
+def make_optimizer(loss_fn: Callable, cfg: Mapping,
+                   curvature: Curvature | None = None):
+  """A trainer (`init(params, batch, rng)`, `step(params, state, batch, rng)`
+  -> `(params, state, loss)`) from the `optimizer` config group."""
+  kind = optimizer_kind(cfg["name"])
+  if kind.uses_curvature and curvature is None:
+    raise ValueError(f"optimizer={cfg['name']} needs a curvature.")
+  return kind.build(loss_fn, curvature, cfg)
 
-  Functions are compiled on a throw-away step before the clock starts, so
-  `wall_s` is steady-state time (including the host syncs at logged steps).
+
+def run(problem, optimizer, params, cfg: Mapping, rng,
+        progress: bool = True) -> list[dict]:
+  """Trains for `cfg["num_steps"]`; one row per logged step.
+
+  The step and the evaluation are compiled on a throw-away step before the
+  clock starts, so `wall_s` is steady-state time (including the host syncs at
+  logged steps).
   """
-  num_steps = int(cfg.get("num_steps", 100))
-  log_every, eval_every = int(cfg.get("log_every", 1)), int(
-      cfg.get("eval_every", 10))
+  num_steps, log_every = int(cfg["num_steps"]), int(cfg["log_every"])
+  eval_every = int(cfg["eval_every"])
   dtype = jax.tree.leaves(params)[0].dtype
-  seed = cfg.get("data_seed")
+  seed = cfg["data_seed"]
   batches = problem.batches(seed=problem.seed if seed is None else int(seed),
                             dtype=dtype)
-  test_batch = problem.evaluation_batch(cfg.get("eval_size"), dtype=dtype)
+  test_batch = problem.evaluation_batch(cfg["eval_size"], dtype=dtype)
   evaluate = jax.jit(problem.loss_fn)
   first = next(batches)
   opt_state = optimizer.init(params, first, rng)
-  warm = optimizer.maintain(0, opt_state, params, first, rng)  # compiles
-  jax.block_until_ready(optimizer.apply(params, warm, first))
+  jax.block_until_ready(optimizer.step(params, opt_state, first, rng))
   jax.block_until_ready(evaluate(params, test_batch))
 
   rows, elapsed, batch = [], 0.0, first
@@ -172,8 +215,7 @@ def run(problem, optimizer, params, cfg, rng, progress: bool = True):
                    leave=False):
     start = time.perf_counter()
     key = jax.random.fold_in(rng, step)
-    opt_state = optimizer.maintain(step, opt_state, params, batch, key)
-    params, opt_state, loss = optimizer.apply(params, opt_state, batch)
+    params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
     last = step == num_steps - 1
     if step % log_every == 0 or last:
       loss = float(loss)

@@ -29,35 +29,36 @@ import jax
 import matplotlib
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
-
 import problems
-from curvbench import curvatures, training
+from curvbench import config, curvatures, measurements, training
 from problems import fetch
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
-PROBLEM_CONFIG = (Path(__file__).resolve().parents[1]
-                  / "conf/problem/autoencoder_mnist.yaml")
 ADAM_LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 SGD_LEARNING_RATES = (0.01, 0.03, 0.1, 0.3)
 SGD_MOMENTA = (0.9, 0.99)
 
 
+def _optimizer(*overrides) -> dict:
+  """An optimizer section of conf/ with `overrides`."""
+  return measurements.section(config.compose(*overrides).optimizer)
+
+
 def _grid(args):
-  yield "kfac", dict(name="kfac", adaptive=True, damping=args.kfac_damping,
-                     num_burnin_steps=5, ema_decay=0.95,
-                     inverse_update_every=5)
+  yield "kfac", _optimizer("optimizer=kfac",
+                           f"optimizer.initial_damping={args.kfac_damping}")
   for lr in args.adam_lrs:
-    yield "adam", dict(name="adam", learning_rate=lr)
+    yield "adam", _optimizer("optimizer=adam", f"optimizer.learning_rate={lr}")
   for lr, mu in itertools.product(args.sgd_lrs, args.sgd_momenta):
-    yield "sgd", dict(name="sgd", learning_rate=lr, momentum=mu)
+    yield "sgd", _optimizer("optimizer=sgd", f"optimizer.learning_rate={lr}",
+                            f"optimizer.momentum={mu}")
 
 
 def _label(cfg):
   return ", ".join(f"{k}={v}" for k, v in cfg.items()
-                   if k in ("learning_rate", "momentum", "damping"))
+                   if k in ("learning_rate", "momentum", "initial_damping"))
 
 
 def _device() -> str:
@@ -76,11 +77,12 @@ def _device() -> str:
 
 def _problem(args):
   """conf/problem/autoencoder_mnist.yaml with the command line's overrides."""
-  cfg = OmegaConf.to_container(OmegaConf.load(PROBLEM_CONFIG))
-  cfg.update(batch_size=args.batch_size, seed=args.seed,
-             encoder=list(args.encoder), code=args.code)
-  cfg["data"]["data_dir"] = str(args.data_dir)
-  return problems.make(cfg)
+  encoder = ",".join(map(str, args.encoder))
+  return problems.make(config.compose(
+      "problem=autoencoder_mnist", f"problem.batch_size={args.batch_size}",
+      f"problem.seed={args.seed}", f"problem.encoder=[{encoder}]",
+      f"problem.code={args.code}",
+      f"problem.data.data_dir='{args.data_dir}'").problem)
 
 
 def run(args) -> pd.DataFrame:
@@ -93,11 +95,12 @@ def run(args) -> pd.DataFrame:
   problem = _problem(args)
   rng = jax.random.PRNGKey(args.seed)
   params = problem.init_params(rng)
-  curvature = curvatures.make(
-      dict(name="kfac", estimator="block_diagonal", block_type="kfac",
-           mode=args.mode), problem.loss_fn)
+  curvature = curvatures.make(measurements.section(config.compose(
+      "curvature=kfac", f"curvature.mode={args.mode}").curvature),
+      problem.loss_fn)
   device = _device()
-  train_cfg = dict(num_steps=args.steps, log_every=1, eval_every=args.steps)
+  train_cfg = dict(measurements.section(config.compose().measure.training),
+                   num_steps=args.steps, log_every=1, eval_every=args.steps)
   curves_path = out / "curves.csv"
   curves_path.unlink(missing_ok=True)
   runs = list(_grid(args))

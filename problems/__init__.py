@@ -24,17 +24,26 @@ def _plain(cfg) -> dict:
 
 
 def make(cfg) -> Problem:
-  """Builds the problem `cfg["name"]` (one of `BUILDERS`)."""
+  """Builds the problem `cfg["name"]` (one of `BUILDERS`).
+
+  `cfg` holds every key of the problem's config file (conf/problem/*.yaml);
+  there are no defaults in code: `curvbench.config.compose("problem=mlp")`
+  gives a complete one.
+  """
   cfg = _plain(cfg)
   name = cfg.get("name")
   if name not in BUILDERS:
-    raise ValueError(f"Unknown problem {name!r}; choose one of "
+    raise ValueError(f"Unknown problem.name {name!r}; choose one of "
                      f"{', '.join(BUILDERS)} (conf/problem/*.yaml).")
-  if "batch_size" not in cfg:
-    raise ValueError(f"Problem {name!r} needs a batch_size.")
-  data_cfg = dict(cfg.get("data") or {})
-  dataset = data.load(data_cfg.pop("name", "digits"), **data_cfg)
-  return BUILDERS[name](dataset, cfg)
+  try:
+    data_cfg = dict(cfg["data"])
+    dataset = data.load(data_cfg.pop("name"), **data_cfg)
+    return BUILDERS[name](dataset, cfg)
+  except KeyError as missing:
+    raise ValueError(
+        f"The {name!r} problem config has no key {missing}: start from its "
+        "config file, e.g. curvbench.config.compose('problem=...').problem, "
+        "and override what differs.") from None
 
 
 __all__ = ["BUILDERS", "Dataset", "LOSSES", "Problem", "TASKS", "autoencoder",

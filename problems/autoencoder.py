@@ -13,7 +13,7 @@ from problems.base import Problem
 def build(data, cfg) -> Problem:
   encoder = [int(s) for s in cfg["encoder"]]
   code = int(cfg["code"])
-  act = layers.activation(cfg.get("activation", "sigmoid"))
+  act = layers.activation(cfg["activation"])
   out_dim = 1
   for d in data.input_shape:
     out_dim *= d
@@ -27,6 +27,5 @@ def build(data, cfg) -> Problem:
       h = act(layers.Dense(size, name=f"dec_{i}")(h))
     return layers.Dense(out_dim, name="logits")(h)
 
-  loss_name = cfg.get("loss", "sigmoid_cross_entropy")
   return Problem.from_model(model, data, cfg, task="autoencoder",
-                            loss_name=loss_name, default_label="autoencoder")
+                            loss_name=cfg["loss"])

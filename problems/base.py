@@ -74,13 +74,13 @@ class Problem:
 
   @classmethod
   def from_model(cls, model: Callable, data: Dataset, cfg: dict, *, task: str,
-                 loss_name: str, default_label: str) -> "Problem":
-    """A problem around the Haiku forward function `model(inputs)`; the name,
-    batch size and seed come from the problem config `cfg`."""
-    return cls(name=cfg.get("label", default_label), task=task,
+                 loss_name: str) -> "Problem":
+    """A problem around the Haiku forward function `model(inputs)`; the name
+    (`label`), batch size and seed come from the problem config `cfg`."""
+    return cls(name=cfg["label"], task=task,
                net=hk.without_apply_rng(hk.transform(model)),
                loss_name=loss_name, data=data,
-               batch_size=int(cfg["batch_size"]), seed=int(cfg.get("seed", 0)),
+               batch_size=int(cfg["batch_size"]), seed=int(cfg["seed"]),
                config=dict(cfg))
 
   def loss_fn(self, params, batch):

@@ -10,11 +10,11 @@ def build(data, cfg) -> Problem:
   if len(data.input_shape) != 3:
     raise ValueError(f"The convnet needs images (H, W, C) but dataset "
                      f"{data.name!r} has inputs of shape {data.input_shape}.")
-  channels = [int(c) for c in cfg.get("channels", [8, 16])]
-  kernel = int(cfg.get("kernel", 3))
-  dense = [int(d) for d in cfg.get("dense", [32])]
-  normalize = bool(cfg.get("normalize", False))
-  act = layers.activation(cfg.get("activation", "relu"))
+  channels = [int(c) for c in cfg["channels"]]
+  kernel = int(cfg["kernel"])
+  dense = [int(d) for d in cfg["dense"]]
+  normalize = bool(cfg["normalize"])
+  act = layers.activation(cfg["activation"])
 
   def model(x):
     h = x
@@ -31,4 +31,4 @@ def build(data, cfg) -> Problem:
     return layers.Dense(data.num_classes, name="logits")(h)
 
   return Problem.from_model(model, data, cfg, task="classification",
-                            loss_name="softmax_cross_entropy", default_label="convnet")
+                            loss_name="softmax_cross_entropy")

@@ -6,14 +6,14 @@ from problems.base import Problem
 
 def hidden_sizes(cfg) -> list[int]:
   """`cfg["hidden"]` if given, else `depth` layers of `width` units."""
-  if cfg.get("hidden") is not None:
+  if cfg["hidden"] is not None:
     return [int(h) for h in cfg["hidden"]]
-  return [int(cfg.get("width", 32))] * int(cfg.get("depth", 2))
+  return [int(cfg["width"])] * int(cfg["depth"])
 
 
 def build(data, cfg) -> Problem:
   sizes = hidden_sizes(cfg)
-  act = layers.activation(cfg.get("activation", "tanh"))
+  act = layers.activation(cfg["activation"])
 
   def model(x):
     h = x.reshape(x.shape[0], -1)
@@ -22,4 +22,4 @@ def build(data, cfg) -> Problem:
     return layers.Dense(data.num_classes, name="logits")(h)
 
   return Problem.from_model(model, data, cfg, task="classification",
-                            loss_name="softmax_cross_entropy", default_label="mlp")
+                            loss_name="softmax_cross_entropy")

@@ -10,3 +10,66 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+
+# --- the harness's tiny problem ----------------------------------------------
+
+import jax.flatten_util  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+TINY_PROBLEM = ("problem.width=3", "problem.depth=1", "problem.batch_size=8")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+  """A 235-parameter MLP from the mlp config, its float64 params and batch."""
+  import problems
+  from curvbench import config
+  problem = problems.make(config.compose(*TINY_PROBLEM).problem)
+  params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
+  return problem, params, problem.fixed_batch(dtype=np.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_ggn(tiny):
+  """The tiny problem's GGN, mean_i J_iᵀ (diag(p_i) - p_i p_iᵀ) J_i, from
+  jax.jacobian in float64."""
+  problem, params, (x, _) = tiny
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  logits_fn = lambda w: problem.net.apply(unravel(w), x)
+  jac = jax.jacobian(logits_fn)(flat)  # (n, C, P)
+  prob = jax.nn.softmax(logits_fn(flat))
+  hess = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(prob)
+  return np.asarray(jnp.einsum("ncp,ncd,ndq->pq", jac, hess, jac) / len(x))
+
+
+TINY = (*TINY_PROBLEM, "measure.spectra.references=[ggn]",
+        "measure.timing.repeats=2", "measure.timing.warmup=0",
+        "measure.training.num_steps=4", "measure.training.eval_every=2",
+        "measure.training.eval_size=50", "progress=false")
+SWEEP = {
+    "spectra_kfac": ["measure=spectra", "curvature=kfac"],
+    "spectra_diag": ["measure=spectra", "curvature=diagonal",
+                     "curvature.mode=fisher_empirical"],
+    "timing_kfac": ["measure=timing", "curvature=kfac"],
+    "training_kfac": ["measure=training", "curvature=kfac"],
+    "training_adam": ["measure=training", "optimizer=adam"],
+    "training_exact": ["measure=training", "optimizer=preconditioned_sgd",
+                       "curvature=explicit_exact"],
+    "spectra_adam": ["measure=spectra", "optimizer=adam"],  # skipped
+    "training_kfac_exact": ["measure=training", "curvature=explicit_exact"],
+}
+SKIPPED = ("spectra_adam", "training_kfac_exact")
+
+
+@pytest.fixture(scope="session")
+def sweep(tmp_path_factory):
+  """The tiny problem's runs of `SWEEP` in one sweep directory, and their
+  statuses."""
+  from curvbench import app, config
+  root = tmp_path_factory.mktemp("sweep")
+  status = {name: app.run(config.compose(*o, *TINY), root / name)
+            for name, o in SWEEP.items()}
+  return root, status

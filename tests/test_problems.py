@@ -11,6 +11,7 @@ import pytest
 
 import estimators as kfac
 import problems
+from curvbench import config, measurements
 from problems import data
 
 
@@ -116,19 +117,24 @@ def test_mnist_idx_and_cifar_npz_loaders(tmp_path):
 
 
 TINY = {
-    "mlp": dict(name="mlp", batch_size=8, width=3, depth=1),
-    "autoencoder": dict(name="autoencoder", batch_size=8, encoder=[6],
-                        code=2),
-    "convnet": dict(name="convnet", batch_size=8, channels=[2, 3], dense=[4]),
-    "convnet_norm": dict(name="convnet", batch_size=8, channels=[2, 3],
-                         dense=[4], normalize=True),
+    "mlp": ("problem=mlp", "problem.width=3", "problem.depth=1"),
+    "autoencoder": ("problem=autoencoder", "problem.encoder=[6]",
+                    "problem.code=2"),
+    "convnet": ("problem=convnet", "problem.channels=[2,3]",
+                "problem.dense=[4]"),
+    "convnet_norm": ("problem=convnet_norm", "problem.channels=[2,3]",
+                     "problem.dense=[4]"),
 }
+
+
+def problem_config(*overrides) -> dict:
+  return measurements.section(
+      config.compose(*overrides, "problem.batch_size=8").problem)
 
 
 @pytest.fixture(scope="module")
 def built():
-  return {k: problems.make(dict(v, data=dict(name="digits")))
-          for k, v in TINY.items()}
+  return {k: problems.make(problem_config(*v)) for k, v in TINY.items()}
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -174,15 +180,17 @@ def test_layers_are_tagged_once_each(built):
 
 
 def test_problem_config_errors(cache):
-  with pytest.raises(ValueError, match="Unknown problem 'resnet'.*mlp"):
-    problems.make(dict(name="resnet", batch_size=8))
+  mlp = problem_config("problem=mlp")
+  with pytest.raises(ValueError, match="Unknown problem.name 'resnet'.*mlp"):
+    problems.make(dict(mlp, name="resnet"))
   with pytest.raises(ValueError, match="batch_size"):
-    problems.make(dict(name="mlp", batch_size=5000, data=dict(name="digits")))
+    problems.make(dict(mlp, batch_size=5000))
   with pytest.raises(ValueError, match="Unknown activation"):
-    problems.make(dict(name="mlp", batch_size=8, activation="swish2",
-                       data=dict(name="digits"))).init_params(
-                           jax.random.PRNGKey(0))
+    problems.make(dict(mlp, activation="swish2")).init_params(
+        jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match="has no key 'depth'.*compose"):
+    problems.make({k: v for k, v in mlp.items() if k != "depth"})
   with pytest.raises(ValueError, match="needs images"):
-    problems.make(dict(name="convnet", batch_size=8,
+    problems.make(dict(problem_config("problem=convnet"),
                        data=dict(name="mnist1d", num_samples=100,
                                  cache=cache)))

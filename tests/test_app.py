@@ -1,0 +1,117 @@
+"""The command: runs write their records, resume, refuse what will not fit,
+and leave the process as they found it."""
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from curvbench import app, config, records, timing
+from tests.conftest import SKIPPED, SWEEP, TINY
+
+
+def test_runs_write_records_and_metadata(sweep):
+  root, status = sweep
+  assert status == {n: "skipped" if n in SKIPPED else "complete"
+                    for n in SWEEP}
+  run = records.RunDir(root / "spectra_kfac")
+  for name in ("config.yaml", "environment.json", "metadata.json",
+               "registration.json", "spectra.parquet", "quality.parquet"):
+    assert (run.path / name).stat().st_size > 0, name
+  blocks = json.loads((run.path / "registration.json").read_text())["blocks"]
+  assert [b["block_class"] for b in blocks] == ["DenseTwoKroneckerFactored"] * 2
+  quality = run.tables()["quality"]
+  assert {"problem", "method", "block_type", "mode", "metric", "value",
+          "reference"} <= set(quality.columns)
+  methods = {name: records.RunDir(root / name).tables()["training"]
+             .method.unique().tolist() for name in
+             ("training_kfac", "training_adam", "training_exact")}
+  assert methods == {"training_kfac": ["kfac[kfac/ggn_exact]"],
+                     "training_adam": ["adam"],
+                     "training_exact": [
+                         "preconditioned_sgd[explicit_exact/ggn_exact]"]}
+  reason = records.RunDir(root / "training_kfac_exact").marker()["reason"]
+  assert "cannot train with curvature=explicit_exact" in reason
+
+
+def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,
+                                                      tmp_path):
+  root, _ = sweep
+  done = records.RunDir(root / "timing_kfac")
+  before = {p.name: p.read_bytes() for p in done.path.iterdir()}
+  cfg = config.compose(*SWEEP["timing_kfac"], *TINY)
+  assert app.run(cfg, done.path) == "cached"
+  assert {p.name: p.read_bytes() for p in done.path.iterdir()} == before
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(timing, "measure", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    app.run(cfg, tmp_path / "cut")
+  assert not records.RunDir(tmp_path / "cut").done
+  monkeypatch.undo()
+  assert app.run(cfg, tmp_path / "cut") == "complete"
+  assert "timing" in records.RunDir(tmp_path / "cut").tables()
+
+
+def test_too_large_dense_matrix(tmp_path):
+  cfg = config.compose("curvature=explicit_exact",
+                       "curvature.max_dense_gib=1e-9", *TINY)
+  with pytest.raises(MemoryError, match="implicit_exact"):
+    app.run(cfg, tmp_path / "run")
+  assert (tmp_path / "run" / "ERROR.json").exists()
+  assert not (tmp_path / "run" / records.MARKER).exists()
+
+
+def test_a_run_restores_precision_and_log_levels(tmp_path):
+  jax_logger = logging.getLogger("jax")
+  before = (jax.config.jax_enable_x64, jax_logger.level)
+  jax_logger.setLevel(logging.DEBUG)
+  try:
+    cfg = config.compose("measure=training", "optimizer=adam", *TINY)
+    assert cfg.measure.training.precision == "float32"
+    assert app.run(cfg, tmp_path / "run") == "complete"
+    assert jax.config.jax_enable_x64  # the tests' setting, not the run's
+    assert jax_logger.level == logging.DEBUG
+  finally:
+    jax_logger.setLevel(before[1])
+
+
+def _cli(*args, cwd):
+  return subprocess.run([sys.executable, "-m", "curvbench", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_every_variant_sweep_end_to_end_with_resume(tmp_path):
+  """Every estimator and block type, and every mode, through the CLI; then a
+  rerun (all cached) and the report."""
+  repo = Path(app.__file__).resolve().parents[1]
+  sweep_dir = tmp_path / "sweep"
+  common = ["-m", f"hydra.sweep.dir={sweep_dir}", *TINY, "measure=spectra"]
+  estimators = ["curvature=kfac,diagonal,full,identity,explicit_exact,"
+                "implicit_exact,implicit_hessian"]
+  modes = ["curvature=kfac", "curvature.mode=fisher_gradients,"
+           "fisher_empirical,fisher_curvature_prop,fisher_exact,"
+           "ggn_curvature_prop"]
+  for args in (estimators, modes):
+    result = _cli(*common, *args, cwd=repo)
+    assert result.returncode == 0, result.stderr[-3000:]
+  runs = records.find_runs(sweep_dir)
+  assert [r.marker()["status"] for r in runs] == ["complete"] * 12
+  again = _cli(*common, *estimators, cwd=repo)
+  assert again.returncode == 0 and again.stdout.count("finished earlier") == 7
+  rep = _cli("report", str(sweep_dir), cwd=repo)
+  assert rep.returncode == 0, rep.stderr[-3000:]
+  quality = (sweep_dir / "report" / "quality.csv").read_text()
+  for block in ("kfac", "diagonal", "full", "identity", "explicit_exact"):
+    assert f"{block}/ggn_exact" in quality
+  for mode in ("fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
+               "fisher_exact", "ggn_curvature_prop"):
+    assert f"kfac/{mode}" in quality
+  assert "implicit_exact/ggn_exact" in quality
+  assert "implicit_hessian/hessian" in quality

@@ -1,0 +1,52 @@
+"""A non-editable install (a wheel in a fresh virtual environment) finds its
+configs and runs the command, with the source tree nowhere on its path."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, cwd, env=None):
+  result = subprocess.run([str(a) for a in args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  return result.stdout
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
+  run(sys.executable, "-m", "pip", "wheel", "--no-deps",
+      "--no-build-isolation", "-q", "-w", tmp_path / "wheel", REPO,
+      cwd=tmp_path)
+  venv = tmp_path / "venv"
+  run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+  site = Path(run(venv / "bin/python", "-c",
+                  "import sysconfig; print(sysconfig.get_path('purelib'))",
+                  cwd=tmp_path).strip())
+  # The dependencies come from this environment's site-packages, added as a
+  # plain path: its .pth files (the editable install of curvbench among
+  # them) are not read.
+  (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+  wheel, = (tmp_path / "wheel").glob("curvbench-*.whl")
+  run(sys.executable, "-m", "pip", "--python", venv / "bin/python", "install",
+      "-q", "--no-deps", "--no-index", wheel, cwd=tmp_path)
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  work = tmp_path / "work"
+  work.mkdir()
+  where = run(venv / "bin/python", "-c", "import curvbench; "
+              "print(curvbench.__file__)", cwd=work, env=env)
+  assert Path(where).resolve().is_relative_to(venv), where
+  run(venv / "bin/curvbench", "-m", "name=installed", "measure=spectra,timing",
+      "problem.width=3", "problem.depth=1", "problem.batch_size=8",
+      "measure.spectra.references=[ggn]", "measure.timing.repeats=2",
+      "progress=false", cwd=work, env=env)
+  run(venv / "bin/curvbench", "report", "reports/installed", cwd=work,
+      env=env)
+  text = (work / "reports/installed/report/report.md").read_text()
+  assert "kfac/ggn_exact" in text and "Time per phase" in text

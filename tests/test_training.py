@@ -1,0 +1,91 @@
+"""Training runs, and the preconditioned-SGD transformation against its
+definition."""
+
+import jax
+import jax.flatten_util
+import numpy as np
+import optax
+import pandas as pd
+import pytest
+
+from curvbench import config, curvatures, measurements, training
+
+STEPS = dict(num_steps=12, log_every=1, eval_every=5, eval_size=50)
+
+
+def optimizer(tiny, *overrides):
+  cfg = config.compose(*overrides)
+  cur = curvatures.make(measurements.section(cfg.curvature), tiny[0].loss_fn)
+  return training.make_optimizer(tiny[0].loss_fn,
+                                 measurements.section(cfg.optimizer), cur)
+
+
+def test_training_same_order_and_loss_decreases(tiny):
+  p, params, _ = tiny
+  runs = {}
+  for name, overrides in {
+      "sgd": ["optimizer=sgd", "optimizer.learning_rate=0.05"],
+      "adam": ["optimizer=adam", "optimizer.learning_rate=0.01"],
+      "kfac": ["optimizer=kfac"],
+      "preconditioned_sgd": ["optimizer=preconditioned_sgd",
+                             "curvature=explicit_exact"]}.items():
+    train = dict(measurements.section(config.compose().measure.training),
+                 **STEPS)
+    runs[name] = pd.DataFrame(training.run(
+        p, optimizer(tiny, *overrides), params, train, jax.random.PRNGKey(0),
+        progress=False))
+  for name, df in runs.items():
+    assert list(df.step) == list(range(12))
+    assert df.wall_s.is_monotonic_increasing
+    assert df.test_loss.notna().sum() == 4  # steps 0, 5, 10 and the last
+    assert df.train_loss.iloc[-4:].mean() < df.train_loss.iloc[0], name
+  # Same initial parameters and first batch: the first losses agree.
+  first = {n: df.train_loss.iloc[0] for n, df in runs.items()}
+  assert len(set(np.round(list(first.values()), 10))) == 1
+
+
+def test_preconditioned_sgd_steps_on_the_damped_inverse_of_the_average(
+    tiny, tiny_ggn):
+  """Two steps against `-lr * (m v + (C + damping I)^-1 g)` with C the exact
+  GGN: stale between refreshes, an average of the two batches' after one."""
+  p, params, batch = tiny
+  lr, momentum, damping, ema = 0.05, 0.9, 0.5, 0.95
+  cfg = config.compose("curvature=explicit_exact").curvature
+  cur = curvatures.make(measurements.section(cfg), p.loss_fn)
+  second = next(b for i, b in enumerate(p.batches(dtype=np.float64)) if i == 1)
+  flat = lambda t: np.asarray(jax.flatten_util.ravel_pytree(t)[0])
+  eye = np.eye(len(tiny_ggn))
+  for inverse_period in (5, 1):
+    tx = optax.chain(
+        training.precondition_by_curvature(
+            cur, batch, jax.random.PRNGKey(0), damping=damping,
+            curvature_ema=ema, curvature_update_period=1,
+            inverse_update_period=inverse_period),
+        optax.sgd(lr, momentum=momentum))
+    state = tx.init(params)
+    g0 = jax.grad(p.loss_fn)(params, batch)
+    update, state = tx.update(g0, state, params, batch=batch,
+                              rng=jax.random.PRNGKey(1))
+    d0 = np.linalg.solve(tiny_ggn + damping * eye, flat(g0))
+    np.testing.assert_allclose(flat(update), -lr * d0, rtol=1e-8)
+    params1 = optax.apply_updates(params, update)
+    g1 = jax.grad(p.loss_fn)(params1, second)
+    update, state = tx.update(g1, state, params1, batch=second,
+                              rng=jax.random.PRNGKey(2))
+    ggn1 = cur.to_dense(curvatures.estimate(cur, jax.random.PRNGKey(2),
+                                            params1, second))
+    used = tiny_ggn if inverse_period == 5 else ema * tiny_ggn + (
+        1 - ema) * np.asarray(ggn1)
+    d1 = np.linalg.solve(used + damping * eye, flat(g1))
+    np.testing.assert_allclose(flat(update), -lr * (momentum * d0 + d1),
+                               rtol=1e-8)
+
+
+def test_kfac_needs_a_block_diagonal_curvature(tiny):
+  with pytest.raises(ValueError, match="use optimizer=preconditioned_sgd"):
+    optimizer(tiny, "optimizer=kfac", "curvature=explicit_exact")
+
+
+def test_unknown_optimizer_names_the_choices(tiny):
+  with pytest.raises(ValueError, match="Unknown optimizer.name 'lbfgs'.*adam"):
+    training.make_optimizer(tiny[0].loss_fn, dict(name="lbfgs"))
