@@ -1063,13 +1063,24 @@ class ImplicitExactCurvature:
     _, vjp = self._vjp(func_args)
     return vjp(loss_input_vectors)
 
+  def _jacobian_products(self, func_args, vector):
+    """The losses, `J v` and `u -> Jᵀ u`, from one forward pass.
+
+    `J v` is the transpose of the VJP, so the two products share one set of
+    activations (which matters where they are kept for many products).
+    """
+    losses, vjp = self._vjp(func_args)
+    like = tuple(tuple(loss.parameter_dependants) for loss in losses)
+    tangents, = jax.linear_transpose(vjp, like)(vector)
+    return losses, tangents, vjp
+
   def _multiply(self, func_args, vector, kind):
-    losses, tangents = self._jvp(func_args, vector)
+    losses, tangents, vjp = self._jacobian_products(func_args, vector)
     products = tuple(
         loss.multiply_fisher(t) if kind == "fisher" else loss.multiply_ggn(t)
         for loss, t in zip(losses, tangents))
-    result = self.multiply_jacobian_transpose(func_args, products)
-    return jax.tree.map(lambda x: x / self.batch_size(func_args), result)
+    return jax.tree.map(lambda x: x / self.batch_size(func_args),
+                        vjp(products))
 
   def multiply_fisher(self, func_args: FuncArgs,
                       parameter_structured_vector: Params) -> Params:
@@ -1096,6 +1107,58 @@ class ImplicitExactCurvature:
       The product, shaped like the parameters.
     """
     return self._multiply(func_args, parameter_structured_vector, "ggn")
+
+  def multiply_empirical_fisher(self, func_args: FuncArgs,
+                                parameter_structured_vector: Params
+                                ) -> Params:
+    """`E v`, `E` the empirical Fisher at the data targets.
+
+    `E = mean_i d_i d_iᵀ`, where `d_i` is the parameter gradient of example
+    i's loss (summed over the registered losses, weights included). With
+    `g_li` the gradient of loss l w.r.t. its inputs for example i, one JVP
+    gives `t_li = J_li v`, the per-example scalars `s_i = Σ_l g_liᵀ t_li`
+    scale `g_li`, and one VJP maps them back: no per-example parameter
+    gradient is formed. As `d_i` sums over the losses, the product holds
+    the cross terms between them, not only each loss's own term.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at; every registered
+        loss must carry its targets.
+      parameter_structured_vector: `v`, shaped like the parameters.
+
+    Returns:
+      The product, shaped like the parameters.
+
+    Raises:
+      ValueError: if a loss was registered without targets, or the losses'
+        inputs do not share one leading (batch) axis.
+    """
+    losses, tangents, vjp = self._jacobian_products(
+        func_args, parameter_structured_vector)
+    grads = []
+    for loss in losses:
+      if loss.targets is None:
+        raise ValueError(
+            "The empirical Fisher needs the data targets, but a "
+            f"{type(loss).__name__} was registered without them: pass "
+            "targets= to its register_* call.")
+      grads.append(loss.grad_of_evaluate(None, "regular"))
+    leading = {x.shape[0] for gs in grads for x in gs}
+    if len(leading) != 1:
+      raise ValueError(
+          "The empirical Fisher needs per-example gradients, but the "
+          f"registered losses' inputs have leading axes {sorted(leading)}: "
+          "give every loss input the batch as its leading axis.")
+    # s_i: the directional derivative of example i's total loss along v.
+    per_example = sum(
+        jnp.sum(g * t, axis=tuple(range(1, g.ndim)))
+        for gs, ts in zip(grads, tangents) for g, t in zip(gs, ts))
+    products = tuple(
+        tuple(g * per_example.reshape((-1,) + (1,) * (g.ndim - 1))
+              for g in gs)
+        for gs in grads)
+    return jax.tree.map(lambda x: x / self.batch_size(func_args),
+                        vjp(products))
 
   def _factor_transpose(self, func_args, vector, kind):
     losses, tangents = self._jvp(func_args, vector)
@@ -1227,7 +1290,7 @@ class ImplicitExactCurvature:
 
     Args:
       func_args: the arguments of `func` to evaluate at.
-      mat_type: "hessian", "fisher" or "ggn".
+      mat_type: "hessian", "fisher", "ggn" or "empirical_fisher".
 
     Returns:
       A `(dim, dim)` array in `ravel_pytree` order.
@@ -1236,7 +1299,8 @@ class ImplicitExactCurvature:
       ValueError: for another matrix type.
     """
     products = dict(hessian=self.multiply_hessian, fisher=self.multiply_fisher,
-                    ggn=self.multiply_ggn)
+                    ggn=self.multiply_ggn,
+                    empirical_fisher=self.multiply_empirical_fisher)
     if mat_type not in products:
       raise ValueError(f"mat_type must be one of {sorted(products)}, got "
                        f"{mat_type!r}.")
