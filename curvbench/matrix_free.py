@@ -5,10 +5,12 @@ An operator is a matvec `matvec(v, *params) -> A v` over pytrees shaped like
 Passing the operator's data as `*params` rather than closing over it lets one
 compiled program serve every call with the same `matvec`. Lanczos
 (`decomp.tridiag_sym` with full reorthogonalisation), probe samplers and the
-Monte-Carlo estimator (`stochtrace`) are matfree's; the Ritz pairs are cut
-where Lanczos breaks down (see `_ritz`), which matfree's `eig.eigh_partial`
-does not do. Probes use one key per probe, split from `key`
+Monte-Carlo and leave-one-out estimators (`stochtrace`) are matfree's; the
+Ritz pairs are cut where Lanczos breaks down (see `_ritz`), which matfree's
+`eig.eigh_partial` does not do. Probes use one key per probe, split from `key`
 exactly as the harness always has, so estimates reproduce across versions.
+Trace and diagonal estimates come with a standard error, so that a reader can
+tell an approximation's error from the estimator's noise.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ def _check_positive(**counts: int) -> None:
       raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
+def _one_key_per_probe(make_sampler: Callable, like: PyTree, num: int
+                       ) -> Callable[[jax.Array], PyTree]:
+  """matfree's `make_sampler(like, num=1)`, drawn once per key of
+  `jax.random.split(key, num)`, stacked on a leading axis."""
+  one = make_sampler(like, num=1)
+  return lambda key: jax.vmap(lambda k: jax.tree.map(lambda x: x[0], one(k)))(
+      jax.random.split(key, num))
+
+
 def rademacher_sampler(like: PyTree, num: int) -> Callable[[jax.Array], PyTree]:
   """A sampler of `num` Rademacher probes shaped like `like`.
 
@@ -47,9 +58,7 @@ def rademacher_sampler(like: PyTree, num: int) -> Callable[[jax.Array], PyTree]:
   """
   # matfree's sampler_signs draws all probes from one key; we keep the
   # harness's one-key-per-probe stream so results match earlier runs.
-  one = stochtrace.sampler_signs(like, num=1)
-  return lambda key: jax.vmap(lambda k: jax.tree.map(lambda x: x[0], one(k)))(
-      jax.random.split(key, num))
+  return _one_key_per_probe(stochtrace.sampler_signs, like, num)
 
 
 def _ritz(matvec: Matvec, v: PyTree, iters: int, *params: PyTree):
@@ -176,3 +185,112 @@ def relative_frobenius(approx: Matvec, exact: Matvec, like: PyTree,
       squared_norms, sampler=rademacher_sampler(like, num_probes))
   num, den = estimate(None, key)
   return jnp.sqrt(num / den)
+
+
+def _unbiased_sem(sem: PyTree, num: int) -> PyTree:
+  """matfree's `std / sqrt(num)` with the sample variance's `num - 1`."""
+  # ddof=0 understates the error at a few probes; one probe gives nan.
+  factor = (num / (num - 1)) ** 0.5 if num > 1 else float("nan")
+  return jax.tree.map(lambda x: x * factor, sem)
+
+
+@functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
+def hutchinson_trace(matvec: Matvec, like: PyTree, num_probes: int,
+                     key: jax.Array, *params: PyTree
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Hutchinson's estimate of `trace(A)`: the mean of `vᵀ A v` over probes.
+
+  Args:
+    matvec: `matvec(v, *params) = A v`, over pytrees like `like`.
+    like: a pytree (or array) with the operator's input structure and dtype.
+    num_probes: number of Rademacher probes (see `rademacher_sampler`), one
+      matvec each.
+    key: PRNG key of the probes.
+    *params: the operator's data, passed on to `matvec`.
+
+  Returns:
+    `(estimate, standard_error)`: scalars; the standard error is the sample
+    standard deviation of the `vᵀ A v` over `sqrt(num_probes)` (nan for one
+    probe). For Rademacher probes the variance of one `vᵀ A v` is
+    `2 (||A||_F^2 - sum_i A_ii^2)`.
+  """
+  _check_positive(num_probes=num_probes)
+  estimate = stochtrace.estimator_monte_carlo_mean_and_sem(
+      stochtrace.monte_carlo_trace(),
+      sampler=rademacher_sampler(like, num_probes))
+  mean, sem = estimate(matvec, key, *params)
+  return mean, _unbiased_sem(sem, num_probes)
+
+
+@functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
+def xtrace(matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array,
+           *params: PyTree) -> tuple[jax.Array, jax.Array]:
+  """The XTrace estimate of `trace(A)` (matfree's leave-one-out integrand).
+
+  XTrace (Epperly, Tropp & Webber 2024, "XTrace: making the most of every
+  sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl. 45(1))
+  spends the probes twice: on a low-rank approximation of `A` from their
+  range (traced exactly), and as Hutchinson probes of the residual. Each
+  probe's estimate leaves that probe out of the low-rank part, so it stays
+  unbiased; the result is their mean. It is exact for an operator of rank
+  below `num_probes` and far better than Hutchinson where the spectrum
+  decays.
+
+  Args:
+    matvec: `matvec(v, *params) = A v`, over pytrees like `like`.
+    like: a pytree (or array) with the operator's input structure and dtype.
+    num_probes: number of probes, at most the operator's dimension; costs
+      `2 * num_probes` matvecs. From half the dimension on, matfree builds
+      the dense operator (dimension-many matvecs) and traces it exactly.
+    key: PRNG key of the probes: uniform on the sphere of radius
+      `sqrt(dim)` (what XTrace's resphering assumes), probe `i` from
+      `jax.random.split(key, num_probes)[i]`.
+    *params: the operator's data, passed on to `matvec`.
+
+  Returns:
+    `(estimate, standard_error)`: scalars. The standard error is the
+    paper's error estimate: the sample standard deviation of the
+    `num_probes` leave-one-out estimates over `sqrt(num_probes)`. Those
+    estimates share all but one probe, so it is a heuristic, not an exact
+    standard error; it is 0 where the estimate is exact.
+  """
+  _check_positive(num_probes=num_probes)
+  if num_probes > _dim(like):
+    raise ValueError(f"xtrace needs num_probes <= the operator's dimension "
+                     f"{_dim(like)}, got {num_probes}; use fewer probes.")
+  estimate = stochtrace.estimator_leave_one_out_mean_and_sem(
+      stochtrace.leave_one_out_xtrace(),
+      sampler=_one_key_per_probe(stochtrace.sampler_sphere, like, num_probes))
+  mean, sem = estimate(matvec, key, *params)
+  return mean, _unbiased_sem(sem, num_probes)
+
+
+@functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
+def stochastic_diagonal(matvec: Matvec, like: PyTree, num_probes: int,
+                        key: jax.Array, *params: PyTree
+                        ) -> tuple[PyTree, PyTree]:
+  """The diagonal of `A` as the mean of `v ⊙ (A v)` over Rademacher probes.
+
+  The estimator of Bekas, Kokiopoulou & Saad (2007, "An estimator for the
+  diagonal of a matrix", Appl. Numer. Math. 57): unbiased, and exact for a
+  diagonal `A`; entry `i` has variance `sum_{j != i} A_ij^2` per probe.
+
+  Args:
+    matvec: `matvec(v, *params) = A v`, over pytrees like `like`.
+    like: a pytree (or array) with the operator's input structure and dtype.
+    num_probes: number of Rademacher probes (see `rademacher_sampler`), one
+      matvec each.
+    key: PRNG key of the probes.
+    *params: the operator's data, passed on to `matvec`.
+
+  Returns:
+    `(diagonal, standard_error)`: two pytrees like `like`; entry by entry,
+    the estimate and the sample standard deviation of `v ⊙ (A v)` over
+    `sqrt(num_probes)` (nan for one probe).
+  """
+  _check_positive(num_probes=num_probes)
+  estimate = stochtrace.estimator_monte_carlo_mean_and_sem(
+      stochtrace.monte_carlo_diagonal(),
+      sampler=rademacher_sampler(like, num_probes))
+  mean, sem = estimate(matvec, key, *params)
+  return mean, _unbiased_sem(sem, num_probes)

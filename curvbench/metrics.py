@@ -52,3 +52,119 @@ def density(values, weights, grid, bandwidth: float) -> np.ndarray:
   z = (np.asarray(grid)[:, None] - values[None, :]) / bandwidth
   kernel = np.exp(-0.5 * z ** 2) / (bandwidth * np.sqrt(2 * np.pi))
   return kernel @ (weights / weights.sum())
+
+
+# --- signed spectra (a Hessian's eigenvalues may be negative) ---------------
+
+def _weights(values: np.ndarray, weights) -> np.ndarray:
+  if weights is None:
+    return np.full(values.shape, 1.0 / values.size)
+  weights = np.asarray(weights, np.float64)
+  return weights / weights.sum()
+
+
+def spectral_distance(approx, exact, approx_weights=None,
+                      exact_weights=None) -> float:
+  """1-Wasserstein distance between signed spectra, over the exact width.
+
+  Unlike `log_wasserstein`, negative eigenvalues keep their place. Dividing
+  by the width (max - min) of the exact spectrum makes the number
+  scale-free: multiplying both spectra by a constant does not change it.
+
+  Args:
+    approx: eigenvalues (or SLQ nodes) of the approximation.
+    exact: eigenvalues (or SLQ nodes) of the reference.
+    approx_weights: weights of `approx`; uniform when None.
+    exact_weights: weights of `exact`; uniform when None.
+
+  Returns:
+    The distance over the width of `exact`'s support; over its largest
+    `|value|` when the width is 0, and the raw distance if that is 0 too.
+  """
+  approx = np.asarray(approx, np.float64)
+  exact = np.asarray(exact, np.float64)
+  distance = wasserstein_distance(approx, exact, approx_weights, exact_weights)
+  # Nodes without weight (e.g. SLQ past a breakdown) are not in the support.
+  support = exact[_weights(exact, exact_weights) > 0]
+  scale = support.max() - support.min()
+  if scale == 0:
+    scale = np.abs(support).max()
+  return float(distance / scale if scale > 0 else distance)
+
+
+def condition_number(values, floor: float) -> float:
+  """`max |λ| / min |λ|` over the eigenvalues with `|λ| > floor`.
+
+  Eigenvalues at or below the floor in magnitude count as the null space
+  (a GGN of rank below its size has one) rather than as tiny eigenvalues
+  that would make the ratio infinite.
+
+  Args:
+    values: eigenvalues, of any sign.
+    floor: magnitude at or below which an eigenvalue is taken for zero.
+
+  Returns:
+    The ratio, or nan when no eigenvalue is above the floor.
+  """
+  kept = np.abs(np.asarray(values, np.float64))
+  kept = kept[kept > floor]
+  return float(kept.max() / kept.min()) if kept.size else float("nan")
+
+
+def num_outliers(values, k: int, min_gap: float = 2.0) -> int:
+  """The number of top eigenvalues that stand apart from the bulk.
+
+  The outliers of a network's Hessian (Ghorbani et al. 2019, Papyan 2019)
+  sit above a gap from the bulk. Here the gap is the largest ratio
+  `λ_i / λ_{i+1}` between consecutive ones of the `k + 1` largest positive
+  eigenvalues (sorted descending); when it is at least `min_gap`, the
+  outliers are `λ_1 .. λ_i`.
+
+  Args:
+    values: eigenvalues, of any sign; only positive ones are considered.
+    k: most outliers to look for.
+    min_gap: smallest ratio that counts as a gap.
+
+  Returns:
+    The number of outliers, between 0 and `k`.
+  """
+  values = np.asarray(values, np.float64)
+  top = np.sort(values[values > 0])[::-1][:k + 1]
+  if top.size < 2:
+    return 0
+  ratios = top[:-1] / top[1:]
+  i = int(np.argmax(ratios))
+  return i + 1 if ratios[i] >= min_gap else 0
+
+
+def negative_mass(values, weights=None, floor: float = 0.0) -> float:
+  """The weighted fraction of eigenvalues below `-floor`.
+
+  Args:
+    values: eigenvalues (or SLQ nodes).
+    weights: their weights; uniform when None.
+    floor: eigenvalues within `floor` of zero count as zero (a null space
+      has round-off of either sign).
+
+  Returns:
+    A number in [0, 1].
+  """
+  values = np.asarray(values, np.float64)
+  return float(np.sum(_weights(values, weights)[values < -floor]))
+
+
+def negative_ratio(values) -> float:
+  """`|λ_min| / λ_max`, the ratio Ghorbani et al. (2019) track.
+
+  Args:
+    values: eigenvalues, of any sign.
+
+  Returns:
+    The most negative eigenvalue's magnitude over the largest eigenvalue;
+    0 when none is negative, nan when `λ_max <= 0`.
+  """
+  values = np.asarray(values, np.float64)
+  top = values.max()
+  if top <= 0:
+    return float("nan")
+  return float(max(-values.min(), 0.0) / top)

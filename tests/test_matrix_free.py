@@ -1,5 +1,7 @@
 """Matrix-free spectral estimates against NumPy's eigh, exact traces and the
-harness's earlier hand-written Lanczos, SLQ and Hutchinson code (float64)."""
+harness's earlier hand-written Lanczos, SLQ and Hutchinson code; trace and
+diagonal estimators against exact values and their known variances
+(float64)."""
 
 import jax
 import jax.flatten_util
@@ -54,6 +56,19 @@ def _rows(tree):
   """A pytree with a leading axis -> a (leading, dim) array."""
   return np.asarray(jax.vmap(lambda t: jax.flatten_util.ravel_pytree(t)[0])(
       tree))
+
+
+def _symmetric(n, seed):
+  """A random symmetric matrix, indefinite, with every entry nonzero."""
+  b = np.random.default_rng(seed).normal(size=(n, n))
+  return (b + b.T) / 2
+
+
+def _with_spectrum(eigenvalues, seed):
+  """A symmetric matrix with the given eigenvalues and random eigenvectors."""
+  n = len(eigenvalues)
+  q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+  return (q * np.asarray(eigenvalues)) @ q.T
 
 
 def _hutchinson_sigma(matrix, num):
@@ -243,6 +258,122 @@ def test_equals_the_hand_written_reference(iters):
   assert float(value) == pytest.approx(ref, rel=1e-12)
 
 
+def test_hutchinson_trace_is_the_probe_mean_with_its_standard_error():
+  a, probes, key = _symmetric(N, seed=9), PROBES, jax.random.PRNGKey(7)
+  estimate, sem = mf.hutchinson_trace(_flat_matvec, jnp.zeros(N), probes, key,
+                                      jnp.asarray(a))
+  v = _rows(mf.rademacher_sampler(jnp.zeros(N), probes)(key))
+  forms = np.einsum("pi,ij,pj->p", v, a, v)
+  assert float(estimate) == pytest.approx(np.mean(forms), rel=1e-12)
+  assert float(sem) == pytest.approx(
+      np.std(forms, ddof=1) / np.sqrt(probes), rel=1e-12)
+
+
+def test_hutchinson_trace_and_standard_error_match_theory():
+  a, probes = _symmetric(N, seed=10), 4000
+  assert np.linalg.eigvalsh(a).min() < 0 < np.linalg.eigvalsh(a).max()
+  estimate, sem = mf.hutchinson_trace(_flat_matvec, jnp.zeros(N), probes,
+                                      jax.random.PRNGKey(8), jnp.asarray(a))
+  sigma = _hutchinson_sigma(a, probes)
+  assert float(sem) == pytest.approx(sigma, rel=0.15)
+  assert abs(float(estimate) - np.trace(a)) < 4 * float(sem)
+  assert 4 * sigma < 0.2 * np.linalg.norm(a)  # the check is not vacuous
+
+
+XN, XPROBES = 40, 8  # XTrace estimates (not traces exactly) for 2 * 8 < 40
+
+
+def test_xtrace_is_exact_below_the_probe_count():
+  a = _with_spectrum([-3.0, -1.0, 2.0, 5.0] + [0.0] * (XN - 4), seed=11)
+  estimate, sem = mf.xtrace(_flat_matvec, jnp.zeros(XN), XPROBES,
+                            jax.random.PRNGKey(9), jnp.asarray(a))
+  assert float(estimate) == pytest.approx(np.trace(a), abs=1e-8)
+  assert float(sem) < 1e-8
+  # Hutchinson with as many matvecs is far off on the same operator.
+  hutch, _ = mf.hutchinson_trace(_flat_matvec, jnp.zeros(XN), 2 * XPROBES,
+                                 jax.random.PRNGKey(9), jnp.asarray(a))
+  assert abs(float(hutch) - np.trace(a)) > 1e-3
+
+
+def test_xtrace_error_is_within_its_standard_errors_at_full_rank():
+  a = jnp.asarray(_symmetric(XN, seed=12))
+  errors, sems = [], []
+  for seed in range(10):
+    estimate, sem = mf.xtrace(_flat_matvec, jnp.zeros(XN), XPROBES,
+                              jax.random.PRNGKey(seed), a)
+    errors.append(float(estimate) - np.trace(a))
+    sems.append(float(sem))
+  errors, sems = np.asarray(errors), np.asarray(sems)
+  assert np.all(sems > 0)
+  # A leave-one-out error estimate from 8 probes is itself noisy: most, not
+  # all, errors fall within 4 of them.
+  assert np.mean(np.abs(errors) < 4 * sems) >= 0.8
+  # On average it has the size of the actual error.
+  rms = np.sqrt(np.mean(errors ** 2))
+  assert 0.5 < rms / np.sqrt(np.mean(sems ** 2)) < 2
+
+
+def test_xtrace_beats_hutchinson_on_a_decaying_spectrum():
+  signs = np.random.default_rng(13).choice([-1.0, 1.0], XN)
+  a = jnp.asarray(_with_spectrum(signs / np.arange(1, XN + 1) ** 2, seed=14))
+  x_errors, h_errors = [], []
+  for seed in range(5):
+    key = jax.random.PRNGKey(seed)
+    x, _ = mf.xtrace(_flat_matvec, jnp.zeros(XN), XPROBES, key, a)
+    # As many matvecs: XTrace spends two per probe.
+    h, _ = mf.hutchinson_trace(_flat_matvec, jnp.zeros(XN), 2 * XPROBES, key,
+                               a)
+    x_errors.append(abs(float(x) - np.trace(a)))
+    h_errors.append(abs(float(h) - np.trace(a)))
+  assert np.mean(x_errors) < 0.25 * np.mean(h_errors)
+
+
+def test_stochastic_diagonal_is_exact_for_a_diagonal_operator():
+  d = np.random.default_rng(15).normal(size=N)
+  diagonal, sem = mf.stochastic_diagonal(_flat_matvec, jnp.zeros(N), PROBES,
+                                         jax.random.PRNGKey(0),
+                                         jnp.asarray(np.diag(d)))
+  np.testing.assert_allclose(diagonal, d, rtol=1e-12)
+  np.testing.assert_allclose(sem, np.zeros(N), atol=1e-12)
+
+
+def test_stochastic_diagonal_is_within_its_standard_errors():
+  a, probes = _symmetric(N, seed=16), 2000
+  diagonal, sem = mf.stochastic_diagonal(_flat_matvec, jnp.zeros(N), probes,
+                                         jax.random.PRNGKey(1), jnp.asarray(a))
+  diagonal, sem = np.asarray(diagonal), np.asarray(sem)
+  # Entry i of v * (A v) is A_ii + sum_{j != i} A_ij v_i v_j.
+  sigma = np.sqrt((np.sum(a ** 2, axis=1) - np.diag(a) ** 2) / probes)
+  np.testing.assert_allclose(sem, sigma, rtol=0.15)
+  inside = np.abs(diagonal - np.diag(a)) < 4 * sem
+  assert np.mean(inside) >= 0.9
+  assert np.max(4 * sem) < 0.5 * np.max(np.abs(np.diag(a)))  # not vacuous
+
+
+def test_pytree_operators_give_the_flat_results():
+  a = _symmetric(N, seed=17)
+  key = jax.random.PRNGKey(3)
+  for estimator in (mf.hutchinson_trace, mf.xtrace):
+    tree = estimator(_tree_matvec, _like(), PROBES, key, jnp.asarray(a))
+    flat = estimator(_flat_matvec, jnp.zeros(N), PROBES, key, jnp.asarray(a))
+    np.testing.assert_allclose(tree, flat, rtol=1e-12)
+  tree = mf.stochastic_diagonal(_tree_matvec, _like(), PROBES, key,
+                                jnp.asarray(a))
+  flat = mf.stochastic_diagonal(_flat_matvec, jnp.zeros(N), PROBES, key,
+                                jnp.asarray(a))
+  for tree_part, flat_part in zip(tree, flat):
+    assert set(tree_part) == set(LIKE_SHAPES)
+    assert all(tree_part[k].shape == s for k, s in LIKE_SHAPES.items())
+    np.testing.assert_allclose(_rows(jax.tree.map(lambda x: x[None],
+                                                  tree_part))[0],
+                               flat_part, rtol=1e-12)
+
+
+def test_xtrace_names_too_many_probes():
+  with pytest.raises(ValueError, match="num_probes <= the operator's dim"):
+    mf.xtrace(_flat_matvec, jnp.zeros(3), 4, jax.random.PRNGKey(0), jnp.eye(3))
+
+
 @pytest.mark.parametrize("call, name", [
     (lambda: mf.top_k_eigenpairs(_flat_matvec, jnp.zeros(3), 0, 3,
                                  jax.random.PRNGKey(0), jnp.eye(3)), "k"),
@@ -251,7 +382,9 @@ def test_equals_the_hand_written_reference(iters):
     (lambda: mf.relative_frobenius(_flat_matvec, _flat_matvec, jnp.zeros(3),
                                    0, jax.random.PRNGKey(0), jnp.eye(3)),
      "num_probes"),
-])
+] + [(lambda f=f: f(_flat_matvec, jnp.zeros(3), 0, jax.random.PRNGKey(0),
+                   jnp.eye(3)), "num_probes")
+     for f in (mf.hutchinson_trace, mf.xtrace, mf.stochastic_diagonal)])
 def test_bad_counts_are_named(call, name):
   with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
     call()
