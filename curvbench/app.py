@@ -38,8 +38,9 @@ def skip_reason(cfg) -> str | None:
   """Why this sweep point repeats another one (None when it does not)."""
   canon = cfg.canonical
   kind, opt = cfg.measure.kind, cfg.optimizer.name
-  if kind in ("spectra", "timing") and opt != canon.optimizer:
-    return (f"{kind} does not use the optimizer; it runs with "
+  trains = measurements.uses_optimizer(cfg)
+  if not trains and opt != canon.optimizer:
+    return (f"this {kind} run does not use the optimizer; it runs with "
             f"optimizer={canon.optimizer} only")
   if not measurements.uses_curvature(cfg):
     if (cfg.curvature.name != canon.curvature
@@ -51,8 +52,7 @@ def skip_reason(cfg) -> str | None:
   if not family.uses_estimation_mode and cfg.curvature.mode != canon.mode:
     return (f"{cfg.curvature.name} ignores curvature.mode; it runs with "
             f"mode={canon.mode} only")
-  if (kind == "training"
-      and not training.optimizer_kind(opt).accepts(family)):
+  if trains and not training.optimizer_kind(opt).accepts(family):
     return (f"optimizer={opt} cannot train with curvature="
             f"{cfg.curvature.name}")
   return None
@@ -73,6 +73,7 @@ def environment() -> dict:
 def _identity(cfg, curvature) -> dict:
   kind, opt = cfg.measure.kind, cfg.optimizer.name
   uses_curvature = measurements.uses_curvature(cfg)
+  trains = measurements.uses_optimizer(cfg)
   label = curvature.label if uses_curvature else None
   method = (label if kind != "training" else
             (f"{opt}[{label}]" if uses_curvature else opt))
@@ -81,7 +82,7 @@ def _identity(cfg, curvature) -> dict:
               estimator=cfg.curvature.estimator if uses_curvature else None,
               block_type=curvature.block_type if uses_curvature else None,
               mode=curvature.mode if uses_curvature else None,
-              optimizer=opt if kind == "training" else None, seed=cfg.seed)
+              optimizer=opt if trains else None, seed=cfg.seed)
 
 
 def registration(problem, curvature, params, batch, rng) -> dict:
@@ -132,7 +133,8 @@ def measure(cfg, run_dir) -> None:
     ident.update(run=run_dir.path.name, num_params=problem.num_params,
                  batch_size=len(batch[0]))
     tables = measurements.MEASUREMENTS[kind](
-        problem, curvature, params, batch, cfg, jax.random.fold_in(rng, 1))
+        problem, curvature, params, batch, cfg, jax.random.fold_in(rng, 1),
+        run_dir)
     for name, rows in tables.items():
       run_dir.write_table(name, records.tidy(rows, **ident))
 

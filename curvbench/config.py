@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 import estimators
 import problems
-from curvbench import curvatures, measurements, spectra, timing, training
+from curvbench import curvatures, data, measurements, spectra, timing
+from curvbench import training
 
 
 def _conf_dir() -> Path:
@@ -69,3 +70,11 @@ def validate(cfg: DictConfig) -> None:
     if value not in allowed:
       raise ValueError(f"Unknown {key} {value!r}; choose one of "
                        f"{', '.join(map(str, allowed))}.")
+  data.parse_scope(cfg.measure.spectra.data)
+  num_steps = int(cfg.measure.training.num_steps)
+  for key in ("spectra.steps", "training.checkpoint_steps"):
+    kind, name = key.split(".")
+    try:
+      training.measurement_steps(cfg.measure[kind][name], num_steps)
+    except ValueError as e:
+      raise ValueError(f"measure.{key}: {e}") from None

@@ -1,7 +1,8 @@
 """One interface over every curvature the harness compares.
 
 A `Curvature` has pure, jittable methods (`init`, `update`, `refresh`,
-`multiply`, `precondition`, `eigenvalues`, `to_dense`); measurements use only
+`multiply`, `operator`, `precondition`, `eigenvalues`, `to_dense`);
+measurements use only
 these and never ask which estimator sits behind them. Each estimator family
 is one subclass, registered in `FAMILIES` under the name its config file
 gives as `estimator`; `make` builds the configured one and `exact` the exact
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.flatten_util
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
+from curvbench.data import Data
 from estimators import estimation_modes
 
 # Block constructors of each block type; {} keeps the library's defaults
@@ -39,13 +43,37 @@ BLOCK_TYPES = {
 # Hessian, which only matrix-vector products give.
 EXACT_MATRICES = (*estimation_modes.EXACT_MODE_OF_MATRIX, "hessian")
 # The products of the matrix-free exact curvature, by matrix name.
-IMPLICIT_PRODUCTS = {"ggn": kfac.ImplicitExactCurvature.multiply_ggn,
-                     "fisher": kfac.ImplicitExactCurvature.multiply_fisher,
-                     "hessian": kfac.ImplicitExactCurvature.multiply_hessian}
+IMPLICIT_PRODUCTS = {
+    "ggn": kfac.ImplicitExactCurvature.multiply_ggn,
+    "fisher": kfac.ImplicitExactCurvature.multiply_fisher,
+    "empirical_fisher": kfac.ImplicitExactCurvature.multiply_empirical_fisher,
+    "hessian": kfac.ImplicitExactCurvature.multiply_hessian}
 
 
 def num_params(params) -> int:
   return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def layer_blocks(loss_fn: Callable, params, batch) -> list[tuple[str, np.ndarray]]:
+  """The network's layer blocks: for each tagged layer, its name (the
+  modules its parameters belong to, e.g. 'dense_0') and the `ravel_pytree`
+  indices of its parameters; the blocks of block-diagonal K-FAC, whatever
+  curvature is measured."""
+  estimator = kfac.BlockDiagonalCurvature(loss_fn)
+  # Tracing builds the blocks; eval_shape spares allocating their state.
+  jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0),
+                                        (params, batch)))
+  which = jax.tree.leaves(estimator.params_block_index)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  starts = np.cumsum([0, *(int(np.size(x)) for _, x in leaves)])
+  blocks = []
+  for index in range(len(estimator.blocks)):
+    mine = [i for i, b in enumerate(which) if b == index]
+    modules = dict.fromkeys(
+        str(getattr(leaves[i][0][0], "key", leaves[i][0][0])) for i in mine)
+    blocks.append(("+".join(modules), np.concatenate(
+        [np.arange(starts[i], starts[i + 1]) for i in mine])))
+  return blocks
 
 
 def check_dense_fits(num: int, itemsize: int, max_gib: float, what: str,
@@ -107,6 +135,15 @@ class Curvature(abc.ABC):
   def multiply(self, state, vector):
     """The undamped estimate times `vector`."""
 
+  def operator(self, state) -> Callable:
+    """`v -> C v` at `state`, for many products at one state (Lanczos, CG).
+
+    A `jax.tree_util.Partial`, so that it can be passed to a jitted
+    function. Families whose products share work at a fixed state override
+    this to do that work once.
+    """
+    return jax.tree_util.Partial(self.multiply, state)
+
   @abc.abstractmethod
   def precondition(self, state, vector, damping):
     """`(C + damping I)^-1 vector`."""
@@ -122,6 +159,31 @@ class Curvature(abc.ABC):
   def registration(self) -> list[dict]:
     """One row per curvature block (after `init`): name, class and size."""
     return [dict(block=self.name, block_class=type(self).__name__, dim=None)]
+
+  def estimate(self, rng, params, data: Data, num_samples: int = 1):
+    """The estimate over every example of `data`, in one compiled scan.
+
+    Each chunk's estimate enters with its number of examples as weight (the
+    estimators keep weighted averages), so the result is the mean over
+    examples; sampled modes average `num_samples` draws per chunk.
+    """
+    state = self.init(rng, params, data.first)
+
+    def add(state, chunk, keys, size):
+      for key in keys:
+        state = self.update(state, params, chunk, key, 1.0, size / num_samples)
+      return state
+
+    def scan(state, rng):
+      keys = jax.random.split(rng, (data.num_chunks + 1, num_samples))
+      state, _ = jax.lax.scan(
+          lambda s, xs: (add(s, xs[0], xs[1], data.chunk_size), None), state,
+          (data.chunks, keys[:-1]))
+      if data.rest is not None:
+        state = add(state, data.rest, keys[-1], data.rest_size)
+      return state
+
+    return jax.jit(scan)(state, rng)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,13 +270,63 @@ class ExplicitExact(_Estimator):
     return super().init(rng, params, batch)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["residuals"], meta_fields=["linear", "sources"])
+@dataclasses.dataclass(frozen=True)
+class _Linearized:
+  """One batch's product `v -> C v` with its forward pass done: the arrays
+  its linear map needs and how to rebuild the map.
+
+  Parameters and batch leaves among those arrays are not kept but passed
+  again at each call, so that stacking over chunks stores only what grows
+  with the examples (found by identity: JAX hands its inputs on as they are).
+  """
+
+  residuals: tuple
+  linear: Any  # the tree structure of `jax.linearize`'s map
+  sources: tuple  # per leaf of that map: ('params'|'batch'|'residuals', i)
+
+  @classmethod
+  def of(cls, multiply: Callable, params, batch) -> _Linearized:
+    """Linearizes `multiply(v)` (linear in `v`) at `params` on `batch`."""
+    # As the product is linear, everything not depending on v (the forward
+    # pass, and the backward pass for the Hessian) is computed here once.
+    _, linear = jax.linearize(multiply, jax.tree.map(jnp.zeros_like, params))
+    leaves, structure = jax.tree.flatten(linear)
+    known = {id(x): ("batch", i) for i, x in enumerate(jax.tree.leaves(batch))}
+    known.update((id(x), ("params", i))
+                 for i, x in enumerate(jax.tree.leaves(params)))
+    residuals, sources = [], []
+    for leaf in leaves:
+      if id(leaf) not in known:
+        known[id(leaf)] = ("residuals", len(residuals))
+        residuals.append(leaf)
+      sources.append(known[id(leaf)])
+    return cls(tuple(residuals), structure, tuple(sources))
+
+  def __call__(self, params, batch, vector):
+    given = dict(params=jax.tree.leaves(params),
+                 batch=jax.tree.leaves(batch), residuals=self.residuals)
+    linear = jax.tree.unflatten(self.linear,
+                                [given[k][i] for k, i in self.sources])
+    return linear(vector)
+
+
+def _linearized_mean(params, linearized: Data, vector):
+  """The example-weighted mean of each chunk's linearized product."""
+  return linearized.mean(lambda chunk: chunk[1](params, chunk[0], vector))
+
+
 @dataclasses.dataclass(frozen=True)
 class ImplicitExact(Curvature):
-  """The exact GGN, Fisher or Hessian through matrix-vector products only.
+  """The exact GGN, Fisher, empirical Fisher or Hessian, through
+  matrix-vector products only.
 
-  The state is the point `(params, batch)`; `update` moves it (no average),
-  the inverse is conjugate gradients on the damped products, and eigenvalues
-  come from a dense export.
+  The state is the point `(params, data)` (a `Data`: a batch or many);
+  products are means over its examples, `update` moves the point (no
+  average), the inverse is conjugate gradients on the damped products, and
+  eigenvalues come from a dense export. `operator` linearizes once for many
+  products; `precondition` and `to_dense` use it.
   """
 
   implicit: kfac.ImplicitExactCurvature = None
@@ -229,34 +341,64 @@ class ImplicitExact(Curvature):
     if matrix not in IMPLICIT_PRODUCTS:
       raise ValueError(
           f"The matrix-free exact curvature multiplies by one of "
-          f"{', '.join(IMPLICIT_PRODUCTS)}, not {matrix!r}"
-          + ("; the empirical Fisher needs a dense method (curvature="
-             "explicit_exact, measure.spectra.method=dense)."
-             if matrix == "empirical_fisher" else "."))
+          f"{', '.join(IMPLICIT_PRODUCTS)}, not {matrix!r}.")
     mode = estimation_modes.EXACT_MODE_OF_MATRIX.get(matrix, matrix)
     return cls(mode=mode, matrix=matrix,
                implicit=kfac.ImplicitExactCurvature(loss_fn), **common)
 
   def init(self, rng, params, batch):
     del rng
-    return (params, batch)
+    return (params, Data.of(batch))
 
   def update(self, state, params, batch, rng, ema_old=0.0, ema_new=1.0):
     del state, rng, ema_old, ema_new
-    return (params, batch)
+    return (params, Data.of(batch))
+
+  def estimate(self, rng, params, data, num_samples=1):
+    del rng, num_samples
+    return (params, data)
 
   def refresh(self, state, damping):
     del damping
     return state
 
+  def _product(self, params, batch):
+    return functools.partial(IMPLICIT_PRODUCTS[self.matrix], self.implicit,
+                             (params, batch))
+
   def multiply(self, state, vector):
-    return IMPLICIT_PRODUCTS[self.matrix](self.implicit, state, vector)
+    params, data = state
+    return data.mean(lambda batch: self._product(params, batch)(vector))
+
+  def operator(self, state):
+    """`v -> C v`, each product without the forward pass.
+
+    The forward pass (and the backward pass, for the Hessian) runs here once
+    per chunk, which keeps what the products' tangent and cotangent passes
+    need: the activations and loss-input derivatives of every example (for
+    the Hessian, also those of the backward pass). Memory grows with the
+    number of examples, to several times the network's activations over
+    all of `data` at once; use `multiply` where that does not fit.
+    """
+    params, data = state
+    linearize = lambda p, batch: _Linearized.of(self._product(p, batch), p,
+                                                batch)
+    # Params as the carry, so that the body sees them as they are and keeps
+    # no copy per chunk.
+    _, chunks = jax.lax.scan(lambda p, batch: (p, linearize(p, batch)),
+                             params, data.chunks)
+    rest = (None if data.rest is None
+            else (data.rest, linearize(params, data.rest)))
+    # Each chunk's batch leads its pytree, so the mean weighs it by its size.
+    return jax.tree_util.Partial(_linearized_mean, params,
+                                 Data((data.chunks, chunks), rest))
 
   def precondition(self, state, vector, damping):
     flat, unravel = jax.flatten_util.ravel_pytree(vector)
+    operator = self.operator(state)
 
     def matvec(x):
-      y = jax.flatten_util.ravel_pytree(self.multiply(state, unravel(x)))[0]
+      y = jax.flatten_util.ravel_pytree(operator(unravel(x)))[0]
       return y + damping * x
 
     solution, _ = jax.scipy.sparse.linalg.cg(matvec, flat,
@@ -267,12 +409,19 @@ class ImplicitExact(Curvature):
     return jnp.linalg.eigvalsh(self.to_dense(state))
 
   def to_dense(self, state):
-    params = state[0]
-    itemsize = jnp.result_type(*jax.tree.leaves(params)).itemsize
-    check_dense_fits(num_params(params), itemsize, self.max_dense_gib,
+    flat, unravel = jax.flatten_util.ravel_pytree(state[0])
+    check_dense_fits(flat.size, flat.dtype.itemsize, self.max_dense_gib,
                      f"A dense export of the exact {self.matrix}",
                      "use measure.spectra.method=lanczos (matrix-free)")
-    return self.implicit.to_dense_matrix(state, self.matrix)
+    operator = self.operator(state)
+
+    def column(e):
+      return jax.flatten_util.ravel_pytree(operator(unravel(e)))[0]
+
+    # Columns in vmapped groups: all at once would hold every column's
+    # tangents for a whole chunk of examples.
+    eye = jnp.eye(flat.size, dtype=flat.dtype)
+    return jax.lax.map(column, eye, batch_size=min(32, flat.size)).T
 
 
 # Estimator families by the name a config gives as `curvature.estimator`.
@@ -316,10 +465,7 @@ def exact(matrix: str, loss_fn: Callable, *, matrix_free: bool,
                            loss_fn, default_estimation_mode=mode), **common)
 
 
-def estimate(curvature: Curvature, rng, params, batch, num_samples: int = 1):
-  """The curvature's state averaged over `num_samples` draws on one batch."""
-  state = curvature.init(rng, params, batch)
-  update = jax.jit(curvature.update)
-  for i, key in enumerate(jax.random.split(rng, num_samples)):
-    state = update(state, params, batch, key, i / (i + 1), 1 / (i + 1))
-  return state
+def estimate(curvature: Curvature, rng, params, data, num_samples: int = 1):
+  """`curvature`'s state over `data` (a batch or a `Data`), averaged over
+  `num_samples` draws of a sampled estimation mode."""
+  return curvature.estimate(rng, params, Data.of(data), num_samples)

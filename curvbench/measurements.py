@@ -1,18 +1,23 @@
 """What one run measures: each kind turns a problem and a curvature into tables.
 
-A measurement is `fn(problem, curvature, params, batch, cfg, rng)` returning
-`{table name: rows}`, `cfg` the whole run config; `MEASUREMENTS` maps the
-config's `measure.kind` to it. Adding a kind means adding one function here
-and one file in conf/measure/.
+A measurement is `fn(problem, curvature, params, batch, cfg, rng, run_dir)`
+returning `{table name: rows}`, `cfg` the whole run config and `run_dir` the
+`records.RunDir` (for checkpoints); `MEASUREMENTS` maps the config's
+`measure.kind` to it. Adding a kind means adding one function here and one
+file in conf/measure/.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 from omegaconf import DictConfig, OmegaConf
 
-from curvbench import spectra, timing, training
+from curvbench import checkpoints, data, spectra, timing, training
+from curvbench.costs import Costs
 
 
 def section(node) -> dict:
@@ -28,13 +33,92 @@ def uses_curvature(cfg: DictConfig) -> bool:
           or training.optimizer_kind(cfg.optimizer.name).uses_curvature)
 
 
-def measure_spectra(problem, curvature, params, batch, cfg, rng):
-  spectrum, quality = spectra.measure(problem.loss_fn, curvature, params,
-                                      batch, section(cfg.measure.spectra), rng)
-  return dict(spectra=spectrum, quality=quality)
+def uses_optimizer(cfg: DictConfig) -> bool:
+  """Whether the run trains: training runs, and spectra taken after step 0
+  of a training run (rather than from a checkpoint)."""
+  if cfg.measure.kind == "training":
+    return True
+  spec = cfg.measure.spectra
+  return (cfg.measure.kind == "spectra" and spec.checkpoint is None
+          and spec.steps != [0])
 
 
-def measure_timing(problem, curvature, params, batch, cfg, rng):
+def _checkpoint_params(path, steps, problem, params):
+  """`{step: params}` from a checkpoint file, or from a run directory's
+  checkpoints at `steps`, checked against the problem's `params`."""
+  path = Path(path)
+  if path.is_dir():
+    found = checkpoints.steps_in(path)
+    missing = [s for s in steps if s not in found]
+    if missing:
+      raise ValueError(
+          f"No checkpoint for steps {missing} in {path} (it has steps "
+          f"{sorted(found)}): measure at those, or train further.")
+    files = {s: found[s] for s in steps}
+  else:
+    files = {None: path}
+  out = {}
+  for step, file in files.items():
+    loaded, info = checkpoints.load(file)
+    checkpoints.check_matches(loaded, params, path=file,
+                              problem=info["problem"],
+                              expected_problem=problem.name)
+    dtype = jax.tree.leaves(params)[0].dtype
+    out[info["step"]] = jax.tree.map(lambda x: jnp.asarray(x, dtype), loaded)
+  return out
+
+
+def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
+  """Spectra, quality, statistics and heatmaps at each chosen point: steps
+  of a training run (trained here with the optimizer group, checkpoints
+  saved) or saved checkpoints; a `cost` table says what each phase took."""
+  del batch
+  spec = section(cfg.measure.spectra)
+  train_cfg = section(cfg.measure.training)
+  steps = training.measurement_steps(spec["steps"],
+                                     int(train_cfg["num_steps"]))
+  if not steps:
+    raise ValueError("measure.spectra.steps is empty: give at least one "
+                     "training step to measure at (0: initialisation).")
+  dtype = jax.tree.leaves(params)[0].dtype
+  examples = data.select(problem, spec["data"], cfg.measure.batch_size,
+                         spec["chunk_size"], dtype)
+  scope = dict(data=spec["data"])
+  tables = {name: [] for name in (*spectra.TABLES, "cost", "training")}
+
+  def at(step, point):
+    costs = Costs(step=step, **scope)
+    for name, rows in spectra.measure(problem.loss_fn, curvature, point,
+                                      examples, spec, rng, costs).items():
+      tables[name] += [dict(step=step, **scope, **row) for row in rows]
+    tables["cost"] += costs.rows
+    if spec["save_checkpoints"]:
+      checkpoints.save(checkpoints.path_for(run_dir.path / "checkpoints",
+                                            step), point, step=step,
+                       problem=problem.name)
+
+  if spec["checkpoint"] is not None:
+    for step, point in _checkpoint_params(spec["checkpoint"], steps, problem,
+                                          params).items():
+      at(step, point)
+  elif steps == [0]:
+    at(0, params)
+  else:
+    name = cfg.optimizer.name
+    optimizer = training.make_optimizer(problem.loss_fn,
+                                        section(cfg.optimizer), curvature)
+    rows = training.run(problem, optimizer, params, train_cfg,
+                        jax.random.fold_in(rng, 2), progress=cfg.progress,
+                        at_steps=steps, on_step=at)
+    # The loss curve is the optimizer's, labelled as a training run's.
+    method = (f"{name}[{curvature.label}]"
+              if training.optimizer_kind(name).uses_curvature else name)
+    tables["training"] = [dict(row, method=method) for row in rows]
+  return {name: rows for name, rows in tables.items() if rows}
+
+
+def measure_timing(problem, curvature, params, batch, cfg, rng, run_dir):
+  del run_dir
   rows = timing.measure(problem.loss_fn, curvature, params, batch,
                         section(cfg.measure.timing), rng,
                         progress=cfg.progress)
@@ -44,12 +128,21 @@ def measure_timing(problem, curvature, params, batch, cfg, rng):
   return dict(timing=[dict(device, **row) for row in rows])
 
 
-def measure_training(problem, curvature, params, batch, cfg, rng):
+def measure_training(problem, curvature, params, batch, cfg, rng, run_dir):
+  """The loss curve; checkpoints at `measure.training.checkpoint_steps`."""
   del batch
+  train_cfg = section(cfg.measure.training)
+  steps = training.measurement_steps(train_cfg["checkpoint_steps"],
+                                     int(train_cfg["num_steps"]))
+
+  def save(step, point):
+    checkpoints.save(checkpoints.path_for(run_dir.path / "checkpoints", step),
+                     point, step=step, problem=problem.name)
+
   optimizer = training.make_optimizer(problem.loss_fn, section(cfg.optimizer),
                                       curvature)
-  rows = training.run(problem, optimizer, params, section(
-      cfg.measure.training), rng, progress=cfg.progress)
+  rows = training.run(problem, optimizer, params, train_cfg, rng,
+                      progress=cfg.progress, at_steps=steps, on_step=save)
   return dict(training=rows)
 
 

@@ -13,7 +13,10 @@ import pandas as pd
 
 from curvbench import curvatures, plots, records
 
-TABLES = ("spectra", "quality", "timing", "training")
+TABLES = ("spectra", "quality", "statistics", "heatmaps", "cost", "timing",
+          "training")
+# Columns that records written before measurements along training lack.
+WHERE = dict(step=0, data="batch", block="all")
 
 
 def load_sweep(root) -> dict[str, pd.DataFrame]:
@@ -25,18 +28,38 @@ def load_sweep(root) -> dict[str, pd.DataFrame]:
     for name, df in run.tables().items():
       if name in parts:
         parts[name].append(df.assign(run_dir=str(run.path.relative_to(root))))
-  return {name: pd.concat(dfs, ignore_index=True)
-          for name, dfs in parts.items() if dfs}
+  tables = {name: pd.concat(dfs, ignore_index=True)
+            for name, dfs in parts.items() if dfs}
+  for name in ("spectra", "quality"):
+    if name in tables:
+      for column, value in WHERE.items():
+        if column != "block" or name == "quality":
+          tables[name][column] = tables[name].get(column, value)
+          tables[name][column] = tables[name][column].fillna(value)
+  return tables
 
 
 def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
   """Small tables for reading: one row per problem and method."""
   out = {}
   if "quality" in tables:
-    out["quality"] = tables["quality"].pivot_table(
-        index=["problem", "reference", "block_type", "method"],
-        columns="metric", values="value", aggfunc="mean",
-        dropna=False).dropna(how="all").reset_index()
+    q = tables["quality"]
+    for name, part in (("quality", q[q.block == "all"]),
+                       ("quality_blocks", q[q.block != "all"])):
+      if not part.empty:
+        out[name] = part.pivot_table(
+            index=["problem", "data", "step", "reference", "block_type",
+                   "method", "block"], columns="metric", values="value",
+            aggfunc="mean", dropna=False).dropna(how="all").reset_index()
+  if "statistics" in tables:
+    out["statistics"] = tables["statistics"].pivot_table(
+        index=["problem", "data", "step", "source", "matrix"],
+        columns="statistic", values="value", aggfunc="mean").reset_index()
+  if "cost" in tables:
+    out["cost"] = tables["cost"].pivot_table(
+        index=["problem", "method", "data", "phase"],
+        values=["compile_s", "run_s", "program_bytes"],
+        aggfunc="mean").reset_index()
   if "timing" in tables:
     t = tables["timing"]
     out["timing"] = t.pivot_table(
@@ -111,6 +134,9 @@ def write(root, out=None) -> dict[str, list[Path]]:
     written["tables"].append(path)
   lines = [f"# curvbench report: {root}", ""]
   titles = dict(quality="Approximation quality (vs the exact matrix)",
+                quality_blocks="Approximation quality per layer block",
+                statistics="Spectrum statistics",
+                cost="Cost of each measured phase (mean over steps)",
                 timing="Time per phase / time of a gradient step",
                 timing_seconds="Seconds per phase (median) and compile time",
                 training="Training")

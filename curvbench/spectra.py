@@ -1,39 +1,51 @@
 """Eigenvalue spectra of exact curvatures and their approximations.
 
-Two methods, both comparing one configured `Curvature` with the exact matrix
-it estimates (its `matrix`: GGN, Fisher or empirical Fisher; or the Hessian):
+`measure` compares one configured `Curvature` with the exact matrix it
+estimates (its `matrix`: GGN, Fisher, empirical Fisher, or the Hessian) at
+one point, over a `Data` (a batch, N batches or the training split), and
+returns four tables:
 
-- `dense` (small models): every matrix is formed densely; all eigenvalues,
-  the Frobenius error, the damped natural-gradient cosine and the top-k
-  eigenspace overlap are exact.
-- `lanczos` (large models): only matrix-vector products. Top-k eigenpairs by
-  Lanczos, densities by stochastic Lanczos quadrature (SLQ) and the Frobenius
-  error by Hutchinson probes (all from matfree, see `curvbench.matrix_free`),
-  and the exact direction by CG.
+- `spectra`: signed eigenvalues with weights (1/P for full spectra, Gauss
+  weights for stochastic Lanczos quadrature), per matrix.
+- `quality`: approximation-quality metrics for the whole network
+  (`block='all'`) and for each layer block (the exact diagonal block
+  against the approximation's).
+- `statistics`: trace, condition number, outliers, negative mass, ... of
+  each exact matrix and of the approximation (`stderr` 0 where exact).
+- `heatmaps`: the exact and approximate matrix and damped inverse over a
+  few subsampled units of a few layers (as in Martens & Grosse 2015, Fig. 2).
+
+Two methods:
+
+- `dense` (small models): every matrix is formed; everything is exact.
+- `lanczos` (large models): only matrix-vector products. Top-k by Lanczos,
+  densities by SLQ, Frobenius errors, traces (Hutchinson, XTrace) and
+  diagonals by random probes (`curvbench.matrix_free`), exact directions by
+  CG.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.flatten_util
+import jax.numpy as jnp
 import numpy as np
 
 from curvbench import curvatures, matrix_free, metrics
+from curvbench.costs import Costs
+from curvbench.data import Data
+
+TABLES = ("spectra", "quality", "statistics", "heatmaps")
 
 
-
-def exact_dense(loss_fn, params, batch, matrix: str, rng) -> np.ndarray:
-  """The exact `matrix` (one of `curvatures.EXACT_MATRICES`) as a dense
-  float64 numpy array."""
-  exact = curvatures.exact(matrix, loss_fn, matrix_free=False)
-  state = curvatures.estimate(exact, rng, params, batch)
-  return np.asarray(jax.jit(exact.to_dense)(state), np.float64)
+def _flat(tree) -> np.ndarray:
+  return np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
 
 
-def _approx_direction(curvature, state, grads, damping):
-  state = jax.jit(curvature.refresh)(state, damping)
-  direction = jax.jit(curvature.precondition)(state, grads, damping)
-  return np.asarray(jax.flatten_util.ravel_pytree(direction)[0], np.float64)
+def mean_gradient(loss_fn, params, data: Data):
+  """The gradient of the loss averaged over every example of `data`."""
+  return jax.jit(lambda p, d: d.mean(lambda b: jax.grad(loss_fn)(p, b)))(
+      params, data)
 
 
 def _spectrum_rows(source, matrix, values, weights=None, reference=None):
@@ -45,52 +57,166 @@ def _spectrum_rows(source, matrix, values, weights=None, reference=None):
           for i, (v, w) in enumerate(zip(values, weights))]
 
 
-def _quality_rows(reference, values: dict):
-  return [dict(reference=reference, metric=k, value=float(v))
+def _quality_rows(reference, block, values: dict):
+  return [dict(reference=reference, block=block, metric=k, value=float(v))
           for k, v in values.items()]
 
 
-def measure_dense(loss_fn, curvature, params, batch, cfg, rng):
-  """Spectrum and quality rows for a model small enough for dense matrices."""
+def _statistic_rows(source, matrix, values: dict, stderr: dict = None):
+  stderr = stderr or {}
+  return [dict(source=source, matrix=matrix, statistic=k, value=float(v),
+               stderr=float(stderr.get(k, 0.0))) for k, v in values.items()]
+
+
+def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
+  """Statistics of a signed spectrum (weighted samples for SLQ); `top`: the
+  largest eigenvalues where they are known better than from `values`.
+
+  `condition_number` is over the eigenvalues above the relative floor (the
+  rest count as the null space); `damped_condition_number` is that of the
+  matrix plus `damping`, as a damped preconditioner sees it.
+  """
+  values = np.asarray(values, np.float64)
+  top = np.sort(values)[::-1] if top is None else np.asarray(top)
+  top = top[np.isfinite(top)]
+  floor = float(cfg["relative_floor"]) * float(np.max(np.abs(values)))
+  damping = float(cfg["damping"])
+  lowest = float(values.min())
+  return dict(max_eigenvalue=float(top[0]), min_eigenvalue=lowest,
+              condition_number=metrics.condition_number(values, floor),
+              # What a damped preconditioner sees; undefined when indefinite.
+              damped_condition_number=(top[0] + damping) / (lowest + damping)
+              if lowest + damping > 0 else np.nan,
+              num_outliers=metrics.num_outliers(top, int(cfg["top_k"])),
+              negative_mass=metrics.negative_mass(values, weights, floor),
+              negative_ratio=abs(min(values.min(), 0.0)) / top[0]
+              if top[0] > 0 else np.nan)
+
+
+# --- dense method ------------------------------------------------------------
+
+def _dense_exact(loss_fn, matrix, params, data, rng, costs):
+  exact = curvatures.exact(matrix, loss_fn, matrix_free=False)
+  dense = costs.call(f"exact {matrix}",
+                     lambda p, d, k: exact.to_dense(exact.estimate(k, p, d)),
+                     params, data, rng)
+  dense = np.asarray(dense, np.float64)
+  return 0.5 * (dense + dense.T)
+
+
+def dense_metrics(approx, exact, approx_dir, exact_dir, k, floor,
+                  approx_eigh=None, exact_eigh=None) -> dict:
+  """Quality of the dense `approx` against `exact`, given both damped
+  natural-gradient directions (and their `np.linalg.eigh`, if at hand)."""
+  approx_eigs, approx_vecs = approx_eigh or np.linalg.eigh(approx)
+  exact_eigs, exact_vecs = exact_eigh or np.linalg.eigh(exact)
+  k = min(k, len(exact_eigs))
+  return dict(
+      relative_frobenius=metrics.relative_frobenius(approx, exact),
+      spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
+      log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
+      natural_gradient_cosine=metrics.cosine(approx_dir, exact_dir),
+      top_k_overlap=metrics.subspace_overlap(approx_vecs[:, ::-1][:, :k],
+                                             exact_vecs[:, ::-1][:, :k]),
+      top_eigenvalue_ratio=approx_eigs[-1] / exact_eigs[-1],
+      trace_ratio=np.trace(approx) / np.trace(exact),
+      diagonal_relative_error=metrics.relative_frobenius(
+          np.diag(approx), np.diag(exact)))
+
+
+def _damped_solve(matrix, vector, damping):
+  return np.linalg.solve(matrix + damping * np.eye(len(matrix)), vector)
+
+
+def heatmap_units(blocks, num_blocks: int, units: int) -> list[tuple]:
+  """`(block name, indices)` of `units` evenly spaced parameters in each of
+  the `num_blocks` middle layer blocks."""
+  if num_blocks < 1 or units < 1:
+    return []
+  start = max(0, (len(blocks) - num_blocks) // 2)
+  chosen = blocks[start:start + num_blocks]
+  return [(name, idx[np.unique(np.linspace(0, len(idx) - 1, units)
+                               .round().astype(int))]) for name, idx in chosen]
+
+
+def _heatmap_rows(source, kind, reference, sub, units):
+  """Rows of `sub`, a matrix over the concatenated indices of `units`."""
+  names = np.concatenate([[n] * len(i) for n, i in units])
+  return [dict(source=source, kind=kind, reference=reference, row=r, col=c,
+               row_block=names[r], col_block=names[c], value=float(sub[r, c]))
+          for r in range(len(names)) for c in range(len(names))]
+
+
+def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
+  """Every table, from dense matrices (small models)."""
   curvatures.check_dense_fits(
       curvatures.num_params(params), 8, float(cfg["max_dense_gib"]),
       "The dense spectra method",
       "use measure.spectra.method=lanczos (matrix-free)")
-  references = list(cfg["references"])
-  if curvature.matrix not in references:
-    references.append(curvature.matrix)
-  exact = {m: exact_dense(loss_fn, params, batch, m, rng) for m in references}
+  references = list(dict.fromkeys([*cfg["references"], curvature.matrix]))
+  exact = {m: _dense_exact(loss_fn, m, params, data, rng, costs)
+           for m in references}
+  tables = {name: [] for name in TABLES}
   reference = exact[curvature.matrix]
-  exact_eigs, exact_vecs = np.linalg.eigh(reference)
-  spectra = []
+  exact_eigh = np.linalg.eigh(reference)
   for m, matrix in exact.items():
-    values = exact_eigs if m == curvature.matrix else np.linalg.eigvalsh(matrix)
-    spectra += _spectrum_rows("exact", m, values)
+    values = (exact_eigh[0] if m == curvature.matrix
+              else np.linalg.eigvalsh(matrix))
+    tables["spectra"] += _spectrum_rows("exact", m, values)
+    tables["statistics"] += _statistic_rows(
+        "exact", m, dict(trace=np.trace(matrix),
+                         **spectrum_statistics(values, cfg)))
 
-  state = curvatures.estimate(curvature, rng, params, batch,
-                              int(cfg["num_samples"]))
+  state = costs.call("approx estimate", lambda p, d, k: curvature.estimate(
+      k, p, d, int(cfg["num_samples"])), params, data, rng)
   approx = np.asarray(jax.jit(curvature.to_dense)(state), np.float64)
   approx = 0.5 * (approx + approx.T)
-  approx_eigs = np.sort(np.asarray(jax.jit(curvature.eigenvalues)(state),
-                                   np.float64))
-  spectra += _spectrum_rows("approx", curvature.label, approx_eigs,
-                            reference=curvature.matrix)
+  approx_eigh = np.linalg.eigh(approx)
+  approx_eigs = approx_eigh[0]
+  tables["spectra"] += _spectrum_rows("approx", curvature.label, approx_eigs,
+                                      reference=curvature.matrix)
+  tables["statistics"] += _statistic_rows(
+      "approx", curvature.label, dict(trace=np.trace(approx),
+                                      **spectrum_statistics(approx_eigs, cfg)))
 
   damping, k = float(cfg["damping"]), int(cfg["top_k"])
-  floor = float(cfg["relative_floor"]) * np.max(np.abs(exact_eigs))
-  grads = jax.grad(loss_fn)(params, batch)
-  g = np.asarray(jax.flatten_util.ravel_pytree(grads)[0], np.float64)
-  exact_dir = exact_vecs @ ((exact_vecs.T @ g) / (exact_eigs + damping))
-  quality = _quality_rows(curvature.matrix, dict(
-      relative_frobenius=metrics.relative_frobenius(approx, reference),
-      log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
-      natural_gradient_cosine=metrics.cosine(
-          _approx_direction(curvature, state, grads, damping), exact_dir),
-      top_k_overlap=metrics.subspace_overlap(
-          metrics.top_eigenvectors(approx, k), exact_vecs[:, ::-1][:, :k]),
-      top_eigenvalue_ratio=approx_eigs[-1] / exact_eigs[-1],
-      trace_ratio=np.trace(approx) / np.trace(reference)))
-  return spectra, quality
+  floor = float(cfg["relative_floor"]) * np.max(np.abs(reference))
+  grads = mean_gradient(loss_fn, params, data)
+  g = _flat(grads)
+  refreshed = jax.jit(curvature.refresh)(state, damping)
+  approx_dir = _flat(jax.jit(curvature.precondition)(refreshed, grads,
+                                                     damping))
+  exact_dir = exact_eigh[1] @ ((exact_eigh[1].T @ g) / (exact_eigh[0]
+                                                        + damping))
+  tables["quality"] += _quality_rows(curvature.matrix, "all", dense_metrics(
+      approx, reference, approx_dir, exact_dir, k, floor, approx_eigh,
+      exact_eigh))
+  blocks = curvatures.layer_blocks(loss_fn, params, data.first)
+  for name, idx in blocks:
+    a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
+    tables["quality"] += _quality_rows(curvature.matrix, name, dense_metrics(
+        a, e, _damped_solve(a, g[idx], damping),
+        _damped_solve(e, g[idx], damping), k, floor))
+
+  units = heatmap_units(blocks, int(cfg["heatmap_blocks"]),
+                        int(cfg["heatmap_units"]))
+  if units:
+    idx = np.concatenate([i for _, i in units])
+    unravel = jax.flatten_util.ravel_pytree(grads)[1]
+    # Columns idx of the approximation's own damped inverse (symmetric).
+    columns = jax.jit(jax.vmap(lambda e: jax.flatten_util.ravel_pytree(
+        curvature.precondition(refreshed, unravel(e), damping))[0]))(
+            jnp.eye(len(g), dtype=jnp.result_type(g))[idx])
+    vecs = exact_eigh[1][idx]
+    exact_inverse = (vecs / (exact_eigh[0] + damping)) @ vecs.T
+    for source, kind, sub in (
+        ("exact", "matrix", reference[np.ix_(idx, idx)]),
+        ("exact", "inverse", exact_inverse),
+        ("approx", "matrix", approx[np.ix_(idx, idx)]),
+        ("approx", "inverse", np.asarray(columns, np.float64)[:, idx])):
+      tables["heatmaps"] += _heatmap_rows(source, kind, curvature.matrix, sub,
+                                          units)
+  return tables
 
 
 # --- matrix-free method ------------------------------------------------------
@@ -101,63 +227,146 @@ def _columns(vectors) -> np.ndarray:
   return np.asarray(flat, np.float64).T
 
 
-def measure_lanczos(loss_fn, curvature, params, batch, cfg, rng):
-  """Spectrum and quality rows from matrix-vector products only (matfree's
-  Lanczos, SLQ and Monte-Carlo estimators, see `curvbench.matrix_free`)."""
-  exact = curvatures.exact(curvature.matrix, loss_fn, matrix_free=True,
-                           cg_iters=int(cfg["cg_iters"]))
-  exact_state = exact.init(rng, params, batch)
-  state = curvatures.estimate(curvature, rng, params, batch,
-                              int(cfg["num_samples"]))
-  exact_mv = lambda v, s: exact.multiply(s, v)
-  approx_mv = lambda v, s: curvature.multiply(s, v)
+def _block_mask(params, idx):
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  return unravel(jnp.zeros_like(flat).at[idx].set(1))
 
+
+def _masked(v, operator, mask):
+  """`mask * (C (mask * v))`: an operator (`Curvature.operator`) restricted
+  to a block (the whole network for a mask of ones)."""
+  return jax.tree.map(jnp.multiply, mask,
+                      operator(jax.tree.map(jnp.multiply, mask, v)))
+
+
+def _estimators(of, cfg) -> dict:
+  """The matrix-free estimates of curvature `of`, each `fn(state, mask,
+  key)`; the mask doubles as the shape template, so one compiled program
+  serves the whole network and every block. Each builds `of.operator` once
+  (for the exact curvatures, one forward pass for all its products)."""
   k, iters = int(cfg["top_k"]), int(cfg["lanczos_iters"])
-  probes = int(cfg["slq_probes"])
-  keys = jax.random.split(rng, 4)
-  ex_nodes, ex_w = matrix_free.slq_density(exact_mv, params, iters, probes,
-                                           keys[0], exact_state)
-  ap_nodes, ap_w = matrix_free.slq_density(approx_mv, params, iters, probes,
-                                           keys[0], state)
-  spectra = (_spectrum_rows("exact", curvature.matrix, ex_nodes, ex_w)
-             + _spectrum_rows("approx", curvature.label, ap_nodes, ap_w,
-                              reference=curvature.matrix))
-  ex_top, ex_vecs = matrix_free.top_k_eigenpairs(exact_mv, params, k, iters,
-                                                 keys[1], exact_state)
-  ap_top, ap_vecs = matrix_free.top_k_eigenpairs(approx_mv, params, k, iters,
-                                                 keys[1], state)
-  frobenius = matrix_free.relative_frobenius(
-      lambda v, a, e: curvature.multiply(a, v),
-      lambda v, a, e: exact.multiply(e, v), params,
-      int(cfg["frobenius_probes"]), keys[2], state, exact_state)
+  probes, traces = int(cfg["slq_probes"]), int(cfg["trace_probes"])
+  diagonals = int(cfg["diagonal_probes"])
+  return dict(
+      density=lambda s, m, key: matrix_free.slq_density(
+          _masked, m, iters, probes, key, of.operator(s), m),
+      top=lambda s, m, key: matrix_free.top_k_eigenpairs(
+          _masked, m, k, iters, key, of.operator(s), m),
+      trace=lambda s, m, key: matrix_free.hutchinson_trace(
+          _masked, m, traces, key, of.operator(s), m),
+      xtrace=lambda s, m, key: matrix_free.xtrace(
+          _masked, m, traces, key, of.operator(s), m),
+      diagonal=lambda s, m, key: matrix_free.stochastic_diagonal(
+          _masked, m, diagonals, key, of.operator(s), m))
+
+
+def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs):
+  """Every table but the heatmaps, from matrix-vector products only: the
+  density, top-k and statistics of each reference matrix and of the
+  approximation, and the approximation's quality against its matrix."""
+  keys = jax.random.split(rng, 6)
+  ones = jax.tree.map(jnp.ones_like, params)
+  tables = {name: [] for name in TABLES}
+  operators, states = {}, {}
+  for m in dict.fromkeys([*cfg["references"], curvature.matrix]):
+    operators[m] = curvatures.exact(m, loss_fn, matrix_free=True,
+                                    cg_iters=int(cfg["cg_iters"]))
+    states[m] = operators[m].estimate(rng, params, data)
+  label = curvature.label
+  operators[label] = curvature
+  states[label] = costs.call("approx estimate", lambda p, d, k:
+                             curvature.estimate(k, p, d,
+                                                int(cfg["num_samples"])),
+                             params, data, rng)
+  estimators = {name: _estimators(of, cfg) for name, of in operators.items()}
+
+  def run(name, kind, key, mask=ones, block=""):
+    source = "approx" if name == label else f"exact {name}"
+    phase = " ".join(filter(None, (source, kind, block)))
+    return costs.call(phase, estimators[name][kind], states[name], mask, key)
+
+  spectra_of = {}
+  for name in operators:
+    source = "approx" if name == label else "exact"
+    nodes, weights = run(name, "density", keys[0])
+    top, vectors = run(name, "top", keys[1])
+    spectra_of[name] = (nodes, weights, top, vectors)
+    tables["spectra"] += _spectrum_rows(source, name, nodes, weights,
+                                        reference=curvature.matrix
+                                        if name == label else name)
+    tables["spectra"] += [dict(source=f"{source}_top_k", matrix=name,
+                               reference=curvature.matrix if name == label
+                               else name, index=i, eigenvalue=float(v),
+                               weight=np.nan)
+                          for i, v in enumerate(np.asarray(top))]
+    hutch, xtr = run(name, "trace", keys[4]), run(name, "xtrace", keys[5])
+    tables["statistics"] += _statistic_rows(
+        source, name, dict(trace=hutch[0], trace_xtrace=xtr[0],
+                           **spectrum_statistics(nodes, cfg, weights, top)),
+        dict(trace=hutch[1], trace_xtrace=xtr[1]))
+
+  matrix = curvature.matrix
+  exact, exact_state, state = operators[matrix], states[matrix], states[label]
+  ex_nodes, ex_w, ex_top, ex_vecs = spectra_of[matrix]
+  ap_nodes, ap_w, ap_top, ap_vecs = spectra_of[label]
+
+  def frobenius(mask, block=""):
+    def fn(a, e, m, key):
+      return matrix_free.relative_frobenius(
+          lambda v, a, e, m: _masked(v, a, m),
+          lambda v, a, e, m: _masked(v, e, m), m,
+          int(cfg["frobenius_probes"]), key, curvature.operator(a),
+          exact.operator(e), m)
+    return costs.call(" ".join(filter(None, ("frobenius", block))), fn,
+                      state, exact_state, mask, keys[2])
 
   damping = float(cfg["damping"])
-  grads = jax.grad(loss_fn)(params, batch)
-  exact_dir = jax.flatten_util.ravel_pytree(jax.jit(exact.precondition)(
-      exact_state, grads, damping))[0]
-  floor = float(cfg["relative_floor"]) * float(np.max(np.abs(ex_top)))
-  quality = _quality_rows(curvature.matrix, dict(
-      relative_frobenius=frobenius,
+  grads = mean_gradient(loss_fn, params, data)
+  exact_dir = costs.call(f"exact {matrix} direction",
+                         lambda s, g: exact.precondition(s, g, damping),
+                         exact_state, grads)
+  refreshed = jax.jit(curvature.refresh)(state, damping)
+  approx_dir = jax.jit(curvature.precondition)(refreshed, grads, damping)
+  ex_diag = _flat(run(matrix, "diagonal", keys[3])[0])
+  ap_diag = _flat(run(label, "diagonal", keys[3])[0])
+  floor = float(cfg["relative_floor"]) * float(np.nanmax(np.abs(ex_top)))
+  tables["quality"] += _quality_rows(matrix, "all", dict(
+      relative_frobenius=frobenius(ones),
+      spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
+                                                  ex_w),
       log_wasserstein=metrics.log_wasserstein(ap_nodes, ex_nodes, floor,
                                               ap_w, ex_w),
-      natural_gradient_cosine=metrics.cosine(
-          _approx_direction(curvature, state, grads, damping), exact_dir),
+      natural_gradient_cosine=metrics.cosine(_flat(approx_dir),
+                                             _flat(exact_dir)),
       top_k_overlap=metrics.subspace_overlap(_columns(ap_vecs),
                                              _columns(ex_vecs)),
-      top_eigenvalue_ratio=ap_top[0] / ex_top[0]))
-  for i, v in enumerate(ex_top):
-    spectra.append(dict(source="exact_top_k", matrix=curvature.matrix,
-                        reference=curvature.matrix, index=i,
-                        eigenvalue=float(v), weight=np.nan))
-  return spectra, quality
+      top_eigenvalue_ratio=ap_top[0] / ex_top[0],
+      diagonal_relative_error=metrics.relative_frobenius(ap_diag, ex_diag)))
+
+  if cfg["per_block"]:
+    for name, idx in curvatures.layer_blocks(loss_fn, params, data.first):
+      mask = _block_mask(params, idx)
+      ex_b, ex_bv = run(matrix, "top", keys[1], mask, name)
+      ap_b, ap_bv = run(label, "top", keys[1], mask, name)
+      tables["quality"] += _quality_rows(matrix, name, dict(
+          relative_frobenius=frobenius(mask, name),
+          top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
+                                                 _columns(ex_bv)[idx]),
+          top_eigenvalue_ratio=ap_b[0] / ex_b[0],
+          diagonal_relative_error=metrics.relative_frobenius(
+              ap_diag[idx], ex_diag[idx])))
+  return tables
 
 
 METHODS = {"dense": measure_dense, "lanczos": measure_lanczos}
 
 
-def measure(loss_fn, curvature, params, batch, cfg, rng):
-  """Spectrum and quality rows by `cfg["method"]` (one of `METHODS`)."""
+def measure(loss_fn, curvature, params, data, cfg, rng,
+            costs: Costs | None = None) -> dict[str, list[dict]]:
+  """The tables of `TABLES` by `cfg["method"]` (one of `METHODS`), over
+  `data` (a batch or a `Data`)."""
   if cfg["method"] not in METHODS:
     raise ValueError(f"Unknown measure.spectra.method {cfg['method']!r}; "
                      f"choose one of {', '.join(METHODS)}.")
-  return METHODS[cfg["method"]](loss_fn, curvature, params, batch, cfg, rng)
+  return METHODS[cfg["method"]](loss_fn, curvature, params, Data.of(data),
+                                cfg, rng, costs or Costs())

@@ -189,16 +189,52 @@ def make_optimizer(loss_fn: Callable, cfg: Mapping,
   return kind.build(loss_fn, curvature, cfg)
 
 
+def measurement_steps(spec, num_steps: int) -> list[int]:
+  """The training steps a measurement is taken at, sorted.
+
+  Args:
+    spec: a list of steps (0 is the initialisation), or `'log:N'`: step 0
+      and `N - 1` log-spaced steps up to `num_steps`.
+    num_steps: the training run's length; no step may exceed it.
+
+  Returns:
+    The distinct steps, ascending.
+  """
+  if isinstance(spec, str):
+    kind, _, count = spec.partition(":")
+    if kind != "log" or not count.isdigit() or int(count) < 2:
+      raise ValueError(f"steps={spec!r}: give a list of steps or 'log:N' "
+                       "(N >= 2 log-spaced steps from 0 to num_steps).")
+    spec = [0, *np.geomspace(1, num_steps, int(count) - 1).round()]
+  try:
+    steps = sorted({int(s) for s in spec})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"steps={spec!r} must be a list of integers.") from e
+  if not steps:
+    return []
+  if steps[0] < 0:
+    raise ValueError(f"steps={spec!r} must be non-negative integers.")
+  if steps[-1] > num_steps:
+    raise ValueError(
+        f"steps has step {steps[-1]}, beyond the training run's length "
+        f"(measure.training.num_steps={num_steps}): raise num_steps or drop "
+        "the step.")
+  return steps
+
+
 def run(problem, optimizer, params, cfg: Mapping, rng,
-        progress: bool = True) -> list[dict]:
+        progress: bool = True, at_steps=(), on_step: Callable | None = None
+        ) -> list[dict]:
   """Trains for `cfg["num_steps"]`; one row per logged step.
 
   The step and the evaluation are compiled on a throw-away step before the
   clock starts, so `wall_s` is steady-state time (including the host syncs at
-  logged steps).
+  logged steps). `on_step(step, params)` is called, off the clock, with the
+  parameters after each of `at_steps` steps (0: before training).
   """
   num_steps, log_every = int(cfg["num_steps"]), int(cfg["log_every"])
   eval_every = int(cfg["eval_every"])
+  at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
   seed = cfg["data_seed"]
   batches = problem.batches(seed=problem.seed if seed is None else int(seed),
@@ -209,6 +245,8 @@ def run(problem, optimizer, params, cfg: Mapping, rng,
   opt_state = optimizer.init(params, first, rng)
   jax.block_until_ready(optimizer.step(params, opt_state, first, rng))
   jax.block_until_ready(evaluate(params, test_batch))
+  if 0 in at_steps:
+    on_step(0, params)
 
   rows, elapsed, batch = [], 0.0, first
   for step in tqdm(range(num_steps), desc="training", disable=not progress,
@@ -225,8 +263,16 @@ def run(problem, optimizer, params, cfg: Mapping, rng,
       rows.append(dict(step=step, wall_s=elapsed, train_loss=loss,
                        test_loss=test))
       if not np.isfinite(loss):
+        missed = sorted(s for s in at_steps if s > step + 1)
+        if missed:
+          raise FloatingPointError(
+              f"The training loss is {loss} at step {step}, so there are no "
+              f"parameters to measure at steps {missed}: lower the learning "
+              "rate or raise the damping.")
         break
     else:
       elapsed += time.perf_counter() - start
+    if step + 1 in at_steps:
+      on_step(step + 1, params)
     batch = next(batches)
   return rows

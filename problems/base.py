@@ -96,8 +96,12 @@ class Problem:
     shapes = jax.eval_shape(self.init_params, jax.random.PRNGKey(0))
     return int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
 
-  def _targets(self, x, y):
-    return x.reshape(len(x), -1) if self.task == "autoencoder" else y
+  def targets(self, inputs, labels):
+    """The loss targets of `inputs`: the labels, or the flattened inputs of
+    an autoencoder."""
+    if self.task == "autoencoder":
+      return inputs.reshape(len(inputs), -1)
+    return labels
 
   def batches(self, split: str = "train", batch_size: int | None = None,
               seed: int | None = None, epochs: int | None = None,
@@ -118,7 +122,7 @@ class Problem:
       for start in range(0, len(x) - size + 1, size):
         idx = order[start:start + size]
         xb = x[idx].astype(dtype)
-        yield xb, self._targets(xb, y[idx])
+        yield xb, self.targets(xb, y[idx])
       epoch += 1
 
   def fixed_batch(self, size: int | None = None, split: str = "train",
@@ -129,7 +133,7 @@ class Problem:
   def evaluation_batch(self, size: int | None = None, dtype=np.float32):
     """The first `size` test examples (all of them when None)."""
     x = self.data.x_test[:size].astype(dtype)
-    return x, self._targets(x, self.data.y_test[:size])
+    return x, self.targets(x, self.data.y_test[:size])
 
   def metadata(self) -> dict:
     return dict(problem=self.name, task=self.task, loss=self.loss_name,

@@ -59,6 +59,9 @@ SWEEP = {
     "training_exact": ["measure=training", "optimizer=preconditioned_sgd",
                        "curvature=explicit_exact"],
     "spectra_adam": ["measure=spectra", "optimizer=adam"],  # skipped
+    "spectra_steps": ["measure=spectra", "optimizer=sgd",
+                      "measure.spectra.steps=[0,2]",
+                      "measure.spectra.save_checkpoints=true"],
     "training_kfac_exact": ["measure=training", "curvature=explicit_exact"],
 }
 SKIPPED = ("spectra_adam", "training_kfac_exact")

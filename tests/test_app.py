@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import jax
+import pandas as pd
 import pytest
 
-from curvbench import app, config, records, timing
+from curvbench import app, checkpoints, config, records, timing
 from tests.conftest import SKIPPED, SWEEP, TINY
 
 
@@ -36,6 +37,52 @@ def test_runs_write_records_and_metadata(sweep):
                          "preconditioned_sgd[explicit_exact/ggn_exact]"]}
   reason = records.RunDir(root / "training_kfac_exact").marker()["reason"]
   assert "cannot train with curvature=explicit_exact" in reason
+
+
+def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
+  """Spectra at steps 0 and 2 of an SGD run carry step, data and block; the
+  same measurement from the run's saved checkpoint gives the same numbers."""
+  root, _ = sweep
+  run = records.RunDir(root / "spectra_steps")
+  tables = run.tables()
+  for name in ("spectra", "quality", "statistics", "heatmaps"):
+    assert sorted(tables[name].step.unique()) == [0, 2], name
+    assert set(tables[name].data) == {"batch"}, name
+  assert set(tables["quality"].block) == {"all", "dense_0", "logits"}
+  assert set(tables["training"].step) == {0, 1, 2, 3}  # num_steps=4
+  assert set(tables["training"].method) == {"sgd"}
+  cost = tables["cost"]
+  assert {"phase", "compile_s", "run_s", "program_bytes"} <= set(cost.columns)
+  assert (cost.run_s > 0).all() and (cost.program_bytes > 0).all()
+  assert sorted(checkpoints.steps_in(run.path / "checkpoints")) == [0, 2]
+
+  again = config.compose(*TINY, "measure.spectra.steps=[2]",
+                         f"measure.spectra.checkpoint={run.path}/checkpoints")
+  assert app.run(again, tmp_path / "again") == "complete"
+  from_checkpoint = records.RunDir(tmp_path / "again").tables()["quality"]
+  in_training = tables["quality"][tables["quality"].step == 2]
+  columns = ["block", "metric", "value"]
+  pd.testing.assert_frame_equal(
+      from_checkpoint[columns].reset_index(drop=True),
+      in_training[columns].reset_index(drop=True))
+
+
+def test_bad_measurement_points_are_refused_by_name(sweep, tmp_path):
+  root, _ = sweep
+  with pytest.raises(ValueError, match=r"measure.spectra.steps: .*step 9, "
+                     r"beyond the training run's length"):
+    config.compose("measure.spectra.steps=[0,9]", *TINY)
+  saved = root / "spectra_steps" / "checkpoints"
+  with pytest.raises(ValueError, match=r"No checkpoint for steps \[1\]"):
+    app.run(config.compose(*TINY, "measure.spectra.steps=[1]",
+                           f"measure.spectra.checkpoint={saved}"),
+            tmp_path / "missing")
+  wider = config.compose(*TINY, "problem.width=4",
+                         f"measure.spectra.checkpoint={saved}")
+  with pytest.raises(ValueError, match="dense_0/w: checkpoint"):
+    app.run(wider, tmp_path / "wider")
+  with pytest.raises(ValueError, match="'batches:N'"):
+    config.compose("measure.spectra.data=everything")
 
 
 def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,

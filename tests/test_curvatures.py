@@ -3,10 +3,11 @@ the exact references agree with brute force."""
 
 import jax
 import jax.flatten_util
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvbench import config, curvatures, measurements
+from curvbench import config, curvatures, data, measurements
 
 FAMILY_CONFIGS = ("kfac", "diagonal", "full", "identity", "explicit_exact",
                   "implicit_exact", "implicit_hessian")
@@ -34,6 +35,10 @@ def test_every_family_agrees_with_its_dense_export(tiny, name):
   v = np.random.default_rng(0).normal(size=235)
   np.testing.assert_allclose(flat(jax.jit(cur.multiply)(state, unravel(v))),
                              dense @ v, rtol=1e-9, atol=1e-12)
+  # The operator is a pytree: it crosses a jit boundary.
+  operator = jax.jit(cur.operator)(state)
+  np.testing.assert_allclose(flat(jax.jit(lambda op, x: op(x))(
+      operator, unravel(v))), dense @ v, rtol=1e-9, atol=1e-12)
   np.testing.assert_allclose(np.sort(np.asarray(cur.eigenvalues(state))),
                              np.linalg.eigvalsh(dense), atol=1e-9)
   damping = 0.5
@@ -61,8 +66,6 @@ def test_exact_references_equal_brute_force(tiny, tiny_ggn):
   exact = curvatures.exact("hessian", problem.loss_fn, matrix_free=False)
   np.testing.assert_allclose(exact.to_dense(exact.init(key, params, batch)),
                              hessian, atol=1e-10)
-  with pytest.raises(ValueError, match="empirical Fisher needs a dense"):
-    curvatures.exact("empirical_fisher", problem.loss_fn, matrix_free=True)
   with pytest.raises(ValueError, match="Unknown exact matrix 'gnn'"):
     curvatures.exact("gnn", problem.loss_fn, matrix_free=False)
 
@@ -90,3 +93,103 @@ def test_dense_that_would_not_fit_says_size_and_alternative(tiny):
   implicit = make(tiny, "implicit_exact", "curvature.max_dense_gib=1e-9")
   with pytest.raises(MemoryError, match="lanczos"):
     implicit.to_dense(implicit.init(jax.random.PRNGKey(0), params, batch))
+
+
+# --- over the whole training split -------------------------------------------
+
+def _brute_force(problem, params, batch):
+  """GGN, Fisher, empirical Fisher and Hessian of the loss averaged over
+  `batch`, from jax.jacobian, per-example jax.grad and jax.hessian."""
+  flat_params, unravel = jax.flatten_util.ravel_pytree(params)
+  x, y = batch
+  logits = lambda w: problem.net.apply(unravel(w), x)
+  jac = jax.jacobian(logits)(flat_params)  # (n, C, P)
+  prob = jax.nn.softmax(logits(flat_params))
+  hess = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(prob)
+  ggn = np.einsum("ncp,ncd,ndq->pq", jac, hess, jac) / len(x)
+  one = lambda w, xi, yi: problem.loss_fn(unravel(w), (xi[None], yi[None]))
+  grads = jax.vmap(jax.grad(one), (None, 0, 0))(flat_params, x, y)
+  return dict(ggn=ggn, fisher=ggn, empirical_fisher=grads.T @ grads / len(x),
+              hessian=jax.hessian(lambda w: problem.loss_fn(unravel(w),
+                                                            batch))(
+                                                                flat_params))
+
+
+@pytest.fixture(scope="module")
+def whole_split(tiny):
+  """The tiny problem's training split as chunks of 8 (a remainder of 4),
+  and the brute-force matrices over all of it, concatenated."""
+  problem, params, _ = tiny
+  examples = data.select(problem, "train", dtype=np.float64)
+  assert examples.rest_size == 4 and examples.num_examples == 1500
+  return examples, _brute_force(problem, params, examples.concatenated())
+
+
+@pytest.mark.parametrize("matrix", curvatures.EXACT_MATRICES)
+@pytest.mark.parametrize("matrix_free", [False, True])
+def test_whole_split_curvature_equals_brute_force(tiny, whole_split, matrix,
+                                                  matrix_free):
+  problem, params, _ = tiny
+  examples, truth = whole_split
+  exact = curvatures.exact(matrix, problem.loss_fn, matrix_free=matrix_free)
+  state = curvatures.estimate(exact, jax.random.PRNGKey(0), params, examples)
+  dense = np.asarray(jax.jit(exact.to_dense)(state))
+  np.testing.assert_allclose(dense, truth[matrix], atol=1e-11, rtol=1e-9)
+  v = np.random.default_rng(1).normal(size=len(dense))
+  unravel = jax.flatten_util.ravel_pytree(params)[1]
+  np.testing.assert_allclose(
+      flat(jax.jit(exact.multiply)(state, unravel(v))), truth[matrix] @ v,
+      atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("matrix", curvatures.EXACT_MATRICES)
+def test_whole_split_operator_equals_multiply(tiny, whole_split, matrix):
+  """The linearized operator (one forward pass for all products) gives
+  `multiply`'s products, remainder chunk included, and keeps no copy of
+  the parameters per chunk."""
+  problem, params, _ = tiny
+  examples, _ = whole_split
+  exact = curvatures.exact(matrix, problem.loss_fn, matrix_free=True)
+  state = curvatures.estimate(exact, jax.random.PRNGKey(0), params, examples)
+  operator = jax.jit(exact.operator)(state)
+  apply = jax.jit(lambda op, v: op(v))
+  multiply = jax.jit(exact.multiply)
+  unravel = jax.flatten_util.ravel_pytree(params)[1]
+  for seed in range(3):
+    v = unravel(np.random.default_rng(seed).normal(size=235))
+    expected = flat(multiply(state, v))
+    np.testing.assert_allclose(flat(apply(operator, v)), expected, rtol=0,
+                               atol=1e-12 * np.abs(expected).max())
+  # Per chunk, only per-example arrays (and per-chunk scalars) are kept.
+  stacked = [x for x in jax.tree.leaves(operator)
+             if x.shape[:1] == (examples.num_chunks,)]
+  assert stacked and all(x.ndim == 1 or x.shape[1] == examples.chunk_size
+                         for x in stacked)
+
+
+@pytest.mark.parametrize("name", ["kfac", "diagonal", "full"])
+def test_whole_split_statistics_equal_one_concatenated_batch(tiny,
+                                                             whole_split,
+                                                             name):
+  """Block statistics (Kronecker factors, diagonals, full blocks) accumulated
+  chunk by chunk equal those of the whole split as one batch."""
+  problem, params, _ = tiny
+  examples, _ = whole_split
+  cur = make(tiny, name)
+  key = jax.random.PRNGKey(0)
+  chunked = cur.to_dense(curvatures.estimate(cur, key, params, examples))
+  whole = cur.to_dense(curvatures.estimate(cur, key, params,
+                                           examples.concatenated()))
+  np.testing.assert_allclose(chunked, whole, atol=1e-12, rtol=1e-10)
+  one_batch = cur.to_dense(curvatures.estimate(cur, key, params,
+                                               examples.first))
+  assert np.abs(one_batch - whole).max() > 1e-3  # the test can tell them apart
+
+
+def test_layer_blocks_partition_the_parameters(tiny):
+  problem, params, batch = tiny
+  blocks = curvatures.layer_blocks(problem.loss_fn, params, batch)
+  assert len(blocks) == 2
+  indices = np.concatenate([idx for _, idx in blocks])
+  np.testing.assert_array_equal(np.sort(indices), np.arange(235))
+  assert len({name for name, _ in blocks}) == 2

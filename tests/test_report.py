@@ -16,10 +16,13 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
                "spectra_all.csv"):
     assert (out / name).stat().st_size > 0, name
   figures = {p.name for p in (out / "figures").iterdir()}
-  for kind in ("spectra", "quality", "training", "timing"):
+  for kind in ("spectra_mlp_batch_ggn", "training_mlp",
+               "timing_mlp", "quality_steps_mlp_ggn_batch",
+               "statistics_mlp"):
     for ext in ("png", "pdf"):
-      assert f"{kind}_mlp.{ext}" in figures
-      assert (out / "figures" / f"{kind}_mlp.{ext}").stat().st_size > 1000
+      assert f"{kind}.{ext}" in figures, sorted(figures)
+      assert (out / "figures" / f"{kind}.{ext}").stat().st_size > 1000
+  assert any(name.startswith("heatmaps_mlp") for name in figures)
   text = (out / "report.md").read_text()
   assert "kfac[kfac/ggn_exact]" in text and "adam" in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, curvatures, measurements, spectra
+from curvbench import config, curvatures, measurements, metrics, spectra
 
 
 def spec(**overrides):
@@ -20,24 +20,25 @@ def make(tiny, name):
   return curvatures.make(cfg, tiny[0].loss_fn)
 
 
-def quality(rows):
-  return {r["metric"]: r["value"] for r in rows}
+def quality(tables, block="all"):
+  return {r["metric"]: r["value"] for r in tables["quality"]
+          if r["block"] == block}
 
 
 def test_exact_spectrum_equals_numpy_and_exact_estimator_has_no_error(
     tiny, tiny_ggn):
   p, params, batch = tiny
   cur = make(tiny, "explicit_exact")
-  rows, qual = spectra.measure(p.loss_fn, cur, params, batch, spec(),
-                               jax.random.PRNGKey(1))
-  df = pd.DataFrame(rows)
+  tables = spectra.measure(p.loss_fn, cur, params, batch, spec(),
+                           jax.random.PRNGKey(1))
+  df = pd.DataFrame(tables["spectra"])
   assert {"source", "matrix", "reference", "index", "eigenvalue",
           "weight"} <= set(df.columns)
   exact = df[(df.source == "exact") & (df.matrix == "ggn")].eigenvalue
   np.testing.assert_allclose(exact, np.linalg.eigvalsh(tiny_ggn), atol=1e-10)
   approx = df[df.source == "approx"].eigenvalue
   np.testing.assert_allclose(approx, np.linalg.eigvalsh(tiny_ggn), atol=1e-10)
-  q = quality(qual)
+  q = quality(tables)
   assert q["relative_frobenius"] < 1e-10
   assert q["log_wasserstein"] < 1e-6
   assert q["natural_gradient_cosine"] == pytest.approx(1.0, abs=1e-8)
@@ -49,14 +50,14 @@ def test_block_spectrum_and_metrics_against_dense_export(tiny, tiny_ggn,
                                                          block_type):
   p, params, batch = tiny
   cur = make(tiny, block_type)
-  rows, qual = spectra.measure(p.loss_fn, cur, params, batch, spec(),
-                               jax.random.PRNGKey(1))
+  tables = spectra.measure(p.loss_fn, cur, params, batch, spec(),
+                           jax.random.PRNGKey(1))
   state = curvatures.estimate(cur, jax.random.PRNGKey(1), params, batch)
   dense = np.asarray(cur.to_dense(state))
-  df = pd.DataFrame(rows)
+  df = pd.DataFrame(tables["spectra"])
   np.testing.assert_allclose(df[df.source == "approx"].eigenvalue,
                              np.linalg.eigvalsh(dense), atol=1e-10)
-  q = quality(qual)
+  q = quality(tables)
   assert q["relative_frobenius"] == pytest.approx(
       np.linalg.norm(dense - tiny_ggn) / np.linalg.norm(tiny_ggn), rel=1e-8)
   assert 0 < q["relative_frobenius"] and -1 <= q["natural_gradient_cosine"] <= 1
@@ -67,15 +68,15 @@ def test_block_spectrum_and_metrics_against_dense_export(tiny, tiny_ggn,
 def test_lanczos_method_agrees_with_dense(tiny, tiny_ggn):
   p, params, batch = tiny
   cur = make(tiny, "implicit_exact")
-  rows, qual = spectra.measure(p.loss_fn, cur, params, batch,
-                               spec(method="lanczos"), jax.random.PRNGKey(1))
-  df = pd.DataFrame(rows)
+  tables = spectra.measure(p.loss_fn, cur, params, batch,
+                           spec(method="lanczos"), jax.random.PRNGKey(1))
+  df = pd.DataFrame(tables["spectra"])
   top = df[df.source == "exact_top_k"].eigenvalue.to_numpy()
   exact = np.linalg.eigvalsh(tiny_ggn)[::-1][:3]
   np.testing.assert_allclose(top, exact, rtol=1e-6)
   slq = df[(df.source == "exact")]
   assert slq.weight.sum() == pytest.approx(1.0, rel=1e-6)
-  q = quality(qual)
+  q = quality(tables)
   assert q["relative_frobenius"] < 1e-8
   assert q["natural_gradient_cosine"] == pytest.approx(1.0, abs=1e-4)
 
@@ -86,11 +87,11 @@ def test_lanczos_block_metrics_estimate_the_dense_ones(tiny):
   p, params, batch = tiny
   cur = make(tiny, "kfac")
   dense = quality(spectra.measure(p.loss_fn, cur, params, batch, spec(),
-                                  jax.random.PRNGKey(1))[1])
+                                  jax.random.PRNGKey(1)))
   lanczos = quality(spectra.measure(
       p.loss_fn, cur, params, batch,
       spec(method="lanczos", frobenius_probes=400, lanczos_iters=235),
-      jax.random.PRNGKey(1))[1])
+      jax.random.PRNGKey(1)))
   assert lanczos["relative_frobenius"] == pytest.approx(
       dense["relative_frobenius"], rel=0.1)
   assert lanczos["top_eigenvalue_ratio"] == pytest.approx(
@@ -107,3 +108,97 @@ def test_dense_method_that_would_not_fit_says_the_alternative(tiny):
   with pytest.raises(MemoryError, match="lanczos"):
     spectra.measure(p.loss_fn, make(tiny, "kfac"), params, batch,
                     spec(max_dense_gib=1e-9), jax.random.PRNGKey(0))
+
+
+def test_per_block_quality_is_the_metric_of_each_exact_block(tiny, tiny_ggn):
+  p, params, batch = tiny
+  cur = make(tiny, "kfac")
+  tables = spectra.measure(p.loss_fn, cur, params, batch, spec(),
+                           jax.random.PRNGKey(1))
+  approx = np.asarray(cur.to_dense(curvatures.estimate(
+      cur, jax.random.PRNGKey(1), params, batch)))
+  blocks = curvatures.layer_blocks(p.loss_fn, params, batch)
+  assert {r["block"] for r in tables["quality"]} == {
+      "all", *(name for name, _ in blocks)}
+  for name, idx in blocks:
+    a, e = approx[np.ix_(idx, idx)], tiny_ggn[np.ix_(idx, idx)]
+    q = quality(tables, name)
+    assert q["relative_frobenius"] == pytest.approx(
+        np.linalg.norm(a - e) / np.linalg.norm(e), rel=1e-8)
+    assert q["top_eigenvalue_ratio"] == pytest.approx(
+        np.linalg.eigvalsh(a)[-1] / np.linalg.eigvalsh(e)[-1], rel=1e-8)
+    assert q["trace_ratio"] == pytest.approx(np.trace(a) / np.trace(e),
+                                             rel=1e-8)
+
+
+def _wasserstein_fraction(rows, exact):
+  df = pd.DataFrame(rows)
+  slq = df[df.source == "exact"]
+  return metrics.spectral_distance(slq.eigenvalue, exact, slq.weight)
+
+
+def test_signed_hessian_density_and_top_k_match_the_exact_spectrum(tiny):
+  """SLQ (40 Lanczos steps, 8 probes) of the indefinite Hessian lies within
+  1% of the spectrum's width of its exact eigenvalues (1-Wasserstein), puts
+  the right mass below zero, and Lanczos top-k equals the top eigenvalues."""
+  p, params, batch = tiny
+  flat_params, unravel = jax.flatten_util.ravel_pytree(params)
+  hessian = jax.hessian(lambda w: p.loss_fn(unravel(w), batch))(flat_params)
+  exact = np.linalg.eigvalsh(hessian)
+  assert exact.min() < -1e-3  # signed: there is negative mass to get right
+  cur = make(tiny, "implicit_hessian")
+  tables = spectra.measure(p.loss_fn, cur, params, batch,
+                           spec(method="lanczos", slq_probes=8,
+                                per_block=False, references=["hessian"]),
+                           jax.random.PRNGKey(1))
+  assert _wasserstein_fraction(tables["spectra"], exact) < 0.01
+  df = pd.DataFrame(tables["spectra"])
+  np.testing.assert_allclose(df[df.source == "exact_top_k"].eigenvalue,
+                             exact[::-1][:3], rtol=1e-6)
+  stats = {(r["source"], r["statistic"]): r for r in tables["statistics"]}
+  trace = stats[("exact", "trace")]
+  assert abs(trace["value"] - exact.sum()) < 4 * trace["stderr"]
+  assert stats[("exact", "min_eigenvalue")]["value"] == pytest.approx(
+      exact.min(), rel=1e-3)
+  floor = spec()["relative_floor"] * np.abs(exact).max()
+  assert stats[("exact", "negative_mass")]["value"] == pytest.approx(
+      np.mean(exact < -floor), abs=0.03)
+
+
+def test_dense_statistics_and_heatmaps_are_exact(tiny, tiny_ggn):
+  p, params, batch = tiny
+  cur = make(tiny, "kfac")
+  cfg = spec(heatmap_blocks=2, heatmap_units=4, damping=0.1)
+  tables = spectra.measure(p.loss_fn, cur, params, batch, cfg,
+                           jax.random.PRNGKey(1))
+  stats = {(r["source"], r["matrix"], r["statistic"]): r["value"]
+           for r in tables["statistics"]}
+  eigs = np.linalg.eigvalsh(tiny_ggn)
+  assert stats[("exact", "ggn", "trace")] == pytest.approx(eigs.sum(),
+                                                           rel=1e-10)
+  assert stats[("exact", "ggn", "max_eigenvalue")] == pytest.approx(
+      eigs[-1], rel=1e-10)
+  blocks = curvatures.layer_blocks(p.loss_fn, params, batch)
+  units = spectra.heatmap_units(blocks, 2, 4)
+  idx = np.concatenate([i for _, i in units])
+  heat = pd.DataFrame(tables["heatmaps"])
+  assert len(heat) == 4 * len(idx) ** 2
+
+  def matrix(source, kind):
+    part = heat[(heat.source == source) & (heat.kind == kind)]
+    return part.pivot(index="row", columns="col", values="value").to_numpy()
+
+  np.testing.assert_allclose(matrix("exact", "matrix"),
+                             tiny_ggn[np.ix_(idx, idx)], atol=1e-12)
+  inverse = np.linalg.inv(tiny_ggn + 0.1 * np.eye(235))
+  np.testing.assert_allclose(matrix("exact", "inverse"),
+                             inverse[np.ix_(idx, idx)], rtol=1e-8,
+                             atol=1e-12)
+  # K-FAC's own damped inverse, column by column.
+  state = cur.refresh(curvatures.estimate(cur, jax.random.PRNGKey(1), params,
+                                          batch), 0.1)
+  unravel = jax.flatten_util.ravel_pytree(params)[1]
+  column = jax.flatten_util.ravel_pytree(cur.precondition(
+      state, unravel(np.eye(235)[idx[0]]), 0.1))[0]
+  np.testing.assert_allclose(matrix("approx", "inverse")[:, 0],
+                             np.asarray(column)[idx], rtol=1e-8)

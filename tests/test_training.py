@@ -89,3 +89,14 @@ def test_kfac_needs_a_block_diagonal_curvature(tiny):
 def test_unknown_optimizer_names_the_choices(tiny):
   with pytest.raises(ValueError, match="Unknown optimizer.name 'lbfgs'.*adam"):
     training.make_optimizer(tiny[0].loss_fn, dict(name="lbfgs"))
+
+
+def test_measurement_steps_lists_and_log_spacing():
+  assert training.measurement_steps([200, 0, 20, 20], 200) == [0, 20, 200]
+  assert training.measurement_steps("log:4", 1000) == [0, 1, 32, 1000]
+  assert training.measurement_steps([], 10) == []
+  for spec, message in [([0, 300], "beyond the training run's length"),
+                        ([-1], "non-negative"), ("log:1", "log:N"),
+                        ("every:5", "log:N"), (["a"], "list of integers")]:
+    with pytest.raises(ValueError, match=message):
+      training.measurement_steps(spec, 200)

@@ -1,0 +1,151 @@
+"""The examples a curvature is measured on: one batch, N batches, or the
+whole training split (`measure.spectra.data`: `batch`, `batches:N`, `train`).
+
+A `Data` holds its examples as equal chunks stacked on a leading axis, plus
+the remainder as one smaller chunk, so `mean` averages any per-batch quantity
+over all of them in one `lax.scan`: the examples sit on the device and no
+Python code runs per chunk. Chunks are weighted by their number of examples,
+so the result is the mean over examples, as the papers define full-dataset
+curvature (every per-batch quantity here is itself a mean over its batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Batch = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """Examples as `chunks` (a batch with a leading chunk axis) and `rest`.
+
+  Attributes:
+    chunks: a batch pytree whose leaves have shape `(num_chunks, size, ...)`.
+    rest: a batch of the remaining examples (fewer than `size`), or None.
+  """
+
+  chunks: Batch
+  rest: Batch | None = None
+
+  @classmethod
+  def of(cls, batch: Batch | Data) -> Data:
+    """`batch` as one chunk (a `Data` is returned as it is)."""
+    if isinstance(batch, Data):
+      return batch
+    return cls(jax.tree.map(lambda x: x[None], batch))
+
+  @property
+  def num_chunks(self) -> int:
+    return jax.tree.leaves(self.chunks)[0].shape[0]
+
+  @property
+  def chunk_size(self) -> int:
+    return jax.tree.leaves(self.chunks)[0].shape[1]
+
+  @property
+  def rest_size(self) -> int:
+    return 0 if self.rest is None else jax.tree.leaves(self.rest)[0].shape[0]
+
+  @property
+  def num_examples(self) -> int:
+    return self.num_chunks * self.chunk_size + self.rest_size
+
+  @property
+  def first(self) -> Batch:
+    """The first chunk, as a batch (for tracing a model)."""
+    return jax.tree.map(lambda x: x[0], self.chunks)
+
+  def concatenated(self) -> Batch:
+    """Every example as one batch (for small data and tests)."""
+    whole = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), self.chunks)
+    if self.rest is None:
+      return whole
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), whole,
+                        self.rest)
+
+  def mean(self, fn: Callable[[Batch], Any]) -> Any:
+    """The example-weighted mean of `fn(chunk)` over the chunks.
+
+    Args:
+      fn: maps a batch to a pytree of arrays (a mean over that batch).
+
+    Returns:
+      A pytree like `fn`'s output: the mean over every example.
+    """
+    def add(total, chunk):
+      return jax.tree.map(jnp.add, total, fn(chunk)), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(fn, self.first))
+    total, _ = jax.lax.scan(add, zeros, self.chunks)
+    if self.rest is None:
+      return jax.tree.map(lambda t: t / self.num_chunks, total)
+    full = self.num_chunks * self.chunk_size
+    return jax.tree.map(
+        lambda t, r: (t * self.chunk_size + r * self.rest_size)
+        / (full + self.rest_size), total, fn(self.rest))
+
+
+SCOPE = re.compile(r"^(batch|train|batches:([1-9][0-9]*))$")
+
+
+def parse_scope(scope: str) -> tuple[str, int | None]:
+  """`'batch'`, `'train'` or `'batches:N'` as `(kind, N)`."""
+  match = SCOPE.match(str(scope))
+  if not match:
+    raise ValueError(
+        f"measure.spectra.data={scope!r} is not a data scope: use 'batch' "
+        "(one batch), 'batches:N' (the first N batches, N >= 1) or 'train' "
+        "(the whole training split).")
+  return match.group(1).split(":")[0], (int(match.group(2)) if match.group(2)
+                                        else None)
+
+
+def select(problem, scope: str, batch_size: int | None = None,
+           chunk_size: int | None = None, dtype=np.float32) -> Data:
+  """The examples of `scope` from `problem`, on the device.
+
+  Args:
+    problem: a `problems.Problem`.
+    scope: 'batch', 'batches:N' or 'train' (see `parse_scope`).
+    batch_size: the batch of 'batch' and 'batches:N' (None: the problem's).
+    chunk_size: examples per chunk for 'train' (None: the batch size).
+    dtype: the inputs' dtype.
+
+  Returns:
+    A `Data`. Batches are the first of the problem's seeded order, so
+    'batch' is `problem.fixed_batch`; 'train' keeps the split's order.
+  """
+  kind, count = parse_scope(scope)
+  if kind == "train":
+    x, y = problem.data.x_train, problem.data.y_train
+    if len(x) == 0:
+      raise ValueError(f"measure.spectra.data=train, but problem "
+                       f"{problem.name!r} has no training examples; use "
+                       "'batch' or give the problem a training split.")
+    size = min(chunk_size or batch_size or problem.batch_size, len(x))
+    full = len(x) // size * size
+    inputs = x.astype(dtype)
+    targets = problem.targets(inputs, y)
+    stack = lambda a: jnp.asarray(a[:full].reshape(-1, size, *a.shape[1:]))
+    rest = ((jnp.asarray(inputs[full:]), jnp.asarray(targets[full:]))
+            if full < len(x) else None)
+    return Data((stack(inputs), stack(targets)), rest)
+  size = batch_size or problem.batch_size
+  if (count or 1) * size > len(problem.data.x_train):
+    raise ValueError(
+        f"measure.spectra.data={scope!r} asks for {count} batches of {size}, "
+        f"more than the {len(problem.data.x_train)} training examples; use "
+        "'train' for the whole split.")
+  batches = problem.batches(batch_size=size, dtype=dtype)
+  chosen = [next(batches) for _ in range(count or 1)]
+  return Data(jax.tree.map(lambda *b: jnp.stack(b), *chosen))
