@@ -34,9 +34,10 @@ class Costs:
   compiled program (`compile_s` 0): keep the function object to benefit.
   """
 
-  def __init__(self, **columns):
+  def __init__(self, log: Callable[[str], None] | None = None, **columns):
     self.columns = columns
     self.rows: list[dict] = []
+    self.log = log  # called with a line per phase, e.g. `print`
     self._compiled = {}
 
   def call(self, phase: str, fn: Callable, *args):
@@ -58,4 +59,8 @@ class Costs:
     self.rows.append(dict(self.columns, phase=phase, compile_s=compile_s,
                           run_s=run_s, program_bytes=program,
                           device_peak_bytes=_device_peak_bytes()))
+    if self.log:
+      where = ", ".join(f"{k}={v}" for k, v in self.columns.items())
+      self.log(f"[curvbench] {where}: {phase}: {run_s:.1f} s (compile "
+               f"{compile_s:.1f} s, {program / 2 ** 30:.2f} GiB)")
     return out

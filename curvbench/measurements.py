@@ -87,7 +87,8 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
   tables = {name: [] for name in (*spectra.TABLES, "cost", "training")}
 
   def at(step, point):
-    costs = Costs(step=step, **scope)
+    log = (lambda line: print(line, flush=True)) if cfg.progress else None
+    costs = Costs(log=log, step=step, **scope)
     for name, rows in spectra.measure(problem.loss_fn, curvature, point,
                                       examples, spec, rng, costs).items():
       tables[name] += [dict(step=step, **scope, **row) for row in rows]
