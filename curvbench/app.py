@@ -75,8 +75,8 @@ def _identity(cfg, curvature) -> dict:
   uses_curvature = measurements.uses_curvature(cfg)
   trains = measurements.uses_optimizer(cfg)
   label = curvature.label if uses_curvature else None
-  method = (label if kind != "training" else
-            (f"{opt}[{label}]" if uses_curvature else opt))
+  method = (label if kind != "training"
+            else training.method_label(opt, curvature))
   return dict(problem=cfg.problem.label, measure=kind, method=method,
               curvature=curvature.name if uses_curvature else None,
               estimator=cfg.curvature.estimator if uses_curvature else None,

@@ -43,6 +43,11 @@ def uses_optimizer(cfg: DictConfig) -> bool:
           and spec.steps != [0])
 
 
+def _save_checkpoint(run_dir, problem, step, params):
+  checkpoints.save(checkpoints.path_for(run_dir.path / "checkpoints", step),
+                   params, step=step, problem=problem.name)
+
+
 def _checkpoint_params(path, steps, problem, params):
   """`{step: params}` from a checkpoint file, or from a run directory's
   checkpoints at `steps`, checked against the problem's `params`."""
@@ -94,9 +99,7 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
       tables[name] += [dict(step=step, **scope, **row) for row in rows]
     tables["cost"] += costs.rows
     if spec["save_checkpoints"]:
-      checkpoints.save(checkpoints.path_for(run_dir.path / "checkpoints",
-                                            step), point, step=step,
-                       problem=problem.name)
+      _save_checkpoint(run_dir, problem, step, point)
 
   if spec["checkpoint"] is not None:
     for step, point in _checkpoint_params(spec["checkpoint"], steps, problem,
@@ -112,8 +115,7 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
                         jax.random.fold_in(rng, 2), progress=cfg.progress,
                         at_steps=steps, on_step=at)
     # The loss curve is the optimizer's, labelled as a training run's.
-    method = (f"{name}[{curvature.label}]"
-              if training.optimizer_kind(name).uses_curvature else name)
+    method = training.method_label(name, curvature)
     tables["training"] = [dict(row, method=method) for row in rows]
   return {name: rows for name, rows in tables.items() if rows}
 
@@ -136,14 +138,12 @@ def measure_training(problem, curvature, params, batch, cfg, rng, run_dir):
   steps = training.measurement_steps(train_cfg["checkpoint_steps"],
                                      int(train_cfg["num_steps"]))
 
-  def save(step, point):
-    checkpoints.save(checkpoints.path_for(run_dir.path / "checkpoints", step),
-                     point, step=step, problem=problem.name)
-
   optimizer = training.make_optimizer(problem.loss_fn, section(cfg.optimizer),
                                       curvature)
   rows = training.run(problem, optimizer, params, train_cfg, rng,
-                      progress=cfg.progress, at_steps=steps, on_step=save)
+                      progress=cfg.progress, at_steps=steps,
+                      on_step=lambda step, point: _save_checkpoint(
+                          run_dir, problem, step, point))
   return dict(training=rows)
 
 

@@ -153,18 +153,19 @@ def negative_mass(values, weights=None, floor: float = 0.0) -> float:
   return float(np.sum(_weights(values, weights)[values < -floor]))
 
 
-def negative_ratio(values) -> float:
+def negative_ratio(values, largest: float | None = None) -> float:
   """`|λ_min| / λ_max`, the ratio Ghorbani et al. (2019) track.
 
   Args:
     values: eigenvalues, of any sign.
+    largest: `λ_max` where it is known better than from `values` (Lanczos).
 
   Returns:
     The most negative eigenvalue's magnitude over the largest eigenvalue;
     0 when none is negative, nan when `λ_max <= 0`.
   """
   values = np.asarray(values, np.float64)
-  top = values.max()
+  top = values.max() if largest is None else largest
   if top <= 0:
     return float("nan")
   return float(max(-values.min(), 0.0) / top)

@@ -15,8 +15,6 @@ from curvbench import curvatures, plots, records
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "cost", "timing",
           "training")
-# Columns that records written before measurements along training lack.
-WHERE = dict(step=0, data="batch", block="all")
 
 
 def load_sweep(root) -> dict[str, pd.DataFrame]:
@@ -32,7 +30,7 @@ def load_sweep(root) -> dict[str, pd.DataFrame]:
             for name, dfs in parts.items() if dfs}
   for name in ("spectra", "quality"):
     if name in tables:
-      for column, value in WHERE.items():
+      for column, value in plots.DEFAULTS.items():
         if column != "block" or name == "quality":
           tables[name][column] = tables[name].get(column, value)
           tables[name][column] = tables[name][column].fillna(value)

@@ -89,8 +89,7 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
               if lowest + damping > 0 else np.nan,
               num_outliers=metrics.num_outliers(top, int(cfg["top_k"])),
               negative_mass=metrics.negative_mass(values, weights, floor),
-              negative_ratio=abs(min(values.min(), 0.0)) / top[0]
-              if top[0] > 0 else np.nan)
+              negative_ratio=metrics.negative_ratio(values, top[0]))
 
 
 # --- dense method ------------------------------------------------------------

@@ -179,6 +179,13 @@ def optimizer_kind(name: str) -> OptimizerKind:
   return OPTIMIZERS[name]
 
 
+def method_label(name: str, curvature: Curvature | None) -> str:
+  """A training run's method: the optimizer, and the curvature it uses."""
+  if optimizer_kind(name).uses_curvature and curvature is not None:
+    return f"{name}[{curvature.label}]"
+  return name
+
+
 def make_optimizer(loss_fn: Callable, cfg: Mapping,
                    curvature: Curvature | None = None):
   """A trainer (`init(params, batch, rng)`, `step(params, state, batch, rng)`
