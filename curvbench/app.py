@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import logging
 import sys
 import traceback
@@ -17,13 +16,15 @@ import traceback
 import hydra
 import jax
 import numpy as np
+import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 import problems
-from curvbench import config, curvatures, measurements, records, report
-from curvbench import timing, training
+from curvbench import config, curvatures, measurements, provenance, records
+from curvbench import report, training
 from estimators import graph_matcher
+from hydra_plugins.curvbench_sweeper import tuning_sweeper
 
 
 def run_dir_name(override_dirname: str, limit: int = 120) -> str:
@@ -58,31 +59,23 @@ def skip_reason(cfg) -> str | None:
   return None
 
 
-def environment() -> dict:
-  versions = {}
-  for pkg in ("jax", "jaxlib", "dm-haiku", "optax", "numpy", "pandas",
-              "hydra-core", "matfree", "mnist1d", "scikit-learn"):
-    try:
-      versions[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      versions[pkg] = None
-  return dict(timing.environment(), versions=versions,
-              argv=list(sys.argv))
-
-
 def _identity(cfg, curvature) -> dict:
   kind, opt = cfg.measure.kind, cfg.optimizer.name
   uses_curvature = measurements.uses_curvature(cfg)
   trains = measurements.uses_optimizer(cfg)
   label = curvature.label if uses_curvature else None
-  method = (label if kind != "training"
-            else training.method_label(opt, curvature))
+  method = (label if kind == "spectra" else training.method_label(
+      opt, curvature if uses_curvature else None))
   return dict(problem=cfg.problem.label, measure=kind, method=method,
               curvature=curvature.name if uses_curvature else None,
               estimator=cfg.curvature.estimator if uses_curvature else None,
               block_type=curvature.block_type if uses_curvature else None,
               mode=curvature.mode if uses_curvature else None,
               optimizer=opt if trains else None, seed=cfg.seed)
+
+
+def _precision(cfg) -> str:
+  return cfg.measure[cfg.measure.kind].precision
 
 
 def registration(problem, curvature, params, batch, rng) -> dict:
@@ -109,62 +102,100 @@ def quiet_logging(names=("estimators.graph_matcher", "jax")):
       logger.setLevel(level)
 
 
-def measure(cfg, run_dir) -> None:
-  """Runs the configured measurement and writes its records into `run_dir`.
+def measure(cfg, run_dir) -> dict:
+  """Runs the configured measurement and writes its records into `run_dir`;
+  returns the run's outcome for its completion marker (status 'complete',
+  or 'diverged' with the step).
 
   64-bit precision and quiet loggers hold for the measurement only.
   """
   kind = cfg.measure.kind
-  float64 = cfg.measure[kind].precision == "float64"
+  float64 = _precision(cfg) == "float64"
   with jax.enable_x64(float64), quiet_logging():
     dtype = np.float64 if float64 else np.float32
     problem = problems.make(cfg.problem)
     curvature = curvatures.make(measurements.section(cfg.curvature),
                                 problem.loss_fn)
     rng = jax.random.PRNGKey(cfg.seed)
-    params = problem.init_params(jax.random.fold_in(rng, 0), dtype)
-    batch = problem.fixed_batch(cfg.measure.batch_size, dtype=dtype)
+    params = problem.init_params(jax.random.PRNGKey(cfg.init_seed), dtype)
+    batch = problem.fixed_batch(cfg.measure.batch_size, dtype=dtype,
+                                seed=int(cfg.data_seed))
     ident = _identity(cfg, curvature)
     run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
-    run_dir.write_json("environment.json", environment())
+    run_dir.write_json("environment.json", provenance.environment())
     run_dir.write_json("registration.json", registration(
         problem, curvature if ident["curvature"] else None, params, batch,
         rng))
-    ident.update(run=run_dir.path.name, num_params=problem.num_params,
+    ident.update(provenance.columns(cfg, _precision(cfg)),
+                 run=run_dir.path.name, num_params=problem.num_params,
                  batch_size=len(batch[0]))
     tables = measurements.MEASUREMENTS[kind](
         problem, curvature, params, batch, cfg, jax.random.fold_in(rng, 1),
         run_dir)
     for name, rows in tables.items():
       run_dir.write_table(name, records.tidy(rows, **ident))
+  training_rows = tables.get("training", [])
+  if training_rows and training_rows[-1]["diverged"]:
+    return dict(status="diverged", step=training_rows[-1]["step"],
+                reason=f"non-finite loss at step {training_rows[-1]['step']}")
+  return dict(status="complete")
+
+
+def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
+  """Why a finished run's records do not answer `cfg` (None when they do):
+  another config, or records written by other code."""
+  marker = run_dir.marker()
+  if marker.get("run_id") != provenance.run_id(cfg):
+    old = {}
+    if (run_dir.path / "config.yaml").exists():
+      old = provenance.identity_config(
+          OmegaConf.load(run_dir.path / "config.yaml"))
+    changed = provenance.differences(old, provenance.identity_config(cfg))
+    return f"its config differs ({changed or 'written before run ids'})"
+  code = provenance.code_version()["code"]
+  if marker.get("code") != code:
+    return f"it was written by code {marker.get('code')}, this is {code}"
+  return None
 
 
 def run(cfg, out_dir) -> str:
-  """One run into `out_dir`; returns 'complete', 'skipped', 'cached' or 'error'."""
+  """One run into `out_dir`; returns its status: 'complete', 'diverged',
+  'skipped', 'cached' (finished earlier with the same config and code) or
+  'error'. A finished run whose config or code differs is redone."""
   run_dir = records.RunDir(out_dir)
   if run_dir.done and not cfg.force:
-    print(f"[curvbench] {out_dir}: finished earlier, skipping (force=true "
-          "redoes it).")
-    return "cached"
+    stale = stale_reason(run_dir, cfg)
+    if stale is None:
+      print(f"[curvbench] {out_dir}: finished earlier with this config and "
+            "code, skipping (force=true redoes it).")
+      return "cached"
+    print(f"[curvbench] {out_dir}: redoing it, {stale}.")
   config.validate(cfg)
+  run_dir.clear()
+  ident = dict(run_id=provenance.run_id(cfg),
+               code=provenance.code_version()["code"])
+  run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+  run_dir.write_table("config", pd.DataFrame(
+      [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
   reason = skip_reason(cfg)
   if reason:
-    run_dir.mark_done("skipped", reason=reason)
+    run_dir.mark_done("skipped", reason=reason, **ident)
     return "skipped"
-  run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
   try:
-    measure(cfg, run_dir)
+    outcome = measure(cfg, run_dir)
   except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to
-    run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc()))
+    run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc(),
+                                          **ident))
     if not cfg.continue_on_error:
       raise
     return "error"
   (run_dir.path / "ERROR.json").unlink(missing_ok=True)
-  run_dir.mark_done("complete")
-  return "complete"
+  run_dir.mark_done(**outcome, **ident)
+  return outcome["status"]
 
 
 def _hydra_main():
+  tuning_sweeper.register()
   if not OmegaConf.has_resolver("curvbench_run_dir"):
     OmegaConf.register_new_resolver("curvbench_run_dir", run_dir_name)
 

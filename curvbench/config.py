@@ -20,6 +20,8 @@ import estimators
 import problems
 from curvbench import curvatures, data, measurements, spectra, timing
 from curvbench import training
+# Stores the `hydra/sweeper: tuning` node that conf/config.yaml selects.
+from hydra_plugins.curvbench_sweeper import tuning_sweeper  # noqa: F401
 
 
 def _conf_dir() -> Path:

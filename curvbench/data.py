@@ -111,7 +111,8 @@ def parse_scope(scope: str) -> tuple[str, int | None]:
 
 
 def select(problem, scope: str, batch_size: int | None = None,
-           chunk_size: int | None = None, dtype=np.float32) -> Data:
+           chunk_size: int | None = None, dtype=np.float32,
+           seed: int | None = None) -> Data:
   """The examples of `scope` from `problem`, on the device.
 
   Args:
@@ -120,6 +121,7 @@ def select(problem, scope: str, batch_size: int | None = None,
     batch_size: the batch of 'batch' and 'batches:N' (None: the problem's).
     chunk_size: examples per chunk for 'train' (None: the batch size).
     dtype: the inputs' dtype.
+    seed: the batch order of 'batch' and 'batches:N' (None: the problem's).
 
   Returns:
     A `Data`. Batches are the first of the problem's seeded order, so
@@ -146,6 +148,6 @@ def select(problem, scope: str, batch_size: int | None = None,
         f"measure.spectra.data={scope!r} asks for {count} batches of {size}, "
         f"more than the {len(problem.data.x_train)} training examples; use "
         "'train' for the whole split.")
-  batches = problem.batches(batch_size=size, dtype=dtype)
+  batches = problem.batches(batch_size=size, seed=seed, dtype=dtype)
   chosen = [next(batches) for _ in range(count or 1)]
   return Data(jax.tree.map(lambda *b: jnp.stack(b), *chosen))

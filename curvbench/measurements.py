@@ -28,15 +28,17 @@ def section(node) -> dict:
 
 
 def uses_curvature(cfg: DictConfig) -> bool:
-  """Whether the run's measurement depends on the curvature config."""
-  return (cfg.measure.kind != "training"
+  """Whether the run's measurement depends on the curvature config: training
+  and timing only when the optimizer uses a curvature."""
+  return (cfg.measure.kind not in ("training", "timing")
           or training.optimizer_kind(cfg.optimizer.name).uses_curvature)
 
 
 def uses_optimizer(cfg: DictConfig) -> bool:
-  """Whether the run trains: training runs, and spectra taken after step 0
-  of a training run (rather than from a checkpoint)."""
-  if cfg.measure.kind == "training":
+  """Whether the run uses the optimizer group: training runs, timing runs
+  (they time its step), and spectra taken after step 0 of a training run
+  (rather than from a checkpoint)."""
+  if cfg.measure.kind in ("training", "timing"):
     return True
   spec = cfg.measure.spectra
   return (cfg.measure.kind == "spectra" and spec.checkpoint is None
@@ -87,7 +89,7 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
                      "training step to measure at (0: initialisation).")
   dtype = jax.tree.leaves(params)[0].dtype
   examples = data.select(problem, spec["data"], cfg.measure.batch_size,
-                         spec["chunk_size"], dtype)
+                         spec["chunk_size"], dtype, seed=int(cfg.data_seed))
   scope = dict(data=spec["data"])
   tables = {name: [] for name in (*spectra.TABLES, "cost", "training")}
 
@@ -112,7 +114,8 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
     optimizer = training.make_optimizer(problem.loss_fn,
                                         section(cfg.optimizer), curvature)
     rows = training.run(problem, optimizer, params, train_cfg,
-                        jax.random.fold_in(rng, 2), progress=cfg.progress,
+                        jax.random.fold_in(rng, 2), int(cfg.data_seed),
+                        progress=cfg.progress,
                         at_steps=steps, on_step=at)
     # The loss curve is the optimizer's, labelled as a training run's.
     method = training.method_label(name, curvature)
@@ -121,14 +124,14 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
 
 
 def measure_timing(problem, curvature, params, batch, cfg, rng, run_dir):
+  """Per-phase times of the curvature and of the optimizer's step, against
+  an Adam step with the settings of `measure.timing.baseline`."""
   del run_dir
   rows = timing.measure(problem.loss_fn, curvature, params, batch,
-                        section(cfg.measure.timing), rng,
+                        section(cfg.measure.timing), section(cfg.optimizer),
+                        section(cfg.measure.timing.baseline), rng,
                         progress=cfg.progress)
-  env = timing.environment()
-  device = dict(device_kind=env["device_kind"], platform=env["platform"],
-                jax_version=env["jax_version"])
-  return dict(timing=[dict(device, **row) for row in rows])
+  return dict(timing=rows)  # the device is among every row's provenance
 
 
 def measure_training(problem, curvature, params, batch, cfg, rng, run_dir):
@@ -141,7 +144,8 @@ def measure_training(problem, curvature, params, batch, cfg, rng, run_dir):
   optimizer = training.make_optimizer(problem.loss_fn, section(cfg.optimizer),
                                       curvature)
   rows = training.run(problem, optimizer, params, train_cfg, rng,
-                      progress=cfg.progress, at_steps=steps,
+                      int(cfg.data_seed), progress=cfg.progress,
+                      at_steps=steps,
                       on_step=lambda step, point: _save_checkpoint(
                           run_dir, problem, step, point))
   return dict(training=rows)

@@ -6,8 +6,12 @@
   inverses on a subsample of parameters (Martens & Grosse 2015, Fig. 2)
 - quality: metrics by block type (one step) or against the step (several)
 - statistics: spectral statistics against the step
-- training: loss against steps and against wall time
+- training: training error (median and quartiles over seeds) against
+  iterations and against seconds; with a tuning sweep, the best settings,
+  every setting, and the score against each tuned hyperparameter
 - timing: time per phase relative to a gradient step
+
+Each method has one colour in every figure (`palette`).
 
 Tables written before curvature was measured along training lack `step`,
 `data` and `block`; they read as step 0, data "batch" and block "all".
@@ -326,7 +330,8 @@ def quality(df: pd.DataFrame, out: Path) -> list[Path]:
   return paths
 
 
-def quality_through_training(df: pd.DataFrame, out: Path) -> list[Path]:
+def quality_through_training(df: pd.DataFrame, out: Path,
+                             colour: dict[str, str]) -> list[Path]:
   """Per problem, reference and data: each metric against the step, a line
   per method and block (the whole network, "all", drawn thicker)."""
   paths = []
@@ -334,8 +339,6 @@ def quality_through_training(df: pd.DataFrame, out: Path) -> list[Path]:
   styles = ["--", ":", "-.", (0, (3, 1, 1, 1))]
   for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
     metric_names = sorted(p.metric.unique())
-    methods = sorted(p.method.unique())
-    colour = {m: f"C{i % 10}" for i, m in enumerate(methods)}
     blocks = sorted(set(p.block) - {"all"})
     fig, axes = _grid(len(metric_names), width=4.5)
     for ax, metric in zip(axes, metric_names):
@@ -397,61 +400,183 @@ def statistics(df: pd.DataFrame, out: Path) -> list[Path]:
 
 # --- training and timing -----------------------------------------------------
 
+TRAINING_CURVES = (("train_error", "training error"),
+                   ("train_loss", "training loss"),
+                   ("batch_loss", "minibatch loss"))
 
-def training(df: pd.DataFrame, out: Path) -> list[Path]:
-  """Per problem: training loss vs step and vs wall time, test loss markers."""
+
+def palette(methods) -> dict[str, str]:
+  """One colour per method, the same in every figure of a report."""
+  methods = sorted({str(m) for m in methods})
+  cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+  return {m: colors.to_hex(cmap(i % cmap.N)) for i, m in enumerate(methods)}
+
+
+def _band(ax, x, lo, hi, colour):
+  ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
+
+
+def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
+             labels=None, name: str = "training") -> list[Path]:
+  """Per problem: the training error (else loss) against the step and
+  against steady-state seconds, the median over seeds with the
+  interquartile band, test error dashed; `labels` limits the curves (a
+  tuned sweep's best settings)."""
   paths = []
+  y, what = next(((c, w) for c, w in TRAINING_CURVES
+                  if c in df and df[c].notna().any()), TRAINING_CURVES[-1])
+  test = y.replace("train_", "test_") if y.startswith("train_") else None
+  if labels is not None:
+    df = df[df.label.isin(labels)]
+  styles = ["-", "--", ":", "-."]
   for problem, p in df.groupby("problem"):
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for method, m in p.sort_values("step").groupby("method"):
-      for ax, x in zip(axes, ("step", "wall_s")):
-        line, = ax.plot(m[x], m.train_loss, lw=1, label=method)
-        test = m.dropna(subset=["test_loss"])
-        ax.plot(test[x], test.test_loss, "o", ms=3, color=line.get_color())
-    for ax, x in zip(axes, ("step", "wall time (s)")):
-      ax.set(xlabel=x, ylabel="loss (line: train batch, dots: test)",
-             yscale="log", title=problem)
-    axes[0].legend(fontsize=6)
-    paths += _save(fig, out / f"training_{problem}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for method, m in p.groupby("method"):
+      for i, (label, runs) in enumerate(m.groupby("label")):
+        n = runs.run_id.nunique()
+        g = runs.groupby("step")
+        curve = g[y].median().dropna()
+        if curve.empty:
+          continue
+        lo, hi = g[y].quantile(0.25)[curve.index], g[y].quantile(0.75)[
+            curve.index]
+        wall = g.wall_s.median()[curve.index]
+        for ax, x in zip(axes, (curve.index, wall)):
+          ax.plot(x, curve, color=colour[method], ls=styles[i % 4], lw=1.4,
+                  label=f"{label} (n={n})")
+          if n > 1:
+            _band(ax, x, lo, hi, colour[method])
+          if test and test in runs:
+            t = g[test].median().dropna()
+            tx = t.index if ax is axes[0] else g.wall_s.median()[t.index]
+            ax.plot(tx, t, color=colour[method], ls="none", marker="o", ms=3)
+        diverged = runs[runs.diverged.astype(bool)] if "diverged" in runs \
+            else runs.iloc[:0]
+        for ax, x in zip(axes, ("step", "wall_s")):
+          ax.plot(diverged[x], np.full(len(diverged), curve.max()), "x",
+                  color=colour[method], ms=7)
+    axes[0].set(xlabel="iteration", ylabel=what, yscale="log",
+                title=f"{problem}")
+    axes[1].set(xlabel="seconds (compilation excluded)", yscale="log",
+                title=f"{problem}")
+    axes[0].legend(fontsize=7, title="median, band: quartiles; dots: test",
+                   title_fontsize=7)
+    paths += _save(fig, out / f"{name}_{problem}")
+  return paths
+
+
+def sensitivity(table: pd.DataFrame, out: Path,
+                colour: dict[str, str]) -> list[Path]:
+  """Per problem: each method's tuning score against each tuned
+  hyperparameter, the others held at the method's best setting."""
+  paths = []
+  for problem, p in table.groupby("problem"):
+    keys = sorted({k.split("=")[0] for s in p.setting for k in s.split(", ")
+                   if "=" in k})
+    if not keys:
+      continue
+    fig, axes = _grid(len(keys), width=4.5, height=3.5)
+    for ax, key in zip(axes, keys):
+      for method, m in p.groupby("method"):
+        parsed = m.setting.map(lambda s: dict(
+            kv.split("=", 1) for kv in s.split(", ") if "=" in kv))
+        if not parsed.map(lambda d: key in d).all():
+          continue
+        best = parsed[m.best].iloc[0]
+        same = parsed.map(lambda d: all(d.get(k) == v for k, v in
+                                        best.items() if k != key))
+        points = sorted((float(d[key]), score) for d, score in
+                        zip(parsed[same], m.score[same]))
+        xs = [x for x, _ in points]
+        ys = [v if np.isfinite(v) else np.nan for _, v in points]
+        ax.plot(xs, ys, "o-", color=colour[method], label=method)
+        ax.plot([float(best[key])], [m.score[m.best].iloc[0]], "*",
+                ms=12, color=colour[method])
+        diverged = [x for x, v in points if not np.isfinite(v)]
+        if diverged:
+          ax.plot(diverged, [np.nanmax(ys) if np.isfinite(ys).any() else 1]
+                  * len(diverged), "x", color=colour[method], ms=8)
+      xs = np.concatenate([l.get_xdata() for l in ax.lines] or [[]])
+      ys = np.concatenate([l.get_ydata() for l in ax.lines] or [[]])
+      ys = ys[np.isfinite(ys)]
+      if xs.size and xs.min() > 0:
+        ax.set_xscale("log")
+      if ys.size and ys.min() > 0 and ys.max() > 10 * ys.min():
+        ax.set_yscale("log")
+      ax.set(xlabel=key, ylabel=p.metric.iloc[0], title=problem)
+      if ax.lines:
+        ax.legend(fontsize=7, title="star: chosen; x: diverged",
+                  title_fontsize=7)
+    paths += _save(fig, out / f"tuning_{problem}")
   return paths
 
 
 def timing(df: pd.DataFrame, out: Path) -> list[Path]:
-  """Per problem: median time of each phase as a multiple of a gradient step."""
+  """Per problem and device: median time of each phase as a multiple of a
+  gradient step, a bar group per method and setting."""
   paths = []
   for problem, p in df.groupby("problem"):
-    table = p.pivot_table(index="method", columns="phase",
-                          values="ratio_to_grad_step", aggfunc="mean")
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    table.plot.bar(ax=ax, rot=20, fontsize=7, logy=True)
+    table = p.pivot_table(index="label", columns="phase",
+                          values="ratio_to_grad_step", aggfunc="median")
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    table.plot.bar(ax=ax, rot=20, logy=True)
     device = ", ".join(p.device_kind.unique())
     ax.set(ylabel="time / gradient step", xlabel="",
            title=f"{problem} ({device})")
     ax.axhline(1.0, color="k", lw=0.5)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7)
     paths += _save(fig, out / f"timing_{problem}")
   return paths
 
 
-def all_figures(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
+STYLE = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
+         "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8,
+         "figure.dpi": 120}
+
+
+def all_figures(tables: dict[str, pd.DataFrame], out: Path,
+                tuning: pd.DataFrame | None = None) -> list[Path]:
   """The figures of every table present; quality against the step where a
-  problem was measured at several steps, as bars otherwise."""
+  problem was measured at several steps, as bars otherwise. Each method
+  keeps one colour in every figure. With a `tuning` table (see
+  `curvbench.report`), the training figure shows the best settings and a
+  second one (`training_all_`) every setting, beside the sensitivity."""
+  methods = {m for df in tables.values() if "method" in df
+             for m in df.method.dropna()}
+  colour = palette(methods)
   paths = []
-  if "spectra" in tables:
-    paths += spectra(tables["spectra"], out)
-  if "heatmaps" in tables:
-    paths += heatmaps(tables["heatmaps"], out)
-  if "quality" in tables:
-    q = _complete(tables["quality"], "step")
-    along = q.groupby("problem").step.transform("nunique") > 1
-    if along.any():
-      paths += quality_through_training(q[along], out)
-    if (~along).any():
-      paths += quality(q[~along], out)
-  if "statistics" in tables:
-    paths += statistics(tables["statistics"], out)
-  if "training" in tables:
-    paths += training(tables["training"], out)
-  if "timing" in tables:
-    paths += timing(tables["timing"], out)
+  with plt.rc_context(STYLE):
+    if "spectra" in tables:
+      paths += spectra(tables["spectra"], out)
+    if "heatmaps" in tables:
+      paths += heatmaps(tables["heatmaps"], out)
+    if "quality" in tables:
+      q = _complete(tables["quality"], "step")
+      along = q.groupby("problem").step.transform("nunique") > 1
+      if along.any():
+        paths += quality_through_training(q[along], out, colour)
+      if (~along).any():
+        paths += quality(q[~along], out)
+    if "statistics" in tables:
+      paths += statistics(tables["statistics"], out)
+    if "training" in tables:
+      train = tables["training"]
+      if tuning is not None:
+        best = set(_best_labels(tuning))
+        tuned = set(tuning.method)
+        keep = [l for l, m in zip(train.label, train.method)
+                if m not in tuned or l in best]
+        paths += training(train, out, colour, labels=set(keep))
+        paths += training(train, out, colour, name="training_all")
+        paths += sensitivity(tuning, out, colour)
+      else:
+        paths += training(train, out, colour)
+    if "timing" in tables:
+      paths += timing(tables["timing"], out)
   return paths
+
+
+def _best_labels(tuning: pd.DataFrame) -> list[str]:
+  best = tuning[tuning.best]
+  return [f"{m} ({s})" if s else str(m) for m, s in zip(best.method,
+                                                        best.setting)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +66,14 @@ class RunDir:
 
   def write_text(self, name: str, text: str) -> Path:
     return atomic_write(self.path / name, lambda tmp: Path(tmp).write_text(text))
+
+  def clear(self) -> None:
+    """Removes the records of an earlier run here (tables, markers, config,
+    checkpoints) before the directory is used again."""
+    for pattern in ("*.parquet", "*.json", "config.yaml"):
+      for path in self.path.glob(pattern):
+        path.unlink()
+    shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
 
   def mark_done(self, status: str = "complete", **info) -> Path:
     """Writes the completion marker; call it after every other file."""

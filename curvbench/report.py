@@ -1,31 +1,108 @@
-"""`curvbench report DIR`: merge a sweep's finished runs into tables and figures.
+"""`curvbench report DIR`: merge a sweep's runs into tables and figures.
 
-Writes under `DIR/report/` (or `--out`): `report.md`, one CSV per table and
-the figures of `curvbench.plots` as PNG and PDF.
+The report respects the design of the experiment:
+
+- Runs that differ in any config key are told apart. Within each problem,
+  measurement and method, the keys whose values differ between runs (seeds
+  aside) form the run's `setting` (e.g. `learning_rate=0.001`), and every
+  table and figure groups by method and setting.
+- Seeds are aggregated: curves and numbers are medians over the seeds of a
+  setting, with the interquartile range and the count of seeds (`n`).
+- A sweep that declares `tuning.grid` is a tuning protocol
+  (`curvbench.tuning`): the report picks each optimizer's best setting, draws
+  only those curves in the main training figure and the score against each
+  tuned hyperparameter in a second one.
+- Runs that are not in the results are listed with the reason: skipped,
+  failed (`ERROR.json`), diverged, or incomplete (no completion marker).
+
+Writes under `DIR/report/` (or `--out`): `report.md`, `report.html` (one
+self-contained page, sortable tables), one CSV per table, and the figures of
+`curvbench.plots` as PNG and PDF.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
-from curvbench import curvatures, plots, records
+from curvbench import curvatures, html_page, plots, provenance, records
+from curvbench import tuning
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "cost", "timing",
           "training")
+RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml")
+# What a run is, before its settings: rows with the same values here and the
+# same setting are seeds of one configuration.
+GROUP = ("problem", "measure", "method")
+SEED_KEYS = set(provenance.SEED_KEYS)
 
 
-def load_sweep(root) -> dict[str, pd.DataFrame]:
-  """Each table concatenated over the completed runs under `root`."""
-  parts: dict[str, list[pd.DataFrame]] = {t: [] for t in TABLES}
-  for run in records.find_runs(root):
-    if run.marker().get("status") != "complete":
-      continue
-    for name, df in run.tables().items():
-      if name in parts:
-        parts[name].append(df.assign(run_dir=str(run.path.relative_to(root))))
+@dataclasses.dataclass
+class Sweep:
+  """A sweep's runs (one row per run directory) and its merged tables."""
+  root: Path
+  runs: pd.DataFrame
+  tables: dict[str, pd.DataFrame]
+
+
+def _run_config(run: records.RunDir) -> dict:
+  if (run.path / "config.parquet").exists():
+    return pd.read_parquet(run.path / "config.parquet").iloc[0].to_dict()
+  if (run.path / "config.yaml").exists():
+    return provenance.flatten(OmegaConf.load(run.path / "config.yaml"))
+  return {}
+
+
+def _status(run: records.RunDir) -> tuple[str, str]:
+  marker = run.marker()
+  if marker is not None:
+    status = marker.get("status", "complete")
+    return status, marker.get("reason", "")
+  error = run.path / "ERROR.json"
+  if error.exists():
+    lines = json.loads(error.read_text())["traceback"].strip().splitlines()
+    return "error", lines[-1] if lines else "see ERROR.json"
+  return "incomplete", ("no completion marker: the run was stopped, or is "
+                        "still running")
+
+
+def load_sweep(root) -> Sweep:
+  """Every run directory under `root`, and each table concatenated over the
+  complete and diverged runs (with `run_id` and `run_dir` columns)."""
+  root = Path(root)
+  dirs = sorted({p.parent for name in RUN_FILES for p in root.rglob(name)
+                 if ".hydra" not in p.parts})
+  runs, parts = [], {t: [] for t in TABLES}
+  for path in dirs:
+    run = records.RunDir(path)
+    status, reason = _status(run)
+    cfg = _run_config(run)
+    run_dir = str(path.relative_to(root))
+    run_id = cfg.pop("run_id", None) or (run.marker() or {}).get(
+        "run_id", run_dir)
+    row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
+               problem=cfg.get("problem.label"),
+               measure=cfg.get("measure.kind"), **{
+                   f"config:{k}": v for k, v in cfg.items()})
+    if status in ("complete", "diverged"):
+      for name, df in run.tables().items():
+        if name in parts:
+          df = df.assign(run_dir=run_dir)
+          if "run_id" not in df:  # written before run ids
+            df["run_id"] = run_id
+          parts[name].append(df)
+          if "device_kind" in df and len(df):
+            row["device_kind"] = df.device_kind.iloc[0]
+    if (path / "metadata.json").exists():
+      row["method"] = json.loads((path / "metadata.json").read_text()).get(
+          "method")
+    runs.append(row)
   tables = {name: pd.concat(dfs, ignore_index=True)
             for name, dfs in parts.items() if dfs}
   for name in ("spectra", "quality"):
@@ -34,49 +111,164 @@ def load_sweep(root) -> dict[str, pd.DataFrame]:
         if column != "block" or name == "quality":
           tables[name][column] = tables[name].get(column, value)
           tables[name][column] = tables[name][column].fillna(value)
-  return tables
+  return Sweep(root, pd.DataFrame(runs), tables)
+
+
+def _short_names(keys: list[str]) -> dict[str, str]:
+  """Each dotted key's last part, or more of it where two would collide."""
+  names = {}
+  for key in keys:
+    parts = key.split(".")
+    depth = 1
+    while depth < len(parts) and sum(
+        k.split(".")[-depth:] == parts[-depth:] for k in keys) > 1:
+      depth += 1
+    names[key] = ".".join(parts[-depth:])
+  return names
+
+
+def _value(v) -> str:
+  return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def settings(runs: pd.DataFrame) -> pd.DataFrame:
+  """`runs` (complete and diverged) with the columns `setting` (the config
+  keys that vary within the run's problem, measurement and method, seeds
+  aside, as `key=value, ...`), `label` (method and setting) and
+  `setting_keys` (the varying keys)."""
+  done = runs[runs.status.isin(["complete", "diverged"])].copy()
+  if done.empty:
+    return done.assign(setting="", label="", setting_keys="")
+  candidates = [c for c in done.columns
+                if c.startswith("config:")
+                and c[len("config:"):].split(".")[0]
+                not in provenance.NOT_IDENTITY
+                and c[len("config:"):] not in SEED_KEYS]
+  if "device_kind" in done:
+    candidates.append("device_kind")
+  done["setting"], done["setting_keys"] = "", ""
+  for _, group in done.groupby(list(GROUP), dropna=False):
+    varying = [c for c in candidates
+               if group[c].astype(str).nunique(dropna=False) > 1]
+    keys = [c.removeprefix("config:") for c in varying]
+    short = _short_names(keys)
+    for index, run in group.iterrows():
+      done.at[index, "setting"] = ", ".join(
+          f"{short[k]}={_value(run[c])}" for k, c in zip(keys, varying))
+      done.at[index, "setting_keys"] = ",".join(keys)
+  done["label"] = [f"{m} ({s})" if s else str(m)
+                   for m, s in zip(done.method, done.setting)]
+  return done
+
+
+def _tuned_groups(done: pd.DataFrame) -> pd.DataFrame:
+  """The training runs of optimizers their sweep tuned over a grid."""
+  grid_cols = [c for c in done.columns if c.startswith("config:tuning.grid.")]
+  if not grid_cols or "config:optimizer.name" not in done:
+    return done.iloc[:0]
+  tuned = done.apply(lambda r: any(
+      c.startswith(f"config:tuning.grid.{r['config:optimizer.name']}.")
+      and pd.notna(r[c]) for c in grid_cols), axis=1)
+  return done[tuned & (done.measure == "training")]
+
+
+def tuning_table(sweep: Sweep, done: pd.DataFrame) -> pd.DataFrame | None:
+  """Each tuned setting's score (mean over seeds) and the best ones."""
+  tuned = _tuned_groups(done)
+  if tuned.empty or "training" not in sweep.tables:
+    return None
+  metrics = tuned["config:tuning.metric"].unique()
+  if len(metrics) > 1:
+    raise ValueError(f"The tuned runs under {sweep.root} use different "
+                     f"tuning.metric values {sorted(metrics)}; report them "
+                     "apart.")
+  scores = tuning.run_scores(sweep.tables["training"], metrics[0])
+  table = tuning.select(tuned, scores, ["problem", "method"])
+  return table.assign(metric=metrics[0])
+
+
+def _with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
+  labels = done[["run_id", "setting", "label"]].drop_duplicates("run_id")
+  return df.drop(columns=["setting", "label"], errors="ignore").merge(
+      labels, on="run_id", how="left")
+
+
+def _median_iqr(df, index, columns, values) -> pd.DataFrame:
+  """A pivot of medians over runs with the number of runs, `n`."""
+  table = df.pivot_table(index=index, columns=columns, values=values,
+                         aggfunc="median", dropna=False).dropna(how="all")
+  counts = df.groupby(index, dropna=False).run_id.nunique().rename("n")
+  return table.join(counts).reset_index()
 
 
 def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-  """Small tables for reading: one row per problem and method."""
+  """Small tables for reading: one row per problem, method and setting,
+  medians over seeds and `n`, the number of seeds."""
   out = {}
   if "quality" in tables:
     q = tables["quality"]
     for name, part in (("quality", q[q.block == "all"]),
                        ("quality_blocks", q[q.block != "all"])):
       if not part.empty:
-        out[name] = part.pivot_table(
-            index=["problem", "data", "step", "reference", "block_type",
-                   "method", "block"], columns="metric", values="value",
-            aggfunc="mean", dropna=False).dropna(how="all").reset_index()
+        out[name] = _median_iqr(
+            part, ["problem", "data", "step", "reference", "block_type",
+                   "label", "block"], "metric", "value")
   if "statistics" in tables:
-    out["statistics"] = tables["statistics"].pivot_table(
-        index=["problem", "data", "step", "source", "matrix"],
-        columns="statistic", values="value", aggfunc="mean").reset_index()
+    out["statistics"] = _median_iqr(
+        tables["statistics"], ["problem", "label", "data", "step", "source",
+                               "matrix"], "statistic", "value")
   if "cost" in tables:
-    out["cost"] = tables["cost"].pivot_table(
-        index=["problem", "method", "data", "phase"],
-        values=["compile_s", "run_s", "program_bytes"],
-        aggfunc="mean").reset_index()
+    cost = tables["cost"].groupby(
+        ["problem", "label", "data", "phase"], dropna=False)
+    out["cost"] = cost[["compile_s", "run_s", "program_bytes"]].median(
+    ).join(cost.run_id.nunique().rename("n")).reset_index()
   if "timing" in tables:
     t = tables["timing"]
-    out["timing"] = t.pivot_table(
-        index=["problem", "device_kind", "method"], columns="phase",
-        values="ratio_to_grad_step", aggfunc="mean").reset_index()
-    out["timing_seconds"] = t.pivot_table(
-        index=["problem", "device_kind", "method"], columns="phase",
-        values=["median_s", "compile_s"], aggfunc="mean")
-    out["timing_seconds"].columns = [f"{p}_{v}" for v, p in
-                                     out["timing_seconds"].columns]
-    out["timing_seconds"] = out["timing_seconds"].reset_index()
+    index = ["problem", "device_kind", "label"]
+    if "ratio_to_adam_step" in t:
+      steps = t[t.phase == "optimizer_step"]
+      if not steps.empty:
+        g = steps.groupby(index, dropna=False)
+        out["step_ratio"] = g.agg(
+            step_s=("median_s", "median"),
+            ratio_to_adam_step=("ratio_to_adam_step", "median"),
+            compile_s=("compile_s", "median"),
+            n=("run_id", "nunique")).reset_index()
+    out["timing"] = _median_iqr(t, index, "phase", "ratio_to_grad_step")
+    seconds = t.pivot_table(index=index, columns="phase",
+                            values=["median_s", "compile_s"],
+                            aggfunc="median")
+    seconds.columns = [f"{p}_{v}" for v, p in seconds.columns]
+    out["timing_seconds"] = seconds.reset_index()
   if "training" in tables:
-    t = tables["training"].sort_values("step")
-    groups = t.groupby(["problem", "method"], dropna=False)
-    out["training"] = groups.agg(
-        steps=("step", "max"), wall_s=("wall_s", "max"),
-        final_train_loss=("train_loss", "last"),
-        best_test_loss=("test_loss", "min")).reset_index()
+    out["training"] = training_summary(tables["training"])
   return out
+
+
+def training_summary(training: pd.DataFrame) -> pd.DataFrame:
+  """Per problem and label: medians over seeds of each run's final training
+  and test error and loss, steps, wall and compile seconds; `n` seeds and
+  how many of them diverged."""
+  finals = []
+  for run_id, run in training.sort_values("step").groupby("run_id"):
+    last = run.iloc[-1]
+    row = dict(problem=last.problem, label=last.label, run_id=run_id,
+               steps=last.step, wall_s=last.wall_s,
+               diverged=bool(run.diverged.any()) if "diverged" in run
+               else False)
+    for column in ("compile_s", "train_error", "test_error", "train_loss",
+                   "test_loss"):
+      if column in run:
+        values = run[column].dropna()
+        row[f"final_{column}" if column != "compile_s" else column] = (
+            values.iloc[-1] if len(values) else np.nan)
+    finals.append(row)
+  finals = pd.DataFrame(finals)
+  g = finals.groupby(["problem", "label"], dropna=False)
+  numbers = [c for c in finals.columns
+             if c not in ("problem", "label", "run_id", "diverged")]
+  return g[numbers].median().join(g.agg(
+      n=("run_id", "nunique"), diverged=("diverged", "sum"))).reset_index()
 
 
 def legacy_notes(tables: dict[str, pd.DataFrame]) -> list[str]:
@@ -103,12 +295,28 @@ def legacy_notes(tables: dict[str, pd.DataFrame]) -> list[str]:
           "optimizer=preconditioned_sgd); they kept their labels."]
 
 
+def not_in_results(runs: pd.DataFrame) -> pd.DataFrame:
+  """Runs whose records are missing or partial, with the reason; skipped
+  runs are counted per reason."""
+  shown = runs[runs.status.isin(["error", "diverged", "incomplete"])]
+  rows = [dict(status=r.status, runs=1, run_dir=r.run_dir, reason=r.reason)
+          for r in shown.itertuples()]
+  skipped = runs[runs.status == "skipped"]
+  for reason, group in skipped.groupby("reason"):
+    dirs = sorted(group.run_dir)
+    rows.append(dict(status="skipped", runs=len(dirs),
+                     run_dir=", ".join(dirs[:3]) + (", ..." if len(dirs) > 3
+                                                    else ""),
+                     reason=reason))
+  return pd.DataFrame(rows, columns=["status", "runs", "run_dir", "reason"])
+
+
 def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
   """A GitHub markdown table (no extra dependency)."""
   def cell(v):
     if isinstance(v, float):
       return "" if pd.isna(v) else f"{v:.{digits}g}"
-    return "" if v is None else str(v)
+    return "" if v is None else str(v).replace("|", "\\|")
   head = "| " + " | ".join(map(str, df.columns)) + " |"
   rule = "|" + "|".join("---" for _ in df.columns) + "|"
   rows = ["| " + " | ".join(cell(v) for v in row) + " |"
@@ -116,45 +324,110 @@ def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
   return "\n".join([head, rule, *rows])
 
 
+TITLES = dict(
+    run_counts="Runs",
+    not_in_results="Runs not in the results",
+    quality="Approximation quality (vs the exact matrix)",
+    quality_blocks="Approximation quality per layer block",
+    statistics="Spectrum statistics",
+    cost="Cost of each measured phase",
+    step_ratio="Optimizer step / Adam step (same problem, same process)",
+    timing="Time per phase / time of a gradient step",
+    timing_seconds="Seconds per phase (median) and compile time",
+    training="Training: final errors and losses",
+    tuning="Tuning: each setting's score (mean over seeds)")
+
+
 def write(root, out=None) -> dict[str, list[Path]]:
-  """Writes the merged tables, summaries and figures; returns the paths."""
+  """Writes the merged tables, summaries, figures, `report.md` and
+  `report.html`; returns the paths."""
   root = Path(root)
   out = Path(out) if out else root / "report"
-  tables = load_sweep(root)
-  if not tables:
-    raise FileNotFoundError(f"No finished runs with records under {root}: run "
-                            "a sweep first (curvbench -m +experiment=quick).")
+  sweep = load_sweep(root)
+  if sweep.runs.empty:
+    raise FileNotFoundError(f"No runs under {root}: run a sweep first "
+                            "(curvbench -m +experiment=quick).")
+  done = settings(sweep.runs)
+  tables = {name: _with_labels(df, done) for name, df in sweep.tables.items()}
   out.mkdir(parents=True, exist_ok=True)
   written = {"tables": [], "figures": []}
-  for name, df in tables.items():
-    path = out / f"{name}_all.csv"
-    records.atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
-    written["tables"].append(path)
-  lines = [f"# curvbench report: {root}", ""]
-  titles = dict(quality="Approximation quality (vs the exact matrix)",
-                quality_blocks="Approximation quality per layer block",
-                statistics="Spectrum statistics",
-                cost="Cost of each measured phase (mean over steps)",
-                timing="Time per phase / time of a gradient step",
-                timing_seconds="Seconds per phase (median) and compile time",
-                training="Training")
-  for name, df in summaries(tables).items():
+
+  def save_csv(name, df):
     path = out / f"{name}.csv"
-    records.atomic_write(path, lambda tmp, df=df: df.to_csv(tmp, index=False))
+    records.atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
     written["tables"].append(path)
-    lines += [f"## {titles[name]}", "", to_markdown(df), ""]
+
+  for name, df in tables.items():
+    save_csv(f"{name}_all", df)
+  save_csv("runs", sweep.runs)
+
+  sections = [("run_counts", _runs_summary(sweep.runs))]
+  missing = not_in_results(sweep.runs)
+  if not missing.empty:
+    sections.append(("not_in_results", missing))
+  tuned = tuning_table(sweep, done)
+  best = None
+  if tuned is not None:
+    sections.append(("tuning", tuned))
+    best = tuned[tuned.best]
+  for name, df in summaries(tables).items():
+    sections.append((name, df))
+  for name, df in sections:
+    save_csv(name, df)
+
+  figures = plots.all_figures(tables, out / "figures", tuning=tuned)
+  written["figures"] = figures
   notes = legacy_notes(tables)
+  if best is not None:
+    notes.append(
+        f"Tuned by {best.metric.iloc[0]} (mean over seeds); the main "
+        "training figure shows each optimizer's best setting: " + "; ".join(
+            f"{r.problem} {r.method}: {r.setting or 'its only setting'}"
+            for r in best.itertuples()))
+  pngs = [p for p in figures if p.suffix == ".png"]
+  written["tables"] += _write_pages(root, out, sections, notes, pngs,
+                                    _provenance_line(tables))
+  return written
+
+
+def _runs_summary(runs: pd.DataFrame) -> pd.DataFrame:
+  counts = runs.groupby("status").run_dir.count()
+  return counts.rename("runs").reset_index()
+
+
+def _provenance_line(tables) -> str:
+  """The devices and code versions the records come from."""
+  found = {"device_kind": set(), "commit": set()}
+  for df in tables.values():
+    for column, values in found.items():
+      if column in df:
+        values.update(str(v) for v in df[column].dropna().unique())
+    if "dirty" in df and df.dirty.fillna(False).astype(bool).any():
+      found["commit"].add("uncommitted changes")
+  return (f"Devices: {', '.join(sorted(found['device_kind'])) or 'unknown'}."
+          f" Code: {', '.join(sorted(found['commit'])) or 'unknown'}.")
+
+
+def _write_pages(root, out, sections, notes, pngs, header) -> list[Path]:
+  lines = [f"# curvbench report: {root}", "", header, ""]
+  blocks = [html_page.Paragraph(header)]
+  for name, df in sections:
+    heading = TITLES[name]
+    lines += [f"## {heading}", "", to_markdown(df), ""]
+    blocks += [html_page.Heading(heading), html_page.Table(df)]
   if notes:
     lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
-  figures = plots.all_figures(tables, out / "figures")
-  written["figures"] = figures
+    blocks += [html_page.Heading("Notes"), html_page.Bullets(notes)]
   lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})"
-                                 for p in figures if p.suffix == ".png"]
+                                 for p in pngs]
+  blocks += [html_page.Heading("Figures")] + [
+      html_page.Figure(p, caption=p.stem) for p in pngs]
   md = out / "report.md"
   records.atomic_write(md, lambda tmp: Path(tmp).write_text(
       "\n".join(lines) + "\n"))
-  written["tables"].append(md)
-  return written
+  page = html_page.write(out / "report.html", f"curvbench report: {root}",
+                         blocks)
+  return [md, page]
 
 
 def main(argv=None) -> int:

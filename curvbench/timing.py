@@ -1,33 +1,64 @@
-"""Per-phase timing of a curvature estimator, compile time kept separate.
+"""Per-phase timing: a curvature's phases and the optimizer's real step.
 
-Each phase is a jitted function. Its compile time (trace + lower + compile)
-is measured once; then the compiled function runs `warmup` times untimed and
-`repeats` times timed, each call ended by `block_until_ready`. The unit is a
-plain gradient step (`grad` + SGD update): ratios are to its median.
+Phases (one row each):
+
+- `grad_step`: a gradient and an SGD update.
+- `curvature_update`, `cache_update`, `precondition`: the curvature's
+  statistics update, inverse refresh and preconditioning; timed only when
+  the optimizer uses a curvature.
+- `optimizer_step`: the configured optimizer's own step
+  (`training.make_optimizer`) with all it does; for K-FAC the adaptive
+  learning rate, momentum and damping and the periodic inverse refresh.
+- `adam_step`: an Adam step (settings `measure.timing.baseline`) on the
+  same parameters and batch; always timed.
+
+The first four are single jitted calls (`time_function`): compile time is
+taken once, then `warmup` untimed and `repeats` timed calls, each ended by
+`block_until_ready`. A step comes in kinds that recur every `cycle` steps
+of the configured optimizer (e.g. K-FAC's inverse refresh every
+`inverse_update_period` steps), so the two steps are timed by whole cycles:
+`compile_s` is the time of `training.compile_steps` (throwaway steps that
+compile every kind, their run time included), the first step (K-FAC's
+burn-in) runs off the clock, and one sample is the time of `cycle`
+consecutive steps (parameters and state carried, a key per step) divided by
+`cycle`; Adam uses the same `cycle`. Their samples alternate, `warmup`
+untimed repeats then `repeats` timed ones, each one optimizer sample then
+one Adam sample, so that load on the machine hits both alike. They have no
+first call apart from compilation: `first_call_s` is NaN.
+`steps_per_sample` is 1 for single calls and `cycle` for the steps.
+
+`ratio_to_grad_step` and `ratio_to_adam_step` are a row's median over the
+median of `grad_step` and of `adam_step`: the latter is the cost of the
+optimizer's step in Adam steps.
 """
 
 from __future__ import annotations
 
-import platform
 import time
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from curvbench import training
+
 PHASES = ("grad_step", "curvature_update", "cache_update", "precondition",
-          "full_step")
+          "optimizer_step")  # the choices of measure.timing.phases
+CURVATURE_PHASES = ("curvature_update", "cache_update", "precondition")
+BASELINE_PHASE = "adam_step"  # always timed: the unit of ratio_to_adam_step
 
 
-def environment() -> dict:
-  device = jax.devices()[0]
-  return dict(device_kind=device.device_kind, platform=device.platform,
-              num_devices=jax.device_count(), jax_version=jax.__version__,
-              python=platform.python_version(), host=platform.node())
+def statistics(times) -> dict:
+  """Median, minimum, quartiles and count of the timed samples."""
+  times = np.asarray(times)
+  return dict(median_s=float(np.median(times)), min_s=float(times.min()),
+              q25_s=float(np.quantile(times, 0.25)),
+              q75_s=float(np.quantile(times, 0.75)), repeats=len(times))
 
 
 def time_function(fn, args, warmup: int = 2, repeats: int = 10) -> dict:
-  """Compile time, first-call time and steady-state statistics of `fn(*args)`."""
+  """Compile time, first-call time and steady-state statistics of one
+  call of `fn(*args)`."""
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
   compile_s = time.perf_counter() - start
@@ -41,63 +72,152 @@ def time_function(fn, args, warmup: int = 2, repeats: int = 10) -> dict:
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - start)
-  times = np.asarray(times)
-  return dict(compile_s=compile_s, first_call_s=first_s,
-              median_s=float(np.median(times)), min_s=float(times.min()),
-              q25_s=float(np.quantile(times, 0.25)),
-              q75_s=float(np.quantile(times, 0.75)), repeats=len(times))
+  return dict(compile_s=compile_s, first_call_s=first_s, steps_per_sample=1,
+              **statistics(times))
 
 
 def phase_functions(loss_fn, curvature, damping: float, learning_rate: float):
-  """The jittable function of each phase, keyed by phase name."""
+  """The jittable function of each single-call phase, keyed by name."""
 
   def grad_step(params, batch):
     grads = jax.grad(loss_fn)(params, batch)
     return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
 
-  def full_step(state, params, batch, rng):
-    grads = jax.grad(loss_fn)(params, batch)
-    state = curvature.update(state, params, batch, rng, 0.95, 0.05)
-    state = curvature.refresh(state, damping)
-    direction = curvature.precondition(state, grads, damping)
-    new = jax.tree.map(lambda p, d: p - learning_rate * d, params, direction)
-    return new, state
-
-  return dict(
-      grad_step=grad_step,
-      curvature_update=lambda s, p, b, r: curvature.update(s, p, b, r),
-      cache_update=lambda s: curvature.refresh(s, damping),
-      precondition=lambda s, g: curvature.precondition(s, g, damping),
-      full_step=full_step)
+  fns = dict(grad_step=grad_step)
+  if curvature is not None:
+    fns.update(
+        curvature_update=lambda s, p, b, r: curvature.update(s, p, b, r),
+        cache_update=lambda s: curvature.refresh(s, damping),
+        precondition=lambda s, g: curvature.precondition(s, g, damping))
+  return fns
 
 
-def measure(loss_fn, curvature, params, batch, cfg, rng,
-            progress: bool = False) -> list[dict]:
-  """One row per phase; see the module docstring."""
-  damping = float(cfg["damping"])
-  fns = phase_functions(loss_fn, curvature, damping,
-                        float(cfg["learning_rate"]))
-  state = curvature.init(rng, params, batch)
-  state = jax.jit(curvature.update)(state, params, batch, rng)
-  grads = jax.grad(loss_fn)(params, batch)
-  args = dict(grad_step=(params, batch),
-              curvature_update=(state, params, batch, rng),
-              cache_update=(state,), precondition=(
-                  jax.jit(curvature.refresh)(state, damping), grads),
-              full_step=(state, params, batch, rng))
+class Stepper:
+  """Runs a trainer's steps in timed samples of `steps` steps each.
+
+  Building it compiles every kind of step (`compile_s`) and runs the first
+  step (K-FAC's burn-in) off the clock; params and state then carry on
+  from sample to sample, each step with its own key.
+  """
+
+  def __init__(self, trainer, params, batch, rng, steps: int):
+    self.trainer, self.batch, self.rng, self.steps = trainer, batch, rng, steps
+    state = trainer.init(params, batch, rng)
+    self.compile_s = training.compile_steps(trainer, params, state, batch,
+                                            rng)
+    params, state, loss = trainer.step(params, state, batch, rng)
+    jax.block_until_ready((params, state, loss))
+    self.params, self.state, self.count = params, state, 1
+
+  def sample(self) -> float:
+    """Seconds per step, averaged over one sample of `steps` steps."""
+    keys = [jax.random.fold_in(self.rng, self.count + i)
+            for i in range(self.steps)]
+    jax.block_until_ready(keys)
+    params, state, step = self.params, self.state, self.trainer.step
+    start = time.perf_counter()
+    for key in keys:
+      params, state, loss = step(params, state, self.batch, key)
+    jax.block_until_ready((params, state, loss))
+    elapsed = time.perf_counter() - start
+    self.params, self.state = params, state
+    self.count += self.steps
+    return elapsed / self.steps
+
+
+def time_steps(steppers: dict, warmup: int, repeats: int,
+               progress: bool = False) -> dict:
+  """A row per stepper, their samples interleaved: repeat by repeat, one
+  sample of each in turn. `first_call_s` is NaN: the first call of a step
+  compiles, so there is no first call apart from compilation."""
+  times = {name: [] for name in steppers}
+  for repeat in tqdm(range(warmup + repeats), desc="timing steps",
+                     disable=not progress, leave=False):
+    for name, stepper in steppers.items():
+      seconds = stepper.sample()
+      if repeat >= warmup:
+        times[name].append(seconds)
+  return {name: dict(compile_s=stepper.compile_s, first_call_s=float("nan"),
+                     steps_per_sample=stepper.steps,
+                     **statistics(times[name]))
+          for name, stepper in steppers.items()}
+
+
+def selected_phases(cfg, uses_curvature: bool) -> list[str]:
+  """The single-call and optimizer phases to time, `grad_step` first;
+  curvature phases only when the optimizer uses a curvature."""
   phases = list(cfg["phases"])
-  unknown = set(phases) - set(PHASES)
+  unknown = sorted(set(phases) - set(PHASES))
   if unknown:
-    raise ValueError(f"Unknown timing phases {sorted(unknown)}; choose from "
-                     f"{', '.join(PHASES)}.")
-  if "grad_step" not in phases:
-    phases.insert(0, "grad_step")
-  rows = []
-  for phase in tqdm(phases, desc="timing", disable=not progress, leave=False):
-    stats = time_function(fns[phase], args[phase], int(cfg["warmup"]),
-                          int(cfg["repeats"]))
-    rows.append(dict(phase=phase, **stats))
-  unit = rows[phases.index("grad_step")]["median_s"]
-  for row in rows:
-    row["ratio_to_grad_step"] = row["median_s"] / unit
-  return rows
+    raise ValueError(f"Unknown measure.timing.phases {unknown}; choose from "
+                     f"{', '.join(PHASES)} ({BASELINE_PHASE} is always "
+                     "timed).")
+  if not uses_curvature:
+    phases = [p for p in phases if p not in CURVATURE_PHASES]
+  return ["grad_step", *(p for p in phases if p != "grad_step")]
+
+
+def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
+            baseline_cfg, rng, progress: bool = False) -> list[dict]:
+  """One row per phase; see the module docstring.
+
+  Args:
+    loss_fn: `loss_fn(params, batch)`, the averaged loss.
+    curvature: the curvature of the curvature phases and the optimizer.
+    params: the parameters every phase starts from.
+    batch: the batch every phase uses.
+    cfg: the `measure.timing` section.
+    optimizer_cfg: the `optimizer` section: the optimizer of `optimizer_step`.
+    baseline_cfg: the Adam settings of `adam_step` (`measure.timing.baseline`).
+    rng: the key of curvature sampling and optimizer steps.
+    progress: show a progress bar.
+
+  Returns:
+    Rows with `phase`, `compile_s`, `first_call_s`, `steps_per_sample`,
+    `median_s`, `min_s`, `q25_s`, `q75_s`, `repeats`, `ratio_to_grad_step`
+    and `ratio_to_adam_step`.
+  """
+  if baseline_cfg["name"] != "adam":
+    raise ValueError(
+        f"measure.timing.baseline is optimizer {baseline_cfg['name']!r}, but "
+        f"the {BASELINE_PHASE} phase times adam: override its settings "
+        "(e.g. measure.timing.baseline.learning_rate=...), not its choice.")
+  kind = training.optimizer_kind(optimizer_cfg["name"])
+  uses_curvature = kind.uses_curvature
+  phases = selected_phases(cfg, uses_curvature)
+  warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
+  damping = float(cfg["damping"])
+  fns = phase_functions(loss_fn, curvature if uses_curvature else None,
+                        damping, float(cfg["learning_rate"]))
+  args = dict(grad_step=(params, batch))
+  if uses_curvature:
+    state = curvature.init(rng, params, batch)
+    state = jax.jit(curvature.update)(state, params, batch, rng)
+    grads = jax.grad(loss_fn)(params, batch)
+    args.update(curvature_update=(state, params, batch, rng),
+                cache_update=(state,),
+                precondition=(jax.jit(curvature.refresh)(state, damping),
+                              grads))
+
+  stats = {}
+  calls = [p for p in phases if p != "optimizer_step"]
+  for phase in tqdm(calls, desc="timing", disable=not progress, leave=False):
+    stats[phase] = time_function(fns[phase], args[phase], warmup, repeats)
+
+  optimizer = training.make_optimizer(loss_fn, optimizer_cfg, curvature)
+  steps = int(optimizer.cycle)
+  steppers = {}
+  if "optimizer_step" in phases:
+    steppers["optimizer_step"] = Stepper(optimizer, params, batch,
+                                         jax.random.fold_in(rng, 1), steps)
+  steppers[BASELINE_PHASE] = Stepper(
+      training.make_optimizer(loss_fn, baseline_cfg), params, batch,
+      jax.random.fold_in(rng, 2), steps)
+  stats.update(time_steps(steppers, warmup, repeats, progress))
+
+  grad_s = stats["grad_step"]["median_s"]
+  adam_s = stats[BASELINE_PHASE]["median_s"]
+  return [dict(phase=phase, **stats[phase],
+               ratio_to_grad_step=stats[phase]["median_s"] / grad_s,
+               ratio_to_adam_step=stats[phase]["median_s"] / adam_s)
+          for phase in (*phases, BASELINE_PHASE)]

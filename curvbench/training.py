@@ -18,6 +18,7 @@ parameters and the same batches in the same order.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -84,11 +85,17 @@ def precondition_by_curvature(
 
 
 class OptaxTrainer:
-  """Trains with an optax transformation built on the first batch."""
+  """Trains with an optax transformation built on the first batch.
 
-  def __init__(self, loss_fn: Callable, make_transformation: Callable):
+  Its step is one jitted program; `cycle` is 1 (the conditional curvature
+  work of `precondition_by_curvature` is inside that program).
+  """
+
+  def __init__(self, loss_fn: Callable, make_transformation: Callable,
+               cycle: int = 1):
     self.loss_fn = loss_fn
     self.make_transformation = make_transformation
+    self.cycle = cycle
 
   def init(self, params, batch, rng):
     tx = optax.with_extra_args_support(self.make_transformation(batch, rng))
@@ -104,7 +111,11 @@ class OptaxTrainer:
 
 
 class KFACTrainer:
-  """Trains with `estimators.Optimizer` (adaptive settings from the config)."""
+  """Trains with `estimators.Optimizer` (adaptive settings from the config).
+
+  Its step compiles one program per kind of step (refresh, damping
+  adaptation, burn-in); they recur every `cycle` steps.
+  """
 
   def __init__(self, loss_fn: Callable, curvature: Curvature, cfg: Mapping):
     if not curvature.is_block_diagonal:
@@ -113,6 +124,10 @@ class KFACTrainer:
           f"block-diagonal curvature, not {curvature.name!r}; use "
           "optimizer=preconditioned_sgd to train with that curvature.")
     kwargs = {k: v for k, v in cfg.items() if k not in ("name", "step")}
+    self.cycle = math.lcm(
+        cfg["inverse_update_period"],
+        cfg["damping_adaptation_interval"] if cfg["use_adaptive_damping"]
+        else 1)
     # Optimizer.step takes a value for each of these that is not adaptive.
     self.step_kwargs = {k: v for k, v in cfg["step"].items()
                         if not cfg[f"use_adaptive_{k}"]}
@@ -140,7 +155,7 @@ def _preconditioned_sgd(loss_fn, curvature, cfg):
             curvature_update_period=cfg["curvature_update_period"],
             inverse_update_period=cfg["inverse_update_period"]),
         optax.sgd(cfg["learning_rate"], momentum=cfg["momentum"]))
-  return OptaxTrainer(loss_fn, make)
+  return OptaxTrainer(loss_fn, make, cycle=1)
 
 
 def _optax(transformation):
@@ -196,6 +211,22 @@ def make_optimizer(loss_fn: Callable, cfg: Mapping,
   return kind.build(loss_fn, curvature, cfg)
 
 
+def compile_steps(optimizer, params, opt_state, batch, rng) -> float:
+  """Runs `optimizer.cycle + 1` steps whose results are thrown away, so every
+  program the step uses is compiled; returns the seconds they took.
+
+  The first step of a run may do extra work (K-FAC's burn-in), and the
+  others repeat every `cycle` steps, so this compiles them all.
+  """
+  start = time.perf_counter()
+  state = opt_state
+  for step in range(optimizer.cycle + 1):
+    params, state, loss = optimizer.step(params, state, batch,
+                                         jax.random.fold_in(rng, step))
+  jax.block_until_ready((params, loss))
+  return time.perf_counter() - start
+
+
 def measurement_steps(spec, num_steps: int) -> list[int]:
   """The training steps a measurement is taken at, sorted.
 
@@ -229,57 +260,93 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
   return steps
 
 
-def run(problem, optimizer, params, cfg: Mapping, rng,
+def evaluator(problem, cfg: Mapping, dtype) -> Callable:
+  """`evaluate(params) -> {train_loss, train_error, test_loss, test_error}`
+  on fixed examples: the first `train_eval_size` of the training split and
+  the first `eval_size` of the test split (None: all of a split)."""
+  splits = {split: problem.evaluation_batch(cfg[key], dtype, split=split)
+            for split, key in (("train", "train_eval_size"),
+                               ("test", "eval_size"))}
+  for split, (x, _) in splits.items():
+    if len(x) == 0:
+      raise ValueError(f"Problem {problem.name!r} has no {split} examples to "
+                       "evaluate the training run on.")
+
+  @jax.jit
+  def losses(params, batch):
+    return problem.loss_fn(params, batch), problem.error(params, batch)
+
+  def evaluate(params):
+    out = {}
+    for split, batch in splits.items():
+      loss, error = losses(params, batch)
+      out[f"{split}_loss"], out[f"{split}_error"] = float(loss), float(error)
+    return out
+
+  return evaluate
+
+
+def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
         progress: bool = True, at_steps=(), on_step: Callable | None = None
         ) -> list[dict]:
-  """Trains for `cfg["num_steps"]`; one row per logged step.
+  """Trains for `cfg["num_steps"]` steps; one row per logged step.
 
-  The step and the evaluation are compiled on a throw-away step before the
-  clock starts, so `wall_s` is steady-state time (including the host syncs at
-  logged steps). `on_step(step, params)` is called, off the clock, with the
-  parameters after each of `at_steps` steps (0: before training).
+  Row `step` s describes the parameters after s updates (0: the
+  initialisation): `batch_loss` is the loss of the minibatch of update s
+  (before it), and every `eval_every` steps (and at the first and last) the
+  loss and error on fixed training and test examples (`evaluator`).
+  `wall_s` is steady-state training time: every program of the step is
+  compiled first (`compile_steps`, whose seconds are the `compile_s`
+  column), and evaluations run with the clock stopped. A non-finite loss
+  ends the run; its last row has `diverged` true. `on_step(step, params)`
+  is called, off the clock, after each of `at_steps` steps.
+
+  Raises:
+    FloatingPointError: when the run diverges before a step of `at_steps`.
   """
   num_steps, log_every = int(cfg["num_steps"]), int(cfg["log_every"])
   eval_every = int(cfg["eval_every"])
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
-  seed = cfg["data_seed"]
-  batches = problem.batches(seed=problem.seed if seed is None else int(seed),
-                            dtype=dtype)
-  test_batch = problem.evaluation_batch(cfg["eval_size"], dtype=dtype)
-  evaluate = jax.jit(problem.loss_fn)
+  batches = problem.batches(seed=data_seed, dtype=dtype)
+  evaluate = evaluator(problem, cfg, dtype)
   first = next(batches)
   opt_state = optimizer.init(params, first, rng)
-  jax.block_until_ready(optimizer.step(params, opt_state, first, rng))
-  jax.block_until_ready(evaluate(params, test_batch))
+  compile_s = compile_steps(optimizer, params, opt_state, first, rng)
   if 0 in at_steps:
     on_step(0, params)
 
-  rows, elapsed, batch = [], 0.0, first
-  for step in tqdm(range(num_steps), desc="training", disable=not progress,
-                   leave=False):
+  def row(step, params, wall_s, batch_loss, evaluated):
+    scores = evaluate(params) if evaluated else {}
+    checked = [v for v in (batch_loss, scores.get("train_loss"))
+               if v is not None]
+    return dict(step=step, wall_s=wall_s, compile_s=compile_s,
+                batch_loss=batch_loss, **scores,
+                diverged=not np.all(np.isfinite(checked)))
+
+  rows = [row(0, params, 0.0, None, True)]
+  elapsed, batch = 0.0, first
+  for step in tqdm(range(1, num_steps + 1), desc="training",
+                   disable=not progress, leave=False):
     start = time.perf_counter()
     key = jax.random.fold_in(rng, step)
     params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
-    last = step == num_steps - 1
-    if step % log_every == 0 or last:
-      loss = float(loss)
+    if step % log_every == 0 or step == num_steps:
+      loss = float(loss)  # waits for the step
       elapsed += time.perf_counter() - start
-      test = (float(evaluate(params, test_batch))
-              if step % eval_every == 0 or last else np.nan)
-      rows.append(dict(step=step, wall_s=elapsed, train_loss=loss,
-                       test_loss=test))
-      if not np.isfinite(loss):
-        missed = sorted(s for s in at_steps if s > step + 1)
+      rows.append(row(step, params, elapsed, loss,
+                      step % eval_every == 0 or step == num_steps))
+      if rows[-1]["diverged"]:
+        missed = sorted(s for s in at_steps if s >= step)
         if missed:
           raise FloatingPointError(
-              f"The training loss is {loss} at step {step}, so there are no "
-              f"parameters to measure at steps {missed}: lower the learning "
-              "rate or raise the damping.")
+              f"The training loss is not finite at step {step}, so there are "
+              f"no parameters to measure at steps {missed}: lower the "
+              "learning rate or raise the damping.")
         break
     else:
       elapsed += time.perf_counter() - start
-    if step + 1 in at_steps:
-      on_step(step + 1, params)
+    if step in at_steps:
+      on_step(step, params)
     batch = next(batches)
   return rows

@@ -1,7 +1,7 @@
 """Problems: a model, its registered loss and offline data, built from config.
 
 `problems.make(cfg)` takes the `problem` config group (a mapping with `name`,
-`data`, `batch_size`, `seed` and the model's sizes) and returns a `Problem`.
+`data`, `batch_size` and the model's sizes) and returns a `Problem`.
 """
 
 from problems import autoencoder, convnet, data, layers, mlp

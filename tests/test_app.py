@@ -49,7 +49,7 @@ def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
     assert sorted(tables[name].step.unique()) == [0, 2], name
     assert set(tables[name].data) == {"batch"}, name
   assert set(tables["quality"].block) == {"all", "dense_0", "logits"}
-  assert set(tables["training"].step) == {0, 1, 2, 3}  # num_steps=4
+  assert set(tables["training"].step) == {0, 1, 2, 3, 4}  # num_steps=4
   assert set(tables["training"].method) == {"sgd"}
   cost = tables["cost"]
   assert {"phase", "compile_s", "run_s", "program_bytes"} <= set(cost.columns)

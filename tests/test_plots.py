@@ -171,8 +171,9 @@ def _quality_table(steps, with_location=True):
 
 
 def test_quality_through_training(tmp_path):
-  names = _written(plots.quality_through_training(_quality_table(STEPS),
-                                                  tmp_path), "quality_steps_")
+  table = _quality_table(STEPS)
+  names = _written(plots.quality_through_training(
+      table, tmp_path, plots.palette(table.method)), "quality_steps_")
   assert names == {"quality_steps_mlp_ggn_batch.png",
                    "quality_steps_mlp_ggn_batch.pdf"}
 

@@ -194,3 +194,19 @@ def test_problem_config_errors(cache):
     problems.make(dict(problem_config("problem=convnet"),
                        data=dict(name="mnist1d", num_samples=100,
                                  cache=cache)))
+
+
+def test_error_is_the_papers_error(tiny):
+  """Classification: the misclassified share; autoencoder: the summed
+  squared error of the sigmoid reconstruction, both from first principles."""
+  problem, params, batch = tiny
+  logits = problem.net.apply(params, batch[0])
+  expected = np.mean(np.argmax(logits, -1) != batch[1])
+  assert float(problem.error(params, batch)) == expected
+  ae = problems.make(config.compose("problem=autoencoder").problem)
+  ae_params = ae.init_params(jax.random.PRNGKey(0), jnp.float64)
+  x, t = ae.fixed_batch(8, dtype=np.float64)
+  recon = 1 / (1 + np.exp(-np.asarray(ae.net.apply(ae_params, x))))
+  np.testing.assert_allclose(ae.error(ae_params, (x, t)),
+                             np.mean(np.sum((recon - t) ** 2, axis=1)),
+                             rtol=1e-12)

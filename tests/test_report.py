@@ -5,7 +5,9 @@ import shutil
 import pandas as pd
 import pytest
 
-from curvbench import records, report
+from curvbench import app, config, plots, records, report
+from tests.browser import chromium_page  # noqa: F401 (a fixture)
+from tests.conftest import TINY
 
 
 def test_report_merges_tables_and_figures(sweep, tmp_path):
@@ -15,6 +17,9 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   for name in ("report.md", "quality.csv", "timing.csv", "training.csv",
                "spectra_all.csv"):
     assert (out / name).stat().st_size > 0, name
+  ratio = pd.read_csv(out / "step_ratio.csv")
+  assert list(ratio.label) == ["kfac[kfac/ggn_exact]"]
+  assert ratio.ratio_to_adam_step.item() > 0 and ratio.n.item() == 1
   figures = {p.name for p in (out / "figures").iterdir()}
   for kind in ("spectra_mlp_batch_ggn", "training_mlp",
                "timing_mlp", "quality_steps_mlp_ggn_batch",
@@ -27,7 +32,7 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert "kfac[kfac/ggn_exact]" in text and "adam" in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
   assert "kept their labels" not in text
-  with pytest.raises(FileNotFoundError, match="No finished runs"):
+  with pytest.raises(FileNotFoundError, match="No runs under"):
     report.write(tmp_path / "empty")
 
 
@@ -48,3 +53,85 @@ def test_records_from_before_preconditioned_sgd_keep_their_label(sweep,
   assert "kept their labels" in text
   merged = pd.read_csv(old / "report" / "training_all.csv")
   assert set(merged.method) == {"kfac[explicit_exact/ggn_exact]"}
+
+
+# --- a sweep designed as an experiment: settings, seeds, and runs that ----------
+# --- did not finish ------------------------------------------------------------
+
+ADAM = ("measure=training", "optimizer=adam", *TINY)
+DESIGN = {
+    **{f"adam_lr0.001_seed{s}": [*ADAM, "optimizer.learning_rate=0.001",
+                                 f"seed={s}"] for s in range(3)},
+    "adam_lr0.01": [*ADAM, "optimizer.learning_rate=0.01"],
+    "sgd_diverges": ["measure=training", "optimizer=sgd", *TINY,
+                     "optimizer.learning_rate=1e38",
+                     "measure.training.num_steps=20"],
+    "spectra_adam": ["measure=spectra", "optimizer=adam", *TINY],  # skipped
+    "spectra_fails": ["measure=spectra", *TINY, "continue_on_error=true",
+                      "measure.spectra.checkpoint=/no/such/params.safetensors"],
+}
+
+
+@pytest.fixture(scope="module")
+def designed(tmp_path_factory):
+  root = tmp_path_factory.mktemp("designed")
+  status = {name: app.run(config.compose(*o), root / name)
+            for name, o in DESIGN.items()}
+  killed = root / "killed"  # a run stopped before its completion marker
+  killed.mkdir()
+  (killed / "config.yaml").write_text(
+      (root / "adam_lr0.01" / "config.yaml").read_text())
+  return root, status
+
+
+def test_settings_and_seeds_are_told_apart_and_aggregated(designed, tmp_path,
+                                                          monkeypatch):
+  root, status = designed
+  assert status["sgd_diverges"] == "diverged"
+  assert status["spectra_adam"] == "skipped"
+  assert status["spectra_fails"] == "error"
+  drawn = {}
+  save = plots._save
+
+  def capture(fig, path):
+    drawn[path.name] = fig.axes[0]
+    return save(fig, path)
+
+  monkeypatch.setattr(plots, "_save", capture)
+  report.write(root, tmp_path)
+  summary = pd.read_csv(tmp_path / "training.csv").set_index("label")
+  assert summary.n.to_dict() == {"adam (learning_rate=0.001)": 3,
+                                 "adam (learning_rate=0.01)": 1, "sgd": 1}
+  assert summary.diverged["sgd"] == 1
+  axes = drawn["training_mlp"]
+  legend = [t.get_text() for t in axes.get_legend().get_texts()]
+  assert legend == ["adam (learning_rate=0.001) (n=3)",
+                    "adam (learning_rate=0.01) (n=1)", "sgd (n=1)"]
+  assert len(axes.collections) == 1  # one band: the setting with 3 seeds
+  runs = pd.read_csv(tmp_path / "runs.csv")
+  assert len(runs) == len(DESIGN) + 1
+
+
+def test_runs_not_in_the_results_are_listed_with_reasons(designed, tmp_path,
+                                                         chromium_page):
+  root, _ = designed
+  report.write(root, tmp_path)
+  text = (tmp_path / "report.md").read_text()
+  section = text.split("## Runs not in the results")[1].split("\n## ")[0]
+  for name, words in (("sgd_diverges", "non-finite loss at step"),
+                      ("spectra_fails", "params.safetensors"),
+                      ("killed", "no completion marker"),
+                      ("spectra_adam", "does not use the optimizer")):
+    line = next(l for l in section.splitlines() if name in l)
+    assert words in line, line
+
+  page = chromium_page.open(tmp_path / "report.html")
+  body = page.inner_text("body")
+  for name in ("sgd_diverges", "spectra_fails", "killed", "spectra_adam",
+               "adam (learning_rate=0.001)"):
+    assert name in body, name
+  images = page.eval_on_selector_all(
+      "img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
+  assert images and all(images)  # every figure decoded
+  assert page.locator("table").count() >= 3
+  assert chromium_page.errors == []

@@ -10,7 +10,8 @@ import pytest
 
 from curvbench import config, curvatures, measurements, training
 
-STEPS = dict(num_steps=12, log_every=1, eval_every=5, eval_size=50)
+STEPS = dict(num_steps=12, log_every=1, eval_every=5, eval_size=50,
+             train_eval_size=100)
 
 
 def optimizer(tiny, *overrides):
@@ -33,15 +34,22 @@ def test_training_same_order_and_loss_decreases(tiny):
                  **STEPS)
     runs[name] = pd.DataFrame(training.run(
         p, optimizer(tiny, *overrides), params, train, jax.random.PRNGKey(0),
-        progress=False))
+        data_seed=0, progress=False))
   for name, df in runs.items():
-    assert list(df.step) == list(range(12))
-    assert df.wall_s.is_monotonic_increasing
-    assert df.test_loss.notna().sum() == 4  # steps 0, 5, 10 and the last
-    assert df.train_loss.iloc[-4:].mean() < df.train_loss.iloc[0], name
+    assert list(df.step) == list(range(13))  # 0: the initialisation
+    assert df.wall_s.is_monotonic_increasing and df.wall_s.iloc[0] == 0
+    evaluated = df.dropna(subset=["test_loss"])
+    assert list(evaluated.step) == [0, 5, 10, 12]
+    for column in ("train_loss", "train_error", "test_error"):
+      assert evaluated[column].notna().all(), (name, column)
+    assert evaluated.train_error.between(0, 1).all()  # misclassified share
+    assert evaluated.train_loss.iloc[-1] < evaluated.train_loss.iloc[0], name
+    assert np.isnan(df.batch_loss.iloc[0]) and not df.diverged.any()
   # Same initial parameters and first batch: the first losses agree.
-  first = {n: df.train_loss.iloc[0] for n, df in runs.items()}
+  first = {n: df.batch_loss.iloc[1] for n, df in runs.items()}
   assert len(set(np.round(list(first.values()), 10))) == 1
+  at_init = {n: df.train_loss.iloc[0] for n, df in runs.items()}
+  assert len(set(np.round(list(at_init.values()), 10))) == 1
 
 
 def test_preconditioned_sgd_steps_on_the_damped_inverse_of_the_average(

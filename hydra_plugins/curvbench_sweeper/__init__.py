@@ -1,0 +1,1 @@
+"""curvbench's Hydra sweeper: Hydra finds plugins in `hydra_plugins`."""

@@ -1,0 +1,181 @@
+"""Run identity: ids from the resolved config, provenance on every row,
+resume only for the same config and code, seeds for init and data order."""
+
+import logging
+import time
+
+import jax
+import numpy as np
+import pandas as pd
+
+import problems
+from curvbench import app, config, curvatures, measurements, provenance
+from curvbench import records, training
+from tests.conftest import TINY, TINY_PROBLEM
+
+TRAIN = ("measure=training", "optimizer=adam", *TINY)
+
+
+def test_run_id_follows_the_resolved_config():
+  base = config.compose(*TRAIN)
+  assert provenance.run_id(base) == provenance.run_id(config.compose(*TRAIN))
+  for override in ("optimizer.learning_rate=0.5", "seed=1", "data_seed=3",
+                   "measure.training.eval_every=1", "problem.width=4"):
+    other = config.compose(*TRAIN, override)
+    assert provenance.run_id(other) != provenance.run_id(base), override
+  # Keys that do not change the results do not change the id.
+  for override in ("name=elsewhere", "progress=true", "force=true",
+                   "continue_on_error=true"):
+    assert (provenance.run_id(config.compose(*TRAIN, override))
+            == provenance.run_id(base)), override
+  diff = provenance.differences(
+      provenance.identity_config(base),
+      provenance.identity_config(config.compose(*TRAIN, "seed=1")))
+  assert "seed: 0 -> 1" in diff and "init_seed: 0 -> 1" in diff
+
+
+def test_every_row_carries_the_run_id_and_provenance(sweep):
+  root, _ = sweep
+  run = records.RunDir(root / "training_adam")
+  cfg = config.compose(*TRAIN)
+  table = run.tables()["training"]
+  ids = set(table.run_id)
+  assert ids == {provenance.run_id(cfg)}
+  for column in ("init_seed", "data_seed", "precision", "device_kind",
+                 "num_devices", "versions", "commit", "dirty", "timestamp"):
+    assert table[column].notna().all(), column
+  assert table.precision.iloc[0] == "float32"
+  assert "jax=" + jax.__version__ in table.versions.iloc[0]
+  joined = table.merge(run.tables()["config"], on="run_id")
+  assert len(joined) == len(table)
+  assert (joined["optimizer.learning_rate"] == cfg.optimizer.learning_rate
+          ).all()
+  assert run.marker()["run_id"] == provenance.run_id(cfg)
+
+
+def test_resume_reruns_when_the_config_or_code_changed(tmp_path, capsys,
+                                                       monkeypatch):
+  out = tmp_path / "run"
+  cfg = config.compose(*TRAIN)
+  assert app.run(cfg, out) == "complete"
+  assert app.run(cfg, out) == "cached"
+  # A setting that is not part of the directory name.
+  changed = config.compose(*TRAIN, "measure.training.eval_every=1")
+  assert app.run(changed, out) == "complete"
+  assert "measure.training.eval_every: 2 -> 1" in capsys.readouterr().out
+  assert records.RunDir(out).tables()["training"].test_loss.notna().sum() == 5
+  assert app.run(changed, out) == "cached"
+  # Other code.
+  version = dict(provenance.code_version(), code="elsewhere")
+  monkeypatch.setattr(provenance, "code_version", lambda: version)
+  assert app.run(changed, out) == "complete"
+  assert "written by code" in capsys.readouterr().out
+
+
+def test_data_seed_orders_batches_and_init_seed_initialises():
+  problem = problems.make(config.compose(*TINY_PROBLEM).problem)
+  first = lambda seed: next(problem.batches(seed=seed))[0]
+  assert not np.array_equal(first(0), first(1))
+  cfg = lambda *o: config.compose(*TRAIN, *o)
+  assert cfg("seed=4").data_seed == 4 and cfg("seed=4").init_seed == 4
+  assert cfg("data_seed=1").init_seed == 0
+
+
+def test_seeds_in_the_records(tmp_path):
+  """The data-order seed changes the batches (so the minibatch losses) but
+  not the initialisation; the init seed changes the initial losses only."""
+  def curve(name, *overrides):
+    app.run(config.compose(*TRAIN, *overrides), tmp_path / name)
+    return records.RunDir(tmp_path / name).tables()["training"]
+  base, data, init = (curve("base"), curve("data", "data_seed=1"),
+                      curve("init", "init_seed=1"))
+  at_init = lambda t: t[t.step == 0].train_loss.item()
+  assert at_init(base) == at_init(data) != at_init(init)
+  assert not np.allclose(base.batch_loss.dropna(), data.batch_loss.dropna())
+  assert set(data.data_seed) == {1} and set(data.init_seed) == {0}
+
+
+class SlowFirstCall:
+  """A trainer whose first call of each kind of step takes 0.3 s, as a
+  compilation would; its steps recur every 2 calls."""
+  cycle = 2
+
+  def __init__(self, inner):
+    self.inner, self.seen = inner, set()
+
+  def init(self, params, batch, rng):
+    return self.inner.init(params, batch, rng), 0
+
+  def step(self, params, state, batch, rng):
+    inner, count = state
+    if count % self.cycle not in self.seen:
+      self.seen.add(count % self.cycle)
+      time.sleep(0.3)
+    params, inner, loss = self.inner.step(params, inner, batch, rng)
+    return params, (inner, count + 1), loss
+
+
+def test_first_logged_step_excludes_compile_time(tiny):
+  problem, params, _ = tiny
+  cfg = config.compose(*TRAIN, "measure.training.log_every=1")
+  opt = SlowFirstCall(training.make_optimizer(problem.loss_fn,
+                                              dict(cfg.optimizer)))
+  rows = training.run(problem, opt, params, dict(cfg.measure.training),
+                      jax.random.PRNGKey(0), 0, progress=False)
+  df = pd.DataFrame(rows)
+  assert (df.compile_s >= 0.6).all()  # both kinds of step, before the clock
+  assert df.wall_s.iloc[-1] < 0.3 and df.wall_s.is_monotonic_increasing
+
+
+def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
+  """K-FAC's step has kinds (burn-in, inverse refresh, damping adaptation);
+  all are compiled within `compile_s`, none inside the timed steps."""
+  problem, params, _ = tiny
+  cfg = config.compose(*TRAIN, "optimizer=kfac",
+                       "measure.training.num_steps=12")
+  curvature = curvatures.make(measurements.section(cfg.curvature),
+                              problem.loss_fn)
+  opt = training.make_optimizer(problem.loss_fn,
+                                measurements.section(cfg.optimizer), curvature)
+  assert opt.cycle == 5
+  compiled = []
+  with jax.log_compiles():
+    logger = logging.getLogger("jax")
+    handler = _Collect(compiled)
+    logger.addHandler(handler)
+    try:
+      rows = training.run(problem, opt, params, dict(cfg.measure.training),
+                          jax.random.PRNGKey(0), 0, progress=False,
+                          at_steps=[0], on_step=lambda *_: compiled.append(
+                              "clock started"))
+    finally:
+      logger.removeHandler(handler)
+  assert rows[-1]["step"] == 12 and rows[0]["compile_s"] > 0
+  clock = compiled.index("clock started")
+  before = [m for m in compiled[:clock] if m.startswith("Compiling")]
+  after = [m for m in compiled[clock:] if m.startswith("Compiling")]
+  assert len(before) >= 3  # burn-in, refresh step, plain step
+  # Only the evaluation (off the clock) compiles once training has begun.
+  assert all(m.startswith("Compiling jit(losses)") for m in after), after
+
+
+class _Collect(logging.Handler):
+  def __init__(self, out):
+    super().__init__()
+    self.out = out
+
+  def emit(self, record):
+    self.out.append(record.getMessage())
+
+
+def test_a_diverging_run_is_recorded_as_diverged(tmp_path):
+  out = tmp_path / "run"
+  cfg = config.compose("measure=training", "optimizer=sgd", *TINY,
+                       "optimizer.learning_rate=1e38",
+                       "measure.training.num_steps=20")
+  assert app.run(cfg, out) == "diverged"
+  marker = records.RunDir(out).marker()
+  table = records.RunDir(out).tables()["training"]
+  assert marker["status"] == "diverged"
+  assert marker["step"] == table.step.max() < 20
+  assert table.diverged.iloc[-1] and not table.diverged.iloc[:-1].any()
