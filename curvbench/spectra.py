@@ -68,6 +68,17 @@ def _statistic_rows(source, matrix, values: dict, stderr: dict = None):
                stderr=float(stderr.get(k, 0.0))) for k, v in values.items()]
 
 
+def floor(cfg, values) -> float:
+  """The magnitude below which an eigenvalue counts as zero: the configured
+  `relative_floor`, or ten round-offs of the measurement's precision where
+  that is larger, times the largest magnitude in `values`. (A float32
+  Lanczos run puts the null space at +-1e-8 of the top eigenvalue, which
+  would otherwise read as negative mass.)"""
+  eps = float(np.finfo(np.dtype(cfg["precision"])).eps)
+  relative = max(float(cfg["relative_floor"]), 10 * eps)
+  return relative * float(np.nanmax(np.abs(values)))
+
+
 def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   """Statistics of a signed spectrum (weighted samples for SLQ); `top`: the
   largest eigenvalues where they are known better than from `values`.
@@ -79,16 +90,16 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   values = np.asarray(values, np.float64)
   top = np.sort(values)[::-1] if top is None else np.asarray(top)
   top = top[np.isfinite(top)]
-  floor = float(cfg["relative_floor"]) * float(np.max(np.abs(values)))
+  zero = floor(cfg, values)
   damping = float(cfg["damping"])
   lowest = float(values.min())
   return dict(max_eigenvalue=float(top[0]), min_eigenvalue=lowest,
-              condition_number=metrics.condition_number(values, floor),
+              condition_number=metrics.condition_number(values, zero),
               # What a damped preconditioner sees; undefined when indefinite.
               damped_condition_number=(top[0] + damping) / (lowest + damping)
               if lowest + damping > 0 else np.nan,
               num_outliers=metrics.num_outliers(top, int(cfg["top_k"])),
-              negative_mass=metrics.negative_mass(values, weights, floor),
+              negative_mass=metrics.negative_mass(values, weights, zero),
               negative_ratio=metrics.negative_ratio(values, top[0]))
 
 
@@ -179,7 +190,7 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
                                       **spectrum_statistics(approx_eigs, cfg)))
 
   damping, k = float(cfg["damping"]), int(cfg["top_k"])
-  floor = float(cfg["relative_floor"]) * np.max(np.abs(reference))
+  zero = floor(cfg, reference)
   grads = mean_gradient(loss_fn, params, data)
   g = _flat(grads)
   refreshed = jax.jit(curvature.refresh)(state, damping)
@@ -188,14 +199,14 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
   exact_dir = exact_eigh[1] @ ((exact_eigh[1].T @ g) / (exact_eigh[0]
                                                         + damping))
   tables["quality"] += _quality_rows(curvature.matrix, "all", dense_metrics(
-      approx, reference, approx_dir, exact_dir, k, floor, approx_eigh,
+      approx, reference, approx_dir, exact_dir, k, zero, approx_eigh,
       exact_eigh))
   blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   for name, idx in blocks:
     a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
     tables["quality"] += _quality_rows(curvature.matrix, name, dense_metrics(
         a, e, _damped_solve(a, g[idx], damping),
-        _damped_solve(e, g[idx], damping), k, floor))
+        _damped_solve(e, g[idx], damping), k, zero))
 
   units = heatmap_units(blocks, int(cfg["heatmap_blocks"]),
                         int(cfg["heatmap_units"]))
@@ -328,12 +339,12 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs):
   approx_dir = jax.jit(curvature.precondition)(refreshed, grads, damping)
   ex_diag = _flat(run(matrix, "diagonal", keys[3])[0])
   ap_diag = _flat(run(label, "diagonal", keys[3])[0])
-  floor = float(cfg["relative_floor"]) * float(np.nanmax(np.abs(ex_top)))
+  zero = floor(cfg, ex_top)
   tables["quality"] += _quality_rows(matrix, "all", dict(
       relative_frobenius=frobenius(ones),
       spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
                                                   ex_w),
-      log_wasserstein=metrics.log_wasserstein(ap_nodes, ex_nodes, floor,
+      log_wasserstein=metrics.log_wasserstein(ap_nodes, ex_nodes, zero,
                                               ap_w, ex_w),
       natural_gradient_cosine=metrics.cosine(_flat(approx_dir),
                                              _flat(exact_dir)),

@@ -160,9 +160,22 @@ def test_signed_hessian_density_and_top_k_match_the_exact_spectrum(tiny):
   assert abs(trace["value"] - exact.sum()) < 4 * trace["stderr"]
   assert stats[("exact", "min_eigenvalue")]["value"] == pytest.approx(
       exact.min(), rel=1e-3)
-  floor = spec()["relative_floor"] * np.abs(exact).max()
+  zero = spectra.floor(spec(), exact)
   assert stats[("exact", "negative_mass")]["value"] == pytest.approx(
-      np.mean(exact < -floor), abs=0.03)
+      np.mean(exact < -zero), abs=0.03)
+
+
+def test_zero_is_at_least_ten_round_offs_of_the_precision():
+  """A PSD matrix measured in float32 has a null space at +-1e-8 of its top
+  eigenvalue; that is zero, not negative mass."""
+  cfg = dict(relative_floor=1e-8, precision="float32", damping=1e-3, top_k=2)
+  values = np.array([-1.5e-8, 0.0, 1e-8, 0.5, 1.0]) * 1287.0
+  assert spectra.floor(cfg, values) == pytest.approx(
+      10 * np.finfo(np.float32).eps * 1287.0)
+  assert spectra.spectrum_statistics(values, cfg)["negative_mass"] == 0.0
+  as64 = dict(cfg, precision="float64")
+  assert spectra.floor(as64, values) == pytest.approx(1e-8 * 1287.0)
+  assert spectra.spectrum_statistics(values, as64)["negative_mass"] == 0.2
 
 
 def test_dense_statistics_and_heatmaps_are_exact(tiny, tiny_ggn):
