@@ -35,7 +35,8 @@ from curvbench import metrics  # noqa: E402
 DEFAULTS = dict(step=0, data="batch", block="all")
 
 
-def _save(fig, path: Path) -> list[Path]:
+def save(fig, path: Path) -> list[Path]:
+  """Writes `fig` as PNG and PDF at `path` (suffix replaced), closes it."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
   paths = [path.with_suffix(".png"), path.with_suffix(".pdf")]
@@ -207,7 +208,7 @@ def spectra(df: pd.DataFrame, out: Path, linthresh_fraction: float = 1e-4,
       ax.tick_params(labelsize=6)
     axes[0].legend(fontsize=6, title="training step", title_fontsize=6)
     fig.suptitle(f"{problem}: {ref} spectra on {data}", fontsize=9)
-    paths += _save(fig, out / f"spectra_{_slug(problem, data, ref)}")
+    paths += save(fig, out / f"spectra_{_slug(problem, data, ref)}")
   return paths
 
 
@@ -299,7 +300,7 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
       else:
         axes[r, 2].set_visible(False)
     fig.suptitle(f"{problem}: |{ref}| on {data}, step {step}", fontsize=9)
-    paths += _save(fig, out / f"heatmaps_{_slug(problem, method, data)}"
+    paths += save(fig, out / f"heatmaps_{_slug(problem, method, data)}"
                               f"_step{step}")
   return paths
 
@@ -326,7 +327,7 @@ def quality(df: pd.DataFrame, out: Path) -> list[Path]:
         continue
       table.plot.bar(ax=ax, rot=30, fontsize=7)
       ax.legend(fontsize=6)
-    paths += _save(fig, out / f"quality_{problem}")
+    paths += save(fig, out / f"quality_{problem}")
   return paths
 
 
@@ -358,7 +359,7 @@ def quality_through_training(df: pd.DataFrame, out: Path,
       if ax.lines:
         ax.legend(fontsize=5)
     fig.suptitle(f"{problem}: quality vs exact {ref} on {data}", fontsize=9)
-    paths += _save(fig, out / f"quality_steps_{_slug(problem, ref, data)}")
+    paths += save(fig, out / f"quality_steps_{_slug(problem, ref, data)}")
   return paths
 
 
@@ -394,7 +395,7 @@ def statistics(df: pd.DataFrame, out: Path) -> list[Path]:
       if ax.lines:
         ax.legend(fontsize=5)
     fig.suptitle(f"{problem}: spectral statistics", fontsize=9)
-    paths += _save(fig, out / f"statistics_{problem}")
+    paths += save(fig, out / f"statistics_{problem}")
   return paths
 
 
@@ -417,17 +418,14 @@ def _band(ax, x, lo, hi, colour):
 
 
 def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
-             labels=None, name: str = "training") -> list[Path]:
+             name: str = "training") -> list[Path]:
   """Per problem: the training error (else loss) against the step and
   against steady-state seconds, the median over seeds with the
-  interquartile band, test error dashed; `labels` limits the curves (a
-  tuned sweep's best settings)."""
+  interquartile band, test error as dots."""
   paths = []
   y, what = next(((c, w) for c, w in TRAINING_CURVES
                   if c in df and df[c].notna().any()), TRAINING_CURVES[-1])
   test = y.replace("train_", "test_") if y.startswith("train_") else None
-  if labels is not None:
-    df = df[df.label.isin(labels)]
   styles = ["-", "--", ":", "-."]
   for problem, p in df.groupby("problem"):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -461,7 +459,7 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
                 title=f"{problem}")
     axes[0].legend(fontsize=7, title="median, band: quartiles; dots: test",
                    title_fontsize=7)
-    paths += _save(fig, out / f"{name}_{problem}")
+    paths += save(fig, out / f"{name}_{problem}")
   return paths
 
 
@@ -499,7 +497,7 @@ def sensitivity(table: pd.DataFrame, out: Path,
       xs = np.concatenate([l.get_xdata() for l in ax.lines] or [[]])
       ys = np.concatenate([l.get_ydata() for l in ax.lines] or [[]])
       ys = ys[np.isfinite(ys)]
-      if xs.size and xs.min() > 0:
+      if xs.size and xs.min() > 0 and xs.max() >= 10 * xs.min():
         ax.set_xscale("log")
       if ys.size and ys.min() > 0 and ys.max() > 10 * ys.min():
         ax.set_yscale("log")
@@ -507,7 +505,7 @@ def sensitivity(table: pd.DataFrame, out: Path,
       if ax.lines:
         ax.legend(fontsize=7, title="star: chosen; x: diverged",
                   title_fontsize=7)
-    paths += _save(fig, out / f"tuning_{problem}")
+    paths += save(fig, out / f"tuning_{problem}")
   return paths
 
 
@@ -525,7 +523,7 @@ def timing(df: pd.DataFrame, out: Path) -> list[Path]:
            title=f"{problem} ({device})")
     ax.axhline(1.0, color="k", lw=0.5)
     ax.legend(fontsize=7)
-    paths += _save(fig, out / f"timing_{problem}")
+    paths += save(fig, out / f"timing_{problem}")
   return paths
 
 
@@ -562,11 +560,7 @@ def all_figures(tables: dict[str, pd.DataFrame], out: Path,
     if "training" in tables:
       train = tables["training"]
       if tuning is not None:
-        best = set(_best_labels(tuning))
-        tuned = set(tuning.method)
-        keep = [l for l, m in zip(train.label, train.method)
-                if m not in tuned or l in best]
-        paths += training(train, out, colour, labels=set(keep))
+        paths += training(tuned_curves(train, tuning), out, colour)
         paths += training(train, out, colour, name="training_all")
         paths += sensitivity(tuning, out, colour)
       else:
@@ -576,7 +570,13 @@ def all_figures(tables: dict[str, pd.DataFrame], out: Path,
   return paths
 
 
-def _best_labels(tuning: pd.DataFrame) -> list[str]:
+def tuned_curves(train: pd.DataFrame, tuning: pd.DataFrame) -> pd.DataFrame:
+  """The training rows of each problem's chosen settings (and of methods
+  that were not tuned)."""
   best = tuning[tuning.best]
-  return [f"{m} ({s})" if s else str(m) for m, s in zip(best.method,
-                                                        best.setting)]
+  chosen = {(p, f"{m} ({s})" if s else str(m))
+            for p, m, s in zip(best.problem, best.method, best.setting)}
+  tuned = set(zip(tuning.problem, tuning.method))
+  keep = [(p, m) not in tuned or (p, l) in chosen
+          for p, m, l in zip(train.problem, train.method, train.label)]
+  return train[keep]

@@ -134,11 +134,10 @@ def _value(v) -> str:
 def settings(runs: pd.DataFrame) -> pd.DataFrame:
   """`runs` (complete and diverged) with the columns `setting` (the config
   keys that vary within the run's problem, measurement and method, seeds
-  aside, as `key=value, ...`), `label` (method and setting) and
-  `setting_keys` (the varying keys)."""
+  aside, as `key=value, ...`) and `label` (method and setting)."""
   done = runs[runs.status.isin(["complete", "diverged"])].copy()
   if done.empty:
-    return done.assign(setting="", label="", setting_keys="")
+    return done.assign(setting="", label="")
   candidates = [c for c in done.columns
                 if c.startswith("config:")
                 and c[len("config:"):].split(".")[0]
@@ -146,7 +145,7 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
                 and c[len("config:"):] not in SEED_KEYS]
   if "device_kind" in done:
     candidates.append("device_kind")
-  done["setting"], done["setting_keys"] = "", ""
+  done["setting"] = ""
   for _, group in done.groupby(list(GROUP), dropna=False):
     varying = [c for c in candidates
                if group[c].astype(str).nunique(dropna=False) > 1]
@@ -155,7 +154,6 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
     for index, run in group.iterrows():
       done.at[index, "setting"] = ", ".join(
           f"{short[k]}={_value(run[c])}" for k, c in zip(keys, varying))
-      done.at[index, "setting_keys"] = ",".join(keys)
   done["label"] = [f"{m} ({s})" if s else str(m)
                    for m, s in zip(done.method, done.setting)]
   return done

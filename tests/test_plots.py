@@ -215,3 +215,17 @@ def test_all_figures_draws_every_table(spectra_table, tmp_path):
           "quality_steps_mlp_ggn_batch", "quality_convnet",
           "statistics_mlp"} <= names
   assert "quality_mlp" not in names
+
+
+def test_tuned_curves_are_chosen_per_problem():
+  """Each problem keeps its own best setting; untuned methods stay."""
+  train = pd.DataFrame(
+      [dict(problem=p, method=m, label=f"{m} ({s})" if s else m, step=0)
+       for p in ("a", "b") for m, s in (("sgd", "lr=0.1"), ("sgd", "lr=1"),
+                                        ("kfac", ""))])
+  tuning = pd.DataFrame(dict(problem=["a", "a", "b", "b"], method="sgd",
+                             setting=["lr=0.1", "lr=1"] * 2,
+                             best=[True, False, False, True]))
+  kept = plots.tuned_curves(train, tuning)
+  assert sorted(zip(kept.problem, kept.label)) == [
+      ("a", "kfac"), ("a", "sgd (lr=0.1)"), ("b", "kfac"), ("b", "sgd (lr=1)")]

@@ -91,13 +91,13 @@ def test_settings_and_seeds_are_told_apart_and_aggregated(designed, tmp_path,
   assert status["spectra_adam"] == "skipped"
   assert status["spectra_fails"] == "error"
   drawn = {}
-  save = plots._save
+  save = plots.save
 
   def capture(fig, path):
     drawn[path.name] = fig.axes[0]
     return save(fig, path)
 
-  monkeypatch.setattr(plots, "_save", capture)
+  monkeypatch.setattr(plots, "save", capture)
   report.write(root, tmp_path)
   summary = pd.read_csv(tmp_path / "training.csv").set_index("label")
   assert summary.n.to_dict() == {"adam (learning_rate=0.001)": 3,
