@@ -91,11 +91,11 @@ class OptaxTrainer:
   work of `precondition_by_curvature` is inside that program).
   """
 
-  def __init__(self, loss_fn: Callable, make_transformation: Callable,
-               cycle: int = 1):
+  cycle = 1
+
+  def __init__(self, loss_fn: Callable, make_transformation: Callable):
     self.loss_fn = loss_fn
     self.make_transformation = make_transformation
-    self.cycle = cycle
 
   def init(self, params, batch, rng):
     tx = optax.with_extra_args_support(self.make_transformation(batch, rng))
@@ -155,7 +155,7 @@ def _preconditioned_sgd(loss_fn, curvature, cfg):
             curvature_update_period=cfg["curvature_update_period"],
             inverse_update_period=cfg["inverse_update_period"]),
         optax.sgd(cfg["learning_rate"], momentum=cfg["momentum"]))
-  return OptaxTrainer(loss_fn, make, cycle=1)
+  return OptaxTrainer(loss_fn, make)
 
 
 def _optax(transformation):
