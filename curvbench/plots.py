@@ -106,6 +106,15 @@ def _step_axis(ax, steps):
   ax.set_xlabel("training step")
 
 
+def _step_panel(ax, title, steps):
+  """Finishes a panel drawn against the training step."""
+  ax.set_title(title)
+  _step_axis(ax, steps)
+  ax.tick_params(labelsize=7)
+  if ax.lines:
+    ax.legend(fontsize=5)
+
+
 # --- signed spectral densities -----------------------------------------------
 
 
@@ -353,11 +362,7 @@ def quality_through_training(df: pd.DataFrame, out: Path,
                 ls="-" if whole else styles[blocks.index(block) % 4],
                 color=colour[method],
                 label=method if whole else f"{method}: {block}")
-      ax.set_title(metric)
-      _step_axis(ax, p.step.unique())
-      ax.tick_params(labelsize=7)
-      if ax.lines:
-        ax.legend(fontsize=5)
+      _step_panel(ax, metric, p.step.unique())
     fig.suptitle(f"{problem}: quality vs exact {ref} on {data}", fontsize=9)
     paths += save(fig, out / f"quality_steps_{_slug(problem, ref, data)}")
   return paths
@@ -389,11 +394,7 @@ def statistics(df: pd.DataFrame, out: Path) -> list[Path]:
       values = s.value.to_numpy()
       if values.size and values.min() > 0 and values.max() > 100 * values.min():
         ax.set_yscale("log")
-      ax.set_title(name)
-      _step_axis(ax, p.step.unique())
-      ax.tick_params(labelsize=7)
-      if ax.lines:
-        ax.legend(fontsize=5)
+      _step_panel(ax, name, p.step.unique())
     fig.suptitle(f"{problem}: spectral statistics", fontsize=9)
     paths += save(fig, out / f"statistics_{problem}")
   return paths

@@ -40,7 +40,6 @@ RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml")
 # What a run is, before its settings: rows with the same values here and the
 # same setting are seeds of one configuration.
 GROUP = ("problem", "measure", "method")
-SEED_KEYS = set(provenance.SEED_KEYS)
 
 
 @dataclasses.dataclass
@@ -59,8 +58,7 @@ def _run_config(run: records.RunDir) -> dict:
   return {}
 
 
-def _status(run: records.RunDir) -> tuple[str, str]:
-  marker = run.marker()
+def _status(run: records.RunDir, marker: dict | None) -> tuple[str, str]:
   if marker is not None:
     status = marker.get("status", "complete")
     return status, marker.get("reason", "")
@@ -81,11 +79,11 @@ def load_sweep(root) -> Sweep:
   runs, parts = [], {t: [] for t in TABLES}
   for path in dirs:
     run = records.RunDir(path)
-    status, reason = _status(run)
+    marker = run.marker()
+    status, reason = _status(run, marker)
     cfg = _run_config(run)
     run_dir = str(path.relative_to(root))
-    run_id = cfg.pop("run_id", None) or (run.marker() or {}).get(
-        "run_id", run_dir)
+    run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
     row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
                problem=cfg.get("problem.label"),
                measure=cfg.get("measure.kind"), **{
@@ -138,11 +136,11 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   done = runs[runs.status.isin(["complete", "diverged"])].copy()
   if done.empty:
     return done.assign(setting="", label="")
-  candidates = [c for c in done.columns
-                if c.startswith("config:")
-                and c[len("config:"):].split(".")[0]
-                not in provenance.NOT_IDENTITY
-                and c[len("config:"):] not in SEED_KEYS]
+  keys = {c: c.removeprefix("config:") for c in done.columns
+          if c.startswith("config:")}
+  candidates = [c for c, key in keys.items()
+                if key.split(".")[0] not in provenance.NOT_IDENTITY
+                and key not in provenance.SEED_KEYS]
   if "device_kind" in done:
     candidates.append("device_kind")
   done["setting"] = ""
@@ -191,7 +189,7 @@ def _with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
       labels, on="run_id", how="left")
 
 
-def _median_iqr(df, index, columns, values) -> pd.DataFrame:
+def _medians(df, index, columns, values) -> pd.DataFrame:
   """A pivot of medians over runs with the number of runs, `n`."""
   table = df.pivot_table(index=index, columns=columns, values=values,
                          aggfunc="median", dropna=False).dropna(how="all")
@@ -208,11 +206,11 @@ def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     for name, part in (("quality", q[q.block == "all"]),
                        ("quality_blocks", q[q.block != "all"])):
       if not part.empty:
-        out[name] = _median_iqr(
+        out[name] = _medians(
             part, ["problem", "data", "step", "reference", "block_type",
                    "label", "block"], "metric", "value")
   if "statistics" in tables:
-    out["statistics"] = _median_iqr(
+    out["statistics"] = _medians(
         tables["statistics"], ["problem", "label", "data", "step", "source",
                                "matrix"], "statistic", "value")
   if "cost" in tables:
@@ -232,7 +230,7 @@ def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
             ratio_to_adam_step=("ratio_to_adam_step", "median"),
             compile_s=("compile_s", "median"),
             n=("run_id", "nunique")).reset_index()
-    out["timing"] = _median_iqr(t, index, "phase", "ratio_to_grad_step")
+    out["timing"] = _medians(t, index, "phase", "ratio_to_grad_step")
     seconds = t.pivot_table(index=index, columns="phase",
                             values=["median_s", "compile_s"],
                             aggfunc="median")

@@ -118,14 +118,18 @@ class Problem:
       return inputs.reshape(len(inputs), -1)
     return labels
 
+  def _split(self, split: str):
+    """The `(inputs, labels)` arrays of the 'train' or 'test' split."""
+    if split not in ("train", "test"):
+      raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
+    return getattr(self.data, f"x_{split}"), getattr(self.data, f"y_{split}")
+
   def batches(self, split: str = "train", batch_size: int | None = None,
               seed: int | None = None, epochs: int | None = None,
               dtype=np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Batches `(inputs, targets)`, reshuffled each epoch; the last partial
     batch of an epoch is dropped. Endless when `epochs` is None."""
-    if split not in ("train", "test"):
-      raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
-    x, y = getattr(self.data, f"x_{split}"), getattr(self.data, f"y_{split}")
+    x, y = self._split(split)
     size = batch_size or self.batch_size
     if size > len(x):
       raise ValueError(f"A batch of {size} does not fit the {len(x)} {split} "
@@ -149,10 +153,9 @@ class Problem:
                        split: str = "test"):
     """The first `size` examples of `split` (all of them when None), in the
     split's stored order, so every run evaluates the same examples."""
-    if split not in ("train", "test"):
-      raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
-    x = getattr(self.data, f"x_{split}")[:size].astype(dtype)
-    return x, self.targets(x, getattr(self.data, f"y_{split}")[:size])
+    x, y = self._split(split)
+    x = x[:size].astype(dtype)
+    return x, self.targets(x, y[:size])
 
   def metadata(self) -> dict:
     return dict(problem=self.name, task=self.task, loss=self.loss_name,

@@ -165,7 +165,9 @@ def test_sampled_modes_converge_to_exact(mode):
   assert fine < 0.6 * coarse, (coarse, fine)
 
 
-def test_several_losses_add_their_curvatures():
+def _two_losses():
+  """Two MLPs sharing parameters and inputs, one softmax and one squared
+  loss on the same outputs; a loss function registering both; the batch."""
   a, b = gt.mlp(loss="softmax", seed=1), gt.mlp(loss="squared", seed=1)
 
   def tagged(p, batch):
@@ -175,7 +177,11 @@ def test_several_losses_add_their_curvatures():
     kfac.register_squared_error_loss(z, t_b, weight=0.7)
     return 0.0
 
-  batch = (a.batch[0], a.batch[1], b.batch[1])
+  return a, b, tagged, (a.batch[0], a.batch[1], b.batch[1])
+
+
+def test_several_losses_add_their_curvatures():
+  a, b, tagged, batch = _two_losses()
   expected = a.ggn() + b.ggn()
   for mode in ("ggn_exact", "fisher_exact"):
     est = kfac.ExplicitExactCurvature(tagged)
@@ -480,16 +486,8 @@ def test_implicit_empirical_fisher_equals_per_example_gradients(name, loss):
 
 
 def test_implicit_empirical_fisher_of_two_losses_has_cross_terms():
-  a, b = gt.mlp(loss="softmax", seed=1), gt.mlp(loss="squared", seed=1)
-
-  def tagged(p, batch):
-    x, t_a, t_b = batch
-    z = a.tagged_forward(p, x)
-    kfac.register_softmax_cross_entropy_loss(z, t_a)
-    kfac.register_squared_error_loss(z, t_b, weight=0.7)
-    return 0.0
-
-  x, t_a, t_b = batch = (a.batch[0], a.batch[1], b.batch[1])
+  a, b, tagged, batch = _two_losses()
+  x, t_a, t_b = batch
   flat, unravel = a.flat_params
 
   def total_loss(p, xi, ta, tb):
