@@ -38,7 +38,18 @@ BLOCK_TYPES = {
     "identity": {t: kfac.ScaledIdentity for t in
                  ("dense_tag", "conv2d_tag", "scale_and_shift_tag",
                   "repeated_dense_tag", "generic_tag")},
+    "ekfac": {"dense_tag": kfac.DenseEKFAC,
+              "repeated_dense_tag": kfac.DenseEKFAC,
+              "conv2d_tag": kfac.Conv2DEKFAC},
+    "tnt": {"dense_tag": kfac.DenseTNT, "conv2d_tag": kfac.Conv2DTNT,
+            "generic_tag": kfac.NaiveTNT},
+    "kfac_reduce": {"repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
+                    "conv2d_tag": kfac.Conv2DKFACReduce},
 }
+# Block types whose estimate is held in a basis that the cache refresh
+# recomputes (EKFAC): an estimate over many batches takes a second pass,
+# with the basis of the first.
+BASIS_BLOCK_TYPES = ("ekfac",)
 # Matrices that have an exact reference: the estimation-mode matrices and the
 # Hessian, which only matrix-vector products give.
 EXACT_MATRICES = (*estimation_modes.EXACT_MODE_OF_MATRIX, "hessian")
@@ -167,7 +178,11 @@ class Curvature(abc.ABC):
     estimators keep weighted averages), so the result is the mean over
     examples; sampled modes average `num_samples` draws per chunk.
     """
-    state = self.init(rng, params, data.first)
+    return self.accumulate(self.init(rng, params, data.first), rng, params,
+                           data, num_samples)
+
+  def accumulate(self, state, rng, params, data: Data, num_samples: int = 1):
+    """`state` averaged with the estimate over `data`; see `estimate`."""
 
     def add(state, chunk, keys, size):
       for key in keys:
@@ -250,6 +265,45 @@ class BlockDiagonal(_Estimator):
   def registration(self):
     return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim))
             for b in self.estimator.blocks]
+
+  def estimate(self, rng, params, data, num_samples=1):
+    state = super().estimate(rng, params, data, num_samples)
+    if self.block_type not in BASIS_BLOCK_TYPES:
+      return state
+    # The basis of the whole-data factors, then the statistics in it (the
+    # factors' mean is unchanged by averaging the same data in again).
+    state = self.estimator.update_cache(state, 0.0)
+    return self.accumulate(state, jax.random.fold_in(rng, 1), params, data,
+                           num_samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTridiagonal(BlockDiagonal):
+  """Block-tridiagonal K-FAC (Martens & Grosse, 2015): consecutive dense
+  layers coupled, their inverse with the paper's factored damping."""
+
+  @classmethod
+  def from_config(cls, cfg: Mapping, loss_fn: Callable, **common):
+    if cfg["block_type"] != "kfac":
+      raise ValueError("curvature.estimator=block_tridiagonal couples K-FAC "
+                       "blocks: it needs curvature.block_type=kfac, not "
+                       f"{cfg['block_type']!r}.")
+    estimator = kfac.BlockTridiagonalCurvature(
+        loss_fn, default_estimation_mode=cfg["mode"])
+    return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
+        cfg["mode"]), estimator=estimator, block_type="kfac", **common)
+
+  def init(self, rng, params, batch):
+    return self.estimator.init(rng, (params, batch),
+                               approx_powers_to_cache=-1)
+
+  def refresh(self, state, damping):
+    return self.estimator.update_cache(state, damping, approx_powers=-1)
+
+  def precondition(self, state, vector, damping):
+    return self.estimator.multiply_inverse(state, vector,
+                                           identity_weight=damping,
+                                           exact_power=False, use_cached=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,8 +479,9 @@ class ImplicitExact(Curvature):
 
 
 # Estimator families by the name a config gives as `curvature.estimator`.
-FAMILIES = {"block_diagonal": BlockDiagonal, "explicit_exact": ExplicitExact,
-            "implicit_exact": ImplicitExact}
+FAMILIES = {"block_diagonal": BlockDiagonal,
+            "block_tridiagonal": BlockTridiagonal,
+            "explicit_exact": ExplicitExact, "implicit_exact": ImplicitExact}
 
 
 def family(cfg: Mapping) -> type[Curvature]:

@@ -133,7 +133,8 @@ class KFACTrainer:
                         if not cfg[f"use_adaptive_{k}"]}
     self.opt = kfac.Optimizer(
         jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
-        layer_tag_to_block_ctor=curvature.block_ctors or None, **kwargs)
+        layer_tag_to_block_ctor=curvature.block_ctors or None,
+        estimator_ctor=type(curvature.estimator), **kwargs)
 
   def init(self, params, batch, rng):
     return self.opt.init(params, rng, batch), 0

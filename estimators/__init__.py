@@ -5,9 +5,11 @@ layer tags, the tracer, curvature blocks and the curvature estimators.
 """
 
 from estimators import blocks, curvature, estimation_modes, losses, patches
-from estimators import tags, tracer, utils
+from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
-    CurvatureBlock, Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored,
+    EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce, Conv2DTNT,
+    DenseEKFAC, DenseTNT, NaiveTNT, RepeatedDenseKFACExpand,
+    RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored,
     DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, Diagonal, Full,
     NaiveDiagonal, NaiveFull, RepeatedDenseTwoKroneckerFactored,
     ScaleAndShiftDiagonal, ScaleAndShiftFull, ScaledIdentity, Stacked,
@@ -18,6 +20,7 @@ from estimators.curvature import (
     BlockDiagonalCurvature, CurvatureEstimator, ExplicitExactCurvature,
     ImplicitExactCurvature, default_batch_size_extractor,
     get_default_tag_to_block_ctor, set_default_tag_to_block_ctor)
+from estimators.tridiagonal import BlockTridiagonalCurvature
 from estimators import graph_matcher
 from estimators import graph_matcher as tag_graph_matcher
 from estimators.estimation_modes import ESTIMATION_MODES
@@ -46,9 +49,12 @@ from estimators.tracer import (
 __all__ = [
     # modules
     "blocks", "curvature", "estimation_modes", "graph_matcher", "losses",
-    "optimizer", "patches", "tag_graph_matcher", "tags", "tracer", "utils",
+    "optimizer", "patches", "tag_graph_matcher", "tags", "tracer",
+    "tridiagonal", "utils",
     # curvature blocks and their settings
-    "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
+    "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce", "Conv2DTNT",
+    "DenseEKFAC", "DenseTNT", "EKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
+    "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
     "CurvatureBlock", "DenseDiagonal", "DenseFull",
     "DenseTwoKroneckerFactored", "Diagonal", "Full", "NaiveDiagonal",
     "NaiveFull", "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
@@ -56,7 +62,7 @@ __all__ = [
     "get_default_eigen_decomposition_threshold", "get_max_parallel_elements",
     "set_default_eigen_decomposition_threshold", "set_max_parallel_elements",
     # curvature estimators
-    "BlockDiagonalCurvature", "CurvatureEstimator", "ESTIMATION_MODES",
+    "BlockDiagonalCurvature", "BlockTridiagonalCurvature", "CurvatureEstimator", "ESTIMATION_MODES",
     "ExplicitExactCurvature", "ImplicitExactCurvature",
     "default_batch_size_extractor", "get_default_tag_to_block_ctor",
     "set_default_tag_to_block_ctor",

@@ -537,19 +537,36 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
       pmap_axis_name: str | None = None,
       estimation_mode: str | None = None) -> _BlockDiagonalState:
+    data = self.blocks_estimation_data(func_args, rng, estimation_mode)
+    return self.State(tuple(
+        block.update_curvature_matrix_estimate(
+            block_state, block_data, ema_old, ema_new, batch_size,
+            pmap_axis_name)
+        for block, block_state, block_data in zip(
+            self._blocks, state.blocks_states, data)))
+
+  def blocks_estimation_data(self, func_args: FuncArgs, rng: jax.Array,
+                             estimation_mode: str | None = None
+                             ) -> list[dict[str, tuple]]:
+    """Each block's estimation data for one batch, from one vmapped pass.
+
+    Args:
+      func_args: the arguments of `func` for this batch.
+      rng: a PRNG key for the sampled modes.
+      estimation_mode: as for `update_curvature_matrix_estimate`.
+
+    Returns:
+      Per block, in `blocks` order, the mapping its
+      `update_curvature_matrix_estimate` takes.
+    """
     mode = self._mode(estimation_mode)
     self._finalize(func_args)
     _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
         self._traced, tuple(func_args))
     loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
     layer_tangents = jax.vmap(tangents_fn)(loss_tangents)
-    new_states = []
-    for block, block_state, value, (outs_t, params_t) in zip(
-        self._blocks, state.blocks_states, values, layer_tangents):
-      data = dict(value, outputs_tangent=outs_t, params_tangent=params_t)
-      new_states.append(block.update_curvature_matrix_estimate(
-          block_state, data, ema_old, ema_new, batch_size, pmap_axis_name))
-    return self.State(tuple(new_states))
+    return [dict(value, outputs_tangent=outs_t, params_tangent=params_t)
+            for value, (outs_t, params_t) in zip(values, layer_tangents)]
 
   def update_cache(self, state: _BlockDiagonalState,
                    identity_weight: Numeric | Sequence[Numeric],

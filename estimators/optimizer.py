@@ -125,7 +125,9 @@ class Optimizer:
       include_norms_in_stats: bool = False,
       include_per_param_norms_in_stats: bool = False,
       distributed_precon_apply: bool = True,
-      distributed_inverses: bool = True):
+      distributed_inverses: bool = True,
+      estimator_ctor: Callable[..., curvature.BlockDiagonalCurvature]
+      = curvature.BlockDiagonalCurvature):
     """Checks the settings and prepares the compiled step.
 
     Args:
@@ -195,6 +197,10 @@ class Optimizer:
       distributed_precon_apply: accepted for compatibility; every device
         applies all blocks.
       distributed_inverses: the same, for cache refreshes.
+      estimator_ctor: the curvature estimator's class, called with the
+        arguments of `BlockDiagonalCurvature`;
+        `estimators.BlockTridiagonalCurvature` couples consecutive dense
+        layers (it needs `use_exact_inverses=False`).
 
     Raises:
       ValueError: for conflicting or invalid settings (e.g. both an
@@ -260,7 +266,7 @@ class Optimizer:
     if patterns_to_skip:
       auto_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
     self._value_func = self._make_value_func()
-    self._estimator = curvature.BlockDiagonalCurvature(
+    self._estimator = estimator_ctor(
         self._value_func, params_index=0,
         default_estimation_mode=estimation_mode,
         layer_tag_to_block_ctor=layer_tag_to_block_ctor, **auto_kwargs)

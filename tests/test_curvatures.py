@@ -9,7 +9,8 @@ import pytest
 
 from curvbench import config, curvatures, data, measurements
 
-FAMILY_CONFIGS = ("kfac", "diagonal", "full", "identity", "explicit_exact",
+FAMILY_CONFIGS = ("kfac", "ekfac", "tnt", "kfac_reduce", "kfac_tridiagonal",
+                  "diagonal", "full", "identity", "explicit_exact",
                   "implicit_exact", "implicit_hessian")
 
 

@@ -5,6 +5,7 @@ from estimators.blocks.base import (CurvatureBlock,
                                     get_max_parallel_elements,
                                     set_default_eigen_decomposition_threshold,
                                     set_max_parallel_elements)
+from estimators.blocks.eigenbasis import EKFAC, Conv2DEKFAC, DenseEKFAC
 from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
                                         NaiveDiagonal, ScaleAndShiftDiagonal)
 from estimators.blocks.full import (Conv2DFull, DenseFull, Full, NaiveFull,
@@ -15,9 +16,17 @@ from estimators.blocks.kronecker import (Conv2DTwoKroneckerFactored,
                                          RepeatedDenseTwoKroneckerFactored,
                                          TwoKroneckerFactored)
 from estimators.blocks.stacked import Stacked
+from estimators.blocks.tnt import Conv2DTNT, DenseTNT, NaiveTNT
+from estimators.blocks.weight_sharing import (Conv2DKFACExpand,
+                                              Conv2DKFACReduce,
+                                              RepeatedDenseKFACExpand,
+                                              RepeatedDenseKFACReduce)
 
 __all__ = [
-    "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
+    "Conv2DDiagonal", "Conv2DEKFAC", "Conv2DFull", "Conv2DKFACExpand",
+    "Conv2DKFACReduce", "Conv2DTNT", "Conv2DTwoKroneckerFactored",
+    "DenseEKFAC", "DenseTNT", "EKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
+    "RepeatedDenseKFACReduce",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
     "Diagonal", "Full", "NaiveDiagonal", "NaiveFull",
     "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",

@@ -43,6 +43,16 @@ class Stacked(base.CurvatureBlock):
                       f"{type(block).__name__}.")
     if int(length) < 1:
       raise ValueError(f"Stacked needs a positive length, got {length}.")
+    base_class = base.CurvatureBlock
+    if (type(block).update_curvature_matrix_estimate
+        is not base_class.update_curvature_matrix_estimate
+        or type(block).update_cache is not base_class.update_cache):
+      # The stack maps the hooks over its layers; a block that adds work in
+      # its public methods (EKFAC's basis) would silently lose it.
+      raise ValueError(
+          f"{type(block).__name__} (block {block.name!r}) cannot be stacked "
+          "over a scanned layer: it overrides the public update methods. "
+          "Use another block type for this layer (index_to_block_ctor).")
     self._block = block
     self._length = int(length)
     self._REQUIRED_DATA = block._REQUIRED_DATA  # pylint: disable=invalid-name

@@ -22,7 +22,13 @@ BLOCK_FAMILIES = {
     "full": {"dense_tag": kfac.DenseFull, "conv2d_tag": kfac.Conv2DFull},
     "identity": {"dense_tag": kfac.ScaledIdentity,
                  "conv2d_tag": kfac.ScaledIdentity},
+    "ekfac": {"dense_tag": kfac.DenseEKFAC, "conv2d_tag": kfac.Conv2DEKFAC},
+    "tnt": {"dense_tag": kfac.DenseTNT, "conv2d_tag": kfac.Conv2DTNT},
+    "kfac_reduce": {"conv2d_tag": kfac.Conv2DKFACReduce},
+    "kfac_tridiagonal": {},
 }
+# Families whose estimator couples layers (the rest are block-diagonal).
+COUPLED = {"kfac_tridiagonal": kfac.BlockTridiagonalCurvature}
 
 
 def _dense_stack(params, x, sizes):
@@ -96,12 +102,12 @@ def _run(benchmark, fn, *args):
 @functools.lru_cache(maxsize=None)
 def _setup(problem, family):
   loss_fn, params, batch = PROBLEMS[problem]()
-  est = kfac.BlockDiagonalCurvature(
-      loss_fn, layer_tag_to_block_ctor=BLOCK_FAMILIES[family])
+  ctor = COUPLED.get(family, kfac.BlockDiagonalCurvature)
+  est = ctor(loss_fn, layer_tag_to_block_ctor=BLOCK_FAMILIES[family])
   args = (params, batch)
   rng = jax.random.PRNGKey(0)
-  state = est.init(rng, args, exact_powers_to_cache=-1,
-                   approx_powers_to_cache=-1)
+  state = est.init(rng, args, exact_powers_to_cache=(
+      None if family in COUPLED else -1), approx_powers_to_cache=-1)
   batch_size = batch[0].shape[0]
   # The data are arguments, not closed-over constants, so XLA does not try
   # to constant-fold the statistics at compile time.

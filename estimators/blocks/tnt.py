@@ -1,0 +1,280 @@
+"""Tensor Normal Training blocks: one Kronecker factor per parameter axis.
+
+Ren & Goldfarb, "Tensor Normal Training for Deep Learning Models" (NeurIPS
+2021). With per-(sample, example) gradients `G_n` of a parameter tensor and
+`C = (1/B) sum_n vec(G_n) vec(G_n)ᵀ`, TNT approximates `C` by
+`U_1 ⊗ ... ⊗ U_k / tr(C)^(k-1)`, where `U_j = (1/B) sum_n G_n,(j) G_n,(j)ᵀ`
+contracts the mode-j unfolding with itself over all other axes. Every
+`tr(U_j)` equals `tr(C)`, so the approximation keeps the trace of `C`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from estimators import utils
+from estimators.blocks import base
+from estimators.blocks import kronecker
+from estimators.blocks import layers
+
+
+def _inverse_trace(factor: jax.Array) -> jax.Array:
+  """`1 / tr(factor)`, or 1 when the trace is zero (or below `tiny`).
+
+  A factor with a vanishing trace is (numerically) zero, so the scale does not
+  matter for the matrix; 1 keeps damped powers finite, where `1 / tiny` would
+  make the base's `identity_weight / scale` underflow.
+  """
+  trace = jnp.trace(factor)
+  tiny = jnp.finfo(factor.dtype).tiny
+  return 1 / jnp.where(trace >= tiny, trace, jnp.ones_like(trace))
+
+
+class TwoFactorTNT:
+  """TNT for layers with K-FAC's `(input_size, output_size)` layout.
+
+  Mixed into a `TwoKroneckerFactored` layer class (before it): the block is
+  `A ⊗ G / tr(A)` with `A = (1/B) sum_n G_n G_nᵀ`, `G = (1/B) sum_n G_nᵀ G_n`
+  over the per-example gradients `G_n` in that layout (bias as the last row).
+  The Kronecker machinery (powers, cache, eigenvalues, outer sums) is
+  inherited; `state_dependent_scale` is `1 / tr(A)` and `fixed_scale` is 1,
+  since the statistics are per example, not per location or position.
+  """
+
+  def fixed_scale(self):
+    return 1
+
+  def state_dependent_scale(self, state):
+    """`1 / tr(A)` (1 for a zero estimate, whose matrix is zero anyway)."""
+    return _inverse_trace(state.inputs_factor.value)
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    a, g = self._per_example_factor_sums(estimation_data)
+    return a / batch_size, g / batch_size
+
+  def _per_example_factor_sums(self, data):
+    """`(sum_n G_n G_nᵀ, sum_n G_nᵀ G_n)` from explicit per-example gradients.
+
+    The gradients of at most `get_max_parallel_elements()` elements (about
+    `S * examples * input_size * output_size`) are formed at a time; the
+    examples are scanned over in chunks, zero-padded to a whole number of
+    chunks (zero examples have zero gradients).
+    """
+    (x,), (dy,) = data["inputs"], data["outputs_tangent"]
+    samples, batch = dy.shape[:2]
+    per_example = samples * self.input_size() * self.output_size()
+    chunk = max(1, min(batch, base.get_max_parallel_elements() // per_example))
+
+    def sums(xc, dyc):
+      grads = self._per_example_gradients(
+          dict(data, inputs=(xc,), outputs_tangent=(dyc,)))
+      m = jax.vmap(self._to_matrix)(grads)  # (rows, input_size, output_size)
+      return (jnp.einsum("nio,njo->ij", m, m),
+              jnp.einsum("nio,nip->op", m, m))
+
+    if chunk >= batch:
+      return sums(x, dy)
+    pad = -batch % chunk
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    dy = jnp.pad(dy, [(0, 0), (0, pad)] + [(0, 0)] * (dy.ndim - 2))
+    xs = x.reshape((-1, chunk) + x.shape[1:])
+    dys = jnp.swapaxes(dy.reshape((samples, -1, chunk) + dy.shape[2:]), 0, 1)
+
+    def step(carry, args):
+      a, g = sums(*args)
+      return (carry[0] + a, carry[1] + g), None
+
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                   jax.eval_shape(sums, xs[0], dys[0]))
+    return lax.scan(step, zeros, (xs, dys))[0]
+
+
+class DenseTNT(TwoFactorTNT, kronecker.DenseTwoKroneckerFactored):
+  """TNT for dense and repeated dense layers (Ren & Goldfarb, NeurIPS 2021).
+
+  The block is `A ⊗ G / tr(A)` over the weight with the bias as an extra
+  row. For a dense tag each example's gradient `x̃ dyᵀ` has rank one, so
+  `A = X̃ᵀ diag(sum_s |dy_sb|²) X̃ / B` and `G = (1/B) sum_sb |x̃_b|² dy dyᵀ`
+  cost no more memory than the tangents. A repeated dense tag's example
+  gradient sums over positions: it is formed explicitly, in chunks of
+  examples of at most `get_max_parallel_elements()` elements in all.
+  """
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    if len(self.inputs_shapes[0]) != 2:  # repeated: no rank-one shortcut
+      return super()._batch_statistics(estimation_data, batch_size)
+    x, rows = self._rows(estimation_data["inputs"],
+                         estimation_data["outputs_tangent"])
+    (dy,) = estimation_data["outputs_tangent"]  # (S, B, d_out)
+    dy_norms = jnp.sum(dy * dy, axis=(0, 2))  # (B,)
+    x_norms = jnp.sum(x * x, axis=1)  # (B,)
+    a = (x * dy_norms[:, None]).T @ x
+    weighted = (dy * x_norms[:, None]).reshape(rows.shape)
+    return a / batch_size, weighted.T @ rows / batch_size
+
+
+class Conv2DTNT(TwoFactorTNT, layers.PerExampleConv2DMixin,
+                kronecker.Conv2DTwoKroneckerFactored):
+  """TNT for 2-D convolutions (Ren & Goldfarb, NeurIPS 2021).
+
+  `A ⊗ G / tr(A)` in the layout of `Conv2DTwoKroneckerFactored` (rows:
+  kernel positions and input channels `(kh, kw, c_in)`, then the bias;
+  columns: output channels), from per-example kernel gradients. At most
+  `get_max_parallel_elements()` gradient elements are formed at a time, and
+  at most `max_elements_for_vmap` examples are vmapped over. Only
+  ungrouped, undilated convolutions are supported.
+  """
+
+  def __init__(self, layer_tag_eq: Any, name: str,
+               max_elements_for_vmap: int | None = None):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the conv2d tag's jaxpr equation.
+      name: the block's name in messages.
+      max_elements_for_vmap: how many examples to vmap over at once; None
+        uses `get_max_parallel_elements()`.
+    """
+    super().__init__(layer_tag_eq, name,
+                     max_elements_for_vmap=max_elements_for_vmap)
+
+  def _check_layer(self):
+    p = self.layer_tag_extra_params
+    if (p["feature_group_count"] != 1 or p["batch_group_count"] != 1
+        or tuple(p["lhs_dilation"]) != (1, 1)
+        or tuple(p["rhs_dilation"]) != (1, 1)):
+      raise ValueError(
+          f"Block {self.name!r}: Conv2DTNT supports only convolutions without "
+          "grouping or dilation; use Conv2DDiagonal or Conv2DFull for this "
+          "layer.")
+    super()._check_layer()
+
+
+class NaiveTNT(base.CurvatureBlock):
+  """TNT for any tag with one parameter (Ren & Goldfarb, NeurIPS 2021).
+
+  From the per-sample batch-summed gradients `p_s` (like `NaiveFull`): one
+  factor `U_j = (1/B) sum_s p_s,(j) p_s,(j)ᵀ` per axis of the parameter (a
+  scalar or vector parameter has one factor, `(1/B) sum_s p_s p_sᵀ`), and
+  the block `U_1 ⊗ ... ⊗ U_k / tr(U_1)^(k-1)`. Factors after the first are
+  divided by the trace before they are combined, so the products stay of
+  the order of the trace; `state_dependent_scale` is 1.
+
+  Powers rotate the vector into the factors' eigenbases axis by axis,
+  multiply by `(product of eigenvalues + λ)^p` and rotate back; exact and
+  approximate powers are this same computation. Cache: the factors'
+  eigenvalues and eigenvectors ("factors_eigenvalues",
+  "factors_eigenvectors", shared by all powers) and per power the identity
+  weight it was cached with; "eigenvalues" when asked.
+  """
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State(base.CurvatureBlock.State):
+    """NaiveTNT state.
+
+    Attributes:
+      factors: one WeightedMovingAverage per factor, `(d_j, d_j)`.
+    """
+    factors: tuple[utils.WeightedMovingAverage, ...]
+
+  _REQUIRED_DATA = ("params_tangent",)
+
+  def _check_layer(self):
+    if self.number_of_parameters != 1:
+      raise ValueError(
+          f"Block {self.name!r}: NaiveTNT needs a tag with exactly one "
+          f"parameter, got {self.number_of_parameters} with shapes "
+          f"{self.parameters_shapes}; tag each parameter on its own (e.g. "
+          "register_generic(w)) or use NaiveFull / NaiveDiagonal.")
+
+  @property
+  def factor_sizes(self) -> tuple[int, ...]:
+    """The side of each factor: the parameter's shape, `(1,)` for a scalar."""
+    return self.parameters_shapes[0] or (1,)
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    del rng, exact_powers, approx_powers, cache_eigenvalues
+    zeros = utils.WeightedMovingAverage.zeros
+    return NaiveTNT.State(cache={}, factors=tuple(
+        zeros((n, n), self.parameters_dtype) for n in self.factor_sizes))
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    (p,) = estimation_data["params_tangent"]
+    p = p.reshape((-1,) + self.factor_sizes)  # (S, d_1, ..., d_k)
+    stats = []
+    for axis, n in enumerate(self.factor_sizes):
+      unfolded = jnp.moveaxis(p, axis + 1, 0).reshape(n, -1)
+      stats.append(unfolded @ unfolded.T / batch_size)
+    return tuple(stats)
+
+  def _fold_statistics(self, state, stats, ema_old, ema_new):
+    return dataclasses.replace(state, factors=tuple(
+        f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)))
+
+  def _normalized_factors(self, state, state_scale=1):
+    """The factors whose Kronecker product is `state_scale` times the block."""
+    values = [f.value for f in state.factors]
+    inverse_trace = _inverse_trace(values[0])
+    return [state_scale * values[0]] + [inverse_trace * f for f in values[1:]]
+
+  def _along_axes(self, matrices, tensor, transpose=False):
+    """Applies `matrices[j]` (or its transpose) along axis j of `tensor`."""
+    for axis, m in enumerate(matrices):
+      tensor = jnp.moveaxis(
+          jnp.tensordot(m.T if transpose else m, tensor, axes=([1], [axis])),
+          0, axis)
+    return tensor
+
+  def _eigen_grid(self, values):
+    """The eigenvalues of the Kronecker product, shaped as `factor_sizes`."""
+    grid = values[0]
+    for v in values[1:]:
+      grid = jnp.multiply.outer(grid, v)
+    return grid
+
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    # Approximate powers are exact for this block: the flag only picks the
+    # cache entry.
+    v = vector[0].reshape(self.factor_sizes)
+    if use_cached:
+      cache = state.cache
+      values, vectors = (cache["factors_eigenvalues"],
+                         cache["factors_eigenvectors"])
+      identity_weight = cache[base.cache_key(power, exact=exact_power)]
+    elif power == 1:  # cheap without eigendecompositions
+      factors = self._normalized_factors(state)
+      result = self._along_axes(factors, v) + identity_weight * v
+      return (result.reshape(self.parameters_shapes[0]),)
+    else:
+      values, vectors = zip(*[utils.safe_psd_eigh(f)
+                              for f in self._normalized_factors(state)])
+    grid = jnp.power(self._eigen_grid(values) + identity_weight, power)
+    rotated = self._along_axes(vectors, v, transpose=True)
+    result = self._along_axes(vectors, grid * rotated)
+    return (result.reshape(self.parameters_shapes[0]),)
+
+  def _eigenvalues_unscaled(self, state):
+    values = [utils.psd_eigvalsh(f) for f in self._normalized_factors(state)]
+    return self._eigen_grid(values).reshape(-1)
+
+  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
+                    eigenvalues, state_scale):
+    keys = base.power_cache_keys(exact_powers, approx_powers)
+    values, vectors = zip(*[utils.safe_psd_eigh(f) for f in
+                            self._normalized_factors(state, state_scale)])
+    updates = {}
+    if keys:
+      weight = jnp.asarray(identity_weight, self.parameters_dtype)
+      updates.update(factors_eigenvalues=tuple(values),
+                     factors_eigenvectors=tuple(vectors))
+      updates.update({key: weight for key, _ in keys})
+    if eigenvalues:
+      updates["eigenvalues"] = self._eigen_grid(values).reshape(-1)
+    return updates
