@@ -277,3 +277,12 @@ def test_ill_conditioned_factors_on_an_autoencoder():
   np.testing.assert_allclose(coupled[inside], block_diagonal[inside],
                              atol=1e-9 * scale)
   assert np.linalg.eigvalsh(coupled).min() > -1e-9 * scale
+
+
+def test_optimizer_with_exact_inverses_is_refused_by_name():
+  params, data = init_params(), batch()
+  opt = kfac.Optimizer(jax.value_and_grad(model), l2_reg=0.0,
+                       use_exact_inverses=True, num_burnin_steps=0,
+                       estimator_ctor=kfac.BlockTridiagonalCurvature)
+  with pytest.raises(ValueError, match="approx_powers_to_cache=-1"):
+    opt.init(params, jax.random.PRNGKey(0), data)
