@@ -248,8 +248,9 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
                    pmap_axis_name: str | None = None) -> "State":
     """Refreshes the cached damped inverse (`approx_powers=-1`).
 
-    The chains' first layers are not refreshed as blocks (their inverse
-    comes from the links); the other blocks are, as block-diagonal K-FAC's.
+    A chain's layers but its last are not refreshed as blocks (their
+    inverse comes from the links); the other blocks are, as in
+    block-diagonal K-FAC.
     """
     del pmap_axis_name
     self._require_finalized()
