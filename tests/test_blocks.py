@@ -563,7 +563,8 @@ def test_clear_errors():
   np.testing.assert_allclose(flat(out), flat(v) / 2)
 
 
-def test_grouped_conv_rejected_by_kronecker_but_fine_per_example():
+def grouped_conv_case():
+  """A convolution with two feature groups (Kronecker layouts refuse it)."""
   def layer(x, p):
     return lax.conv_general_dilated(x, p[0], (1, 1), "VALID",
                                     dimension_numbers=("NHWC", "HWIO", "NHWC"),
@@ -572,10 +573,19 @@ def test_grouped_conv_rejected_by_kronecker_but_fine_per_example():
   def register(y, x, k):
     return tags.register_conv2d(y, x, k, feature_group_count=2)
 
-  case = make_case(layer, register, random_normal(0, 2, 4, 4, 2),
+  return make_case(layer, register, random_normal(0, 2, 4, 4, 2),
                    (random_normal(1, 2, 2, 1, 4),))
-  with pytest.raises(ValueError, match="Conv2DDiagonal or Conv2DFull"):
-    blocks.Conv2DTwoKroneckerFactored(case[0], "c")
+
+
+@pytest.mark.parametrize("kronecker_layout", [
+    blocks.Conv2DTwoKroneckerFactored, blocks.Conv2DEKFAC, blocks.Conv2DTNT,
+    blocks.Conv2DKFACReduce])
+def test_grouped_conv_rejected_by_kronecker_but_fine_per_example(
+    kronecker_layout):
+  case = grouped_conv_case()
+  with pytest.raises(ValueError, match=f"{kronecker_layout.__name__} supports "
+                     "only.*Conv2DDiagonal or Conv2DFull"):
+    kronecker_layout(case[0], "c")
   _, state, _, c = fitted(blocks.Conv2DFull, case)
   np.testing.assert_allclose(state.matrix.value, c, **TOL)
 

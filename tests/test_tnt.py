@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from estimators import blocks
 from estimators import tags
@@ -266,18 +265,3 @@ def test_zero_state_gives_zeros(name):
       np.testing.assert_array_equal(out.pop(key), 0)
     for got in out.values():  # (0 + λ I)⁻¹ v
       np.testing.assert_allclose(got, flat(v) / DAMPING, rtol=1e-12)
-
-
-def test_conv_tnt_rejects_grouped_convolutions():
-  def layer(x, p):
-    return lax.conv_general_dilated(x, p[0], (1, 1), "VALID",
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                    feature_group_count=2)
-
-  def register(y, x, k):
-    return tags.register_conv2d(y, x, k, feature_group_count=2)
-
-  eqn, _, _ = make_case(layer, register, random_normal(0, 2, 4, 4, 2),
-                        (random_normal(1, 2, 2, 1, 4),))
-  with pytest.raises(ValueError, match="Conv2DTNT supports only"):
-    tnt.Conv2DTNT(eqn, "c")

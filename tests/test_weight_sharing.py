@@ -286,18 +286,3 @@ def test_inverse_of_multiply_is_identity(name):
   m = np.asarray(out["dense"])
   np.testing.assert_allclose(out["product"], (m + DAMPING * np.eye(len(m)))
                              @ flat(v), rtol=1e-9, atol=1e-10)
-
-
-def test_grouped_conv_is_rejected_by_name():
-  def layer(x, p):
-    return lax.conv_general_dilated(x, p[0], (1, 1), "VALID",
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                    feature_group_count=2)
-
-  def register(y, x, k):
-    return kfac.register_conv2d(y, x, k, feature_group_count=2)
-
-  eqn = make_case(layer, register, gt.random_normal(0, 2, 4, 4, 2),
-                  (gt.random_normal(1, 2, 2, 1, 4),))[0]
-  with pytest.raises(ValueError, match="Conv2DKFACReduce supports only"):
-    ws.Conv2DKFACReduce(eqn, "c")

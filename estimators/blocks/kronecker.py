@@ -297,7 +297,7 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
         or tuple(p["lhs_dilation"]) != (1, 1)
         or tuple(p["rhs_dilation"]) != (1, 1)):
       raise ValueError(
-          f"Block {self.name!r}: Conv2DTwoKroneckerFactored supports only "
+          f"Block {self.name!r}: {type(self).__name__} supports only "
           "convolutions without grouping or dilation; use Conv2DDiagonal or "
           "Conv2DFull for this layer.")
 

@@ -143,17 +143,6 @@ class Conv2DTNT(TwoFactorTNT, layers.PerExampleConv2DMixin,
     super().__init__(layer_tag_eq, name,
                      max_elements_for_vmap=max_elements_for_vmap)
 
-  def _check_layer(self):
-    p = self.layer_tag_extra_params
-    if (p["feature_group_count"] != 1 or p["batch_group_count"] != 1
-        or tuple(p["lhs_dilation"]) != (1, 1)
-        or tuple(p["rhs_dilation"]) != (1, 1)):
-      raise ValueError(
-          f"Block {self.name!r}: Conv2DTNT supports only convolutions without "
-          "grouping or dilation; use Conv2DDiagonal or Conv2DFull for this "
-          "layer.")
-    super()._check_layer()
-
 
 class NaiveTNT(base.CurvatureBlock):
   """TNT for any tag with one parameter (Ren & Goldfarb, NeurIPS 2021).

@@ -81,17 +81,6 @@ class Conv2DKFACReduce(kronecker.Conv2DTwoKroneckerFactored):
   convolutions are supported.
   """
 
-  def _check_layer(self):
-    p = self.layer_tag_extra_params
-    if (p["feature_group_count"] != 1 or p["batch_group_count"] != 1
-        or tuple(p["lhs_dilation"]) != (1, 1)
-        or tuple(p["rhs_dilation"]) != (1, 1)):
-      raise ValueError(
-          f"Block {self.name!r}: {type(self).__name__} supports only "
-          "convolutions without grouping or dilation; use Conv2DDiagonal or "
-          "Conv2DFull for this layer.")
-    super()._check_layer()
-
   def fixed_scale(self):
     return 1
 
