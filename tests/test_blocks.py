@@ -391,7 +391,8 @@ def test_products_match_numpy(name):
 
 
 @pytest.mark.parametrize("cls", [blocks.DenseFull, blocks.DenseDiagonal,
-                                 blocks.DenseTwoKroneckerFactored])
+                                 blocks.DenseTwoKroneckerFactored,
+                                 blocks.DenseEKFAC])
 def test_state_dependent_scale_is_folded_into_the_cache(cls):
   class Scaled(cls):
     def state_dependent_scale(self, state):
@@ -483,6 +484,8 @@ def test_pi_adjusted_powers_with_block_scale():
     (blocks.DenseTwoKroneckerFactored, dense_case),
     (blocks.Conv2DDiagonal, lambda: conv_case("NHWC", batch=4)),
     (blocks.Conv2DTwoKroneckerFactored, lambda: conv_case("NCHW", batch=4)),
+    # EKFAC averages its scalings over devices on top of the factors.
+    (blocks.DenseEKFAC, dense_case),
 ])
 def test_pmean_over_devices_equals_concatenated_batch(cls, case):
   eqn, data, _ = case()

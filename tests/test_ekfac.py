@@ -12,24 +12,15 @@ from estimators import utils
 from estimators.blocks import kronecker, stacked
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
 from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import (B, conv_case, dense_case, dense_layer, fitted,
+from tests.test_blocks import (B, EXACT_CASES, dense_case, dense_layer, fitted,
                                flat, make_case, np_patches, random_vector)
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3
 POWERS = [1, -1, -0.5]
 
-CASES = {
-    "dense": lambda: dense_case(),
-    "dense_nobias": lambda: dense_case(bias=False),
-    "dense_repeated": lambda: make_case(
-        dense_layer, tags.register_repeated_dense, random_normal(3, B, 2, 3),
-        (random_normal(1, 3, 2), random_normal(2, 2))),
-    "conv_nhwc_s2_same": lambda: conv_case("NHWC", 2, "SAME"),
-    "conv_nchw_s2_same_nobias": lambda: conv_case("NCHW", 2, "SAME", False),
-    "conv_nchw_s1_valid": lambda: conv_case("NCHW", 1, "VALID"),
-    "conv_nhwc_s2_valid_nobias": lambda: conv_case("NHWC", 2, "VALID", False),
-}
+# The exact-data cases of the dense and conv blocks.
+CASES = {k: case for k, case in EXACT_CASES.items() if not k.startswith("ss_")}
 # (EKFAC block, the K-FAC block with the same rows)
 CLASSES = {
     "dense": (DenseEKFAC, kronecker.DenseTwoKroneckerFactored),
@@ -210,31 +201,6 @@ def test_products_and_eigenvalues_match_numpy(name):
                                           gradient), **TOL)
 
 
-def test_state_dependent_scale_is_folded_into_the_cache():
-  class Scaled(DenseEKFAC):
-    def state_dependent_scale(self, state):
-      return 2.5
-
-  block, state, _, _ = fitted(Scaled, dense_case(), exact=[-1], approx=[-1],
-                              eig=True)
-  v = random_vector(block)
-
-  @jax.jit
-  def run(state, v):
-    cached = block.update_cache(state, DAMPING, -1, -1, True)
-    pairs = [(utils.flatten_arrays(block.multiply_inverse(
-        cached, v, DAMPING, exact, True)), utils.flatten_arrays(
-            block.multiply_inverse(state, v, DAMPING, exact, False)))
-             for exact in (True, False)]
-    return pairs + [(block.eigenvalues(cached, True),
-                     block.eigenvalues(state, False)),
-                    (block.eigenvalues(state, False),
-                     2.5 * state.scalings.value.reshape(-1))]
-
-  for got, want in run(state, v):
-    np.testing.assert_allclose(got, want, **TOL)
-
-
 # --- cadence: scalings every update, basis at each cache refresh --------------
 
 def dense_batch(k):
@@ -295,30 +261,7 @@ def test_basis_changes_only_at_cache_refresh():
     np.testing.assert_allclose(got, want, **TOL)
 
 
-# --- devices and errors ------------------------------------------------------
-
-def test_pmean_over_devices_equals_concatenated_batch():
-  eqn, data, _ = dense_case()
-  block = DenseEKFAC(eqn, "layer")
-  state = block.init(None, None, None, False)
-  n = data["inputs"][0].shape[0]
-  single = jax.jit(block.update_curvature_matrix_estimate,
-                   static_argnums=(4, 5))(state, data, 0., 1., n, None)
-
-  def split(key, value):
-    if key in ("params", "params_tangent"):
-      return jnp.broadcast_to(value, (2,) + value.shape)
-    return jnp.stack(jnp.split(value, 2, axis=int(key == "outputs_tangent")))
-
-  sharded = {k: tuple(split(k, v) for v in vs) for k, vs in data.items()}
-  multi = jax.pmap(
-      lambda d: block.update_curvature_matrix_estimate(
-          state, d, 0., 1., n // 2, "i"), axis_name="i")(sharded)
-  for got, want in zip(jax.tree_util.tree_leaves(multi),
-                       jax.tree_util.tree_leaves(single)):
-    np.testing.assert_allclose(got[0], want, **TOL)
-    np.testing.assert_allclose(got[1], want, **TOL)
-
+# --- errors -------------------------------------------------------------------
 
 def test_clear_errors():
   block, state, _, _ = fitted(DenseEKFAC, dense_case(), exact=-1)

@@ -11,7 +11,6 @@ contracts the mode-j unfolding with itself over all other axes. Every
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,19 +128,6 @@ class Conv2DTNT(TwoFactorTNT, layers.PerExampleConv2DMixin,
   at most `max_elements_for_vmap` examples are vmapped over. Only
   ungrouped, undilated convolutions are supported.
   """
-
-  def __init__(self, layer_tag_eq: Any, name: str,
-               max_elements_for_vmap: int | None = None):
-    """Builds the block.
-
-    Args:
-      layer_tag_eq: the conv2d tag's jaxpr equation.
-      name: the block's name in messages.
-      max_elements_for_vmap: how many examples to vmap over at once; None
-        uses `get_max_parallel_elements()`.
-    """
-    super().__init__(layer_tag_eq, name,
-                     max_elements_for_vmap=max_elements_for_vmap)
 
 
 class NaiveTNT(base.CurvatureBlock):
