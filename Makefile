@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test browser bench clean-venv
+.PHONY: run test browser bench cuda clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ browser:
 	  echo "note: no /usr/bin/chromium (install: apt-get install chromium)" \
 	    "- the browser tests will skip"; \
 	fi
+
+# The CUDA build of jax for NVIDIA GPUs (then run with device=gpu, or auto).
+cuda: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,cuda]"
+	$(PY) -c "import jax; print('jax sees', jax.devices())"
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -p no:xdist --benchmark-only --benchmark-columns=median,iqr,rounds

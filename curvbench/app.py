@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 import problems
-from curvbench import config, curvatures, measurements, provenance, records
+from curvbench import config, curvatures, devices, measurements, provenance
+from curvbench import records
 from curvbench import report, training
 from estimators import graph_matcher
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
@@ -111,7 +112,7 @@ def measure(cfg, run_dir) -> dict:
   """
   kind = cfg.measure.kind
   float64 = _precision(cfg) == "float64"
-  with jax.enable_x64(float64), quiet_logging():
+  with devices.use(cfg.device), jax.enable_x64(float64), quiet_logging():
     dtype = np.float64 if float64 else np.float32
     problem = problems.make(cfg.problem)
     curvature = curvatures.make(measurements.section(cfg.curvature),
@@ -122,7 +123,7 @@ def measure(cfg, run_dir) -> dict:
                                 seed=int(cfg.data_seed))
     ident = _identity(cfg, curvature)
     run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
-    run_dir.write_json("environment.json", provenance.environment())
+    run_dir.write_json("environment.json", provenance.environment(cfg.device))
     run_dir.write_json("registration.json", registration(
         problem, curvature if ident["curvature"] else None, params, batch,
         rng))
@@ -158,6 +159,33 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   return None
 
 
+def start(run_dir: records.RunDir, cfg) -> dict:
+  """Clears `run_dir` and writes the run's config (`config.yaml` and the
+  `config` table); returns the `run_id` and `code` its marker carries."""
+  run_dir.clear()
+  ident = dict(run_id=provenance.run_id(cfg),
+               code=provenance.code_version()["code"])
+  run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+  run_dir.write_table("config", pd.DataFrame(
+      [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
+  return ident
+
+
+def record_skip(cfg, out_dir) -> str | None:
+  """Records `cfg` in `out_dir` as a skipped run (its config, and a marker
+  with the reason) when it repeats another sweep point; returns the reason,
+  or None, writing nothing, when the point is to be run.
+
+  The sweeper calls it for every point before launching; a run started
+  without the sweeper (`curvbench` without -m) calls it itself.
+  """
+  reason = skip_reason(cfg)
+  if reason:
+    run_dir = records.RunDir(out_dir)
+    run_dir.mark_done("skipped", reason=reason, **start(run_dir, cfg))
+  return reason
+
+
 def run(cfg, out_dir) -> str:
   """One run into `out_dir`; returns its status: 'complete', 'diverged',
   'skipped', 'cached' (finished earlier with the same config and code) or
@@ -171,16 +199,9 @@ def run(cfg, out_dir) -> str:
       return "cached"
     print(f"[curvbench] {out_dir}: redoing it, {stale}.")
   config.validate(cfg)
-  run_dir.clear()
-  ident = dict(run_id=provenance.run_id(cfg),
-               code=provenance.code_version()["code"])
-  run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-  run_dir.write_table("config", pd.DataFrame(
-      [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
-  reason = skip_reason(cfg)
-  if reason:
-    run_dir.mark_done("skipped", reason=reason, **ident)
+  if record_skip(cfg, out_dir):
     return "skipped"
+  ident = start(run_dir, cfg)
   try:
     outcome = measure(cfg, run_dir)
   except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 import estimators
 import problems
-from curvbench import curvatures, data, measurements, spectra, timing
+from curvbench import curvatures, data, devices, measurements, spectra, timing
 from curvbench import training
 # Stores the `hydra/sweeper: tuning` node that conf/config.yaml selects.
 from hydra_plugins.curvbench_sweeper import tuning_sweeper  # noqa: F401
@@ -47,6 +47,7 @@ def compose(*overrides: str) -> DictConfig:
 def choices(cfg: DictConfig) -> Iterator[tuple[str, object, tuple]]:
   """`(key, value, allowed values)` of every choice in `cfg`."""
   curvature, measure = cfg.curvature, cfg.measure
+  yield "device", cfg.device, devices.PLATFORMS
   yield "problem.name", cfg.problem.name, tuple(problems.BUILDERS)
   yield "curvature.estimator", curvature.estimator, tuple(curvatures.FAMILIES)
   yield "curvature.mode", curvature.mode, estimators.ESTIMATION_MODES

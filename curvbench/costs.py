@@ -4,7 +4,8 @@
 so compile time is recorded apart from run time. Memory is XLA's own figure
 for the compiled program (arguments + outputs + temporaries, which holds on
 every backend), and the device's peak where the runtime reports one (GPU,
-TPU; not the CPU).
+TPU; not the CPU). `memory_columns` gives these figures for any compiled
+programs; `curvbench.timing` records them too.
 """
 
 from __future__ import annotations
@@ -15,9 +16,54 @@ from collections.abc import Callable
 import jax
 
 
-def _device_peak_bytes() -> float:
+def program_bytes(compiled: jax.stages.Compiled) -> float:
+  """XLA's memory of a compiled program: arguments + outputs + temporaries
+  (NaN where the backend gives no analysis)."""
+  memory = compiled.memory_analysis()
+  if memory is None:
+    return float("nan")
+  return float(memory.argument_size_in_bytes + memory.output_size_in_bytes
+               + memory.temp_size_in_bytes)
+
+
+def device_peak_bytes() -> float:
+  """The most bytes the first local device has held since the process
+  started (NaN where the runtime keeps no statistics, as on the CPU)."""
   stats = jax.local_devices()[0].memory_stats() or {}
   return float(stats.get("peak_bytes_in_use", float("nan")))
+
+
+def memory_source() -> str:
+  """'device' where the runtime reports device memory statistics (then
+  `device_peak_bytes` is measured), else 'xla_analysis' (only
+  `program_bytes`, XLA's figure, is known)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return "device" if "peak_bytes_in_use" in stats else "xla_analysis"
+
+
+def memory_columns(*compiled: jax.stages.Compiled) -> dict:
+  """`program_bytes` (the largest of the programs), `device_peak_bytes`
+  (now) and `memory_source`: the memory columns of a record row."""
+  return dict(program_bytes=max(map(program_bytes, compiled)),
+              device_peak_bytes=device_peak_bytes(),
+              memory_source=memory_source())
+
+
+def without_passthrough(fn: Callable) -> Callable:
+  """`fn` returning only its output leaves that are not its inputs.
+
+  `jax.jit` copies an input returned unchanged into an output buffer;
+  compiled this way, a program's memory figure leaves out copies that a
+  caller which forwards those inputs itself (as `estimators` does for its
+  optimizer step) never makes.
+  """
+
+  def computed(*args, **kwargs):
+    inputs = {id(x) for x in jax.tree.leaves((args, kwargs))}
+    return [x for x in jax.tree.leaves(fn(*args, **kwargs))
+            if id(x) not in inputs]
+
+  return computed
 
 
 def _signature(args) -> tuple:
@@ -27,8 +73,8 @@ def _signature(args) -> tuple:
 
 
 class Costs:
-  """Collects one row per phase: `phase`, `compile_s`, `run_s`,
-  `program_bytes` and `device_peak_bytes`, plus the constant `columns`.
+  """Collects one row per phase: `phase`, `compile_s`, `run_s`, the
+  `memory_columns`, plus the constant `columns`.
 
   A function called again with arguments of the same shapes reuses its
   compiled program (`compile_s` 0): keep the function object to benefit.
@@ -51,14 +97,10 @@ class Costs:
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     run_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    program = (float(memory.argument_size_in_bytes
-                     + memory.output_size_in_bytes
-                     + memory.temp_size_in_bytes)
-               if memory is not None else float("nan"))
+    memory = memory_columns(compiled)
+    program = memory["program_bytes"]
     self.rows.append(dict(self.columns, phase=phase, compile_s=compile_s,
-                          run_s=run_s, program_bytes=program,
-                          device_peak_bytes=_device_peak_bytes()))
+                          run_s=run_s, **memory))
     if self.log:
       where = ", ".join(f"{k}={v}" for k, v in self.columns.items())
       self.log(f"[curvbench] {where}: {phase}: {run_s:.1f} s (compile "

@@ -74,17 +74,25 @@ def layer_blocks(loss_fn: Callable, params, batch) -> list[tuple[str, np.ndarray
   # Tracing builds the blocks; eval_shape spares allocating their state.
   jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0),
                                         (params, batch)))
+  leaves = jax.tree.leaves(params)
+  starts = np.cumsum([0, *(int(np.size(x)) for x in leaves)])
+  return [(name, np.concatenate([np.arange(starts[i], starts[i + 1])
+                                 for i in mine]))
+          for name, mine in _block_leaves(estimator, params)]
+
+
+def _block_leaves(estimator, params) -> list[tuple[str, list[int]]]:
+  """Per block of a traced block-diagonal `estimator`: its name (the modules
+  its parameters belong to, e.g. 'dense_0') and its parameter leaves."""
   which = jax.tree.leaves(estimator.params_block_index)
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  starts = np.cumsum([0, *(int(np.size(x)) for _, x in leaves)])
-  blocks = []
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  out = []
   for index in range(len(estimator.blocks)):
     mine = [i for i, b in enumerate(which) if b == index]
     modules = dict.fromkeys(
-        str(getattr(leaves[i][0][0], "key", leaves[i][0][0])) for i in mine)
-    blocks.append(("+".join(modules), np.concatenate(
-        [np.arange(starts[i], starts[i + 1]) for i in mine])))
-  return blocks
+        str(getattr(paths[i][0], "key", paths[i][0])) for i in mine)
+    out.append(("+".join(modules), mine))
+  return out
 
 
 def check_dense_fits(num: int, itemsize: int, max_gib: float, what: str,
@@ -115,6 +123,8 @@ class Curvature(abc.ABC):
       'empirical_fisher' or 'hessian').
     cg_iters: conjugate-gradient steps where an inverse is matrix-free.
     max_dense_gib: the largest dense matrix this may form.
+    max_state_gib: the largest state (estimate and cache) of a
+      block-diagonal family.
   """
 
   name: str
@@ -122,6 +132,7 @@ class Curvature(abc.ABC):
   matrix: str
   cg_iters: int
   max_dense_gib: float
+  max_state_gib: float = np.inf
   block_type = None  # the block type, for block-diagonal families
   uses_estimation_mode = True  # whether `curvature.mode` changes the estimate
   is_block_diagonal = False  # whether estimators.Optimizer can use it
@@ -133,6 +144,11 @@ class Curvature(abc.ABC):
   @abc.abstractmethod
   def init(self, rng, params, batch):
     """An empty estimate; traces the model on `batch`."""
+
+  def check_state_fits(self, rng, params, batch) -> None:
+    """Raises a MemoryError, before anything is allocated, where the state
+    of `init` would be too large (families with a limit override this)."""
+    del rng, params, batch
 
   @abc.abstractmethod
   def update(self, state, params, batch, rng, ema_old=0.0, ema_new=1.0):
@@ -238,6 +254,20 @@ class _Estimator(Curvature):
     return self.estimator.to_dense_matrix(state)
 
 
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _describe(block) -> str:
+  """A block's class and the matrices it holds, for messages."""
+  if hasattr(block, "input_size"):
+    a, g = block.input_size(), block.output_size()
+    held = f"input factor {a} x {a}, output factor {g} x {g}"
+  else:
+    held = f"{block.dim} parameters"
+  return f"{type(block).__name__}, {held}"
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonal(_Estimator):
   """One block per tagged layer, of the configured block type."""
@@ -266,6 +296,50 @@ class BlockDiagonal(_Estimator):
     return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim))
             for b in self.estimator.blocks]
 
+  def init(self, rng, params, batch):
+    self.check_state_fits(rng, params, batch)
+    return self._empty_state(rng, params, batch)
+
+  def _empty_state(self, rng, params, batch):
+    return super().init(rng, params, batch)
+
+  def check_state_fits(self, rng, params, batch) -> None:
+    """Refuses a state over `max_state_gib` by its largest block.
+
+    The state's shapes come from tracing `init` (`jax.eval_shape`), which
+    also builds the blocks; nothing is allocated.
+
+    Raises:
+      MemoryError: naming the largest block, its size and what to change.
+    """
+    shapes = jax.eval_shape(self._empty_state, rng, params, batch)
+    blocks = self.estimator.blocks
+    names = [name for name, _ in _block_leaves(self.estimator, params)]
+    parts = [(f"block {name!r} ({_describe(b)})", _nbytes(s)) for name, b, s
+             in zip(names, blocks, shapes.blocks_states)]
+    parts += [(f"the coupling of blocks {names[i]!r} and {names[j]!r}",
+               _nbytes(s)) for (i, j), s in
+              zip(getattr(self.estimator, "links", ()),
+                  getattr(shapes, "links", ()))]
+    total = sum(size for _, size in parts) / 2 ** 30
+    if total <= self.max_state_gib:
+      return
+    what, size = max(parts, key=lambda part: part[1])
+    raise MemoryError(
+        f"The state of curvature {self.label} (block_type="
+        f"{self.block_type}) needs {total:.3g} GiB, over "
+        f"curvature.max_state_gib={self.max_state_gib}; the largest part is "
+        f"{what}: {size / 2 ** 30:.3g} GiB. Choose a cheaper curvature "
+        f"({self._cheaper}), or raise curvature.max_state_gib if the memory "
+        "is there.")
+
+  @property
+  def _cheaper(self) -> str:
+    """The settings that would make a smaller state, for messages."""
+    if self.block_type in ("diagonal", "identity"):
+      return "curvature=identity"
+    return "e.g. curvature=diagonal, or curvature.block_type=diagonal"
+
   def estimate(self, rng, params, data, num_samples=1):
     state = super().estimate(rng, params, data, num_samples)
     if self.block_type not in BASIS_BLOCK_TYPES:
@@ -293,9 +367,13 @@ class BlockTridiagonal(BlockDiagonal):
     return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
         cfg["mode"]), estimator=estimator, block_type="kfac", **common)
 
-  def init(self, rng, params, batch):
+  def _empty_state(self, rng, params, batch):
     return self.estimator.init(rng, (params, batch),
                                approx_powers_to_cache=-1)
+
+  @property
+  def _cheaper(self) -> str:
+    return "curvature=kfac, without the coupling, or curvature=diagonal"
 
   def refresh(self, state, damping):
     return self.estimator.update_cache(state, damping, approx_powers=-1)
@@ -498,7 +576,8 @@ def make(cfg: Mapping, loss_fn: Callable) -> Curvature:
   estimation_modes.check_estimation_mode(cfg["mode"])
   return family(cfg).from_config(
       cfg, loss_fn, name=cfg["name"], cg_iters=int(cfg["cg_iters"]),
-      max_dense_gib=float(cfg["max_dense_gib"]))
+      max_dense_gib=float(cfg["max_dense_gib"]),
+      max_state_gib=float(cfg["max_state_gib"]))
 
 
 def exact(matrix: str, loss_fn: Callable, *, matrix_free: bool,

@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 from omegaconf import DictConfig, OmegaConf
+
+from curvbench import devices
 
 NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
                 "tuning")
@@ -104,15 +105,14 @@ def versions() -> dict:
   return out
 
 
-def device() -> dict:
-  first = jax.devices()[0]
-  return dict(device_kind=first.device_kind, platform=first.platform,
-              num_devices=jax.device_count())
+def device(platform_name: str = "auto") -> dict:
+  """The record columns of the device the `device` setting selects."""
+  return devices.describe(devices.select(platform_name))
 
 
-def environment() -> dict:
+def environment(platform_name: str = "auto") -> dict:
   """The machine and software of a run, for its `environment.json`."""
-  return dict(device(), python=platform.python_version(),
+  return dict(device(platform_name), python=platform.python_version(),
               host=platform.node(), versions=versions(), code=code_version(),
               argv=list(sys.argv))
 
@@ -122,7 +122,8 @@ def columns(cfg, precision: str) -> dict:
   code = code_version()
   return dict(
       run_id=run_id(cfg), init_seed=int(cfg.init_seed),
-      data_seed=int(cfg.data_seed), precision=precision, **device(),
+      data_seed=int(cfg.data_seed), precision=precision,
+      **device(cfg.device),
       versions=" ".join(f"{k}={v}" for k, v in versions().items()),
       commit=code["commit"], dirty=code["dirty"],
       timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

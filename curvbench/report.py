@@ -236,9 +236,27 @@ def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
                             aggfunc="median")
     seconds.columns = [f"{p}_{v}" for v, p in seconds.columns]
     out["timing_seconds"] = seconds.reset_index()
+    if "program_bytes" in t:  # records from before memory was recorded lack it
+      out["timing_memory"] = timing_memory(t, index)
   if "training" in tables:
     out["training"] = training_summary(tables["training"])
   return out
+
+
+def timing_memory(timing: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+  """MiB per phase: the median of XLA's figure for the phase's compiled
+  program (`program_bytes`) and, where the device measured one, the median
+  over runs of the device's peak (`device_peak_mib`)."""
+  mib = timing.assign(program_mib=timing.program_bytes / 2 ** 20)
+  table = _medians(mib, index, "phase", "program_mib")
+  peaks = timing.get("device_peak_bytes")
+  if peaks is not None and peaks.notna().any():
+    per_run = timing.groupby([*index, "run_id"], dropna=False)[
+        "device_peak_bytes"].max() / 2 ** 20
+    peak = per_run.groupby(level=index, dropna=False).median()
+    table = table.merge(peak.rename("device_peak_mib").reset_index(),
+                        on=index, how="left")
+  return table
 
 
 def training_summary(training: pd.DataFrame) -> pd.DataFrame:
@@ -330,6 +348,8 @@ TITLES = dict(
     step_ratio="Optimizer step / Adam step (same problem, same process)",
     timing="Time per phase / time of a gradient step",
     timing_seconds="Seconds per phase (median) and compile time",
+    timing_memory="Memory per phase (MiB): XLA's figure for its program; "
+    "the device's peak where measured",
     training="Training: final errors and losses",
     tuning="Tuning: each setting's score (mean over seeds)")
 

@@ -27,6 +27,14 @@ one Adam sample, so that load on the machine hits both alike. They have no
 first call apart from compilation: `first_call_s` is NaN.
 `steps_per_sample` is 1 for single calls and `cycle` for the steps.
 
+Every row also records memory (`costs.memory_columns`): `program_bytes`,
+XLA's figure (arguments + outputs + temporaries) for the phase's compiled
+program, for a step the largest of the programs its kinds of step run
+(K-FAC's recompiled from `Optimizer.uncompiled_step`, burn-in aside);
+`device_peak_bytes`, the device's peak since the process started, read
+after the phase (NaN on the CPU); and `memory_source`, 'device' where that
+peak is measured, else 'xla_analysis'.
+
 `ratio_to_grad_step` and `ratio_to_adam_step` are a row's median over the
 median of `grad_step` and of `adam_step`: the latter is the cost of the
 optimizer's step in Adam steps.
@@ -40,7 +48,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from curvbench import training
+from curvbench import costs, training
 
 PHASES = ("grad_step", "curvature_update", "cache_update", "precondition",
           "optimizer_step")  # the choices of measure.timing.phases
@@ -57,8 +65,8 @@ def statistics(times) -> dict:
 
 
 def time_function(fn, args, warmup: int = 2, repeats: int = 10) -> dict:
-  """Compile time, first-call time and steady-state statistics of one
-  call of `fn(*args)`."""
+  """Compile time, first-call time, steady-state statistics and the memory
+  columns of one call of `fn(*args)`."""
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
   compile_s = time.perf_counter() - start
@@ -73,7 +81,7 @@ def time_function(fn, args, warmup: int = 2, repeats: int = 10) -> dict:
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - start)
   return dict(compile_s=compile_s, first_call_s=first_s, steps_per_sample=1,
-              **statistics(times))
+              **statistics(times), **costs.memory_columns(compiled))
 
 
 def phase_functions(loss_fn, curvature, damping: float, learning_rate: float):
@@ -97,7 +105,8 @@ class Stepper:
 
   Building it compiles every kind of step (`compile_s`) and runs the first
   step (K-FAC's burn-in) off the clock; params and state then carry on
-  from sample to sample, each step with its own key.
+  from sample to sample, each step with its own key. `programs` are the
+  step's compiled programs, for their memory.
   """
 
   def __init__(self, trainer, params, batch, rng, steps: int):
@@ -108,6 +117,7 @@ class Stepper:
     params, state, loss = trainer.step(params, state, batch, rng)
     jax.block_until_ready((params, state, loss))
     self.params, self.state, self.count = params, state, 1
+    self.programs = trainer.compiled_programs(params, state, batch, rng)
 
   def sample(self) -> float:
     """Seconds per step, averaged over one sample of `steps` steps."""
@@ -139,7 +149,8 @@ def time_steps(steppers: dict, warmup: int, repeats: int,
         times[name].append(seconds)
   return {name: dict(compile_s=stepper.compile_s, first_call_s=float("nan"),
                      steps_per_sample=stepper.steps,
-                     **statistics(times[name]))
+                     **statistics(times[name]),
+                     **costs.memory_columns(*stepper.programs))
           for name, stepper in steppers.items()}
 
 
@@ -174,8 +185,9 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
 
   Returns:
     Rows with `phase`, `compile_s`, `first_call_s`, `steps_per_sample`,
-    `median_s`, `min_s`, `q25_s`, `q75_s`, `repeats`, `ratio_to_grad_step`
-    and `ratio_to_adam_step`.
+    `median_s`, `min_s`, `q25_s`, `q75_s`, `repeats`, `program_bytes`,
+    `device_peak_bytes`, `memory_source`, `ratio_to_grad_step` and
+    `ratio_to_adam_step`.
   """
   if baseline_cfg["name"] != "adam":
     raise ValueError(

@@ -18,6 +18,7 @@ parameters and the same batches in the same order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ import optax
 from tqdm.auto import tqdm
 
 import estimators as kfac
+from curvbench import costs
 from curvbench.curvatures import Curvature
 
 
@@ -109,6 +111,14 @@ class OptaxTrainer:
     self.step = jax.jit(step)
     return tx.init(params)
 
+  def compiled_programs(self, params, opt_state, batch, rng) -> list:
+    """The step's program, compiled (after a step: the one it ran)."""
+    return [self.step.lower(params, opt_state, batch, rng).compile()]
+
+
+_QUICK_CPU_COMPILE = {"xla_backend_optimization_level": 1,
+                      "xla_cpu_use_fusion_emitters": False}
+
 
 class KFACTrainer:
   """Trains with `estimators.Optimizer` (adaptive settings from the config).
@@ -124,10 +134,15 @@ class KFACTrainer:
           f"block-diagonal curvature, not {curvature.name!r}; use "
           "optimizer=preconditioned_sgd to train with that curvature.")
     kwargs = {k: v for k, v in cfg.items() if k not in ("name", "step")}
-    self.cycle = math.lcm(
-        cfg["inverse_update_period"],
-        cfg["damping_adaptation_interval"] if cfg["use_adaptive_damping"]
-        else 1)
+    refresh = cfg["inverse_update_period"]
+    adapt = (cfg["damping_adaptation_interval"] if cfg["use_adaptive_damping"]
+             else None)
+    self.cycle = math.lcm(refresh, adapt or 1)
+    # (refreshes the inverses, adapts the damping) of each kind of step.
+    self.kinds = sorted({(s % refresh == 0,
+                          adapt is not None and s % adapt == 0)
+                         for s in range(self.cycle)})
+    self.curvature = curvature
     # Optimizer.step takes a value for each of these that is not adaptive.
     self.step_kwargs = {k: v for k, v in cfg["step"].items()
                         if not cfg[f"use_adaptive_{k}"]}
@@ -137,7 +152,30 @@ class KFACTrainer:
         estimator_ctor=type(curvature.estimator), **kwargs)
 
   def init(self, params, batch, rng):
+    # The curvature's state is the bulk of the optimizer's: refuse one that
+    # would not fit before the optimizer allocates it.
+    self.curvature.check_state_fits(rng, params, batch)
     return self.opt.init(params, rng, batch), 0
+
+  def compiled_programs(self, params, opt_state, batch, rng) -> list:
+    """A program per kind of step (`kinds`), compiled for its memory figure.
+
+    The step's own programs are internal to `estimators.Optimizer`, so these
+    are compiled again from `Optimizer.uncompiled_step`, with its inputs
+    returned unchanged left out of the outputs as the step does.
+    """
+    state, _ = opt_state
+    hyper = {k: jnp.asarray(v, state.damping.dtype)
+             for k, v in self.step_kwargs.items()}
+    # Only the memory figure is wanted: the CPU's quicker code generation
+    # halves the compile time and leaves the buffers as they are.
+    options = (_QUICK_CPU_COMPILE if jax.default_backend() == "cpu"
+               else None)
+    return [jax.jit(costs.without_passthrough(functools.partial(
+        self.opt.uncompiled_step, refresh_cache=refresh,
+        update_damping=adapt)), compiler_options=options).lower(
+            params, state, rng, batch, **hyper).compile()
+            for refresh, adapt in self.kinds]
 
   def step(self, params, opt_state, batch, rng):
     state, count = opt_state
@@ -205,7 +243,9 @@ def method_label(name: str, curvature: Curvature | None) -> str:
 def make_optimizer(loss_fn: Callable, cfg: Mapping,
                    curvature: Curvature | None = None):
   """A trainer (`init(params, batch, rng)`, `step(params, state, batch, rng)`
-  -> `(params, state, loss)`) from the `optimizer` config group."""
+  -> `(params, state, loss)`, `cycle`, and `compiled_programs(params, state,
+  batch, rng)`: the programs its steps run, for their memory) from the
+  `optimizer` config group."""
   kind = optimizer_kind(cfg["name"])
   if kind.uses_curvature and curvature is None:
     raise ValueError(f"optimizer={cfg['name']} needs a curvature.")

@@ -37,7 +37,7 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
     for name in options(group):
       cfg = config.compose(f"{group}={name}")
       assert cfg == cli_config(capsys, f"{group}={name}"), (group, name)
-  for launcher in ("basic", "joblib", "submitit_slurm"):
+  for launcher in ("basic", "joblib", "submitit_local", "submitit_slurm"):
     with initialize_config_dir(config_dir=str(config.CONF_DIR),
                                version_base=None):
       cfg = compose("config", overrides=[f"launcher={launcher}"],
@@ -69,6 +69,7 @@ def test_python_api_and_command_line_build_the_same_objects(capsys):
 
 @pytest.mark.parametrize("override,message", [
     ("problem.name=resnet", "Unknown problem.name 'resnet'"),
+    ("device=quantum", "Unknown device 'quantum'"),
     ("curvature.mode=fisher", "Unknown curvature.mode 'fisher'"),
     ("curvature.block_type=lowrank", "Unknown curvature.block_type 'lowrank'"),
     ("curvature.estimator=magic", "Unknown curvature.estimator 'magic'"),

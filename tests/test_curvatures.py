@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvbench import config, curvatures, data, measurements
+import estimators
+from curvbench import config, curvatures, data, measurements, training
 
 FAMILY_CONFIGS = ("kfac", "ekfac", "tnt", "kfac_reduce", "kfac_tridiagonal",
                   "diagonal", "full", "identity", "explicit_exact",
@@ -94,6 +95,77 @@ def test_dense_that_would_not_fit_says_size_and_alternative(tiny):
   implicit = make(tiny, "implicit_exact", "curvature.max_dense_gib=1e-9")
   with pytest.raises(MemoryError, match="lanczos"):
     implicit.to_dense(implicit.init(jax.random.PRNGKey(0), params, batch))
+
+
+def abstract_only(monkeypatch, curvature):
+  """Makes `curvature`'s estimator refuse to build a state from concrete
+  arrays (an allocation); returns, per call of its `init`, whether it was
+  traced abstractly."""
+  calls, init = [], curvature.estimator.init
+
+  def traced_only(rng, func_args, *args, **kwargs):
+    calls.append(isinstance(jax.tree.leaves(func_args)[0], jax.core.Tracer))
+    if not calls[-1]:
+      raise AssertionError("the estimator state was allocated")
+    return init(rng, func_args, *args, **kwargs)
+
+  monkeypatch.setattr(curvature.estimator, "init", traced_only)
+  return calls
+
+
+@pytest.mark.parametrize("name", ["kfac", "kfac_tridiagonal"])
+def test_block_state_that_would_not_fit_is_refused_before_allocating(
+    tiny, name, monkeypatch):
+  problem, params, batch = tiny
+  key = jax.random.PRNGKey(0)
+  total = sum(x.nbytes for x in jax.tree.leaves(
+      make(tiny, name).init(key, params, batch)))
+  # The limit is on the whole state, sized exactly from its shapes.
+  fits = make(tiny, name, f"curvature.max_state_gib={total / 2 ** 30!r}")
+  assert fits.init(key, params, batch) is not None
+  over = make(tiny, name,
+              f"curvature.max_state_gib={(total - 1) / 2 ** 30!r}")
+  calls = abstract_only(monkeypatch, over)
+  with pytest.raises(MemoryError, match=(
+      r"over curvature.max_state_gib=.*largest part is block 'dense_0' "
+      r"\(DenseTwoKroneckerFactored, input factor 65 x 65, output factor "
+      r"3 x 3\).*curvature=diagonal")):
+    over.init(key, params, batch)
+  assert calls == [True]  # traced for its shapes, never built
+  # K-FAC's optimizer checks the curvature's state before building its own.
+  cfg = measurements.section(config.compose("optimizer=kfac").optimizer)
+  trainer = training.make_optimizer(problem.loss_fn, cfg, over)
+  monkeypatch.setattr(trainer.opt, "init", None)  # reached: a TypeError
+  with pytest.raises(MemoryError, match="max_state_gib"):
+    trainer.init(params, batch, key)
+
+
+def test_kfac_factor_of_50k_inputs_is_refused_at_the_default_limit(
+    monkeypatch):
+  """The issue's case: a layer with 50,176 inputs has a 9.4 GiB K-FAC input
+  factor (float32) and as much again in its cache, over the default 4 GiB;
+  none of it is allocated."""
+  inputs = 50_176
+
+  def loss_fn(params, batch):
+    x, labels = batch
+    logits = x @ params["dense_0"]["w"] + params["dense_0"]["b"]
+    estimators.register_softmax_cross_entropy_loss(logits, labels)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         labels[:, None], axis=1))
+
+  params = {"dense_0": {"w": jnp.zeros((inputs, 2), jnp.float32),
+                        "b": jnp.zeros(2, jnp.float32)}}
+  batch = (jnp.zeros((2, inputs), jnp.float32), jnp.zeros(2, jnp.int32))
+  cfg = config.compose("curvature=kfac").curvature
+  assert cfg.max_state_gib == 4.0
+  cur = curvatures.make(measurements.section(cfg), loss_fn)
+  calls = abstract_only(monkeypatch, cur)
+  with pytest.raises(MemoryError, match=(
+      r"'dense_0' \(DenseTwoKroneckerFactored, input factor 50177 x 50177, "
+      r"output factor 2 x 2\): 18\.8 GiB")):
+    cur.init(jax.random.PRNGKey(0), params, batch)
+  assert calls == [True]
 
 
 # --- over the whole training split -------------------------------------------

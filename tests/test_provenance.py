@@ -42,7 +42,8 @@ def test_every_row_carries_the_run_id_and_provenance(sweep):
   ids = set(table.run_id)
   assert ids == {provenance.run_id(cfg)}
   for column in ("init_seed", "data_seed", "precision", "device_kind",
-                 "num_devices", "versions", "commit", "dirty", "timestamp"):
+                 "num_devices", "devices_used", "platform_version",
+                 "versions", "commit", "dirty", "timestamp"):
     assert table[column].notna().all(), column
   assert table.precision.iloc[0] == "float32"
   assert "jax=" + jax.__version__ in table.versions.iloc[0]

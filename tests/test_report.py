@@ -20,6 +20,11 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   ratio = pd.read_csv(out / "step_ratio.csv")
   assert list(ratio.label) == ["kfac[kfac/ggn_exact]"]
   assert ratio.ratio_to_adam_step.item() > 0 and ratio.n.item() == 1
+  memory = pd.read_csv(out / "timing_memory.csv")
+  assert list(memory.label) == ["kfac[kfac/ggn_exact]"]
+  for phase in ("grad_step", "curvature_update", "optimizer_step",
+                "adam_step"):
+    assert memory[phase].item() > 0, phase  # MiB of the phase's program
   figures = {p.name for p in (out / "figures").iterdir()}
   for kind in ("spectra_mlp_batch_ggn", "training_mlp",
                "timing_mlp", "quality_steps_mlp_ggn_batch",
@@ -30,6 +35,7 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert any(name.startswith("heatmaps_mlp") for name in figures)
   text = (out / "report.md").read_text()
   assert "kfac[kfac/ggn_exact]" in text and "adam" in text
+  assert "## Memory per phase (MiB)" in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
   assert "kept their labels" not in text
   with pytest.raises(FileNotFoundError, match="No runs under"):
@@ -53,6 +59,30 @@ def test_records_from_before_preconditioned_sgd_keep_their_label(sweep,
   assert "kept their labels" in text
   merged = pd.read_csv(old / "report" / "training_all.csv")
   assert set(merged.method) == {"kfac[explicit_exact/ggn_exact]"}
+
+
+def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
+  """Medians over runs of each phase's program memory, in MiB; the device
+  peak (the largest a run saw) only where a device measured one."""
+  mib = 2 ** 20
+  rows = [dict(problem="mlp", device_kind="cpu", label="kfac", run_id=run,
+               phase=phase, median_s=1.0, compile_s=1.0,
+               ratio_to_grad_step=1.0, program_bytes=size * mib,
+               device_peak_bytes=float("nan"))
+          for run, scale in (("a", 1), ("b", 3))
+          for phase, size in (("grad_step", scale),
+                              ("optimizer_step", 10 * scale))]
+  timing = pd.DataFrame(rows)
+  table = report.summaries({"timing": timing})["timing_memory"]
+  assert table[["grad_step", "optimizer_step", "n"]].values.tolist() == [
+      [2.0, 20.0, 2]]
+  assert "device_peak_mib" not in table  # the CPU measures no peak
+  peaks = timing.assign(device_peak_bytes=[5 * mib, 7 * mib, 9 * mib,
+                                           11 * mib])
+  table = report.summaries({"timing": peaks})["timing_memory"]
+  assert table.device_peak_mib.item() == 9.0  # median of 7 and 11
+  old = timing.drop(columns=["program_bytes", "device_peak_bytes"])
+  assert "timing_memory" not in report.summaries({"timing": old})
 
 
 # --- a sweep designed as an experiment: settings, seeds, and runs that ----------

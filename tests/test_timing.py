@@ -5,21 +5,30 @@ settings taken from the adam config."""
 import math
 
 import jax
+import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, curvatures, measurements, timing, training
+from curvbench import config, costs, curvatures, measurements, timing
+from curvbench import training
 from tests.conftest import TINY
 
 STATS = ["compile_s", "median_s", "min_s", "q25_s", "q75_s"]
 
 
 class Counted:
-  """A trainer that logs its name at every step."""
+  """A trainer that logs its name at every step, and the memory of the
+  programs it hands timing."""
 
   def __init__(self, trainer, name, log):
     self.trainer, self.name, self.log = trainer, name, log
     self.cycle = trainer.cycle
+    self.program_bytes = None
+
+  def compiled_programs(self, *args):
+    programs = self.trainer.compiled_programs(*args)
+    self.program_bytes = [costs.program_bytes(p) for p in programs]
+    return programs
 
   def init(self, params, batch, rng):
     return self.trainer.init(params, batch, rng)
@@ -27,6 +36,21 @@ class Counted:
   def step(self, params, state, batch, rng):
     self.log.append(self.name)
     return self.trainer.step(params, state, batch, rng)
+
+
+def check_memory(df):
+  """Every phase has XLA's memory figure; the device peak where measured."""
+  assert np.isfinite(df.program_bytes).all()
+  assert (df.program_bytes > 0).all()
+  source = costs.memory_source()
+  assert (df.memory_source == source).all()
+  if source == "xla_analysis":  # the CPU keeps no device statistics
+    assert df.device_peak_bytes.isna().all()
+  else:
+    assert (df.device_peak_bytes >= df.program_bytes).all()
+  # A gradient step takes the parameters and returns them.
+  params_bytes = 235 * 8
+  assert df.program_bytes["grad_step"] >= 2 * params_bytes
 
 
 def run_timing(tiny, *overrides):
@@ -49,8 +73,12 @@ def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
   make = training.make_optimizer
   compile_steps = training.compile_steps
 
+  trainers = {}
+
   def counted(loss_fn, cfg, curvature=None):
-    return Counted(make(loss_fn, cfg, curvature), cfg["name"], log)
+    trainers[cfg["name"]] = Counted(make(loss_fn, cfg, curvature),
+                                    cfg["name"], log)
+    return trainers[cfg["name"]]
 
   def recorded(*args):
     compiled.append(compile_steps(*args))
@@ -80,6 +108,14 @@ def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
   setup = ["kfac"] * (cycle + 2) + ["adam"] * 3
   assert log[:len(setup)] == setup
   assert log[len(setup):] == (["kfac"] * cycle + ["adam"] * cycle) * 3
+  # Memory: the optimizer's step is the largest of its four kinds of step
+  # (refresh or not, damping adaptation or not), and holds the curvature.
+  check_memory(df)
+  kfac_bytes = trainers["kfac"].program_bytes
+  assert len(kfac_bytes) == 4
+  assert df.program_bytes["optimizer_step"] == max(kfac_bytes)
+  assert df.program_bytes["adam_step"] == trainers["adam"].program_bytes[0]
+  assert df.program_bytes["optimizer_step"] > df.program_bytes["adam_step"]
 
 
 def test_first_order_optimizer_has_no_curvature_phases(tiny):
@@ -88,6 +124,7 @@ def test_first_order_optimizer_has_no_curvature_phases(tiny):
   assert (df[STATS] > 0).all().all()
   assert df.ratio_to_adam_step["adam_step"] == 1.0
   assert (df.steps_per_sample == 1).all()
+  check_memory(df)
 
 
 def test_baseline_is_the_adam_config_whatever_the_optimizer():

@@ -14,18 +14,26 @@ config's `tuning.grid` declares for its optimizer:
 gives `optimizer.learning_rate=...` (and `optimizer.momentum=...`)
 overrides, so every point has its own run directory. Jobs of other
 measurements, and optimizers without a grid, run once.
+
+Before launching, it composes every job's config: a point that repeats
+another (`curvbench.app.skip_reason`) gets its skipped-run record written
+here and is not launched, so a cluster sees only jobs that measure; and a
+timing run that the launcher would run beside another job on the same
+machine is refused (`device_sharing`).
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules
 # outside sys.modules, where dataclasses cannot resolve string annotations.
 import itertools
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from hydra._internal.core_plugins import basic_sweeper
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 
 @dataclass
@@ -97,8 +105,57 @@ def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
   return out
 
 
+def device_sharing(launcher: DictConfig,
+                   max_batch_size: Optional[int]) -> Optional[tuple]:
+  """How `launcher` (the `hydra.launcher` config) runs several jobs of one
+  batch at the same time on one machine: `(what it does, the setting that
+  stops it)`; None when each job has the device to itself.
+
+  Every launcher runs its batches one after another, so batches of one job
+  never overlap; the basic launcher runs a batch's jobs in turn, and SLURM
+  gives each job an allocation of its own.
+  """
+  target = str(launcher.get("_target_", ""))
+  name = target.rsplit(".", 1)[-1]
+  if max_batch_size == 1 or name in ("BasicLauncher", "SlurmLauncher"):
+    return None
+  batch_fix = "hydra.sweeper.max_batch_size=1"
+  if name == "JoblibLauncher":
+    n_jobs = int(launcher.n_jobs)  # joblib: -1 is every core, -2 all but one
+    workers = n_jobs if n_jobs > 0 else (os.cpu_count() or 1) + 1 + n_jobs
+    if workers <= 1:
+      return None
+    return (f"launcher=joblib runs {workers} jobs at once "
+            f"(hydra.launcher.n_jobs={n_jobs})", "hydra.launcher.n_jobs=1")
+  if name == "LocalLauncher" and "submitit" in target:
+    return ("launcher=submitit_local starts every job of a batch at once "
+            f"(hydra.sweeper.max_batch_size={max_batch_size})", batch_fix)
+  return (f"the launcher {target or 'in use'} may run jobs at once",
+          batch_fix)
+
+
+def check_timing_alone(timing: list[bool], launcher: DictConfig,
+                       max_batch_size: Optional[int]) -> None:
+  """Refuses a sweep whose timing runs (`timing[i]`: job i times) would run
+  beside other jobs on one machine, naming the setting to change."""
+  sharing = device_sharing(launcher, max_batch_size)
+  if sharing is None:
+    return
+  size = len(timing) if max_batch_size in (None, -1) else max_batch_size
+  batches = [timing[i:i + size] for i in range(0, len(timing), size or 1)]
+  shared = sum(sum(batch) for batch in batches if len(batch) > 1)
+  if shared:
+    what, fix = sharing
+    raise ValueError(
+        f"Timing runs need the device to themselves, but {what}: {shared} "
+        f"timing run(s) of this sweep would share it. Use launcher=basic, or "
+        f"{fix} (on a cluster, launcher=submitit_slurm gives each job its "
+        "own allocation).")
+
+
 class TuningSweeper(Sweeper):
-  """The basic sweeper, with each optimizer's `tuning.grid` expanded.
+  """The basic sweeper, with each optimizer's `tuning.grid` expanded, and
+  with skipped points recorded instead of launched.
 
   It wraps a `BasicSweeper` rather than subclassing it, and looks the class
   up when it is needed: Hydra's plugin scan executes the basic sweeper's
@@ -110,6 +167,9 @@ class TuningSweeper(Sweeper):
     self.basic = basic_sweeper.BasicSweeper(max_batch_size=max_batch_size,
                                             params=params)
     self.basic.split_arguments = self.split_arguments
+    # `split_arguments` composes every job's config already; the basic
+    # sweeper's own check would compose each one a second time.
+    self.basic.validate_batch_is_legal = lambda batch: None
 
   def setup(self, *, hydra_context, task_function, config) -> None:
     self.basic.setup(hydra_context=hydra_context,
@@ -127,4 +187,54 @@ class TuningSweeper(Sweeper):
     if "tuning" in config and config.tuning.grid:
       grid = OmegaConf.to_container(config.tuning.grid, resolve=True)
     jobs = expand(jobs, grid, config.optimizer.name, config.measure.kind)
+    jobs = self.launched(jobs, max_batch_size)
+    if not jobs:
+      return []
     return list(basic.split_overrides_to_chunks(jobs, max_batch_size))
+
+  def job_config(self, overrides: list[str], num: int) -> tuple:
+    """The config a job's task gets (Hydra's node removed) and its output
+    directory, composed as the launcher will compose them."""
+    config = self.basic.hydra_context.config_loader.load_sweep_config(
+        self.basic.config, list(overrides))
+    with open_dict(config):  # as the launchers do; a subdir may use them
+      config.hydra.job.id = num
+      config.hydra.job.num = num
+    # The run directory interpolates `${hydra:...}`, which reads the
+    # global Hydra config: point it at this job while resolving.
+    hydra_config = HydraConfig.instance()
+    saved = hydra_config.cfg
+    hydra_config.set_config(config)
+    try:
+      out_dir = os.path.abspath(os.path.join(
+          str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir)))
+    finally:
+      hydra_config.cfg = saved
+    with read_write(config), open_dict(config):  # a fresh copy per job
+      del config["hydra"]
+    return config, out_dir
+
+  def launched(self, jobs: list[list[str]],
+               max_batch_size: Optional[int]) -> list[list[str]]:
+    """The jobs to launch: every job's config is composed and validated; a
+    point that repeats another is recorded as skipped and left out."""
+    # Imported here, not above: curvbench.config imports this module.
+    # pylint: disable-next=g-import-not-at-top
+    from curvbench import app, config as curvbench_config
+    if len(jobs) >= 100:  # about 0.1 s each
+      print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
+            "before launching.", flush=True)
+    keep = []
+    for num, job in enumerate(jobs):
+      cfg, out_dir = self.job_config(job, num)
+      curvbench_config.validate(cfg)
+      if not app.record_skip(cfg, out_dir):
+        keep.append((job, cfg.measure.kind == "timing"))
+    if len(keep) < len(jobs):
+      print(f"[curvbench] {len(jobs) - len(keep)} of {len(jobs)} sweep points "
+            "repeat another and were not launched; their skip markers (with "
+            f"the reason) are under {self.basic.config.hydra.sweep.dir}.",
+            flush=True)
+    check_timing_alone([timing for _, timing in keep],
+                       self.basic.config.hydra.launcher, max_batch_size)
+    return [job for job, _ in keep]

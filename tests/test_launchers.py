@@ -1,0 +1,134 @@
+"""Launchers: a sweep through submitit's local executor records its runs,
+skipped points are recorded by the sweeper and never launched, and timing
+runs that would share a device are refused before anything starts."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from curvbench import config, provenance, records, report
+from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from tests.conftest import TINY
+
+CURVBENCH = Path(sys.executable).parent / "curvbench"
+
+
+def sweep(sweep_dir, *overrides):
+  """`curvbench -m` into `sweep_dir`; its exit code and its output (stdout
+  and Hydra's log together)."""
+  result = subprocess.run(
+      [str(CURVBENCH), "-m", f"hydra.sweep.dir={sweep_dir}", *TINY,
+       *overrides], cwd=sweep_dir.parent, capture_output=True, text=True,
+      timeout=300)
+  return result.returncode, result.stdout + result.stderr
+
+
+def run_dirs(sweep_dir):
+  return sorted(p for p in sweep_dir.iterdir()
+                if p.is_dir() and not p.name.startswith("."))
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_records_both_runs(tmp_path):
+  """Two training runs go through submitit's executor (the SLURM path) as
+  subprocesses; their records land in the sweep directory, submitit's
+  files beside them."""
+  root = tmp_path / "sweep"
+  code, out = sweep(root, "launcher=submitit_local", "measure=training",
+                    "optimizer=sgd,adam")
+  assert code == 0, out[-3000:]
+  assert "Submitit 'local'" in out
+  runs = run_dirs(root)
+  assert len(runs) == 2
+  for path in runs:
+    run = records.RunDir(path)
+    assert run.marker()["status"] == "complete", path.name
+    assert {"config", "training"} <= set(run.tables()), path.name
+  assert (root / ".submitit").is_dir()
+
+
+@pytest.mark.slow
+def test_skipped_points_are_recorded_not_launched(tmp_path):
+  """SGD does not use the curvature: of curvature=kfac,diagonal only kfac
+  (the canonical one) is launched; diagonal's skip is recorded before
+  launching, and the report lists it with its reason."""
+  root = tmp_path / "sweep"
+  code, out = sweep(root, "measure=training", "optimizer=sgd",
+                    "curvature=kfac,diagonal")
+  assert code == 0, out[-3000:]
+  assert "Launching 1 jobs locally" in out
+  assert "1 of 2 sweep points repeat another" in out and str(root) in out
+  by_curvature = {OmegaConf.load(p / "config.yaml").curvature.name: p
+                  for p in run_dirs(root)}
+  skipped, launched = by_curvature["diagonal"], by_curvature["kfac"]
+  marker = records.RunDir(skipped).marker()
+  assert marker["status"] == "skipped"
+  assert "optimizer=sgd does not use the curvature" in marker["reason"]
+  # the config the sweeper composed is the one a run by hand composes
+  assert marker["run_id"] == provenance.run_id(config.compose(
+      *TINY, "measure=training", "optimizer=sgd", "curvature=diagonal"))
+  assert {p.name for p in skipped.iterdir()} == {
+      records.MARKER, "config.yaml", "config.parquet"}  # no job ran here
+  assert (launched / ".hydra").is_dir()  # a launched job's Hydra record
+  assert records.RunDir(launched).marker()["status"] == "complete"
+  missing = report.not_in_results(report.load_sweep(root).runs)
+  row, = missing[missing.status == "skipped"].itertuples()
+  assert row.run_dir == skipped.name and row.reason == marker["reason"]
+
+
+@pytest.mark.slow
+def test_timing_runs_sharing_a_device_are_refused_before_launch(tmp_path):
+  root = tmp_path / "sweep"
+  code, out = sweep(root, "launcher=joblib", "measure=timing",
+                    "curvature=kfac,diagonal")
+  assert code != 0
+  assert "Timing runs need the device to themselves" in out
+  assert "hydra.launcher.n_jobs=1" in out
+  assert not root.exists() or not run_dirs(root)  # nothing was launched
+
+
+def launcher(name, **settings):
+  """The `hydra.launcher` config that `launcher=NAME` selects."""
+  with initialize_config_dir(config_dir=str(config.CONF_DIR),
+                             version_base=None):
+    cfg = compose("config", overrides=[f"launcher={name}"],
+                  return_hydra_config=True)
+  return OmegaConf.merge(cfg.hydra.launcher, settings), cfg
+
+
+@pytest.mark.parametrize("name,settings,batch,timing,fix", [
+    ("basic", {}, None, [True, True], None),
+    ("submitit_slurm", {}, None, [True, True], None),
+    ("joblib", {}, None, [True, False], "hydra.launcher.n_jobs=1"),
+    ("joblib", {"n_jobs": 1}, None, [True, True], None),
+    ("joblib", {}, None, [True], None),  # alone in its batch
+    ("joblib", {}, None, [False, False], None),  # nothing timed
+    ("submitit_local", {}, 2, [False, True],
+     "hydra.sweeper.max_batch_size=1"),
+    ("submitit_local", {}, 2, [False, False, True], None),  # last batch: 1
+    ("submitit_local", {}, 1, [True, True], None),
+    ("basic", {"_target_": "some.other.RayLauncher"}, None, [True, False],
+     "hydra.sweeper.max_batch_size=1"),
+])
+def test_timing_alone_per_launcher(name, settings, batch, timing, fix):
+  launcher_cfg, _ = launcher(name, **settings)
+  if fix is None:
+    tuning_sweeper.check_timing_alone(timing, launcher_cfg, batch)
+  else:
+    with pytest.raises(ValueError, match=f"need the device.*{re.escape(fix)}"):
+      tuning_sweeper.check_timing_alone(timing, launcher_cfg, batch)
+
+
+def test_local_parallel_launchers_do_not_preallocate_the_gpu():
+  for name in ("joblib", "submitit_local"):
+    _, cfg = launcher(name)
+    assert cfg.hydra.job.env_set.XLA_PYTHON_CLIENT_PREALLOCATE == "false"
+  _, cfg = launcher("submitit_local")
+  assert cfg.hydra.launcher._target_.endswith("submitit_launcher.LocalLauncher")
+  assert cfg.hydra.sweeper.max_batch_size == 2
+  assert cfg.hydra.launcher.submitit_folder.startswith(cfg.hydra.sweep.dir)
