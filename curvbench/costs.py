@@ -10,6 +10,7 @@ programs; `curvbench.timing` records them too.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -37,16 +38,19 @@ def memory_source() -> str:
   """'device' where the runtime reports device memory statistics (then
   `device_peak_bytes` is measured), else 'xla_analysis' (only
   `program_bytes`, XLA's figure, is known)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return "device" if "peak_bytes_in_use" in stats else "xla_analysis"
+  return _source(device_peak_bytes())
+
+
+def _source(peak: float) -> str:
+  return "xla_analysis" if math.isnan(peak) else "device"
 
 
 def memory_columns(*compiled: jax.stages.Compiled) -> dict:
   """`program_bytes` (the largest of the programs), `device_peak_bytes`
   (now) and `memory_source`: the memory columns of a record row."""
+  peak = device_peak_bytes()
   return dict(program_bytes=max(map(program_bytes, compiled)),
-              device_peak_bytes=device_peak_bytes(),
-              memory_source=memory_source())
+              device_peak_bytes=peak, memory_source=_source(peak))
 
 
 def without_passthrough(fn: Callable) -> Callable:

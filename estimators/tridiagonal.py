@@ -41,11 +41,6 @@ from estimators.blocks.base import Numeric, ScalarOrSequence, canonical_powers
 Params = curvature.Params
 FuncArgs = curvature.FuncArgs
 
-# Cache entries of a link, for the conditional covariance of its first layer.
-_LINK_CACHE = ("inputs_psi", "outputs_psi", "inputs_basis", "inputs_values",
-               "outputs_basis", "outputs_values")
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LinkState:
@@ -202,15 +197,15 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     base = super().init(rng, func_args, None, approx, cache_eigenvalues)
     links = []
     for i, j in self.links:
-      a_i, g_i = _sizes(self.blocks[i])
-      a_j, g_j = _sizes(self.blocks[j])
+      a_i, g_i = self.blocks[i].input_size(), self.blocks[i].output_size()
+      a_j, g_j = self.blocks[j].input_size(), self.blocks[j].output_size()
       dtype = self.blocks[i].parameters_dtype
       cache = {}
-      if approx:
+      if approx:  # `_link_cache`'s entries, for the first layer's `Σ`
         shapes = dict(inputs_psi=(a_i, a_j), outputs_psi=(g_i, g_j),
                       inputs_basis=(a_i, a_i), inputs_values=(a_i,),
                       outputs_basis=(g_i, g_i), outputs_values=(g_i,))
-        cache = {k: jnp.zeros(shapes[k], dtype) for k in _LINK_CACHE}
+        cache = {k: jnp.zeros(shape, dtype) for k, shape in shapes.items()}
       zeros = utils.WeightedMovingAverage.zeros
       links.append(LinkState(zeros((a_i, a_j), dtype), zeros((g_i, g_j), dtype),
                              cache))
@@ -431,11 +426,6 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
                               for i in self.jaxpr.layer_indices[j]])
       values.append(utils.psd_eigvalsh(dense[np.ix_(where, where)]))
     return jnp.concatenate(values)
-
-
-def _sizes(block):
-  """A dense block's (inputs + bias, outputs) factor sizes."""
-  return block.input_size(), block.output_size()
 
 
 def _link_cache(factors: _Factors) -> dict:
