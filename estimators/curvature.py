@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import blocks as curvature_blocks
-from estimators import estimation_modes, tracer, utils
+from estimators import distributed, estimation_modes, tracer, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence
 
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
@@ -193,8 +194,9 @@ class CurvatureEstimator(abc.ABC):
       exact_powers: None, a power or powers named at `init` to refresh.
       approx_powers: the same for the approximate powers.
       eigenvalues: whether to refresh the cached (undamped) eigenvalues.
-      pmap_axis_name: the pmap axis, if any (the estimators here compute
-        every block on every device and do not use it).
+      pmap_axis_name: the mapped axis, if any; block-wise estimators may
+        share the blocks' refreshes among its devices (see their
+        `distributed_cache_updates`).
 
     Returns:
       The state with the refreshed cache entries.
@@ -218,7 +220,9 @@ class CurvatureEstimator(abc.ABC):
         one (e.g. factored damping for Kronecker blocks).
       use_cached: whether to use the cached power (named at `init`)
         instead of computing it from the current estimate.
-      pmap_axis_name: the pmap axis, if any (unused here).
+      pmap_axis_name: the mapped axis, if any; block-wise estimators may
+        share the blocks' products among its devices (see their
+        `distributed_multiplies`).
 
     Returns:
       The product, shaped like the parameters.
@@ -324,9 +328,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         have these flat indices; they take precedence over the above.
       auto_register_tags: whether to tag layers with the graph matcher;
         otherwise only hand-registered tags are used.
-      distributed_multiplies: accepted for compatibility; every device
-        computes all blocks.
-      distributed_cache_updates: the same.
+      distributed_multiplies: with a `pmap_axis_name`, each device computes
+        the products of its share of the blocks (balanced by estimated
+        cost) and the results are summed across devices; otherwise every
+        device computes every block.
+      distributed_cache_updates: the same for `update_cache`.
       **auto_register_kwargs: passed to the graph matcher (e.g.
         `register_only_generic`, `patterns_to_skip`).
 
@@ -336,8 +342,6 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     super().__init__(func, params_index, default_estimation_mode)
     self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
     self._index_to_block_ctor = dict(index_to_block_ctor or {})
-    # Every device computes all blocks; the flags are accepted for API
-    # compatibility (block-wise distribution across devices is not done).
     self.distributed_multiplies = distributed_multiplies
     self.distributed_cache_updates = distributed_cache_updates
     if not auto_register_tags:
@@ -574,13 +578,32 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                    approx_powers: ScalarOrSequence = None,
                    eigenvalues: bool = False,
                    pmap_axis_name: str | None = None) -> _BlockDiagonalState:
-    del pmap_axis_name
     self._require_finalized()
     weights = self._per_block(identity_weight, "identity_weight")
-    return self.State(tuple(
-        b.update_cache(s, w, _as_tuple(exact_powers), _as_tuple(approx_powers),
-                       eigenvalues=eigenvalues)
-        for b, s, w in zip(self._blocks, state.blocks_states, weights)))
+    fns = [functools.partial(b.update_cache, identity_weight=w,
+                             exact_powers=_as_tuple(exact_powers),
+                             approx_powers=_as_tuple(approx_powers),
+                             eigenvalues=eigenvalues)
+           for b, w in zip(self._blocks, weights)]
+    costs = [distributed.refresh_cost(s) for s in state.blocks_states]
+    axis = pmap_axis_name if self.distributed_cache_updates else None
+    return self.State(tuple(distributed.map_blocks(
+        fns, state.blocks_states, costs, axis)))
+
+  def _blocks_matpower(self, which, states, vectors, weights, power,
+                       exact_power, use_cached, pmap_axis_name):
+    """The products of the blocks `which`, shared among the devices of
+    `pmap_axis_name` when `distributed_multiplies`."""
+    def product(block, weight):
+      return lambda args: block.multiply_matpower(
+          *args, weight, power, exact_power=exact_power, use_cached=use_cached)
+
+    fns = [product(self._blocks[j], weights[j]) for j in which]
+    args = [(states[j], vectors[j]) for j in which]
+    costs = [distributed.product_cost(states[j], self._blocks[j].dim)
+             for j in which]
+    axis = pmap_axis_name if self.distributed_multiplies else None
+    return dict(zip(which, distributed.map_blocks(fns, args, costs, axis)))
 
   # --- products ------------------------------------------------------------
 
@@ -589,15 +612,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                         identity_weight: Numeric | Sequence[Numeric],
                         power: float, exact_power: bool, use_cached: bool,
                         pmap_axis_name: str | None = None) -> Params:
-    del pmap_axis_name
     vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
-    results = tuple(
-        b.multiply_matpower(s, v, w, power, exact_power=exact_power,
-                            use_cached=use_cached)
-        for b, s, v, w in zip(self._blocks, state.blocks_states, vectors,
-                              weights))
-    return self.blocks_vectors_to_params_vector(results)
+    results = self._blocks_matpower(
+        range(self.num_blocks), state.blocks_states, vectors, weights, power,
+        exact_power, use_cached, pmap_axis_name)
+    return self.blocks_vectors_to_params_vector(
+        tuple(results[j] for j in range(self.num_blocks)))
 
   def multiply_inverse_of_gradient(
       self, state: _BlockDiagonalState, grads: Params, func_args: FuncArgs,
@@ -647,20 +668,21 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         self._value_traced, func_args, chosen)))
     vectors = self.params_vector_to_blocks_vectors(grads)
     weights = self._per_block(identity_weight, "identity_weight")
-    results = []
-    for j, (block, s, v, w) in enumerate(zip(
-        self._blocks, state.blocks_states, vectors, weights)):
-      if j in rows:
-        # Linear in the gradient, so averaging the devices' results is the
-        # result for the averaged gradient.
-        result = block.multiply_inverse_outer_sum(s, *rows[j])
-        if pmap_axis_name is not None:
-          result = jax.lax.pmean(result, pmap_axis_name)
-      else:
-        result = block.multiply_inverse(s, v, w, exact_power=exact_power,
-                                        use_cached=use_cached)
-      results.append(result)
-    return self.blocks_vectors_to_params_vector(tuple(results))
+    results = self._blocks_matpower(
+        [j for j in range(self.num_blocks) if j not in rows],
+        state.blocks_states, vectors, weights, -1, exact_power, use_cached,
+        pmap_axis_name)
+    for j, block_rows in rows.items():
+      # Each device has its own rows; the product is linear in the gradient,
+      # so the mean of the devices' results is the result for the mean
+      # gradient.
+      result = self._blocks[j].multiply_inverse_outer_sum(
+          state.blocks_states[j], *block_rows)
+      if pmap_axis_name is not None:
+        result = jax.lax.pmean(result, pmap_axis_name)
+      results[j] = result
+    return self.blocks_vectors_to_params_vector(
+        tuple(results[j] for j in range(self.num_blocks)))
 
   def block_eigenvalues(self, state: _BlockDiagonalState,
                         use_cached: bool = False) -> tuple[jax.Array, ...]:

@@ -194,9 +194,11 @@ class Optimizer:
       include_norms_in_stats: add the norms of the gradient, preconditioned
         gradient and update to the stats.
       include_per_param_norms_in_stats: the same per parameter array.
-      distributed_precon_apply: accepted for compatibility; every device
-        applies all blocks.
-      distributed_inverses: the same, for cache refreshes.
+      distributed_precon_apply: with `multi_device`, each device applies
+        the cached inverses of its share of the blocks (balanced by
+        estimated cost) and the results are summed across devices; False:
+        every device applies every block.
+      distributed_inverses: the same for the inverse refreshes.
       estimator_ctor: the curvature estimator's class, called with the
         arguments of `BlockDiagonalCurvature`;
         `estimators.BlockTridiagonalCurvature` couples consecutive dense
@@ -269,7 +271,9 @@ class Optimizer:
     self._estimator = estimator_ctor(
         self._value_func, params_index=0,
         default_estimation_mode=estimation_mode,
-        layer_tag_to_block_ctor=layer_tag_to_block_ctor, **auto_kwargs)
+        layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+        distributed_multiplies=distributed_precon_apply,
+        distributed_cache_updates=distributed_inverses, **auto_kwargs)
     self._linearized = tracer.loss_tags_linearize(self._value_func)
     # Whether a step refreshes the inverses or adapts the damping is known on
     # the host, so each combination is its own program: a `lax.cond` would
@@ -509,9 +513,9 @@ class Optimizer:
     Returns:
       `(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ)`.
     """
-    products = [self._estimator.multiply(state.estimator_state, v, 0.0,
-                                         exact_power=True, use_cached=False)
-                for v in vectors]
+    products = [self._estimator.multiply(
+        state.estimator_state, v, 0.0, exact_power=True, use_cached=False,
+        pmap_axis_name=self._pmap_axis_name) for v in vectors]
     return (utils.gram_matrix(vectors, products),
             *self._gram_and_linear(vectors, grads))
 
@@ -644,9 +648,11 @@ class Optimizer:
       batch = next(data_iterator)
     batch = self._batch_process_func(batch)
     dtype = state.damping.dtype
-    hyper = [self._hyper(learning_rate, self._lr_schedule, step, dtype),
-             self._hyper(momentum, self._momentum_schedule, step, dtype),
-             self._hyper(damping, self._damping_schedule, step, dtype)]
+    num_devices = state.damping.shape[0] if self._multi_device else 1
+    hyper = [self._hyper(value, schedule, step, dtype, num_devices)
+             for value, schedule in ((learning_rate, self._lr_schedule),
+                                     (momentum, self._momentum_schedule),
+                                     (damping, self._damping_schedule))]
     refresh = self._is_refresh_step(step)
     compiled = self._compiled_refresh_step if refresh else self._compiled_step
     # The two flags are positional: they are the static arguments 8 and 9.
@@ -658,14 +664,15 @@ class Optimizer:
       return params, state, func_state, stats
     return params, state, stats
 
-  def _hyper(self, value, schedule, step, dtype):
+  def _hyper(self, value, schedule, step, dtype, num_devices):
     if schedule is not None:
       value = schedule(step)
     if value is None:
       return None
     value = jnp.asarray(value, dtype)
     if self._multi_device:
-      value = jnp.broadcast_to(value, (jax.local_device_count(),))
+      # One copy per device the state is on (not every local device).
+      value = jnp.broadcast_to(value, (num_devices,))
     return value
 
   # --- the staged step ----------------------------------------------------
@@ -720,7 +727,8 @@ class Optimizer:
       estimator_state = self._estimator.update_cache(
           estimator_state, identity_weight,
           exact_powers=-1 if exact else None,
-          approx_powers=None if exact else -1, eigenvalues=False)
+          approx_powers=None if exact else -1, eigenvalues=False,
+          pmap_axis_name=self._pmap_axis_name)
 
     out, grads = self._value_and_grad_func(*func_args)
     loss, new_func_state, aux = self._split_outputs(out)

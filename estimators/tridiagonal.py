@@ -35,7 +35,7 @@ import numpy as np
 from jax.scipy import linalg as jsl
 
 from estimators import blocks as curvature_blocks
-from estimators import curvature, tags, utils
+from estimators import curvature, distributed, tags, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence, canonical_powers
 
 Params = curvature.Params
@@ -247,7 +247,6 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     inverse comes from the links); the other blocks are, as in
     block-diagonal K-FAC.
     """
-    del pmap_axis_name
     self._require_finalized()
     exact, approx = canonical_powers(exact_powers), canonical_powers(
         approx_powers)
@@ -256,24 +255,45 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
                        f"approx_powers=-1, not exact={exact}, approx={approx}.")
     weights = self._per_block(identity_weight, "identity_weight")
     inner = {i for i, _ in self.links}
-    blocks_states = tuple(
-        s if j in inner else b.update_cache(s, w, None, approx,
-                                            eigenvalues=eigenvalues)
-        for j, (b, s, w) in enumerate(zip(self.blocks, state.blocks_states,
-                                          weights)))
-    links = state.links
-    if approx:
-      factors = self._chain_factors(state, weights, damped=True)
-      links = tuple(dataclasses.replace(link, cache=_link_cache(factors[i]))
-                    for (i, _), link in zip(self.links, state.links))
-    return self.State(blocks_states, links)
+    # The pieces of work: each block refreshed as a block (all but a chain's
+    # inner layers) and each chain's links.
+    own = [j for j in range(self.num_blocks) if j not in inner]
+    fns = [lambda s, j=j: self.blocks[j].update_cache(
+        s, weights[j], None, approx, eigenvalues=eigenvalues) for j in own]
+    args = [state.blocks_states[j] for j in own]
+    costs = [distributed.refresh_cost(a) for a in args]
+    chains = self.chains if approx else ()
+    for chain in chains:
+      fns.append(lambda st, chain=chain: tuple(
+          _link_cache(f) for f in self._chain_factors(
+              st, weights, damped=True, chains=[chain]).values() if f.psi))
+      args.append(state)
+      costs.append(distributed.refresh_cost(self._chain_states(state, chain)))
+    axis = pmap_axis_name if self.distributed_cache_updates else None
+    results = iter(distributed.map_blocks(fns, args, costs, axis))
+    blocks_states = list(state.blocks_states)
+    for j in own:
+      blocks_states[j] = next(results)
+    caches = {}
+    for chain in chains:
+      caches.update(zip(chain, next(results)))
+    links = tuple(dataclasses.replace(link, cache=caches[i]) if i in caches
+                  else link for (i, _), link in zip(self.links, state.links))
+    return self.State(tuple(blocks_states), links)
+
+  def _chain_states(self, state, chain):
+    """The block states and link states of one chain."""
+    return ([state.blocks_states[j] for j in chain],
+            [link for (i, _), link in zip(self.links, state.links)
+             if i in chain])
 
   # --- products ------------------------------------------------------------
 
-  def _chain_factors(self, state, weights, damped):
-    """Per chain layer: its factors (damped or not) and its link's terms."""
+  def _chain_factors(self, state, weights, damped, chains=None):
+    """Per layer of `chains` (all by default): its factors (damped or not)
+    and its link's terms."""
     factors = {}
-    for chain in self.chains:
+    for chain in self.chains if chains is None else chains:
       for j in chain:
         s = state.blocks_states[j]
         a, g = s.inputs_factor.value, s.outputs_factor.value
@@ -281,6 +301,8 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
           a, g = utils.pi_adjusted_kronecker_damping(a, g, weights[j])
         factors[j] = _Factors(a, g)
     for (i, j), link in zip(self.links, state.links):
+      if i not in factors:
+        continue
       inverse = jnp.linalg.inv if damped else _psd_pinv
       a_cross, g_cross = link.inputs_cross.value, link.outputs_cross.value
       psi = (a_cross @ inverse(factors[j].a), g_cross @ inverse(factors[j].g))
@@ -293,7 +315,6 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
                         identity_weight: Numeric | Sequence[Numeric],
                         power: float, exact_power: bool, use_cached: bool,
                         pmap_axis_name: str | None = None) -> Params:
-    del pmap_axis_name
     if power not in (1, -1):
       raise ValueError("BlockTridiagonalCurvature multiplies by its estimate "
                        f"(power 1) or its damped inverse (power -1), not power "
@@ -303,37 +324,59 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
           "The inverse of the block-tridiagonal estimate plus a multiple of "
           "the identity has no tridiagonal structure; use exact_power=False "
           "for the inverse of the paper's damped approximation.")
-    vectors = list(self.params_vector_to_blocks_vectors(
-        parameter_structured_vector))
+    vectors = self.params_vector_to_blocks_vectors(
+        parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
     in_chain = {j for chain in self.chains for j in chain}
-    results = [
-        v if j in in_chain else b.multiply_matpower(
-            s, v, w, power, exact_power=exact_power, use_cached=use_cached)
-        for j, (b, s, v, w) in enumerate(zip(
-            self.blocks, state.blocks_states, vectors, weights))]
-    if self.chains:
-      damped = not exact_power
-      if power == 1:
-        factors = self._chain_factors(state, weights, damped)
-        for chain in self.chains:
-          self._chain_multiply(chain, factors, results)
-          if not damped:
-            for j in chain:
-              results[j] = tuple(r + weights[j] * v for r, v in
-                                 zip(results[j], vectors[j]))
-      else:
-        caches = ({i: link.cache for (i, _), link in
-                   zip(self.links, state.links)} if use_cached else
-                  {i: _link_cache(f) for i, f in self._chain_factors(
-                      state, weights, damped=True).items() if f.psi})
-        for chain in self.chains:
-          root = chain[-1]
-          self._chain_inverse(chain, caches, results, lambda v: (
-              self.blocks[root].multiply_inverse(
-                  state.blocks_states[root], v, weights[root],
-                  exact_power=False, use_cached=use_cached)))
-    return self.blocks_vectors_to_params_vector(tuple(results))
+    # The pieces of work: each uncoupled block's product, each chain's.
+    single = [j for j in range(self.num_blocks) if j not in in_chain]
+    fns = [lambda args, j=j: self.blocks[j].multiply_matpower(
+        *args, weights[j], power, exact_power=exact_power,
+        use_cached=use_cached) for j in single]
+    args = [(state.blocks_states[j], vectors[j]) for j in single]
+    costs = [distributed.product_cost(a[0], self.blocks[j].dim)
+             for j, a in zip(single, args)]
+    for chain in self.chains:
+      fns.append(lambda args, chain=chain: self._chain_product(
+          chain, *args, weights, power, exact_power, use_cached))
+      args.append((state, vectors))
+      costs.append(distributed.product_cost(
+          self._chain_states(state, chain),
+          sum(self.blocks[j].dim for j in chain)))
+    axis = pmap_axis_name if self.distributed_multiplies else None
+    results = iter(distributed.map_blocks(fns, args, costs, axis))
+    out = list(vectors)
+    for j in single:
+      out[j] = next(results)
+    for chain in self.chains:
+      for j, result in zip(chain, next(results)):
+        out[j] = result
+    return self.blocks_vectors_to_params_vector(tuple(out))
+
+  def _chain_product(self, chain, state, vectors, weights, power, exact_power,
+                     use_cached):
+    """One chain's part of `multiply_matpower`: its layers' results."""
+    results = list(vectors)
+    damped = not exact_power
+    if power == 1:
+      factors = self._chain_factors(state, weights, damped, chains=[chain])
+      self._chain_multiply(chain, factors, results)
+      if not damped:
+        for j in chain:
+          results[j] = tuple(r + weights[j] * v for r, v in
+                             zip(results[j], vectors[j]))
+    else:
+      caches = ({i: link.cache for (i, _), link in
+                 zip(self.links, state.links)} if use_cached else
+                {i: _link_cache(f) for i, f in self._chain_factors(
+                    state, weights, damped=True, chains=[chain]).items()
+                 if f.psi})
+      root = chain[-1]
+      self._chain_inverse(chain, caches, results, lambda v: (
+          self.blocks[root].multiply_inverse(
+              state.blocks_states[root], v, weights[root],
+              exact_power=False, use_cached=use_cached)))
+    return tuple(results[j] for j in chain)
 
   def _chain_multiply(self, chain, factors, vectors):
     """`F̂ v = Ξ⁻¹ Λ⁻¹ Ξ⁻ᵀ v` over one chain, in place in `vectors`."""
@@ -381,10 +424,11 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       exact_power: bool = False, use_cached: bool = False,
       pmap_axis_name: str | None = None) -> Params:
     """`multiply_inverse(grads)`; coupled layers need the whole gradient."""
-    del func_args, pmap_axis_name
+    del func_args
     return self.multiply_inverse(state, grads, identity_weight,
                                  exact_power=exact_power,
-                                 use_cached=use_cached)
+                                 use_cached=use_cached,
+                                 pmap_axis_name=pmap_axis_name)
 
   # --- dense exports -------------------------------------------------------
 

@@ -10,14 +10,16 @@ run of the refresh step, then of the plain step) are recorded apart, as
 the same run as `ratio_to_adam`. Next to it, `flop_ratio_to_adam` is the
 ratio of the arithmetic XLA counts in the compiled steps (averaged over a
 refresh period; LAPACK calls are not counted): a time ratio near it means the
-step is bound by arithmetic, not overhead. `make bench` runs them all;
-`make test` skips the large problems.
+step is bound by arithmetic, not overhead. The `distributed-refresh` group
+times the inverse refresh on 2 devices with and without the blocks shared
+among them. `make bench` runs them all; `make test` skips the large problems.
 """
 
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax
@@ -199,3 +201,35 @@ def test_kfac_step_against_adam(benchmark, name):
         adam_gflop=adam_gflop, flop_ratio_to_adam=kfac_gflop / adam_gflop,
         first_step_s=first_step_s, second_step_s=second_step_s,
         adam_first_step_s=adam_compile_s, device=jax.devices()[0].device_kind)
+
+
+@pytest.mark.benchmark(group="distributed-refresh")
+@pytest.mark.parametrize("distributed", [False, True],
+                         ids=["replicated", "distributed"])
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_refresh_on_two_devices(benchmark, name, distributed):
+  """The optimizer's inverse refresh (approximate inverses, factored
+  damping) under `shard_map` on 2 devices: every device refreshing every
+  block, or each its share (`distributed_cache_updates`)."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices (tests/conftest.py asks XLA for 2 on CPU)")
+  if benchmark.disabled and name in LARGE:
+    pytest.skip("timing run on a large problem: use `make bench`")
+  loss_fn, params, batch = PROBLEMS[name]()
+  est = kfac.BlockDiagonalCurvature(loss_fn,
+                                    distributed_cache_updates=distributed)
+  state = est.init(jax.random.PRNGKey(0), (params, batch),
+                   approx_powers_to_cache=-1)
+  state = jax.jit(lambda s, args: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, BATCH, jax.random.PRNGKey(1), args))(state,
+                                                        (params, batch))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("devices",))
+  refresh = jax.jit(jax.shard_map(
+      lambda s: est.update_cache(s, 1e-3, None, -1, False,
+                                 pmap_axis_name="devices"),
+      mesh=mesh, in_specs=jax.P(), out_specs=jax.P()))
+  jax.block_until_ready(refresh(state))  # compile outside the rounds
+  benchmark.pedantic(lambda: jax.block_until_ready(refresh(state)),
+                     rounds=10, warmup_rounds=1)
+  benchmark.extra_info.update(device=jax.devices()[0].device_kind,
+                              devices=2)
