@@ -1,7 +1,9 @@
 """curvbench's curvature library; its public API follows KFAC-JAX's.
 
 `import estimators as kfac_jax` gives the same names: loss registration,
-layer tags, the tracer, curvature blocks and the curvature estimators.
+layer tags, the tracer, curvature blocks, the curvature estimators, the
+optimizer and the optax preconditioner, and KFAC-JAX's module names
+(`kfac_jax.curvature_blocks`, `kfac_jax.utils`, ...).
 """
 
 from estimators import blocks, curvature, estimation_modes, losses, patches
@@ -9,20 +11,20 @@ from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
     EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce, Conv2DTNT,
     DenseEKFAC, DenseTNT, NaiveTNT, RepeatedDenseKFACExpand,
-    RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull, Conv2DTwoKroneckerFactored,
-    DenseDiagonal, DenseFull, DenseTwoKroneckerFactored, Diagonal, Full,
-    NaiveDiagonal, NaiveFull, RepeatedDenseTwoKroneckerFactored,
-    ScaleAndShiftDiagonal, ScaleAndShiftFull, ScaledIdentity, Stacked,
-    TwoKroneckerFactored, get_default_eigen_decomposition_threshold,
-    get_max_parallel_elements, set_default_eigen_decomposition_threshold,
-    set_max_parallel_elements)
+    RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull,
+    Conv2DTwoKroneckerFactored, DenseDiagonal, DenseFull,
+    DenseTwoKroneckerFactored, Diagonal, ExplicitFull, Full, NaiveDiagonal,
+    NaiveFull,
+    RepeatedDenseTwoKroneckerFactored, ScaleAndShiftDiagonal,
+    ScaleAndShiftFull, ScaledIdentity, Stacked, TwoKroneckerFactored,
+    get_default_eigen_decomposition_threshold, get_max_parallel_elements,
+    set_default_eigen_decomposition_threshold, set_max_parallel_elements)
 from estimators.curvature import (
     BlockDiagonalCurvature, CurvatureEstimator, ExplicitExactCurvature,
     ImplicitExactCurvature, default_batch_size_extractor,
     get_default_tag_to_block_ctor, set_default_tag_to_block_ctor)
 from estimators.tridiagonal import BlockTridiagonalCurvature
 from estimators import graph_matcher
-from estimators import graph_matcher as tag_graph_matcher
 from estimators.estimation_modes import ESTIMATION_MODES
 from estimators.graph_matcher import (
     DEFAULT_GRAPH_PATTERNS, GraphMatcherComparator, GraphPattern,
@@ -45,32 +47,42 @@ from estimators.tags import (
 from estimators.tracer import (
     ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp,
     loss_tags_hvp, loss_tags_jvp, loss_tags_linearize, loss_tags_vjp)
+from estimators.optax_interface import (OptaxPreconditioner,
+                                        OptaxPreconditionState)
+# KFAC-JAX's module names, for `kfac_jax.curvature_blocks.X` and the like.
+from estimators import (curvature_blocks, curvature_estimator,
+                        layers_and_loss_tags, loss_functions, optax_interface,
+                        patches_second_moment, tag_graph_matcher)
 
 __all__ = [
-    # modules
+    # modules, then KFAC-JAX's names for them
     "blocks", "curvature", "estimation_modes", "graph_matcher", "losses",
-    "optimizer", "patches", "tag_graph_matcher", "tags", "tracer",
+    "optax_interface", "optimizer", "patches", "tags", "tracer",
     "tridiagonal", "utils",
+    "curvature_blocks", "curvature_estimator", "layers_and_loss_tags",
+    "loss_functions", "patches_second_moment", "tag_graph_matcher",
     # curvature blocks and their settings
     "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce", "Conv2DTNT",
     "DenseEKFAC", "DenseTNT", "EKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
-    "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored",
+    "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull",
+    "Conv2DTwoKroneckerFactored",
     "CurvatureBlock", "DenseDiagonal", "DenseFull",
-    "DenseTwoKroneckerFactored", "Diagonal", "Full", "NaiveDiagonal",
-    "NaiveFull", "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
+    "DenseTwoKroneckerFactored", "Diagonal", "ExplicitFull", "Full",
+    "NaiveDiagonal", "NaiveFull", "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull", "ScaledIdentity", "Stacked", "TwoKroneckerFactored",
     "get_default_eigen_decomposition_threshold", "get_max_parallel_elements",
     "set_default_eigen_decomposition_threshold", "set_max_parallel_elements",
     # curvature estimators
-    "BlockDiagonalCurvature", "BlockTridiagonalCurvature", "CurvatureEstimator", "ESTIMATION_MODES",
+    "BlockDiagonalCurvature", "BlockTridiagonalCurvature",
+    "CurvatureEstimator", "ESTIMATION_MODES",
     "ExplicitExactCurvature", "ImplicitExactCurvature",
     "default_batch_size_extractor", "get_default_tag_to_block_ctor",
     "set_default_tag_to_block_ctor",
     # automatic layer registration
     "DEFAULT_GRAPH_PATTERNS", "GraphMatcherComparator", "GraphPattern",
     "TaggedFunction", "auto_register_tags", "registration_report",
-    # optimizer
-    "Optimizer",
+    # optimizer and optax preconditioner
+    "Optimizer", "OptaxPreconditionState", "OptaxPreconditioner",
     # losses
     "CategoricalLogitsNegativeLogProbLoss", "DistributionNegativeLogProbLoss",
     "LossFunction", "MultiBernoulliNegativeLogProbLoss", "NegativeLogProbLoss",

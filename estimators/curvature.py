@@ -11,7 +11,7 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic
 
 import jax
 import jax.flatten_util
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import blocks as curvature_blocks
-from estimators import distributed, estimation_modes, tracer, utils
+from estimators import (distributed, estimation_modes, graph_matcher, tags,
+                        tracer, utils)
 from estimators.blocks.base import Numeric, ScalarOrSequence
 
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
@@ -27,6 +28,8 @@ CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
 Params = Any
 # The model function's positional arguments.
 FuncArgs = Sequence[Any]
+# The state type of an estimator, for `CurvatureEstimator[StateType]`.
+StateType = utils.StateType
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
     "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
@@ -80,6 +83,74 @@ def _as_tuple(powers) -> tuple:
   return tuple(powers)
 
 
+class _InPlaceMovingAverage(utils.WeightedMovingAverage):
+  """A moving average whose `update` also changes it in place, as blocks
+  written to the reference's guide expect; only ever a private copy."""
+
+  def update(self, value, ema_old, ema_new):
+    new = super().update(value, ema_old, ema_new)
+    object.__setattr__(self, "weight", new.weight)
+    object.__setattr__(self, "raw_value", new.raw_value)
+    return self
+
+
+def _with_averages(state, cls):
+  """`state` with every moving average rebuilt as a `cls`."""
+  is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
+  return jax.tree.map(lambda x: cls(x.weight, x.raw_value)
+                      if is_average(x) else x, state, is_leaf=is_average)
+
+
+def update_block_estimate(block: curvature_blocks.CurvatureBlock, state: Any,
+                          estimation_data: Mapping[str, tuple],
+                          ema_old: Numeric, ema_new: Numeric,
+                          batch_size: Numeric,
+                          pmap_axis_name: str | None = None) -> Any:
+  """`block.update_curvature_matrix_estimate`, fed as the block expects.
+
+  A block with `estimation_data_has_sample_axis` takes all samples at
+  once. Any other (a block written to the reference's guide) gets one
+  sample at a time, tangents shaped `(batch, ...)`, and may update its
+  moving averages in place. Curvature statistics are quadratic in the
+  tangents and a batch's estimate sums them over samples, so sample `s`
+  of `S` enters with its tangents times `sqrt(S)` and weight
+  `ema_new / S`, the old estimate with `ema_old` once.
+
+  Args:
+    block: the block.
+    state: its state.
+    estimation_data: its data from `blocks_estimation_data` (tangents with
+      a leading sample axis).
+    ema_old: the factor on the old estimate.
+    ema_new: the weight of this batch's estimate.
+    batch_size: the number of examples in the batch.
+    pmap_axis_name: as for `update_curvature_matrix_estimate`.
+
+  Returns:
+    The block's new state.
+  """
+  if block.estimation_data_has_sample_axis:
+    return block.update_curvature_matrix_estimate(
+        state, estimation_data, ema_old, ema_new, batch_size,
+        pmap_axis_name)
+  tangents = ("outputs_tangent", "params_tangent")
+  num = jax.tree.leaves([estimation_data[k] for k in tangents])[0].shape[0]
+
+  def one_sample(state, sample, ema_old):
+    data = dict(estimation_data)
+    for key in tangents:
+      data[key] = tuple(t[sample] * np.sqrt(num).astype(t.dtype)
+                        for t in estimation_data[key])
+    state = block.update_curvature_matrix_estimate(
+        _with_averages(state, _InPlaceMovingAverage), data, ema_old,
+        ema_new / num, batch_size, pmap_axis_name)
+    return _with_averages(state, utils.WeightedMovingAverage)
+
+  state = one_sample(state, 0, ema_old)
+  return jax.lax.fori_loop(1, num, lambda s, st: one_sample(st, s, 1.0),
+                           state)
+
+
 def _check_params_tree(expected, vector, what):
   got = jax.tree.structure(vector)
   if got != expected:
@@ -87,7 +158,7 @@ def _check_params_tree(expected, vector, what):
                      f"params: expected {expected}, got {got}.")
 
 
-class CurvatureEstimator(abc.ABC):
+class CurvatureEstimator(abc.ABC, Generic[StateType]):
   """What every estimator provides: estimate updates, products, eigenvalues.
 
   The state holds the estimate `C` of the curvature of `func`'s registered
@@ -123,8 +194,10 @@ class CurvatureEstimator(abc.ABC):
 
   @property
   def default_mat_type(self) -> str:
-    """The matrix the default mode estimates: "fisher" or "ggn"."""
-    return estimation_modes.matrix_type(self.default_estimation_mode)
+    """The kind of matrix the default mode estimates, as the reference
+    names it: "fisher" for every `fisher_*` mode (the empirical Fisher too),
+    "ggn" for the `ggn_*` modes."""
+    return self.default_estimation_mode.split("_")[0]
 
   @property
   @abc.abstractmethod
@@ -156,7 +229,8 @@ class CurvatureEstimator(abc.ABC):
       self, state: Any, ema_old: Numeric, ema_new: Numeric,
       batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
       pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None) -> Any:
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> Any:
     """Folds one batch's estimate into the moving average.
 
     The new estimate is `(ema_old * w * old + ema_new * batch) / (ema_old * w
@@ -174,6 +248,8 @@ class CurvatureEstimator(abc.ABC):
         this axis.
       estimation_mode: one of `estimators.ESTIMATION_MODES`; None uses
         `default_estimation_mode`.
+      identity_weight: accepted from callers of newer KFAC-JAX releases; the
+        estimates here do not depend on the damping.
 
     Returns:
       The state with the new estimate.
@@ -261,9 +337,11 @@ class CurvatureEstimator(abc.ABC):
       A `(dim,)` array.
     """
 
-  @abc.abstractmethod
   def to_dense_matrix(self, state: Any, use_cached: bool = False) -> jax.Array:
     """The (undamped) estimate as a dense matrix, for small models.
+
+    Not part of the reference's abstract interface, so estimators written to
+    it need not provide it.
 
     Args:
       state: the estimator state.
@@ -271,7 +349,34 @@ class CurvatureEstimator(abc.ABC):
 
     Returns:
       A `(dim, dim)` array, rows and columns in `ravel_pytree` order.
+
+    Raises:
+      NotImplementedError: unless the estimator provides it.
     """
+    raise NotImplementedError(
+        f"{type(self).__name__} does not provide to_dense_matrix.")
+
+  def sync(self, state: StateType, pmap_axis_name: str | None) -> StateType:
+    """The state with its statistics averaged across the devices of
+    `pmap_axis_name` (the cache is left as it is).
+
+    The estimators here already average every update's statistics over the
+    axis they are given, so this matters only for states that were updated
+    without one.
+
+    Args:
+      state: the estimator state.
+      pmap_axis_name: the mapped axis; None returns `state` unchanged.
+
+    Returns:
+      The synchronised state.
+    """
+    if pmap_axis_name is None:
+      return state
+    is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
+    return jax.tree.map(
+        lambda x: jax.lax.pmean(x, pmap_axis_name) if is_average(x) else x,
+        state, is_leaf=is_average)
 
   def _mode(self, estimation_mode):
     return estimation_modes.check_estimation_mode(
@@ -344,6 +449,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self._index_to_block_ctor = dict(index_to_block_ctor or {})
     self.distributed_multiplies = distributed_multiplies
     self.distributed_cache_updates = distributed_cache_updates
+    graph_matcher.check_patterns_to_skip(
+        auto_register_kwargs.get("patterns_to_skip", ()),
+        auto_register_kwargs.get("graph_patterns",
+                                 graph_matcher.DEFAULT_GRAPH_PATTERNS))
     if not auto_register_tags:
       auto_register_kwargs["auto_register_tags"] = False
     self._traced = tracer.traced_function(func, params_index,
@@ -406,6 +515,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       try:
         block = ctor(eqn.inner if stacked else eqn,
                      _block_name(paths, idx, eqn.primitive.name))
+        if not stacked:
+          block.set_parameter_positions(idx)
         blocks.append(curvature_blocks.Stacked(block, eqn.length)
                       if stacked else block)
       except (ValueError, TypeError, NotImplementedError) as e:
@@ -413,12 +524,22 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "
             f"{eqn.primitive.name} on params {idx}: {e}") from e
     self._jaxpr = jaxpr
-    self._blocks = tuple(blocks)
-    self._param_sizes = [int(np.prod(v.aval.shape, dtype=np.int64))
-                         for v in jaxpr.params_vars_flat]
+    self._set_structure(tuple(blocks), jaxpr.params_tree,
+                        [v.aval for v in jaxpr.params_vars_flat],
+                        jaxpr.layer_indices)
+
+  def _set_structure(self, blocks, params_tree, params_avals, layer_indices):
+    """Records the blocks and which parameters each covers."""
+    self._blocks = blocks
+    self._params_tree = params_tree
+    self._param_shapes = [tuple(a.shape) for a in params_avals]
+    self._params_dtype = jnp.result_type(*[a.dtype for a in params_avals])
+    self._layer_indices = tuple(tuple(idx) for idx in layer_indices)
+    self._param_sizes = [int(np.prod(shape, dtype=np.int64))
+                         for shape in self._param_shapes]
 
   def _require_finalized(self):
-    if self._jaxpr is None:
+    if self._blocks is None:
       raise RuntimeError("The estimator has not seen the model yet: call "
                          "init(rng, func_args, ...) first.")
 
@@ -454,28 +575,30 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   @property
   def num_params_variables(self) -> int:
     """The number of parameter arrays (leaves of the params pytree)."""
-    return len(self.jaxpr.params_vars_flat)
+    self._require_finalized()
+    return len(self._param_shapes)
 
   @property
   def params_structure_vector_of_indices(self) -> Params:
     """The params pytree with each leaf replaced by its flat index."""
-    return jax.tree.unflatten(self.jaxpr.params_tree,
+    return jax.tree.unflatten(self._params_tree,
                               list(range(self.num_params_variables)))
 
   @property
   def indices_to_block_map(
       self) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
     """Each block keyed by the flat indices of its parameters."""
-    return dict(zip(self.jaxpr.layer_indices, self._blocks))
+    self._require_finalized()
+    return dict(zip(self._layer_indices, self._blocks))
 
   @property
   def params_block_index(self) -> Params:
     """The params pytree with each leaf replaced by its block's index."""
     which = [None] * self.num_params_variables
-    for b, idx in enumerate(self.jaxpr.layer_indices):
+    for b, idx in enumerate(self._layer_indices):
       for i in idx:
         which[i] = b
-    return jax.tree.unflatten(self.jaxpr.params_tree, which)
+    return jax.tree.unflatten(self._params_tree, which)
 
   def params_vector_to_blocks_vectors(
       self, parameter_structured_vector: Params
@@ -491,11 +614,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     Raises:
       ValueError: if the pytree does not have the parameters' structure.
     """
-    _check_params_tree(self.jaxpr.params_tree, parameter_structured_vector,
+    self._require_finalized()
+    _check_params_tree(self._params_tree, parameter_structured_vector,
                        "vector")
     leaves = jax.tree.leaves(parameter_structured_vector)
-    return tuple(tuple(leaves[i] for i in idx)
-                 for idx in self.jaxpr.layer_indices)
+    return tuple(tuple(leaves[i] for i in idx) for idx in self._layer_indices)
 
   def blocks_vectors_to_params_vector(
       self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
@@ -508,10 +631,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       A pytree shaped like the parameters.
     """
     leaves = [None] * self.num_params_variables
-    for idx, vecs in zip(self.jaxpr.layer_indices, blocks_vectors):
+    for idx, vecs in zip(self._layer_indices, blocks_vectors):
       for i, v in zip(idx, vecs):
         leaves[i] = v
-    return jax.tree.unflatten(self.jaxpr.params_tree, leaves)
+    return jax.tree.unflatten(self._params_tree, leaves)
 
   def _per_block(self, value, what):
     if isinstance(value, (list, tuple)):
@@ -540,12 +663,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       self, state: _BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
       batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
       pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None) -> _BlockDiagonalState:
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> _BlockDiagonalState:
+    del identity_weight  # the estimates do not depend on the damping
     data = self.blocks_estimation_data(func_args, rng, estimation_mode)
     return self.State(tuple(
-        block.update_curvature_matrix_estimate(
-            block_state, block_data, ema_old, ema_new, batch_size,
-            pmap_axis_name)
+        update_block_estimate(block, block_state, block_data, ema_old,
+                              ema_new, batch_size, pmap_axis_name)
         for block, block_state, block_data in zip(
             self._blocks, state.blocks_states, data)))
 
@@ -722,13 +846,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     """
     self._require_finalized()
     offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
-    dtype = jnp.result_type(*[v.aval.dtype
-                              for v in self.jaxpr.params_vars_flat])
+    dtype = self._params_dtype
     matrix = jnp.zeros((self.dim, self.dim), dtype)
-    shapes = [v.aval.shape for v in self.jaxpr.params_vars_flat]
+    shapes = self._param_shapes
     weights = self._per_block(identity_weight, "identity_weight")
     for block, s, idx, w in zip(self._blocks, state.blocks_states,
-                                self.jaxpr.layer_indices, weights):
+                                self._layer_indices, weights):
       sizes = [self._param_sizes[i] for i in idx]
       split = np.cumsum(sizes)[:-1]
 
@@ -747,42 +870,29 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     return matrix
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _ExplicitState:
-  """State of an `ExplicitExactCurvature`.
+class ExplicitExactCurvature(BlockDiagonalCurvature):
+  """The whole curvature as one block over every parameter, estimated from
+  per-example gradients.
 
-  Attributes:
-    matrix: a WeightedMovingAverage of the `(dim, dim)` estimate.
-    factor: the latest batch's gradient rows `R`, `(rows, dim)`.
-    factor_is_exact: a boolean array, True when `matrix == Rᵀ R`.
-    cache: "pow_<p>" entries, `(dim, dim)`, and optionally "eigenvalues".
+  Each example's gradient rows for the estimation mode (one per sample) are
+  formed separately (a vmap over the batch, where the reference loops), so
+  with `fisher_exact` or `ggn_exact` the estimate is the exact matrix, cross-
+  layer terms included. By default the block is an `ExplicitFull` (a dense
+  `(dim, dim)` matrix, memory `dim²`, which keeps the latest batch's rows for
+  a fast spectrum); `layer_tag_to_block_ctor={"generic_tag": ...}` or
+  `index_to_block_ctor` with all parameter indices picks another block for
+  the rows (e.g. `NaiveDiagonal`: the exact diagonal). The state is a
+  `BlockDiagonalCurvature.State` with that one block's state, and the
+  block-diagonal introspection (`blocks`, `block_dims`, ...) describes it.
   """
-  matrix: utils.WeightedMovingAverage
-  factor: jax.Array  # rows r with matrix == r.T @ r when factor_is_exact
-  factor_is_exact: jax.Array
-  cache: dict
-
-
-class ExplicitExactCurvature(CurvatureEstimator):
-  """The whole curvature as one dense (dim, dim) matrix.
-
-  The estimate is formed from per-example gradients of the chosen mode: with
-  rows R (one per example and sample, scaled by 1/sqrt(batch)) it is `RᵀR`,
-  one symmetric product. The rows of the latest batch are kept, so when the
-  estimate is that batch alone (the usual exact-spectrum case) its non-zero
-  eigenvalues come from the small Gram matrix `R Rᵀ`.
-
-  Exact and approximate powers are the same here; memory grows as `dim²`.
-  """
-
-  State = _ExplicitState
 
   def __init__(self, func: Callable, params_index: int = 0,
                batch_index: int = 1,
                default_estimation_mode: str = "fisher_exact",
-               layer_tag_to_block_ctor: Any = None,
-               index_to_block_ctor: Any = None,
+               layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor]
+               | None = None,
+               index_to_block_ctor: Mapping[tuple[int, ...],
+                                            CurvatureBlockCtor] | None = None,
                auto_register_tags: bool = True, **auto_register_kwargs):
     """Prepares the per-example tracing of `func`.
 
@@ -790,107 +900,84 @@ class ExplicitExactCurvature(CurvatureEstimator):
       func: the model function, with at least one registered loss.
       params_index: which of `func`'s positional arguments are the
         parameters.
-      batch_index: which of them is the batch, looped over example by
-        example.
+      batch_index: which of them is the batch, whose leading axis is split
+        into examples.
       default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
-      layer_tag_to_block_ctor: ignored (there is one dense block).
-      index_to_block_ctor: ignored.
-      auto_register_tags: accepted for compatibility; layer tags play no
-        part in the estimate.
-      **auto_register_kwargs: accepted for compatibility and ignored.
+      layer_tag_to_block_ctor: the block of all parameters under the key
+        "generic_tag" (default `ExplicitFull`).
+      index_to_block_ctor: the same, keyed by all parameters' flat indices.
+      auto_register_tags: whether the graph matcher tags the model's layers
+        when it is traced (to check it; the estimate does not use them).
+      **auto_register_kwargs: passed to the graph matcher.
 
     Raises:
       ValueError: for an unknown estimation mode.
     """
-    super().__init__(func, params_index, default_estimation_mode)
-    del layer_tag_to_block_ctor, index_to_block_ctor  # one dense block
+    super().__init__(func, params_index, default_estimation_mode,
+                     layer_tag_to_block_ctor, index_to_block_ctor,
+                     auto_register_tags, **auto_register_kwargs)
     self._batch_index = batch_index
     self._loss_vjp = tracer.loss_tags_vjp(func, params_index)
-    self._auto_register_tags = auto_register_tags
-    self._params_tree = None
-    self._dim = None
 
   @property
   def batch_index(self) -> int:
     """Which of `func`'s positional arguments is the batch."""
     return self._batch_index
 
-  @property
-  def dim(self) -> int:
-    """The number of parameter elements (known after `init`)."""
-    if self._dim is None:
-      raise RuntimeError("Call init(rng, func_args, ...) first.")
-    return self._dim
+  def layer_tag_to_block_ctor(self, layer_tag_eq: Any) -> CurvatureBlockCtor:
+    """The block class of all parameters: the user's for "generic_tag", else
+    `ExplicitFull`."""
+    name = layer_tag_eq.primitive.name
+    return (self._layer_tag_to_block_ctor.get(name)
+            or curvature_blocks.ExplicitFull)
 
   def _finalize(self, func_args):
-    if self._params_tree is None:
-      if not 0 <= self._batch_index < len(func_args):
-        raise ValueError(f"batch_index={self._batch_index} but the function "
-                         f"takes {len(func_args)} arguments.")
-      params = func_args[self.params_index]
-      tracer.ProcessedJaxpr.make_from_func(
-          self.func, func_args, self.params_index,
-          auto_register_tags=True)  # validates the loss registration
-      self._params_tree = jax.tree.structure(params)
-      self._dim = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-    _check_params_tree(self._params_tree, func_args[self.params_index],
-                       "params argument")
-
-  def params_vector_to_blocks_vectors(
-      self, parameter_structured_vector: Params
-  ) -> tuple[tuple[jax.Array, ...]]:
-    """The parameters' leaves as the vector of the single block.
-
-    Args:
-      parameter_structured_vector: a pytree shaped like the parameters.
-
-    Returns:
-      A one-element tuple holding the tuple of leaves.
-    """
-    _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
-    return (tuple(jax.tree.leaves(parameter_structured_vector)),)
-
-  def blocks_vectors_to_params_vector(
-      self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
-    """Inverts `params_vector_to_blocks_vectors`.
-
-    Args:
-      blocks_vectors: a one-element sequence holding the leaves.
-
-    Returns:
-      A pytree shaped like the parameters.
-    """
-    return jax.tree.unflatten(self._params_tree, list(blocks_vectors[0]))
+    func_args = tuple(func_args)
+    if self._blocks is not None:
+      _check_params_tree(self._params_tree, func_args[self.params_index],
+                         "params argument")
+      return
+    if not 0 <= self._batch_index < len(func_args):
+      raise ValueError(f"batch_index={self._batch_index} but the function "
+                       f"takes {len(func_args)} arguments.")
+    jaxpr = self._traced.processed(func_args)  # checks the registration
+    leaves = jax.tree.leaves(func_args[self.params_index])
+    # One generic tag over every parameter: the equation the block reads.
+    tag_eqn = jax.make_jaxpr(lambda *p: tags.register_generic(*p))(
+        *leaves).eqns[0]
+    indices = tuple(range(len(leaves)))
+    ctor = (self.index_to_block_ctor(indices)
+            or self.layer_tag_to_block_ctor(tag_eqn))
+    try:
+      block = ctor(tag_eqn, "all parameters [generic_tag]")
+    except (ValueError, TypeError, NotImplementedError) as e:
+      raise ValueError(f"Cannot build a {getattr(ctor, '__name__', ctor)} "
+                       f"block over all parameters: {e}") from e
+    self._jaxpr = jaxpr
+    self._set_structure((block,), jaxpr.params_tree,
+                        [v.aval for v in jaxpr.params_vars_flat], [indices])
 
   def init(self, rng: jax.Array, func_args: FuncArgs,
            exact_powers_to_cache: ScalarOrSequence = None,
            approx_powers_to_cache: ScalarOrSequence = None,
-           cache_eigenvalues: bool = False) -> _ExplicitState:
-    del rng
-    self._finalize(tuple(func_args))
-    params = func_args[self.params_index]
-    dtype = jnp.result_type(*jax.tree.leaves(params))
-    n_rows = self._rows_shape(tuple(func_args))[0]
-    powers = set(_as_tuple(exact_powers_to_cache)) | set(
-        _as_tuple(approx_powers_to_cache))
-    cache = {f"pow_{p}": jnp.zeros((self.dim, self.dim), dtype)
-             for p in sorted(powers)}
-    if cache_eigenvalues:
-      cache["eigenvalues"] = jnp.zeros((self.dim,), dtype)
-    return self.State(
-        matrix=utils.WeightedMovingAverage.zeros((self.dim, self.dim), dtype),
-        factor=jnp.zeros((n_rows, self.dim), dtype),
-        factor_is_exact=jnp.array(False), cache=cache)
-
-  def _rows_shape(self, func_args):
-    shapes = jax.eval_shape(
-        lambda: self._per_example_rows(jax.random.PRNGKey(0), func_args,
-                                       self.default_estimation_mode))
-    return shapes.shape
+           cache_eigenvalues: bool = False) -> _BlockDiagonalState:
+    """As `BlockDiagonalCurvature.init`; an `ExplicitFull` block gets room
+    for the rows of a batch like `func_args`' in the default mode."""
+    state = super().init(rng, func_args, exact_powers_to_cache,
+                         approx_powers_to_cache, cache_eigenvalues)
+    block = self._blocks[0]
+    if not isinstance(block, curvature_blocks.ExplicitFull):
+      return state
+    rows = jax.eval_shape(lambda: self._per_example_rows(
+        jax.random.PRNGKey(0), tuple(func_args),
+        self.default_estimation_mode)).shape[0]
+    return self.State((block.with_factor_rows(state.blocks_states[0], rows),))
 
   def _per_example_rows(self, rng, func_args, mode):
+    """Every example's gradient rows for `mode`, `(examples * samples, dim)`
+    in `ravel_pytree` order."""
     batch = func_args[self._batch_index]
-    batch_size = default_batch_size_extractor(batch)
+    num = default_batch_size_extractor(batch)
 
     def one_example(example, key):
       args = list(func_args)
@@ -900,143 +987,48 @@ class ExplicitExactCurvature(CurvatureEstimator):
       grads = jax.vmap(vjp)(tangents)
       return jax.vmap(lambda g: jax.flatten_util.ravel_pytree(g)[0])(grads)
 
-    keys = jax.random.split(rng, batch_size)
-    rows = jax.vmap(one_example)(batch, keys)
-    return rows.reshape((-1, rows.shape[-1])) / jnp.sqrt(batch_size)
+    rows = jax.vmap(one_example)(batch, jax.random.split(rng, num))
+    return rows.reshape((-1, rows.shape[-1]))
 
   def update_curvature_matrix_estimate(
-      self, state: _ExplicitState, ema_old: Numeric, ema_new: Numeric,
+      self, state: _BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
       batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
       pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None) -> _ExplicitState:
-    """As `CurvatureEstimator`'s; `batch_size` is read from the batch."""
-    del batch_size  # the batch argument's leading axis is used
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> _BlockDiagonalState:
+    """As `CurvatureEstimator`'s: the block sees every example's rows as
+    samples, averaged over `batch_size`."""
+    del identity_weight  # the estimates do not depend on the damping
     func_args = tuple(func_args)
     self._finalize(func_args)
     rows = self._per_example_rows(rng, func_args, self._mode(estimation_mode))
-    # The rows' count depends on the mode (one per example and sample), so the
-    # stored factor takes the shape of the latest update.
-    if pmap_axis_name is not None:
-      n_dev = jax.lax.psum(1, pmap_axis_name)
-      all_rows = jax.lax.all_gather(rows, pmap_axis_name, tiled=True)
-      matrix = all_rows.T @ all_rows / n_dev
-      rows = rows * 0  # one device's rows no longer factor the average
-      exact = jnp.array(False)
-    else:
-      matrix = _symmetric_gram(rows)
-      exact = (jnp.asarray(ema_old) == 0) | (state.matrix.weight == 0)
-    return dataclasses.replace(
-        state, matrix=state.matrix.update(matrix, ema_old, ema_new),
-        factor=rows, factor_is_exact=exact)
+    split = np.cumsum(self._param_sizes)[:-1]
+    data = dict(params_tangent=tuple(
+        part.reshape((rows.shape[0],) + shape) for part, shape in
+        zip(jnp.split(rows, split, axis=1), self._param_shapes)))
+    return self.State((update_block_estimate(
+        self._blocks[0], state.blocks_states[0], data, ema_old, ema_new,
+        batch_size, pmap_axis_name),))
 
-  def _matpower(self, matrix, identity_weight, power):
-    eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-    if power == 1:
-      return matrix + identity_weight * eye
-    return utils.psd_matrix_power(matrix + identity_weight * eye, power)
-
-  def update_cache(self, state: _ExplicitState, identity_weight: Numeric,
-                   exact_powers: ScalarOrSequence = None,
-                   approx_powers: ScalarOrSequence = None,
-                   eigenvalues: bool = False,
-                   pmap_axis_name: str | None = None) -> _ExplicitState:
-    del pmap_axis_name
-    cache = dict(state.cache)
-    for p in set(_as_tuple(exact_powers)) | set(_as_tuple(approx_powers)):
-      if f"pow_{p}" not in cache:
-        raise ValueError(f"Power {p} was not requested at init; pass it in "
-                         "exact_powers_to_cache.")
-      cache[f"pow_{p}"] = self._matpower(state.matrix.value, identity_weight, p)
-    if eigenvalues:
-      if "eigenvalues" not in cache:
-        raise ValueError("Eigenvalues were not requested at init; pass "
-                         "cache_eigenvalues=True.")
-      cache["eigenvalues"] = self.eigenvalues(state, use_cached=False)
-    return dataclasses.replace(state, cache=cache)
-
-  def multiply_matpower(self, state: _ExplicitState,
-                        parameter_structured_vector: Params,
-                        identity_weight: Numeric, power: float,
-                        exact_power: bool, use_cached: bool,
-                        pmap_axis_name: str | None = None) -> Params:
-    del exact_power, pmap_axis_name
-    _check_params_tree(self._params_tree, parameter_structured_vector, "vector")
-    v, unravel = jax.flatten_util.ravel_pytree(parameter_structured_vector)
-    if use_cached:
-      if f"pow_{power}" not in state.cache:
-        raise ValueError(f"Power {power} is not cached; request it at init.")
-      return unravel(state.cache[f"pow_{power}"] @ v)
-    matrix = state.matrix.value
-    if power == 1:
-      return unravel(matrix @ v + identity_weight * v)
-    if power == -1:
-      eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-      return unravel(jnp.linalg.solve(matrix + identity_weight * eye, v))
-    return unravel(self._matpower(matrix, identity_weight, power) @ v)
-
-  def eigenvalues(self, state: _ExplicitState,
+  def eigenvalues(self, state: _BlockDiagonalState,
                   use_cached: bool = False) -> jax.Array:
-    """Eigenvalues in ascending order.
+    """The block's eigenvalues (ascending for `ExplicitFull`; see its Gram
+    route, which needs a concrete state)."""
+    return self.block_eigenvalues(state, use_cached=use_cached)[0]
 
-    When the estimate is the latest batch alone (`factor_is_exact`), the
-    non-zero eigenvalues are those of the small Gram matrix of the gradient
-    rows. Call this outside `jit` to get that route: with a traced state the
-    choice needs a `lax.cond`, which on CPU copies the dense matrix.
-    """
-    if use_cached:
-      if "eigenvalues" not in state.cache:
-        raise ValueError("Eigenvalues are not cached; pass "
-                         "cache_eigenvalues=True to init.")
-      return state.cache["eigenvalues"]
-    n_rows, dim = state.factor.shape
-    if n_rows >= dim:
-      return _dense_eigenvalues(state.matrix.value)
-    try:
-      use_gram = bool(state.factor_is_exact)
-    except jax.errors.ConcretizationTypeError:
-      return jax.lax.cond(state.factor_is_exact, _gram_eigenvalues,
-                          lambda f, m: _dense_eigenvalues(m), state.factor,
-                          state.matrix.value)
-    if use_gram:
-      return _gram_eigenvalues(state.factor, None)
-    return _dense_eigenvalues(state.matrix.value)
-
-  def to_dense_matrix(self, state: _ExplicitState,
-                      use_cached: bool = False) -> jax.Array:
-    """The estimate itself; `use_cached` makes no difference."""
-    del use_cached
-    return state.matrix.value
-
-
-def _symmetric_gram(rows, tiles: int = 8):
-  """rowsᵀ rows, computing only the tiles on and above the diagonal.
-
-  The product is symmetric, so the tiles below the diagonal are transposes:
-  this halves the arithmetic of the dominant step of the exact estimate.
-  """
-  dim = rows.shape[1]
-  if dim < 512:
-    return rows.T @ rows
-  bounds = np.linspace(0, dim, tiles + 1).astype(int)
-  cols = [rows[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-  upper = {(i, j): cols[i].T @ cols[j]
-           for i in range(tiles) for j in range(i, tiles)}
-  return jnp.block([[upper[i, j] if j >= i else upper[j, i].T
-                     for j in range(tiles)] for i in range(tiles)])
-
-
-@jax.jit
-def _dense_eigenvalues(matrix):
-  return jnp.linalg.eigvalsh(matrix)
-
-
-@jax.jit
-def _gram_eigenvalues(rows, unused_matrix=None):
-  """Eigenvalues of rowsᵀ rows from the smaller rows rowsᵀ (zeros padded)."""
-  del unused_matrix
-  n_rows, dim = rows.shape
-  small = jnp.maximum(jnp.linalg.eigvalsh(rows @ rows.T), 0)
-  return jnp.concatenate([jnp.zeros(dim - n_rows, small.dtype), small])
+  def to_dense_matrix(self, state: _BlockDiagonalState,
+                      use_cached: bool = False,
+                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
+                      exact_power: bool = True, power: float = 1) -> jax.Array:
+    """As `BlockDiagonalCurvature.to_dense_matrix`; the estimate itself,
+    without products, for an `ExplicitFull` block and the defaults."""
+    block_state = state.blocks_states[0]
+    if (isinstance(self._blocks[0], curvature_blocks.ExplicitFull)
+        and not use_cached and power == 1
+        and isinstance(identity_weight, (int, float)) and identity_weight == 0):
+      return block_state.matrix.value
+    return super().to_dense_matrix(state, use_cached, identity_weight,
+                                   exact_power, power)
 
 
 class ImplicitExactCurvature:

@@ -247,7 +247,10 @@ class GraphPattern:
     compute_func: `compute_func(inputs, params) -> output`, the layer alone.
     parameters_extractor_func: maps the matched model equations (in pattern
       order) to the tag's static keyword arguments.
-    example_args: `[inputs, params]` to trace `compute_func` on (any shapes).
+    example_args: `[inputs, params]` to trace `compute_func` on (any
+      shapes, but for a scale-and-shift tag: where the example broadcasts a
+      parameter, i.e. gives it another shape than the output, the pattern
+      matches only layers that broadcast one, and vice versa).
     in_values_preprocessor: optional map from the matched input values to the
       tag's inputs (e.g. centred input and inverse std -> normalized input).
     precedence: higher precedence is tried first; ties keep the given order.
@@ -303,7 +306,14 @@ class GraphPattern:
               if k not in used]
     if unused:
       raise fail(f"compute_func does not use its {', '.join(unused)}.")
+    g.broadcasts = _broadcasts(_shape(key), [_shape(k) for k in g.invars[n:]])
     return g
+
+
+def _broadcasts(out_shape, param_shapes) -> bool:
+  """Whether an elementwise layer broadcasts some parameter: one whose shape
+  is not the output's (`_broadcast_1` patterns) or none (`_broadcast_0`)."""
+  return any(tuple(p) != tuple(out_shape) for p in param_shapes)
 
 
 # The layer computations of the default patterns; custom patterns may reuse
@@ -389,6 +399,13 @@ def _conv2d_extractor(eqns):
 
 
 def _default_patterns():
+  """KFAC-JAX's documented patterns, in its order, plus a scale-only Haiku
+  normalization (Haiku's norms with `create_offset=False`).
+
+  `_broadcast_1` patterns match layers that broadcast a parameter against
+  the input (the usual case: a batch axis in front), `_broadcast_0` ones
+  whose parameters all have the output's shape.
+  """
   z = np.zeros
   x, s, norm_in = z((2, 5)), z((5,)), [z((2, 5)), z((2, 1))]
   img, kernel, kb = z((2, 6, 6, 3)), z((3, 3, 3, 4)), z((4,))
@@ -396,20 +413,22 @@ def _default_patterns():
   def flags(has_scale, has_shift):
     return lambda eqns: dict(has_scale=has_scale, has_shift=has_shift)
 
-  def ss(name, has_scale, has_shift):
+  def ss(name, has_scale, has_shift, broadcast):
+    inputs = x if broadcast else s
     return GraphPattern(
-        name, tags.scale_and_shift,
+        f"{name}_broadcast_{int(broadcast)}", tags.scale_and_shift,
         functools.partial(scale_and_shift_layer, has_scale=has_scale,
                           has_shift=has_shift),
         flags(has_scale=has_scale, has_shift=has_shift),
-        [x, [s] * (has_scale + has_shift)])
+        [inputs, [s] * (has_scale + has_shift)])
 
-  def norm(name, has_shift):
+  def norm(name, has_shift, broadcast):
+    inputs = norm_in if broadcast else [s, s]
     return GraphPattern(
-        name, tags.scale_and_shift,
+        f"{name}_broadcast_{int(broadcast)}", tags.scale_and_shift,
         functools.partial(normalization_layer, has_shift=has_shift),
         flags(has_scale=True, has_shift=has_shift),
-        [norm_in, [s] * (1 + has_shift)],
+        [inputs, [s] * (1 + has_shift)],
         in_values_preprocessor=lambda ins: [ins[0] * ins[1]])  # normalized
 
   dense = functools.partial(GraphPattern, tag_primitive=tags.dense,
@@ -422,11 +441,12 @@ def _default_patterns():
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
           conv("conv2d_no_bias", example_args=[img, [kernel]]),
-          norm("normalization_haiku", has_shift=True),
-          norm("normalization_haiku_scale_only", has_shift=False),
-          ss("scale_and_shift", has_scale=True, has_shift=True),
-          ss("scale_only", has_scale=True, has_shift=False),
-          ss("shift_only", has_scale=False, has_shift=True))
+          *(ss("scale_and_shift", True, True, b) for b in (True, False)),
+          *(norm("normalization_haiku", True, b) for b in (True, False)),
+          *(norm("normalization_haiku_scale_only", False, b)
+            for b in (True, False)),
+          *(ss("scale_only", True, False, b) for b in (True, False)),
+          *(ss("shift_only", False, True, b) for b in (True, False)))
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
@@ -662,9 +682,7 @@ class _Registration:
     self._claim_manual(manual,
                        allow_multiple=allow_multiple_registrations)
     if not register_only_generic:
-      patterns = list(graph_patterns) + [
-          p for p in DEFAULT_GRAPH_PATTERNS if p not in graph_patterns]
-      patterns = [p for p in patterns if p.name not in patterns_to_skip]
+      patterns = [p for p in graph_patterns if p.name not in patterns_to_skip]
       free = self.relevant - set(manual)
       for pattern in sorted(patterns, key=lambda p: -p.precedence):
         self._find(pattern, graph_matcher_rules, free,
@@ -755,7 +773,8 @@ class _Registration:
     for pos, chain in st.chains:
       uses[pos] = _param_axes(g, chain, ps[pos])
     tag = _check_tag(pattern.tag_primitive, _shape(out_key), xs, ps, uses, meta)
-    if tag is None:
+    if tag is None or (tag is tags.scale_and_shift and _broadcasts(
+        _shape(out_key), ps) != p.broadcasts):
       return None
     return _Match(pattern, tag, out_key, in_keys, leaves, nodes, meta)
 
@@ -903,6 +922,30 @@ class TaggedFunction:
     return [dict(r) for r in self._registration(func_args).report]
 
 
+def check_patterns_to_skip(
+    patterns_to_skip: Sequence[str],
+    graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS) -> None:
+  """Checks that every name to skip is the name of a pattern in use.
+
+  Args:
+    patterns_to_skip: the names of patterns not to look for.
+    graph_patterns: the patterns in use.
+
+  Raises:
+    ValueError: naming the unknown names and listing the valid ones.
+  """
+  if isinstance(patterns_to_skip, str):
+    raise ValueError("patterns_to_skip must be a sequence of pattern names, "
+                     f"got the string {patterns_to_skip!r}; write "
+                     f"({patterns_to_skip!r},).")
+  valid = [p.name for p in graph_patterns]
+  unknown = [n for n in patterns_to_skip if n not in valid]
+  if unknown:
+    raise ValueError(
+        f"patterns_to_skip names unknown graph patterns {unknown}; the "
+        f"patterns in use are {sorted(set(valid))}.")
+
+
 def auto_register_tags(
     func: Callable,
     func_args: Sequence[Any],
@@ -930,15 +973,20 @@ def auto_register_tags(
       a parameter shared by several layers goes to the first one matched
       instead of getting a generic tag.
     graph_matcher_rules: decides which equations are equivalent.
-    graph_patterns: patterns to look for, then the `DEFAULT_GRAPH_PATTERNS`
-      not among them (new patterns extend the defaults; `patterns_to_skip`
-      removes some). Higher `precedence` first, then the given order.
+    graph_patterns: all the patterns to look for (to add one, pass it
+      with `DEFAULT_GRAPH_PATTERNS`). Higher `precedence` first, then the
+      given order.
 
   Returns:
     A `TaggedFunction` with the signature of `func`. Its registrations are
     logged at INFO ("Graph parameter registrations:") and returned by
     `TaggedFunction.registrations(*func_args)`.
+
+  Raises:
+    ValueError: if `patterns_to_skip` names a pattern not in
+      `graph_patterns`.
   """
+  check_patterns_to_skip(patterns_to_skip, graph_patterns)
   tagged = TaggedFunction(
       func, params_index, register_only_generic=register_only_generic,
       compute_only_loss_tags=compute_only_loss_tags,

@@ -536,7 +536,8 @@ class Optimizer:
     """
     batch = self._batch_process_func(batch)
     state = self._compiled_init(params, rng, batch, func_state)
-    self._finalized = True
+    if not self._finalized:  # a second init is allowed; the flag is set once
+      self._finalized = True
     return state
 
   def _init(self, params, rng, batch, func_state):
@@ -557,7 +558,11 @@ class Optimizer:
     estimator_state = self._estimator.update_curvature_matrix_estimate(
         state.estimator_state, 1.0, 1.0, self._batch_size(batch), rng,
         func_args, self._pmap_axis_name)
-    return dataclasses.replace(state, estimator_state=estimator_state)
+    if self._has_state:  # the function's own state moves on, as in a step
+      out, _ = self._value_and_grad_func(*func_args)
+      func_state = self._split_outputs(out)[1]
+    return dataclasses.replace(state, estimator_state=estimator_state), \
+        func_state
 
   def burnin(self, num_steps: int, params: Params, state: OptimizerState,
              rng: jax.Array, data_iterator: Iterator[Batch],
@@ -572,18 +577,23 @@ class Optimizer:
       num_steps: how many batches to take from `data_iterator`.
       params: the model parameters.
       state: the optimizer state.
-      rng: a PRNG key, split for every batch (unless `multi_device`).
+      rng: a PRNG key (one per device under `multi_device`), split for
+        every batch.
       data_iterator: yields the batches.
-      func_state: the loss function's state, passed through unchanged.
+      func_state: the loss function's state; it advances with every batch,
+        as in a step.
 
     Returns:
       The new state and `func_state`.
     """
+    split = jax.vmap(jax.random.split) if self._multi_device else (
+        jax.random.split)
     for _ in range(num_steps):
-      rng, key = (jax.random.split(rng) if not self._multi_device
-                  else (rng, rng))
+      keys = split(rng)
+      rng, key = (keys[:, 0], keys[:, 1]) if self._multi_device else keys
       batch = self._batch_process_func(next(data_iterator))
-      state = self._compiled_burnin(params, state, key, batch, func_state)
+      state, func_state = self._compiled_burnin(params, state, key, batch,
+                                                func_state)
     return state, func_state
 
   def step(self, params: Params, state: OptimizerState, rng: jax.Array,

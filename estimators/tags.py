@@ -398,17 +398,17 @@ def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
       batch_group_count=int(batch_group_count), **kwargs))
 
 
-def register_scale_and_shift(y: jax.Array, inputs: jax.Array,
+def register_scale_and_shift(y: jax.Array, x: jax.Array,
                              scale: jax.Array | None = None,
                              shift: jax.Array | None = None,
                              **kwargs: Any) -> jax.Array:
-  """Tags `y = inputs * scale + shift`, where either term may be absent.
+  """Tags `y = x * scale + shift`, where either term may be absent.
 
   Args:
     y: the layer's output.
-    inputs: its input; the leading axis is the batch.
-    scale: broadcasts against the trailing axes of `inputs`, or None.
-    shift: broadcasts against the trailing axes of `inputs`, or None.
+    x: its input; the leading axis is the batch.
+    scale: broadcasts against the trailing axes of `x`, or None.
+    shift: broadcasts against the trailing axes of `x`, or None.
     **kwargs: hashable constants kept on the tag.
 
   Returns:
@@ -420,12 +420,12 @@ def register_scale_and_shift(y: jax.Array, inputs: jax.Array,
   if scale is None and shift is None:
     raise ValueError("register_scale_and_shift needs a scale, a shift or both.")
   for name, p in (("scale", scale), ("shift", shift)):
-    if p is not None and jnp.ndim(p) >= jnp.ndim(inputs) and jnp.ndim(p) > 0 \
-        and np.prod(jnp.shape(p)[:jnp.ndim(p) - jnp.ndim(inputs) + 1]) != 1:
+    if p is not None and jnp.ndim(p) >= jnp.ndim(x) and jnp.ndim(p) > 0 \
+        and np.prod(jnp.shape(p)[:jnp.ndim(p) - jnp.ndim(x) + 1]) != 1:
       raise ValueError(f"register_scale_and_shift: the {name} of shape "
-                       f"{jnp.shape(p)} would vary over the batch axis of inputs "
-                       f"{jnp.shape(inputs)}.")
+                       f"{jnp.shape(p)} would vary over the batch axis of x "
+                       f"{jnp.shape(x)}.")
   params = tuple(p for p in (scale, shift) if p is not None)
   return _single(scale_and_shift.bind(
-      y, inputs, *params, has_scale=scale is not None,
+      y, x, *params, has_scale=scale is not None,
       has_shift=shift is not None, **kwargs))

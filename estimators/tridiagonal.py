@@ -215,11 +215,13 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       self, state: "State", ema_old: Numeric, ema_new: Numeric,
       batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
       pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None) -> "State":
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> "State":
+    del identity_weight  # the estimates do not depend on the damping
     data = self.blocks_estimation_data(func_args, rng, estimation_mode)
     blocks_states = tuple(
-        b.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size,
-                                           pmap_axis_name)
+        curvature.update_block_estimate(b, s, d, ema_old, ema_new,
+                                        batch_size, pmap_axis_name)
         for b, s, d in zip(self.blocks, state.blocks_states, data))
     links = []
     for (i, j), link in zip(self.links, state.links):

@@ -93,7 +93,7 @@ def test_explicit_eigenvalues_fall_back_to_dense_after_averaging():
   state = est.update_curvature_matrix_estimate(
       state, 0.5, 0.5, 2, jax.random.PRNGKey(0),
       (problem.params, problem.batch))
-  assert not bool(state.factor_is_exact)
+  assert not bool(state.blocks_states[0].factor_is_exact)
   np.testing.assert_allclose(est.eigenvalues(state),
                              np.linalg.eigvalsh(problem.ggn()), atol=1e-10)
 

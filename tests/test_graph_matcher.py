@@ -498,6 +498,47 @@ def test_register_only_generic_and_patterns_to_skip():
   assert layers(skipped) == {
       ("dense_tag", "w1"), ("dense_tag", "w2"), ("dense_tag", "w3"),
       ("scale_and_shift_tag", "b1"), ("scale_and_shift_tag", "b2")}
+  with pytest.raises(ValueError, match=r"unknown graph patterns \['dense'\]"
+                     r".*'dense_no_bias', 'dense_with_bias'"):
+    report_of(_loss(_plain_mlp), args, patterns_to_skip=("dense",))
+
+
+def test_default_patterns_have_the_documented_names():
+  documented = [
+      "dense_with_bias", "dense_no_bias", "conv2d_with_bias", "conv2d_no_bias",
+      "scale_and_shift_broadcast_1", "scale_and_shift_broadcast_0",
+      "normalization_haiku_broadcast_1", "normalization_haiku_broadcast_0",
+      "scale_only_broadcast_1", "scale_only_broadcast_0",
+      "shift_only_broadcast_1", "shift_only_broadcast_0"]
+  names = [p.name for p in gm.DEFAULT_GRAPH_PATTERNS]
+  assert [n for n in names if n in documented] == documented
+  # The one addition: Haiku norms without an offset (e.g. RMSNorm).
+  assert set(names) - set(documented) == {
+      "normalization_haiku_scale_only_broadcast_1",
+      "normalization_haiku_scale_only_broadcast_0"}
+
+
+def test_broadcast_0_and_1_patterns_split_scale_and_shift_layers():
+  p = _init({"w": (3, 4), "s": (4,), "t": (4,), "v": (4, 3)})
+  one = _init({"w": (3, 4), "s": (1, 4), "t": (1, 4), "v": (4, 3)})
+
+  def forward(p, x):
+    return jnp.tanh(jnp.tanh(x @ p["w"]) * p["s"] + p["t"]) @ p["v"]
+
+  def sources(params, batch, **kwargs):
+    report = report_of(_loss(forward), (params, _batch((batch, 3))), **kwargs)
+    return {_short(r["path"]): r["source"] for r in report}
+
+  # Parameters broadcast over the batch, or (batch of one) used at the
+  # output's own shape.
+  assert sources(p, 5)["s"] == "scale_and_shift_broadcast_1"
+  assert sources(one, 1)["s"] == "scale_and_shift_broadcast_0"
+  assert sources(one, 1, patterns_to_skip=("scale_and_shift_broadcast_1",)
+                 )["t"] == "scale_and_shift_broadcast_0"
+  # Without the broadcast pattern, the layer splits into a scale and a shift.
+  split = sources(p, 5, patterns_to_skip=("scale_and_shift_broadcast_1",))
+  assert (split["s"], split["t"]) == ("scale_only_broadcast_1",
+                                      "shift_only_broadcast_1")
 
 
 def test_compute_only_loss_tags_skips_work_the_loss_does_not_need():
@@ -534,12 +575,17 @@ def test_custom_pattern_from_the_internals_guide():
   p = _init({"w1": (5, 4), "b1": (4,), "w2": (4, 4), "b2": (4,),
              "w3": (4, 3)})
   args = (p, _batch((6, 5)))
-  for patterns in [(dense_with_bias_pattern,) + gm.DEFAULT_GRAPH_PATTERNS,
-                   (dense_with_bias_pattern,)]:  # extends the defaults
-    proc = kfac.ProcessedJaxpr.make_from_func(
-        _loss(_plain_mlp), args, graph_patterns=patterns)
-    metas = [e.params for e in proc.layer_tags]
-    assert [("dimension_numbers" in m) for m in metas] == [True, True, False]
+  proc = kfac.ProcessedJaxpr.make_from_func(
+      _loss(_plain_mlp), args,
+      graph_patterns=(dense_with_bias_pattern,) + gm.DEFAULT_GRAPH_PATTERNS)
+  metas = [e.params for e in proc.layer_tags]
+  assert [("dimension_numbers" in m) for m in metas] == [True, True, False]
+  # `graph_patterns` is the whole list: alone, the custom pattern leaves the
+  # bias-free layer to a generic tag.
+  alone = report_of(_loss(_plain_mlp), args,
+                    graph_patterns=(dense_with_bias_pattern,))
+  assert layers(alone) == {("dense_tag", "b1", "w1"), ("dense_tag", "b2", "w2"),
+                           ("generic_tag", "w3")}
 
 
 def test_report_is_logged(caplog):

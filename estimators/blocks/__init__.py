@@ -8,8 +8,8 @@ from estimators.blocks.base import (CurvatureBlock,
 from estimators.blocks.eigenbasis import EKFAC, Conv2DEKFAC, DenseEKFAC
 from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
                                         NaiveDiagonal, ScaleAndShiftDiagonal)
-from estimators.blocks.full import (Conv2DFull, DenseFull, Full, NaiveFull,
-                                    ScaleAndShiftFull)
+from estimators.blocks.full import (Conv2DFull, DenseFull, ExplicitFull,
+                                    Full, NaiveFull, ScaleAndShiftFull)
 from estimators.blocks.identity import ScaledIdentity
 from estimators.blocks.kronecker import (Conv2DTwoKroneckerFactored,
                                          DenseTwoKroneckerFactored,
@@ -28,7 +28,7 @@ __all__ = [
     "DenseEKFAC", "DenseTNT", "EKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
     "RepeatedDenseKFACReduce",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
-    "Diagonal", "Full", "NaiveDiagonal", "NaiveFull",
+    "Diagonal", "ExplicitFull", "Full", "NaiveDiagonal", "NaiveFull",
     "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull", "ScaledIdentity", "Stacked", "TwoKroneckerFactored",
     "get_default_eigen_decomposition_threshold", "get_max_parallel_elements",

@@ -173,6 +173,18 @@ class CurvatureBlock(abc.ABC):
   _TAG_PRIMITIVES: tuple[tags.LayerTag, ...] | None = None
   # Whether an undamped estimate is commonly singular (blocks fitted to data).
   _MAY_BE_SINGULAR = True
+  # Whether `update_curvature_matrix_estimate` takes every sample's tangents
+  # at once, with a leading sample axis (the library's blocks, in one
+  # vmapped pass), or one sample at a time, shaped `(batch, ...)` as in the
+  # reference's guide to writing a block. A subclass overriding that method
+  # is fed one sample at a time unless its own body sets this to True.
+  estimation_data_has_sample_axis: bool = True
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if ("update_curvature_matrix_estimate" in vars(cls)
+        and "estimation_data_has_sample_axis" not in vars(cls)):
+      cls.estimation_data_has_sample_axis = False
 
   def __init__(self, layer_tag_eq: Any, name: str):
     """Checks that the family can handle the tag equation.
@@ -196,6 +208,7 @@ class CurvatureBlock(abc.ABC):
                        f"{layer_tag_eq.primitive.name} (block {name!r}).")
     self._layer_tag_eq = layer_tag_eq
     self._name = name
+    self._parameter_positions = None
     if not self.parameter_variables:
       raise ValueError(f"Block {name!r}: the tag has no parameters.")
     self._check_layer()
@@ -257,8 +270,36 @@ class CurvatureBlock(abc.ABC):
 
   @property
   def parameters_canonical_order(self) -> tuple[int, ...]:
-    """Order of the parameters in block vectors: that of the tag's operands."""
-    return tuple(range(self.number_of_parameters))
+    """The tag's parameters in the order of the model's parameter leaves.
+
+    Entry `k` is the operand position (in `parameters_shapes` order) of the
+    `k`-th of the block's parameters to come in the flattened parameters,
+    e.g. `(1, 0)` for a dense tag `(w, b)` on Haiku's `{"b", "w"}`. Block
+    vectors keep operand order; this maps them to the parameters' order.
+    Until `set_parameter_positions` is called it is operand order.
+    """
+    if self._parameter_positions is None:
+      return tuple(range(self.number_of_parameters))
+    return tuple(int(i) for i in np.argsort(self._parameter_positions,
+                                            kind="stable"))
+
+  def set_parameter_positions(self, positions: Sequence[int]) -> None:
+    """Records where the tag's parameters sit among the model's leaves.
+
+    Args:
+      positions: for each parameter operand, its index among the leaves of
+        the flattened parameters (an estimator's `layer_indices` entry).
+
+    Raises:
+      ValueError: unless there is one distinct position per parameter.
+    """
+    positions = tuple(int(i) for i in positions)
+    if (len(positions) != self.number_of_parameters
+        or len(set(positions)) != len(positions)):
+      raise ValueError(
+          f"Block {self._name!r}: expected {self.number_of_parameters} "
+          f"distinct parameter positions, got {positions}.")
+    self._parameter_positions = positions
 
   @property
   def layer_tag_extra_params(self) -> dict[str, Any]:
@@ -627,9 +668,15 @@ class CurvatureBlock(abc.ABC):
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     """The initial state; its cache holds only family-specific entries."""
 
-  @abc.abstractmethod
   def _batch_statistics(self, estimation_data, batch_size):
-    """A pytree of this batch's statistics (averaged over the batch)."""
+    """A pytree of this batch's statistics (averaged over the batch).
+
+    Not abstract: a block that overrides `update_curvature_matrix_estimate`
+    (as the reference's guide does) never calls it.
+    """
+    raise NotImplementedError(
+        f"{type(self).__name__} must implement _batch_statistics, or "
+        "override update_curvature_matrix_estimate.")
 
   @abc.abstractmethod
   def _fold_statistics(self, state, stats, ema_old, ema_new):

@@ -50,6 +50,8 @@ class EKFAC(kronecker.TwoKroneckerFactored):
   Subclasses provide `_projected_rows`.
   """
 
+  estimation_data_has_sample_axis = True  # its update takes all samples
+
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State(kronecker.TwoKroneckerFactored.State):

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from estimators import utils
 from estimators.blocks import base
@@ -190,3 +191,128 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
 
 class ScaleAndShiftFull(layers.ScaleAndShiftMixin, Full):
   """Exact `(1/B) sum_si g_si g_siᵀ` for scale-and-shift layers."""
+
+
+class ExplicitFull(NaiveFull):
+  """`(1/B) Σ_r p_r p_rᵀ` over whatever rows `p_r` it is given, keeping the
+  rows of the latest batch.
+
+  `ExplicitExactCurvature` gives it one row per example and sample (the
+  per-example gradients of the estimation mode), so the estimate is the
+  whole exact matrix. When the estimate is that batch alone
+  (`factor_is_exact`), its non-zero eigenvalues come from the small Gram
+  matrix `R Rᵀ` of the rows `R` rather than the dense matrix. The state
+  keeps as many rows as its `factor` has (`init` makes none;
+  `ExplicitExactCurvature.init` sizes it for its batch); a batch with more
+  rows keeps none and the eigenvalues come from the dense matrix.
+  """
+
+  estimation_data_has_sample_axis = True  # its update takes all rows
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State(Full.State):
+    """Explicit full block state.
+
+    Attributes:
+      factor: rows `R`, `(rows, dim)`, with `matrix == Rᵀ R` when
+        `factor_is_exact`.
+      factor_is_exact: a boolean array.
+    """
+    factor: jax.Array
+    factor_is_exact: jax.Array
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    state = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
+    return ExplicitFull.State(
+        cache=state.cache, matrix=state.matrix,
+        factor=jnp.zeros((0, self.dim), self.parameters_dtype),
+        factor_is_exact=jnp.array(False))
+
+  def with_factor_rows(self, state: "ExplicitFull.State",
+                       num_rows: int) -> "ExplicitFull.State":
+    """`state` with room for `num_rows` rows of the latest batch."""
+    return dataclasses.replace(
+        state, factor=jnp.zeros((num_rows, self.dim), state.factor.dtype))
+
+  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
+                                       ema_new, batch_size, pmap_axis_name):
+    """As `CurvatureBlock`'s; also keeps the rows (on a single device)."""
+    self._check_estimation_data(estimation_data, batch_size)
+    rows = utils.flatten_arrays(estimation_data["params_tangent"], leading=1)
+    rows = rows / jnp.sqrt(jnp.asarray(batch_size, rows.dtype))
+    matrix = _symmetric_gram(rows)
+    room = state.factor.shape[0]
+    if pmap_axis_name is not None or rows.shape[0] > room:
+      # Averaged over devices, or too many rows: no rows factor the estimate.
+      if pmap_axis_name is not None:
+        matrix = jax.lax.pmean(matrix, pmap_axis_name)
+      factor, exact = jnp.zeros_like(state.factor), jnp.array(False)
+    else:
+      # Zero rows change nothing, so a smaller batch is padded.
+      factor = jnp.pad(rows, ((0, room - rows.shape[0]), (0, 0)))
+      exact = (jnp.asarray(ema_old) == 0) | (state.matrix.weight == 0)
+    return dataclasses.replace(
+        state, matrix=state.matrix.update(matrix, ema_old, ema_new),
+        factor=factor.astype(state.factor.dtype), factor_is_exact=exact)
+
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    if use_cached or power != -1:
+      return super()._multiply_matpower_unscaled(
+          state, vector, identity_weight, power, exact_power, use_cached)
+    # A solve is cheaper than the eigendecomposition of a general power.
+    matrix = state.matrix.value
+    damped = matrix + identity_weight * jnp.eye(self.dim, dtype=matrix.dtype)
+    v = self.parameters_list_to_single_vector(vector)
+    return self.single_vector_to_parameters_list(jnp.linalg.solve(damped, v))
+
+  def _eigenvalues_unscaled(self, state):
+    """Ascending. Outside `jit` the Gram route is chosen on the host; with a
+    traced state the choice is a `lax.cond`, which on CPU copies the dense
+    matrix."""
+    num_rows = state.factor.shape[0]
+    if num_rows == 0 or num_rows >= self.dim:
+      return _dense_eigenvalues(state.matrix.value)
+    try:
+      use_gram = bool(state.factor_is_exact)
+    except jax.errors.ConcretizationTypeError:
+      return jax.lax.cond(state.factor_is_exact, _gram_eigenvalues,
+                          lambda f, m: _dense_eigenvalues(m), state.factor,
+                          state.matrix.value)
+    if use_gram:
+      return _gram_eigenvalues(state.factor)
+    return _dense_eigenvalues(state.matrix.value)
+
+
+def _symmetric_gram(rows: jax.Array, tiles: int = 8) -> jax.Array:
+  """`rowsᵀ rows`, computing only the tiles on and above the diagonal.
+
+  The product is symmetric, so the tiles below the diagonal are transposes:
+  this halves the arithmetic of the dominant step of an exact estimate.
+  """
+  dim = rows.shape[1]
+  if dim < 512:
+    return rows.T @ rows
+  bounds = np.linspace(0, dim, tiles + 1).astype(int)
+  cols = [rows[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+  upper = {(i, j): cols[i].T @ cols[j]
+           for i in range(tiles) for j in range(i, tiles)}
+  return jnp.block([[upper[i, j] if j >= i else upper[j, i].T
+                     for j in range(tiles)] for i in range(tiles)])
+
+
+@jax.jit
+def _dense_eigenvalues(matrix: jax.Array) -> jax.Array:
+  """Eigenvalues of a symmetric matrix, ascending."""
+  return jnp.linalg.eigvalsh(matrix)
+
+
+@jax.jit
+def _gram_eigenvalues(rows: jax.Array, unused_matrix=None) -> jax.Array:
+  """Eigenvalues of `rowsᵀ rows` (ascending) from the smaller `rows rowsᵀ`,
+  zeros padded."""
+  del unused_matrix
+  n_rows, dim = rows.shape
+  small = jnp.maximum(jnp.linalg.eigvalsh(rows @ rows.T), 0)
+  return jnp.concatenate([jnp.zeros(dim - n_rows, small.dtype), small])
