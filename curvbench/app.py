@@ -2,14 +2,18 @@
 
 `curvbench [overrides]` runs (or with `-m`, sweeps) measurements into the run
 directory; `curvbench report DIR` merges a sweep's runs into tables and
-figures. A rerun of a sweep skips runs whose completion marker exists.
+figures. A rerun of a sweep skips runs finished with the same config and
+code, and redoes the others (unfinished, damaged, or written by other code
+or config). One process at a time runs a run directory (its lock); the
+command keeps JAX's compiled programs in the `compilation_cache` directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
+import os
+import shutil
 import sys
 import traceback
 
@@ -26,14 +30,6 @@ from curvbench import records
 from curvbench import report, training
 from estimators import graph_matcher
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
-
-
-def run_dir_name(override_dirname: str, limit: int = 120) -> str:
-  """A sweep run's directory name: its overrides, hashed when too long."""
-  if len(override_dirname) <= limit:
-    return override_dirname or "default"
-  digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:12]
-  return f"{override_dirname[:limit - 14]}..{digest}"
 
 
 def skip_reason(cfg) -> str | None:
@@ -112,7 +108,8 @@ def measure(cfg, run_dir) -> dict:
   """
   kind = cfg.measure.kind
   float64 = _precision(cfg) == "float64"
-  with devices.use(cfg.device), jax.enable_x64(float64), quiet_logging():
+  with (devices.use(cfg.device, cfg.devices), jax.enable_x64(float64),
+        quiet_logging()):
     dtype = np.float64 if float64 else np.float32
     problem = problems.make(cfg.problem)
     curvature = curvatures.make(measurements.section(cfg.curvature),
@@ -123,7 +120,8 @@ def measure(cfg, run_dir) -> dict:
                                 seed=int(cfg.data_seed))
     ident = _identity(cfg, curvature)
     run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
-    run_dir.write_json("environment.json", provenance.environment(cfg.device))
+    run_dir.write_json("environment.json", provenance.environment(
+        cfg.device, cfg.devices))
     run_dir.write_json("registration.json", registration(
         problem, curvature if ident["curvature"] else None, params, batch,
         rng))
@@ -159,6 +157,15 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   return None
 
 
+def cached(cfg, out_dir) -> bool:
+  """Whether `out_dir` holds a run finished with `cfg` and this code, its
+  records intact: what `run` answers 'cached' for without measuring
+  (never with force=true). The sweeper asks it before launching."""
+  run_dir = records.RunDir(out_dir)
+  return (not cfg.force and run_dir.done
+          and stale_reason(run_dir, cfg) is None)
+
+
 def start(run_dir: records.RunDir, cfg) -> dict:
   """Clears `run_dir` and writes the run's config (`config.yaml` and the
   `config` table); returns the `run_id` and `code` its marker carries."""
@@ -176,30 +183,61 @@ def record_skip(cfg, out_dir) -> str | None:
   with the reason) when it repeats another sweep point; returns the reason,
   or None, writing nothing, when the point is to be run.
 
-  The sweeper calls it for every point before launching; a run started
-  without the sweeper (`curvbench` without -m) calls it itself.
+  The sweeper calls it for every point before launching (taking the run
+  directory's lock; one that another process holds is left to it); a run
+  started without the sweeper (`curvbench` without -m) calls it itself.
   """
   reason = skip_reason(cfg)
-  if reason:
+  if reason and not cached(cfg, out_dir):  # else recorded by an earlier sweep
     run_dir = records.RunDir(out_dir)
-    run_dir.mark_done("skipped", reason=reason, **start(run_dir, cfg))
+    try:
+      with run_dir.lock(wait_s=float(cfg.lock_wait_s)):
+        _mark_skipped(run_dir, cfg, reason)
+    except records.RunLocked:
+      pass  # another sweep of these points is recording it
   return reason
+
+
+def _mark_skipped(run_dir: records.RunDir, cfg, reason: str) -> None:
+  run_dir.mark_done("skipped", reason=reason, **start(run_dir, cfg))
 
 
 def run(cfg, out_dir) -> str:
   """One run into `out_dir`; returns its status: 'complete', 'diverged',
-  'skipped', 'cached' (finished earlier with the same config and code) or
-  'error'. A finished run whose config or code differs is redone."""
+  'skipped', 'cached' (finished earlier with the same config and code),
+  'locked' (another process is running it) or 'error'. A finished run
+  whose config or code differs, or whose records are damaged, is redone.
+
+  The config is checked first; the rest happens under the run directory's
+  lock (`records.RunDir.lock`), waiting at most `lock_wait_s` for it, and
+  whether the run is done is asked only once the lock is held, so a
+  process that waited finds the run its holder finished.
+  """
+  config.validate(cfg)
   run_dir = records.RunDir(out_dir)
+  with contextlib.ExitStack() as held:
+    try:
+      held.enter_context(run_dir.lock(wait_s=float(cfg.lock_wait_s)))
+    except records.RunLocked as e:
+      print(f"[curvbench] skipping the run: {e}", flush=True)
+      return "locked"
+    return _run_locked(cfg, run_dir)
+
+
+def _run_locked(cfg, run_dir: records.RunDir) -> str:
   if run_dir.done and not cfg.force:
     stale = stale_reason(run_dir, cfg)
     if stale is None:
-      print(f"[curvbench] {out_dir}: finished earlier with this config and "
-            "code, skipping (force=true redoes it).")
+      print(f"[curvbench] {run_dir.path}: finished earlier with this config "
+            "and code, skipping (force=true redoes it).")
       return "cached"
-    print(f"[curvbench] {out_dir}: redoing it, {stale}.")
-  config.validate(cfg)
-  if record_skip(cfg, out_dir):
+    print(f"[curvbench] {run_dir.path}: redoing it, {stale}.")
+  elif run_dir.has_marker and not cfg.force:
+    print(f"[curvbench] {run_dir.path}: redoing it, its records are "
+          f"damaged ({run_dir.damage()}).")
+  reason = skip_reason(cfg)
+  if reason:
+    _mark_skipped(run_dir, cfg, reason)
     return "skipped"
   ident = start(run_dir, cfg)
   try:
@@ -215,15 +253,43 @@ def run(cfg, out_dir) -> str:
   return outcome["status"]
 
 
+def use_compilation_cache(path: str | None) -> None:
+  """Keeps JAX's compiled programs in `path` (the `compilation_cache`
+  setting; None: no cache), so a restarted run loads what an earlier one
+  compiled. Every program is kept, however quick its compilation: a run
+  compiles many small ones. JAX fixes the directory at its first
+  compilation, so this is for the `curvbench` command, before any run."""
+  if path is None:
+    return
+  jax.config.update("jax_compilation_cache_dir",
+                    os.path.abspath(os.path.expanduser(path)))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _remove_if_only_hydra(out_dir) -> None:
+  """Removes the directory Hydra made for a refused run, unless it holds
+  more than Hydra's own files (then it is a run's, from before)."""
+  path = records.RunDir(out_dir).path
+  if all(p.name == ".hydra" or p.suffix == ".log" for p in path.iterdir()):
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _hydra_main():
   tuning_sweeper.register()
-  if not OmegaConf.has_resolver("curvbench_run_dir"):
-    OmegaConf.register_new_resolver("curvbench_run_dir", run_dir_name)
+  config.register_resolvers()
 
   @hydra.main(version_base=None, config_path=str(config.CONF_DIR),
               config_name="config")
   def main(cfg):
-    return run(cfg, HydraConfig.get().runtime.output_dir)
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+      config.validate(cfg)
+    except config.ConfigError as e:  # the message alone, no traceback
+      _remove_if_only_hydra(out_dir)
+      raise SystemExit(f"curvbench: {e}") from None
+    use_compilation_cache(cfg.compilation_cache)
+    return run(cfg, out_dir)
 
   return main()
 

@@ -136,6 +136,10 @@ class Curvature(abc.ABC):
   block_type = None  # the block type, for block-diagonal families
   uses_estimation_mode = True  # whether `curvature.mode` changes the estimate
   is_block_diagonal = False  # whether estimators.Optimizer can use it
+  # Whether `update`, `refresh` and `precondition` take `axis_name`: run on
+  # each device under `jax.shard_map`, they average the statistics over
+  # that axis and share the refresh and products out among the devices.
+  takes_axis_name = False
 
   @property
   def label(self) -> str:
@@ -205,7 +209,7 @@ class Curvature(abc.ABC):
         state = self.update(state, params, chunk, key, 1.0, size / num_samples)
       return state
 
-    def scan(state, rng):
+    def scan(state, rng, params, data):
       keys = jax.random.split(rng, (data.num_chunks + 1, num_samples))
       state, _ = jax.lax.scan(
           lambda s, xs: (add(s, xs[0], xs[1], data.chunk_size), None), state,
@@ -214,38 +218,48 @@ class Curvature(abc.ABC):
         state = add(state, data.rest, keys[-1], data.rest_size)
       return state
 
-    return jax.jit(scan)(state, rng)
+    # Params and data as arguments, not constants: so they keep their
+    # placement (split over devices, see `Data.split`).
+    return jax.jit(scan)(state, rng, params, data)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Estimator(Curvature):
-  """A curvature held by an `estimators.CurvatureEstimator`."""
+  """A curvature held by an `estimators.CurvatureEstimator`.
+
+  `update`, `refresh` and `precondition` take the `pmap_axis_name` of the
+  estimator as `axis_name` (see `Curvature.takes_axis_name`).
+  """
 
   estimator: kfac.CurvatureEstimator = None
+  takes_axis_name = True
 
   def init(self, rng, params, batch):
     return self.estimator.init(rng, (params, batch), exact_powers_to_cache=-1,
                                approx_powers_to_cache=None,
                                cache_eigenvalues=False)
 
-  def update(self, state, params, batch, rng, ema_old=0.0, ema_new=1.0):
-    size = jax.tree.leaves(batch)[0].shape[0]
+  def update(self, state, params, batch, rng, ema_old=0.0, ema_new=1.0,
+             axis_name=None):
+    size = jax.tree.leaves(batch)[0].shape[0]  # this device's, under an axis
     return self.estimator.update_curvature_matrix_estimate(
         state, ema_old, ema_new, size, rng, (params, batch),
-        estimation_mode=self.mode)
+        pmap_axis_name=axis_name, estimation_mode=self.mode)
 
-  def refresh(self, state, damping):
+  def refresh(self, state, damping, axis_name=None):
     return self.estimator.update_cache(state, damping, exact_powers=-1,
-                                       approx_powers=None, eigenvalues=False)
+                                       approx_powers=None, eigenvalues=False,
+                                       pmap_axis_name=axis_name)
 
   def multiply(self, state, vector):
     return self.estimator.multiply(state, vector, identity_weight=0.0,
                                    exact_power=True, use_cached=False)
 
-  def precondition(self, state, vector, damping):
+  def precondition(self, state, vector, damping, axis_name=None):
     return self.estimator.multiply_inverse(state, vector,
                                            identity_weight=damping,
-                                           exact_power=True, use_cached=True)
+                                           exact_power=True, use_cached=True,
+                                           pmap_axis_name=axis_name)
 
   def eigenvalues(self, state):
     return self.estimator.eigenvalues(state)
@@ -268,6 +282,13 @@ def _describe(block) -> str:
   return f"{type(block).__name__}, {held}"
 
 
+def _distribution(cfg: Mapping) -> dict:
+  """The estimator's arguments that share the work of its blocks among the
+  devices of an axis (`curvature.distributed`)."""
+  return dict(distributed_multiplies=bool(cfg["distributed"]),
+              distributed_cache_updates=bool(cfg["distributed"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonal(_Estimator):
   """One block per tagged layer, of the configured block type."""
@@ -283,7 +304,8 @@ class BlockDiagonal(_Estimator):
                        f"one of {', '.join(BLOCK_TYPES)}.")
     estimator = kfac.BlockDiagonalCurvature(
         loss_fn, default_estimation_mode=cfg["mode"],
-        layer_tag_to_block_ctor=BLOCK_TYPES[block_type] or None)
+        layer_tag_to_block_ctor=BLOCK_TYPES[block_type] or None,
+        **_distribution(cfg))
     return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
         cfg["mode"]), estimator=estimator, block_type=block_type, **common)
 
@@ -363,7 +385,7 @@ class BlockTridiagonal(BlockDiagonal):
                        "blocks: it needs curvature.block_type=kfac, not "
                        f"{cfg['block_type']!r}.")
     estimator = kfac.BlockTridiagonalCurvature(
-        loss_fn, default_estimation_mode=cfg["mode"])
+        loss_fn, default_estimation_mode=cfg["mode"], **_distribution(cfg))
     return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
         cfg["mode"]), estimator=estimator, block_type="kfac", **common)
 
@@ -375,13 +397,15 @@ class BlockTridiagonal(BlockDiagonal):
   def _cheaper(self) -> str:
     return "curvature=kfac, without the coupling, or curvature=diagonal"
 
-  def refresh(self, state, damping):
-    return self.estimator.update_cache(state, damping, approx_powers=-1)
+  def refresh(self, state, damping, axis_name=None):
+    return self.estimator.update_cache(state, damping, approx_powers=-1,
+                                       pmap_axis_name=axis_name)
 
-  def precondition(self, state, vector, damping):
+  def precondition(self, state, vector, damping, axis_name=None):
     return self.estimator.multiply_inverse(state, vector,
                                            identity_weight=damping,
-                                           exact_power=False, use_cached=True)
+                                           exact_power=False, use_cached=True,
+                                           pmap_axis_name=axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ over all of them in one `lax.scan`: the examples sit on the device and no
 Python code runs per chunk. Chunks are weighted by their number of examples,
 so the result is the mean over examples, as the papers define full-dataset
 curvature (every per-batch quantity here is itself a mean over its batch).
+With several devices (`split`), every chunk is spread over them along its
+examples, so a jitted `mean` runs on all of them and sums their parts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+
+from curvbench import devices
 
 Batch = Any
 
@@ -71,6 +76,21 @@ class Data:
       return whole
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), whole,
                         self.rest)
+
+  def split(self, mesh: Mesh, setting: str) -> Data:
+    """The examples spread over the mesh's devices (`devices.split`): each
+    chunk along its examples; the rest too where it splits evenly, else a
+    copy on every device.
+
+    Raises:
+      ValueError: naming `setting` when the chunk size does not split.
+    """
+    rest = self.rest
+    if rest is not None:
+      rest = (devices.split(rest, mesh, setting)
+              if self.rest_size % mesh.size == 0
+              else devices.replicate(rest, mesh))
+    return Data(devices.split(self.chunks, mesh, setting, axis=1), rest)
 
   def mean(self, fn: Callable[[Batch], Any]) -> Any:
     """The example-weighted mean of `fn(chunk)` over the chunks.

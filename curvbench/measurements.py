@@ -4,7 +4,8 @@ A measurement is `fn(problem, curvature, params, batch, cfg, rng, run_dir)`
 returning `{table name: rows}`, `cfg` the whole run config and `run_dir` the
 `records.RunDir` (for checkpoints); `MEASUREMENTS` maps the config's
 `measure.kind` to it. Adding a kind means adding one function here and one
-file in conf/measure/.
+file in conf/measure/. Each runs on the `devices` setting's devices
+(`devices.mesh`), its batches split across them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
-from curvbench import checkpoints, data, spectra, timing, training
+from curvbench import checkpoints, data, devices, spectra, timing, training
 from curvbench.costs import Costs
 
 
@@ -43,6 +45,11 @@ def uses_optimizer(cfg: DictConfig) -> bool:
   spec = cfg.measure.spectra
   return (cfg.measure.kind == "spectra" and spec.checkpoint is None
           and spec.steps != [0])
+
+
+def mesh(cfg: DictConfig) -> Mesh:
+  """The mesh of the run's `device` and `devices` settings."""
+  return devices.mesh(cfg.device, int(cfg.devices))
 
 
 def _save_checkpoint(run_dir, problem, step, params):
@@ -88,14 +95,19 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
     raise ValueError("measure.spectra.steps is empty: give at least one "
                      "training step to measure at (0: initialisation).")
   dtype = jax.tree.leaves(params)[0].dtype
+  on = mesh(cfg)
   examples = data.select(problem, spec["data"], cfg.measure.batch_size,
                          spec["chunk_size"], dtype, seed=int(cfg.data_seed))
+  examples = examples.split(on, "measure.spectra.chunk_size"
+                            if data.parse_scope(spec["data"])[0] == "train"
+                            else "measure.batch_size")
   scope = dict(data=spec["data"])
   tables = {name: [] for name in (*spectra.TABLES, "cost", "training")}
 
   def at(step, point):
     log = (lambda line: print(line, flush=True)) if cfg.progress else None
     costs = Costs(log=log, step=step, **scope)
+    point = devices.replicate(point, on)
     for name, rows in spectra.measure(problem.loss_fn, curvature, point,
                                       examples, spec, rng, costs).items():
       tables[name] += [dict(step=step, **scope, **row) for row in rows]
@@ -112,11 +124,11 @@ def measure_spectra(problem, curvature, params, batch, cfg, rng, run_dir):
   else:
     name = cfg.optimizer.name
     optimizer = training.make_optimizer(problem.loss_fn,
-                                        section(cfg.optimizer), curvature)
+                                        section(cfg.optimizer), curvature, on)
     rows = training.run(problem, optimizer, params, train_cfg,
                         jax.random.fold_in(rng, 2), int(cfg.data_seed),
                         progress=cfg.progress,
-                        at_steps=steps, on_step=at)
+                        at_steps=steps, on_step=at, mesh=on)
     # The loss curve is the optimizer's, labelled as a training run's.
     method = training.method_label(name, curvature)
     tables["training"] = [dict(row, method=method) for row in rows]
@@ -130,7 +142,7 @@ def measure_timing(problem, curvature, params, batch, cfg, rng, run_dir):
   rows = timing.measure(problem.loss_fn, curvature, params, batch,
                         section(cfg.measure.timing), section(cfg.optimizer),
                         section(cfg.measure.timing.baseline), rng,
-                        progress=cfg.progress)
+                        progress=cfg.progress, mesh=mesh(cfg))
   return dict(timing=rows)  # the device is among every row's provenance
 
 
@@ -141,13 +153,14 @@ def measure_training(problem, curvature, params, batch, cfg, rng, run_dir):
   steps = training.measurement_steps(train_cfg["checkpoint_steps"],
                                      int(train_cfg["num_steps"]))
 
+  on = mesh(cfg)
   optimizer = training.make_optimizer(problem.loss_fn, section(cfg.optimizer),
-                                      curvature)
+                                      curvature, on)
   rows = training.run(problem, optimizer, params, train_cfg, rng,
                       int(cfg.data_seed), progress=cfg.progress,
                       at_steps=steps,
                       on_step=lambda step, point: _save_checkpoint(
-                          run_dir, problem, step, point))
+                          run_dir, problem, step, point), mesh=on)
   return dict(training=rows)
 
 

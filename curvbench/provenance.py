@@ -2,10 +2,10 @@
 
 A run's id is a hash of its fully resolved config, less the keys that do not
 change its results (`NOT_IDENTITY`: the sweep's name, progress output, error
-handling, the skip rule and the report-only tuning section). Every record row
-carries the id and the provenance columns of `columns`; the run's whole
-config, flattened to dotted keys, is the run's `config` table, joined on
-`run_id`.
+handling, the skip rule, the report-only tuning section, the lock's wait
+and the compilation cache). Every record row carries the id and the
+provenance columns of `columns`; the run's whole config, flattened to
+dotted keys, is the run's `config` table, joined on `run_id`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from curvbench import devices
 
 NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
-                "tuning")
+                "tuning", "lock_wait_s", "compilation_cache")
 SEED_KEYS = ("seed", "init_seed", "data_seed")
 LIBRARIES = ("jax", "jaxlib", "dm-haiku", "optax", "numpy", "pandas",
              "hydra-core", "matfree")
@@ -105,14 +105,15 @@ def versions() -> dict:
   return out
 
 
-def device(platform_name: str = "auto") -> dict:
-  """The record columns of the device the `device` setting selects."""
-  return devices.describe(devices.select(platform_name))
+def device(platform_name: str = "auto", count: int = 1) -> dict:
+  """The record columns of the device the `device` setting selects, used
+  `count` times (the `devices` setting)."""
+  return devices.describe(devices.select(platform_name), count)
 
 
-def environment(platform_name: str = "auto") -> dict:
+def environment(platform_name: str = "auto", count: int = 1) -> dict:
   """The machine and software of a run, for its `environment.json`."""
-  return dict(device(platform_name), python=platform.python_version(),
+  return dict(device(platform_name, count), python=platform.python_version(),
               host=platform.node(), versions=versions(), code=code_version(),
               argv=list(sys.argv))
 
@@ -123,7 +124,7 @@ def columns(cfg, precision: str) -> dict:
   return dict(
       run_id=run_id(cfg), init_seed=int(cfg.init_seed),
       data_seed=int(cfg.data_seed), precision=precision,
-      **device(cfg.device),
+      **device(cfg.device, int(cfg.devices)),
       versions=" ".join(f"{k}={v}" for k, v in versions().items()),
       commit=code["commit"], dirty=code["dirty"],
       timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -13,7 +13,9 @@ The report respects the design of the experiment:
   only those curves in the main training figure and the score against each
   tuned hyperparameter in a second one.
 - Runs that are not in the results are listed with the reason: skipped,
-  failed (`ERROR.json`), diverged, or incomplete (no completion marker).
+  failed (`ERROR.json`), diverged, damaged (records that cannot be read or
+  are missing: see `records.RunDir.damage`), killed (records but no
+  completion marker) or still running. One bad run never stops the report.
 
 Writes under `DIR/report/` (or `--out`): `report.md`, `report.html` (one
 self-contained page, sortable tables), one CSV per table, and the figures of
@@ -36,7 +38,12 @@ from curvbench import tuning
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "cost", "timing",
           "training")
-RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml")
+# Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
+# the run, which may have been stopped before writing a record of its own).
+RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml", "metadata.json",
+             "*.parquet", ".hydra/config.yaml")
+# What `not_in_results` lists, one row per run; skipped runs are grouped.
+NOT_IN_RESULTS = ("error", "diverged", "damaged", "killed", "running")
 # What a run is, before its settings: rows with the same values here and the
 # same setting are seeds of one configuration.
 GROUP = ("problem", "measure", "method")
@@ -51,36 +58,77 @@ class Sweep:
 
 
 def _run_config(run: records.RunDir) -> dict:
-  if (run.path / "config.parquet").exists():
-    return pd.read_parquet(run.path / "config.parquet").iloc[0].to_dict()
-  if (run.path / "config.yaml").exists():
-    return provenance.flatten(OmegaConf.load(run.path / "config.yaml"))
+  """The run's flattened config from the first of its config records that
+  can be read (`{}` when none can)."""
+  readers = ((run.path / "config.parquet",
+              lambda p: pd.read_parquet(p).iloc[0].to_dict()),
+             (run.path / "config.yaml",
+              lambda p: provenance.flatten(OmegaConf.load(p))),
+             (run.path / ".hydra" / "config.yaml",
+              lambda p: provenance.flatten(OmegaConf.load(p))))
+  for path, read in readers:
+    if path.exists():
+      try:
+        return dict(read(path))
+      except Exception:  # noqa: BLE001 - a damaged record: try the next one
+        continue
   return {}
 
 
-def _status(run: records.RunDir, marker: dict | None) -> tuple[str, str]:
-  if marker is not None:
-    status = marker.get("status", "complete")
-    return status, marker.get("reason", "")
+def _json_field(path: Path, key: str):
+  """`key` of the JSON object in `path`, None when absent or unreadable."""
+  try:
+    return json.loads(path.read_text()).get(key)
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _status(run: records.RunDir) -> tuple[str, str, dict | None]:
+  """The run's status, the reason it is not in the results (or its
+  marker's), and its marker (None unless it is intact)."""
+  if run.has_marker:
+    damage = run.damage()
+    if damage:
+      return "damaged", f"{damage}; a rerun of the sweep redoes it", None
+    marker = run.marker()
+    return marker["status"], marker.get("reason", ""), marker
   error = run.path / "ERROR.json"
   if error.exists():
-    lines = json.loads(error.read_text())["traceback"].strip().splitlines()
-    return "error", lines[-1] if lines else "see ERROR.json"
-  return "incomplete", ("no completion marker: the run was stopped, or is "
-                        "still running")
+    trace = _json_field(error, "traceback")
+    if not isinstance(trace, str):
+      return "error", "the run failed; its ERROR.json is unreadable", None
+    lines = trace.strip().splitlines()
+    return "error", lines[-1] if lines else "see ERROR.json", None
+  holder = run.running()
+  if holder is not None:
+    return "running", (f"no completion marker yet: running in process "
+                       f"{holder.get('pid')} on {holder.get('host')} since "
+                       f"{holder.get('since')}"), None
+  return "killed", ("no completion marker: the run was stopped before it "
+                    "finished; a rerun of the sweep redoes it"), None
+
+
+def _run_dirs(root: Path) -> list[Path]:
+  """Every run directory under `root` (see `RUN_FILES`)."""
+  found = set()
+  for pattern in RUN_FILES:
+    for path in root.rglob(pattern):
+      parts = path.relative_to(root).parts
+      if pattern.startswith(".hydra/"):
+        found.add(path.parent.parent)
+      elif ".hydra" not in parts:
+        found.add(path.parent)
+  return sorted(found)
 
 
 def load_sweep(root) -> Sweep:
   """Every run directory under `root`, and each table concatenated over the
   complete and diverged runs (with `run_id` and `run_dir` columns)."""
   root = Path(root)
-  dirs = sorted({p.parent for name in RUN_FILES for p in root.rglob(name)
-                 if ".hydra" not in p.parts})
   runs, parts = [], {t: [] for t in TABLES}
-  for path in dirs:
+  for path in _run_dirs(root):
     run = records.RunDir(path)
-    marker = run.marker()
-    status, reason = _status(run, marker)
+    status, reason, marker = _status(run)
     cfg = _run_config(run)
     run_dir = str(path.relative_to(root))
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
@@ -88,18 +136,21 @@ def load_sweep(root) -> Sweep:
                problem=cfg.get("problem.label"),
                measure=cfg.get("measure.kind"), **{
                    f"config:{k}": v for k, v in cfg.items()})
+    run_tables = {}
     if status in ("complete", "diverged"):
-      for name, df in run.tables().items():
-        if name in parts:
-          df = df.assign(run_dir=run_dir)
-          if "run_id" not in df:  # written before run ids
-            df["run_id"] = run_id
-          parts[name].append(df)
-          if "device_kind" in df and len(df):
-            row["device_kind"] = df.device_kind.iloc[0]
-    if (path / "metadata.json").exists():
-      row["method"] = json.loads((path / "metadata.json").read_text()).get(
-          "method")
+      try:
+        run_tables = run.tables()
+      except records.DamagedRun as e:  # damaged since `damage` looked
+        row.update(status="damaged", reason=str(e))
+    for name, df in run_tables.items():
+      if name in parts:
+        df = df.assign(run_dir=run_dir)
+        if "run_id" not in df:  # written before run ids
+          df["run_id"] = run_id
+        parts[name].append(df)
+        if "device_kind" in df and len(df):
+          row["device_kind"] = df.device_kind.iloc[0]
+    row["method"] = _json_field(path / "metadata.json", "method")
     runs.append(row)
   tables = {name: pd.concat(dfs, ignore_index=True)
             for name, dfs in parts.items() if dfs}
@@ -312,7 +363,7 @@ def legacy_notes(tables: dict[str, pd.DataFrame]) -> list[str]:
 def not_in_results(runs: pd.DataFrame) -> pd.DataFrame:
   """Runs whose records are missing or partial, with the reason; skipped
   runs are counted per reason."""
-  shown = runs[runs.status.isin(["error", "diverged", "incomplete"])]
+  shown = runs[runs.status.isin(NOT_IN_RESULTS)]
   rows = [dict(status=r.status, runs=1, run_dir=r.run_dir, reason=r.reason)
           for r in shown.itertuples()]
   skipped = runs[runs.status == "skipped"]
@@ -454,7 +505,13 @@ def main(argv=None) -> int:
   parser.add_argument("--out", help="output directory (default DIR/report)")
   args = parser.parse_args(argv)
   written = write(args.dir, args.out)
+  out = Path(args.out or Path(args.dir) / "report")
   print(f"[curvbench] wrote {len(written['tables'])} tables and "
-        f"{len(written['figures'])} figures under "
-        f"{args.out or Path(args.dir) / 'report'}")
+        f"{len(written['figures'])} figures under {out}")
+  missing = pd.read_csv(out / "runs.csv").status.value_counts()
+  missing = missing[missing.index.isin(NOT_IN_RESULTS)]
+  if len(missing):
+    print("[curvbench] not in the results: " + ", ".join(
+        f"{n} {status}" for status, n in missing.items())
+          + f" (see '{TITLES['not_in_results']}' in {out / 'report.md'})")
   return 0

@@ -38,6 +38,14 @@ peak is measured, else 'xla_analysis'.
 `ratio_to_grad_step` and `ratio_to_adam_step` are a row's median over the
 median of `grad_step` and of `adam_step`: the latter is the cost of the
 optimizer's step in Adam steps.
+
+With a mesh of several devices (`devices=N`) the batch is split across
+them. `grad_step`, Adam and the phases of `implicit_exact` run SPMD (XLA
+sums the devices' parts); the curvature phases of the estimator families
+run on each device under `jax.shard_map`, averaging the statistics over
+the devices and sharing the refresh and preconditioning out among them
+(`curvature.distributed`); the optimizer's step is its multi-device step.
+Figures are per device.
 """
 
 from __future__ import annotations
@@ -46,9 +54,10 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from curvbench import costs, training
+from curvbench import costs, devices, training
 
 PHASES = ("grad_step", "curvature_update", "cache_update", "precondition",
           "optimizer_step")  # the choices of measure.timing.phases
@@ -84,20 +93,74 @@ def time_function(fn, args, warmup: int = 2, repeats: int = 10) -> dict:
               **statistics(times), **costs.memory_columns(compiled))
 
 
-def phase_functions(loss_fn, curvature, damping: float, learning_rate: float):
-  """The jittable function of each single-call phase, keyed by name."""
+def phase_functions(loss_fn, curvature, damping: float, learning_rate: float,
+                    mesh: Mesh | None = None):
+  """The jittable function of each single-call phase, keyed by name.
+
+  With a `mesh` of several devices and a curvature that takes an axis name,
+  the curvature phases run on each device (`devices.per_device`), the
+  batch of `curvature_update` split across them and each device's key
+  folded with its index (so that sampled modes draw differently on each).
+  """
 
   def grad_step(params, batch):
     grads = jax.grad(loss_fn)(params, batch)
     return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
 
   fns = dict(grad_step=grad_step)
-  if curvature is not None:
+  if curvature is None:
+    return fns
+  if mesh is None or mesh.size == 1 or not curvature.takes_axis_name:
     fns.update(
         curvature_update=lambda s, p, b, r: curvature.update(s, p, b, r),
         cache_update=lambda s: curvature.refresh(s, damping),
         precondition=lambda s, g: curvature.precondition(s, g, damping))
+    return fns
+  axis = devices.AXIS
+
+  def update(state, params, batch, rng):
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+    return curvature.update(state, params, batch, rng, axis_name=axis)
+
+  fns.update(
+      curvature_update=devices.per_device(update, mesh, split_args=(2,)),
+      cache_update=devices.per_device(
+          lambda s: curvature.refresh(s, damping, axis_name=axis), mesh),
+      precondition=devices.per_device(
+          lambda s, g: curvature.precondition(s, g, damping, axis_name=axis),
+          mesh))
   return fns
+
+
+def phase_calls(loss_fn, curvature, params, batch, cfg, rng,
+                mesh: Mesh | None = None) -> dict[str, tuple]:
+  """`{phase: (fn, args)}` of the single-call phases: the phase functions
+  (`phase_functions`; the curvature's only when `curvature` is given) and
+  the arguments they are timed on. With a `mesh`, `batch` is split over its
+  devices (`devices.split`) and the rest replicated.
+
+  Raises:
+    ValueError: when the batch does not split evenly over the mesh.
+  """
+  if mesh is not None:
+    batch = devices.split(batch, mesh, "measure.batch_size")
+    params = devices.replicate(params, mesh)
+  fns = phase_functions(loss_fn, curvature, float(cfg["damping"]),
+                        float(cfg["learning_rate"]), mesh)
+  args = dict(grad_step=(params, batch))
+  if curvature is not None:
+    state = curvature.init(rng, params, batch)
+    state = jax.jit(curvature.update)(state, params, batch, rng)
+    grads = jax.grad(loss_fn)(params, batch)
+    refreshed = jax.jit(curvature.refresh)(state, float(cfg["damping"]))
+    if mesh is not None and curvature.takes_axis_name:
+      # What each device gets whole under shard_map. (An implicit_exact
+      # state holds the batch, which stays split.)
+      state, grads, refreshed = devices.replicate((state, grads, refreshed),
+                                                  mesh)
+    args.update(curvature_update=(state, params, batch, rng),
+                cache_update=(state,), precondition=(refreshed, grads))
+  return {phase: (fns[phase], args[phase]) for phase in fns}
 
 
 class Stepper:
@@ -169,7 +232,8 @@ def selected_phases(cfg, uses_curvature: bool) -> list[str]:
 
 
 def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
-            baseline_cfg, rng, progress: bool = False) -> list[dict]:
+            baseline_cfg, rng, progress: bool = False,
+            mesh: Mesh | None = None) -> list[dict]:
   """One row per phase; see the module docstring.
 
   Args:
@@ -182,6 +246,8 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
     baseline_cfg: the Adam settings of `adam_step` (`measure.timing.baseline`).
     rng: the key of curvature sampling and optimizer steps.
     progress: show a progress bar.
+    mesh: the devices the batch is split across (None: one device, as
+      JAX places it).
 
   Returns:
     Rows with `phase`, `compile_s`, `first_call_s`, `steps_per_sample`,
@@ -198,33 +264,27 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
   uses_curvature = kind.uses_curvature
   phases = selected_phases(cfg, uses_curvature)
   warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
-  damping = float(cfg["damping"])
-  fns = phase_functions(loss_fn, curvature if uses_curvature else None,
-                        damping, float(cfg["learning_rate"]))
-  args = dict(grad_step=(params, batch))
-  if uses_curvature:
-    state = curvature.init(rng, params, batch)
-    state = jax.jit(curvature.update)(state, params, batch, rng)
-    grads = jax.grad(loss_fn)(params, batch)
-    args.update(curvature_update=(state, params, batch, rng),
-                cache_update=(state,),
-                precondition=(jax.jit(curvature.refresh)(state, damping),
-                              grads))
+  calls = phase_calls(loss_fn, curvature if uses_curvature else None, params,
+                      batch, cfg, rng, mesh)
+  params, batch = calls["grad_step"][1]  # placed on the mesh
 
   stats = {}
-  calls = [p for p in phases if p != "optimizer_step"]
-  for phase in tqdm(calls, desc="timing", disable=not progress, leave=False):
-    stats[phase] = time_function(fns[phase], args[phase], warmup, repeats)
+  timed = [p for p in phases if p != "optimizer_step"]
+  for phase in tqdm(timed, desc="timing", disable=not progress, leave=False):
+    stats[phase] = time_function(*calls[phase], warmup, repeats)
 
-  optimizer = training.make_optimizer(loss_fn, optimizer_cfg, curvature)
+  # Without a mesh, the single-device call of make_optimizer, unchanged.
+  on_mesh = {} if mesh is None else dict(mesh=mesh)
+  optimizer = training.make_optimizer(loss_fn, optimizer_cfg, curvature,
+                                      **on_mesh)
   steps = int(optimizer.cycle)
   steppers = {}
   if "optimizer_step" in phases:
     steppers["optimizer_step"] = Stepper(optimizer, params, batch,
                                          jax.random.fold_in(rng, 1), steps)
   steppers[BASELINE_PHASE] = Stepper(
-      training.make_optimizer(loss_fn, baseline_cfg), params, batch,
-      jax.random.fold_in(rng, 2), steps)
+      training.make_optimizer(loss_fn, baseline_cfg, **on_mesh), params,
+      batch, jax.random.fold_in(rng, 2), steps)
   stats.update(time_steps(steppers, warmup, repeats, progress))
 
   grad_s = stats["grad_step"]["median_s"]

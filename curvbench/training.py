@@ -13,6 +13,11 @@ The optimizers, by their config name (`OPTIMIZERS`):
 Every config key but `name` is an argument of the optimizer's constructor
 (`step` of kfac: of `Optimizer.step`). All optimizers see the same initial
 parameters and the same batches in the same order.
+
+With a mesh of several devices (`devices=N`), every batch is split across
+them: the optax steps run SPMD on the split batch, and K-FAC runs
+`estimators.Optimizer`'s multi-device step (`jax.pmap`), converting at the
+trainer's edges so that callers still see ordinary parameters.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 import estimators as kfac
-from curvbench import costs
+from curvbench import costs, devices
 from curvbench.curvatures import Curvature
 
 
@@ -90,7 +96,9 @@ class OptaxTrainer:
   """Trains with an optax transformation built on the first batch.
 
   Its step is one jitted program; `cycle` is 1 (the conditional curvature
-  work of `precondition_by_curvature` is inside that program).
+  work of `precondition_by_curvature` is inside that program). Given a
+  batch split over devices (`devices.split`), the program runs on all of
+  them, XLA summing their parts of the gradient and curvature.
   """
 
   cycle = 1
@@ -125,9 +133,17 @@ class KFACTrainer:
 
   Its step compiles one program per kind of step (refresh, damping
   adaptation, burn-in); they recur every `cycle` steps.
+
+  Given a `mesh` of several devices, the optimizer runs its multi-device
+  step (`jax.pmap` over `devices.AXIS`) on batches split over the mesh
+  (`devices.split`): each device gets its part of the batch, a copy of the
+  parameters and state and its own key. Parameters and loss come back as
+  ordinary arrays (replicated over the mesh); the state stays in the
+  optimizer's layout, a leading device axis.
   """
 
-  def __init__(self, loss_fn: Callable, curvature: Curvature, cfg: Mapping):
+  def __init__(self, loss_fn: Callable, curvature: Curvature, cfg: Mapping,
+               mesh: Mesh | None = None):
     if not curvature.is_block_diagonal:
       raise ValueError(
           f"optimizer=kfac runs estimators.Optimizer, which needs a "
@@ -146,46 +162,88 @@ class KFACTrainer:
     # Optimizer.step takes a value for each of these that is not adaptive.
     self.step_kwargs = {k: v for k, v in cfg["step"].items()
                         if not cfg[f"use_adaptive_{k}"]}
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    if self.mesh is not None:
+      kwargs.update(multi_device=True, pmap_axis_name=devices.AXIS)
+    # Per input, the last (value given, its per-device layout): a step's own
+    # parameters, or timing's fixed batch, are not converted again.
+    self._last = {}
     self.opt = kfac.Optimizer(
         jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
         layer_tag_to_block_ctor=curvature.block_ctors or None,
         estimator_ctor=type(curvature.estimator), **kwargs)
 
+  def _per_device(self, name, tree, convert):
+    last = self._last.get(name)
+    if last is not None and last[0] is tree:
+      return last[1]
+    self._last[name] = (tree, convert(tree, self.mesh))
+    return self._last[name][1]
+
+  def _inputs(self, params, batch, rng):
+    """The optimizer's inputs: with a mesh, with a leading device axis."""
+    if self.mesh is None:
+      return params, batch, rng
+    return (self._per_device("params", params, devices.stack),
+            self._per_device("batch", batch, devices.stack_split),
+            devices.device_keys(rng, self.mesh))
+
   def init(self, params, batch, rng):
     # The curvature's state is the bulk of the optimizer's: refuse one that
     # would not fit before the optimizer allocates it.
     self.curvature.check_state_fits(rng, params, batch)
+    params, batch, rng = self._inputs(params, batch, rng)
     return self.opt.init(params, rng, batch), 0
 
   def compiled_programs(self, params, opt_state, batch, rng) -> list:
     """A program per kind of step (`kinds`), compiled for its memory figure.
 
     The step's own programs are internal to `estimators.Optimizer`, so these
-    are compiled again from `Optimizer.uncompiled_step`, with its inputs
-    returned unchanged left out of the outputs as the step does.
+    are compiled again from `Optimizer.uncompiled_step` (under `jax.pmap`
+    on a mesh, as the step runs: the figures are per device), with its
+    inputs returned unchanged left out of the outputs as the step does.
     """
     state, _ = opt_state
-    hyper = {k: jnp.asarray(v, state.damping.dtype)
+    params, batch, rng = self._inputs(params, batch, rng)
+    shape = () if self.mesh is None else (self.mesh.size,)
+    hyper = {k: jnp.full(shape, v, state.damping.dtype)
              for k, v in self.step_kwargs.items()}
     # Only the memory figure is wanted: the CPU's quicker code generation
     # halves the compile time and leaves the buffers as they are.
     options = (_QUICK_CPU_COMPILE if jax.default_backend() == "cpu"
                else None)
-    return [jax.jit(costs.without_passthrough(functools.partial(
-        self.opt.uncompiled_step, refresh_cache=refresh,
-        update_damping=adapt)), compiler_options=options).lower(
-            params, state, rng, batch, **hyper).compile()
-            for refresh, adapt in self.kinds]
+
+    def compiled(refresh, adapt):
+      step = costs.without_passthrough(functools.partial(
+          self.opt.uncompiled_step, refresh_cache=refresh,
+          update_damping=adapt))
+      program = lambda p, s, r, b, h: step(p, s, r, b, **h)
+      if self.mesh is None:
+        program = jax.jit(program)
+      else:
+        program = jax.pmap(program, axis_name=devices.AXIS,
+                           devices=list(self.mesh.devices.flat))
+      return program.lower(params, state, rng, batch, hyper).compile(options)
+
+    return [compiled(refresh, adapt) for refresh, adapt in self.kinds]
 
   def step(self, params, opt_state, batch, rng):
     state, count = opt_state
+    params, batch, rng = self._inputs(params, batch, rng)
     params, state, stats = self.opt.step(
         params, state, rng, batch=batch, global_step_int=count,
         **self.step_kwargs)
-    return params, (state, count + 1), stats["loss"]
+    loss = stats["loss"]
+    if self.mesh is not None:
+      # Every device holds the same parameters and (averaged) loss.
+      stacked = params
+      params, loss = devices.unstack((stacked, loss), self.mesh)
+      self._last["params"] = (params, stacked)
+    return params, (state, count + 1), loss
 
 
-def _preconditioned_sgd(loss_fn, curvature, cfg):
+def _preconditioned_sgd(loss_fn, curvature, cfg, mesh):
+  del mesh  # the optax step runs SPMD on the split batch
   def make(batch, rng):
     return optax.chain(
         precondition_by_curvature(
@@ -198,8 +256,8 @@ def _preconditioned_sgd(loss_fn, curvature, cfg):
 
 
 def _optax(transformation):
-  def build(loss_fn, curvature, cfg):
-    del curvature
+  def build(loss_fn, curvature, cfg, mesh):
+    del curvature, mesh
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
     return OptaxTrainer(loss_fn, lambda batch, rng: transformation(**kwargs))
   return build
@@ -207,7 +265,7 @@ def _optax(transformation):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerKind:
-  build: Callable  # (loss_fn, curvature, cfg) -> trainer with init and step
+  build: Callable  # (loss_fn, curvature, cfg, mesh) -> trainer
   uses_curvature: bool
   needs_block_diagonal: bool = False
 
@@ -241,15 +299,17 @@ def method_label(name: str, curvature: Curvature | None) -> str:
 
 
 def make_optimizer(loss_fn: Callable, cfg: Mapping,
-                   curvature: Curvature | None = None):
+                   curvature: Curvature | None = None,
+                   mesh: Mesh | None = None):
   """A trainer (`init(params, batch, rng)`, `step(params, state, batch, rng)`
   -> `(params, state, loss)`, `cycle`, and `compiled_programs(params, state,
   batch, rng)`: the programs its steps run, for their memory) from the
-  `optimizer` config group."""
+  `optimizer` config group; with a `mesh` (`devices.mesh`), for batches
+  split over its devices (`devices.split`)."""
   kind = optimizer_kind(cfg["name"])
   if kind.uses_curvature and curvature is None:
     raise ValueError(f"optimizer={cfg['name']} needs a curvature.")
-  return kind.build(loss_fn, curvature, cfg)
+  return kind.build(loss_fn, curvature, cfg, mesh)
 
 
 def compile_steps(optimizer, params, opt_state, batch, rng) -> float:
@@ -328,8 +388,8 @@ def evaluator(problem, cfg: Mapping, dtype) -> Callable:
 
 
 def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
-        progress: bool = True, at_steps=(), on_step: Callable | None = None
-        ) -> list[dict]:
+        progress: bool = True, at_steps=(), on_step: Callable | None = None,
+        mesh: Mesh | None = None) -> list[dict]:
   """Trains for `cfg["num_steps"]` steps; one row per logged step.
 
   Row `step` s describes the parameters after s updates (0: the
@@ -340,7 +400,8 @@ def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
   compiled first (`compile_steps`, whose seconds are the `compile_s`
   column), and evaluations run with the clock stopped. A non-finite loss
   ends the run; its last row has `diverged` true. `on_step(step, params)`
-  is called, off the clock, after each of `at_steps` steps.
+  is called, off the clock, after each of `at_steps` steps. With a `mesh`
+  (the optimizer's), every batch is split over its devices.
 
   Raises:
     FloatingPointError: when the run diverges before a step of `at_steps`.
@@ -351,7 +412,12 @@ def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
   dtype = jax.tree.leaves(params)[0].dtype
   batches = problem.batches(seed=data_seed, dtype=dtype)
   evaluate = evaluator(problem, cfg, dtype)
-  first = next(batches)
+  if mesh is None:
+    place = lambda batch: batch
+  else:
+    place = lambda batch: devices.split(batch, mesh, "problem.batch_size")
+    params = devices.replicate(params, mesh)
+  first = place(next(batches))
   opt_state = optimizer.init(params, first, rng)
   compile_s = compile_steps(optimizer, params, opt_state, first, rng)
   if 0 in at_steps:
@@ -389,5 +455,5 @@ def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
       elapsed += time.perf_counter() - start
     if step in at_steps:
       on_step(step, params)
-    batch = next(batches)
+    batch = place(next(batches))
   return rows

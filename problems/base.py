@@ -68,9 +68,16 @@ class Problem:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"Unknown task {self.task!r}; choose one of {TASKS}.")
-    if self.batch_size < 1 or self.batch_size > len(self.data.x_train):
-      raise ValueError(f"batch_size={self.batch_size} must be between 1 and "
-                       f"the {len(self.data.x_train)} training examples.")
+    count = len(self.data.x_train)
+    if count == 0:  # the loaders refuse this; a hand-made Dataset may not
+      raise ValueError(
+          f"The {self.data.name} data has no training examples: give "
+          "problem.data sizes (num_train, num_test, ...) that leave some.")
+    if self.batch_size < 1 or self.batch_size > count:
+      raise ValueError(
+          f"batch_size={self.batch_size} must be between 1 and the {count} "
+          f"training examples of {self.data.name}: lower problem.batch_size "
+          "or train on more examples (problem.data).")
 
   @classmethod
   def from_model(cls, model: Callable, data: Dataset, cfg: dict, *, task: str,

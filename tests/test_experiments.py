@@ -19,6 +19,7 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
   subprocess.run(
       [str(CURVBENCH), "-m", "+experiment=kfac_paper_small",
        f"hydra.sweep.dir={sweep}", "progress=false",
+       f"compilation_cache={tmp_path / 'jax_cache'}",
        "measure.training.num_steps=10", "measure.training.eval_every=5",
        "seed=0,1",  # replaces the preset's seeds
        "tuning.grid.adam.learning_rate=[0.001,0.01]",

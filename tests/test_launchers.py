@@ -92,6 +92,21 @@ def test_timing_runs_sharing_a_device_are_refused_before_launch(tmp_path):
   assert not root.exists() or not run_dirs(root)  # nothing was launched
 
 
+@pytest.mark.slow
+def test_a_sweep_with_a_bad_point_launches_nothing(tmp_path):
+  """One bad point of four stops the sweep before any run starts or any
+  skip is recorded, naming the point and its setting."""
+  root = tmp_path / "sweep"
+  code, out = sweep(root, "measure=training", "optimizer=sgd,adam",
+                    "curvature=kfac,diagonal",
+                    "measure.training.num_steps=4,0")
+  assert code != 0
+  assert "4 of 8 sweep points have a setting that is not allowed" in out
+  assert "measure.training.num_steps=0 is not allowed" in out
+  assert "Launching" not in out
+  assert not root.exists() or not run_dirs(root)
+
+
 def launcher(name, **settings):
   """The `hydra.launcher` config that `launcher=NAME` selects."""
   with initialize_config_dir(config_dir=str(config.CONF_DIR),

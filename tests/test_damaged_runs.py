@@ -1,0 +1,132 @@
+"""A sweep with damaged, failed, killed, running and skipped runs: the report
+lists each with its reason and reports the rest; a rerun redoes damage."""
+
+import json
+import shutil
+
+import pandas as pd
+import pytest
+
+from curvbench import app, config, records, report
+from tests.conftest import TINY
+
+ADAM = ("measure=training", "optimizer=adam", *TINY)
+
+
+def _truncate(path, keep=0.5):
+  data = path.read_bytes()
+  path.write_bytes(data[:int(len(data) * keep)])
+
+
+def _fail(run):
+  (run.path / records.MARKER).unlink()
+  run.write_json("ERROR.json", dict(traceback=(
+      "Traceback (most recent call last):\nValueError: no such "
+      "checkpoint /no/such/params.safetensors\n")))
+
+
+def _unmark(run):
+  (run.path / records.MARKER).unlink()
+
+
+HARM = {  # run directory -> what happens to a copy of a finished run
+    "table_cut": lambda run: _truncate(run.path / "training.parquet"),
+    "marker_cut": lambda run: _truncate(run.path / records.MARKER),
+    "table_gone": lambda run: (run.path / "training.parquet").unlink(),
+    "metadata_cut": lambda run: _truncate(run.path / "metadata.json"),
+    "failed": _fail,
+    "failed_error_cut": lambda run: (_fail(run), _truncate(
+        run.path / "ERROR.json")),
+    "killed": _unmark,
+    "killed_early": lambda run: [p.unlink() for p in run.path.iterdir()
+                                 if p.is_file()],
+}
+EXPECTED = {  # run directory -> status and words of its reason
+    "table_cut": ("damaged", "training.parquet is unreadable"),
+    "marker_cut": ("damaged", "DONE.json is unreadable"),
+    "table_gone": ("damaged", "tables training listed in DONE.json are "
+                   "missing"),
+    "metadata_cut": ("damaged", "metadata.json is unreadable"),
+    "failed": ("error", "params.safetensors"),
+    "failed_error_cut": ("error", "ERROR.json is unreadable"),
+    "killed": ("killed", "no completion marker"),
+    "killed_early": ("killed", "no completion marker"),
+    "running": ("running", "running in process"),
+    "skipped": ("skipped", "does not use the optimizer"),
+}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+  """One finished tiny training run, and its config."""
+  cfg = config.compose(*ADAM)
+  path = tmp_path_factory.mktemp("good") / "good"
+  assert app.run(cfg, path) == "complete"
+  return records.RunDir(path), cfg
+
+
+def _copy(good, path) -> records.RunDir:
+  shutil.copytree(good.path, path)
+  (path / ".hydra").mkdir()  # as Hydra leaves it: the resolved config
+  shutil.copy(good.path / "config.yaml", path / ".hydra" / "config.yaml")
+  return records.RunDir(path)
+
+
+def test_report_lists_every_run_not_in_the_results(good, tmp_path):
+  run, _ = good
+  root = tmp_path / "sweep"
+  _copy(run, root / "good")
+  for name, harm in HARM.items():
+    harm(_copy(run, root / name))
+  assert app.record_skip(config.compose("measure=spectra", "optimizer=adam",
+                                        *TINY), root / "skipped")
+  running = _copy(run, root / "running")
+  _unmark(running)
+  with running.lock():
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+
+  runs = pd.read_csv(tmp_path / "out" / "runs.csv").set_index("run_dir")
+  assert runs.status.to_dict() == dict(
+      good="complete", **{k: v[0] for k, v in EXPECTED.items()})
+  text = (tmp_path / "out" / "report.md").read_text()
+  section = text.split("## Runs not in the results")[1].split("\n## ")[0]
+  page = (tmp_path / "out" / "report.html").read_text()
+  listed = pd.read_csv(tmp_path / "out" / "not_in_results.csv")
+  for name, (status, words) in EXPECTED.items():
+    line = next(l for l in section.splitlines() if f"| {name} |" in l)
+    assert f"| {status} |" in line and words in line, line
+    assert name in page
+    assert words in listed[listed.run_dir == name].reason.item()
+  training = pd.read_csv(tmp_path / "out" / "training_all.csv")
+  assert set(training.run_dir) == {"good"}
+  assert "## Training: final errors and losses" in text
+
+
+def test_report_names_the_runs_not_in_the_results(good, tmp_path, capsys):
+  run, _ = good
+  _copy(run, tmp_path / "good")
+  HARM["table_cut"](_copy(run, tmp_path / "cut"))
+  HARM["killed"](_copy(run, tmp_path / "killed"))
+  assert report.main([str(tmp_path)]) == 0
+  assert "not in the results: 1 damaged, 1 killed" in capsys.readouterr().out
+
+
+def test_a_rerun_redoes_damaged_runs_and_keeps_intact_ones(good, tmp_path):
+  run, cfg = good
+  intact = _copy(run, tmp_path / "intact")
+  before = {p.name: p.read_bytes() for p in intact.path.iterdir()
+            if p.is_file()}
+  assert app.run(cfg, intact.path) == "cached"
+  assert {p.name: p.read_bytes() for p in intact.path.iterdir()
+          if p.is_file()} == before
+  for name in ("table_cut", "marker_cut", "table_gone"):
+    damaged = _copy(run, tmp_path / name)
+    HARM[name](damaged)
+    assert not damaged.done
+    assert app.run(cfg, damaged.path) == "complete", name
+    assert damaged.done and damaged.damage() is None
+    assert json.loads((damaged.path / records.MARKER).read_text())[
+        "tables"] == ["config", "training"]
+    redone, first = damaged.tables()["training"], run.tables()["training"]
+    numbers = ["step"] + [c for c in first if c.endswith(("loss", "error"))]
+    pd.testing.assert_frame_equal(redone[numbers], first[numbers])
