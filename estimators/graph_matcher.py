@@ -922,6 +922,20 @@ class TaggedFunction:
     return [dict(r) for r in self._registration(func_args).report]
 
 
+def matcher_options(auto_register_kwargs: Mapping[str, Any] | None = None,
+                    register_only_generic: bool = False,
+                    patterns_to_skip: Sequence[str] = ()) -> dict[str, Any]:
+  """The keyword arguments of `auto_register_tags` that an optimizer's
+  separate `register_only_generic` and `patterns_to_skip` arguments and its
+  `auto_register_kwargs` add up to."""
+  options = dict(auto_register_kwargs or {})
+  if register_only_generic:
+    options["register_only_generic"] = True
+  if patterns_to_skip:
+    options["patterns_to_skip"] = tuple(patterns_to_skip)
+  return options
+
+
 def check_patterns_to_skip(
     patterns_to_skip: Sequence[str],
     graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS) -> None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimators import utils
+from estimators import graph_matcher, utils
 from estimators.curvature import (BlockDiagonalCurvature, CurvatureBlockCtor,
                                   default_batch_size_extractor)
 
@@ -149,11 +149,8 @@ class OptaxPreconditioner:
     self._pmap_axis_name = pmap_axis_name
     self._batch_size_extractor = batch_size_extractor
 
-    auto_kwargs = dict(auto_register_kwargs or {})
-    if register_only_generic:
-      auto_kwargs["register_only_generic"] = True
-    if patterns_to_skip:
-      auto_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
+    auto_kwargs = graph_matcher.matcher_options(
+        auto_register_kwargs, register_only_generic, patterns_to_skip)
     self._estimator = BlockDiagonalCurvature(
         value_func, params_index=0,
         default_estimation_mode=estimation_mode,

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimators import curvature, estimation_modes, tracer, utils
+from estimators import (curvature, estimation_modes, graph_matcher, tracer,
+                        utils)
 from estimators.utils import staging
 
 Params = Any
@@ -262,11 +263,8 @@ class Optimizer:
     self.distributed_precon_apply = distributed_precon_apply
     self.distributed_inverses = distributed_inverses
 
-    auto_kwargs = dict(auto_register_kwargs or {})
-    if register_only_generic:
-      auto_kwargs["register_only_generic"] = True
-    if patterns_to_skip:
-      auto_kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
+    auto_kwargs = graph_matcher.matcher_options(
+        auto_register_kwargs, register_only_generic, patterns_to_skip)
     self._value_func = self._make_value_func()
     self._estimator = estimator_ctor(
         self._value_func, params_index=0,
