@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
+
+from curvbench import devices
 
 
 def program_bytes(compiled: jax.stages.Compiled) -> float:
@@ -27,11 +29,13 @@ def program_bytes(compiled: jax.stages.Compiled) -> float:
                + memory.temp_size_in_bytes)
 
 
-def device_peak_bytes() -> float:
-  """The most bytes the first local device has held since the process
-  started (NaN where the runtime keeps no statistics, as on the CPU)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return float(stats.get("peak_bytes_in_use", float("nan")))
+def device_peak_bytes(used: Sequence[jax.Device] | None = None) -> float:
+  """The most bytes any of the `used` devices (default: those the run
+  measures on, `devices.in_use()`) has held since the process started (NaN
+  where the runtime keeps no statistics, as on the CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", math.nan)
+           for d in (devices.in_use() if used is None else used)]
+  return math.nan if any(map(math.isnan, peaks)) else float(max(peaks))
 
 
 def memory_source() -> str:

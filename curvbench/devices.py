@@ -37,8 +37,8 @@ _INSTALL = {
            "host",
 }
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-# The device count of the innermost `use` block (what `describe` records).
-_DEVICES_USED = contextvars.ContextVar("devices_used", default=1)
+# The devices of the innermost `use` block (None outside one).
+_IN_USE = contextvars.ContextVar("devices_in_use", default=None)
 
 
 def select(platform: str) -> jax.Device:
@@ -129,13 +129,19 @@ def use(platform: str, count: int = 1) -> Iterator[jax.Device]:
   count = check_count(count)
   if platform in ("auto", "cpu"):
     request_host_devices(count)
-  device = local(platform, count)[0]
-  token = _DEVICES_USED.set(count)
+  used = local(platform, count)
+  token = _IN_USE.set(used)
   try:
-    with jax.default_device(device):
-      yield device
+    with jax.default_device(used[0]):
+      yield used[0]
   finally:
-    _DEVICES_USED.reset(token)
+    _IN_USE.reset(token)
+
+
+def in_use() -> list[jax.Device]:
+  """The devices of the enclosing `use` block; outside one, the default
+  backend's first device."""
+  return _IN_USE.get() or jax.local_devices()[:1]
 
 
 def describe(device: jax.Device, count: int | None = None) -> dict:
@@ -143,7 +149,7 @@ def describe(device: jax.Device, count: int | None = None) -> dict:
   its platform are local, how many the run uses (`count`; None: the count
   of the enclosing `use` block, else 1), and the runtime's version string
   (on GPUs, the CUDA and driver versions JAX reports)."""
-  used = _DEVICES_USED.get() if count is None else check_count(count)
+  used = len(in_use()) if count is None else check_count(count)
   return dict(device_kind=device.device_kind, platform=device.platform,
               num_devices=len(jax.local_devices(backend=device.platform)),
               devices_used=used,

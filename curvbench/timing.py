@@ -31,9 +31,9 @@ Every row also records memory (`costs.memory_columns`): `program_bytes`,
 XLA's figure (arguments + outputs + temporaries) for the phase's compiled
 program, for a step the largest of the programs its kinds of step run
 (K-FAC's recompiled from `Optimizer.uncompiled_step`, burn-in aside);
-`device_peak_bytes`, the device's peak since the process started, read
-after the phase (NaN on the CPU); and `memory_source`, 'device' where that
-peak is measured, else 'xla_analysis'.
+`device_peak_bytes`, the highest peak of the devices used since the
+process started, read after the phase (NaN on the CPU); and
+`memory_source`, 'device' where that peak is measured, else 'xla_analysis'.
 
 `ratio_to_grad_step` and `ratio_to_adam_step` are a row's median over the
 median of `grad_step` and of `adam_step`: the latter is the cost of the

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 import estimators as kfac
+from estimators.utils import staging
 from curvbench import costs, devices
 from curvbench.curvatures import Curvature
 
@@ -210,7 +211,7 @@ class KFACTrainer:
              for k, v in self.step_kwargs.items()}
     # Only the memory figure is wanted: the CPU's quicker code generation
     # halves the compile time and leaves the buffers as they are.
-    options = (_QUICK_CPU_COMPILE if jax.default_backend() == "cpu"
+    options = (_QUICK_CPU_COMPILE if staging.target_platform() == "cpu"
                else None)
 
     def compiled(refresh, adapt):

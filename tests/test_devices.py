@@ -48,7 +48,9 @@ def test_describe_records_the_devices_a_run_uses():
     with devices.use("cpu", 2) as device:
       assert device == cpu
       assert devices.describe(cpu)["devices_used"] == 2
+      assert devices.in_use() == jax.devices("cpu")[:2]
   assert devices.describe(cpu)["devices_used"] == 1
+  assert devices.in_use() == jax.local_devices()[:1]
   with pytest.raises(ValueError, match="devices=0 must be a positive"):
     devices.describe(cpu, 0)
 

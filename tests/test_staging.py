@@ -52,3 +52,22 @@ def test_stage_over_devices_with_pmap():
   assert new_state["cache"] is state["cache"] and x0 is x
   np.testing.assert_array_equal(new_state["count"], np.ones(n))
   np.testing.assert_array_equal(x2, 2 * np.ones((n, 3)))
+
+
+def test_target_platform_follows_the_default_device():
+  # Without this, `jax.pmap` inside `jax.default_device(cpu)` would run on
+  # a GPU when the machine has one.
+  assert staging.target_platform() == jax.default_backend()
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert staging.target_platform() == "cpu"
+  with jax.default_device("cpu"):
+    assert staging.target_platform() == "cpu"
+
+
+def test_pmap_stage_runs_on_the_default_devices_platform():
+  staged = staging.stage(lambda x: jax.lax.psum(x, "i") * 2,
+                         pmap_axis_name="i")
+  with jax.default_device(jax.devices("cpu")[0]):
+    out = staged(jnp.ones((2, 3)))
+  np.testing.assert_array_equal(out, np.full((2, 3), 4.0))
+  assert {d.platform for d in out.devices()} == {"cpu"}

@@ -10,6 +10,7 @@ the compiled program, and puts the caller's arrays back in their place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,19 @@ def _as_array(x):
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
+def target_platform() -> str:
+  """The platform a program compiled now runs on: that of JAX's default
+  device when one is set (`jax.default_device`), else the default backend.
+
+  `jax.pmap` would otherwise take the default backend's devices even inside
+  `jax.default_device(cpu)` on a machine with a GPU.
+  """
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.default_backend()
+  return device if isinstance(device, str) else device.platform
+
+
 def stage(fn: Callable, static_argnums: Sequence[int] = (),
           pmap_axis_name: str | None = None,
           cpu_options: dict | None = None) -> Callable:
@@ -68,17 +82,18 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
     computed = [x for x, s in zip(leaves, sources) if s is None]
     return computed, _Forwarding(tree, sources)
 
-  if pmap_axis_name is None:
+  @functools.cache
+  def compiled_for(platform):
+    if pmap_axis_name is not None:
+      return jax.pmap(pruned, axis_name=pmap_axis_name, backend=platform,
+                      static_broadcasted_argnums=static_argnums)
     options = ({**_CPU_OPTIONS, **(cpu_options or {})}
-               if jax.default_backend() == "cpu" else None)
-    compiled = jax.jit(pruned, static_argnums=static_argnums,
-                       compiler_options=options)
-  else:
-    compiled = jax.pmap(pruned, axis_name=pmap_axis_name,
-                        static_broadcasted_argnums=static_argnums)
+               if platform == "cpu" else None)
+    return jax.jit(pruned, static_argnums=static_argnums,
+                   compiler_options=options)
 
   def call(*args):
-    computed, forwarding = compiled(*args)
+    computed, forwarding = compiled_for(target_platform())(*args)
     inputs = _dynamic_leaves(args, static_argnums)
     computed = iter(computed)
     return jax.tree.unflatten(forwarding.tree, [
