@@ -22,14 +22,9 @@ from estimators import blocks as curvature_blocks
 from estimators import (distributed, estimation_modes, graph_matcher, tags,
                         tracer, utils)
 from estimators.blocks.base import Numeric, ScalarOrSequence
+from estimators.utils.types import FuncArgs, Params, StateType
 
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
-# A pytree shaped like the model's parameters.
-Params = Any
-# The model function's positional arguments.
-FuncArgs = Sequence[Any]
-# The state type of an estimator, for `CurvatureEstimator[StateType]`.
-StateType = utils.StateType
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
     "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
@@ -94,11 +89,16 @@ class _InPlaceMovingAverage(utils.WeightedMovingAverage):
     return self
 
 
+def _map_averages(fn, state):
+  """`state` with `fn` applied to each of its moving averages."""
+  is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
+  return jax.tree.map(lambda x: fn(x) if is_average(x) else x, state,
+                      is_leaf=is_average)
+
+
 def _with_averages(state, cls):
   """`state` with every moving average rebuilt as a `cls`."""
-  is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
-  return jax.tree.map(lambda x: cls(x.weight, x.raw_value)
-                      if is_average(x) else x, state, is_leaf=is_average)
+  return _map_averages(lambda x: cls(x.weight, x.raw_value), state)
 
 
 def update_block_estimate(block: curvature_blocks.CurvatureBlock, state: Any,
@@ -373,10 +373,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     """
     if pmap_axis_name is None:
       return state
-    is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
-    return jax.tree.map(
-        lambda x: jax.lax.pmean(x, pmap_axis_name) if is_average(x) else x,
-        state, is_leaf=is_average)
+    return _map_averages(lambda x: jax.lax.pmean(x, pmap_axis_name), state)
 
   def _mode(self, estimation_mode):
     return estimation_modes.check_estimation_mode(

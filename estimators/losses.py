@@ -27,10 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from estimators.tags import LossTag
-
-Array = jax.Array
-Shape = tuple[int, ...]
-Numeric = float | jax.Array
+from estimators.utils.types import Array, Numeric, Shape
 
 COEFFICIENT_MODES = ("regular", "sqrt", "off")
 

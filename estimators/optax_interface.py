@@ -197,9 +197,7 @@ class OptaxPreconditioner:
     Returns:
       True (or a traced boolean) on steps divisible by the period.
     """
-    if self._curvature_update_period == 1:
-      return True
-    return state.count % self._curvature_update_period == 0
+    return _is_due(state.count, self._curvature_update_period)
 
   def should_update_inverse_cache(self, state: OptaxPreconditionState
                                   ) -> jax.Array | bool:
@@ -211,9 +209,7 @@ class OptaxPreconditioner:
     Returns:
       True (or a traced boolean) on steps divisible by the period.
     """
-    if self._inverse_update_period == 1:
-      return True
-    return state.count % self._inverse_update_period == 0
+    return _is_due(state.count, self._inverse_update_period)
 
   def _powers(self) -> tuple[Any, Any]:
     """(exact, approximate) powers to cache."""
@@ -392,6 +388,12 @@ class OptaxPreconditioner:
       return self.multiply_curvature(updates, precond_state), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_due(count: jax.Array, period: int) -> jax.Array | bool:
+  """Whether step `count` is one of every `period`; a plain True for period
+  1, so that `_maybe` adds no conditional to the program."""
+  return True if period == 1 else count % period == 0
 
 
 def _maybe(condition: jax.Array | bool, fn: Callable[[Any], Any],

@@ -22,11 +22,8 @@ import numpy as np
 from estimators import (curvature, estimation_modes, graph_matcher, tracer,
                         utils)
 from estimators.utils import staging
+from estimators.utils.types import Batch, FuncState, Numeric, Params
 
-Params = Any
-Batch = Any
-FuncState = Any
-Numeric = float | jax.Array
 # A function of the step number giving a hyperparameter's value.
 Schedule = Callable[[int], Numeric]
 
@@ -53,10 +50,6 @@ class OptimizerState:
 def state_dtype(tree: Params) -> jnp.dtype:
   """The floating dtype of a params-like tree (the optimizer computes in it)."""
   return jnp.result_type(*jax.tree.leaves(tree))
-
-
-def _scale(c, tree):
-  return jax.tree.map(lambda x: c * x, tree)
 
 
 def _add(a, b):
@@ -746,8 +739,8 @@ class Optimizer:
         use_cached=True, pmap_axis_name=self._pmap_axis_name)
     if self._norm_constraint is not None:
       sq_norm = utils.inner_product(precon, grads) * learning_rate ** 2
-      precon = _scale(jnp.minimum(
-          1.0, jnp.sqrt(self._norm_constraint / sq_norm)), precon)
+      precon = utils.scalar_mul(precon, jnp.minimum(
+          1.0, jnp.sqrt(self._norm_constraint / sq_norm)))
 
     vectors = (precon, state.velocities)
     adaptive = self._adaptive_lr or self._adaptive_momentum
@@ -763,8 +756,7 @@ class Optimizer:
     coefficients = self._coefficients(quad + damping * gram, linear,
                                       learning_rate, momentum,
                                       first_step=state.step_counter == 0)
-    delta = _add(_scale(coefficients[0], precon),
-                 _scale(coefficients[1], state.velocities))
+    delta = utils.weighted_sum_of_objects(vectors, coefficients)
     new_params = _add(params, delta)
 
     quad_for_change = quad + (damping * gram

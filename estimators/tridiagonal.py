@@ -37,9 +37,8 @@ from jax.scipy import linalg as jsl
 from estimators import blocks as curvature_blocks
 from estimators import curvature, distributed, tags, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence, canonical_powers
+from estimators.utils.types import FuncArgs, Params
 
-Params = curvature.Params
-FuncArgs = curvature.FuncArgs
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

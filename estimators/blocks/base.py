@@ -39,12 +39,10 @@ import numpy as np
 
 from estimators import tags
 from estimators import utils
+# Numeric: weights, scales, EMA factors. ScalarOrSequence: what `init` and
+# `update_cache` accept for powers (None, one or several).
+from estimators.utils.types import Array, Numeric, ScalarOrSequence
 
-Array = jax.Array
-# A Python number or a scalar array (weights, scales, EMA factors).
-Numeric = float | jax.Array
-# What `init` and `update_cache` accept for powers: None, one or several.
-ScalarOrSequence = float | Sequence[float] | None
 # A vector of a block: one array per parameter, shaped like it.
 BlockVector = tuple[jax.Array, ...]
 

@@ -22,20 +22,6 @@ def product(values: Sequence[int]) -> int:
   return int(math.prod(int(v) for v in values))
 
 
-def scalar_mul(arrays: Sequence[jax.Array],
-               scalar: float | jax.Array) -> tuple[jax.Array, ...]:
-  """Multiplies every array by one scalar.
-
-  Args:
-    arrays: the arrays.
-    scalar: the factor.
-
-  Returns:
-    A tuple of the scaled arrays.
-  """
-  return tuple(a * scalar for a in arrays)
-
-
 def flatten_arrays(arrays: Sequence[jax.Array], leading: int = 0) -> jax.Array:
   """Flattens arrays into one, keeping some leading axes.
 
