@@ -52,12 +52,21 @@ class ConfigError(ValueError):
 # --- what one setting may hold ------------------------------------------------
 
 class Setting:
-  """What one key may hold: `accepts(value)`, and `describe()` in words."""
+  """What one key may hold: `accepts(value)`, and `describe()` in words.
+  Subclasses say what a value may be (`_accepts`, `_describe`); null is
+  allowed where `null` is True (conf/ says what it means there)."""
+  null = False
 
   def accepts(self, value) -> bool:
-    raise NotImplementedError
+    return self.null if value is None else self._accepts(value)
 
   def describe(self) -> str:
+    return ("null or " if self.null else "") + self._describe()
+
+  def _accepts(self, value) -> bool:
+    raise NotImplementedError
+
+  def _describe(self) -> str:
     raise NotImplementedError
 
   def complaint(self, key: str, value) -> str | None:
@@ -72,18 +81,16 @@ class Whole(Setting):
   """A whole number (an int, not a bool) in `[low, high]`."""
   low: int = 0
   high: int | None = None
-  null: bool = False  # null allowed (conf/ says what it means there)
+  null: bool = False
 
-  def accepts(self, value) -> bool:
-    if value is None:
-      return self.null
+  def _accepts(self, value) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)
             and value >= self.low and (self.high is None or value <= self.high))
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     span = (f">= {self.low}" if self.high is None
             else f"between {self.low} and {self.high}")
-    return ("null or " if self.null else "") + f"a whole number {span}"
+    return f"a whole number {span}"
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,7 @@ class Number(Setting):
   finite: bool = True
   null: bool = False
 
-  def accepts(self, value) -> bool:
-    if value is None:
-      return self.null
+  def _accepts(self, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       return False
     if math.isnan(value) or (self.finite and math.isinf(value)):
@@ -108,21 +113,20 @@ class Number(Setting):
       return False
     return self.high is None or value < self.high
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     if self.low is not None and self.high is not None:
       span = f"in [{self.low:g}, {self.high:g})"
     else:
       span = f"{'>=' if self.low_in else '>'} {self.low:g}"
-    tail = "" if self.finite else " (inf: no limit)"
-    return ("null or " if self.null else "") + f"a number {span}{tail}"
+    return f"a number {span}" + ("" if self.finite else " (inf: no limit)")
 
 
 @dataclass(frozen=True)
 class Flag(Setting):
-  def accepts(self, value) -> bool:
+  def _accepts(self, value) -> bool:
     return isinstance(value, bool)
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     return "true or false"
 
 
@@ -130,12 +134,11 @@ class Flag(Setting):
 class Text(Setting):
   null: bool = False
 
-  def accepts(self, value) -> bool:
-    return (value is None and self.null) or (isinstance(value, str)
-                                             and bool(value.strip()))
+  def _accepts(self, value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
-  def describe(self) -> str:
-    return ("null or " if self.null else "") + "a non-empty text"
+  def _describe(self) -> str:
+    return "a non-empty text"
 
 
 @dataclass(frozen=True)
@@ -143,10 +146,10 @@ class OneOf(Setting):
   """One of a fixed set of names."""
   options: tuple
 
-  def accepts(self, value) -> bool:
+  def _accepts(self, value) -> bool:
     return isinstance(value, str) and value in self.options
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     return f"one of {', '.join(map(str, self.options))}"
 
   def complaint(self, key: str, value) -> str | None:
@@ -162,16 +165,13 @@ class ListOf(Setting):
   min_len: int = 0
   null: bool = False
 
-  def accepts(self, value) -> bool:
-    if value is None:
-      return self.null
+  def _accepts(self, value) -> bool:
     return (isinstance(value, list) and len(value) >= self.min_len
             and all(self.item.accepts(v) for v in value))
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     size = f"at least {self.min_len} " if self.min_len else ""
-    return (("null or " if self.null else "")
-            + f"a list of {size}items, each {self.item.describe()}")
+    return f"a list of {size}items, each {self.item.describe()}"
 
   def complaint(self, key: str, value) -> str | None:
     if isinstance(value, list) and len(value) >= self.min_len:
@@ -366,9 +366,9 @@ def _batches_split_across_devices(c: dict) -> Iterator[str]:
   if kind == "spectra" and spectra["data"] == "train":
     sizes.append(("measure.spectra.chunk_size", spectra["chunk_size"]))
   for key, size in sizes:
-    if size is not None and size % count:
-      yield (f"{key}={size} does not split evenly across devices={count}: "
-             f"set {key} to a multiple of {count}, or change devices=.")
+    if size is not None and (
+        complaint := devices.split_complaint(size, count, key)) is not None:
+      yield complaint
 
 
 # The side of a dataset's images, where its config does not give `size`.

@@ -158,14 +158,14 @@ def describe(device: jax.Device, count: int | None = None) -> dict:
 
 # --- placing data on a mesh --------------------------------------------------
 
-def check_divisible(size: int, mesh: Mesh, setting: str) -> None:
-  """Raises a ValueError naming `setting` unless `size` examples split
-  evenly over the mesh's devices."""
-  if size % mesh.size:
-    raise ValueError(
-        f"{setting}={size} does not split evenly across devices="
-        f"{mesh.size}: set {setting} to a multiple of {mesh.size}, or change "
-        "devices=.")
+def split_complaint(size: int, count: int, setting: str) -> str | None:
+  """Why `size` examples (set by `setting`) do not split evenly over
+  `count` devices; None when they do."""
+  if size % count:
+    return (f"{setting}={size} does not split evenly across devices="
+            f"{count}: set {setting} to a multiple of {count}, or change "
+            "devices=.")
+  return None
 
 
 def split(tree, mesh: Mesh, setting: str, axis: int = 0):
@@ -181,7 +181,9 @@ def split(tree, mesh: Mesh, setting: str, axis: int = 0):
     ValueError: when the size is not a multiple of the device count.
   """
   for leaf in jax.tree.leaves(tree):
-    check_divisible(np.shape(leaf)[axis], mesh, setting)
+    complaint = split_complaint(np.shape(leaf)[axis], mesh.size, setting)
+    if complaint is not None:
+      raise ValueError(complaint)
   spec = P(*([None] * axis), AXIS)
   return jax.device_put(tree, NamedSharding(mesh, spec))
 

@@ -405,9 +405,10 @@ TITLES = dict(
     tuning="Tuning: each setting's score (mean over seeds)")
 
 
-def write(root, out=None) -> dict[str, list[Path]]:
+def write(root, out=None) -> dict:
   """Writes the merged tables, summaries, figures, `report.md` and
-  `report.html`; returns the paths."""
+  `report.html`; returns their paths (`tables`, `figures`) and how many
+  runs of each status in `NOT_IN_RESULTS` there are (`not_in_results`)."""
   root = Path(root)
   out = Path(out) if out else root / "report"
   sweep = load_sweep(root)
@@ -417,7 +418,10 @@ def write(root, out=None) -> dict[str, list[Path]]:
   done = settings(sweep.runs)
   tables = {name: _with_labels(df, done) for name, df in sweep.tables.items()}
   out.mkdir(parents=True, exist_ok=True)
-  written = {"tables": [], "figures": []}
+  counts = sweep.runs.status.value_counts()
+  written = {"tables": [], "figures": [], "not_in_results": {
+      status: int(n) for status, n in counts.items()
+      if status in NOT_IN_RESULTS}}
 
   def save_csv(name, df):
     path = out / f"{name}.csv"
@@ -508,9 +512,8 @@ def main(argv=None) -> int:
   out = Path(args.out or Path(args.dir) / "report")
   print(f"[curvbench] wrote {len(written['tables'])} tables and "
         f"{len(written['figures'])} figures under {out}")
-  missing = pd.read_csv(out / "runs.csv").status.value_counts()
-  missing = missing[missing.index.isin(NOT_IN_RESULTS)]
-  if len(missing):
+  missing = written["not_in_results"]
+  if missing:
     print("[curvbench] not in the results: " + ", ".join(
         f"{n} {status}" for status, n in missing.items())
           + f" (see '{TITLES['not_in_results']}' in {out / 'report.md'})")

@@ -273,17 +273,15 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer_cfg,
   for phase in tqdm(timed, desc="timing", disable=not progress, leave=False):
     stats[phase] = time_function(*calls[phase], warmup, repeats)
 
-  # Without a mesh, the single-device call of make_optimizer, unchanged.
-  on_mesh = {} if mesh is None else dict(mesh=mesh)
   optimizer = training.make_optimizer(loss_fn, optimizer_cfg, curvature,
-                                      **on_mesh)
+                                      mesh)
   steps = int(optimizer.cycle)
   steppers = {}
   if "optimizer_step" in phases:
     steppers["optimizer_step"] = Stepper(optimizer, params, batch,
                                          jax.random.fold_in(rng, 1), steps)
   steppers[BASELINE_PHASE] = Stepper(
-      training.make_optimizer(loss_fn, baseline_cfg, **on_mesh), params,
+      training.make_optimizer(loss_fn, baseline_cfg, mesh=mesh), params,
       batch, jax.random.fold_in(rng, 2), steps)
   stats.update(time_steps(steppers, warmup, repeats, progress))
 

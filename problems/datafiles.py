@@ -23,15 +23,14 @@ class DataFileError(ValueError):
   """A data file that cannot be read or holds the wrong content."""
 
 
-def save_npz(path: Path, arrays: dict) -> None:
+def save_npz(path: Path, arrays: dict, compressed: bool = False) -> None:
   """Writes `arrays` to `path` through a temporary file, so `path` is absent
   or whole; the file gets the mode a plain `open` gives (the umask's)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-  os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
   try:
-    with open(tmp, "wb") as f:
-      np.savez(f, **arrays)
+    with open(tmp, "xb") as f:
+      (np.savez_compressed if compressed else np.savez)(f, **arrays)
     os.replace(tmp, path)
   finally:
     tmp.unlink(missing_ok=True)

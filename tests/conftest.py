@@ -76,3 +76,9 @@ def sweep(tmp_path_factory):
   status = {name: app.run(config.compose(*o, *TINY), root / name)
             for name, o in SWEEP.items()}
   return root, status
+
+
+def truncate(path, keep=0.5):
+  """Cuts a file to `keep` of its bytes, as a crash mid-write would."""
+  data = path.read_bytes()
+  path.write_bytes(data[:int(len(data) * keep)])

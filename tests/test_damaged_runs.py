@@ -8,14 +8,9 @@ import pandas as pd
 import pytest
 
 from curvbench import app, config, records, report
-from tests.conftest import TINY
+from tests.conftest import TINY, truncate
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
-
-
-def _truncate(path, keep=0.5):
-  data = path.read_bytes()
-  path.write_bytes(data[:int(len(data) * keep)])
 
 
 def _fail(run):
@@ -30,12 +25,12 @@ def _unmark(run):
 
 
 HARM = {  # run directory -> what happens to a copy of a finished run
-    "table_cut": lambda run: _truncate(run.path / "training.parquet"),
-    "marker_cut": lambda run: _truncate(run.path / records.MARKER),
+    "table_cut": lambda run: truncate(run.path / "training.parquet"),
+    "marker_cut": lambda run: truncate(run.path / records.MARKER),
     "table_gone": lambda run: (run.path / "training.parquet").unlink(),
-    "metadata_cut": lambda run: _truncate(run.path / "metadata.json"),
+    "metadata_cut": lambda run: truncate(run.path / "metadata.json"),
     "failed": _fail,
-    "failed_error_cut": lambda run: (_fail(run), _truncate(
+    "failed_error_cut": lambda run: (_fail(run), truncate(
         run.path / "ERROR.json")),
     "killed": _unmark,
     "killed_early": lambda run: [p.unlink() for p in run.path.iterdir()

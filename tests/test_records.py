@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from curvbench import records
+from tests.conftest import truncate
 
 
 def test_records_atomic_tables_and_marker(tmp_path):
@@ -37,11 +38,6 @@ def finished_run(path) -> records.RunDir:
                                            run_id="r1"))
   run.mark_done(run_id="r1")
   return run
-
-
-def truncate(path, keep=0.5):
-  data = path.read_bytes()
-  path.write_bytes(data[:int(len(data) * keep)])
 
 
 @pytest.mark.parametrize("harm, reason", [

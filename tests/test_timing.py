@@ -75,8 +75,8 @@ def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
 
   trainers = {}
 
-  def counted(loss_fn, cfg, curvature=None):
-    trainers[cfg["name"]] = Counted(make(loss_fn, cfg, curvature),
+  def counted(loss_fn, cfg, curvature=None, mesh=None):
+    trainers[cfg["name"]] = Counted(make(loss_fn, cfg, curvature, mesh),
                                     cfg["name"], log)
     return trainers[cfg["name"]]
 
