@@ -15,6 +15,7 @@ optimizer's own arguments.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 import uuid
@@ -51,7 +52,7 @@ class ConfigError(ValueError):
 
 # --- what one setting may hold ------------------------------------------------
 
-class Setting:
+class Setting(abc.ABC):
   """What one key may hold: `accepts(value)`, and `describe()` in words.
   Subclasses say what a value may be (`_accepts`, `_describe`); null is
   allowed where `null` is True (conf/ says what it means there)."""
@@ -63,11 +64,13 @@ class Setting:
   def describe(self) -> str:
     return ("null or " if self.null else "") + self._describe()
 
+  @abc.abstractmethod
   def _accepts(self, value) -> bool:
-    raise NotImplementedError
+    """Whether a value other than None is allowed."""
 
+  @abc.abstractmethod
   def _describe(self) -> str:
-    raise NotImplementedError
+    """What is allowed, in words (null aside)."""
 
   def complaint(self, key: str, value) -> str | None:
     """Why `value` is not allowed at `key` (None when it is)."""
@@ -191,10 +194,10 @@ class Parsed(Setting):
   parse: Callable
   words: str
 
-  def accepts(self, value) -> bool:
+  def _accepts(self, value) -> bool:
     return self.complaint("", value) is None
 
-  def describe(self) -> str:
+  def _describe(self) -> str:
     return self.words
 
   def complaint(self, key: str, value) -> str | None:
