@@ -177,6 +177,10 @@ class CurvatureBlock(abc.ABC):
   # reference's guide to writing a block. A subclass overriding that method
   # is fed one sample at a time unless its own body sets this to True.
   estimation_data_has_sample_axis: bool = True
+  # Whether the statistics are held in a basis that `update_cache`
+  # recomputes (EKFAC's): an estimate meant as the mean over many batches
+  # then takes a second pass over them, in the basis of the first.
+  statistics_in_cached_basis: bool = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

@@ -51,6 +51,7 @@ class EKFAC(kronecker.TwoKroneckerFactored):
   """
 
   estimation_data_has_sample_axis = True  # its update takes all samples
+  statistics_in_cached_basis = True  # the scalings, in the factors' basis
 
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)

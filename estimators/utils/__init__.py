@@ -14,7 +14,8 @@ from estimators.utils.moving_average import WeightedMovingAverage
 from estimators.utils.pytree import (flatten_arrays, gram_matrix,
                                      inner_product, is_tracer, product,
                                      unflatten_vector)
-from estimators.utils.tree_math import (first_dim_is_size, norm, scalar_div,
+from estimators.utils.tree_math import (default_batch_size_extractor,
+                                        first_dim_is_size, norm, scalar_div,
                                         scalar_mul, squared_norm,
                                         weighted_sum_of_objects)
 from estimators.utils.types import (Array, Batch, DType, Func, FuncArgs,
@@ -44,11 +45,3 @@ __all__ = [
     "safe_psd_eigh", "symmetrize",
 ]
 
-
-def __getattr__(name):
-  # The estimator module imports this package, so its batch-size extractor
-  # is fetched on first use rather than imported here (an import cycle).
-  if name == "default_batch_size_extractor":
-    from estimators.curvature import default_batch_size_extractor
-    return default_batch_size_extractor
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

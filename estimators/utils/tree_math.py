@@ -99,3 +99,14 @@ def first_dim_is_size(size: int, *args: jax.Array) -> bool:
     True when all leading sizes equal `size`.
   """
   return all(jnp.ndim(a) > 0 and jnp.shape(a)[0] == size for a in args)
+
+def default_batch_size_extractor(batch: Any) -> int:
+  """The batch size of a batch pytree.
+
+  Args:
+    batch: a pytree of arrays with the batch axis first.
+
+  Returns:
+    The size of the leading axis of its first leaf.
+  """
+  return jax.tree.leaves(batch)[0].shape[0]

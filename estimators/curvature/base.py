@@ -1,0 +1,368 @@
+"""What every curvature estimator provides, and the block defaults they share.
+
+Parameter vectors are pytrees shaped like the model's params. Dense exports
+(`to_dense_matrix`) and `dim` use the order of `jax.flatten_util.ravel_pytree`
+(the params' leaves in tree order, each raveled).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, Generic
+
+import jax
+import numpy as np
+
+from estimators import blocks as curvature_blocks
+from estimators import estimation_modes, utils
+from estimators.blocks.base import Numeric, ScalarOrSequence
+from estimators.utils.types import FuncArgs, Params, StateType
+
+
+CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
+
+_DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
+    "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
+    "repeated_dense_tag": curvature_blocks.RepeatedDenseTwoKroneckerFactored,
+    "conv2d_tag": curvature_blocks.Conv2DTwoKroneckerFactored,
+    "generic_tag": curvature_blocks.NaiveDiagonal,
+    "scale_and_shift_tag": curvature_blocks.ScaleAndShiftDiagonal,
+}
+
+
+def set_default_tag_to_block_ctor(tag_name: str,
+                                  block_ctor: CurvatureBlockCtor) -> None:
+  """Sets the block class used by default for layers with this tag name.
+
+  Args:
+    tag_name: a layer tag primitive's name, e.g. "dense_tag".
+    block_ctor: called as `block_ctor(layer_tag_eq, name)` to build a block.
+  """
+  _DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
+
+
+def get_default_tag_to_block_ctor(tag_name: str) -> CurvatureBlockCtor | None:
+  """The block class used by default for a tag name.
+
+  Args:
+    tag_name: a layer tag primitive's name, e.g. "dense_tag".
+
+  Returns:
+    The block constructor, or None for an unknown tag.
+  """
+  return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
+
+
+
+
+def powers_tuple(powers) -> tuple:
+  """Matrix powers as a tuple: None is none, a number is one."""
+  if powers is None:
+    return ()
+  if isinstance(powers, (int, float)):
+    return (powers,)
+  return tuple(powers)
+
+
+class _InPlaceMovingAverage(utils.WeightedMovingAverage):
+  """A moving average whose `update` also changes it in place, as blocks
+  written to the reference's guide expect; only ever a private copy."""
+
+  def update(self, value, ema_old, ema_new):
+    new = super().update(value, ema_old, ema_new)
+    object.__setattr__(self, "weight", new.weight)
+    object.__setattr__(self, "raw_value", new.raw_value)
+    return self
+
+
+def _map_averages(fn, state):
+  """`state` with `fn` applied to each of its moving averages."""
+  is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
+  return jax.tree.map(lambda x: fn(x) if is_average(x) else x, state,
+                      is_leaf=is_average)
+
+
+def _with_averages(state, cls):
+  """`state` with every moving average rebuilt as a `cls`."""
+  return _map_averages(lambda x: cls(x.weight, x.raw_value), state)
+
+
+def update_block_estimate(block: curvature_blocks.CurvatureBlock, state: Any,
+                          estimation_data: Mapping[str, tuple],
+                          ema_old: Numeric, ema_new: Numeric,
+                          batch_size: Numeric,
+                          pmap_axis_name: str | None = None) -> Any:
+  """`block.update_curvature_matrix_estimate`, fed as the block expects.
+
+  A block with `estimation_data_has_sample_axis` takes all samples at
+  once. Any other (a block written to the reference's guide) gets one
+  sample at a time, tangents shaped `(batch, ...)`, and may update its
+  moving averages in place. Curvature statistics are quadratic in the
+  tangents and a batch's estimate sums them over samples, so sample `s`
+  of `S` enters with its tangents times `sqrt(S)` and weight
+  `ema_new / S`, the old estimate with `ema_old` once.
+
+  Args:
+    block: the block.
+    state: its state.
+    estimation_data: its data from `blocks_estimation_data` (tangents with
+      a leading sample axis).
+    ema_old: the factor on the old estimate.
+    ema_new: the weight of this batch's estimate.
+    batch_size: the number of examples in the batch.
+    pmap_axis_name: as for `update_curvature_matrix_estimate`.
+
+  Returns:
+    The block's new state.
+  """
+  if block.estimation_data_has_sample_axis:
+    return block.update_curvature_matrix_estimate(
+        state, estimation_data, ema_old, ema_new, batch_size,
+        pmap_axis_name)
+  tangents = ("outputs_tangent", "params_tangent")
+  num = jax.tree.leaves([estimation_data[k] for k in tangents])[0].shape[0]
+
+  def one_sample(state, sample, ema_old):
+    data = dict(estimation_data)
+    for key in tangents:
+      data[key] = tuple(t[sample] * np.sqrt(num).astype(t.dtype)
+                        for t in estimation_data[key])
+    state = block.update_curvature_matrix_estimate(
+        _with_averages(state, _InPlaceMovingAverage), data, ema_old,
+        ema_new / num, batch_size, pmap_axis_name)
+    return _with_averages(state, utils.WeightedMovingAverage)
+
+  state = one_sample(state, 0, ema_old)
+  return jax.lax.fori_loop(1, num, lambda s, st: one_sample(st, s, 1.0),
+                           state)
+
+
+def check_params_tree(expected, vector, what):
+  """Refuses a `vector` whose tree structure is not `expected`."""
+  got = jax.tree.structure(vector)
+  if got != expected:
+    raise ValueError(f"The {what} does not have the structure of the model's "
+                     f"params: expected {expected}, got {got}.")
+
+
+class CurvatureEstimator(abc.ABC, Generic[StateType]):
+  """What every estimator provides: estimate updates, products, eigenvalues.
+
+  The state holds the estimate `C` of the curvature of `func`'s registered
+  losses (averaged over the batch) w.r.t. `func_args[params_index]`, plus a
+  cache of values derived from it (matrix powers, eigenvalues). The cache is
+  refreshed only by `update_cache`, so with `use_cached=True` results may be
+  older than the estimate. Methods take a state and return a new one.
+
+  Attributes:
+    func: the model function, with at least one registered loss.
+    params_index: which of `func`'s positional arguments are the parameters.
+    default_estimation_mode: the mode `update_curvature_matrix_estimate`
+      uses when given none.
+  """
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               default_estimation_mode: str = "fisher_gradients"):
+    """Stores the model function and checks the estimation mode.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+
+    Raises:
+      ValueError: for an unknown estimation mode.
+    """
+    self.func = func
+    self.params_index = params_index
+    self.default_estimation_mode = estimation_modes.check_estimation_mode(
+        default_estimation_mode)
+
+  @property
+  def default_mat_type(self) -> str:
+    """The kind of matrix the default mode estimates, as the reference
+    names it: "fisher" for every `fisher_*` mode (the empirical Fisher too),
+    "ggn" for the `ggn_*` modes."""
+    return self.default_estimation_mode.split("_")[0]
+
+  @property
+  @abc.abstractmethod
+  def dim(self) -> int:
+    """Number of parameter elements."""
+
+  @abc.abstractmethod
+  def init(self, rng: jax.Array, func_args: FuncArgs,
+           exact_powers_to_cache: ScalarOrSequence,
+           approx_powers_to_cache: ScalarOrSequence,
+           cache_eigenvalues: bool = False) -> Any:
+    """The initial state: a zero estimate and an empty cache.
+
+    Args:
+      rng: a PRNG key for any randomness of the initialisation.
+      func_args: example arguments of `func`; the model is traced on them.
+      exact_powers_to_cache: None, a power or powers that will be used with
+        `exact_power=True, use_cached=True`; the cache has room only for
+        the powers named here.
+      approx_powers_to_cache: the same for `exact_power=False`.
+      cache_eigenvalues: whether to keep room for cached eigenvalues.
+
+    Returns:
+      The estimator state.
+    """
+
+  @abc.abstractmethod
+  def update_curvature_matrix_estimate(
+      self, state: Any, ema_old: Numeric, ema_new: Numeric,
+      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
+      pmap_axis_name: str | None = None,
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> Any:
+    """Folds one batch's estimate into the moving average.
+
+    The new estimate is `(ema_old * w * old + ema_new * batch) / (ema_old * w
+    + ema_new)`, `w` the weight the average had; `ema_old=0, ema_new=1` keeps
+    only this batch. The cache is left as it is.
+
+    Args:
+      state: the estimator state.
+      ema_old: the factor on the old estimate.
+      ema_new: the weight of this batch's estimate.
+      batch_size: the number of examples in `func_args`' batch.
+      rng: a PRNG key for the sampled modes.
+      func_args: the arguments of `func` for this batch.
+      pmap_axis_name: when not None, the batch estimate is averaged over
+        this axis.
+      estimation_mode: one of `estimators.ESTIMATION_MODES`; None uses
+        `default_estimation_mode`.
+      identity_weight: accepted from callers of newer KFAC-JAX releases; the
+        estimates here do not depend on the damping.
+
+    Returns:
+      The state with the new estimate.
+    """
+
+  @abc.abstractmethod
+  def update_cache(self, state: Any, identity_weight: Numeric,
+                   exact_powers: ScalarOrSequence,
+                   approx_powers: ScalarOrSequence, eigenvalues: bool,
+                   pmap_axis_name: str | None = None) -> Any:
+    """Refreshes cached powers and eigenvalues from the current estimate.
+
+    Args:
+      state: the estimator state.
+      identity_weight: the weight `λ` of the identity added to the estimate
+        before the powers are taken (the damping); block-wise estimators
+        also take one weight per block.
+      exact_powers: None, a power or powers named at `init` to refresh.
+      approx_powers: the same for the approximate powers.
+      eigenvalues: whether to refresh the cached (undamped) eigenvalues.
+      pmap_axis_name: the mapped axis, if any; block-wise estimators may
+        share the blocks' refreshes among its devices (see their
+        `distributed_cache_updates`).
+
+    Returns:
+      The state with the refreshed cache entries.
+    """
+
+  @abc.abstractmethod
+  def multiply_matpower(self, state: Any, parameter_structured_vector: Params,
+                        identity_weight: Numeric, power: float,
+                        exact_power: bool, use_cached: bool,
+                        pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) ** power @ v`.
+
+    Args:
+      state: the estimator state.
+      parameter_structured_vector: `v`, a pytree shaped like the parameters.
+      identity_weight: the weight `λ` of the identity (the damping); ignored
+        with `use_cached=True`, where the `λ` of the last `update_cache`
+        applies. Block-wise estimators also take one weight per block.
+      power: a real power known at trace time.
+      exact_power: False allows a cheaper approximation where a block has
+        one (e.g. factored damping for Kronecker blocks).
+      use_cached: whether to use the cached power (named at `init`)
+        instead of computing it from the current estimate.
+      pmap_axis_name: the mapped axis, if any; block-wise estimators may
+        share the blocks' products among its devices (see their
+        `distributed_multiplies`).
+
+    Returns:
+      The product, shaped like the parameters.
+    """
+
+  def multiply(self, state: Any, parameter_structured_vector: Params,
+               identity_weight: Numeric = 0.0, exact_power: bool = True,
+               use_cached: bool = False,
+               pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) @ v`; see `multiply_matpower`."""
+    return self.multiply_matpower(state, parameter_structured_vector,
+                                  identity_weight, 1, exact_power=exact_power,
+                                  use_cached=use_cached,
+                                  pmap_axis_name=pmap_axis_name)
+
+  def multiply_inverse(self, state: Any, parameter_structured_vector: Params,
+                       identity_weight: Numeric = 0.0,
+                       exact_power: bool = True, use_cached: bool = False,
+                       pmap_axis_name: str | None = None) -> Params:
+    """`(C + identity_weight I) ** -1 @ v`; see `multiply_matpower`."""
+    return self.multiply_matpower(state, parameter_structured_vector,
+                                  identity_weight, -1, exact_power=exact_power,
+                                  use_cached=use_cached,
+                                  pmap_axis_name=pmap_axis_name)
+
+  @abc.abstractmethod
+  def eigenvalues(self, state: Any, use_cached: bool = False) -> jax.Array:
+    """All eigenvalues of the (undamped) estimate.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to return the eigenvalues cached by the last
+        `update_cache(..., eigenvalues=True)`.
+
+    Returns:
+      A `(dim,)` array.
+    """
+
+  def to_dense_matrix(self, state: Any, use_cached: bool = False) -> jax.Array:
+    """The (undamped) estimate as a dense matrix, for small models.
+
+    Not part of the reference's abstract interface, so estimators written to
+    it need not provide it.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to use cached values where the estimator has them.
+
+    Returns:
+      A `(dim, dim)` array, rows and columns in `ravel_pytree` order.
+
+    Raises:
+      NotImplementedError: unless the estimator provides it.
+    """
+    raise NotImplementedError(
+        f"{type(self).__name__} does not provide to_dense_matrix.")
+
+  def sync(self, state: StateType, pmap_axis_name: str | None) -> StateType:
+    """The state with its statistics averaged across the devices of
+    `pmap_axis_name` (the cache is left as it is).
+
+    The estimators here already average every update's statistics over the
+    axis they are given, so this matters only for states that were updated
+    without one.
+
+    Args:
+      state: the estimator state.
+      pmap_axis_name: the mapped axis; None returns `state` unchanged.
+
+    Returns:
+      The synchronised state.
+    """
+    if pmap_axis_name is None:
+      return state
+    return _map_averages(lambda x: jax.lax.pmean(x, pmap_axis_name), state)
+
+  def _mode(self, estimation_mode):
+    return estimation_modes.check_estimation_mode(
+        estimation_mode or self.default_estimation_mode)

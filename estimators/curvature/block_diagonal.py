@@ -1,0 +1,510 @@
+"""The block-diagonal estimator: one curvature block per layer tag."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+
+from estimators import blocks as curvature_blocks
+from estimators import distributed, estimation_modes, graph_matcher
+from estimators import tracer
+from estimators.blocks.base import Numeric, ScalarOrSequence
+from estimators.curvature.base import (CurvatureBlockCtor, CurvatureEstimator,
+                                       check_params_tree,
+                                       get_default_tag_to_block_ctor,
+                                       powers_tuple, update_block_estimate)
+from estimators.utils.types import FuncArgs, Params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockDiagonalState:
+  """State of a `BlockDiagonalCurvature`.
+
+  Attributes:
+    blocks_states: one `CurvatureBlock.State` per block, in `blocks` order.
+  """
+  blocks_states: tuple
+
+
+def _block_name(paths, indices, tag_name):
+  keys = [jax.tree_util.keystr(paths[i]) for i in indices]
+  return f"{keys[0] if len(keys) == 1 else ','.join(keys)} [{tag_name}]"
+
+
+class BlockDiagonalCurvature(CurvatureEstimator):
+  """One curvature block per layer tag; the blocks form a block diagonal.
+
+  The blocks are built on the first `init` from the traced model: each layer
+  tag (registered by hand or found by the graph matcher) gets the block
+  class that `index_to_block_ctor`, then `layer_tag_to_block_ctor`, names.
+  Cross-layer curvature is dropped.
+  """
+
+  State = BlockDiagonalState
+
+  def __init__(self, func: Callable, params_index: int = 0,
+               default_estimation_mode: str = "fisher_gradients",
+               layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor]
+               | None = None,
+               index_to_block_ctor: Mapping[tuple[int, ...],
+                                            CurvatureBlockCtor] | None = None,
+               auto_register_tags: bool = True,
+               distributed_multiplies: bool = True,
+               distributed_cache_updates: bool = True,
+               **auto_register_kwargs):
+    """Prepares the tracing of `func`; blocks are built by `init`.
+
+    Args:
+      func: the model function, with at least one registered loss.
+      params_index: which of `func`'s positional arguments are the
+        parameters.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      layer_tag_to_block_ctor: block constructors by tag name (e.g.
+        "dense_tag"), overriding `get_default_tag_to_block_ctor`.
+      index_to_block_ctor: block constructors for the tags whose parameters
+        have these flat indices; they take precedence over the above.
+      auto_register_tags: whether to tag layers with the graph matcher;
+        otherwise only hand-registered tags are used.
+      distributed_multiplies: with a `pmap_axis_name`, each device computes
+        the products of its share of the blocks (balanced by estimated
+        cost) and the results are summed across devices; otherwise every
+        device computes every block.
+      distributed_cache_updates: the same for `update_cache`.
+      **auto_register_kwargs: passed to the graph matcher (e.g.
+        `register_only_generic`, `patterns_to_skip`).
+
+    Raises:
+      ValueError: for an unknown estimation mode.
+    """
+    super().__init__(func, params_index, default_estimation_mode)
+    self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
+    self._index_to_block_ctor = dict(index_to_block_ctor or {})
+    self.distributed_multiplies = distributed_multiplies
+    self.distributed_cache_updates = distributed_cache_updates
+    graph_matcher.check_patterns_to_skip(
+        auto_register_kwargs.get("patterns_to_skip", ()),
+        auto_register_kwargs.get("graph_patterns",
+                                 graph_matcher.DEFAULT_GRAPH_PATTERNS))
+    if not auto_register_tags:
+      auto_register_kwargs["auto_register_tags"] = False
+    self._traced = tracer.traced_function(func, params_index,
+                                          **auto_register_kwargs)
+    # The same tags on a trace that keeps the function's value (the one
+    # above computes only the loss tags' operands).
+    value_kwargs = dict(auto_register_kwargs)
+    if auto_register_tags:
+      value_kwargs["compute_only_loss_tags"] = False
+    self._value_traced = tracer.traced_function(func, params_index,
+                                                **value_kwargs)
+    self._blocks = None
+    self._jaxpr = None
+
+  # --- structure ---------------------------------------------------------
+
+  def layer_tag_to_block_ctor(self, layer_tag_eq: Any) -> CurvatureBlockCtor:
+    """The block class for a tag equation (user mapping, then the default).
+
+    Args:
+      layer_tag_eq: a layer tag's jaxpr equation.
+
+    Returns:
+      The block constructor.
+
+    Raises:
+      ValueError: if no block is known for the tag.
+    """
+    name = layer_tag_eq.primitive.name
+    ctor = self._layer_tag_to_block_ctor.get(name)
+    ctor = ctor or get_default_tag_to_block_ctor(name)
+    if ctor is None:
+      raise ValueError(f"No curvature block is known for the tag {name!r}: pass"
+                       " layer_tag_to_block_ctor={" f"'{name}': <block class>" "}.")
+    return ctor
+
+  def index_to_block_ctor(
+      self, indices: Sequence[int]) -> CurvatureBlockCtor | None:
+    """The constructor given for the tag on these flat parameter indices.
+
+    Args:
+      indices: the flat indices of a tag's parameters.
+
+    Returns:
+      The constructor from `index_to_block_ctor`, or None.
+    """
+    return self._index_to_block_ctor.get(tuple(indices))
+
+  def _finalize(self, func_args):
+    if self._jaxpr is not None:
+      return
+    func_args = tuple(func_args)
+    jaxpr = self._traced.processed(func_args)
+    params = func_args[self.params_index]
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    blocks = []
+    for eqn, idx in zip(jaxpr.layer_tags, jaxpr.layer_indices):
+      ctor = self.index_to_block_ctor(idx) or self.layer_tag_to_block_ctor(eqn)
+      stacked = isinstance(eqn, tracer.StackedLayerTag)
+      try:
+        block = ctor(eqn.inner if stacked else eqn,
+                     _block_name(paths, idx, eqn.primitive.name))
+        if not stacked:
+          block.set_parameter_positions(idx)
+        blocks.append(curvature_blocks.Stacked(block, eqn.length)
+                      if stacked else block)
+      except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(
+            f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "
+            f"{eqn.primitive.name} on params {idx}: {e}") from e
+    self._jaxpr = jaxpr
+    self._set_structure(tuple(blocks), jaxpr.params_tree,
+                        [v.aval for v in jaxpr.params_vars_flat],
+                        jaxpr.layer_indices)
+
+  def _set_structure(self, blocks, params_tree, params_avals, layer_indices):
+    """Records the blocks and which parameters each covers."""
+    self._blocks = blocks
+    self._params_tree = params_tree
+    self._param_shapes = [tuple(a.shape) for a in params_avals]
+    self._params_dtype = jnp.result_type(*[a.dtype for a in params_avals])
+    self._layer_indices = tuple(tuple(idx) for idx in layer_indices)
+    self._param_sizes = [int(np.prod(shape, dtype=np.int64))
+                         for shape in self._param_shapes]
+
+  def _require_finalized(self):
+    if self._blocks is None:
+      raise RuntimeError("The estimator has not seen the model yet: call "
+                         "init(rng, func_args, ...) first.")
+
+  @property
+  def blocks(self) -> tuple[curvature_blocks.CurvatureBlock, ...] | None:
+    """The blocks, one per layer tag in parameter order (None before init)."""
+    return self._blocks
+
+  @property
+  def num_blocks(self) -> int:
+    """The number of blocks."""
+    self._require_finalized()
+    return len(self._blocks)
+
+  @property
+  def block_dims(self) -> tuple[int, ...]:
+    """Each block's number of parameter elements."""
+    self._require_finalized()
+    return tuple(b.dim for b in self._blocks)
+
+  @property
+  def dim(self) -> int:
+    """The number of parameter elements."""
+    self._require_finalized()
+    return int(sum(self._param_sizes))
+
+  @property
+  def jaxpr(self) -> tracer.ProcessedJaxpr:
+    """The traced model the blocks were built from."""
+    self._require_finalized()
+    return self._jaxpr
+
+  @property
+  def num_params_variables(self) -> int:
+    """The number of parameter arrays (leaves of the params pytree)."""
+    self._require_finalized()
+    return len(self._param_shapes)
+
+  @property
+  def params_structure_vector_of_indices(self) -> Params:
+    """The params pytree with each leaf replaced by its flat index."""
+    return jax.tree.unflatten(self._params_tree,
+                              list(range(self.num_params_variables)))
+
+  @property
+  def indices_to_block_map(
+      self) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
+    """Each block keyed by the flat indices of its parameters."""
+    self._require_finalized()
+    return dict(zip(self._layer_indices, self._blocks))
+
+  @property
+  def params_block_index(self) -> Params:
+    """The params pytree with each leaf replaced by its block's index."""
+    which = [None] * self.num_params_variables
+    for b, idx in enumerate(self._layer_indices):
+      for i in idx:
+        which[i] = b
+    return jax.tree.unflatten(self._params_tree, which)
+
+  def params_vector_to_blocks_vectors(
+      self, parameter_structured_vector: Params
+  ) -> tuple[tuple[jax.Array, ...], ...]:
+    """Splits a params-shaped pytree into block vectors.
+
+    Args:
+      parameter_structured_vector: a pytree shaped like the parameters.
+
+    Returns:
+      For each block, the tuple of its parameters' leaves.
+
+    Raises:
+      ValueError: if the pytree does not have the parameters' structure.
+    """
+    self._require_finalized()
+    check_params_tree(self._params_tree, parameter_structured_vector,
+                       "vector")
+    leaves = jax.tree.leaves(parameter_structured_vector)
+    return tuple(tuple(leaves[i] for i in idx) for idx in self._layer_indices)
+
+  def blocks_vectors_to_params_vector(
+      self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    """Inverts `params_vector_to_blocks_vectors`.
+
+    Args:
+      blocks_vectors: for each block, one array per parameter.
+
+    Returns:
+      A pytree shaped like the parameters.
+    """
+    leaves = [None] * self.num_params_variables
+    for idx, vecs in zip(self._layer_indices, blocks_vectors):
+      for i, v in zip(idx, vecs):
+        leaves[i] = v
+    return jax.tree.unflatten(self._params_tree, leaves)
+
+  def _per_block(self, value, what):
+    if isinstance(value, (list, tuple)):
+      if len(value) != self.num_blocks:
+        raise ValueError(f"{what} has {len(value)} entries but the estimator "
+                         f"has {self.num_blocks} blocks.")
+      return tuple(value)
+    return (value,) * self.num_blocks
+
+  # --- state -------------------------------------------------------------
+
+  def init(self, rng: jax.Array, func_args: FuncArgs,
+           exact_powers_to_cache: ScalarOrSequence = None,
+           approx_powers_to_cache: ScalarOrSequence = None,
+           cache_eigenvalues: bool = False) -> BlockDiagonalState:
+    """Builds the blocks on the first call; see `CurvatureEstimator.init`."""
+    self._finalize(func_args)
+    rngs = jax.random.split(rng, self.num_blocks)
+    return self.State(tuple(
+        b.init(r, powers_tuple(exact_powers_to_cache),
+               powers_tuple(approx_powers_to_cache),
+               cache_eigenvalues=cache_eigenvalues)
+        for b, r in zip(self._blocks, rngs)))
+
+  def update_curvature_matrix_estimate(
+      self, state: BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
+      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
+      pmap_axis_name: str | None = None,
+      estimation_mode: str | None = None,
+      identity_weight: Numeric | None = None) -> BlockDiagonalState:
+    del identity_weight  # the estimates do not depend on the damping
+    data = self.blocks_estimation_data(func_args, rng, estimation_mode)
+    return self.State(tuple(
+        update_block_estimate(block, block_state, block_data, ema_old,
+                              ema_new, batch_size, pmap_axis_name)
+        for block, block_state, block_data in zip(
+            self._blocks, state.blocks_states, data)))
+
+  def blocks_estimation_data(self, func_args: FuncArgs, rng: jax.Array,
+                             estimation_mode: str | None = None
+                             ) -> list[dict[str, tuple]]:
+    """Each block's estimation data for one batch, from one vmapped pass.
+
+    Args:
+      func_args: the arguments of `func` for this batch.
+      rng: a PRNG key for the sampled modes.
+      estimation_mode: as for `update_curvature_matrix_estimate`.
+
+    Returns:
+      Per block, in `blocks` order, the mapping its
+      `update_curvature_matrix_estimate` takes.
+    """
+    mode = self._mode(estimation_mode)
+    self._finalize(func_args)
+    _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
+        self._traced, tuple(func_args))
+    loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
+    layer_tangents = jax.vmap(tangents_fn)(loss_tangents)
+    return [dict(value, outputs_tangent=outs_t, params_tangent=params_t)
+            for value, (outs_t, params_t) in zip(values, layer_tangents)]
+
+  def update_cache(self, state: BlockDiagonalState,
+                   identity_weight: Numeric | Sequence[Numeric],
+                   exact_powers: ScalarOrSequence = None,
+                   approx_powers: ScalarOrSequence = None,
+                   eigenvalues: bool = False,
+                   pmap_axis_name: str | None = None) -> BlockDiagonalState:
+    self._require_finalized()
+    weights = self._per_block(identity_weight, "identity_weight")
+    fns = [functools.partial(b.update_cache, identity_weight=w,
+                             exact_powers=powers_tuple(exact_powers),
+                             approx_powers=powers_tuple(approx_powers),
+                             eigenvalues=eigenvalues)
+           for b, w in zip(self._blocks, weights)]
+    costs = [distributed.refresh_cost(s) for s in state.blocks_states]
+    axis = pmap_axis_name if self.distributed_cache_updates else None
+    return self.State(tuple(distributed.map_blocks(
+        fns, state.blocks_states, costs, axis)))
+
+  def _blocks_matpower(self, which, states, vectors, weights, power,
+                       exact_power, use_cached, pmap_axis_name):
+    """The products of the blocks `which`, shared among the devices of
+    `pmap_axis_name` when `distributed_multiplies`."""
+    def product(block, weight):
+      return lambda args: block.multiply_matpower(
+          *args, weight, power, exact_power=exact_power, use_cached=use_cached)
+
+    fns = [product(self._blocks[j], weights[j]) for j in which]
+    args = [(states[j], vectors[j]) for j in which]
+    costs = [distributed.product_cost(states[j], self._blocks[j].dim)
+             for j in which]
+    axis = pmap_axis_name if self.distributed_multiplies else None
+    return dict(zip(which, distributed.map_blocks(fns, args, costs, axis)))
+
+  # --- products ------------------------------------------------------------
+
+  def multiply_matpower(self, state: BlockDiagonalState,
+                        parameter_structured_vector: Params,
+                        identity_weight: Numeric | Sequence[Numeric],
+                        power: float, exact_power: bool, use_cached: bool,
+                        pmap_axis_name: str | None = None) -> Params:
+    vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
+    weights = self._per_block(identity_weight, "identity_weight")
+    results = self._blocks_matpower(
+        range(self.num_blocks), state.blocks_states, vectors, weights, power,
+        exact_power, use_cached, pmap_axis_name)
+    return self.blocks_vectors_to_params_vector(
+        tuple(results[j] for j in range(self.num_blocks)))
+
+  def multiply_inverse_of_gradient(
+      self, state: BlockDiagonalState, grads: Params, func_args: FuncArgs,
+      identity_weight: Numeric | Sequence[Numeric] = 0.0,
+      exact_power: bool = True, use_cached: bool = False,
+      pmap_axis_name: str | None = None) -> Params:
+    """`multiply_inverse(grads)` for the gradient of `func` at `func_args`.
+
+    A dense layer's gradient is a sum of outer products, one per input row.
+    Where that is cheaper (a layer wider than the batch has rows), its block
+    preconditions those rows (cached approximate inverses only) and skips its
+    part of `grads`. That needs the layer's parameters to reach the value
+    only through the layer, e.g. no L2 term on them inside the loss; the
+    jaxpr is checked for it, and other blocks use `grads`.
+
+    Args:
+      state: the estimator state.
+      grads: the gradient of `func`'s scalar value at `func_args`, averaged
+        over `pmap_axis_name`.
+      func_args: the arguments `grads` was computed at.
+      identity_weight: as for `multiply_inverse`.
+      exact_power: as for `multiply_inverse`; the row route needs False.
+      use_cached: as for `multiply_inverse`; the row route needs True.
+      pmap_axis_name: when not None, the row route's results are averaged
+        over this axis, as `grads` is.
+
+    Returns:
+      The preconditioned gradient, shaped like the parameters; equal to
+      `multiply_inverse(state, grads, ...)` up to rounding.
+    """
+    func_args = tuple(func_args)
+    self._finalize(func_args)
+    chosen = []
+    if use_cached and not exact_power:
+      chosen = [j for j, b in enumerate(self._blocks)
+                if b.outer_sum_is_cheaper()]
+    if chosen:
+      proc = self._value_traced.processed(func_args)
+      same_tags = proc.layer_indices == self._jaxpr.layer_indices
+      chosen = [j for j in chosen if same_tags
+                and proc.params_reach_outputs_only_through_layer(j)]
+    if not chosen:
+      return self.multiply_inverse(state, grads, identity_weight,
+                                   exact_power=exact_power,
+                                   use_cached=use_cached)
+    rows = dict(zip(chosen, tracer.layer_tags_value_vjp(
+        self._value_traced, func_args, chosen)))
+    vectors = self.params_vector_to_blocks_vectors(grads)
+    weights = self._per_block(identity_weight, "identity_weight")
+    results = self._blocks_matpower(
+        [j for j in range(self.num_blocks) if j not in rows],
+        state.blocks_states, vectors, weights, -1, exact_power, use_cached,
+        pmap_axis_name)
+    for j, block_rows in rows.items():
+      # Each device has its own rows; the product is linear in the gradient,
+      # so the mean of the devices' results is the result for the mean
+      # gradient.
+      result = self._blocks[j].multiply_inverse_outer_sum(
+          state.blocks_states[j], *block_rows)
+      if pmap_axis_name is not None:
+        result = jax.lax.pmean(result, pmap_axis_name)
+      results[j] = result
+    return self.blocks_vectors_to_params_vector(
+        tuple(results[j] for j in range(self.num_blocks)))
+
+  def block_eigenvalues(self, state: BlockDiagonalState,
+                        use_cached: bool = False) -> tuple[jax.Array, ...]:
+    """Each block's eigenvalues.
+
+    Args:
+      state: the estimator state.
+      use_cached: whether to return the cached eigenvalues.
+
+    Returns:
+      One `(block_dim,)` array per block, in `blocks` order.
+    """
+    self._require_finalized()
+    return tuple(b.eigenvalues(s, use_cached=use_cached)
+                 for b, s in zip(self._blocks, state.blocks_states))
+
+  def eigenvalues(self, state: BlockDiagonalState,
+                  use_cached: bool = False) -> jax.Array:
+    """The blocks' eigenvalues concatenated in `blocks` order, unsorted."""
+    return jnp.concatenate(self.block_eigenvalues(state, use_cached=use_cached))
+
+  def to_dense_matrix(self, state: BlockDiagonalState,
+                      use_cached: bool = False,
+                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
+                      exact_power: bool = True, power: float = 1) -> jax.Array:
+    """The block-diagonal matrix `(C + identity_weight I) ** power`, densely.
+
+    Args:
+      state: the estimator state.
+      use_cached: as for `multiply_matpower`.
+      identity_weight: as for `multiply_matpower`.
+      exact_power: as for `multiply_matpower`.
+      power: as for `multiply_matpower`.
+
+    Returns:
+      A `(dim, dim)` array in `ravel_pytree` order, zero between blocks.
+    """
+    self._require_finalized()
+    offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
+    dtype = self._params_dtype
+    matrix = jnp.zeros((self.dim, self.dim), dtype)
+    shapes = self._param_shapes
+    weights = self._per_block(identity_weight, "identity_weight")
+    for block, s, idx, w in zip(self._blocks, state.blocks_states,
+                                self._layer_indices, weights):
+      sizes = [self._param_sizes[i] for i in idx]
+      split = np.cumsum(sizes)[:-1]
+
+      def apply(col, block=block, s=s, idx=idx, w=w, split=split):
+        parts = jnp.split(col, split)
+        vec = tuple(p.reshape(shapes[i]) for p, i in zip(parts, idx))
+        out = block.multiply_matpower(s, vec, w, power,
+                                      exact_power=exact_power,
+                                      use_cached=use_cached)
+        return jnp.concatenate([o.ravel() for o in out])
+
+      dense = jax.vmap(apply, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))
+      where = np.concatenate([np.arange(offsets[i], offsets[i + 1])
+                              for i in idx])
+      matrix = matrix.at[np.ix_(where, where)].set(dense)
+    return matrix
