@@ -2,11 +2,12 @@
 
 A `Curvature` has pure, jittable methods (`init`, `update`, `refresh`,
 `multiply`, `operator`, `precondition`, `eigenvalues`, `to_dense`);
-measurements use only
-these and never ask which estimator sits behind them. Each estimator family
-is one subclass, registered in `FAMILIES` under the name its config file
-gives as `estimator`; `make` builds the configured one and `exact` the exact
-reference matrices, so no other module branches on an estimator or a matrix.
+measurements use only these and never ask which estimator sits behind them.
+The families here hold an `estimators` estimator (block-diagonal, explicit
+exact) or the matrix-free exact products; the approximations of the
+`curvature` config group (`curvbench.approximations`) build them, and
+`exact` builds the exact reference matrices, so no other module branches on
+an estimator or a matrix.
 """
 
 from __future__ import annotations
@@ -26,30 +27,6 @@ import estimators as kfac
 from curvbench.data import Data
 from estimators import estimation_modes
 
-# Block constructors of each block type; {} keeps the library's defaults
-# (Kronecker factors where a layer allows them).
-BLOCK_TYPES = {
-    "kfac": {},
-    "diagonal": {"dense_tag": kfac.DenseDiagonal,
-                 "conv2d_tag": kfac.Conv2DDiagonal,
-                 "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal},
-    "full": {"dense_tag": kfac.DenseFull, "conv2d_tag": kfac.Conv2DFull,
-             "scale_and_shift_tag": kfac.ScaleAndShiftFull},
-    "identity": {t: kfac.ScaledIdentity for t in
-                 ("dense_tag", "conv2d_tag", "scale_and_shift_tag",
-                  "repeated_dense_tag", "generic_tag")},
-    "ekfac": {"dense_tag": kfac.DenseEKFAC,
-              "repeated_dense_tag": kfac.DenseEKFAC,
-              "conv2d_tag": kfac.Conv2DEKFAC},
-    "tnt": {"dense_tag": kfac.DenseTNT, "conv2d_tag": kfac.Conv2DTNT,
-            "generic_tag": kfac.NaiveTNT},
-    "kfac_reduce": {"repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
-                    "conv2d_tag": kfac.Conv2DKFACReduce},
-}
-# Block types whose estimate is held in a basis that the cache refresh
-# recomputes (EKFAC): an estimate over many batches takes a second pass,
-# with the basis of the first.
-BASIS_BLOCK_TYPES = ("ekfac",)
 # Matrices that have an exact reference: the estimation-mode matrices and the
 # Hessian, which only matrix-vector products give.
 EXACT_MATRICES = (*estimation_modes.EXACT_MODE_OF_MATRIX, "hessian")
@@ -134,8 +111,11 @@ class Curvature(abc.ABC):
   max_dense_gib: float
   max_state_gib: float = np.inf
   block_type = None  # the block type, for block-diagonal families
-  uses_estimation_mode = True  # whether `curvature.mode` changes the estimate
   is_block_diagonal = False  # whether estimators.Optimizer can use it
+  # Whether `precondition` gives `(C + damping I)^-1 v` to round-off (or to
+  # CG's tolerance); False where the damping is factored (K-FAC's
+  # tridiagonal inverse damps each Kronecker factor).
+  damped_inverse_is_exact = True
   # Whether `update`, `refresh` and `precondition` take `axis_name`: run on
   # each device under `jax.shard_map`, they average the statistics over
   # that axis and share the refresh and products out among the devices.
@@ -282,37 +262,16 @@ def _describe(block) -> str:
   return f"{type(block).__name__}, {held}"
 
 
-def _distribution(cfg: Mapping) -> dict:
-  """The estimator's arguments that share the work of its blocks among the
-  devices of an axis (`curvature.distributed`)."""
-  return dict(distributed_multiplies=bool(cfg["distributed"]),
-              distributed_cache_updates=bool(cfg["distributed"]))
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonal(_Estimator):
   """One block per tagged layer, of the configured block type."""
 
   block_type: str = "kfac"
+  # The layer-tag to block-constructor map (empty: the library's defaults).
+  block_ctors: Mapping = dataclasses.field(default_factory=dict)
+  # A curvature with a smaller state, for the message that refuses this one.
+  smaller: str = "curvature=diagonal"
   is_block_diagonal = True
-
-  @classmethod
-  def from_config(cls, cfg: Mapping, loss_fn: Callable, **common):
-    block_type = cfg["block_type"]
-    if block_type not in BLOCK_TYPES:
-      raise ValueError(f"Unknown curvature.block_type {block_type!r}; choose "
-                       f"one of {', '.join(BLOCK_TYPES)}.")
-    estimator = kfac.BlockDiagonalCurvature(
-        loss_fn, default_estimation_mode=cfg["mode"],
-        layer_tag_to_block_ctor=BLOCK_TYPES[block_type] or None,
-        **_distribution(cfg))
-    return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
-        cfg["mode"]), estimator=estimator, block_type=block_type, **common)
-
-  @property
-  def block_ctors(self) -> dict:
-    """The layer-tag to block-constructor map (empty: library defaults)."""
-    return BLOCK_TYPES[self.block_type]
 
   def registration(self):
     return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim))
@@ -320,9 +279,10 @@ class BlockDiagonal(_Estimator):
 
   def init(self, rng, params, batch):
     self.check_state_fits(rng, params, batch)
-    return self._empty_state(rng, params, batch)
+    return self.empty_state(rng, params, batch)
 
-  def _empty_state(self, rng, params, batch):
+  def empty_state(self, rng, params, batch):
+    """The state of `init`, its size unchecked."""
     return super().init(rng, params, batch)
 
   def check_state_fits(self, rng, params, batch) -> None:
@@ -334,7 +294,7 @@ class BlockDiagonal(_Estimator):
     Raises:
       MemoryError: naming the largest block, its size and what to change.
     """
-    shapes = jax.eval_shape(self._empty_state, rng, params, batch)
+    shapes = jax.eval_shape(self.empty_state, rng, params, batch)
     blocks = self.estimator.blocks
     names = [name for name, _ in _block_leaves(self.estimator, params)]
     parts = [(f"block {name!r} ({_describe(b)})", _nbytes(s)) for name, b, s
@@ -352,19 +312,13 @@ class BlockDiagonal(_Estimator):
         f"{self.block_type}) needs {total:.3g} GiB, over "
         f"curvature.max_state_gib={self.max_state_gib}; the largest part is "
         f"{what}: {size / 2 ** 30:.3g} GiB. Choose a cheaper curvature "
-        f"({self._cheaper}), or raise curvature.max_state_gib if the memory "
+        f"({self.smaller}), or raise curvature.max_state_gib if the memory "
         "is there.")
-
-  @property
-  def _cheaper(self) -> str:
-    """The settings that would make a smaller state, for messages."""
-    if self.block_type in ("diagonal", "identity"):
-      return "curvature=identity"
-    return "e.g. curvature=diagonal, or curvature.block_type=diagonal"
 
   def estimate(self, rng, params, data, num_samples=1):
     state = super().estimate(rng, params, data, num_samples)
-    if self.block_type not in BASIS_BLOCK_TYPES:
+    if not any(block.statistics_in_cached_basis
+               for block in self.estimator.blocks):
       return state
     # The basis of the whole-data factors, then the statistics in it (the
     # factors' mean is unchanged by averaging the same data in again).
@@ -374,50 +328,8 @@ class BlockDiagonal(_Estimator):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockTridiagonal(BlockDiagonal):
-  """Block-tridiagonal K-FAC (Martens & Grosse, 2015): consecutive dense
-  layers coupled, their inverse with the paper's factored damping."""
-
-  @classmethod
-  def from_config(cls, cfg: Mapping, loss_fn: Callable, **common):
-    if cfg["block_type"] != "kfac":
-      raise ValueError("curvature.estimator=block_tridiagonal couples K-FAC "
-                       "blocks: it needs curvature.block_type=kfac, not "
-                       f"{cfg['block_type']!r}.")
-    estimator = kfac.BlockTridiagonalCurvature(
-        loss_fn, default_estimation_mode=cfg["mode"], **_distribution(cfg))
-    return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
-        cfg["mode"]), estimator=estimator, block_type="kfac", **common)
-
-  def _empty_state(self, rng, params, batch):
-    return self.estimator.init(rng, (params, batch),
-                               approx_powers_to_cache=-1)
-
-  @property
-  def _cheaper(self) -> str:
-    return "curvature=kfac, without the coupling, or curvature=diagonal"
-
-  def refresh(self, state, damping, axis_name=None):
-    return self.estimator.update_cache(state, damping, approx_powers=-1,
-                                       pmap_axis_name=axis_name)
-
-  def precondition(self, state, vector, damping, axis_name=None):
-    return self.estimator.multiply_inverse(state, vector,
-                                           identity_weight=damping,
-                                           exact_power=False, use_cached=True,
-                                           pmap_axis_name=axis_name)
-
-
-@dataclasses.dataclass(frozen=True)
 class ExplicitExact(_Estimator):
   """The whole matrix of the estimation mode, dense (small models)."""
-
-  @classmethod
-  def from_config(cls, cfg: Mapping, loss_fn: Callable, **common):
-    estimator = kfac.ExplicitExactCurvature(
-        loss_fn, default_estimation_mode=cfg["mode"])
-    return cls(mode=cfg["mode"], matrix=estimation_modes.matrix_type(
-        cfg["mode"]), estimator=estimator, **common)
 
   def init(self, rng, params, batch):
     itemsize = jnp.result_type(*jax.tree.leaves(params)).itemsize
@@ -486,11 +398,6 @@ class ImplicitExact(Curvature):
   """
 
   implicit: kfac.ImplicitExactCurvature = None
-  uses_estimation_mode = False
-
-  @classmethod
-  def from_config(cls, cfg: Mapping, loss_fn: Callable, **common):
-    return cls.of_matrix(cfg["matrix"], loss_fn, **common)
 
   @classmethod
   def of_matrix(cls, matrix: str, loss_fn: Callable, **common):
@@ -578,30 +485,6 @@ class ImplicitExact(Curvature):
     # tangents for a whole chunk of examples.
     eye = jnp.eye(flat.size, dtype=flat.dtype)
     return jax.lax.map(column, eye, batch_size=min(32, flat.size)).T
-
-
-# Estimator families by the name a config gives as `curvature.estimator`.
-FAMILIES = {"block_diagonal": BlockDiagonal,
-            "block_tridiagonal": BlockTridiagonal,
-            "explicit_exact": ExplicitExact, "implicit_exact": ImplicitExact}
-
-
-def family(cfg: Mapping) -> type[Curvature]:
-  """The class of the curvature config `cfg` (a mapping)."""
-  estimator = cfg["estimator"]
-  if estimator not in FAMILIES:
-    raise ValueError(f"Unknown curvature.estimator {estimator!r}; choose one "
-                     f"of {', '.join(FAMILIES)}.")
-  return FAMILIES[estimator]
-
-
-def make(cfg: Mapping, loss_fn: Callable) -> Curvature:
-  """The curvature of the `curvature` config group (a mapping) for `loss_fn`."""
-  estimation_modes.check_estimation_mode(cfg["mode"])
-  return family(cfg).from_config(
-      cfg, loss_fn, name=cfg["name"], cg_iters=int(cfg["cg_iters"]),
-      max_dense_gib=float(cfg["max_dense_gib"]),
-      max_state_gib=float(cfg["max_state_gib"]))
 
 
 def exact(matrix: str, loss_fn: Callable, *, matrix_free: bool,

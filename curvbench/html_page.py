@@ -1,4 +1,5 @@
-"""A self-contained HTML page of headings, text, tables and figures.
+"""A self-contained HTML page of headings, text, tables and figures, from
+the template `templates/page.html` (jinja2, every text escaped).
 
 The page is one file with nothing outside it: figures are inlined as base64
 PNG data URIs, style and script are inline, and a Content-Security-Policy
@@ -16,19 +17,17 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import html
 import math
 import numbers
 import re
 from pathlib import Path
-from typing import Any
 
+import jinja2
 import pandas as pd
 
 from curvbench.records import atomic_write
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_NUM = ' class="num"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +95,9 @@ def write(path: str | Path, title: str, blocks: list[Block]) -> Path:
 def render(title: str, blocks: list[Block]) -> str:
   """The page as one HTML string."""
   anchors = _anchors(blocks)
-  body = [f"<h1>{_esc(title)}</h1>"]
-  headings = [(b, anchors[i]) for i, b in enumerate(blocks)
-              if isinstance(b, Heading)]
-  if headings:
-    body.append(_toc(headings))
-  for i, block in enumerate(blocks):
-    body.append(_block(block, anchors.get(i)))
-  return _PAGE.format(title=_esc(title), style=_STYLE, script=_SCRIPT,
-                      body="\n".join(body))
-
-
-def _esc(text: Any) -> str:
-  return html.escape(str(text), quote=True)
+  shown = [_block(block, anchors.get(i)) for i, block in enumerate(blocks)]
+  toc = [b for b in shown if b["kind"] == "heading"]
+  return _TEMPLATE.render(title=title, toc=toc, blocks=shown)
 
 
 def _anchors(blocks) -> dict[int, str]:
@@ -127,23 +116,15 @@ def _anchors(blocks) -> dict[int, str]:
   return anchors
 
 
-def _toc(headings) -> str:
-  items = "\n".join(
-      f'<li class="toc-{h.level}"><a href="#{a}">{_esc(h.text)}</a></li>'
-      for h, a in headings)
-  return (f'<nav class="toc" aria-label="Contents"><strong>Contents</strong>'
-          f"<ul>\n{items}\n</ul></nav>")
-
-
-def _block(block, anchor) -> str:
+def _block(block, anchor) -> dict:
+  """What the template draws of a block (its text escaped there)."""
   if isinstance(block, Heading):
-    n = block.level
-    return f'<h{n} id="{anchor}">{_esc(block.text)}</h{n}>'
+    return dict(kind="heading", text=block.text, level=block.level,
+                anchor=anchor)
   if isinstance(block, Paragraph):
-    return f"<p>{_esc(block.text)}</p>"
+    return dict(kind="paragraph", text=block.text)
   if isinstance(block, Bullets):
-    items = "".join(f"<li>{_esc(item)}</li>" for item in block.items)
-    return f"<ul>{items}</ul>"
+    return dict(kind="bullets", entries=block.items)
   if isinstance(block, Table):
     return _table(block)
   if isinstance(block, Figure):
@@ -152,7 +133,7 @@ def _block(block, anchor) -> str:
                    f"must be Heading, Paragraph, Bullets, Table or Figure")
 
 
-def _figure(figure: Figure) -> str:
+def _figure(figure: Figure) -> dict:
   path = Path(figure.png_path)
   if not path.is_file():
     raise ValueError(f"figure file {str(path)!r} does not exist")
@@ -161,144 +142,45 @@ def _figure(figure: Figure) -> str:
     raise ValueError(f"figure file {str(path)!r} is not a PNG (its first "
                      f"bytes are not the PNG signature); save it as PNG")
   uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-  alt = figure.caption or path.stem
-  caption = (f"<figcaption>{_esc(figure.caption)}</figcaption>"
-             if figure.caption else "")
-  return (f'<figure><img src="{uri}" alt="{_esc(alt)}">{caption}'
-          f"</figure>")
+  return dict(kind="figure", uri=uri, alt=figure.caption or path.stem,
+              caption=figure.caption)
 
 
-def _table(table: Table) -> str:
+def _table(table: Table) -> dict:
   df = table.df
   if not isinstance(df.index, pd.RangeIndex) or any(df.index.names):
     df = df.reset_index()
   names = [" / ".join(map(str, c)) if isinstance(c, tuple) else str(c)
            for c in df.columns]
-  cells = [[_cell(v) for v in row]
-           for row in df.itertuples(index=False, name=None)]
-  numeric = [all(r[j] == "<td></td>" or r[j].startswith('<td class="num"')
-                 for r in cells) for j in range(len(names))]
-  head = "".join(
-      f'<th scope="col"{_NUM if num else ""}><button type="button">'
-      f"{_esc(n)}</button></th>" for n, num in zip(names, numeric))
-  rows = "\n".join("<tr>" + "".join(r) + "</tr>" for r in cells)
-  caption = (f"<caption>{_esc(table.caption)}</caption>"
-             if table.caption else "")
-  return (f'<div class="table-wrap"><table class="sortable">{caption}'
-          f"<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}\n</tbody>"
-          f"</table></div>")
+  rows = [[_cell(v) for v in row]
+          for row in df.itertuples(index=False, name=None)]
+  numeric = [all(r[j] is None or r[j]["value"] is not None for r in rows)
+             for j in range(len(names))]
+  return dict(kind="table", caption=table.caption,
+              header=list(zip(names, numeric)), rows=rows)
 
 
-def _cell(value) -> str:
-  """A <td>; numbers keep their exact value in data-value for sorting."""
+def _cell(value) -> dict | None:
+  """A cell's text and, for a number, its exact value (`data-value`, what
+  the page sorts by); None for an empty cell."""
   if value is None or value is pd.NA or value is pd.NaT:
-    return "<td></td>"
+    return None
   if isinstance(value, numbers.Real) and not isinstance(
       value, numbers.Integral):
     x = float(value)
     if math.isnan(x):
-      return "<td></td>"
+      return None
     if math.isinf(x):
-      return (f'<td class="num" data-value="{"-" if x < 0 else ""}Infinity">'
-              f'{"-" if x < 0 else ""}inf</td>')
-    return f'<td class="num" data-value="{x!r}">{x:.4g}</td>'
+      sign = "-" if x < 0 else ""
+      return dict(text=f"{sign}inf", value=f"{sign}Infinity")
+    return dict(text=f"{x:.4g}", value=repr(x))
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-    return f'<td class="num" data-value="{int(value)}">{int(value)}</td>'
-  return f"<td>{_esc(value)}</td>"
+    return dict(text=str(int(value)), value=str(int(value)))
+  return dict(text=str(value), value=None)
 
 
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; \
-img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
-<title>{title}</title>
-<style>{style}</style>
-</head>
-<body>
-<main>
-{body}
-</main>
-<script>{script}</script>
-</body>
-</html>
-"""
-
-_STYLE = """
-body { margin: 0; color: #1f2328; background: #fff; line-height: 1.5;
-  font-family: system-ui, -apple-system, "Segoe UI", Roboto,
-    "Helvetica Neue", Arial, "Noto Sans", "DejaVu Sans", sans-serif; }
-main { max-width: 72rem; margin: 0 auto; padding: 1.5rem; }
-h1, h2, h3, h4, h5, h6 { line-height: 1.25; margin: 1.6em 0 0.5em; }
-h1 { margin-top: 0.5em; }
-nav.toc { background: #f6f8fa; border: 1px solid #d0d7de;
-  border-radius: 6px; padding: 0.75rem 1rem; margin-bottom: 1.5rem; }
-nav.toc ul { list-style: none; margin: 0.3rem 0 0; padding: 0; }
-nav.toc li.toc-3 { padding-left: 1.2em; }
-nav.toc li.toc-4 { padding-left: 2.4em; }
-nav.toc li.toc-5, nav.toc li.toc-6 { padding-left: 3.6em; }
-a { color: #0969da; }
-.table-wrap { overflow: auto; max-height: 80vh; margin: 1rem 0;
-  width: fit-content; max-width: 100%;
-  border: 1px solid #d0d7de; border-radius: 6px; }
-table { border-collapse: collapse; font-size: 0.9rem; }
-caption { caption-side: top; text-align: left; padding: 0.4rem 0.6rem;
-  color: #57606a; }
-th, td { padding: 0.3rem 0.6rem; border-bottom: 1px solid #eaeef2;
-  text-align: left; white-space: nowrap; }
-td.num, thead th.num button { text-align: right;
-  font-variant-numeric: tabular-nums; }
-thead th { position: sticky; top: 0; background: #f6f8fa; z-index: 1;
-  border-bottom: 1px solid #d0d7de; padding: 0; }
-thead th { cursor: pointer; }
-thead th button { all: unset; display: block; width: 100%;
-  box-sizing: border-box; padding: 0.3rem 1.4rem 0.3rem 0.6rem;
-  font-weight: 600; }
-thead th button:focus-visible { outline: 2px solid #0969da; }
-thead th[aria-sort] { background: #ddf4ff; }
-thead th[aria-sort="ascending"] button::after { content: " \\25B2"; }
-thead th[aria-sort="descending"] button::after { content: " \\25BC"; }
-tbody tr:nth-child(even) { background: #fafbfc; }
-tbody tr:hover { background: #fff8c5; }
-figure { margin: 1.5rem 0; }
-figure img { max-width: 100%; height: auto; display: block; }
-figcaption { color: #57606a; font-size: 0.9rem; margin-top: 0.3rem; }
-"""
-
-# Sorting: numeric when every non-empty cell of the column has a data-value,
-# text otherwise; empty cells stay last in either direction.
-_SCRIPT = """
-(function () {
-  function key(cell, numeric) {
-    if (!cell || cell.textContent === "") return null;
-    return numeric ? Number(cell.dataset.value) : cell.textContent;
-  }
-  function sortBy(table, th) {
-    var headers = Array.from(th.parentNode.children);
-    var col = headers.indexOf(th);
-    var body = table.tBodies[0];
-    var rows = Array.from(body.rows);
-    var numeric = rows.every(function (r) {
-      var c = r.cells[col];
-      return !c || c.textContent === "" || c.dataset.value !== undefined;
-    });
-    var dir = th.getAttribute("aria-sort") === "ascending" ? -1 : 1;
-    headers.forEach(function (h) { h.removeAttribute("aria-sort"); });
-    th.setAttribute("aria-sort", dir === 1 ? "ascending" : "descending");
-    rows.sort(function (a, b) {
-      var x = key(a.cells[col], numeric), y = key(b.cells[col], numeric);
-      if (x === null || y === null) return (x === null) - (y === null);
-      if (numeric) return dir * (x < y ? -1 : x > y ? 1 : 0);
-      return dir * x.localeCompare(y, undefined, {numeric: true});
-    });
-    rows.forEach(function (r) { body.appendChild(r); });
-  }
-  document.querySelectorAll("table.sortable").forEach(function (table) {
-    table.querySelectorAll("thead th").forEach(function (th) {
-      th.addEventListener("click", function () { sortBy(table, th); });
-    });
-  });
-})();
-"""
+# Autoescaped: every text the page shows is escaped, never read as HTML.
+_TEMPLATE = jinja2.Environment(
+    loader=jinja2.PackageLoader("curvbench", "templates"),
+    autoescape=True, trim_blocks=True, lstrip_blocks=True,
+    undefined=jinja2.StrictUndefined).get_template("page.html")

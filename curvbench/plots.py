@@ -1,4 +1,5 @@
-"""Figures of a merged sweep; each saved as PNG and PDF.
+"""Figures of a merged sweep's tables, each saved as PNG and PDF; the
+measurements (`curvbench.measurements`) pick the ones of their tables.
 
 - spectra: signed eigenvalue densities on a symlog axis, one curve per
   training step, the exact matrix beside each approximation of it
@@ -533,42 +534,9 @@ STYLE = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
          "figure.dpi": 120}
 
 
-def all_figures(tables: dict[str, pd.DataFrame], out: Path,
-                tuning: pd.DataFrame | None = None) -> list[Path]:
-  """The figures of every table present; quality against the step where a
-  problem was measured at several steps, as bars otherwise. Each method
-  keeps one colour in every figure. With a `tuning` table (see
-  `curvbench.report`), the training figure shows the best settings and a
-  second one (`training_all_`) every setting, beside the sensitivity."""
-  methods = {m for df in tables.values() if "method" in df
-             for m in df.method.dropna()}
-  colour = palette(methods)
-  paths = []
-  with plt.rc_context(STYLE):
-    if "spectra" in tables:
-      paths += spectra(tables["spectra"], out)
-    if "heatmaps" in tables:
-      paths += heatmaps(tables["heatmaps"], out)
-    if "quality" in tables:
-      q = _complete(tables["quality"], "step")
-      along = q.groupby("problem").step.transform("nunique") > 1
-      if along.any():
-        paths += quality_through_training(q[along], out, colour)
-      if (~along).any():
-        paths += quality(q[~along], out)
-    if "statistics" in tables:
-      paths += statistics(tables["statistics"], out)
-    if "training" in tables:
-      train = tables["training"]
-      if tuning is not None:
-        paths += training(tuned_curves(train, tuning), out, colour)
-        paths += training(train, out, colour, name="training_all")
-        paths += sensitivity(tuning, out, colour)
-      else:
-        paths += training(train, out, colour)
-    if "timing" in tables:
-      paths += timing(tables["timing"], out)
-  return paths
+def style():
+  """The figures' style, for a block that draws them."""
+  return plt.rc_context(STYLE)
 
 
 def tuned_curves(train: pd.DataFrame, tuning: pd.DataFrame) -> pd.DataFrame:

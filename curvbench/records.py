@@ -185,6 +185,8 @@ class RunDir:
     Raises `RunLocked` when another process holds it for longer than
     `wait_s` seconds. The kernel drops the lock when its holder dies, so a
     killed run never blocks the next one; the file is removed on release.
+    (Not the `filelock` package: its flock lock keeps no record of who
+    holds it, which `running` and `RunLocked` report.)
     """
     path = self.path / LOCK
     self.path.mkdir(parents=True, exist_ok=True)

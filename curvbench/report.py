@@ -8,9 +8,10 @@ The report respects the design of the experiment:
   table and figure groups by method and setting.
 - Seeds are aggregated: curves and numbers are medians over the seeds of a
   setting, with the interquartile range and the count of seeds (`n`).
-- A sweep that declares `tuning.grid` is a tuning protocol
-  (`curvbench.tuning`): the report picks each optimizer's best setting, draws
-  only those curves in the main training figure and the score against each
+- Each measurement (`curvbench.measurements`) summarises and draws the
+  tables it declares; e.g. the training measurement, for a sweep that
+  declares `tuning.grid`, picks each optimizer's best setting, draws only
+  those curves in the main training figure and the score against each
   tuned hyperparameter in a second one.
 - Runs that are not in the results are listed with the reason: skipped,
   failed (`ERROR.json`), diverged, damaged (records that cannot be read or
@@ -18,8 +19,8 @@ The report respects the design of the experiment:
   completion marker) or still running. One bad run never stops the report.
 
 Writes under `DIR/report/` (or `--out`): `report.md`, `report.html` (one
-self-contained page, sortable tables), one CSV per table, and the figures of
-`curvbench.plots` as PNG and PDF.
+self-contained page, sortable tables), one CSV per table, and the
+measurements' figures as PNG and PDF.
 """
 
 from __future__ import annotations
@@ -29,15 +30,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from curvbench import curvatures, html_page, plots, provenance, records
-from curvbench import tuning
+from curvbench import html_page, plots, provenance, records
+from curvbench.measurements import MEASUREMENTS
 
-TABLES = ("spectra", "quality", "statistics", "heatmaps", "cost", "timing",
-          "training")
 # Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
 # the run, which may have been stopped before writing a record of its own).
 RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml", "metadata.json",
@@ -55,6 +53,26 @@ class Sweep:
   root: Path
   runs: pd.DataFrame
   tables: dict[str, pd.DataFrame]
+
+
+@dataclasses.dataclass
+class Report:
+  """What the measurements summarise and draw: the sweep's `root`, its
+  `runs`, the complete and diverged ones with their setting and label
+  (`done`), the merged tables with those labels, and one colour per
+  method for every figure."""
+  root: Path
+  runs: pd.DataFrame
+  done: pd.DataFrame
+  tables: dict[str, pd.DataFrame]
+  colour: dict[str, str]
+  _derived: dict = dataclasses.field(default_factory=dict)
+
+  def once(self, key: str, derive):
+    """`derive(self)`, computed once however many hooks ask for it."""
+    if key not in self._derived:
+      self._derived[key] = derive(self)
+    return self._derived[key]
 
 
 def _run_config(run: records.RunDir) -> dict:
@@ -125,7 +143,8 @@ def load_sweep(root) -> Sweep:
   """Every run directory under `root`, and each table concatenated over the
   complete and diverged runs (with `run_id` and `run_dir` columns)."""
   root = Path(root)
-  runs, parts = [], {t: [] for t in TABLES}
+  declared = [t for name in MEASUREMENTS for t in MEASUREMENTS.get(name).tables]
+  runs, parts = [], {t: [] for t in declared}
   for path in _run_dirs(root):
     run = records.RunDir(path)
     status, reason, marker = _status(run)
@@ -154,12 +173,6 @@ def load_sweep(root) -> Sweep:
     runs.append(row)
   tables = {name: pd.concat(dfs, ignore_index=True)
             for name, dfs in parts.items() if dfs}
-  for name in ("spectra", "quality"):
-    if name in tables:
-      for column, value in plots.DEFAULTS.items():
-        if column != "block" or name == "quality":
-          tables[name][column] = tables[name].get(column, value)
-          tables[name][column] = tables[name][column].fillna(value)
   return Sweep(root, pd.DataFrame(runs), tables)
 
 
@@ -208,156 +221,10 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   return done
 
 
-def _tuned_groups(done: pd.DataFrame) -> pd.DataFrame:
-  """The training runs of optimizers their sweep tuned over a grid."""
-  grid_cols = [c for c in done.columns if c.startswith("config:tuning.grid.")]
-  if not grid_cols or "config:optimizer.name" not in done:
-    return done.iloc[:0]
-  tuned = done.apply(lambda r: any(
-      c.startswith(f"config:tuning.grid.{r['config:optimizer.name']}.")
-      and pd.notna(r[c]) for c in grid_cols), axis=1)
-  return done[tuned & (done.measure == "training")]
-
-
-def tuning_table(sweep: Sweep, done: pd.DataFrame) -> pd.DataFrame | None:
-  """Each tuned setting's score (mean over seeds) and the best ones."""
-  tuned = _tuned_groups(done)
-  if tuned.empty or "training" not in sweep.tables:
-    return None
-  metrics = tuned["config:tuning.metric"].unique()
-  if len(metrics) > 1:
-    raise ValueError(f"The tuned runs under {sweep.root} use different "
-                     f"tuning.metric values {sorted(metrics)}; report them "
-                     "apart.")
-  scores = tuning.run_scores(sweep.tables["training"], metrics[0])
-  table = tuning.select(tuned, scores, ["problem", "method"])
-  return table.assign(metric=metrics[0])
-
-
 def _with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
   labels = done[["run_id", "setting", "label"]].drop_duplicates("run_id")
   return df.drop(columns=["setting", "label"], errors="ignore").merge(
       labels, on="run_id", how="left")
-
-
-def _medians(df, index, columns, values) -> pd.DataFrame:
-  """A pivot of medians over runs with the number of runs, `n`."""
-  table = df.pivot_table(index=index, columns=columns, values=values,
-                         aggfunc="median", dropna=False).dropna(how="all")
-  counts = df.groupby(index, dropna=False).run_id.nunique().rename("n")
-  return table.join(counts).reset_index()
-
-
-def summaries(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-  """Small tables for reading: one row per problem, method and setting,
-  medians over seeds and `n`, the number of seeds."""
-  out = {}
-  if "quality" in tables:
-    q = tables["quality"]
-    for name, part in (("quality", q[q.block == "all"]),
-                       ("quality_blocks", q[q.block != "all"])):
-      if not part.empty:
-        out[name] = _medians(
-            part, ["problem", "data", "step", "reference", "block_type",
-                   "label", "block"], "metric", "value")
-  if "statistics" in tables:
-    out["statistics"] = _medians(
-        tables["statistics"], ["problem", "label", "data", "step", "source",
-                               "matrix"], "statistic", "value")
-  if "cost" in tables:
-    cost = tables["cost"].groupby(
-        ["problem", "label", "data", "phase"], dropna=False)
-    out["cost"] = cost[["compile_s", "run_s", "program_bytes"]].median(
-    ).join(cost.run_id.nunique().rename("n")).reset_index()
-  if "timing" in tables:
-    t = tables["timing"]
-    index = ["problem", "device_kind", "label"]
-    if "ratio_to_adam_step" in t:
-      steps = t[t.phase == "optimizer_step"]
-      if not steps.empty:
-        g = steps.groupby(index, dropna=False)
-        out["step_ratio"] = g.agg(
-            step_s=("median_s", "median"),
-            ratio_to_adam_step=("ratio_to_adam_step", "median"),
-            compile_s=("compile_s", "median"),
-            n=("run_id", "nunique")).reset_index()
-    out["timing"] = _medians(t, index, "phase", "ratio_to_grad_step")
-    seconds = t.pivot_table(index=index, columns="phase",
-                            values=["median_s", "compile_s"],
-                            aggfunc="median")
-    seconds.columns = [f"{p}_{v}" for v, p in seconds.columns]
-    out["timing_seconds"] = seconds.reset_index()
-    if "program_bytes" in t:  # records from before memory was recorded lack it
-      out["timing_memory"] = timing_memory(t, index)
-  if "training" in tables:
-    out["training"] = training_summary(tables["training"])
-  return out
-
-
-def timing_memory(timing: pd.DataFrame, index: list[str]) -> pd.DataFrame:
-  """MiB per phase: the median of XLA's figure for the phase's compiled
-  program (`program_bytes`) and, where the device measured one, the median
-  over runs of the device's peak (`device_peak_mib`)."""
-  mib = timing.assign(program_mib=timing.program_bytes / 2 ** 20)
-  table = _medians(mib, index, "phase", "program_mib")
-  peaks = timing.get("device_peak_bytes")
-  if peaks is not None and peaks.notna().any():
-    per_run = timing.groupby([*index, "run_id"], dropna=False)[
-        "device_peak_bytes"].max() / 2 ** 20
-    peak = per_run.groupby(level=index, dropna=False).median()
-    table = table.merge(peak.rename("device_peak_mib").reset_index(),
-                        on=index, how="left")
-  return table
-
-
-def training_summary(training: pd.DataFrame) -> pd.DataFrame:
-  """Per problem and label: medians over seeds of each run's final training
-  and test error and loss, steps, wall and compile seconds; `n` seeds and
-  how many of them diverged."""
-  finals = []
-  for run_id, run in training.sort_values("step").groupby("run_id"):
-    last = run.iloc[-1]
-    row = dict(problem=last.problem, label=last.label, run_id=run_id,
-               steps=last.step, wall_s=last.wall_s,
-               diverged=bool(run.diverged.any()) if "diverged" in run
-               else False)
-    for column in ("compile_s", "train_error", "test_error", "train_loss",
-                   "test_loss"):
-      if column in run:
-        values = run[column].dropna()
-        row[f"final_{column}" if column != "compile_s" else column] = (
-            values.iloc[-1] if len(values) else np.nan)
-    finals.append(row)
-  finals = pd.DataFrame(finals)
-  g = finals.groupby(["problem", "label"], dropna=False)
-  numbers = [c for c in finals.columns
-             if c not in ("problem", "label", "run_id", "diverged")]
-  return g[numbers].median().join(g.agg(
-      n=("run_id", "nunique"), diverged=("diverged", "sum"))).reset_index()
-
-
-def legacy_notes(tables: dict[str, pd.DataFrame]) -> list[str]:
-  """Notes on records whose label meant another algorithm when written.
-
-  Before `optimizer=preconditioned_sgd` existed, `optimizer=kfac` with a
-  curvature that is not block-diagonal trained with SGD-momentum
-  preconditioned by that curvature. Such records keep their label.
-  """
-  training = tables.get("training")
-  if training is None or "estimator" not in training:
-    return []
-  block_diagonal = [name for name, family in curvatures.FAMILIES.items()
-                    if family.is_block_diagonal]
-  old = training[(training.optimizer == "kfac")
-                 & training.estimator.notna()
-                 & ~training.estimator.isin(block_diagonal)]
-  if old.empty:
-    return []
-  methods = ", ".join(sorted(old.method.unique()))
-  return [f"Training records {methods} come from runs that named "
-          "optimizer=kfac with a whole-matrix curvature, which then meant "
-          "SGD-momentum preconditioned by that curvature (now "
-          "optimizer=preconditioned_sgd); they kept their labels."]
 
 
 def not_in_results(runs: pd.DataFrame) -> pd.DataFrame:
@@ -389,20 +256,7 @@ def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
   return "\n".join([head, rule, *rows])
 
 
-TITLES = dict(
-    run_counts="Runs",
-    not_in_results="Runs not in the results",
-    quality="Approximation quality (vs the exact matrix)",
-    quality_blocks="Approximation quality per layer block",
-    statistics="Spectrum statistics",
-    cost="Cost of each measured phase",
-    step_ratio="Optimizer step / Adam step (same problem, same process)",
-    timing="Time per phase / time of a gradient step",
-    timing_seconds="Seconds per phase (median) and compile time",
-    timing_memory="Memory per phase (MiB): XLA's figure for its program; "
-    "the device's peak where measured",
-    training="Training: final errors and losses",
-    tuning="Tuning: each setting's score (mean over seeds)")
+TITLES = dict(run_counts="Runs", not_in_results="Runs not in the results")
 
 
 def write(root, out=None) -> dict:
@@ -432,29 +286,24 @@ def write(root, out=None) -> dict:
     save_csv(f"{name}_all", df)
   save_csv("runs", sweep.runs)
 
-  sections = [("run_counts", _runs_summary(sweep.runs))]
+  methods = {m for df in tables.values() if "method" in df
+             for m in df.method.dropna()}
+  report = Report(root, sweep.runs, done, tables, plots.palette(methods))
+  sections = [("run_counts", TITLES["run_counts"],
+               _runs_summary(sweep.runs))]
   missing = not_in_results(sweep.runs)
   if not missing.empty:
-    sections.append(("not_in_results", missing))
-  tuned = tuning_table(sweep, done)
-  best = None
-  if tuned is not None:
-    sections.append(("tuning", tuned))
-    best = tuned[tuned.best]
-  for name, df in summaries(tables).items():
-    sections.append((name, df))
-  for name, df in sections:
+    sections.append(("not_in_results", TITLES["not_in_results"], missing))
+  notes, figures = [], []
+  measured = [MEASUREMENTS.get(name)() for name in MEASUREMENTS]
+  with plots.style():
+    for measurement in measured:
+      sections += measurement.summaries(report)
+      notes += measurement.notes(report)
+      figures += measurement.figures(report, out / "figures")
+  for name, _, df in sections:
     save_csv(name, df)
-
-  figures = plots.all_figures(tables, out / "figures", tuning=tuned)
   written["figures"] = figures
-  notes = legacy_notes(tables)
-  if best is not None:
-    notes.append(
-        f"Tuned by {best.metric.iloc[0]} (mean over seeds); the main "
-        "training figure shows each optimizer's best setting: " + "; ".join(
-            f"{r.problem} {r.method}: {r.setting or 'its only setting'}"
-            for r in best.itertuples()))
   pngs = [p for p in figures if p.suffix == ".png"]
   written["tables"] += _write_pages(root, out, sections, notes, pngs,
                                     _provenance_line(tables))
@@ -482,8 +331,7 @@ def _provenance_line(tables) -> str:
 def _write_pages(root, out, sections, notes, pngs, header) -> list[Path]:
   lines = [f"# curvbench report: {root}", "", header, ""]
   blocks = [html_page.Paragraph(header)]
-  for name, df in sections:
-    heading = TITLES[name]
+  for _, heading, df in sections:
     lines += [f"## {heading}", "", to_markdown(df), ""]
     blocks += [html_page.Heading(heading), html_page.Table(df)]
   if notes:

@@ -1,96 +1,25 @@
-"""Loss curves against steps and wall time, for K-FAC and first-order baselines.
+"""Loss curves against steps and wall time, for any optimizer's trainer
+(`curvbench.optimizers`), and the trainer of optax transformations.
 
-The optimizers, by their config name (`OPTIMIZERS`):
-
-- `kfac`: `estimators.Optimizer`, the full K-FAC algorithm, on a
-  block-diagonal curvature (the curvature group picks block type and mode).
-- `preconditioned_sgd`: SGD with heavy-ball momentum on `(C + damping I)^-1 g`
-  for any configured curvature C (the exact matrix with
-  `curvature=explicit_exact` or `implicit_exact`): the optax transformation
-  `precondition_by_curvature` chained with `optax.sgd`.
-- `sgd`, `adam`: optax's.
-
-Every config key but `name` is an argument of the optimizer's constructor
-(`step` of kfac: of `Optimizer.step`). All optimizers see the same initial
-parameters and the same batches in the same order.
-
-With a mesh of several devices (`devices=N`), every batch is split across
-them: the optax steps run SPMD on the split batch, and K-FAC runs
-`estimators.Optimizer`'s multi-device step (`jax.pmap`), converting at the
-trainer's edges so that callers still see ordinary parameters.
+All optimizers see the same initial parameters and the same batches in the
+same order. With a mesh of several devices (`devices=N`), every batch is
+split across them: the optax steps run SPMD on the split batch, and K-FAC
+runs `estimators.Optimizer`'s multi-device step (`jax.pmap`), converting at
+the trainer's edges so that callers still see ordinary parameters.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-import estimators as kfac
-from estimators.utils import staging
-from curvbench import costs, devices
-from curvbench.curvatures import Curvature
-
-
-class PreconditionState(NamedTuple):
-  count: jax.Array  # steps taken
-  curvature: Any  # the curvature's state
-
-
-def precondition_by_curvature(
-    curvature: Curvature, batch, rng, *, damping: float, curvature_ema: float,
-    curvature_update_period: int, inverse_update_period: int,
-) -> optax.GradientTransformationExtraArgs:
-  """Maps a gradient g to `(C + damping I)^-1 g`, C an EMA of `curvature`.
-
-  Every `curvature_update_period` steps C is re-estimated on the step's batch
-  (`update(..., batch=, rng=)`) and averaged in with weight
-  `1 - curvature_ema` (the first estimate replaces the empty one); every
-  `inverse_update_period` steps its damped inverse is recomputed.
-
-  Args:
-    curvature: the curvature to precondition with.
-    batch: an example batch: the estimator is traced on it by `init`.
-    rng: the key of the initial (empty) estimate.
-    damping: added to the curvature before inverting.
-    curvature_ema: the weight of the old estimate in the average.
-    curvature_update_period: steps between curvature estimates.
-    inverse_update_period: steps between inverse refreshes.
-
-  Returns:
-    An optax transformation whose `update` needs `batch=` and `rng=`.
-  """
-
-  def init(params):
-    return PreconditionState(jnp.zeros([], jnp.int32),
-                             curvature.init(rng, params, batch))
-
-  def update(grads, state, params=None, *, batch, rng, **extra):
-    del extra
-    ema_old = jnp.where(state.count == 0, 0.0, curvature_ema)
-
-    def estimate(curv):
-      return curvature.update(curv, params, batch, rng, ema_old, 1 - ema_old)
-
-    curv = jax.lax.cond(state.count % curvature_update_period == 0, estimate,
-                        lambda c: c, state.curvature)
-    curv = jax.lax.cond(state.count % inverse_update_period == 0,
-                        lambda c: curvature.refresh(c, damping), lambda c: c,
-                        curv)
-    direction = curvature.precondition(curv, grads, damping)
-    return direction, PreconditionState(state.count + 1, curv)
-
-  return optax.GradientTransformationExtraArgs(init, update)
+from curvbench import devices
 
 
 class OptaxTrainer:
@@ -123,194 +52,6 @@ class OptaxTrainer:
   def compiled_programs(self, params, opt_state, batch, rng) -> list:
     """The step's program, compiled (after a step: the one it ran)."""
     return [self.step.lower(params, opt_state, batch, rng).compile()]
-
-
-_QUICK_CPU_COMPILE = {"xla_backend_optimization_level": 1,
-                      "xla_cpu_use_fusion_emitters": False}
-
-
-class KFACTrainer:
-  """Trains with `estimators.Optimizer` (adaptive settings from the config).
-
-  Its step compiles one program per kind of step (refresh, damping
-  adaptation, burn-in); they recur every `cycle` steps.
-
-  Given a `mesh` of several devices, the optimizer runs its multi-device
-  step (`jax.pmap` over `devices.AXIS`) on batches split over the mesh
-  (`devices.split`): each device gets its part of the batch, a copy of the
-  parameters and state and its own key. Parameters and loss come back as
-  ordinary arrays (replicated over the mesh); the state stays in the
-  optimizer's layout, a leading device axis.
-  """
-
-  def __init__(self, loss_fn: Callable, curvature: Curvature, cfg: Mapping,
-               mesh: Mesh | None = None):
-    if not curvature.is_block_diagonal:
-      raise ValueError(
-          f"optimizer=kfac runs estimators.Optimizer, which needs a "
-          f"block-diagonal curvature, not {curvature.name!r}; use "
-          "optimizer=preconditioned_sgd to train with that curvature.")
-    kwargs = {k: v for k, v in cfg.items() if k not in ("name", "step")}
-    refresh = cfg["inverse_update_period"]
-    adapt = (cfg["damping_adaptation_interval"] if cfg["use_adaptive_damping"]
-             else None)
-    self.cycle = math.lcm(refresh, adapt or 1)
-    # (refreshes the inverses, adapts the damping) of each kind of step.
-    self.kinds = sorted({(s % refresh == 0,
-                          adapt is not None and s % adapt == 0)
-                         for s in range(self.cycle)})
-    self.curvature = curvature
-    # Optimizer.step takes a value for each of these that is not adaptive.
-    self.step_kwargs = {k: v for k, v in cfg["step"].items()
-                        if not cfg[f"use_adaptive_{k}"]}
-    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
-    if self.mesh is not None:
-      kwargs.update(multi_device=True, pmap_axis_name=devices.AXIS)
-    # Per input, the last (value given, its per-device layout): a step's own
-    # parameters, or timing's fixed batch, are not converted again.
-    self._last = {}
-    self.opt = kfac.Optimizer(
-        jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
-        layer_tag_to_block_ctor=curvature.block_ctors or None,
-        estimator_ctor=type(curvature.estimator), **kwargs)
-
-  def _per_device(self, name, tree, convert):
-    last = self._last.get(name)
-    if last is not None and last[0] is tree:
-      return last[1]
-    self._last[name] = (tree, convert(tree, self.mesh))
-    return self._last[name][1]
-
-  def _inputs(self, params, batch, rng):
-    """The optimizer's inputs: with a mesh, with a leading device axis."""
-    if self.mesh is None:
-      return params, batch, rng
-    return (self._per_device("params", params, devices.stack),
-            self._per_device("batch", batch, devices.stack_split),
-            devices.device_keys(rng, self.mesh))
-
-  def init(self, params, batch, rng):
-    # The curvature's state is the bulk of the optimizer's: refuse one that
-    # would not fit before the optimizer allocates it.
-    self.curvature.check_state_fits(rng, params, batch)
-    params, batch, rng = self._inputs(params, batch, rng)
-    return self.opt.init(params, rng, batch), 0
-
-  def compiled_programs(self, params, opt_state, batch, rng) -> list:
-    """A program per kind of step (`kinds`), compiled for its memory figure.
-
-    The step's own programs are internal to `estimators.Optimizer`, so these
-    are compiled again from `Optimizer.uncompiled_step` (under `jax.pmap`
-    on a mesh, as the step runs: the figures are per device), with its
-    inputs returned unchanged left out of the outputs as the step does.
-    """
-    state, _ = opt_state
-    params, batch, rng = self._inputs(params, batch, rng)
-    shape = () if self.mesh is None else (self.mesh.size,)
-    hyper = {k: jnp.full(shape, v, state.damping.dtype)
-             for k, v in self.step_kwargs.items()}
-    # Only the memory figure is wanted: the CPU's quicker code generation
-    # halves the compile time and leaves the buffers as they are.
-    options = (_QUICK_CPU_COMPILE if staging.target_platform() == "cpu"
-               else None)
-
-    def compiled(refresh, adapt):
-      step = costs.without_passthrough(functools.partial(
-          self.opt.uncompiled_step, refresh_cache=refresh,
-          update_damping=adapt))
-      program = lambda p, s, r, b, h: step(p, s, r, b, **h)
-      if self.mesh is None:
-        program = jax.jit(program)
-      else:
-        program = jax.pmap(program, axis_name=devices.AXIS,
-                           devices=list(self.mesh.devices.flat))
-      return program.lower(params, state, rng, batch, hyper).compile(options)
-
-    return [compiled(refresh, adapt) for refresh, adapt in self.kinds]
-
-  def step(self, params, opt_state, batch, rng):
-    state, count = opt_state
-    params, batch, rng = self._inputs(params, batch, rng)
-    params, state, stats = self.opt.step(
-        params, state, rng, batch=batch, global_step_int=count,
-        **self.step_kwargs)
-    loss = stats["loss"]
-    if self.mesh is not None:
-      # Every device holds the same parameters and (averaged) loss.
-      stacked = params
-      params, loss = devices.unstack((stacked, loss), self.mesh)
-      self._last["params"] = (params, stacked)
-    return params, (state, count + 1), loss
-
-
-def _preconditioned_sgd(loss_fn, curvature, cfg, mesh):
-  del mesh  # the optax step runs SPMD on the split batch
-  def make(batch, rng):
-    return optax.chain(
-        precondition_by_curvature(
-            curvature, batch, rng, damping=cfg["damping"],
-            curvature_ema=cfg["curvature_ema"],
-            curvature_update_period=cfg["curvature_update_period"],
-            inverse_update_period=cfg["inverse_update_period"]),
-        optax.sgd(cfg["learning_rate"], momentum=cfg["momentum"]))
-  return OptaxTrainer(loss_fn, make)
-
-
-def _optax(transformation):
-  def build(loss_fn, curvature, cfg, mesh):
-    del curvature, mesh
-    kwargs = {k: v for k, v in cfg.items() if k != "name"}
-    return OptaxTrainer(loss_fn, lambda batch, rng: transformation(**kwargs))
-  return build
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerKind:
-  build: Callable  # (loss_fn, curvature, cfg, mesh) -> trainer
-  uses_curvature: bool
-  needs_block_diagonal: bool = False
-
-  def accepts(self, family: type[Curvature]) -> bool:
-    """Whether it can train with curvatures of `family`."""
-    return family.is_block_diagonal or not self.needs_block_diagonal
-
-
-OPTIMIZERS = {
-    "kfac": OptimizerKind(KFACTrainer, uses_curvature=True,
-                          needs_block_diagonal=True),
-    "preconditioned_sgd": OptimizerKind(_preconditioned_sgd,
-                                        uses_curvature=True),
-    "sgd": OptimizerKind(_optax(optax.sgd), uses_curvature=False),
-    "adam": OptimizerKind(_optax(optax.adam), uses_curvature=False),
-}
-
-
-def optimizer_kind(name: str) -> OptimizerKind:
-  if name not in OPTIMIZERS:
-    raise ValueError(f"Unknown optimizer.name {name!r}; choose one of "
-                     f"{', '.join(OPTIMIZERS)}.")
-  return OPTIMIZERS[name]
-
-
-def method_label(name: str, curvature: Curvature | None) -> str:
-  """A training run's method: the optimizer, and the curvature it uses."""
-  if optimizer_kind(name).uses_curvature and curvature is not None:
-    return f"{name}[{curvature.label}]"
-  return name
-
-
-def make_optimizer(loss_fn: Callable, cfg: Mapping,
-                   curvature: Curvature | None = None,
-                   mesh: Mesh | None = None):
-  """A trainer (`init(params, batch, rng)`, `step(params, state, batch, rng)`
-  -> `(params, state, loss)`, `cycle`, and `compiled_programs(params, state,
-  batch, rng)`: the programs its steps run, for their memory) from the
-  `optimizer` config group; with a `mesh` (`devices.mesh`), for batches
-  split over its devices (`devices.split`)."""
-  kind = optimizer_kind(cfg["name"])
-  if kind.uses_curvature and curvature is None:
-    raise ValueError(f"optimizer={cfg['name']} needs a curvature.")
-  return kind.build(loss_fn, curvature, cfg, mesh)
 
 
 def compile_steps(optimizer, params, opt_state, batch, rng) -> float:
@@ -362,11 +103,12 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
   return steps
 
 
-def evaluator(problem, cfg: Mapping, dtype) -> Callable:
+def evaluator(problem, cfg, dtype) -> Callable:
   """`evaluate(params) -> {train_loss, train_error, test_loss, test_error}`
   on fixed examples: the first `train_eval_size` of the training split and
   the first `eval_size` of the test split (None: all of a split)."""
-  splits = {split: problem.evaluation_batch(cfg[key], dtype, split=split)
+  splits = {split: problem.evaluation_batch(getattr(cfg, key), dtype,
+                                            split=split)
             for split, key in (("train", "train_eval_size"),
                                ("test", "eval_size"))}
   for split, (x, _) in splits.items():
@@ -388,10 +130,11 @@ def evaluator(problem, cfg: Mapping, dtype) -> Callable:
   return evaluate
 
 
-def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
+def run(problem, optimizer, params, cfg, rng, data_seed: int,
         progress: bool = True, at_steps=(), on_step: Callable | None = None,
         mesh: Mesh | None = None) -> list[dict]:
-  """Trains for `cfg["num_steps"]` steps; one row per logged step.
+  """Trains for `cfg.num_steps` steps (`cfg`: the training measurement's
+  settings); one row per logged step.
 
   Row `step` s describes the parameters after s updates (0: the
   initialisation): `batch_loss` is the loss of the minibatch of update s
@@ -407,8 +150,8 @@ def run(problem, optimizer, params, cfg: Mapping, rng, data_seed: int,
   Raises:
     FloatingPointError: when the run diverges before a step of `at_steps`.
   """
-  num_steps, log_every = int(cfg["num_steps"]), int(cfg["log_every"])
-  eval_every = int(cfg["eval_every"])
+  num_steps, log_every, eval_every = (cfg.num_steps, cfg.log_every,
+                                      cfg.eval_every)
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
   batches = problem.batches(seed=data_seed, dtype=dtype)

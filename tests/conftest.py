@@ -70,11 +70,23 @@ SKIPPED = ("spectra_adam", "training_kfac_exact")
 @pytest.fixture(scope="session")
 def sweep(tmp_path_factory):
   """The tiny problem's runs of `SWEEP` in one sweep directory, and their
-  statuses."""
-  from curvbench import app, config
-  root = tmp_path_factory.mktemp("sweep")
-  status = {name: app.run(config.compose(*o, *TINY), root / name)
-            for name, o in SWEEP.items()}
+  statuses.
+
+  Under xdist the workers share the directory and split the runs as a
+  sweep's processes do: each holds a run's lock while it works, and finds
+  the runs the other finished (workers go through the points in opposite
+  orders, so neither waits long)."""
+  from curvbench import config, records, runs
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if worker else base) / "sweep"
+  points = list(SWEEP.items())
+  if worker and int(worker.removeprefix("gw")) % 2:
+    points.reverse()
+  for name, o in points:
+    runs.run(config.compose(*o, *TINY, "lock_wait_s=inf"), root / name)
+  status = {name: records.RunDir(root / name).marker()["status"]
+            for name in SWEEP}
   return root, status
 
 

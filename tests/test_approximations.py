@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import problems
-from curvbench import config, curvatures, measurements, training
+from curvbench import config
 
 STEPS = 40
 # (problem, curvature config): the training loss on fixed examples must fall
@@ -34,11 +34,10 @@ def train(problem_name, curvature_name, steps=STEPS):
   cfg = config.compose(f"problem={problem_name}",
                        f"curvature={curvature_name}", "optimizer=kfac",
                        "curvature.mode=fisher_gradients")
-  problem = problems.make(cfg.problem)
-  curvature = curvatures.make(measurements.section(cfg.curvature),
-                              problem.loss_fn)
-  trainer = training.KFACTrainer(problem.loss_fn, curvature,
-                                 measurements.section(cfg.optimizer))
+  run = config.load(cfg)
+  problem = problems.make(run.problem)
+  trainer = run.optimizer.make(problem.loss_fn,
+                               run.curvature.make(problem.loss_fn))
   rng = jax.random.PRNGKey(0)
   params = problem.init_params(rng)
   batches = problem.batches(seed=0)

@@ -1,29 +1,27 @@
 """Configs: every option composes, the Python API and the command line build
 the same config, bad values are refused when composed, and optimizer sections
-are their constructors' keyword arguments."""
+follow their constructors' keyword arguments."""
 
+import dataclasses
 import inspect
+import json
+import subprocess
+import sys
+import textwrap
 
 import optax
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import MissingConfigException
 from hydra.core.utils import setup_globals
 from omegaconf import OmegaConf
 
 import estimators
 import problems
-from curvbench import app, config, curvatures, measurements, provenance
-from curvbench import training
+from curvbench import app, approximations, config, measurements, runs
+from curvbench.optimizers import OPTIMIZERS
+from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
 
-GROUPS = ("problem", "curvature", "optimizer", "measure")
-
-
-def options(group):
-  """The selectable options of a group (files starting with _ are shared
-  bases, not choices)."""
-  return sorted(p.stem for p in (config.CONF_DIR / group).glob("*.yaml")
-                if not p.stem.startswith("_"))
+GROUPS = ("problem", "problem/data", "curvature", "optimizer", "measure")
 
 
 def cli_config(capsys, *overrides):
@@ -33,10 +31,18 @@ def cli_config(capsys, *overrides):
   return OmegaConf.create(capsys.readouterr().out)
 
 
+def unchecked(*overrides):
+  """The config Hydra composes for `overrides`, before curvbench checks it."""
+  config.store()
+  with initialize_config_dir(config_dir=str(config.CONF_DIR),
+                             version_base=None):
+    return compose("config", overrides=list(overrides))
+
+
 def test_every_option_composes_and_equals_the_command_line(capsys):
   for group in GROUPS:
-    assert options(group), group
-    for name in options(group):
+    assert config.options(group), group
+    for name in config.options(group):
       cfg = config.compose(f"{group}={name}")
       assert cfg == cli_config(capsys, f"{group}={name}"), (group, name)
   for launcher in ("basic", "joblib", "submitit_local", "submitit_slurm"):
@@ -45,12 +51,13 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
       cfg = compose("config", overrides=[f"launcher={launcher}"],
                     return_hydra_config=True)
     assert launcher.split("_")[0] in cfg.hydra.launcher._target_.lower()
-  for name in options("experiment"):
+  for name in config.options("experiment"):
     with initialize_config_dir(config_dir=str(config.CONF_DIR),
                                version_base=None):
       cfg = compose("config", overrides=[f"+experiment={name}"],
                     return_hydra_config=True)
     assert cfg.name == name and cfg.hydra.sweeper.params
+    config.validate(cfg)
 
 
 def test_python_api_and_command_line_build_the_same_objects(capsys):
@@ -59,8 +66,8 @@ def test_python_api_and_command_line_build_the_same_objects(capsys):
   built = []
   for cfg in (config.compose(*overrides), cli_config(capsys, *overrides)):
     problem = problems.make(cfg.problem)
-    curvature = curvatures.make(measurements.section(cfg.curvature),
-                                problem.loss_fn)
+    curvature = approximations.make(config.plain(cfg.curvature),
+                                    problem.loss_fn)
     built.append((problem.name, problem.batch_size, problem.num_params,
                   type(curvature), curvature.label, curvature.block_type,
                   curvature.cg_iters, curvature.max_dense_gib))
@@ -70,12 +77,11 @@ def test_python_api_and_command_line_build_the_same_objects(capsys):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("problem.name=resnet", "Unknown problem.name 'resnet'"),
+    ("problem.name=resnet", "problem.name='resnet' is not allowed: these are "
+     "the settings of problem mlp"),
     ("device=quantum", "Unknown device 'quantum'"),
     ("curvature.mode=fisher", "Unknown curvature.mode 'fisher'"),
-    ("curvature.block_type=lowrank", "Unknown curvature.block_type 'lowrank'"),
-    ("curvature.estimator=magic", "Unknown curvature.estimator 'magic'"),
-    ("optimizer.name=lbfgs", "Unknown optimizer.name 'lbfgs'"),
+    ("optimizer.name=lbfgs", "optimizer.name='lbfgs' is not allowed"),
     ("measure.kind=profile", "Unknown measure.kind 'profile'"),
     ("measure.spectra.precision=float16", "precision 'float16'"),
     ("measure.spectra.method=arnoldi", "Unknown measure.spectra.method"),
@@ -83,21 +89,25 @@ def test_python_api_and_command_line_build_the_same_objects(capsys):
     ("measure.timing.phases=[warmup]", "phases 'warmup'"),
 ])
 def test_bad_values_are_refused_when_composed(tmp_path, override, message):
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(config.ConfigError, match=message):
     config.compose(override)
-  with initialize_config_dir(config_dir=str(config.CONF_DIR),
-                             version_base=None):
-    unchecked = compose("config", overrides=[override])
-  with pytest.raises(ValueError, match=message):  # the command line's check
-    app.run(unchecked, tmp_path / "run")
+  with pytest.raises(config.ConfigError, match=message):  # the run's check
+    runs.run(unchecked(override), tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
 
-def test_unknown_option_or_key_names_it():
-  with pytest.raises(MissingConfigException, match="problem"):
-    config.compose("problem=resnet")
-  with pytest.raises(Exception, match="widht"):
-    config.compose("problem.widht=3")
+@pytest.mark.parametrize("override,message", [
+    ("problem=resnet", "(?s)Could not find 'problem/resnet'.*mlp"),
+    ("problem.widht=3", r"problem mlp has no setting 'widht' \(did you mean "
+     r"width\?\)"),
+    ("curvature.block_type=diagonal", "curvature kfac has no setting "
+     "'block_type'"),
+    ("optimizer.learnig_rate=0.5", r"optimizer kfac has no setting "
+     r"'learnig_rate' \(did you mean learning_rate or step.learning_rate"),
+])
+def test_unknown_option_or_key_names_it(override, message):
+  with pytest.raises(config.ConfigError, match=message):
+    config.compose(override)
 
 
 def accepts(fn, names):
@@ -105,22 +115,30 @@ def accepts(fn, names):
   return set(names) <= set(params), set(names) - set(params)
 
 
-def test_optimizer_sections_are_keyword_arguments():
-  kfac = measurements.section(config.compose("optimizer=kfac").optimizer)
+def settings_of(name) -> dict:
+  section = config.plain(config.compose(f"optimizer={name}").optimizer)
+  del section["name"]
+  return section
+
+
+def test_optimizer_settings_follow_their_constructors():
+  """Each optimizer's settings are its constructor's keyword arguments; of
+  estimators.Optimizer every argument is a setting or said to be set by
+  the run (with why), and `step` holds arguments of Optimizer.step."""
+  kfac = settings_of("kfac")
   step = kfac.pop("step")
-  del kfac["name"]
   assert accepts(estimators.Optimizer, kfac) == (True, set())
   assert accepts(estimators.Optimizer.step, step) == (True, set())
+  arguments = set(inspect.signature(estimators.Optimizer).parameters)
+  elsewhere = set(OPTIMIZERS.get("kfac").set_elsewhere)
+  assert arguments - set(kfac) == elsewhere - {"learning_rate", "momentum",
+                                               "damping"}
   for name, fn in (("sgd", optax.sgd), ("adam", optax.adam)):
-    section = measurements.section(config.compose(f"optimizer={name}")
-                                   .optimizer)
-    del section["name"]
-    assert accepts(fn, section) == (True, set())
-  precond = measurements.section(
-      config.compose("optimizer=preconditioned_sgd").optimizer)
-  assert accepts(training.precondition_by_curvature,
-                 set(precond) - {"name", "learning_rate", "momentum"}) == (
-                     True, set())
+    section = settings_of(name)
+    assert set(section) == set(inspect.signature(fn).parameters), name
+  precond = settings_of("preconditioned_sgd")
+  assert accepts(precondition_by_curvature,
+                 set(precond) - {"learning_rate", "momentum"}) == (True, set())
 
 
 # Every setting out of its type or range, or disagreeing with another one:
@@ -181,8 +199,10 @@ BAD_SETTINGS = [
      "> 0"),
     (["measure.timing.baseline.learning_rate=0"],
      "measure.timing.baseline.learning_rate", "> 0"),
-    (["measure.timing.baseline.name=sgd"], "measure.timing.baseline",
-     "times adam"),
+    (["measure.timing.baseline.name=sgd"], "measure.timing.baseline.name",
+     "these are the settings of optimizer adam"),
+    (["+measure.timing.baseline.lerning_rate=1"],
+     "measure.timing.baseline.lerning_rate", "did you mean learning_rate"),
     (["optimizer=sgd", "optimizer.learning_rate=-1"], "optimizer.learning_rate",
      "> 0"),
     (["optimizer=sgd", "optimizer.momentum=1.5"], "optimizer.momentum",
@@ -247,6 +267,33 @@ BAD_SETTINGS = [
     (["canonical.optimizer=lbfgs"], "canonical.optimizer", "kfac"),
     (["+measure.training.num_step=5"], "measure.training.num_step",
      "Unknown setting"),
+    # Optimizer keys misspelt, ignored, or set elsewhere.
+    (["optimizer=preconditioned_sgd", "+optimizer.learnig_rate=0.5"],
+     "optimizer.learnig_rate", "did you mean learning_rate"),
+    (["optimizer=adam", "optimizer.learnig_rate=0.5"],
+     "optimizer.learnig_rate", "did you mean learning_rate"),
+    (["+optimizer.inverse_update_priod=5"], "optimizer.inverse_update_priod",
+     "did you mean inverse_update_period"),
+    (["+optimizer.step.dampin=0.1"], "optimizer.step.dampin",
+     "did you mean damping"),
+    (["optimizer.step.learning_rate=0.1"], "optimizer.step.learning_rate",
+     "is ignored: use_adaptive_learning_rate=true"),
+    (["optimizer.use_adaptive_damping=false", "optimizer.initial_damping=1"],
+     "optimizer.initial_damping", "is ignored: use_adaptive_damping=false"),
+    (["+optimizer.estimation_mode=fisher_exact"], "optimizer.estimation_mode",
+     "curvature.mode sets"),
+    (["optimizer.norm_constraint=1"], "optimizer.norm_constraint",
+     "cannot be used with optimizer.use_adaptive_learning_rate=true"),
+    (["optimizer.damping_lower_threshold=0.8"],
+     "optimizer.damping_lower_threshold", "must be below"),
+    (["optimizer.patterns_to_skip=[dense]"], "optimizer.patterns_to_skip",
+     "dense_with_bias"),
+    (["+tuning.grid.adam={lerning_rate:[0.1]}"],
+     "tuning.grid.adam.lerning_rate", "did you mean learning_rate"),
+    (["+tuning.grid.kfac={step:{learning_rate:[0.1]}}"],
+     "tuning.grid.kfac.step.learning_rate", "is ignored"),
+    (["+tuning.grid.sgd={momentum:[1.5]}"], "tuning.grid.sgd.momentum",
+     "[0, 1)"),
 ]
 
 
@@ -265,49 +312,94 @@ def test_every_bad_setting_is_refused_by_name(overrides, key, words):
 # Values that come back parsed (true, nan, 1e-8 as 1e-08), or whose
 # message names the offending part only.
 NOT_ECHOED = ("", "[]", "true", "-1e-8", "nan", "inf", "[0,500]",
-              "{learning_rate:[]}", "{learning_rate:[0.1]}")
+              "{learning_rate:[]}", "{learning_rate:[0.1]}", "fisher_exact",
+              "{lerning_rate:[0.1]}", "{step:{learning_rate:[0.1]}}",
+              "{momentum:[1.5]}", "[dense]")
 
 
 @pytest.mark.parametrize("override", [
-    "measure.training.num_steps=0", "seed=abc", "problem.width=0",
+    "measure.training.num_steps=0", "seed=-1", "problem.width=0",
     "measure.spectra.top_k=0"])
-def test_the_command_refuses_before_building_anything(tmp_path, override,
-                                                      monkeypatch):
-  with initialize_config_dir(config_dir=str(config.CONF_DIR),
-                             version_base=None):
-    unchecked = compose("config", overrides=[override])
+def test_a_run_refuses_before_building_anything(tmp_path, override,
+                                                monkeypatch):
   monkeypatch.setattr(problems, "make", pytest.fail)  # nothing is built
   with pytest.raises(config.ConfigError, match=override.split("=")[0]):
-    app.run(unchecked, tmp_path / "run")
+    runs.run(unchecked(override), tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
 
-def test_every_setting_in_conf_has_a_rule():
-  """Each key of each option and experiment has a type and range; a new
-  key without one fails here (optimizer keys would otherwise pass)."""
-  overrides = [f"{group}={name}" for group in GROUPS for name in options(group)]
-  overrides += [f"+experiment={name}" for name in options("experiment")]
-  for override in overrides:
-    keys = provenance.flatten(config.compose(override))
-    missing = [k for k in keys if k not in config.SETTINGS
-               and not k.startswith("tuning.grid.")]
-    assert not missing, (override, missing)
+REFUSED_COMMANDS = [
+    ["+optimizer.learnig_rate=0.5"], ["measure.training.num_steps=abc"],
+    ["optimizer.step.learning_rate=0.1"], ["force=1"], ["seed=-1"],
+    ["-m", "seed=0,1", "+optimizer.learnig_rate=0.5"],
+    ["-m", "optimizer=sgd,adam", "optimizer.momentum=0.5"],
+    ["-m", "measure=training", "+tuning.grid.adam={lerning_rate:[0.1]}"],
+    ["-m", "force=0,1"],
+]
+
+
+def test_the_command_refuses_with_the_message_alone(tmp_path):
+  """Refused on the command line, or for any point of a sweep, before
+  Hydra writes a run or sweep directory: the message alone, exit status 1.
+  (One process for all: Hydra's sweeps log to the streams it was started
+  with, which pytest closes between tests.)"""
+  script = textwrap.dedent(f"""
+      import json, sys
+      from curvbench import app
+      out = []
+      for i, argv in enumerate({REFUSED_COMMANDS!r}):
+        where = "hydra.sweep.dir" if "-m" in argv else "hydra.run.dir"
+        try:
+          app.cli([*argv, f"{{where}}={tmp_path}/out{{i}}", "progress=false"])
+          out.append(None)
+        except SystemExit as e:
+          out.append(str(e.code))
+      print(json.dumps(out))""")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, check=True)
+  messages = json.loads(result.stdout.strip().splitlines()[-1])
+  for argv, message in zip(REFUSED_COMMANDS, messages):
+    assert message and message.startswith("curvbench: "), (argv, message)
+  assert "Traceback" not in result.stderr, result.stderr
+  assert not list(tmp_path.iterdir())  # no run or sweep directory
+
+
+def test_every_setting_is_declared_with_a_check_and_a_doc():
+  """Every field of the run's settings and of every registered component
+  (nested settings included) says what it may hold and what it does."""
+  classes = [config.RunSettings, measurements.schema()]
+  classes += [r.get(n) for r in config.REGISTRIES for n in r]
+  seen = set()
+  while classes:
+    cls = classes.pop()
+    if cls in seen:
+      continue
+    seen.add(cls)
+    nested = cls.nested()
+    classes += list(nested.values())
+    for f in dataclasses.fields(cls):
+      if f.name in nested or f.name == "name" or f.name in {
+          m for m in measurements.MEASUREMENTS}:
+        continue
+      assert f.metadata.get("check") is not None, (cls, f.name)
+      assert f.metadata.get("doc") or cls is config.Canonical, (cls, f.name)
 
 
 def test_single_runs_in_the_same_second_get_their_own_directories():
   config.register_resolvers()
-  runs = []
+  config.store()
+  composed = []
   for _ in range(2):
     with initialize_config_dir(config_dir=str(config.CONF_DIR),
                                version_base=None):
-      runs.append(compose("config", return_hydra_config=True))
+      composed.append(compose("config", return_hydra_config=True))
   OmegaConf.register_new_resolver("now", lambda pattern: "2026-01-01_00-00-00",
                                   use_cache=True, replace=True)
   try:
-    dirs = [cfg.hydra.run.dir for cfg in runs]
+    dirs = [cfg.hydra.run.dir for cfg in composed]
     assert dirs[0] != dirs[1]
     assert all(d.startswith("reports/default/single/2026-01-01_00-00-00_")
                for d in dirs)
-    assert [cfg.hydra.run.dir for cfg in runs] == dirs  # fixed once read
+    assert [cfg.hydra.run.dir for cfg in composed] == dirs  # fixed once read
   finally:
     setup_globals()  # Hydra's own `now` again

@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 
 import estimators
-from curvbench import config, curvatures, data, measurements, training
+import problems
+from curvbench import approximations, config, curvatures, data, optimizers
+from tests.conftest import TINY_PROBLEM
 
-FAMILY_CONFIGS = ("kfac", "ekfac", "tnt", "kfac_reduce", "kfac_tridiagonal",
-                  "diagonal", "full", "identity", "explicit_exact",
-                  "implicit_exact", "implicit_hessian")
+# Every registered approximation, found by the registry.
+FAMILY_CONFIGS = tuple(approximations.CURVATURES)
 
 
 def make(tiny, name, *overrides):
   cfg = config.compose(f"curvature={name}", "curvature.cg_iters=500",
                        *overrides).curvature
-  return curvatures.make(measurements.section(cfg), tiny[0].loss_fn)
+  return approximations.make(config.plain(cfg), tiny[0].loss_fn)
 
 
 def flat(tree):
@@ -49,10 +50,10 @@ def test_every_family_agrees_with_its_dense_export(tiny, name):
   expected = np.linalg.solve(dense + damping * np.eye(235), v)
   # CG stops at jax's default relative residual, 1e-5.
   tol = 1e-4 if isinstance(cur, curvatures.ImplicitExact) else 1e-9
-  if cur.block_type == "kfac":  # each Kronecker factor is damped instead
-    assert np.all(np.isfinite(solved))
-  else:
+  if cur.damped_inverse_is_exact:
     assert np.linalg.norm(solved - expected) < tol * np.linalg.norm(expected)
+  else:  # e.g. each Kronecker factor damped instead of the product
+    assert np.all(np.isfinite(solved))
 
 
 def test_exact_references_equal_brute_force(tiny, tiny_ggn):
@@ -74,17 +75,17 @@ def test_exact_references_equal_brute_force(tiny, tiny_ggn):
 
 def test_bad_curvature_configs_are_refused_by_name(tiny):
   loss_fn = tiny[0].loss_fn
-  base = measurements.section(config.compose().curvature)
+  base = config.plain(config.compose().curvature)
   for key, value, message in [
-      ("block_type", "lowrank", "Unknown curvature.block_type 'lowrank'"),
-      ("mode", "fisher", "Unknown estimation mode 'fisher'"),
-      ("estimator", "magic", "Unknown curvature.estimator 'magic'")]:
+      ("block_type", "lowrank", "curvature kfac has no setting 'block_type'"),
+      ("mode", "fisher", "Unknown curvature.mode 'fisher'"),
+      ("name", "magic", "Unknown curvature.name 'magic'")]:
     with pytest.raises(ValueError, match=message):
-      curvatures.make(dict(base, **{key: value}), loss_fn)
-  implicit = measurements.section(
+      approximations.make(dict(base, **{key: value}), loss_fn)
+  implicit = config.plain(
       config.compose("curvature=implicit_exact").curvature)
-  with pytest.raises(ValueError, match="multiplies by one of"):
-    curvatures.make(dict(implicit, matrix="ef"), loss_fn)
+  with pytest.raises(ValueError, match="Unknown curvature.matrix 'ef'"):
+    approximations.make(dict(implicit, matrix="ef"), loss_fn)
 
 
 def test_dense_that_would_not_fit_says_size_and_alternative(tiny):
@@ -133,8 +134,8 @@ def test_block_state_that_would_not_fit_is_refused_before_allocating(
     over.init(key, params, batch)
   assert calls == [True]  # traced for its shapes, never built
   # K-FAC's optimizer checks the curvature's state before building its own.
-  cfg = measurements.section(config.compose("optimizer=kfac").optimizer)
-  trainer = training.make_optimizer(problem.loss_fn, cfg, over)
+  cfg = config.plain(config.compose("optimizer=kfac").optimizer)
+  trainer = optimizers.make(cfg, problem.loss_fn, over)
   monkeypatch.setattr(trainer.opt, "init", None)  # reached: a TypeError
   with pytest.raises(MemoryError, match="max_state_gib"):
     trainer.init(params, batch, key)
@@ -159,7 +160,7 @@ def test_kfac_factor_of_50k_inputs_is_refused_at_the_default_limit(
   batch = (jnp.zeros((2, inputs), jnp.float32), jnp.zeros(2, jnp.int32))
   cfg = config.compose("curvature=kfac").curvature
   assert cfg.max_state_gib == 4.0
-  cur = curvatures.make(measurements.section(cfg), loss_fn)
+  cur = approximations.make(config.plain(cfg), loss_fn)
   calls = abstract_only(monkeypatch, cur)
   with pytest.raises(MemoryError, match=(
       r"'dense_0' \(DenseTwoKroneckerFactored, input factor 50177 x 50177, "
@@ -190,11 +191,14 @@ def _brute_force(problem, params, batch):
 
 @pytest.fixture(scope="module")
 def whole_split(tiny):
-  """The tiny problem's training split as chunks of 8 (a remainder of 4),
-  and the brute-force matrices over all of it, concatenated."""
-  problem, params, _ = tiny
+  """The training split of the tiny problem's model on 100 digits, as
+  chunks of 8 (a remainder of 4), and the brute-force matrices over all of
+  it, concatenated."""
+  _, params, _ = tiny
+  problem = problems.make(config.compose(*TINY_PROBLEM,
+                                         "problem.data.num_train=100").problem)
   examples = data.select(problem, "train", dtype=np.float64)
-  assert examples.rest_size == 4 and examples.num_examples == 1500
+  assert examples.rest_size == 4 and examples.num_examples == 100
   return examples, _brute_force(problem, params, examples.concatenated())
 
 

@@ -7,7 +7,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from curvbench import app, config, records, report
+from curvbench import config, records, report, runs
 from tests.conftest import TINY, truncate
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
@@ -56,7 +56,7 @@ def good(tmp_path_factory):
   """One finished tiny training run, and its config."""
   cfg = config.compose(*ADAM)
   path = tmp_path_factory.mktemp("good") / "good"
-  assert app.run(cfg, path) == "complete"
+  assert runs.run(cfg, path) == "complete"
   return records.RunDir(path), cfg
 
 
@@ -73,15 +73,15 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
   _copy(run, root / "good")
   for name, harm in HARM.items():
     harm(_copy(run, root / name))
-  assert app.record_skip(config.compose("measure=spectra", "optimizer=adam",
+  assert runs.record_skip(config.compose("measure=spectra", "optimizer=adam",
                                         *TINY), root / "skipped")
   running = _copy(run, root / "running")
   _unmark(running)
   with running.lock():
     assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
 
-  runs = pd.read_csv(tmp_path / "out" / "runs.csv").set_index("run_dir")
-  assert runs.status.to_dict() == dict(
+  statuses = pd.read_csv(tmp_path / "out" / "runs.csv").set_index("run_dir")
+  assert statuses.status.to_dict() == dict(
       good="complete", **{k: v[0] for k, v in EXPECTED.items()})
   text = (tmp_path / "out" / "report.md").read_text()
   section = text.split("## Runs not in the results")[1].split("\n## ")[0]
@@ -111,14 +111,14 @@ def test_a_rerun_redoes_damaged_runs_and_keeps_intact_ones(good, tmp_path):
   intact = _copy(run, tmp_path / "intact")
   before = {p.name: p.read_bytes() for p in intact.path.iterdir()
             if p.is_file()}
-  assert app.run(cfg, intact.path) == "cached"
+  assert runs.run(cfg, intact.path) == "cached"
   assert {p.name: p.read_bytes() for p in intact.path.iterdir()
           if p.is_file()} == before
   for name in ("table_cut", "marker_cut", "table_gone"):
     damaged = _copy(run, tmp_path / name)
     HARM[name](damaged)
     assert not damaged.done
-    assert app.run(cfg, damaged.path) == "complete", name
+    assert runs.run(cfg, damaged.path) == "complete", name
     assert damaged.done and damaged.damage() is None
     assert json.loads((damaged.path / records.MARKER).read_text())[
         "tables"] == ["config", "training"]

@@ -5,11 +5,10 @@ and what cannot be split is refused by the setting to change."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pandas as pd
 import pytest
 
-from curvbench import app, config, curvatures, data, devices, matrix_free
-from curvbench import measurements, records, timing, training
+from curvbench import approximations, config, curvatures, data, devices
+from curvbench import matrix_free, optimizers, records, runs, timing
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.skipif(
@@ -29,7 +28,7 @@ def run(tmp_path, count, *overrides):
   """The tables of a run of the tiny problem on `count` devices."""
   out = tmp_path / f"devices{count}"
   cfg = config.compose(*TINY, "device=cpu", f"devices={count}", *overrides)
-  assert app.run(cfg, out) == "complete"
+  assert runs.run(cfg, out) == "complete"
   return records.RunDir(out).tables()
 
 
@@ -70,13 +69,13 @@ def test_kfac_trainer_steps_each_device_on_its_part(tiny, mesh):
   problem, params, batch = tiny
   cfg = config.compose(*TINY, "optimizer.num_burnin_steps=1",
                        "optimizer.inverse_update_period=1")
-  curvature = curvatures.make(measurements.section(cfg.curvature),
-                              problem.loss_fn)
+  curvature = approximations.make(config.plain(cfg.curvature),
+                                  problem.loss_fn)
   rng = jax.random.PRNGKey(0)
   out = {}
   for name, on in (("one", None), ("two", mesh)):
-    trainer = training.make_optimizer(
-        problem.loss_fn, measurements.section(cfg.optimizer), curvature, on)
+    trainer = optimizers.make(config.plain(cfg.optimizer), problem.loss_fn,
+                              curvature, on)
     placed = batch if on is None else devices.split(batch, on, "batch")
     p, state = params, trainer.init(params, placed, rng)
     for step in range(2):
@@ -125,9 +124,9 @@ def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
   program, whose batch is half the batch)."""
   problem, params, batch = tiny
   cfg = config.compose(*TINY, f"curvature={name}")
-  curvature = curvatures.make(measurements.section(cfg.curvature),
-                              problem.loss_fn)
-  timing_cfg = measurements.section(cfg.measure.timing)
+  curvature = approximations.make(config.plain(cfg.curvature),
+                                  problem.loss_fn)
+  timing_cfg = config.plain(cfg.measure.timing)
   rng = jax.random.PRNGKey(1)
   one = timing.phase_calls(problem.loss_fn, curvature, params, batch,
                            timing_cfg, rng)

@@ -109,6 +109,7 @@ def test_a_sweep_with_a_bad_point_launches_nothing(tmp_path):
 
 def launcher(name, **settings):
   """The `hydra.launcher` config that `launcher=NAME` selects."""
+  config.store()
   with initialize_config_dir(config_dir=str(config.CONF_DIR),
                              version_base=None):
     cfg = compose("config", overrides=[f"launcher={name}"],
@@ -133,10 +134,10 @@ def launcher(name, **settings):
 def test_timing_alone_per_launcher(name, settings, batch, timing, fix):
   launcher_cfg, _ = launcher(name, **settings)
   if fix is None:
-    tuning_sweeper.check_timing_alone(timing, launcher_cfg, batch)
+    tuning_sweeper.check_alone(timing, launcher_cfg, batch)
   else:
     with pytest.raises(ValueError, match=f"need the device.*{re.escape(fix)}"):
-      tuning_sweeper.check_timing_alone(timing, launcher_cfg, batch)
+      tuning_sweeper.check_alone(timing, launcher_cfg, batch)
 
 
 def test_local_parallel_launchers_do_not_preallocate_the_gpu():

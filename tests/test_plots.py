@@ -2,11 +2,14 @@
 and PDF, for tables along training and for older tables without step, data
 and block; the signed density and the heatmap block lines are checked."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import plots
+from curvbench import plots, report
+from curvbench.measurements.spectra import Spectra
 
 IDENTITY = dict(problem="mlp", curvature="kfac", block_type="kfac",
                 mode="ggn_exact", optimizer="kfac", seed=0, run="r0")
@@ -198,7 +201,7 @@ def _statistics_table():
   return table
 
 
-def test_all_figures_draws_every_table(spectra_table, tmp_path):
+def test_the_spectra_measurement_draws_every_table_it_declares(spectra_table, tmp_path):
   blocks = ["a"] * 3 + ["b"] * 3
   heat = pd.concat([_heatmap_rows(blocks, 0, s, k, METHODS[0])
                     for s in ("exact", "approx")
@@ -210,7 +213,9 @@ def test_all_figures_draws_every_table(spectra_table, tmp_path):
                           & (spectra_table.reference == "ggn")]
   tables = dict(spectra=spectra, heatmaps=heat, quality=quality,
                 statistics=_statistics_table())
-  names = {p.stem for p in plots.all_figures(tables, tmp_path)}
+  drawn = report.Report(Path("."), pd.DataFrame(), pd.DataFrame(), tables,
+                        plots.palette(METHODS))
+  names = {p.stem for p in Spectra().figures(drawn, tmp_path)}
   assert {"spectra_mlp_batch_ggn", "heatmaps_mlp_kfac-ggn_exact_batch_step0",
           "quality_steps_mlp_ggn_batch", "quality_convnet",
           "statistics_mlp"} <= names

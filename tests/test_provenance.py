@@ -9,8 +9,7 @@ import numpy as np
 import pandas as pd
 
 import problems
-from curvbench import app, config, curvatures, measurements, provenance
-from curvbench import records, training
+from curvbench import config, provenance, records, runs, training
 from tests.conftest import TINY, TINY_PROBLEM
 
 TRAIN = ("measure=training", "optimizer=adam", *TINY)
@@ -58,18 +57,18 @@ def test_resume_reruns_when_the_config_or_code_changed(tmp_path, capsys,
                                                        monkeypatch):
   out = tmp_path / "run"
   cfg = config.compose(*TRAIN)
-  assert app.run(cfg, out) == "complete"
-  assert app.run(cfg, out) == "cached"
+  assert runs.run(cfg, out) == "complete"
+  assert runs.run(cfg, out) == "cached"
   # A setting that is not part of the directory name.
   changed = config.compose(*TRAIN, "measure.training.eval_every=1")
-  assert app.run(changed, out) == "complete"
+  assert runs.run(changed, out) == "complete"
   assert "measure.training.eval_every: 2 -> 1" in capsys.readouterr().out
   assert records.RunDir(out).tables()["training"].test_loss.notna().sum() == 5
-  assert app.run(changed, out) == "cached"
+  assert runs.run(changed, out) == "cached"
   # Other code.
   version = dict(provenance.code_version(), code="elsewhere")
   monkeypatch.setattr(provenance, "code_version", lambda: version)
-  assert app.run(changed, out) == "complete"
+  assert runs.run(changed, out) == "complete"
   assert "written by code" in capsys.readouterr().out
 
 
@@ -86,7 +85,7 @@ def test_seeds_in_the_records(tmp_path):
   """The data-order seed changes the batches (so the minibatch losses) but
   not the initialisation; the init seed changes the initial losses only."""
   def curve(name, *overrides):
-    app.run(config.compose(*TRAIN, *overrides), tmp_path / name)
+    runs.run(config.compose(*TRAIN, *overrides), tmp_path / name)
     return records.RunDir(tmp_path / name).tables()["training"]
   base, data, init = (curve("base"), curve("data", "data_seed=1"),
                       curve("init", "init_seed=1"))
@@ -118,10 +117,9 @@ class SlowFirstCall:
 
 def test_first_logged_step_excludes_compile_time(tiny):
   problem, params, _ = tiny
-  cfg = config.compose(*TRAIN, "measure.training.log_every=1")
-  opt = SlowFirstCall(training.make_optimizer(problem.loss_fn,
-                                              dict(cfg.optimizer)))
-  rows = training.run(problem, opt, params, dict(cfg.measure.training),
+  run = config.load(config.compose(*TRAIN, "measure.training.log_every=1"))
+  opt = SlowFirstCall(run.optimizer.make(problem.loss_fn))
+  rows = training.run(problem, opt, params, run.measure.training,
                       jax.random.PRNGKey(0), 0, progress=False)
   df = pd.DataFrame(rows)
   assert (df.compile_s >= 0.6).all()  # both kinds of step, before the clock
@@ -132,12 +130,10 @@ def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
   """K-FAC's step has kinds (burn-in, inverse refresh, damping adaptation);
   all are compiled within `compile_s`, none inside the timed steps."""
   problem, params, _ = tiny
-  cfg = config.compose(*TRAIN, "optimizer=kfac",
-                       "measure.training.num_steps=12")
-  curvature = curvatures.make(measurements.section(cfg.curvature),
-                              problem.loss_fn)
-  opt = training.make_optimizer(problem.loss_fn,
-                                measurements.section(cfg.optimizer), curvature)
+  run = config.load(config.compose(*TRAIN, "optimizer=kfac",
+                                   "measure.training.num_steps=12"))
+  opt = run.optimizer.make(problem.loss_fn, run.curvature.make(
+      problem.loss_fn))
   assert opt.cycle == 5
   compiled = []
   with jax.log_compiles():
@@ -145,7 +141,7 @@ def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
     handler = _Collect(compiled)
     logger.addHandler(handler)
     try:
-      rows = training.run(problem, opt, params, dict(cfg.measure.training),
+      rows = training.run(problem, opt, params, run.measure.training,
                           jax.random.PRNGKey(0), 0, progress=False,
                           at_steps=[0], on_step=lambda *_: compiled.append(
                               "clock started"))
@@ -174,7 +170,7 @@ def test_a_diverging_run_is_recorded_as_diverged(tmp_path):
   cfg = config.compose("measure=training", "optimizer=sgd", *TINY,
                        "optimizer.learning_rate=1e38",
                        "measure.training.num_steps=20")
-  assert app.run(cfg, out) == "diverged"
+  assert runs.run(cfg, out) == "diverged"
   marker = records.RunDir(out).marker()
   table = records.RunDir(out).tables()["training"]
   assert marker["status"] == "diverged"

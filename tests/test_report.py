@@ -1,11 +1,12 @@
 """`curvbench report`: a sweep's records merged into tables and figures."""
 
-import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from curvbench import app, config, plots, records, report
+from curvbench import config, plots, report, runs
+from curvbench.measurements.timing import Timing
 from tests.browser import chromium_page  # noqa: F401 (a fixture)
 from tests.conftest import TINY
 
@@ -37,28 +38,8 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert "kfac[kfac/ggn_exact]" in text and "adam" in text
   assert "## Memory per phase (MiB)" in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
-  assert "kept their labels" not in text
   with pytest.raises(FileNotFoundError, match="No runs under"):
     report.write(tmp_path / "empty")
-
-
-def test_records_from_before_preconditioned_sgd_keep_their_label(sweep,
-                                                                 tmp_path):
-  """Until optimizer=preconditioned_sgd existed, optimizer=kfac with an exact
-  curvature ran that algorithm; such records are noted, not relabelled."""
-  root, _ = sweep
-  old = tmp_path / "old"
-  shutil.copytree(root / "training_exact", old / "run")
-  run = records.RunDir(old / "run")
-  table = run.tables()["training"].assign(
-      optimizer="kfac", method="kfac[explicit_exact/ggn_exact]")
-  run.write_table("training", table)
-  report.write(old)
-  text = (old / "report" / "report.md").read_text()
-  assert "kfac[explicit_exact/ggn_exact]" in text
-  assert "kept their labels" in text
-  merged = pd.read_csv(old / "report" / "training_all.csv")
-  assert set(merged.method) == {"kfac[explicit_exact/ggn_exact]"}
 
 
 def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
@@ -73,16 +54,22 @@ def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
           for phase, size in (("grad_step", scale),
                               ("optimizer_step", 10 * scale))]
   timing = pd.DataFrame(rows)
-  table = report.summaries({"timing": timing})["timing_memory"]
+
+  def sections(table):
+    rep = report.Report(Path("."), pd.DataFrame(), pd.DataFrame(),
+                        {"timing": table}, {})
+    return {name: df for name, _, df in Timing().summaries(rep)}
+
+  table = sections(timing)["timing_memory"]
   assert table[["grad_step", "optimizer_step", "n"]].values.tolist() == [
       [2.0, 20.0, 2]]
   assert "device_peak_mib" not in table  # the CPU measures no peak
   peaks = timing.assign(device_peak_bytes=[5 * mib, 7 * mib, 9 * mib,
                                            11 * mib])
-  table = report.summaries({"timing": peaks})["timing_memory"]
+  table = sections(peaks)["timing_memory"]
   assert table.device_peak_mib.item() == 9.0  # median of 7 and 11
   old = timing.drop(columns=["program_bytes", "device_peak_bytes"])
-  assert "timing_memory" not in report.summaries({"timing": old})
+  assert "timing_memory" not in sections(old)
 
 
 # --- a sweep designed as an experiment: settings, seeds, and runs that ----------
@@ -105,7 +92,7 @@ DESIGN = {
 @pytest.fixture(scope="module")
 def designed(tmp_path_factory):
   root = tmp_path_factory.mktemp("designed")
-  status = {name: app.run(config.compose(*o), root / name)
+  status = {name: runs.run(config.compose(*o), root / name)
             for name, o in DESIGN.items()}
   killed = root / "killed"  # a run stopped before its completion marker
   killed.mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import app, config, records
+from curvbench import config, records, runs
 from tests.conftest import TINY
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
@@ -23,7 +23,7 @@ CURVBENCH = Path(sys.executable).parent / "curvbench"
 def finished(tmp_path_factory):
   """A finished tiny training run."""
   path = tmp_path_factory.mktemp("finished") / "run"
-  assert app.run(config.compose(*ADAM), path) == "complete"
+  assert runs.run(config.compose(*ADAM), path) == "complete"
   return records.RunDir(path)
 
 
@@ -35,7 +35,7 @@ def files(run_dir):
 def test_a_run_held_by_another_process_is_skipped_by_name(tmp_path, capsys):
   run_dir = records.RunDir(tmp_path / "run")
   with run_dir.lock():  # as another process would hold it
-    assert app.run(config.compose(*ADAM), run_dir.path) == "locked"
+    assert runs.run(config.compose(*ADAM), run_dir.path) == "locked"
   out = capsys.readouterr().out
   assert f"is already being run by process {os.getpid()}" in out
   assert not list(run_dir.path.iterdir())  # nothing written, lock released
@@ -61,7 +61,7 @@ def test_a_waiting_run_sees_the_run_its_holder_finished(finished, tmp_path):
   thread.start()
   held.wait()
   try:
-    status = app.run(config.compose(*ADAM, "lock_wait_s=30"), run_dir.path)
+    status = runs.run(config.compose(*ADAM, "lock_wait_s=30"), run_dir.path)
   finally:
     thread.join()
   assert status == "cached"

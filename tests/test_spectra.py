@@ -5,19 +5,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, curvatures, measurements, metrics, spectra
+from curvbench import approximations, config, curvatures, metrics, spectra
 
 
 def spec(**overrides):
-  cfg = measurements.section(config.compose().measure.spectra)
+  cfg = config.plain(config.compose().measure.spectra)
   cfg.update(references=["ggn"], top_k=3, lanczos_iters=40, slq_probes=2,
              frobenius_probes=4, cg_iters=300)
   return dict(cfg, **overrides)
 
 
 def make(tiny, name):
-  cfg = measurements.section(config.compose(f"curvature={name}").curvature)
-  return curvatures.make(cfg, tiny[0].loss_fn)
+  cfg = config.plain(config.compose(f"curvature={name}").curvature)
+  return approximations.make(cfg, tiny[0].loss_fn)
 
 
 def quality(tables, block="all"):

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, costs, curvatures, measurements, timing
-from curvbench import training
+from curvbench import config, costs, timing, training
+from curvbench.optimizers import OPTIMIZERS
 from tests.conftest import TINY
 
 STATS = ["compile_s", "median_s", "min_s", "q25_s", "q75_s"]
@@ -55,36 +55,34 @@ def check_memory(df):
 
 def run_timing(tiny, *overrides):
   problem, params, batch = tiny
-  cfg = config.compose(*TINY, *overrides)
-  curvature = curvatures.make(measurements.section(cfg.curvature),
-                              problem.loss_fn)
+  run = config.load(config.compose(*TINY, *overrides))
   rows = timing.measure(
-      problem.loss_fn, curvature, params, batch,
-      measurements.section(cfg.measure.timing),
-      measurements.section(cfg.optimizer),
-      measurements.section(cfg.measure.timing.baseline),
-      jax.random.PRNGKey(0))
+      problem.loss_fn, run.curvature.make(problem.loss_fn), params, batch,
+      config.plain(run.measure.timing), run.optimizer,
+      run.measure.timing.baseline, jax.random.PRNGKey(0))
   return pd.DataFrame(rows).set_index("phase")
 
 
 def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
     tiny, monkeypatch):
   log, compiled = [], []
-  make = training.make_optimizer
   compile_steps = training.compile_steps
-
   trainers = {}
 
-  def counted(loss_fn, cfg, curvature=None, mesh=None):
-    trainers[cfg["name"]] = Counted(make(loss_fn, cfg, curvature, mesh),
-                                    cfg["name"], log)
-    return trainers[cfg["name"]]
+  for name in ("kfac", "adam"):
+    cls = OPTIMIZERS.get(name)
+
+    def counted(settings, loss_fn, curvature=None, mesh=None, make=cls.make):
+      trainers[settings.name] = Counted(
+          make(settings, loss_fn, curvature, mesh), settings.name, log)
+      return trainers[settings.name]
+
+    monkeypatch.setattr(cls, "make", counted)
 
   def recorded(*args):
     compiled.append(compile_steps(*args))
     return compiled[-1]
 
-  monkeypatch.setattr(training, "make_optimizer", counted)
   monkeypatch.setattr(training, "compile_steps", recorded)
   df = run_timing(tiny, "measure.timing.warmup=1", "measure.timing.repeats=2",
                   "optimizer.inverse_update_period=3",
@@ -131,15 +129,21 @@ def test_baseline_is_the_adam_config_whatever_the_optimizer():
   adam = config.compose("optimizer=adam").optimizer
   cfg = config.compose("measure=timing", "optimizer=sgd")
   assert cfg.optimizer.name == "sgd" and cfg.measure.timing.baseline == adam
-  assert measurements.uses_optimizer(cfg)
-  assert not measurements.uses_curvature(cfg)
-  assert measurements.uses_curvature(config.compose("measure=timing"))
+  run = config.load(cfg)
+  assert run.measure.chosen.uses_optimizer(run)
+  assert not run.measure.chosen.uses_curvature(run)
+  kfac = config.load(config.compose("measure=timing"))
+  assert kfac.measure.chosen.uses_curvature(kfac)
   tuned = config.compose("measure.timing.baseline.learning_rate=0.5")
   assert tuned.optimizer.name == "kfac"
   assert tuned.measure.timing.baseline.learning_rate == 0.5
 
 
-def test_baseline_must_be_adam(tiny):
-  with pytest.raises(ValueError, match="measure.timing.baseline is optimizer "
-                     "'sgd'"):
-    run_timing(tiny, "optimizer@measure.timing.baseline=sgd")
+def test_baseline_must_be_adam():
+  for overrides, message in (
+      (["+optimizer@measure.timing.baseline=sgd"], "SGD is not a subclass of "
+       "Adam"),
+      (["measure.timing.baseline.name=sgd"], "these are the settings of "
+       "optimizer adam")):
+    with pytest.raises(config.ConfigError, match=message):
+      config.compose(*overrides)

@@ -8,17 +8,19 @@ import optax
 import pandas as pd
 import pytest
 
-from curvbench import config, curvatures, measurements, training
+from curvbench import approximations, config, curvatures, optimizers
+from curvbench import training
+from curvbench.measurements.training import Training
+from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
 
-STEPS = dict(num_steps=12, log_every=1, eval_every=5, eval_size=50,
-             train_eval_size=100)
+STEPS = Training(num_steps=12, log_every=1, eval_every=5, eval_size=50,
+                 train_eval_size=100)
 
 
 def optimizer(tiny, *overrides):
-  cfg = config.compose(*overrides)
-  cur = curvatures.make(measurements.section(cfg.curvature), tiny[0].loss_fn)
-  return training.make_optimizer(tiny[0].loss_fn,
-                                 measurements.section(cfg.optimizer), cur)
+  run = config.load(config.compose(*overrides))
+  return run.optimizer.make(tiny[0].loss_fn,
+                            run.curvature.make(tiny[0].loss_fn))
 
 
 def test_training_same_order_and_loss_decreases(tiny):
@@ -30,10 +32,8 @@ def test_training_same_order_and_loss_decreases(tiny):
       "kfac": ["optimizer=kfac"],
       "preconditioned_sgd": ["optimizer=preconditioned_sgd",
                              "curvature=explicit_exact"]}.items():
-    train = dict(measurements.section(config.compose().measure.training),
-                 **STEPS)
     runs[name] = pd.DataFrame(training.run(
-        p, optimizer(tiny, *overrides), params, train, jax.random.PRNGKey(0),
+        p, optimizer(tiny, *overrides), params, STEPS, jax.random.PRNGKey(0),
         data_seed=0, progress=False))
   for name, df in runs.items():
     assert list(df.step) == list(range(13))  # 0: the initialisation
@@ -59,13 +59,13 @@ def test_preconditioned_sgd_steps_on_the_damped_inverse_of_the_average(
   p, params, batch = tiny
   lr, momentum, damping, ema = 0.05, 0.9, 0.5, 0.95
   cfg = config.compose("curvature=explicit_exact").curvature
-  cur = curvatures.make(measurements.section(cfg), p.loss_fn)
+  cur = approximations.make(config.plain(cfg), p.loss_fn)
   second = next(b for i, b in enumerate(p.batches(dtype=np.float64)) if i == 1)
   flat = lambda t: np.asarray(jax.flatten_util.ravel_pytree(t)[0])
   eye = np.eye(len(tiny_ggn))
   for inverse_period in (5, 1):
     tx = optax.chain(
-        training.precondition_by_curvature(
+        precondition_by_curvature(
             cur, batch, jax.random.PRNGKey(0), damping=damping,
             curvature_ema=ema, curvature_update_period=1,
             inverse_update_period=inverse_period),
@@ -96,7 +96,7 @@ def test_kfac_needs_a_block_diagonal_curvature(tiny):
 
 def test_unknown_optimizer_names_the_choices(tiny):
   with pytest.raises(ValueError, match="Unknown optimizer.name 'lbfgs'.*adam"):
-    training.make_optimizer(tiny[0].loss_fn, dict(name="lbfgs"))
+    optimizers.make(dict(name="lbfgs"), tiny[0].loss_fn)
 
 
 def test_measurement_steps_lists_and_log_spacing():

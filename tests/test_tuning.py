@@ -69,6 +69,3 @@ def test_the_sweeper_expands_each_optimizers_grid_for_training_only():
   with pytest.raises(ValueError, match="optimizer.learning_rate is both"):
     tuning_sweeper.expand([jobs[0] + ["optimizer.learning_rate=1"]], grid,
                           "kfac", "training")
-  with pytest.raises(ValueError, match="non-empty list"):
-    tuning_sweeper.expand(jobs, {"adam": {"learning_rate": 0.1}}, "kfac",
-                          "training")

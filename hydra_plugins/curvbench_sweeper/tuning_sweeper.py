@@ -1,29 +1,32 @@
-"""A sweeper that adds each optimizer's tuning grid to the training runs.
+"""A sweeper that checks every point before it launches any, records the
+points that repeat another instead of launching them, and adds each
+optimizer's tuning grid to the runs of the tuning protocol.
 
-Hydra's basic sweeper runs the cartesian product of the swept values; a grid
-that differs per optimizer (learning rates for Adam, learning rates and
-momenta for SGD, none for K-FAC) is not a product. This sweeper takes the
-basic sweeper's jobs and multiplies each training job by the grid that the
-config's `tuning.grid` declares for its optimizer:
+Like Hydra's basic sweeper it runs the cartesian product of the swept
+values (`a=1,2 b=x,y`, and `hydra.sweeper.params`); it is written on
+Hydra's public plugin API (`Sweeper`, `OverridesParser`, the launcher from
+`Plugins`). A grid that differs per optimizer (learning rates for Adam,
+learning rates and momenta for SGD, none for K-FAC) is not a product, so
+`tuning.grid`,
 
     tuning:
       grid:
         adam: {learning_rate: [1.0e-4, 1.0e-3, 1.0e-2]}
         sgd: {learning_rate: [0.01, 0.1], momentum: [0.9, 0.99]}
 
-gives `optimizer.learning_rate=...` (and `optimizer.momentum=...`)
-overrides, so every point has its own run directory. Jobs of other
-measurements, and optimizers without a grid, run once.
+multiplies each job of a measurement that is `tuned` (training) by the grid
+of its optimizer, as `optimizer.KEY=VALUE` overrides, so every point has
+its own run directory.
 
-Before launching, it composes and validates every job's config: one bad
-point stops the sweep, naming each bad point's setting, before anything
-is launched; a point that repeats another (`curvbench.app.skip_reason`)
-gets its skipped-run record written here and is not launched, so a
-cluster sees only jobs that measure; a point that finished earlier with
-the same config and code (`curvbench.app.cached`) is not launched either,
-so a restarted sweep goes straight to the runs it has left; and a timing
-run that the launcher would run beside another job on the same machine is
-refused (`device_sharing`).
+Before launching, it composes and checks every job's config: one bad point
+stops the sweep, naming each bad point's setting; a point that repeats
+another (`curvbench.runs.skip_reason`) gets its skipped-run record written
+here and is not launched, so a cluster sees only jobs that measure; a point
+that finished earlier with the same config and code (`runs.cached`) is not
+launched either, so a restarted sweep goes straight to the runs it has
+left; and a run that needs the device alone (timing) that the launcher
+would run beside another job on the same machine is refused
+(`device_sharing`).
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules
@@ -31,13 +34,18 @@ refused (`device_sharing`).
 import itertools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
-from hydra._internal.core_plugins import basic_sweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from curvbench import config, measurements, runs
 
 
 @dataclass
@@ -59,29 +67,32 @@ def register() -> None:
   through setuptools' editable-install finder; importing this module stores
   the config node, and this adds the class to Hydra's plugin table.
   """
-  from hydra.core.plugins import Plugins  # pylint: disable=g-import-not-at-top
   name = f"{TuningSweeper.__module__}.{TuningSweeper.__name__}"
   Plugins.instance().class_name_to_class.setdefault(name, TuningSweeper)
 
 
-def _flat(grid: dict, prefix: str = "") -> dict[str, list]:
-  out = {}
-  for key, values in grid.items():
-    if isinstance(values, dict):
-      out.update(_flat(values, f"{prefix}{key}."))
-    elif isinstance(values, list) and values:
-      out[f"{prefix}{key}"] = values
+def product(overrides: list[str]) -> list[list[str]]:
+  """The jobs of command-line overrides: the cartesian product of the
+  swept values, each job a list of `key=value` overrides."""
+  choices = {}
+  for override in OverridesParser.create().parse_overrides(overrides):
+    key = override.get_key_element()
+    if not override.is_sweep_override():
+      choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+    elif override.is_discrete_sweep():
+      choices[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
     else:
-      raise ValueError(
-          f"tuning.grid: {prefix}{key} must be a non-empty list of values, "
-          f"got {values!r}.")
-  return out
+      raise HydraException(
+          f"{key}: the curvbench sweeper takes lists of values (a=1,2) and "
+          "choice(...)/range(...), not intervals.")
+  return [list(job) for job in itertools.product(*choices.values())]
 
 
 def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
            default_measure: str) -> list[list[str]]:
-  """Each training job of `jobs` (lists of `key=value` overrides) once per
-  point of its optimizer's grid; other jobs unchanged."""
+  """Each job of a tuned measurement (`jobs`: lists of `key=value`
+  overrides) once per point of its optimizer's grid; other jobs
+  unchanged."""
 
   def choice(job, group, default):
     for item in job:
@@ -92,8 +103,12 @@ def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
 
   out = []
   for job in jobs:
-    points = _flat(grid.get(choice(job, "optimizer", default_optimizer), {}))
-    if choice(job, "measure", default_measure) != "training" or not points:
+    points = config.grid_points(grid).get(
+        choice(job, "optimizer", default_optimizer), {})
+    measure = choice(job, "measure", default_measure)
+    tuned = (measure in measurements.MEASUREMENTS
+             and measurements.MEASUREMENTS.get(measure).tuned)
+    if not tuned or not points:
       out.append(job)
       continue
     taken = {item.partition("=")[0] for item in job}
@@ -138,16 +153,22 @@ def device_sharing(launcher: DictConfig,
           batch_fix)
 
 
-def check_timing_alone(timing: list[bool], launcher: DictConfig,
-                       max_batch_size: Optional[int]) -> None:
-  """Refuses a sweep whose timing runs (`timing[i]`: job i times) would run
-  beside other jobs on one machine, naming the setting to change."""
+def batches(jobs: list, max_batch_size: Optional[int]) -> list[list]:
+  """`jobs` in launches of at most `max_batch_size` (None or -1: one)."""
+  size = len(jobs) if max_batch_size in (None, -1) else max_batch_size
+  return [jobs[i:i + size] for i in range(0, len(jobs), max(size, 1))]
+
+
+def check_alone(alone: list[bool], launcher: DictConfig,
+                max_batch_size: Optional[int]) -> None:
+  """Refuses a sweep whose runs that need the device alone (`alone[i]`:
+  job i does) would run beside other jobs on one machine, naming the
+  setting to change."""
   sharing = device_sharing(launcher, max_batch_size)
   if sharing is None:
     return
-  size = len(timing) if max_batch_size in (None, -1) else max_batch_size
-  batches = [timing[i:i + size] for i in range(0, len(timing), size or 1)]
-  shared = sum(sum(batch) for batch in batches if len(batch) > 1)
+  shared = sum(sum(batch) for batch in batches(alone, max_batch_size)
+               if len(batch) > 1)
   if shared:
     what, fix = sharing
     raise ValueError(
@@ -157,13 +178,11 @@ def check_timing_alone(timing: list[bool], launcher: DictConfig,
         "own allocation).")
 
 
-def refuse_bad_points(jobs: list[list[str]], configs: list,
-                      refusals) -> None:
+def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
   """Exits, with status 1 and a message that names each bad point (up to
-  ten) and its first setting that `refusals(config)` refuses, when any
-  point of the sweep is bad; before anything is launched."""
-  bad = [(job, message) for job, cfg in zip(jobs, configs)
-         for message in itertools.islice(refusals(cfg), 1)]
+  ten) and its first refusal (`messages[i]`, None for a good point), when
+  any point of the sweep is bad; before anything is launched."""
+  bad = [(job, m) for job, m in zip(jobs, messages) if m is not None]
   if not bad:
     return
   lines = [f"  {' '.join(job)}: {message}" for job, message in bad[:10]]
@@ -176,93 +195,96 @@ def refuse_bad_points(jobs: list[list[str]], configs: list,
 
 
 class TuningSweeper(Sweeper):
-  """The basic sweeper, with each optimizer's `tuning.grid` expanded, and
-  with skipped points recorded instead of launched.
-
-  It wraps a `BasicSweeper` rather than subclassing it, and looks the class
-  up when it is needed: Hydra's plugin scan executes the basic sweeper's
-  module again, replacing the class that an import would have bound.
-  """
+  """The cartesian product of the swept values, checked, with each
+  optimizer's `tuning.grid` expanded and skipped points recorded instead
+  of launched."""
 
   def __init__(self, max_batch_size=None, params=None):
     super().__init__()
-    self.basic = basic_sweeper.BasicSweeper(max_batch_size=max_batch_size,
-                                            params=params)
-    self.basic.split_arguments = self.split_arguments
-    # `split_arguments` composes every job's config already; the basic
-    # sweeper's own check would compose each one a second time.
-    self.basic.validate_batch_is_legal = lambda batch: None
+    self.max_batch_size = max_batch_size
+    self.params = dict(params or {})
+    self.hydra_context = self.config = self.launcher = None
 
   def setup(self, *, hydra_context, task_function, config) -> None:
-    self.basic.setup(hydra_context=hydra_context,
-                     task_function=task_function, config=config)
+    self.hydra_context, self.config = hydra_context, config
+    self.launcher = Plugins.instance().instantiate_launcher(
+        hydra_context=hydra_context, task_function=task_function,
+        config=config)
 
   def sweep(self, arguments):
-    return self.basic.sweep(arguments)
-
-  def split_arguments(self, overrides, max_batch_size):
-    config = self.basic.config
-    basic = basic_sweeper.BasicSweeper
-    batches = basic.split_arguments(overrides, None)
-    jobs = [job for batch in batches for job in batch]
-    grid = {}
-    if "tuning" in config and config.tuning.grid:
-      grid = OmegaConf.to_container(config.tuning.grid, resolve=True)
-    jobs = expand(jobs, grid, config.optimizer.name, config.measure.kind)
-    jobs = self.launched(jobs, max_batch_size)
-    if not jobs:
-      return []
-    return list(basic.split_overrides_to_chunks(jobs, max_batch_size))
+    jobs = product([f"{k}={v}" for k, v in self.params.items()]
+                   + list(arguments))
+    grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
+    jobs = self.launched(expand(jobs, grid, self.config.optimizer.name,
+                                self.config.measure.kind))
+    sweep_dir = Path(self.config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+    returns, start = [], 0
+    for batch in batches(jobs, self.max_batch_size):
+      results = self.launcher.launch(batch, initial_job_idx=start)
+      for result in results:
+        _ = result.return_value  # raises where the job failed
+      start += len(batch)
+      returns.append(results)
+    return returns
 
   def job_config(self, overrides: list[str], num: int) -> tuple:
     """The config a job's task gets (Hydra's node removed) and its output
     directory, composed as the launcher will compose them."""
-    config = self.basic.hydra_context.config_loader.load_sweep_config(
-        self.basic.config, list(overrides))
-    with open_dict(config):  # as the launchers do; a subdir may use them
-      config.hydra.job.id = num
-      config.hydra.job.num = num
+    cfg = self.hydra_context.config_loader.load_sweep_config(
+        self.config, list(overrides))
+    with open_dict(cfg):  # as the launchers do; a subdir may use them
+      cfg.hydra.job.id = num
+      cfg.hydra.job.num = num
     # The run directory interpolates `${hydra:...}`, which reads the
     # global Hydra config: point it at this job while resolving.
     hydra_config = HydraConfig.instance()
     saved = hydra_config.cfg
-    hydra_config.set_config(config)
+    hydra_config.set_config(cfg)
     try:
       out_dir = os.path.abspath(os.path.join(
-          str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir)))
+          str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)))
     finally:
       hydra_config.cfg = saved
-    with read_write(config), open_dict(config):  # a fresh copy per job
-      del config["hydra"]
-    return config, out_dir
+    with read_write(cfg), open_dict(cfg):  # a fresh copy per job
+      del cfg["hydra"]
+    return cfg, out_dir
 
-  def launched(self, jobs: list[list[str]],
-               max_batch_size: Optional[int]) -> list[list[str]]:
-    """The jobs to launch. Every job's config is composed and validated,
-    and the timing runs' device checked, before anything is launched or
-    recorded; then a point that repeats another is recorded as skipped
+  def composed(self, job: list[str], num: int) -> tuple:
+    """`(config, output directory, first refusal)` of a job; the config is
+    None where it does not compose."""
+    try:
+      cfg, out_dir = self.job_config(job, num)
+    except HydraException as e:
+      return None, None, config.explain(e, job)
+    refusals = itertools.chain(config.coerced_flags(cfg, job),
+                               config.refusals(cfg))
+    return cfg, out_dir, next(refusals, None)
+
+  def launched(self, jobs: list[list[str]]) -> list[list[str]]:
+    """The jobs to launch. Every job's config is composed and checked, and
+    the device of the runs that need it alone, before anything is launched
+    or recorded; then a point that repeats another is recorded as skipped
     and left out, as is one that finished earlier."""
-    # Imported here, not above: curvbench.config imports this module.
-    # pylint: disable-next=g-import-not-at-top
-    from curvbench import app, config as curvbench_config
     if len(jobs) >= 100:  # about 0.1 s each
       print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
             "before launching.", flush=True)
-    composed = [self.job_config(job, num) for num, job in enumerate(jobs)]
-    refuse_bad_points(jobs, [cfg for cfg, _ in composed],
-                      curvbench_config.refusals)
-    skip = [app.skip_reason(cfg) is not None for cfg, _ in composed]
-    done = [not skipped and app.cached(cfg, out_dir)
-            for (cfg, out_dir), skipped in zip(composed, skip)]
-    keep = [(job, cfg.measure.kind == "timing")
-            for job, (cfg, _), skipped, finished
-            in zip(jobs, composed, skip, done) if not (skipped or finished)]
-    check_timing_alone([timing for _, timing in keep],
-                       self.basic.config.hydra.launcher, max_batch_size)
-    for (cfg, out_dir), skipped in zip(composed, skip):
+    composed = [self.composed(job, num) for num, job in enumerate(jobs)]
+    refuse_bad_points(jobs, [refusal for _, _, refusal in composed])
+    settings = [config.load(cfg) for cfg, _, _ in composed]
+    skip = [runs.skip_reason(run) is not None for run in settings]
+    done = [not skipped and runs.cached(cfg, out_dir)
+            for (cfg, out_dir, _), skipped in zip(composed, skip)]
+    keep = [(job, run.measure.chosen.needs_device_alone)
+            for job, run, skipped, finished in zip(jobs, settings, skip, done)
+            if not (skipped or finished)]
+    check_alone([alone for _, alone in keep], self.config.hydra.launcher,
+                self.max_batch_size)
+    for (cfg, out_dir, _), skipped in zip(composed, skip):
       if skipped:
-        app.record_skip(cfg, out_dir)
-    sweep_dir = self.basic.config.hydra.sweep.dir
+        runs.record_skip(cfg, out_dir)
+    sweep_dir = self.config.hydra.sweep.dir
     if any(skip):
       print(f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
             "another and were not launched; their skip markers (with the "

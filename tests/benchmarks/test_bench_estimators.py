@@ -13,22 +13,11 @@ import pytest
 from jax import lax
 
 import estimators as kfac
+from curvbench.approximations import CURVATURES
 
 F32 = jnp.float32
-BLOCK_FAMILIES = {
-    "kfac": {},
-    "diagonal": {"dense_tag": kfac.DenseDiagonal,
-                 "conv2d_tag": kfac.Conv2DDiagonal},
-    "full": {"dense_tag": kfac.DenseFull, "conv2d_tag": kfac.Conv2DFull},
-    "identity": {"dense_tag": kfac.ScaledIdentity,
-                 "conv2d_tag": kfac.ScaledIdentity},
-    "ekfac": {"dense_tag": kfac.DenseEKFAC, "conv2d_tag": kfac.Conv2DEKFAC},
-    "tnt": {"dense_tag": kfac.DenseTNT, "conv2d_tag": kfac.Conv2DTNT},
-    "kfac_reduce": {"conv2d_tag": kfac.Conv2DKFACReduce},
-    "kfac_tridiagonal": {},
-}
-# Families whose estimator couples layers (the rest are block-diagonal).
-COUPLED = {"kfac_tridiagonal": kfac.BlockTridiagonalCurvature}
+# The harness's block-structured approximations, from its registry.
+BLOCK_FAMILIES = [n for n in CURVATURES if CURVATURES.get(n).is_block_diagonal]
 
 
 def _dense_stack(params, x, sizes):
@@ -102,12 +91,12 @@ def _run(benchmark, fn, *args):
 @functools.lru_cache(maxsize=None)
 def _setup(problem, family):
   loss_fn, params, batch = PROBLEMS[problem]()
-  ctor = COUPLED.get(family, kfac.BlockDiagonalCurvature)
-  est = ctor(loss_fn, layer_tag_to_block_ctor=BLOCK_FAMILIES[family])
+  est = CURVATURES.defaults(family).make(loss_fn).estimator
+  coupled = isinstance(est, kfac.BlockTridiagonalCurvature)
   args = (params, batch)
   rng = jax.random.PRNGKey(0)
-  state = est.init(rng, args, exact_powers_to_cache=(
-      None if family in COUPLED else -1), approx_powers_to_cache=-1)
+  state = est.init(rng, args, exact_powers_to_cache=None if coupled else -1,
+                   approx_powers_to_cache=-1)
   batch_size = batch[0].shape[0]
   # The data are arguments, not closed-over constants, so XLA does not try
   # to constant-fold the statistics at compile time.
@@ -119,7 +108,7 @@ def _setup(problem, family):
 
 
 @pytest.mark.benchmark(group="estimator-update")
-@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_update_curvature_estimate(benchmark, problem, family):
   _, state, _, update = _setup(problem, family)
@@ -127,7 +116,7 @@ def test_update_curvature_estimate(benchmark, problem, family):
 
 
 @pytest.mark.benchmark(group="cache-update")
-@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_update_cache(benchmark, problem, family):
   est, state, _, _ = _setup(problem, family)
@@ -136,7 +125,7 @@ def test_update_cache(benchmark, problem, family):
 
 
 @pytest.mark.benchmark(group="multiply-inverse")
-@pytest.mark.parametrize("family", list(BLOCK_FAMILIES))
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_multiply_inverse(benchmark, problem, family):
   est, state, params, _ = _setup(problem, family)

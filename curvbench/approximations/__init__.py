@@ -1,0 +1,96 @@
+"""The curvature approximations a run can choose (the `curvature` config
+group), one module each: its settings and the `Curvature` it builds.
+
+A block-diagonal approximation only names its blocks (`BlockDiagonal.blocks`,
+layer tag -> `estimators` block class); facts about a block type (e.g. that
+its statistics live in a basis the refresh recomputes) are attributes of the
+library's block classes, not of the config.
+"""
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import estimators
+from components import Component, Flag, Number, OneOf, Registry, Whole, setting
+from curvbench import curvatures
+from estimators import estimation_modes
+
+GIB = Number(0, low_in=False, finite=False)
+
+
+@dataclasses.dataclass
+class CurvatureSettings(Component, abc.ABC):
+  """What every curvature approximation has."""
+
+  mode: str = setting("ggn_exact", OneOf(estimators.ESTIMATION_MODES),
+                      "estimation mode (matrix-free families ignore it)")
+  cg_iters: int = setting(
+      50, Whole(1), "conjugate-gradient steps where an inverse is matrix-free")
+  max_dense_gib: float = setting(
+      2.0, GIB, "refuse to form a dense P x P matrix larger than this")
+  max_state_gib: float = setting(
+      4.0, GIB, "refuse, before allocating it, a block-diagonal (or "
+      "-tridiagonal) state larger than this; the error names the largest "
+      "block")
+  distributed: bool = setting(
+      True, Flag(), "with devices > 1, in the curvature phases of timing: "
+      "each device refreshes and applies its share of the blocks (false: "
+      "every device does every block)")
+
+  # Whether `mode` changes the estimate (sweeps run other modes only once).
+  uses_estimation_mode: ClassVar[bool] = True
+  # Whether estimators.Optimizer (optimizer=kfac) can use it.
+  is_block_diagonal: ClassVar[bool] = False
+
+  @abc.abstractmethod
+  def make(self, loss_fn: Callable) -> curvatures.Curvature:
+    """The curvature of `loss_fn` with these settings."""
+
+  def common(self) -> dict:
+    """The `Curvature` fields every family takes from these settings."""
+    return dict(name=self.name, cg_iters=self.cg_iters,
+                max_dense_gib=self.max_dense_gib,
+                max_state_gib=self.max_state_gib)
+
+  def distribution(self) -> dict:
+    """The estimator's arguments that share the work of its blocks among
+    the devices of an axis (`distributed`)."""
+    return dict(distributed_multiplies=self.distributed,
+                distributed_cache_updates=self.distributed)
+
+
+@dataclasses.dataclass
+class BlockDiagonal(CurvatureSettings):
+  """One block per tagged layer, each of the class `blocks` names for its
+  tag (the library's default for tags it does not name)."""
+
+  blocks: ClassVar[Mapping[str, Any]] = {}
+  # A cheaper choice, for the message that refuses a state too large.
+  smaller: ClassVar[str] = "curvature=diagonal"
+  is_block_diagonal: ClassVar[bool] = True
+
+  def make(self, loss_fn):
+    estimator = estimators.BlockDiagonalCurvature(
+        loss_fn, default_estimation_mode=self.mode,
+        layer_tag_to_block_ctor=dict(self.blocks) or None,
+        **self.distribution())
+    return curvatures.BlockDiagonal(
+        mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
+        estimator=estimator, block_type=self.name,
+        block_ctors=dict(self.blocks), smaller=self.smaller, **self.common())
+
+
+CURVATURES = Registry("curvature", CurvatureSettings, package=__name__)
+
+
+def make(settings, loss_fn: Callable) -> curvatures.Curvature:
+  """The curvature of `settings` (a mapping with `name`, or the settings)
+  for `loss_fn`."""
+  if not isinstance(settings, CurvatureSettings):
+    settings = CURVATURES.load(settings, "curvature")
+  return settings.make(loss_fn)
+
+
+__all__ = ["BlockDiagonal", "CURVATURES", "CurvatureSettings", "make"]

@@ -1,0 +1,24 @@
+"""The whole curvature of the estimation mode as one dense P x P matrix,
+cross-layer terms included (small models)."""
+
+import dataclasses
+
+import estimators as kfac
+from curvbench import curvatures
+from curvbench.approximations import CURVATURES, CurvatureSettings
+from estimators import estimation_modes
+
+
+@CURVATURES.register
+@dataclasses.dataclass
+class ExplicitExact(CurvatureSettings):
+  """`estimators.ExplicitExactCurvature`: exact in the `*_exact` modes."""
+
+  name: str = "explicit_exact"
+
+  def make(self, loss_fn):
+    estimator = kfac.ExplicitExactCurvature(
+        loss_fn, default_estimation_mode=self.mode)
+    return curvatures.ExplicitExact(
+        mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
+        estimator=estimator, **self.common())

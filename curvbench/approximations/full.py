@@ -1,0 +1,19 @@
+"""Full blocks: each layer's curvature as a dense matrix over its parameters
+(the exact block diagonal in the exact modes)."""
+
+import dataclasses
+from typing import ClassVar
+
+import estimators as kfac
+from curvbench.approximations import CURVATURES, BlockDiagonal
+
+
+@CURVATURES.register
+@dataclasses.dataclass
+class Full(BlockDiagonal):
+  """Full blocks for dense, conv and scale-and-shift layers."""
+
+  name: str = "full"
+  blocks: ClassVar = {"dense_tag": kfac.DenseFull,
+                      "conv2d_tag": kfac.Conv2DFull,
+                      "scale_and_shift_tag": kfac.ScaleAndShiftFull}

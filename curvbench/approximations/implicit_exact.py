@@ -1,0 +1,29 @@
+"""An exact matrix through matrix-vector products only (its inverse by
+conjugate gradients): the GGN, Fisher, empirical Fisher or Hessian. It is
+registered twice: `implicit_exact` (the GGN) and `implicit_hessian`."""
+
+import dataclasses
+from typing import ClassVar
+
+from components import OneOf, setting
+from curvbench import curvatures
+from curvbench.approximations import CURVATURES, CurvatureSettings
+
+
+@dataclasses.dataclass
+class ImplicitExact(CurvatureSettings):
+  """The `matrix` it multiplies by is set here, so `mode` is ignored."""
+
+  name: str = "implicit_exact"
+  matrix: str = setting("ggn", OneOf(tuple(curvatures.IMPLICIT_PRODUCTS)),
+                        "the exact matrix")
+
+  uses_estimation_mode: ClassVar[bool] = False
+
+  def make(self, loss_fn):
+    return curvatures.ImplicitExact.of_matrix(self.matrix, loss_fn,
+                                              **self.common())
+
+
+CURVATURES.register(ImplicitExact)
+CURVATURES.register(ImplicitExact, name="implicit_hessian", matrix="hessian")

@@ -1,0 +1,19 @@
+"""Tensor Normal Training (Ren & Goldfarb, NeurIPS 2021): one factor per
+parameter axis from contracted per-example gradients, trace-matched."""
+
+import dataclasses
+from typing import ClassVar
+
+import estimators as kfac
+from curvbench.approximations import CURVATURES, BlockDiagonal
+
+
+@CURVATURES.register
+@dataclasses.dataclass
+class TNT(BlockDiagonal):
+  """TNT blocks for dense and conv layers, and for generic parameters."""
+
+  name: str = "tnt"
+  blocks: ClassVar = {"dense_tag": kfac.DenseTNT,
+                      "conv2d_tag": kfac.Conv2DTNT,
+                      "generic_tag": kfac.NaiveTNT}

@@ -1,0 +1,161 @@
+"""What a run measures (the `measure` config group), one module each.
+
+A measurement is a `Measurement` dataclass registered with
+`MEASUREMENTS.register`: its fields are its settings (the section
+`measure.<name>`), and it declares what it needs (`uses_optimizer`,
+`uses_curvature`, the batches it splits across devices), how it runs
+(`measure`, returning `{table: rows}`), which tables it declares (`tables`)
+and how the report summarises and draws them (`summaries`, `figures`,
+`notes`). A table may be written by several measurements (a spectra run
+that trains writes `training` rows too); the one that declares it
+summarises it.
+
+The `measure` section holds every measurement's settings, so that one
+experiment can set them all and sweep `measure=spectra,timing,training`;
+`measure.kind` picks the one that runs (`schema` builds that section's
+type from the registry).
+"""
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from components import OneOf, Registry, Settings, Whole, setting
+from curvbench import devices
+
+PRECISIONS = ("float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a measurement runs on: the built problem, the curvature (None
+  where the run does not use one), the starting parameters and the fixed
+  batch, the run's settings, a key, the run directory (for checkpoints)
+  and the device mesh its batches are split across."""
+
+  problem: Any
+  curvature: Any
+  params: Any
+  batch: Any
+  run: Any
+  rng: Any
+  run_dir: Any
+  mesh: Any
+
+  def log(self, line: str) -> None:
+    """Prints a progress line, where the run shows progress."""
+    if self.run.progress:
+      print(line, flush=True)
+
+
+@dataclasses.dataclass
+class Measurement(Settings, abc.ABC):
+  """What every measurement declares; see the module docstring."""
+
+  name: ClassVar[str]
+  # The tables it declares: those its `summaries` and `figures` read.
+  tables: ClassVar[tuple[str, ...]] = ()
+  # Whether its runs are the tuning protocol's: a sweep runs them at every
+  # point of their optimizer's `tuning.grid`.
+  tuned: ClassVar[bool] = False
+  # Whether it needs the device to itself (a sweep refuses to run it beside
+  # other jobs on one machine).
+  needs_device_alone: ClassVar[bool] = False
+
+  precision: str = setting("float32", OneOf(PRECISIONS),
+                           "the floating-point precision it runs in")
+
+  @classmethod
+  def what(cls) -> str:
+    return f"measurement {cls.name}"
+
+  def uses_optimizer(self, run) -> bool:
+    """Whether the run's optimizer settings change what it records."""
+    return False
+
+  def uses_curvature(self, run) -> bool:
+    """Whether the run's curvature settings change what it records."""
+    return True
+
+  def batches(self, run) -> list[tuple[str, int | None]]:
+    """`(setting, size)` of each batch it splits across `devices`."""
+    return []
+
+  def run_disagreements(self, run, prefix: str) -> Iterator[str]:
+    """Messages for its settings that disagree with the rest of the run
+    (`prefix`: its section's key): by default, batches that do not split
+    across the devices."""
+    if run.devices > 1:
+      for key, size in self.batches(run):
+        if size is not None and (complaint := devices.split_complaint(
+            size, run.devices, key)) is not None:
+          yield complaint
+
+  def method_label(self, run, curvature) -> str:
+    """The records' `method`: what was measured."""
+    return run.optimizer.label(curvature if self.uses_curvature(run)
+                               else None)
+
+  @abc.abstractmethod
+  def measure(self, ctx: Context) -> dict[str, list[dict]]:
+    """Runs the measurement; `{table name: rows}`."""
+
+  def summaries(self, report) -> list[tuple[str, str, Any]]:
+    """`(name, title, DataFrame)` of each table the report shows, from a
+    `curvbench.report.Report` (its tables, runs and colours)."""
+    return []
+
+  def figures(self, report, out: Path) -> list[Path]:
+    """The figures of its tables, saved under `out`."""
+    return []
+
+  def notes(self, report) -> list[str]:
+    """Lines the report adds under Notes."""
+    return []
+
+
+MEASUREMENTS = Registry("measurement", Measurement, package=__name__,
+                        group="measure")
+
+
+@dataclasses.dataclass
+class MeasureSettings(Settings):
+  """The `measure` section: which measurement runs, the batch it measures
+  on, and (in fields that `schema` adds) every measurement's settings."""
+
+  kind: str = setting("spectra", OneOf(MEASUREMENTS.names),
+                      "the measurement that runs")
+  batch_size: int | None = setting(
+      None, Whole(1, null=True), "the spectra and timing batch (null: the "
+      "problem's batch size)")
+
+  @property
+  def chosen(self) -> Measurement:
+    """The settings of the measurement that runs."""
+    return getattr(self, self.kind)
+
+  @classmethod
+  def what(cls) -> str:
+    return "the measure section"
+
+
+def schema() -> type[MeasureSettings]:
+  """The `measure` section's type: `MeasureSettings` with one field per
+  registered measurement, its settings."""
+  return _schema(MEASUREMENTS.names())
+
+
+@functools.cache
+def _schema(names: tuple[str, ...]) -> type[MeasureSettings]:
+  fields = [(name, MEASUREMENTS.get(name),
+             dataclasses.field(default_factory=MEASUREMENTS.get(name)))
+            for name in names]
+  return dataclasses.make_dataclass("Measure", fields,
+                                    bases=(MeasureSettings,))
+
+
+__all__ = ["Context", "MEASUREMENTS", "MeasureSettings", "Measurement",
+           "PRECISIONS", "schema"]

@@ -1,0 +1,250 @@
+"""Spectra: the curvature against the exact matrices it approximates, at
+chosen points (steps of a training run, or saved checkpoints) over chosen
+data (a batch, N batches, the training split); see `curvbench.spectra`."""
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from components import (Flag, ListOf, Number, OneOf, Parsed, Text, Whole,
+                        setting)
+from curvbench import (aggregate, checkpoints, curvatures, devices, plots,
+                       spectra, training)
+from curvbench.data import parse_scope, select
+from curvbench.costs import Costs
+from curvbench.measurements import MEASUREMENTS, Measurement
+from curvbench.measurements.training import save_checkpoint
+
+POSITIVE = Number(0, low_in=False)
+COUNT = Whole(1)
+
+
+def _measured_steps(value) -> None:
+  if not training.measurement_steps(value, 2**62):
+    raise ValueError("measure.spectra.steps is empty: give at least one "
+                     "training step to measure at (0: initialisation).")
+
+
+@MEASUREMENTS.register
+@dataclasses.dataclass
+class Spectra(Measurement):
+  """Eigenvalues of the exact matrices and the approximation, the
+  approximation's quality per layer block and for the whole network,
+  spectral statistics, exact-vs-approximate heatmaps, and what each phase
+  cost."""
+
+  name = "spectra"
+  tables = (*spectra.TABLES, "cost")
+
+  precision: str = setting("float64", OneOf(("float32", "float64")),
+                           "the floating-point precision it runs in")
+  method: str = setting("dense", OneOf(tuple(spectra.METHODS)),
+                        "dense (small models) or lanczos (matrix-free)")
+  data: str = setting("batch", Parsed(parse_scope, "batch, batches:N "
+                                      "(N >= 1) or train"),
+                      "batch, batches:N (the first N) or train (the split)")
+  chunk_size: int | None = setting(
+      None, Whole(1, null=True), "examples per chunk with data=train "
+      "(null: the batch size)")
+  steps: Any = setting([0], Parsed(_measured_steps, "a non-empty list of "
+                                   "whole numbers >= 0, or 'log:N' (N >= 2)"),
+                       "training steps to measure at (0: the "
+                       "initialisation; later ones train with the optimizer "
+                       "group for measure.training.num_steps steps)")
+  checkpoint: str | None = setting(
+      None, Text(null=True), "measure saved parameters instead: a "
+      ".safetensors file, or a run directory (its checkpoints at steps)")
+  save_checkpoints: bool = setting(False, Flag(),
+                                   "save the parameters of each measured step")
+  references: list[str] = setting(
+      ["ggn", "fisher", "empirical_fisher", "hessian"],
+      ListOf(OneOf(curvatures.EXACT_MATRICES), 1),
+      "the exact matrices measured (and the approximation's own)")
+  damping: float = setting(1e-3, POSITIVE, "for the natural-gradient "
+                           "directions")
+  top_k: int = setting(10, COUNT, "eigenspace overlap; outliers among the "
+                       "top k")
+  relative_floor: float = setting(
+      1e-8, Number(0, 1), "|eigenvalue| below this times the largest counts "
+      "as zero (at least 10 round-offs of the precision)")
+  num_samples: int = setting(1, COUNT, "draws averaged for sampled "
+                             "estimation modes")
+  lanczos_iters: int = setting(60, COUNT, "Lanczos steps (lanczos method)")
+  slq_probes: int = setting(4, COUNT, "SLQ probes (lanczos method)")
+  frobenius_probes: int = setting(8, COUNT, "probes of Frobenius errors")
+  trace_probes: int = setting(30, COUNT, "Hutchinson and XTrace probes")
+  diagonal_probes: int = setting(30, COUNT, "stochastic-diagonal probes")
+  per_block: bool = setting(True, Flag(), "lanczos method: quality per layer "
+                            "block too")
+  heatmap_blocks: int = setting(4, Whole(0), "middle layer blocks drawn as "
+                                "heatmaps (0: none)")
+  heatmap_units: int = setting(8, COUNT, "parameters subsampled per drawn "
+                               "block")
+  cg_iters: int = setting(100, COUNT, "conjugate-gradient steps")
+  max_dense_gib: float = setting(2.0, POSITIVE, "refuse a dense matrix "
+                                 "larger than this")
+
+  def trains(self) -> bool:
+    """Whether it trains to its steps (rather than starting from the
+    initialisation or a checkpoint)."""
+    return self.checkpoint is None and self.steps != [0]
+
+  def uses_optimizer(self, run):
+    return self.trains()
+
+  def batches(self, run):
+    out = []
+    if self.trains():
+      out.append(("problem.batch_size", run.problem.batch_size))
+    if parse_scope(self.data)[0] == "train":
+      out.append(("measure.spectra.chunk_size", self.chunk_size))
+    elif run.measure.batch_size is not None:
+      out.append(("measure.batch_size", run.measure.batch_size))
+    else:
+      out.append(("problem.batch_size", run.problem.batch_size))
+    return out
+
+  def run_disagreements(self, run, prefix):
+    yield from super().run_disagreements(run, prefix)
+    try:
+      training.measurement_steps(self.steps, run.measure.training.num_steps)
+    except ValueError as e:
+      yield f"{prefix}.steps: {e}"
+
+  def method_label(self, run, curvature):
+    return curvature.label
+
+  def measure(self, ctx):
+    spec = dataclasses.asdict(self)
+    num_steps = ctx.run.measure.training.num_steps
+    steps = training.measurement_steps(self.steps, num_steps)
+    dtype = jax.tree.leaves(ctx.params)[0].dtype
+    examples = select(ctx.problem, self.data, ctx.run.measure.batch_size,
+                           self.chunk_size, dtype, seed=ctx.run.data_seed)
+    examples = examples.split(ctx.mesh, self.batches(ctx.run)[-1][0])
+    scope = dict(data=self.data)
+    tables = {name: [] for name in (*self.tables, "training")}
+
+    def at(step, point):
+      costs = Costs(log=ctx.log if ctx.run.progress else None, step=step,
+                    **scope)
+      point = devices.replicate(point, ctx.mesh)
+      for name, rows in spectra.measure(
+          ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
+          ctx.rng, costs).items():
+        tables[name] += [dict(step=step, **scope, **row) for row in rows]
+      tables["cost"] += costs.rows
+      if self.save_checkpoints:
+        save_checkpoint(ctx, step, point)
+
+    if self.checkpoint is not None:
+      for step, point in checkpoint_params(self.checkpoint, steps,
+                                           ctx.problem, ctx.params).items():
+        at(step, point)
+    elif not self.trains():
+      at(0, ctx.params)
+    else:
+      optimizer = ctx.run.optimizer
+      trainer = optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh)
+      rows = training.run(ctx.problem, trainer, ctx.params,
+                          ctx.run.measure.training,
+                          jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
+                          progress=ctx.run.progress, at_steps=steps,
+                          on_step=at, mesh=ctx.mesh)
+      # The loss curve is the optimizer's, labelled as a training run's.
+      method = optimizer.label(ctx.curvature)
+      tables["training"] = [dict(row, method=method) for row in rows]
+    return {name: rows for name, rows in tables.items() if rows}
+
+  # --- the report --------------------------------------------------------
+
+  def summaries(self, report):
+    tables = completed(report.tables)
+    out = []
+    if "quality" in tables:
+      q = tables["quality"]
+      for name, title, part in (
+          ("quality", "Approximation quality (vs the exact matrix)",
+           q[q.block == "all"]),
+          ("quality_blocks", "Approximation quality per layer block",
+           q[q.block != "all"])):
+        if not part.empty:
+          out.append((name, title, aggregate.medians(
+              part, ["problem", "data", "step", "reference", "block_type",
+                     "label", "block"], "metric", "value")))
+    if "statistics" in tables:
+      out.append(("statistics", "Spectrum statistics", aggregate.medians(
+          tables["statistics"], ["problem", "label", "data", "step",
+                                 "source", "matrix"], "statistic", "value")))
+    if "cost" in tables:
+      cost = tables["cost"].groupby(["problem", "label", "data", "phase"],
+                                    dropna=False)
+      out.append(("cost", "Cost of each measured phase", cost[
+          ["compile_s", "run_s", "program_bytes"]].median().join(
+              cost.run_id.nunique().rename("n")).reset_index()))
+    return out
+
+  def figures(self, report, out):
+    tables = completed(report.tables)
+    paths = []
+    if "spectra" in tables:
+      paths += plots.spectra(tables["spectra"], out)
+    if "heatmaps" in tables:
+      paths += plots.heatmaps(tables["heatmaps"], out)
+    if "quality" in tables:
+      q = tables["quality"]
+      along = q.groupby("problem").step.transform("nunique") > 1
+      if along.any():
+        paths += plots.quality_through_training(q[along], out, report.colour)
+      if (~along).any():
+        paths += plots.quality(q[~along], out)
+    if "statistics" in tables:
+      paths += plots.statistics(tables["statistics"], out)
+    return paths
+
+
+def completed(tables: dict) -> dict:
+  """The spectra and quality tables with the location columns filled in
+  where older records lack them (`plots.DEFAULTS`; `block` on quality rows
+  only)."""
+  out = dict(tables)
+  for name in ("spectra", "quality"):
+    if name in out:
+      df = out[name].copy()
+      for column, value in plots.DEFAULTS.items():
+        if column != "block" or name == "quality":
+          df[column] = df.get(column, value)
+          df[column] = df[column].fillna(value)
+      out[name] = df
+  return out
+
+
+def checkpoint_params(path, steps, problem, params) -> dict:
+  """`{step: params}` from a checkpoint file, or from a run directory's
+  checkpoints at `steps`, checked against the problem's `params`."""
+  path = Path(path)
+  if path.is_dir():
+    found = checkpoints.steps_in(path)
+    missing = [s for s in steps if s not in found]
+    if missing:
+      raise ValueError(
+          f"No checkpoint for steps {missing} in {path} (it has steps "
+          f"{sorted(found)}): measure at those, or train further.")
+    files = {s: found[s] for s in steps}
+  else:
+    files = {None: path}
+  out = {}
+  for step, file in files.items():
+    loaded, info = checkpoints.load(file)
+    checkpoints.check_matches(loaded, params, path=file,
+                              problem=info["problem"],
+                              expected_problem=problem.name)
+    dtype = jax.tree.leaves(params)[0].dtype
+    out[info["step"]] = jax.tree.map(lambda x: jnp.asarray(x, dtype), loaded)
+  return out
+
+
+__all__ = ["Spectra", "checkpoint_params", "completed"]

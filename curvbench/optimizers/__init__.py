@@ -1,0 +1,64 @@
+"""The optimizers a run can train with (the `optimizer` config group), one
+module each: its settings (the keyword arguments of what it builds) and
+the trainer it makes.
+
+A trainer has `init(params, batch, rng)`, `step(params, state, batch, rng)
+-> (params, state, loss)`, `cycle` (steps after which its kinds of step
+recur) and `compiled_programs(params, state, batch, rng)` (the programs its
+steps run, for their memory figures). All optimizers see the same initial
+parameters and the same batches in the same order (`curvbench.training`).
+"""
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+from jax.sharding import Mesh
+
+from components import Component, Registry
+from curvbench.curvatures import Curvature
+
+
+@dataclasses.dataclass
+class OptimizerSettings(Component, abc.ABC):
+  """What every optimizer has: whether it uses a curvature (and which)."""
+
+  # Whether it preconditions with the run's curvature.
+  uses_curvature: ClassVar[bool] = False
+  # Whether that curvature must be block-diagonal (estimators.Optimizer).
+  needs_block_diagonal: ClassVar[bool] = False
+
+  @abc.abstractmethod
+  def make(self, loss_fn: Callable, curvature: Curvature | None = None,
+           mesh: Mesh | None = None):
+    """A trainer of `loss_fn` (see the module docstring); with a `mesh` of
+    several devices (`devices.mesh`), for batches split over them."""
+
+  def accepts(self, curvature) -> bool:
+    """Whether it can train with `curvature` (its settings)."""
+    return curvature.is_block_diagonal or not self.needs_block_diagonal
+
+  def label(self, curvature: Curvature | None) -> str:
+    """A training run's method: the optimizer, and the curvature it uses."""
+    if self.uses_curvature and curvature is not None:
+      return f"{self.name}[{curvature.label}]"
+    return self.name
+
+
+OPTIMIZERS = Registry("optimizer", OptimizerSettings, package=__name__)
+# Floating-point types an optimizer's own state may be kept in.
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def make(settings, loss_fn: Callable, curvature: Curvature | None = None,
+         mesh: Mesh | None = None):
+  """The trainer of `settings` (a mapping with `name`, or the settings)."""
+  if not isinstance(settings, OptimizerSettings):
+    settings = OPTIMIZERS.load(settings, "optimizer")
+  if settings.uses_curvature and curvature is None:
+    raise ValueError(f"optimizer={settings.name} needs a curvature.")
+  return settings.make(loss_fn, curvature, mesh)
+
+
+__all__ = ["DTYPES", "OPTIMIZERS", "OptimizerSettings", "make"]

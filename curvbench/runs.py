@@ -1,0 +1,242 @@
+"""One run: checked, skipped where it repeats another sweep point, resumed
+where it finished earlier with the same config and code, measured into its
+run directory under that directory's lock.
+
+A rerun of a sweep skips runs finished with the same config and code, and
+redoes the others (unfinished, damaged, or written by other code or
+config). One process at a time runs a run directory (its lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+
+import jax
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+import problems
+from curvbench import config, devices, provenance, records
+from curvbench.measurements import Context
+from estimators import graph_matcher
+
+
+def skip_reason(run: config.RunSettings) -> str | None:
+  """Why this sweep point repeats another one (None when it does not)."""
+  canon, measurement = run.canonical, run.measure.chosen
+  kind, opt = measurement.name, run.optimizer.name
+  trains = measurement.uses_optimizer(run)
+  if not trains and opt != canon.optimizer:
+    return (f"this {kind} run does not use the optimizer; it runs with "
+            f"optimizer={canon.optimizer} only")
+  curvature = run.curvature
+  if not measurement.uses_curvature(run):
+    if curvature.name != canon.curvature or curvature.mode != canon.mode:
+      return (f"optimizer={opt} does not use the curvature; it runs with "
+              f"curvature={canon.curvature}, mode={canon.mode} only")
+    return None
+  if not curvature.uses_estimation_mode and curvature.mode != canon.mode:
+    return (f"{curvature.name} ignores curvature.mode; it runs with "
+            f"mode={canon.mode} only")
+  if trains and not run.optimizer.accepts(curvature):
+    return f"optimizer={opt} cannot train with curvature={curvature.name}"
+  return None
+
+
+def _identity(run: config.RunSettings, curvature) -> dict:
+  """The columns that say what a run measured."""
+  measurement = run.measure.chosen
+  uses = measurement.uses_curvature(run)
+  return dict(problem=run.problem.label or run.problem.name,
+              measure=measurement.name,
+              method=measurement.method_label(run, curvature),
+              curvature=curvature.name if uses else None,
+              estimator=type(curvature).__name__ if uses else None,
+              block_type=getattr(curvature, "block_type", None) if uses
+              else None,
+              mode=curvature.mode if uses else None,
+              optimizer=(run.optimizer.name
+                         if measurement.uses_optimizer(run) else None),
+              seed=run.seed)
+
+
+def registration(problem, curvature, params, batch, rng) -> dict:
+  """Which tag each parameter gets, and the curvature blocks built from them."""
+  report = dict(parameters=graph_matcher.registration_report(
+      problem.loss_fn, (params, batch)))
+  if curvature is not None:
+    curvature.init(rng, params, batch)  # traces the model
+    report["blocks"] = curvature.registration()
+  return report
+
+
+@contextlib.contextmanager
+def quiet_logging(names=("estimators.graph_matcher", "jax")):
+  """Raises the named loggers to WARNING for the block, then restores them."""
+  loggers = [logging.getLogger(name) for name in names]
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.setLevel(logging.WARNING)
+  try:
+    yield
+  finally:
+    for logger, level in zip(loggers, levels):
+      logger.setLevel(level)
+
+
+def measure(cfg, run_dir) -> dict:
+  """Runs the configured measurement and writes its records into `run_dir`;
+  returns the run's outcome for its completion marker (status 'complete',
+  or 'diverged' with the step).
+
+  64-bit precision and quiet loggers hold for the measurement only.
+  """
+  run = config.load(cfg)
+  measurement = run.measure.chosen
+  float64 = measurement.precision == "float64"
+  with (devices.use(run.device, run.devices), jax.enable_x64(float64),
+        quiet_logging()):
+    dtype = np.float64 if float64 else np.float32
+    problem = problems.make(run.problem)
+    curvature = run.curvature.make(problem.loss_fn)
+    rng = jax.random.PRNGKey(run.seed)
+    params = problem.init_params(jax.random.PRNGKey(run.init_seed), dtype)
+    batch = problem.fixed_batch(run.measure.batch_size, dtype=dtype,
+                                seed=run.data_seed)
+    ident = _identity(run, curvature)
+    run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
+    run_dir.write_json("environment.json", provenance.environment(
+        run.device, run.devices))
+    run_dir.write_json("registration.json", registration(
+        problem, curvature if ident["curvature"] else None, params, batch,
+        rng))
+    ident.update(provenance.columns(cfg, measurement.precision),
+                 run=run_dir.path.name, num_params=problem.num_params,
+                 batch_size=len(batch[0]))
+    ctx = Context(problem=problem, curvature=curvature, params=params,
+                  batch=batch, run=run, rng=jax.random.fold_in(rng, 1),
+                  run_dir=run_dir, mesh=devices.mesh(run.device, run.devices))
+    tables = measurement.measure(ctx)
+    for name, rows in tables.items():
+      run_dir.write_table(name, records.tidy(rows, **ident))
+  training_rows = tables.get("training", [])
+  if training_rows and training_rows[-1]["diverged"]:
+    return dict(status="diverged", step=training_rows[-1]["step"],
+                reason=f"non-finite loss at step {training_rows[-1]['step']}")
+  return dict(status="complete")
+
+
+def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
+  """Why a finished run's records do not answer `cfg` (None when they do):
+  another config, or records written by other code."""
+  marker = run_dir.marker()
+  if marker.get("run_id") != provenance.run_id(cfg):
+    old = {}
+    if (run_dir.path / "config.yaml").exists():
+      old = provenance.identity_config(
+          OmegaConf.load(run_dir.path / "config.yaml"))
+    changed = provenance.differences(old, provenance.identity_config(cfg))
+    return f"its config differs ({changed or 'written before run ids'})"
+  code = provenance.code_version()["code"]
+  if marker.get("code") != code:
+    return f"it was written by code {marker.get('code')}, this is {code}"
+  return None
+
+
+def cached(cfg, out_dir) -> bool:
+  """Whether `out_dir` holds a run finished with `cfg` and this code, its
+  records intact: what `run` answers 'cached' for without measuring
+  (never with force=true). The sweeper asks it before launching."""
+  run_dir = records.RunDir(out_dir)
+  return (not cfg.force and run_dir.done
+          and stale_reason(run_dir, cfg) is None)
+
+
+def start(run_dir: records.RunDir, cfg) -> dict:
+  """Clears `run_dir` and writes the run's config (`config.yaml` and the
+  `config` table); returns the `run_id` and `code` its marker carries."""
+  run_dir.clear()
+  ident = dict(run_id=provenance.run_id(cfg),
+               code=provenance.code_version()["code"])
+  run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+  run_dir.write_table("config", pd.DataFrame(
+      [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
+  return ident
+
+
+def record_skip(cfg, out_dir) -> str | None:
+  """Records `cfg` in `out_dir` as a skipped run (its config, and a marker
+  with the reason) when it repeats another sweep point; returns the reason,
+  or None, writing nothing, when the point is to be run.
+
+  The sweeper calls it for every point before launching (taking the run
+  directory's lock; one that another process holds is left to it); a run
+  started without the sweeper (`curvbench` without -m) calls it itself.
+  """
+  reason = skip_reason(config.load(cfg))
+  if reason and not cached(cfg, out_dir):  # else recorded by an earlier sweep
+    run_dir = records.RunDir(out_dir)
+    try:
+      with run_dir.lock(wait_s=float(cfg.lock_wait_s)):
+        _mark_skipped(run_dir, cfg, reason)
+    except records.RunLocked:
+      pass  # another sweep of these points is recording it
+  return reason
+
+
+def _mark_skipped(run_dir: records.RunDir, cfg, reason: str) -> None:
+  run_dir.mark_done("skipped", reason=reason, **start(run_dir, cfg))
+
+
+def run(cfg, out_dir) -> str:
+  """One run into `out_dir`; returns its status: 'complete', 'diverged',
+  'skipped', 'cached' (finished earlier with the same config and code),
+  'locked' (another process is running it) or 'error'. A finished run
+  whose config or code differs, or whose records are damaged, is redone.
+
+  The config is checked first; the rest happens under the run directory's
+  lock (`records.RunDir.lock`), waiting at most `lock_wait_s` for it, and
+  whether the run is done is asked only once the lock is held, so a
+  process that waited finds the run its holder finished.
+  """
+  config.validate(cfg)
+  run_dir = records.RunDir(out_dir)
+  with contextlib.ExitStack() as held:
+    try:
+      held.enter_context(run_dir.lock(wait_s=float(cfg.lock_wait_s)))
+    except records.RunLocked as e:
+      print(f"[curvbench] skipping the run: {e}", flush=True)
+      return "locked"
+    return _run_locked(cfg, run_dir)
+
+
+def _run_locked(cfg, run_dir: records.RunDir) -> str:
+  if run_dir.done and not cfg.force:
+    stale = stale_reason(run_dir, cfg)
+    if stale is None:
+      print(f"[curvbench] {run_dir.path}: finished earlier with this config "
+            "and code, skipping (force=true redoes it).")
+      return "cached"
+    print(f"[curvbench] {run_dir.path}: redoing it, {stale}.")
+  elif run_dir.has_marker and not cfg.force:
+    print(f"[curvbench] {run_dir.path}: redoing it, its records are "
+          f"damaged ({run_dir.damage()}).")
+  reason = skip_reason(config.load(cfg))
+  if reason:
+    _mark_skipped(run_dir, cfg, reason)
+    return "skipped"
+  ident = start(run_dir, cfg)
+  try:
+    outcome = measure(cfg, run_dir)
+  except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to
+    run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc(),
+                                          **ident))
+    if not cfg.continue_on_error:
+      raise
+    return "error"
+  (run_dir.path / "ERROR.json").unlink(missing_ok=True)
+  run_dir.mark_done(**outcome, **ident)
+  return outcome["status"]

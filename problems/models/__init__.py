@@ -1,0 +1,1 @@
+"""The problems, one module each (see `problems.base.PROBLEMS`)."""

@@ -1,0 +1,41 @@
+"""MLP classifier with softmax cross-entropy."""
+
+import dataclasses
+
+from components import ListOf, OneOf, Whole, setting
+from problems import layers
+from problems.base import PROBLEMS, Problem, ProblemSettings
+
+
+@PROBLEMS.register
+@dataclasses.dataclass
+class MLP(ProblemSettings):
+  """Fully connected layers, then a linear layer to the class logits."""
+
+  name: str = "mlp"
+  width: int = setting(16, Whole(1), "units of each hidden layer")
+  depth: int = setting(2, Whole(0), "hidden layers")
+  hidden: list[int] | None = setting(
+      None, ListOf(Whole(1), null=True),
+      "the hidden layers' units, one per layer (overrides width x depth)")
+  activation: str = setting("tanh", OneOf(tuple(layers.ACTIVATIONS)),
+                            "nonlinearity after each hidden layer")
+
+  def hidden_sizes(self) -> list[int]:
+    """`hidden` if given, else `depth` layers of `width` units."""
+    if self.hidden is not None:
+      return list(self.hidden)
+    return [self.width] * self.depth
+
+  def build(self, data):
+    sizes = self.hidden_sizes()
+    act = layers.activation(self.activation)
+
+    def model(x):
+      h = x.reshape(x.shape[0], -1)
+      for i, size in enumerate(sizes):
+        h = act(layers.Dense(size, name=f"dense_{i}")(h))
+      return layers.Dense(data.num_classes, name="logits")(h)
+
+    return Problem.from_model(model, data, self, task="classification",
+                              loss_name="softmax_cross_entropy")
