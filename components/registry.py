@@ -2,8 +2,8 @@
 approximations, optimizers, measurements.
 
 A component is a `Settings` dataclass (most are `Component`s, whose `name`
-is a setting): its settings are its fields, its behaviour its methods. It joins its kind's
-`Registry` with a decorator,
+is a setting): its settings are its fields, its behaviour its methods. It
+joins its kind's `Registry` with a decorator,
 
     @PROBLEMS.register
     @dataclasses.dataclass

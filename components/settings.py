@@ -104,7 +104,7 @@ class Number(Check):
     if self.low is None:
       span = "" if self.high is None else f"below {self.high:g}"
     elif self.high is not None:
-      span = f"in [{self.low:g}, {self.high:g})"
+      span = f"in {'[' if self.low_in else '('}{self.low:g}, {self.high:g})"
     else:
       span = f"{'>=' if self.low_in else '>'} {self.low:g}"
     return f"a number {span}".rstrip() + (
@@ -400,21 +400,3 @@ def _lookup(tree, dotted_key: str):
       return _MISSING
     tree = tree[part]
   return tree
-
-
-def describe(cls: type[Settings], prefix: str = "") -> list[tuple[str, str, str]]:
-  """`(key, default, what it may hold and does)` of every setting of `cls`,
-  nested ones included: the table of its settings for documentation."""
-  rows = []
-  nested = cls.nested()
-  defaults = cls()
-  for f in dataclasses.fields(cls):
-    key = dotted(prefix, f.name)
-    if f.name in nested:
-      rows += describe(nested[f.name], key)
-      continue
-    check = f.metadata.get("check")
-    words = "; ".join(part for part in (
-        check.describe() if check else "", f.metadata.get("doc", "")) if part)
-    rows.append((key, repr(getattr(defaults, f.name)), words))
-  return rows

@@ -32,9 +32,10 @@ _NOT_A_RUN = ("-h", "--help", "--hydra-help", "--version", "-i", "--info",
 
 def check_command_line(argv: list[str]) -> None:
   """Composes the config of `argv` as Hydra will and exits with the
-  message alone where it is refused: the whole check for a single run,
-  the parts without sweeps (values and keys) for `-m` (the sweeper checks
-  every point before it launches any)."""
+  message alone where it is refused: the whole check for a single run
+  (its settings, and its folder: `runs.refuse`), the parts without sweeps
+  (values and keys) for `-m` (the sweeper checks every point and folder
+  before it launches any)."""
   if any(arg.split("=")[0] in _NOT_A_RUN for arg in argv):
     return
   multirun = any(arg in ("-m", "--multirun") for arg in argv)
@@ -49,8 +50,10 @@ def check_command_line(argv: list[str]) -> None:
   parsed = OverridesParser.create().parse_overrides(overrides)
   fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
   try:
-    config.compose(*fixed, check=not multirun)
-  except (config.ConfigError, HydraException) as e:
+    cfg = config.compose(*fixed, check=not multirun, with_hydra=True)
+    if not multirun:
+      runs.refuse(cfg, cfg.hydra.run.dir)
+  except (ValueError, HydraException) as e:  # ConfigError, ForeignFolder
     raise SystemExit(f"curvbench: {e}") from None
 
 
@@ -81,7 +84,13 @@ def _hydra_main():
     except config.ConfigError as e:  # the message alone, no traceback
       raise SystemExit(f"curvbench: {e}") from None
     use_compilation_cache(cfg.compilation_cache)
-    return runs.run(cfg, HydraConfig.get().runtime.output_dir)
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+      return runs.run(cfg, out_dir)
+    except (ValueError, OSError, MemoryError, FloatingPointError) as e:
+      # One line; the traceback is the run's ERROR.json, where it could be
+      # written.
+      raise SystemExit(f"curvbench: {out_dir}: {e}") from None
 
   return main()
 

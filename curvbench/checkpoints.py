@@ -187,6 +187,13 @@ def check_matches(params, reference_params, *, path, problem=None,
   if bad:
     raise ValueError(f"checkpoint {path} has parameters of the wrong shape: "
                      + "; ".join(bad))
+  nonfinite = [k for k, v in _leaves(params).items()
+               if not np.all(np.isfinite(np.asarray(v)))]
+  if nonfinite:
+    raise ValueError(
+        f"checkpoint {path} holds non-finite values (NaN or inf) in "
+        f"{', '.join(nonfinite)}: there is no curvature to measure there "
+        "(its training diverged, or the file was damaged).")
 
 
 def steps_in(directory) -> dict[int, Path]:

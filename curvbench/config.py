@@ -56,7 +56,7 @@ ConfigError = SettingsError
 SEED = Whole(0, 2**32 - 1)
 
 
-# --- the tuning grid -----------------------------------------------------------
+# --- the tuning grid ---------------------------------------------------------
 
 def _flat(grid: Mapping, prefix: str = "") -> dict[str, Any]:
   out = {}
@@ -97,7 +97,8 @@ class Grid(Check):
 
   def complaints(self, key: str, value) -> Iterator[str]:
     if not isinstance(value, Mapping):
-      yield f"{key}={value!r} must be a mapping {{optimizer: {{key: [values]}}}}."
+      yield (f"{key}={value!r} must be a mapping "
+             "{optimizer: {key: [values]}}.")
       return
     for name, points in value.items():
       where = f"{key}.{name}"
@@ -162,13 +163,23 @@ class MeasureSection(Check):
     return measurements.schema().from_values(value, key, checked=True)
 
 
+def folder_name(value) -> None:
+  """Raises unless `value` names one folder (a sweep's, under reports/)."""
+  if (not isinstance(value, str) or not value.strip() or value in (".", "..")
+      or "/" in value or "\\" in value or "\0" in value):
+    raise ValueError(
+        f"name={value!r} is not allowed: name must be a non-empty folder "
+        "name (no '/', not '.' or '..'): the sweep's runs go under "
+        "reports/<name>/.")
+
+
 @dataclasses.dataclass
 class RunSettings(Settings):
   """One run: a problem, a curvature, an optimizer and a measurement (each
   chosen by its config group), and how the run goes."""
 
-  name: str = setting("default", Text(), "sweep name: its runs go under "
-                      "reports/<name>/")
+  name: str = setting("default", Parsed(folder_name, "a folder name"),
+                      "sweep name: its runs go under reports/<name>/")
   device: str = setting("auto", OneOf(devices.PLATFORMS), "auto (JAX's "
                         "default backend), cpu, gpu or tpu: fails clearly "
                         "where that platform is absent")
@@ -201,8 +212,10 @@ class RunSettings(Settings):
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
-    yield from self.measure.chosen.run_disagreements(
-        self, f"measure.{self.measure.kind}")
+    for name in measurements.MEASUREMENTS:
+      yield from getattr(self.measure, name).run_disagreements(
+          self, f"measure.{name}")
+    yield from self.measure.chosen.batch_disagreements(self)
 
 
 # --- the ConfigStore ----------------------------------------------------------
@@ -374,10 +387,12 @@ def coerced_flags(cfg, overrides) -> Iterator[str]:
       yield f"{key}={value!r} is not allowed: {key} must be true or false."
 
 
-def compose(*overrides: str, check: bool = True) -> DictConfig:
+def compose(*overrides: str, check: bool = True,
+            with_hydra: bool = False) -> DictConfig:
   """The config of `curvbench OVERRIDES...`, e.g.
   `compose("problem=convnet", "curvature=diagonal", "seed=1")`; checked
-  (`validate`) unless `check` is False.
+  (`validate`) unless `check` is False; with Hydra's own node (`hydra`:
+  its directories, launcher, ...) where `with_hydra`.
 
   Raises:
     ConfigError: for a value of the wrong type, an unknown key, or (when
@@ -387,7 +402,8 @@ def compose(*overrides: str, check: bool = True) -> DictConfig:
   store()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     try:
-      cfg = hydra_compose("config", overrides=list(overrides))
+      cfg = hydra_compose("config", overrides=list(overrides),
+                          return_hydra_config=with_hydra)
     except ConfigCompositionException as e:
       raise ConfigError(explain(e, overrides)) from e
   for message in coerced_flags(cfg, overrides):

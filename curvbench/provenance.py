@@ -1,11 +1,16 @@
 """What identifies a run and what produced it.
 
-A run's id is a hash of its fully resolved config, less the keys that do not
-change its results (`NOT_IDENTITY`: the sweep's name, progress output, error
-handling, the skip rule, the report-only tuning section, the lock's wait
-and the compilation cache). Every record row carries the id and the
-provenance columns of `columns`; the run's whole config, flattened to
-dotted keys, is the run's `config` table, joined on `run_id`.
+A run's id is a hash of what it measures with: its fully resolved config,
+less the keys that do not change its results (`NOT_IDENTITY`: the sweep's
+name, progress output, error handling, the skip rule, the report-only
+tuning section, the lock's wait and the compilation cache), the code (the
+commit, and a hash of uncommitted changes) and the data (the dataset's
+fingerprint: the sha256 of the files it reads, or its generator, version
+and settings). Two runs that differ in any of these never share an id, are
+never taken for each other on resume, and the report keeps them apart.
+Every record row carries the id and the provenance columns of `columns`;
+the run's whole config, flattened to dotted keys, is the run's `config`
+table, joined on `run_id`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import problems
 from curvbench import devices
 
 NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
@@ -53,9 +59,21 @@ def identity_config(cfg) -> dict:
           if k.split(".")[0] not in NOT_IDENTITY}
 
 
+def inputs(cfg) -> dict:
+  """The code (`code_version`) and the data (the dataset's fingerprint) a
+  run with `cfg` measures with."""
+  section = cfg["problem"]["data"]
+  if isinstance(section, DictConfig):
+    section = OmegaConf.to_container(section, resolve=True)
+  return dict(code=code_version()["code"],
+              data=problems.DATASETS.load(section).fingerprint())
+
+
 def run_id(cfg) -> str:
-  """A 12-hex-digit hash of the resolved config's identity keys."""
-  text = json.dumps(identity_config(cfg), sort_keys=True, default=str)
+  """A 12-hex-digit hash of the resolved config's identity keys, the code
+  and the data (`inputs`)."""
+  text = json.dumps(dict(identity_config(cfg), **inputs(cfg)),
+                    sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -122,7 +140,7 @@ def columns(cfg, precision: str) -> dict:
   """The provenance columns every record row of the run carries."""
   code = code_version()
   return dict(
-      run_id=run_id(cfg), init_seed=int(cfg.init_seed),
+      run_id=run_id(cfg), **inputs(cfg), init_seed=int(cfg.init_seed),
       data_seed=int(cfg.data_seed), precision=precision,
       **device(cfg.device, int(cfg.devices)),
       versions=" ".join(f"{k}={v}" for k, v in versions().items()),

@@ -1,12 +1,17 @@
 """Measurements -> tidy DataFrames -> files in a run directory.
 
-Every file is written atomically (temporary file in the same directory, then
-`os.replace`), so an interrupted run never leaves a half-written table, and
-with the mode a plain `open` gives (the user's umask). The completion marker
-`DONE.json` is written last and lists the run's tables: a run directory
-without it is unfinished and gets redone, one with it is skipped by a rerun
-of its sweep unless its records are damaged (`RunDir.damage`). A lock per run
-directory (`RunDir.lock`) keeps two processes from running it at once.
+The harness owns only what it writes: a run directory's `.curvbench` file
+lists every file the harness wrote there (recorded before each is written),
+clearing a run removes exactly those, and a folder holding anything else
+(Hydra's own `.hydra/` and `*.log` aside) is refused as a run directory
+(`ForeignFolder`). Every file is written atomically (temporary file in the
+same directory, then `os.replace`), so an interrupted run never leaves a
+half-written one, and with the mode a plain `open` gives (the user's umask).
+The completion marker `DONE.json` is written last and holds the sha256 of
+every other file the run wrote: a run directory without it is unfinished
+and gets redone, one with it is skipped by a rerun of its sweep unless a
+file is missing or changed (`RunDir.damage`). A lock per run directory
+(`RunDir.lock`) keeps two processes from running it at once.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 import stat
 import time
@@ -27,12 +31,24 @@ import pandas as pd
 import pyarrow
 import pyarrow.parquet as pq
 
+from problems.datafiles import file_sha256
+
 MARKER = "DONE.json"
 LOCK = ".lock"
+OWNED = ".curvbench"  # the files the harness wrote in a run directory
+# Files of runs written before `OWNED` existed, which the harness took as its
+# own when it found them beside a completion marker.
+LEGACY = ("DONE.json", "ERROR.json", "metadata.json", "environment.json",
+          "registration.json", "config.yaml", "*.parquet",
+          "checkpoints/params_step*.safetensors")
 
 
 class DamagedRun(ValueError):
   """A run directory whose records cannot be read."""
+
+
+class ForeignFolder(ValueError):
+  """A folder holding files the harness did not write, named as a run's."""
 
 
 class RunLocked(RuntimeError):
@@ -98,34 +114,91 @@ class RunDir:
     counts as not done, so a rerun of its sweep redoes it."""
     return self.has_marker and self.damage() is None
 
+  # --- what is the harness's here -------------------------------------------
+
+  def written(self) -> list[str]:
+    """The files (relative paths) the harness wrote here, as its `.curvbench`
+    file lists them; for a run directory from before that file, those of
+    `LEGACY` present beside a completion or error marker."""
+    try:
+      listed = json.loads((self.path / OWNED).read_text())
+    except FileNotFoundError:
+      if not any((self.path / n).exists() for n in (MARKER, "ERROR.json")):
+        return []
+      return sorted({str(p.relative_to(self.path)) for pattern in LEGACY
+                     for p in self.path.glob(pattern)})
+    except (OSError, ValueError):
+      return []  # damaged: nothing is taken as the harness's
+    return [n for n in listed if isinstance(n, str)]
+
+  def foreign(self) -> list[str]:
+    """The entries here the harness did not write, less Hydra's own
+    (`.hydra/`, `*.log`): what makes this folder not a run directory."""
+    if not self.path.is_dir():
+      return []
+    ours = {Path(n).parts[0] for n in self.written()} | {OWNED, LOCK}
+    return sorted(p.name for p in self.path.iterdir()
+                  if p.name not in ours and p.name != ".hydra"
+                  and p.suffix != ".log" and not _temporary(p))
+
+  def check_ours(self) -> None:
+    """Raises `ForeignFolder` when this folder holds files the harness did
+    not write: a run goes only into an empty folder or a run's."""
+    found = self.foreign()
+    if found:
+      shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+      raise ForeignFolder(
+          f"{self.path} holds files curvbench did not write ({shown}), so "
+          "it is not a run directory and nothing is written there. Choose "
+          "another folder (hydra.run.dir=..., or hydra.sweep.dir=... for a "
+          "sweep) or move those files away.")
+
+  def own(self, relative: str) -> Path:
+    """Records `relative` (a path in this directory) as the harness's,
+    before it is written; returns its full path."""
+    written = self.written()
+    if relative not in written:
+      text = json.dumps(sorted([*written, relative]), indent=1) + "\n"
+      self.path.mkdir(parents=True, exist_ok=True)
+      atomic_write(self.path / OWNED, lambda tmp: Path(tmp).write_text(text))
+    return self.path / relative
+
+  # --- writing ---------------------------------------------------------------
+
   def write_table(self, name: str, df: pd.DataFrame) -> Path:
-    return atomic_write(self.path / f"{name}.parquet",
-                         lambda tmp: df.to_parquet(tmp, index=False))
+    return atomic_write(self.own(f"{name}.parquet"),
+                        lambda tmp: df.to_parquet(tmp, index=False))
 
   def write_json(self, name: str, obj) -> Path:
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
-    return atomic_write(self.path / name,
-                         lambda tmp: Path(tmp).write_text(text + "\n"))
+    return atomic_write(self.own(name),
+                        lambda tmp: Path(tmp).write_text(text + "\n"))
 
   def write_text(self, name: str, text: str) -> Path:
-    return atomic_write(self.path / name, lambda tmp: Path(tmp).write_text(text))
+    return atomic_write(self.own(name), lambda tmp: Path(tmp).write_text(text))
 
   def clear(self) -> None:
-    """Removes the records of an earlier run here (tables, markers, config,
-    checkpoints) before the directory is used again."""
-    for pattern in ("*.parquet", "*.json", "config.yaml"):
-      for path in self.path.glob(pattern):
-        path.unlink()
-    shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+    """Removes the files the harness wrote here (tables, markers, config,
+    checkpoints) before the directory is used again; nothing else."""
+    for name in self.written():
+      (self.path / name).unlink(missing_ok=True)
+    checkpoints = self.path / "checkpoints"
+    if checkpoints.is_dir() and not any(checkpoints.iterdir()):
+      checkpoints.rmdir()
+    (self.path / OWNED).unlink(missing_ok=True)
 
   def table_names(self) -> list[str]:
-    return [p.stem for p in sorted(self.path.glob("*.parquet"))]
+    return sorted(Path(n).stem for n in self.written()
+                  if n.endswith(".parquet") and "/" not in n)
 
   def mark_done(self, status: str = "complete", **info) -> Path:
-    """Writes the completion marker, listing the tables written so far;
-    call it after every other file."""
+    """Writes the completion marker, listing the tables and the sha256 of
+    every file written so far; call it after every other file."""
+    files = {n: file_sha256(self.path / n) for n in self.written()
+             if n != MARKER and (self.path / n).is_file()}
     return self.write_json(MARKER, dict(status=status, finished=time.time(),
-                                        tables=self.table_names(), **info))
+                                        tables=self.table_names(),
+                                        files=files, **info))
 
   def marker(self) -> dict | None:
     """The completion marker, None when there is none; `DamagedRun` when it
@@ -140,12 +213,18 @@ class RunDir:
     if not isinstance(marker, dict) or not isinstance(marker.get("status"),
                                                       str):
       raise DamagedRun(f"{path} is not a completion marker (no status)")
+    tables, files = marker.get("tables", []), marker.get("files", {})
+    if not (isinstance(tables, list) and all(isinstance(t, str)
+                                             for t in tables)
+            and isinstance(files, dict)):
+      raise DamagedRun(f"{path} is not a completion marker (its tables or "
+                       "files are not lists of names)")
     return marker
 
   def damage(self) -> str | None:
     """Why this run's records cannot be trusted, or None when they can: an
-    unreadable marker, table or JSON record, or a table the marker lists
-    that is missing."""
+    unreadable marker, or a file the run wrote that is missing, changed
+    since (its sha256) or unreadable."""
     try:
       marker = self.marker() or {}
     except DamagedRun as e:
@@ -154,25 +233,26 @@ class RunDir:
                if not (self.path / f"{name}.parquet").exists()]
     if missing:
       return (f"tables {', '.join(missing)} listed in {MARKER} are missing")
-    for path in sorted(self.path.glob("*.parquet")):
-      try:
-        pq.read_table(path)
-      except (OSError, ValueError, pyarrow.ArrowException) as e:
-        return _unreadable(path, e)
-    for path in sorted(self.path.glob("*.json")):
-      if path.name != MARKER:
-        try:
-          json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-          return _unreadable(path, e)
+    digests = marker.get("files")
+    if digests is None:  # a marker from before checksums
+      return next(filter(None, map(_unreadable_record, sorted(
+          self.path / n for n in self.written() if n != MARKER))), None)
+    for name, digest in digests.items():
+      path = self.path / name
+      if not path.is_file():
+        return f"{name}, written by the run, is missing"
+      if file_sha256(path) != digest:
+        return _unreadable_record(path) or (
+            f"{name} changed since the run wrote it (its sha256 differs)")
     return None
 
   def tables(self) -> dict[str, pd.DataFrame]:
     """Every table of the run; `DamagedRun` names one that cannot be read."""
     out = {}
-    for path in sorted(self.path.glob("*.parquet")):
+    for name in self.table_names():
+      path = self.path / f"{name}.parquet"
       try:
-        out[path.stem] = pd.read_parquet(path)
+        out[name] = pd.read_parquet(path)
       except (OSError, ValueError, pyarrow.ArrowException) as e:
         raise DamagedRun(f"{self.path}: {_unreadable(path, e)}") from e
     return out
@@ -233,15 +313,21 @@ class RunDir:
       return {}  # being written, or its writer was killed while writing
 
   def running(self) -> dict | None:
-    """The lock holder when a live process on this host holds the lock (or
-    one on another host may), None when no process runs this directory."""
+    """Who runs this directory (pid, host, since) while a process holds its
+    lock, None when none does. Whether the lock is held is asked of the
+    kernel where it says (Linux); elsewhere, a live process of the pid the
+    lock file names counts; a holder on another host is assumed to run."""
     holder = self.lock_holder()
     if holder is None:
       return None
-    if not holder:  # unreadable: a holder may be writing it right now
-      return dict(pid="?", host="?", since="?")
-    if holder.get("host") != socket.gethostname():
+    unknown = dict(pid="?", host="?", since="?")
+    if holder and holder.get("host") != socket.gethostname():
       return holder  # another machine: cannot tell, so assume it runs
+    held = _held(self.path / LOCK)
+    if held is not None:
+      return (holder or unknown) if held else None
+    if not holder:  # unreadable: a holder may be writing it right now
+      return unknown
     try:
       os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
@@ -251,12 +337,73 @@ class RunDir:
     return holder
 
 
+def _held(path: Path) -> bool | None:
+  """Whether some process holds a lock on `path`, as Linux lists them in
+  /proc/locks (without taking it); None where the system does not say."""
+  try:
+    listed = Path("/proc/locks").read_text()
+  except OSError:
+    return None
+  try:
+    stat_ = os.stat(path)
+  except FileNotFoundError:
+    return False
+  # Lines read "1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> ...",
+  # major and minor in hex.
+  device = f"{os.major(stat_.st_dev):02x}:{os.minor(stat_.st_dev):02x}"
+  wanted = f"{device}:{stat_.st_ino}"
+  return any(len(fields) > 5 and fields[5] == wanted
+             for fields in map(str.split, listed.splitlines()))
+
+
+def _unreadable_record(path: Path) -> str | None:
+  """Why a table or JSON record cannot be read (None when it can, or when
+  it is another kind of file)."""
+  try:
+    if path.suffix == ".parquet":
+      pq.read_table(path)
+    elif path.suffix == ".json":
+      json.loads(path.read_text())
+  except (OSError, ValueError, pyarrow.ArrowException) as e:
+    return _unreadable(path, e)
+  return None
+
+
+def _temporary(path: Path) -> bool:
+  """Whether `path` is a temporary file of `atomic_write` (left by a kill)."""
+  return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
 def _same_file(fd: int, path: Path) -> bool:
   """Whether `fd` is still the file at `path` (not one since removed)."""
   try:
     return os.fstat(fd).st_ino == os.stat(path).st_ino
   except FileNotFoundError:
     return False
+
+
+def claim(folder, marker: str, what: str, legacy=lambda path: False,
+          check_only: bool = False) -> Path:
+  """Takes `folder` for the harness (a sweep's or a report's), writing its
+  `marker` there (unless `check_only`), unless it holds files the harness
+  did not write: an empty or new folder, one with the marker, or one
+  `legacy(folder)` says an earlier version wrote. Returns the folder.
+
+  Raises:
+    ForeignFolder: naming the folder, what it holds and what to do.
+  """
+  folder = Path(folder)
+  found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+  if found and marker not in found and not legacy(folder):
+    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    raise ForeignFolder(
+        f"{folder} holds files curvbench did not write ({shown}), so it is "
+        f"not {what} and nothing is written there. Choose another folder or "
+        "move those files away.")
+  if not check_only:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / marker).touch()
+  return folder
 
 
 def find_runs(root) -> list[RunDir]:

@@ -38,13 +38,18 @@ from curvbench.measurements import MEASUREMENTS
 
 # Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
 # the run, which may have been stopped before writing a record of its own).
-RUN_FILES = (records.MARKER, "ERROR.json", "config.yaml", "metadata.json",
-             "*.parquet", ".hydra/config.yaml")
+RUN_FILES = (records.MARKER, records.OWNED, "ERROR.json", "config.yaml",
+             "metadata.json", "*.parquet", ".hydra/config.yaml")
 # What `not_in_results` lists, one row per run; skipped runs are grouped.
 NOT_IN_RESULTS = ("error", "diverged", "damaged", "killed", "running")
+# In a report folder: it is curvbench's (see `records.claim`).
+REPORT_MARKER = ".curvbench-report"
 # What a run is, before its settings: rows with the same values here and the
 # same setting are seeds of one configuration.
 GROUP = ("problem", "measure", "method")
+# What a run measured with besides its config (`provenance.inputs`): runs
+# that differ here are told apart like runs of different settings.
+INPUTS = ("code", "data")
 
 
 @dataclasses.dataclass
@@ -153,7 +158,8 @@ def load_sweep(root) -> Sweep:
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
     row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
                problem=cfg.get("problem.label"),
-               measure=cfg.get("measure.kind"), **{
+               measure=cfg.get("measure.kind"),
+               **{key: (marker or {}).get(key) for key in INPUTS}, **{
                    f"config:{k}": v for k, v in cfg.items()})
     run_tables = {}
     if status in ("complete", "diverged"):
@@ -205,8 +211,7 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   candidates = [c for c, key in keys.items()
                 if key.split(".")[0] not in provenance.NOT_IDENTITY
                 and key not in provenance.SEED_KEYS]
-  if "device_kind" in done:
-    candidates.append("device_kind")
+  candidates += [c for c in ("device_kind", *INPUTS) if c in done]
   done["setting"] = ""
   for _, group in done.groupby(list(GROUP), dropna=False):
     varying = [c for c in candidates
@@ -219,6 +224,21 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   done["label"] = [f"{m} ({s})" if s else str(m)
                    for m, s in zip(done.method, done.setting)]
   return done
+
+
+def mixed_inputs(done: pd.DataFrame) -> list[str]:
+  """Notes naming the code or data versions a report mixes (their runs
+  carry `code=` or `data=` in their setting)."""
+  notes = []
+  for key, what in (("code", "code versions"), ("data", "datasets")):
+    versions = sorted(done[key].dropna().astype(str).unique()) if (
+        key in done) else []
+    if len(versions) > 1:
+      notes.append(f"These runs come from {len(versions)} {what} "
+                   f"({', '.join(versions)}); runs that differ in them are "
+                   f"kept apart ({key}= in their setting), never taken for "
+                   "seeds of one another.")
+  return notes
 
 
 def _with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
@@ -265,13 +285,17 @@ def write(root, out=None) -> dict:
   runs of each status in `NOT_IN_RESULTS` there are (`not_in_results`)."""
   root = Path(root)
   out = Path(out) if out else root / "report"
+  if not root.is_dir():
+    raise FileNotFoundError(f"No sweep directory at {root}: give the folder "
+                            "of a sweep (e.g. reports/quick).")
   sweep = load_sweep(root)
   if sweep.runs.empty:
     raise FileNotFoundError(f"No runs under {root}: run a sweep first "
                             "(curvbench -m +experiment=quick).")
   done = settings(sweep.runs)
   tables = {name: _with_labels(df, done) for name, df in sweep.tables.items()}
-  out.mkdir(parents=True, exist_ok=True)
+  records.claim(out, REPORT_MARKER, "a report folder (give another with "
+                "--out)", legacy=lambda folder: (folder / "report.md").exists())
   counts = sweep.runs.status.value_counts()
   written = {"tables": [], "figures": [], "not_in_results": {
       status: int(n) for status, n in counts.items()
@@ -294,7 +318,7 @@ def write(root, out=None) -> dict:
   missing = not_in_results(sweep.runs)
   if not missing.empty:
     sections.append(("not_in_results", TITLES["not_in_results"], missing))
-  notes, figures = [], []
+  notes, figures = mixed_inputs(done), []
   measured = [MEASUREMENTS.get(name)() for name in MEASUREMENTS]
   with plots.style():
     for measurement in measured:
@@ -356,7 +380,14 @@ def main(argv=None) -> int:
   parser.add_argument("dir", help="a sweep directory, e.g. reports/quick")
   parser.add_argument("--out", help="output directory (default DIR/report)")
   args = parser.parse_args(argv)
-  written = write(args.dir, args.out)
+  try:
+    written = write(args.dir, args.out)
+  except (FileNotFoundError, records.ForeignFolder) as e:
+    raise SystemExit(f"curvbench report: {e}") from None
+  except OSError as e:  # a read-only or full disk
+    raise SystemExit(f"curvbench report: cannot write the report to "
+                     f"{args.out or Path(args.dir) / 'report'} ({e}); give "
+                     "another folder with --out.") from None
   out = Path(args.out or Path(args.dir) / "report")
   print(f"[curvbench] wrote {len(written['tables'])} tables and "
         f"{len(written['figures'])} figures under {out}")

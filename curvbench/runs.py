@@ -1,10 +1,11 @@
-"""One run: checked, skipped where it repeats another sweep point, resumed
-where it finished earlier with the same config and code, measured into its
-run directory under that directory's lock.
+"""One run: checked (its settings and its folder), skipped where it repeats
+another sweep point, resumed where it finished earlier with the same
+config, code and data, measured into its run directory under that
+directory's lock.
 
-A rerun of a sweep skips runs finished with the same config and code, and
-redoes the others (unfinished, damaged, or written by other code or
-config). One process at a time runs a run directory (its lock).
+A rerun of a sweep skips runs finished with the same config, code and data,
+and redoes the others (unfinished, damaged, or measured with other config,
+code or data). One process at a time runs a run directory (its lock).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -131,19 +133,22 @@ def measure(cfg, run_dir) -> dict:
 
 def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   """Why a finished run's records do not answer `cfg` (None when they do):
-  another config, or records written by other code."""
+  another config, other code, or other data (see `provenance.run_id`)."""
   marker = run_dir.marker()
-  if marker.get("run_id") != provenance.run_id(cfg):
-    old = {}
-    if (run_dir.path / "config.yaml").exists():
-      old = provenance.identity_config(
-          OmegaConf.load(run_dir.path / "config.yaml"))
-    changed = provenance.differences(old, provenance.identity_config(cfg))
-    return f"its config differs ({changed or 'written before run ids'})"
-  code = provenance.code_version()["code"]
-  if marker.get("code") != code:
-    return f"it was written by code {marker.get('code')}, this is {code}"
-  return None
+  if marker.get("run_id") == provenance.run_id(cfg):
+    return None
+  now = provenance.inputs(cfg)
+  for key, what in (("code", "code"), ("data", "data")):
+    if marker.get(key) != now[key]:
+      return (f"it was measured with {what} {marker.get(key)}, this is "
+              f"{now[key]}")
+  try:
+    old = provenance.identity_config(OmegaConf.load(run_dir.path /
+                                                    "config.yaml"))
+  except Exception:  # noqa: BLE001 - missing or damaged: nothing to compare
+    return "its config differs (its config.yaml cannot be read)"
+  changed = provenance.differences(old, provenance.identity_config(cfg))
+  return f"its config differs ({changed or 'written before run ids'})"
 
 
 def cached(cfg, out_dir) -> bool:
@@ -155,16 +160,18 @@ def cached(cfg, out_dir) -> bool:
           and stale_reason(run_dir, cfg) is None)
 
 
-def start(run_dir: records.RunDir, cfg) -> dict:
+def identity(cfg) -> dict:
+  """The `run_id`, `code` and `data` a run's marker carries."""
+  return dict(run_id=provenance.run_id(cfg), **provenance.inputs(cfg))
+
+
+def start(run_dir: records.RunDir, cfg, ident: dict) -> None:
   """Clears `run_dir` and writes the run's config (`config.yaml` and the
-  `config` table); returns the `run_id` and `code` its marker carries."""
+  `config` table, under the run's id)."""
   run_dir.clear()
-  ident = dict(run_id=provenance.run_id(cfg),
-               code=provenance.code_version()["code"])
   run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
   run_dir.write_table("config", pd.DataFrame(
       [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
-  return ident
 
 
 def record_skip(cfg, out_dir) -> str | None:
@@ -179,6 +186,7 @@ def record_skip(cfg, out_dir) -> str | None:
   reason = skip_reason(config.load(cfg))
   if reason and not cached(cfg, out_dir):  # else recorded by an earlier sweep
     run_dir = records.RunDir(out_dir)
+    run_dir.check_ours()
     try:
       with run_dir.lock(wait_s=float(cfg.lock_wait_s)):
         _mark_skipped(run_dir, cfg, reason)
@@ -188,21 +196,41 @@ def record_skip(cfg, out_dir) -> str | None:
 
 
 def _mark_skipped(run_dir: records.RunDir, cfg, reason: str) -> None:
-  run_dir.mark_done("skipped", reason=reason, **start(run_dir, cfg))
+  ident = identity(cfg)
+  start(run_dir, cfg, ident)
+  run_dir.mark_done("skipped", reason=reason, **ident)
+
+
+def refuse(cfg, out_dir) -> None:
+  """Raises a `ValueError` where `cfg` may not run into `out_dir`: a
+  setting the config refuses (`config.ConfigError`), a folder holding files
+  the harness did not write (`records.ForeignFolder`), or a file the run
+  reads inside the folder it would clear."""
+  run = config.load(cfg)
+  records.RunDir(out_dir).check_ours()
+  folder = Path(out_dir).resolve()
+  for key, path in run.measure.chosen.inputs(run).items():
+    if Path(path).expanduser().resolve().is_relative_to(folder):
+      raise config.ConfigError(
+          f"{key}={path} lies inside the run's own folder {out_dir}, which "
+          "the run clears before it starts: measure it from a run in "
+          "another folder (hydra.run.dir=...).")
 
 
 def run(cfg, out_dir) -> str:
   """One run into `out_dir`; returns its status: 'complete', 'diverged',
-  'skipped', 'cached' (finished earlier with the same config and code),
+  'skipped', 'cached' (finished earlier with the same config, code and
+  data),
   'locked' (another process is running it) or 'error'. A finished run
   whose config or code differs, or whose records are damaged, is redone.
 
-  The config is checked first; the rest happens under the run directory's
-  lock (`records.RunDir.lock`), waiting at most `lock_wait_s` for it, and
-  whether the run is done is asked only once the lock is held, so a
-  process that waited finds the run its holder finished.
+  The config and the folder are checked first (`refuse`); the rest happens
+  under the run directory's lock (`records.RunDir.lock`), waiting at most
+  `lock_wait_s` for it, and whether the run is done is asked only once the
+  lock is held, so a process that waited finds the run its holder
+  finished.
   """
-  config.validate(cfg)
+  refuse(cfg, out_dir)
   run_dir = records.RunDir(out_dir)
   with contextlib.ExitStack() as held:
     try:
@@ -217,8 +245,8 @@ def _run_locked(cfg, run_dir: records.RunDir) -> str:
   if run_dir.done and not cfg.force:
     stale = stale_reason(run_dir, cfg)
     if stale is None:
-      print(f"[curvbench] {run_dir.path}: finished earlier with this config "
-            "and code, skipping (force=true redoes it).")
+      print(f"[curvbench] {run_dir.path}: finished earlier with this config, "
+            "code and data, skipping (force=true redoes it).")
       return "cached"
     print(f"[curvbench] {run_dir.path}: redoing it, {stale}.")
   elif run_dir.has_marker and not cfg.force:
@@ -228,12 +256,16 @@ def _run_locked(cfg, run_dir: records.RunDir) -> str:
   if reason:
     _mark_skipped(run_dir, cfg, reason)
     return "skipped"
-  ident = start(run_dir, cfg)
+  ident = identity(cfg)
   try:
+    start(run_dir, cfg, ident)
     outcome = measure(cfg, run_dir)
   except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to
-    run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc(),
-                                          **ident))
+    try:
+      run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc(),
+                                            **ident))
+    except OSError:  # a full or read-only disk: the error itself says so
+      pass
     if not cfg.continue_on_error:
       raise
     return "error"

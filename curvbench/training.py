@@ -86,11 +86,14 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
     if kind != "log" or not count.isdigit() or int(count) < 2:
       raise ValueError(f"steps={spec!r}: give a list of steps or 'log:N' "
                        "(N >= 2 log-spaced steps from 0 to num_steps).")
-    spec = [0, *np.geomspace(1, num_steps, int(count) - 1).round()]
-  try:
-    steps = sorted({int(s) for s in spec})
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"steps={spec!r} must be a list of integers.") from e
+    spec = [0, *(int(s) for s in np.geomspace(1, num_steps,
+                                              int(count) - 1).round())]
+  if not isinstance(spec, (list, tuple)) or not all(
+      isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+      for s in spec):
+    raise ValueError(f"steps={spec!r} must be a list of integers (whole "
+                     "numbers of training steps).")
+  steps = sorted({int(s) for s in spec})
   if not steps:
     return []
   if steps[0] < 0:

@@ -213,6 +213,12 @@ class ProblemSettings(Component, abc.ABC):
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     yield from self.disagreements_with(self.data, prefix)
+    sizes = self.data.sizes()
+    if sizes is not None and self.batch_size > sizes[0]:
+      yield (f"{prefix}.batch_size={self.batch_size} is more than the "
+             f"{sizes[0]} training examples of dataset {self.data.name!r}: "
+             f"lower {prefix}.batch_size or train on more examples "
+             f"({prefix}.data).")
 
   @classmethod
   def completed(cls, values):

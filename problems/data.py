@@ -15,6 +15,7 @@ Every file read is checked (`problems.datafiles`); a bad one raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -25,11 +26,11 @@ import numpy as np
 
 # DataFileError, SPLIT_KEYS and arrays_sha256 are also read from here.
 from problems.datafiles import (SPLIT_KEYS, DataFileError, arrays_sha256,
-                                read_npz, save_npz)
+                                file_sha256, read_npz, save_npz)
 
 __all__ = ["DataFileError", "Dataset", "SPLIT_KEYS", "arrays_sha256",
-           "cache_dir", "cached", "data_dir", "find_file", "finished",
-           "shuffle_split", "subset"]
+           "cache_dir", "cached", "data_dir", "find_file", "fingerprint",
+           "finished", "shuffle_split", "subset"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,40 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
 
 
 def cached(name: str, spec: dict, build: Callable, cache: str | None) -> dict:
-  """`build(**spec)`'s arrays, from the cache when built before (built and
-  cached again when missing or damaged)."""
+  """`build(**spec)`'s arrays, from the cache when built before: the file
+  holds their sha256, and one that is missing, damaged or edited is built
+  and cached again."""
   key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
   path = cache_dir(cache) / f"{name}-{key}.npz"
   if path.exists():
     try:
-      return read_npz(path, SPLIT_KEYS, "")
+      return read_npz(path, SPLIT_KEYS, "", checksum=True)
     except DataFileError:
       pass  # a cache: build it again
   arrays = build(**spec)
-  save_npz(path, arrays)
+  save_npz(path, dict(arrays, sha256=np.array(arrays_sha256(arrays))))
   return arrays
+
+
+def fingerprint(what: str, spec: dict | None = None, files=()) -> str:
+  """What identifies a dataset's examples: `what` (a generator and its
+  version, or a source), the settings that shape them (`spec`), and the
+  sha256 of each file they are read from, 12 hex digits in all."""
+  parts = [what, json.dumps(spec or {}, sort_keys=True, default=str)]
+  parts += [f"{Path(f).name}:{_file_sha256(Path(f))}" for f in files]
+  digest = hashlib.sha256(chr(0).join(parts).encode()).hexdigest()
+  return f"{what}:{digest[:12]}"
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_sha256(path: str, size: int, mtime: int) -> str:
+  del size, mtime  # the key: a file rewritten is hashed again
+  return file_sha256(Path(path))
+
+
+def _file_sha256(path: Path) -> str:
+  stat = path.stat()
+  return _cached_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 def shuffle_split(x, y, num_test: int, seed: int) -> dict:

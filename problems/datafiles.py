@@ -40,6 +40,15 @@ def save_npz(path: Path, arrays: dict, compressed: bool = False) -> None:
 SPLIT_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
+def file_sha256(path: Path) -> str:
+  """The sha256 of a file's bytes."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
 def arrays_sha256(arrays: dict) -> str:
   """A digest of named arrays: names, dtypes, shapes and contents."""
   digest = hashlib.sha256()
@@ -50,10 +59,11 @@ def arrays_sha256(arrays: dict) -> str:
   return digest.hexdigest()
 
 
-def read_npz(path: Path, keys, fix: str) -> dict:
+def read_npz(path: Path, keys, fix: str, checksum: bool = False) -> dict:
   """The arrays `keys` of the `.npz` archive `path`, checked against the
-  `sha256` entry where the archive has one (`problems.fetch` writes it).
-  `fix` says how to get a good file; it ends every error message."""
+  `sha256` entry where the archive has one (`problems.fetch` and the caches
+  of generated data write it; `checksum` requires it). `fix` says how to
+  get a good file; it ends every error message."""
   with open(path, "rb") as f:
     start = f.read(4)
   if start != b"PK\x03\x04":
@@ -75,12 +85,47 @@ def read_npz(path: Path, keys, fix: str) -> dict:
       raise
     raise DataFileError(f"{path} is a damaged .npz archive ({e}). "
                         f"{fix}".rstrip()) from e
+  if recorded is None and checksum:
+    raise DataFileError(f"{path} holds no sha256 of its arrays, so they "
+                        f"cannot be checked. {fix}".rstrip())
   if recorded is not None and arrays_sha256(arrays) != recorded:
     raise DataFileError(
         f"{path}'s arrays do not match the sha256 recorded when it was "
         f"written ({recorded[:12]}...): the file was damaged or edited. "
         f"{fix}".rstrip())
   return arrays
+
+
+def leading_lengths(path: Path, keys) -> dict[str, int] | None:
+  """The length of each array `keys` of an .npz archive, from the arrays'
+  headers (nothing else is read); None where the file cannot tell."""
+  try:
+    with zipfile.ZipFile(path) as archive:
+      out = {}
+      for key in keys:
+        with archive.open(f"{key}.npy") as f:
+          read = {(1, 0): np.lib.format.read_array_header_1_0,
+                  (2, 0): np.lib.format.read_array_header_2_0}.get(
+                      np.lib.format.read_magic(f))
+          if read is None:
+            return None
+          shape = read(f)[0]
+          out[key] = int(shape[0]) if shape else 0
+      return out
+  except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+    return None
+
+
+def idx_length(path: Path) -> int | None:
+  """The length (first dimension) an IDX file's header gives; None where
+  it cannot be read."""
+  opener = gzip.open if path.suffix == ".gz" else open
+  try:
+    with opener(path, "rb") as f:
+      header = f.read(8)
+  except (OSError, EOFError, zlib.error):
+    return None
+  return int.from_bytes(header[4:8], "big") if len(header) == 8 else None
 
 
 def read_idx(path: Path, ndim: int, fix: str) -> np.ndarray:

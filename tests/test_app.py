@@ -163,3 +163,24 @@ def test_sweeps_end_to_end_with_resume(tmp_path):
   assert "implicit_hessian/hessian" in quality
   for mode in estimators.ESTIMATION_MODES:
     assert f"kfac/{mode}" in quality
+
+
+def test_a_failing_run_says_why_in_one_line(tmp_path, capsys):
+  """A run that fails ends the command with its message (the traceback is
+  the run's ERROR.json); so does a report of a folder that is not there."""
+  bad = tmp_path / "bad.safetensors"
+  bad.write_bytes(b"not a checkpoint")
+  out = tmp_path / "run"
+  failed = _cli(f"hydra.run.dir={out}", *TINY,
+                f"measure.spectra.checkpoint={bad}",
+                cwd=Path(app.__file__).resolve().parents[1])
+  assert failed.returncode == 1
+  message = failed.stderr.strip().splitlines()[-1]
+  assert message.startswith(f"curvbench: {out}: {bad} is not a safetensors "
+                            "file"), failed.stderr[-2000:]
+  assert "Traceback" not in failed.stderr
+  error = json.loads((out / "ERROR.json").read_text())
+  assert "Traceback" in error["traceback"]
+  with pytest.raises(SystemExit, match="curvbench report: No sweep "
+                     "directory at /no/such/sweep"):
+    app.cli(["report", "/no/such/sweep"])

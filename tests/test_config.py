@@ -57,7 +57,10 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
       cfg = compose("config", overrides=[f"+experiment={name}"],
                     return_hydra_config=True)
     assert cfg.name == name and cfg.hydra.sweeper.params
-    config.validate(cfg)
+    # Its first sweep point is allowed.
+    config.compose(f"+experiment={name}", *(
+        f"{key}={str(values).split(',')[0]}"
+        for key, values in cfg.hydra.sweeper.params.items()))
 
 
 def test_python_api_and_command_line_build_the_same_objects(capsys):
@@ -294,6 +297,24 @@ BAD_SETTINGS = [
      "tuning.grid.kfac.step.learning_rate", "is ignored"),
     (["+tuning.grid.sgd={momentum:[1.5]}"], "tuning.grid.sgd.momentum",
      "[0, 1)"),
+    # Agreements with the data and values that were silently changed.
+    (["measure.batch_size=100000"], "measure.batch_size",
+     "more than the 1500 training examples"),
+    (["measure.spectra.data=batches:100000"], "measure.spectra.data",
+     "asks for 100000 batches of 64"),
+    (["problem.batch_size=5000"], "problem.batch_size",
+     "more than the 1500 training examples"),
+    (["measure.training.train_eval_size=100000"],
+     "measure.training.train_eval_size", "more than the 1500 training"),
+    (["measure.spectra.steps=[2.9]"], "measure.spectra.steps",
+     "list of integers"),
+    (["measure.spectra.steps=[true]"], "measure.spectra.steps",
+     "list of integers"),
+    (["measure.training.checkpoint_steps=[1.5]"],
+     "measure.training.checkpoint_steps", "list of integers"),
+    (["optimizer.damping_adaptation_decay=nan"],
+     "optimizer.damping_adaptation_decay", "(0, 1)"),
+    (["name=../../escaped"], "name", "folder name"),
 ]
 
 
@@ -314,7 +335,8 @@ def test_every_bad_setting_is_refused_by_name(overrides, key, words):
 NOT_ECHOED = ("", "[]", "true", "-1e-8", "nan", "inf", "[0,500]",
               "{learning_rate:[]}", "{learning_rate:[0.1]}", "fisher_exact",
               "{lerning_rate:[0.1]}", "{step:{learning_rate:[0.1]}}",
-              "{momentum:[1.5]}", "[dense]")
+              "{momentum:[1.5]}", "[dense]", "[true]",
+              "batches:100000")
 
 
 @pytest.mark.parametrize("override", [

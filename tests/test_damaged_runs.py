@@ -1,8 +1,11 @@
 """A sweep with damaged, failed, killed, running and skipped runs: the report
 lists each with its reason and reports the rest; a rerun redoes damage."""
 
+import errno
 import json
+import os
 import shutil
+import socket
 
 import pandas as pd
 import pytest
@@ -10,7 +13,9 @@ import pytest
 from curvbench import config, records, report, runs
 from tests.conftest import TINY, truncate
 
-ADAM = ("measure=training", "optimizer=adam", *TINY)
+ADAM = ("measure=training", "optimizer=adam", *TINY,
+        "measure.training.checkpoint_steps=[2]")
+CHECKPOINT = "checkpoints/params_step0000002.safetensors"
 
 
 def _fail(run):
@@ -24,6 +29,18 @@ def _unmark(run):
   (run.path / records.MARKER).unlink()
 
 
+def _stale_lock(run, holder):
+  """A killed run whose lock file remains, naming `holder`; nobody holds
+  the lock."""
+  _unmark(run)
+  (run.path / records.LOCK).write_text(holder)
+
+
+def _marker_with(run, **fields):
+  marker = json.loads((run.path / records.MARKER).read_text())
+  (run.path / records.MARKER).write_text(json.dumps(dict(marker, **fields)))
+
+
 HARM = {  # run directory -> what happens to a copy of a finished run
     "table_cut": lambda run: truncate(run.path / "training.parquet"),
     "marker_cut": lambda run: truncate(run.path / records.MARKER),
@@ -35,6 +52,14 @@ HARM = {  # run directory -> what happens to a copy of a finished run
     "killed": _unmark,
     "killed_early": lambda run: [p.unlink() for p in run.path.iterdir()
                                  if p.is_file()],
+    "checkpoint_cut": lambda run: truncate(run.path / CHECKPOINT),
+    "config_garbled": lambda run: (run.path / "config.yaml").write_text(
+        "problem: [unclosed\n"),
+    "tables_not_a_list": lambda run: _marker_with(run, tables=5),
+    # A live process's pid (this one's), on this host, but no lock held.
+    "stale_lock": lambda run: _stale_lock(run, json.dumps(dict(
+        pid=os.getpid(), host=socket.gethostname(), since="then"))),
+    "empty_lock": lambda run: _stale_lock(run, ""),
 }
 EXPECTED = {  # run directory -> status and words of its reason
     "table_cut": ("damaged", "training.parquet is unreadable"),
@@ -46,6 +71,13 @@ EXPECTED = {  # run directory -> status and words of its reason
     "failed_error_cut": ("error", "ERROR.json is unreadable"),
     "killed": ("killed", "no completion marker"),
     "killed_early": ("killed", "no completion marker"),
+    "checkpoint_cut": ("damaged", f"{CHECKPOINT} changed since the run "
+                       "wrote it"),
+    "config_garbled": ("damaged", "config.yaml changed since the run wrote "
+                       "it"),
+    "tables_not_a_list": ("damaged", "is not a completion marker"),
+    "stale_lock": ("killed", "no completion marker"),
+    "empty_lock": ("killed", "no completion marker"),
     "running": ("running", "running in process"),
     "skipped": ("skipped", "does not use the optimizer"),
 }
@@ -114,7 +146,8 @@ def test_a_rerun_redoes_damaged_runs_and_keeps_intact_ones(good, tmp_path):
   assert runs.run(cfg, intact.path) == "cached"
   assert {p.name: p.read_bytes() for p in intact.path.iterdir()
           if p.is_file()} == before
-  for name in ("table_cut", "marker_cut", "table_gone"):
+  for name in ("table_cut", "marker_cut", "table_gone", "checkpoint_cut",
+               "config_garbled", "tables_not_a_list"):
     damaged = _copy(run, tmp_path / name)
     HARM[name](damaged)
     assert not damaged.done
@@ -125,3 +158,15 @@ def test_a_rerun_redoes_damaged_runs_and_keeps_intact_ones(good, tmp_path):
     redone, first = damaged.tables()["training"], run.tables()["training"]
     numbers = ["step"] + [c for c in first if c.endswith(("loss", "error"))]
     pd.testing.assert_frame_equal(redone[numbers], first[numbers])
+
+
+def test_a_full_disk_is_the_runs_error_with_its_cause(tmp_path, monkeypatch):
+  def full(run_dir, name, df):
+    raise OSError(errno.ENOSPC, "No space left on device",
+                  str(run_dir.path / f"{name}.parquet"))
+  monkeypatch.setattr(records.RunDir, "write_table", full)
+  with pytest.raises(OSError, match="No space left on device"):
+    runs.run(config.compose(*ADAM), tmp_path / "sweep" / "full")
+  monkeypatch.undo()
+  run, = report.load_sweep(tmp_path / "sweep").runs.itertuples()
+  assert run.status == "error" and "No space left on device" in run.reason

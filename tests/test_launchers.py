@@ -73,7 +73,8 @@ def test_skipped_points_are_recorded_not_launched(tmp_path):
   assert marker["run_id"] == provenance.run_id(config.compose(
       *TINY, "measure=training", "optimizer=sgd", "curvature=diagonal"))
   assert {p.name for p in skipped.iterdir()} == {
-      records.MARKER, "config.yaml", "config.parquet"}  # no job ran here
+      records.MARKER, records.OWNED, "config.yaml",
+      "config.parquet"}  # no job ran here
   assert (launched / ".hydra").is_dir()  # a launched job's Hydra record
   assert records.RunDir(launched).marker()["status"] == "complete"
   missing = report.not_in_results(report.load_sweep(root).runs)

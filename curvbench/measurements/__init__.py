@@ -80,19 +80,34 @@ class Measurement(Settings, abc.ABC):
     """Whether the run's curvature settings change what it records."""
     return True
 
+  def inputs(self, run) -> dict[str, str]:
+    """`{setting: path}` of the files it reads besides the data (a run may
+    not read from the folder it clears)."""
+    return {}
+
   def batches(self, run) -> list[tuple[str, int | None]]:
     """`(setting, size)` of each batch it splits across `devices`."""
     return []
 
   def run_disagreements(self, run, prefix: str) -> Iterator[str]:
     """Messages for its settings that disagree with the rest of the run
-    (`prefix`: its section's key): by default, batches that do not split
-    across the devices."""
-    if run.devices > 1:
-      for key, size in self.batches(run):
-        if size is not None and (complaint := devices.split_complaint(
-            size, run.devices, key)) is not None:
-          yield complaint
+    (`prefix`: its section's key), asked of every measurement's section
+    whichever runs (e.g. steps beyond the training run)."""
+    return iter(())
+
+  def batch_disagreements(self, run) -> Iterator[str]:
+    """Messages for the batches it would split (`batches`) that are larger
+    than the training split, or do not split across the devices; asked of
+    the measurement that runs."""
+    train = (run.problem.data.sizes() or (None,))[0]
+    for key, size in self.batches(run):
+      if size is not None and train is not None and size > train:
+        yield (f"{key}={size} is more than the {train} training examples "
+               f"of dataset {run.problem.data.name!r}: lower it.")
+      elif size is not None and run.devices > 1 and (
+          complaint := devices.split_complaint(size, run.devices,
+                                               key)) is not None:
+        yield complaint
 
   def method_label(self, run, curvature) -> str:
     """The records' `method`: what was measured."""

@@ -95,6 +95,11 @@ class Spectra(Measurement):
   def uses_optimizer(self, run):
     return self.trains()
 
+  def inputs(self, run):
+    if self.checkpoint is None:
+      return {}
+    return {"measure.spectra.checkpoint": self.checkpoint}
+
   def batches(self, run):
     out = []
     if self.trains():
@@ -108,11 +113,18 @@ class Spectra(Measurement):
     return out
 
   def run_disagreements(self, run, prefix):
-    yield from super().run_disagreements(run, prefix)
     try:
       training.measurement_steps(self.steps, run.measure.training.num_steps)
     except ValueError as e:
       yield f"{prefix}.steps: {e}"
+    kind, count = parse_scope(self.data)
+    train = (run.problem.data.sizes() or (None,))[0]
+    size = run.measure.batch_size or run.problem.batch_size
+    if kind == "batches" and train is not None and count * size > train:
+      yield (f"{prefix}.data={self.data!r} asks for {count} batches of "
+             f"{size}, more than the {train} training examples of dataset "
+             f"{run.problem.data.name!r}: ask for fewer, or use 'train' for "
+             "the whole split.")
 
   def method_label(self, run, curvature):
     return curvature.label
@@ -239,6 +251,11 @@ def checkpoint_params(path, steps, problem, params) -> dict:
   out = {}
   for step, file in files.items():
     loaded, info = checkpoints.load(file)
+    if step is not None and info["step"] != step:
+      raise ValueError(
+          f"checkpoint {file} is named for step {step} but its header says "
+          f"step {info['step']}: it was renamed or damaged; measure from "
+          "the run's own checkpoints.")
     checkpoints.check_matches(loaded, params, path=file,
                               problem=info["problem"],
                               expected_problem=problem.name)

@@ -18,9 +18,9 @@ STEPS = Parsed(lambda v: training.measurement_steps(v, 2**62),
 
 def save_checkpoint(ctx, step: int, params) -> None:
   """Saves `params` as the run's checkpoint of `step`."""
-  checkpoints.save(checkpoints.path_for(ctx.run_dir.path / "checkpoints",
-                                        step),
-                   params, step=step, problem=ctx.problem.name)
+  path = checkpoints.path_for("checkpoints", step)
+  checkpoints.save(ctx.run_dir.own(str(path)), params, step=step,
+                   problem=ctx.problem.name)
 
 
 @MEASUREMENTS.register
@@ -40,7 +40,7 @@ class Training(Measurement):
                             "loss and error")
   train_eval_size: int | None = setting(
       1000, Whole(1, null=True), "the first training examples evaluated "
-      "(null: all)")
+      "(null: all; the default takes all where there are fewer)")
   eval_size: int | None = setting(None, Whole(1, null=True),
                                   "the first test examples (null: all)")
   checkpoint_steps: Any = setting([], STEPS, "save the parameters after "
@@ -56,11 +56,21 @@ class Training(Measurement):
     return [("problem.batch_size", run.problem.batch_size)]
 
   def run_disagreements(self, run, prefix):
-    yield from super().run_disagreements(run, prefix)
     try:
       training.measurement_steps(self.checkpoint_steps, self.num_steps)
     except ValueError as e:
       yield f"{prefix}.checkpoint_steps: {e}"
+    sizes = run.problem.data.sizes()
+    defaults = Training()
+    for key, asked, split, have in zip(
+        ("train_eval_size", "eval_size"),
+        (self.train_eval_size, self.eval_size), ("training", "test"),
+        sizes or (None, None)):
+      given = asked != getattr(defaults, key)  # the default takes what there is
+      if given and asked is not None and have is not None and asked > have:
+        yield (f"{prefix}.{key}={asked} is more than the {have} {split} "
+               f"examples of dataset {run.problem.data.name!r}: lower it "
+               "(null: all of them).")
 
   def measure(self, ctx):
     steps = training.measurement_steps(self.checkpoint_steps, self.num_steps)

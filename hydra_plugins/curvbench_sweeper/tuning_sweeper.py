@@ -18,15 +18,17 @@ multiplies each job of a measurement that is `tuned` (training) by the grid
 of its optimizer, as `optimizer.KEY=VALUE` overrides, so every point has
 its own run directory.
 
-Before launching, it composes and checks every job's config: one bad point
-stops the sweep, naming each bad point's setting; a point that repeats
-another (`curvbench.runs.skip_reason`) gets its skipped-run record written
-here and is not launched, so a cluster sees only jobs that measure; a point
-that finished earlier with the same config and code (`runs.cached`) is not
-launched either, so a restarted sweep goes straight to the runs it has
-left; and a run that needs the device alone (timing) that the launcher
+Before launching or writing anything, it composes and checks every job's
+config and folder: one bad point stops the sweep, naming each bad point's
+setting (or the folder that is not curvbench's, or the points that would
+share one); a run that needs the device alone (timing) that the launcher
 would run beside another job on the same machine is refused
-(`device_sharing`).
+(`device_sharing`). Then a point that repeats another
+(`curvbench.runs.skip_reason`) gets its skipped-run record written here
+and is not launched, so a cluster sees only jobs that measure, and a point
+that finished earlier with the same config, code and data (`runs.cached`)
+is not launched either, so a restarted sweep goes straight to the runs it
+has left.
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules
@@ -45,7 +47,10 @@ from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from curvbench import config, measurements, runs
+from curvbench import config, devices, measurements, records, runs
+
+# In a sweep directory: it is curvbench's (see `records.claim`).
+SWEEP_MARKER = ".curvbench-sweep"
 
 
 @dataclass
@@ -194,6 +199,35 @@ def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
       + more)
 
 
+def refuse_shared_folders(jobs: list[list[str]], out_dirs: list) -> None:
+  """Exits, before anything is launched, when two points of the sweep would
+  write into one folder (e.g. a fixed `hydra.sweep.subdir`), naming them."""
+  first, shared = {}, []
+  for job, out_dir in zip(jobs, out_dirs):
+    if out_dir in first:
+      shared.append(f"  {' '.join(first[out_dir])} and {' '.join(job)}: "
+                    f"{out_dir}")
+    first.setdefault(out_dir, job)
+  if shared:
+    raise SystemExit(
+        f"curvbench: {len(shared)} sweep point(s) would write into the "
+        "folder of another (each point needs its own: keep ${hydra:job."
+        "override_dirname} in hydra.sweep.subdir); nothing was launched:\n"
+        + "\n".join(shared[:10]))
+
+
+def _devices(cfg) -> tuple | None:
+  """The `(device, devices)` a composed config runs on."""
+  return None if cfg is None else (cfg.device, int(cfg.devices))
+
+
+def _earlier_sweep(folder: Path) -> bool:
+  """Whether `folder` is a sweep directory of a curvbench from before the
+  sweep marker: its `multirun.yaml` beside run directories."""
+  return (folder / "multirun.yaml").exists() and any(
+      (run / records.MARKER).exists() for run in folder.iterdir())
+
+
 class TuningSweeper(Sweeper):
   """The cartesian product of the swept values, checked, with each
   optimizer's `tuning.grid` expanded and skipped points recorded instead
@@ -212,13 +246,22 @@ class TuningSweeper(Sweeper):
         config=config)
 
   def sweep(self, arguments):
+    sweep_dir = Path(self.config.hydra.sweep.dir)
+    claim = lambda check_only: records.claim(
+        sweep_dir, SWEEP_MARKER, "a sweep directory", legacy=_earlier_sweep,
+        check_only=check_only)
+    try:
+      claim(check_only=True)  # before anything is written, skips included
+    except records.ForeignFolder as e:
+      raise SystemExit(f"curvbench: {e}") from None
     jobs = product([f"{k}={v}" for k, v in self.params.items()]
                    + list(arguments))
     grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
-    jobs = self.launched(expand(jobs, grid, self.config.optimizer.name,
-                                self.config.measure.kind))
-    sweep_dir = Path(self.config.hydra.sweep.dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    jobs, skipped = self.planned(expand(jobs, grid, self.config.optimizer.name,
+                                        self.config.measure.kind))
+    claim(check_only=False)
+    for cfg, out_dir in skipped:
+      runs.record_skip(cfg, out_dir)
     OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
     returns, start = [], 0
     for batch in batches(jobs, self.max_batch_size):
@@ -251,6 +294,24 @@ class TuningSweeper(Sweeper):
       del cfg["hydra"]
     return cfg, out_dir
 
+  def missing_devices(self, configs) -> dict:
+    """`{(device, devices): why}` for the device counts of `configs` that
+    this machine lacks; asked only where the jobs run in this process (the
+    basic launcher: others start processes, or run on other machines,
+    which ask for themselves)."""
+    launcher = str(self.config.hydra.launcher.get("_target_", ""))
+    if not launcher.endswith("BasicLauncher"):
+      return {}
+    wanted = {_devices(cfg) for cfg in configs if cfg is not None}
+    devices.request_host_devices(max((n for _, n in wanted), default=1))
+    missing = {}
+    for platform, count in wanted:
+      try:
+        devices.local(platform, count)
+      except ValueError as e:
+        missing[platform, count] = str(e)
+    return missing
+
   def composed(self, job: list[str], num: int) -> tuple:
     """`(config, output directory, first refusal)` of a job; the config is
     None where it does not compose."""
@@ -258,20 +319,28 @@ class TuningSweeper(Sweeper):
       cfg, out_dir = self.job_config(job, num)
     except HydraException as e:
       return None, None, config.explain(e, job)
-    refusals = itertools.chain(config.coerced_flags(cfg, job),
-                               config.refusals(cfg))
-    return cfg, out_dir, next(refusals, None)
+    refusal = next(config.coerced_flags(cfg, job), None)
+    if refusal is None:
+      try:
+        runs.refuse(cfg, out_dir)
+      except ValueError as e:  # a ConfigError or a ForeignFolder
+        refusal = str(e)
+    return cfg, out_dir, refusal
 
-  def launched(self, jobs: list[list[str]]) -> list[list[str]]:
-    """The jobs to launch. Every job's config is composed and checked, and
-    the device of the runs that need it alone, before anything is launched
-    or recorded; then a point that repeats another is recorded as skipped
-    and left out, as is one that finished earlier."""
+  def planned(self, jobs: list[list[str]]) -> tuple[list, list]:
+    """The jobs to launch, and the `(config, folder)` of the points that
+    repeat another (to be recorded as skipped). Every job's config and
+    folder is checked, and the device of the runs that need it alone,
+    before anything is written; a point that finished earlier is left out
+    too."""
     if len(jobs) >= 100:  # about 0.1 s each
       print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
             "before launching.", flush=True)
     composed = [self.composed(job, num) for num, job in enumerate(jobs)]
-    refuse_bad_points(jobs, [refusal for _, _, refusal in composed])
+    missing = self.missing_devices([cfg for cfg, _, _ in composed])
+    refuse_bad_points(jobs, [refusal or missing.get(_devices(cfg))
+                             for cfg, _, refusal in composed])
+    refuse_shared_folders(jobs, [out_dir for _, out_dir, _ in composed])
     settings = [config.load(cfg) for cfg, _, _ in composed]
     skip = [runs.skip_reason(run) is not None for run in settings]
     done = [not skipped and runs.cached(cfg, out_dir)
@@ -281,9 +350,6 @@ class TuningSweeper(Sweeper):
             if not (skipped or finished)]
     check_alone([alone for _, alone in keep], self.config.hydra.launcher,
                 self.max_batch_size)
-    for (cfg, out_dir, _), skipped in zip(composed, skip):
-      if skipped:
-        runs.record_skip(cfg, out_dir)
     sweep_dir = self.config.hydra.sweep.dir
     if any(skip):
       print(f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
@@ -292,6 +358,8 @@ class TuningSweeper(Sweeper):
     if any(done):
       # A restarted sweep goes straight to the runs it has left.
       print(f"[curvbench] {sum(done)} of {len(jobs)} sweep points finished "
-            "earlier with this config and code and were not launched "
+            "earlier with this config, code and data and were not launched "
             "(force=true redoes them).", flush=True)
-    return [job for job, _ in keep]
+    skipped = [(cfg, out_dir) for (cfg, out_dir, _), s in zip(composed, skip)
+               if s]
+    return [job for job, _ in keep], skipped

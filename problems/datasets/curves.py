@@ -9,6 +9,9 @@ from components import Number, Text, Whole, setting
 from problems import data
 from problems.datasets import DATASETS, DatasetSettings
 
+# Bump when `_build` changes what it draws: caches and runs then differ.
+GENERATOR = 1
+
 
 def ink_curves(points: np.ndarray, size: int = 28, width: float = 0.7,
                samples: int = 128) -> np.ndarray:
@@ -59,6 +62,12 @@ class Curves(DatasetSettings):
   width: float = setting(0.7, Number(0, low_in=False), "pen width in pixels")
   cache: str | None = setting(None, Text(null=True),
                               "cache directory of generated images")
+
+  def source(self):
+    return f"curvbench CURVES generator {GENERATOR}"
+
+  def available(self):
+    return (self.num_train, self.num_test)
 
   def input_shape(self):
     return (self.size, self.size, 1)

@@ -1,6 +1,7 @@
 """scikit-learn's bundled 8x8 digits (1,797 of them), optionally upsampled."""
 
 import dataclasses
+import importlib.metadata
 
 import numpy as np
 
@@ -41,6 +42,12 @@ class Digits(DatasetSettings):
              "training "
              f"examples: the digits set has {NUM_DIGITS} in all; choose "
              f"num_test between 1 and {NUM_DIGITS - 1}.")
+
+  def source(self):
+    return f"scikit-learn {importlib.metadata.version('scikit-learn')} digits"
+
+  def available(self):
+    return (NUM_DIGITS - self.num_test, self.num_test)
 
   def input_shape(self):
     return (self.size, self.size, 1)

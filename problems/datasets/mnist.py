@@ -9,7 +9,8 @@ import numpy as np
 from components import Text, setting
 from problems import data
 from problems.datafiles import (SPLIT_KEYS, DataFileError, check_splits,
-                                read_idx, read_npz)
+                                idx_length, leading_lengths, read_idx,
+                                read_npz)
 from problems.datasets import DATASETS, DatasetSettings
 
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -46,6 +47,25 @@ class MNIST(DatasetSettings):
 
   def input_shape(self):
     return (28, 28, 1)
+
+  def source(self):
+    return "MNIST"
+
+  def available(self):
+    files = self.files()
+    if files and files[0].name == "mnist.npz":
+      lengths = leading_lengths(files[0], ("x_train", "x_test"))
+      return None if lengths is None else tuple(lengths.values())
+    if len(files) == len(IDX_FILES):
+      lengths = (idx_length(files[0]), idx_length(files[2]))
+      return None if None in lengths else lengths
+    return None
+
+  def files(self):
+    root = data.data_dir(self.data_dir, "MNIST", layout, Path(FETCHED))
+    if (root / "mnist.npz").exists():
+      return [root / "mnist.npz"]
+    return [f for f in (data.find_file(root, n) for n in IDX_FILES) if f]
 
   def load(self):
     root = data.data_dir(self.data_dir, "MNIST", layout, Path(FETCHED))
