@@ -12,6 +12,7 @@ import pytest
 import safetensors.numpy
 
 from curvbench import checkpoints
+from curvbench.measurements.spectra import checkpoint_params
 
 
 def mlp_params(dtype, widths=(5, 3)):
@@ -148,6 +149,24 @@ def test_check_matches_wrong_problem(tmp_path):
   with pytest.raises(ValueError, match="'autoencoder'.*'mlp'"):
     checkpoints.check_matches(params, params, path=tmp_path / "p",
                               problem="autoencoder", expected_problem="mlp")
+
+
+def test_check_matches_refuses_non_finite_parameters(tmp_path):
+  params = mlp_params(np.float32)
+  nan = jax.tree.map(lambda a: np.full_like(a, np.nan), params)
+  with pytest.raises(ValueError, match="non-finite values .* in dense_0/b, "
+                     "dense_0/w"):
+    checkpoints.check_matches(nan, params, path=tmp_path / "p")
+
+
+def test_a_checkpoint_named_for_another_step_is_refused(tmp_path):
+  params = mlp_params(np.float32)
+  checkpoints.save(checkpoints.path_for(tmp_path, 2), params, step=7,
+                   problem="mlp")
+  problem = type("Problem", (), {"name": "mlp"})()
+  with pytest.raises(ValueError, match="named for step 2 but its header "
+                     "says step 7"):
+    checkpoint_params(tmp_path, [2], problem, params)
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path):

@@ -66,3 +66,20 @@ def test_a_fresh_process_gets_the_host_devices_it_asks_for():
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                        capture_output=True, text=True, timeout=120)
   assert out.stdout.split() == ["3"]
+
+
+def test_a_sweep_asking_for_devices_the_machine_lacks_launches_nothing(
+    tmp_path):
+  """With the host's CPU devices fixed at one, a sweep over devices=1,2 is
+  refused before anything is launched or written, naming the fix."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  result = subprocess.run(
+      [sys.executable, "-m", "curvbench", "-m", "devices=1,2",
+       "measure=training", "optimizer=adam", "problem.batch_size=8",
+       f"hydra.sweep.dir={tmp_path / 'sweep'}", "progress=false"],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert "devices=2, but JAX finds 1 local CPU device" in result.stderr
+  assert "nothing was launched" in result.stderr
+  assert not (tmp_path / "sweep").exists()
