@@ -1,11 +1,19 @@
-"""Numbers over runs, for the report's tables: each run counts once."""
+"""Numbers over runs, for the report's tables: each run counts once, and
+every figure comes with its spread and its count."""
 
 import pandas as pd
 
 
-def medians(df: pd.DataFrame, index, columns, values) -> pd.DataFrame:
-  """A pivot of medians over runs with the number of runs, `n`."""
-  table = df.pivot_table(index=index, columns=columns, values=values,
-                         aggfunc="median", dropna=False).dropna(how="all")
-  counts = df.groupby(index, dropna=False).run_id.nunique().rename("n")
-  return table.join(counts).reset_index()
+def over_runs(df: pd.DataFrame, index, quantity: str, value: str
+              ) -> pd.DataFrame:
+  """Per `index` and `quantity` (a column naming what `value` holds): the
+  `median` of `value` over runs, its quartiles `q25` and `q75` (equal to
+  the median for one run) and the number of runs `n`. A run with several
+  rows for one quantity counts once, by its median."""
+  index = list(index)
+  per_run = df.groupby([*index, quantity, "run_id"], dropna=False)[
+      value].median().dropna()
+  g = per_run.groupby(level=[*index, quantity], dropna=False)
+  return pd.DataFrame(dict(
+      median=g.median(), q25=g.quantile(0.25), q75=g.quantile(0.75),
+      n=g.size())).reset_index()

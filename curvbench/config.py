@@ -132,6 +132,11 @@ class Tuning(Settings):
       {}, Grid(), "e.g. {adam: {learning_rate: [1.0e-4, 1.0e-3]}}")
   metric: str = setting("final_train_error", OneOf(tuple(tuning.METRICS)),
                         "what the best setting minimises")
+  claim: str | None = setting(
+      None, OneOf(OPTIMIZERS.names, null=True), "an optimizer claimed to "
+      "reach a lower training error than every other one in the same time "
+      "(as Martens & Grosse claim of K-FAC): the report says whether these "
+      "runs bear it out")
 
 
 @dataclasses.dataclass

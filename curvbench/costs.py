@@ -94,6 +94,13 @@ class Costs:
     self.log = log  # called with a line per phase, e.g. `print`
     self._compiled = {}
 
+  def record(self, phase: str, run_s: float) -> None:
+    """A row for work done outside `call` (no program, no memory figure)."""
+    self.rows.append(dict(self.columns, phase=phase, compile_s=0.0,
+                          run_s=run_s, program_bytes=math.nan,
+                          device_peak_bytes=math.nan,
+                          memory_source=memory_source()))
+
   def call(self, phase: str, fn: Callable, *args):
     """`jax.jit(fn)(*args)`, timed; `args` are arrays or pytrees of them."""
     key = (fn, _signature(args))

@@ -394,7 +394,7 @@ class ImplicitExact(Curvature):
   products are means over its examples, `update` moves the point (no
   average), the inverse is conjugate gradients on the damped products, and
   eigenvalues come from a dense export. `operator` linearizes once for many
-  products; `precondition` and `to_dense` use it.
+  products; `precondition` uses it.
   """
 
   implicit: kfac.ImplicitExactCurvature = None
@@ -476,15 +476,24 @@ class ImplicitExact(Curvature):
     check_dense_fits(flat.size, flat.dtype.itemsize, self.max_dense_gib,
                      f"A dense export of the exact {self.matrix}",
                      "use measure.spectra.method=lanczos (matrix-free)")
-    operator = self.operator(state)
 
     def column(e):
-      return jax.flatten_util.ravel_pytree(operator(unravel(e)))[0]
+      return jax.flatten_util.ravel_pytree(self.multiply(state, unravel(e)))[0]
 
-    # Columns in vmapped groups: all at once would hold every column's
-    # tangents for a whole chunk of examples.
+    # Columns in vmapped groups of 8, each a pass over the data: memory
+    # stays that of 8 products whatever the data's size, and on the CPU
+    # groups of 8 ran 1.5-1.8x faster than 32 (convnet, MLP) and as fast as
+    # products from the linearized `operator`.
     eye = jnp.eye(flat.size, dtype=flat.dtype)
-    return jax.lax.map(column, eye, batch_size=min(32, flat.size)).T
+    return jax.lax.map(column, eye, batch_size=min(8, flat.size)).T
+
+
+# The exact matrices whose dense form is quicker from matrix-vector products
+# (P columns, each a pass over the data) than from per-example gradient rows
+# (examples x outputs of them): on the CPU, the convnet's GGN over its
+# training split took 20 s against 39 s, the MLP's 0.6 s against 1.3 s. The
+# empirical Fisher has one row per example, so it keeps its rows.
+DENSE_FROM_PRODUCTS = ("ggn", "fisher", "hessian")
 
 
 def exact(matrix: str, loss_fn: Callable, *, matrix_free: bool,

@@ -168,4 +168,4 @@ def negative_ratio(values, largest: float | None = None) -> float:
   top = values.max() if largest is None else largest
   if top <= 0:
     return float("nan")
-  return float(max(-values.min(), 0.0) / top)
+  return float(max(0.0, -values.min()) / top)  # never -0.0

@@ -1,18 +1,26 @@
 """Figures of a merged sweep's tables, each saved as PNG and PDF; the
 measurements (`curvbench.measurements`) pick the ones of their tables.
 
-- spectra: signed eigenvalue densities on a symlog axis, one curve per
-  training step, the exact matrix beside each approximation of it
+- spectra: per problem, data and exact matrix, a panel per training step:
+  the exact matrix's signed eigenvalue density (symlog axis) as a grey
+  filled reference, each approximation of it a coloured line over it
 - heatmaps: |entries| of the exact and approximate matrix and of their
   inverses on a subsample of parameters (Martens & Grosse 2015, Fig. 2)
-- quality: metrics by block type (one step) or against the step (several)
-- statistics: spectral statistics against the step
+- quality: a panel per metric, bars per method (one step) or lines against
+  the step (several); each panel says which way is better (`BETTER`)
+- statistics: spectral statistics, bars per matrix (one step) or lines
+  against the step (several)
 - training: training error (median and quartiles over seeds) against
   iterations and against seconds; with a tuning sweep, the best settings,
   every setting, and the score against each tuned hyperparameter
-- timing: time per phase relative to a gradient step
+- timing: time per phase as a multiple of the same run's Adam step, the
+  median over runs with the interquartile range
 
-Each method has one colour in every figure (`palette`).
+Every title names the problem and, where the table has them, the exact
+reference matrix, the data and the step (`_title`). Figures of many lines
+hold one legend below their panels (`_legend_below`). Each method has one
+colour in every figure (`palette`); several settings of a method are shades
+of it (`_series_colours`).
 
 Tables written before curvature was measured along training lack `step`,
 `data` and `block`; they read as step 0, data "batch" and block "all".
@@ -29,17 +37,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib import colors, scale, ticker  # noqa: E402
+from matplotlib import colors, layout_engine, scale, ticker  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
-from curvbench import metrics  # noqa: E402
+from curvbench import aggregate, metrics  # noqa: E402
+from curvbench.timing import BASELINE_PHASE, PHASES  # noqa: E402
 
 DEFAULTS = dict(step=0, data="batch", block="all")
+LEGEND_FONTSIZE = 7
+
+# Which way each approximation-quality metric is better (`curvbench.spectra`).
+BETTER = {"relative_frobenius": "lower is better",
+          "spectral_distance": "lower is better",
+          "log_wasserstein": "lower is better",
+          "diagonal_relative_error": "lower is better",
+          "natural_gradient_cosine": "higher is better",
+          "top_k_overlap": "higher is better",
+          "top_eigenvalue_ratio": "1 is best",
+          "trace_ratio": "1 is best"}
 
 
 def save(fig, path: Path) -> list[Path]:
   """Writes `fig` as PNG and PDF at `path` (suffix replaced), closes it."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.tight_layout()
+  _constrained(fig)
   paths = [path.with_suffix(".png"), path.with_suffix(".pdf")]
   for p in paths:
     fig.savefig(p, dpi=120)
@@ -47,11 +68,19 @@ def save(fig, path: Path) -> list[Path]:
   return paths
 
 
+def _constrained(fig) -> layout_engine.ConstrainedLayoutEngine:
+  """`fig`'s constrained layout engine, set where it has none."""
+  if not isinstance(fig.get_layout_engine(),
+                    layout_engine.ConstrainedLayoutEngine):
+    fig.set_layout_engine("constrained")
+  return fig.get_layout_engine()
+
+
 def _grid(n, width=4.0, height=3.0, cols=3, **kw):
   cols = min(cols, n)
   rows = -(-n // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows),
-                           squeeze=False, **kw)
+                           squeeze=False, layout="constrained", **kw)
   for ax in axes.flat[n:]:
     ax.set_visible(False)
   return fig, axes.flat
@@ -60,6 +89,61 @@ def _grid(n, width=4.0, height=3.0, cols=3, **kw):
 def _slug(*parts) -> str:
   """A file-name stem from labels such as "kfac/ggn_exact" or "batches:8"."""
   return "_".join(re.sub(r"[^A-Za-z0-9_.-]+", "-", str(p)) for p in parts)
+
+
+def _values(rows: pd.DataFrame, column: str) -> str:
+  return ", ".join(sorted({str(v) for v in rows[column].dropna()}))
+
+
+def _title(what: str, rows: pd.DataFrame) -> str:
+  """`what` placed by the problem, exact reference, data and step of `rows`
+  (those columns it has; several values listed), e.g. "mlp: quality vs
+  exact ggn on batch at step 10"."""
+  parts = [f"{_values(rows, 'problem')}: {what}"]
+  if "reference" in rows and rows.reference.notna().any():
+    parts.append(f"vs exact {_values(rows, 'reference')}")
+  if "data" in rows and rows.data.notna().any():
+    parts.append(f"on {_values(rows, 'data')}")
+  if "step" in rows and rows.step.notna().any():
+    steps = sorted({int(s) for s in rows.step.dropna()})
+    parts.append(f"at step {steps[0]}" if len(steps) == 1
+                 else f"over steps {steps[0]}-{steps[-1]}")
+  return " ".join(parts)
+
+
+def _figure_handles(fig) -> tuple[list, list[str]]:
+  """The labelled artists of every panel of `fig`, once per label."""
+  found = {}
+  for ax in fig.axes:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      found.setdefault(label, handle)
+  return list(found.values()), list(found)
+
+
+def _legend_below(fig, ax, handles=None, labels=None, title=None):
+  """The figure's one legend, below its panels in as many columns as fit
+  its width, the figure made taller to hold it; it is `ax`'s legend.
+  `handles` default to the labelled artists of every panel."""
+  if handles is None:
+    handles, labels = _figure_handles(fig)
+  if not handles:
+    return None
+  kw = {"loc": "upper center", "bbox_transform": fig.transFigure,
+        "bbox_to_anchor": (0.5, 0), "fontsize": LEGEND_FONTSIZE,
+        "frameon": False}
+  renderer = fig.canvas.get_renderer()
+  column = ax.legend(handles, labels, ncol=1, **kw).get_window_extent(
+      renderer).width / fig.dpi
+  ncol = int(np.clip(0.95 * fig.get_figwidth() // column, 1, len(handles)))
+  legend = ax.legend(handles, labels, ncol=ncol, title=title,
+                     title_fontsize=LEGEND_FONTSIZE, **kw)
+  legend.set_in_layout(False)
+  height = legend.get_window_extent(renderer).height / fig.dpi + 0.1
+  fig.set_figheight(fig.get_figheight() + height)
+  below = height / fig.get_figheight()
+  legend.set_bbox_to_anchor((0.5, below), transform=fig.transFigure)
+  _constrained(fig).set(rect=(0, below, 1, 1 - below))
+  return legend
 
 
 def _complete(df: pd.DataFrame, *columns: str) -> pd.DataFrame:
@@ -90,12 +174,49 @@ def _one_run(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
   return df[df[run].astype(str) == first.astype(str)]
 
 
-def _step_colours(steps) -> dict[int, tuple]:
-  """A colour per training step along a sequential colormap (by rank)."""
-  steps = sorted(set(steps))
-  cmap = plt.get_cmap("viridis")
-  return {s: cmap(0.85 * i / max(len(steps) - 1, 1))
-          for i, s in enumerate(steps)}
+def _series(df: pd.DataFrame) -> pd.Series:
+  """What a line or bar stands for: the row's label (method and setting),
+  else its method."""
+  method = df["method"].astype(str)
+  if "label" not in df:
+    return method
+  return df["label"].where(df["label"].notna() & (df["label"] != ""),
+                           method).astype(str)
+
+
+def _shade(colour: str, i: int, n: int) -> str:
+  """The `i`-th of `n` shades of `colour`, darker to lighter."""
+  if n == 1:
+    return colour
+  t = -0.45 + 0.9 * i / (n - 1)
+  rgb = np.asarray(colors.to_rgb(colour))
+  return colors.to_hex(rgb + abs(t) * (float(t > 0) - rgb))
+
+
+def _series_colours(df: pd.DataFrame, colour: dict[str, str] | None,
+                    series: str = "series") -> dict[str, str]:
+  """A colour per value of `df[series]`: its method's (`colour`, else
+  `palette`), in shades where a method has several."""
+  colour = {**palette(df["method"]), **(colour or {})}
+  out = {}
+  for method, names in df.groupby(df["method"].astype(str))[series]:
+    names = sorted(set(names))
+    for i, name in enumerate(names):
+      out[name] = _shade(colour[method], i, len(names))
+  return out
+
+
+def _log_if_decades(ax, values, axis="y", decades=2):
+  """A log scale on `axis` where the finite `values` are positive and span
+  `decades` decades or more."""
+  v = np.asarray(values, np.float64)
+  v = v[np.isfinite(v)]
+  if v.size and v.min() > 0 and v.max() >= 10.0 ** decades * v.min():
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+
+
+def _no_values(ax, text="no finite values"):
+  ax.text(0.5, 0.5, text, ha="center", transform=ax.transAxes)
 
 
 def _step_axis(ax, steps):
@@ -109,11 +230,9 @@ def _step_axis(ax, steps):
 
 def _step_panel(ax, title, steps):
   """Finishes a panel drawn against the training step."""
-  ax.set_title(title)
+  ax.set_title(title, fontsize=8)
   _step_axis(ax, steps)
   ax.tick_params(labelsize=7)
-  if ax.lines:
-    ax.legend(fontsize=5)
 
 
 # --- signed spectral densities -----------------------------------------------
@@ -158,6 +277,9 @@ def _pooled_weights(df: pd.DataFrame, keys: list[str]) -> pd.Series:
 
 
 def _spectra_rows(df: pd.DataFrame) -> pd.DataFrame:
+  """The exact and approximate spectra (one run of each exact matrix per
+  step and seed), each row's `series` ("exact" or the approximation's
+  label) and its pooling weight `w`."""
   df = _complete(df, "step", "data")
   df = _finite(df, "eigenvalue")
   df = df[df.source.isin(["exact", "approx"]) & df.eigenvalue.notna()]
@@ -165,59 +287,74 @@ def _spectra_rows(df: pd.DataFrame) -> pd.DataFrame:
   if "reference" not in df:
     df["reference"] = np.nan
   df["reference"] = df.reference.where(~exact, df.matrix)
-  df["panel"] = df.method.where(~exact, "exact")
+  df["series"] = _series(df).where(~exact, "exact")
+  same = ["problem", "data", "matrix", "step", *(["seed"] if "seed" in df
+                                                 else [])]
+  df = pd.concat([_one_run(df[exact], same), df[~exact]])
   run = [c for c in ("seed", "run", "run_dir") if c in df]
-  keys = ["step", "panel", *run]
-  df["w"] = _pooled_weights(df, keys) if len(df) else []
+  df["w"] = _pooled_weights(df, ["step", "series", *run]) if len(df) else []
   return df
 
 
+def _symlog_axis(ax, linthresh: float):
+  """x = eigenvalue on a symlog axis with ticks at whole decades."""
+  ax.axvline(0, color="0.4", lw=0.6, ls=":")
+  ax.set_xscale("symlog", linthresh=linthresh)
+  ax.xaxis.set_major_locator(ticker.SymmetricalLogLocator(
+      base=10, linthresh=linthresh, subs=[1.0]))
+  ax.xaxis.get_major_locator().set_params(numticks=7)
+  ax.xaxis.set_minor_locator(ticker.NullLocator())
+  ax.set(xlabel="eigenvalue", ylabel="density (per symlog unit)")
+  ax.tick_params(labelsize=6)
+
+
+def _overlay(ax, x, curves: dict, floor: float, colour: dict[str, str],
+             reference: str):
+  """One step's panel: the exact density filled grey, each approximation's
+  a coloured line over it."""
+  if "exact" in curves:
+    exact = np.maximum(curves["exact"], floor)
+    ax.fill_between(x, floor, exact, color="0.82", lw=0,
+                    label=f"exact {reference}")
+    ax.plot(x, exact, color="0.45", lw=0.7)
+  for name in sorted(set(curves) - {"exact"}):
+    ax.plot(x, np.maximum(curves[name], floor), lw=1.2, color=colour[name],
+            label=name)
+  if not curves:
+    _no_values(ax, "no spectrum")
+
+
 def spectra(df: pd.DataFrame, out: Path, linthresh_fraction: float = 1e-4,
-            bandwidth: float = 0.1) -> list[Path]:
-  """Per problem, data and exact matrix: signed densities of the exact matrix
-  and of each approximation of it, one curve per training step."""
+            bandwidth: float = 0.1,
+            colour: dict[str, str] | None = None) -> list[Path]:
+  """Per problem, data and exact matrix, a panel per training step: the
+  exact matrix's signed density with each approximation's over it
+  (`colour`: by method, default `palette`)."""
   paths = []
   df = _spectra_rows(df)
-  ex = df.source == "exact"
-  same = ["problem", "data", "matrix", "step", *(["seed"] if "seed" in df
-                                                 else [])]
-  df = pd.concat([_one_run(df[ex], same), df[~ex]])
+  colours = _series_colours(df[df.series != "exact"], colour)
   for (problem, data, ref), p in df.groupby(["problem", "data", "reference"]):
     top = np.abs(p.eigenvalue).max()
     small = linthresh_fraction * top if top > 0 else 1.0
     linthresh = 10.0 ** np.floor(np.log10(small))  # ticks at whole decades
     u = symlog(p.eigenvalue, linthresh)
     grid = np.linspace(u.min() - 4 * bandwidth, u.max() + 4 * bandwidth, 600)
-    x = symlog_inverse(grid, linthresh)
-    panels = ["exact"] + sorted(set(p.panel) - {"exact"})
-    colour = _step_colours(p.step)
-    curves = {}
-    for (panel, step), q in p.groupby(["panel", "step"]):
-      curves[panel, step] = symlog_density(q.eigenvalue, q.w, grid,
-                                           linthresh, bandwidth)
+    curves = {key: symlog_density(q.eigenvalue, q.w, grid, linthresh,
+                                  bandwidth)
+              for key, q in p.groupby(["step", "series"])}
     peak = max((c.max() for c in curves.values()), default=1.0) or 1.0
     floor = 1e-5 * peak
-    fig, axes = _grid(len(panels), sharex=True, sharey=True)
-    for ax, panel in zip(axes, panels):
-      for step in sorted(colour):
-        if (panel, step) in curves:
-          ax.plot(x, np.maximum(curves[panel, step], floor), lw=1,
-                  color=colour[step], label=f"step {step}")
-      if not any(k[0] == panel for k in curves):
-        ax.text(0.5, 0.5, "no spectrum", ha="center", transform=ax.transAxes)
-      ax.axvline(0, color="0.4", lw=0.6, ls=":")
-      ax.set_xscale("symlog", linthresh=linthresh)
-      ax.xaxis.set_major_locator(ticker.SymmetricalLogLocator(
-          base=10, linthresh=linthresh, subs=[1.0]))
-      ax.xaxis.get_major_locator().set_params(numticks=7)
-      ax.xaxis.set_minor_locator(ticker.NullLocator())
+    steps = sorted(p.step.unique())
+    fig, axes = _grid(len(steps), width=4.5, sharex=True, sharey=True)
+    for ax, step in zip(axes, steps):
+      _overlay(ax, symlog_inverse(grid, linthresh),
+               {s: c for (t, s), c in curves.items() if t == step}, floor,
+               colours, ref)
+      _symlog_axis(ax, linthresh)
       ax.set_yscale("log")
       ax.set_ylim(floor, 2 * peak)
-      ax.set_title(f"exact {ref}" if panel == "exact" else panel, fontsize=8)
-      ax.set(xlabel="eigenvalue", ylabel="density (per symlog unit)")
-      ax.tick_params(labelsize=6)
-    axes[0].legend(fontsize=6, title="training step", title_fontsize=6)
-    fig.suptitle(f"{problem}: {ref} spectra on {data}", fontsize=9)
+      ax.set_title(_title("spectra", p[p.step == step]), fontsize=8)
+    _legend_below(fig, axes[0])
     paths += save(fig, out / f"spectra_{_slug(problem, data, ref)}")
   return paths
 
@@ -318,85 +455,193 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
 # --- quality -----------------------------------------------------------------
 
 
-def quality(df: pd.DataFrame, out: Path) -> list[Path]:
-  """Per problem: one panel per metric on the whole network ("all"), bars
-  by block type, grouped by mode."""
+def metric_title(metric: str) -> str:
+  """The metric's name and which way it is better (`BETTER`)."""
+  better = BETTER.get(metric)
+  return f"{metric} ({better})" if better else metric
+
+
+def _metric_panel(ax, metric: str):
+  """Titles a metric's panel; a dashed line at 1 where 1 is best."""
+  ax.set_title(metric_title(metric), fontsize=8)
+  if BETTER.get(metric) == "1 is best":
+    ax.axhline(1.0, color="k", lw=0.6, ls="--")
+  ax.tick_params(labelsize=7)
+
+
+def _context(p: pd.DataFrame) -> pd.Series:
+  """Each row's exact reference, with its data and step where these vary
+  within `p`: the x groups of a bar chart."""
+  text = "vs " + p.reference.astype(str)
+  for col, prefix in (("data", "on "), ("step", "step ")):
+    if p[col].nunique() > 1:
+      text = text + "\n" + prefix + p[col].astype(str)
+  return text
+
+
+def quality(df: pd.DataFrame, out: Path,
+            colour: dict[str, str] | None = None) -> list[Path]:
+  """Per problem: a panel per metric on the whole network ("all"), a bar per
+  method and setting (`colour`: by method, default `palette`), grouped by
+  exact reference (and data and step where they vary)."""
   paths = []
   df = _finite(_complete(df, "step", "data", "block"), "value")
-  df = df[df.block == "all"]
+  df = df[df.block == "all"].assign(series=_series)
+  colours = _series_colours(df, colour)
   for problem, p in df.groupby("problem"):
+    p = p.assign(context=_context(p))
     metric_names = sorted(p.metric.unique())
     fig, axes = _grid(len(metric_names))
     for ax, metric in zip(axes, metric_names):
       table = p[p.metric == metric].pivot_table(
-          index="mode", columns="curvature", values="value", aggfunc="mean")
-      ax.set(title=metric, xlabel="")
+          index="context", columns="series", values="value", aggfunc="mean")
+      _metric_panel(ax, metric)
       if table.empty:
-        ax.text(0.5, 0.5, "no finite values", ha="center",
-                transform=ax.transAxes)
+        _no_values(ax)
         continue
-      table.plot.bar(ax=ax, rot=30, fontsize=7)
-      ax.legend(fontsize=6)
+      table.plot.bar(ax=ax, rot=0, fontsize=7, legend=False, xlabel="",
+                     color=[colours[c] for c in table.columns])
+    fig.suptitle(_title("approximation quality", p), fontsize=9)
+    _legend_below(fig, axes[0])
     paths += save(fig, out / f"quality_{problem}")
   return paths
+
+
+BLOCK_STYLES = ("--", ":", "-.", (0, (3, 1, 1, 1)))
+
+
+def _quality_legend(series: list[str], blocks: list[str],
+                    colours: dict[str, str]) -> tuple[list, list[str]]:
+  """Legend entries: a thick line per method and setting (the whole
+  network), a thin grey one per block's line style."""
+  handles = [Line2D([], [], color=colours[s], lw=2.2, marker="o", ms=3)
+             for s in series]
+  handles += [Line2D([], [], color="0.4", lw=0.8,
+                     ls=BLOCK_STYLES[i % len(BLOCK_STYLES)])
+              for i in range(len(blocks))]
+  return handles, [*series, *(f"block {b}" for b in blocks)]
+
+
+def _quality_lines(ax, rows: pd.DataFrame, blocks: list[str],
+                   colours: dict[str, str]):
+  """A metric against the step, a line per method and block (the whole
+  network, "all", thicker)."""
+  mean = rows.groupby(["series", "block", "step"]).value.mean().dropna()
+  for (name, block), s in mean.groupby(level=["series", "block"]):
+    s = s.droplevel(["series", "block"]).sort_index()
+    whole = block == "all"
+    ax.plot(s.index, s.to_numpy(), marker="o", ms=3 if whole else 2,
+            lw=2.2 if whole else 0.8, alpha=1 if whole else 0.7,
+            ls="-" if whole else BLOCK_STYLES[blocks.index(block) % 4],
+            color=colours[name])
+  if mean.empty:
+    _no_values(ax)
 
 
 def quality_through_training(df: pd.DataFrame, out: Path,
                              colour: dict[str, str]) -> list[Path]:
   """Per problem, reference and data: each metric against the step, a line
-  per method and block (the whole network, "all", drawn thicker)."""
+  per method and setting and block (the whole network, "all", thicker)."""
   paths = []
   df = _finite(_complete(df, "step", "data", "block"), "value")
-  styles = ["--", ":", "-.", (0, (3, 1, 1, 1))]
+  df = df.assign(series=_series)
+  colours = _series_colours(df, colour)
   for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
     metric_names = sorted(p.metric.unique())
     blocks = sorted(set(p.block) - {"all"})
     fig, axes = _grid(len(metric_names), width=4.5)
     for ax, metric in zip(axes, metric_names):
-      mean = p[p.metric == metric].groupby(
-          ["method", "block", "step"]).value.mean().dropna()
-      for (method, block), s in mean.groupby(level=["method", "block"]):
-        s = s.droplevel(["method", "block"]).sort_index()
-        whole = block == "all"
-        ax.plot(s.index, s.to_numpy(), marker="o", ms=3 if whole else 2,
-                lw=2.2 if whole else 0.8, alpha=1 if whole else 0.7,
-                ls="-" if whole else styles[blocks.index(block) % 4],
-                color=colour[method],
-                label=method if whole else f"{method}: {block}")
-      _step_panel(ax, metric, p.step.unique())
-    fig.suptitle(f"{problem}: quality vs exact {ref} on {data}", fontsize=9)
+      _quality_lines(ax, p[p.metric == metric], blocks, colours)
+      _metric_panel(ax, metric)
+      _step_axis(ax, p.step.unique())
+    fig.suptitle(_title("approximation quality", p), fontsize=9)
+    _legend_below(fig, axes[0], *_quality_legend(sorted(set(p.series)),
+                                                 blocks, colours),
+                  title="thick: whole network; thin: one layer block")
     paths += save(fig, out / f"quality_steps_{_slug(problem, ref, data)}")
   return paths
 
 
-def statistics(df: pd.DataFrame, out: Path) -> list[Path]:
-  """Per problem: each spectral statistic against the step, a line per
-  matrix (exact solid, approximations dashed), error bars from `stderr`."""
-  paths = []
+# --- spectral statistics -----------------------------------------------------
+
+
+def _statistic_rows(df: pd.DataFrame) -> pd.DataFrame:
+  """The statistics with finite values and `stderr`, each row's `series`:
+  "exact <matrix>" or the approximation's name (and data where several)."""
   df = _finite(_complete(df, "step", "data"), "value",
                *(["stderr"] if "stderr" in df else []))
   if "stderr" not in df:
     df["stderr"] = np.nan
+  exact = df.source.astype(str).str.startswith("exact")
+  series = df.matrix.astype(str).where(~exact, "exact " + df.matrix.astype(str))
+  several = df.groupby("problem").data.transform("nunique") > 1
+  df["series"] = series.where(~several, series + " on " + df.data.astype(str))
+  df["exact"] = exact
+  return df
+
+
+def _statistic_colours(df: pd.DataFrame,
+                       colour: dict[str, str] | None) -> dict[str, str]:
+  """Exact matrices in greys; approximations in their method's colour."""
+  greys = sorted(set(df.series[df.exact]))
+  out = {s: str(0.15 + 0.5 * i / max(len(greys) - 1, 1))
+         for i, s in enumerate(greys)}
+  if (~df.exact).any():
+    out.update(_series_colours(df[~df.exact], colour))
+  return out
+
+
+def _statistic_bars(ax, s: pd.DataFrame, colours: dict[str, str]):
+  """One measured step: a bar per matrix, error bars from `stderr`."""
+  x = np.arange(len(s))
+  ax.bar(x, s.value, 0.6, yerr=s.stderr.abs().fillna(0), capsize=2,
+         color=[colours[n] for n in s.index])
+  ax.set_xticks(x, s.index, rotation=30, ha="right", rotation_mode="anchor",
+                fontsize=6)
+
+
+def _statistic_lines(ax, s: pd.DataFrame, colours: dict[str, str],
+                     exact: set[str]):
+  """Several steps: a line per matrix against the step (exact solid,
+  approximations dashed), error bars from `stderr`."""
+  for name, q in s.groupby(level="series"):
+    ax.errorbar(q.index.get_level_values("step"), q.value,
+                yerr=q.stderr.abs().fillna(0), marker="o", ms=3, lw=1,
+                capsize=2, label=name, color=colours[name],
+                ls="-" if name in exact else "--")
+
+
+def statistics(df: pd.DataFrame, out: Path,
+               colour: dict[str, str] | None = None) -> list[Path]:
+  """Per problem, a panel per spectral statistic: with one measured step a
+  bar per matrix, with several a line per matrix against the step (exact
+  matrices grey; approximations in `colour`, by method, default
+  `palette`); error bars from `stderr`."""
+  paths = []
+  df = _statistic_rows(df)
+  colours = _statistic_colours(df, colour)
   for problem, p in df.groupby("problem"):
     names = sorted(p.statistic.unique())
-    several = p.data.nunique() > 1
+    one_step = p.step.nunique() == 1
+    exact = set(p.series[p.exact])
     fig, axes = _grid(len(names))
     for ax, name in zip(axes, names):
       s = p[p.statistic == name].groupby(
-          ["source", "matrix", "data", "step"])[["value", "stderr"]].mean()
-      s = s.dropna(subset=["value"])
-      for (source, matrix, data), q in s.groupby(
-          level=["source", "matrix", "data"]):
-        steps = q.index.get_level_values("step")
-        label = f"{matrix} ({source}{', ' + data if several else ''})"
-        ax.errorbar(steps, q.value, yerr=q.stderr.abs().fillna(0), marker="o",
-                    ms=3, lw=1, capsize=2, label=label,
-                    ls="-" if source.startswith("exact") else "--")
-      values = s.value.to_numpy()
-      if values.size and values.min() > 0 and values.max() > 100 * values.min():
-        ax.set_yscale("log")
-      _step_panel(ax, name, p.step.unique())
-    fig.suptitle(f"{problem}: spectral statistics", fontsize=9)
+          ["series"] if one_step else ["series", "step"])[
+              ["value", "stderr"]].mean().dropna(subset=["value"])
+      if one_step:
+        _statistic_bars(ax, s, colours)
+        ax.set_title(name, fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+      else:
+        _statistic_lines(ax, s, colours, exact)
+        _step_panel(ax, name, p.step.unique())
+      if s.empty:
+        _no_values(ax)
+      _log_if_decades(ax, s.value)
+    fig.suptitle(_title("spectral statistics", p), fontsize=9)
+    if not one_step:
+      _legend_below(fig, axes[0])
     paths += save(fig, out / f"statistics_{problem}")
   return paths
 
@@ -430,7 +675,8 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
   test = y.replace("train_", "test_") if y.startswith("train_") else None
   styles = ["-", "--", ":", "-."]
   for problem, p in df.groupby("problem"):
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True,
+                             layout="constrained")
     for method, m in p.groupby("method"):
       for i, (label, runs) in enumerate(m.groupby("label")):
         n = runs.run_id.nunique()
@@ -459,8 +705,8 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
                 title=f"{problem}")
     axes[1].set(xlabel="seconds (compilation excluded)", yscale="log",
                 title=f"{problem}")
-    axes[0].legend(fontsize=7, title="median, band: quartiles; dots: test",
-                   title_fontsize=7)
+    _legend_below(fig, axes[0],
+                  title="median over seeds, band: quartiles; dots: test")
     paths += save(fig, out / f"{name}_{problem}")
   return paths
 
@@ -498,33 +744,103 @@ def sensitivity(table: pd.DataFrame, out: Path,
                   * len(diverged), "x", color=colour[method], ms=8)
       xs = np.concatenate([l.get_xdata() for l in ax.lines] or [[]])
       ys = np.concatenate([l.get_ydata() for l in ax.lines] or [[]])
-      ys = ys[np.isfinite(ys)]
-      if xs.size and xs.min() > 0 and xs.max() >= 10 * xs.min():
-        ax.set_xscale("log")
-      if ys.size and ys.min() > 0 and ys.max() > 10 * ys.min():
-        ax.set_yscale("log")
+      _log_if_decades(ax, xs, "x", decades=1)
+      _log_if_decades(ax, ys, "y", decades=1)
       ax.set(xlabel=key, ylabel=p.metric.iloc[0], title=problem)
-      if ax.lines:
-        ax.legend(fontsize=7, title="star: chosen; x: diverged",
-                  title_fontsize=7)
+    _legend_below(fig, axes[0], title="star: chosen; x: diverged")
     paths += save(fig, out / f"tuning_{problem}")
   return paths
 
 
+def _unit(df: pd.DataFrame) -> str:
+  """The phase that timings are a multiple of: the Adam step, else (older
+  tables) the gradient step."""
+  return BASELINE_PHASE if (df.phase == BASELINE_PHASE).any() else "grad_step"
+
+
+def _repeat_quartile(rows: pd.DataFrame, q: str, unit: str) -> pd.Series:
+  """Each run's quartile `q` ("q25", "q75") of its phase's ratio over its
+  timed repeats: paired with the Adam sample of the same repeat where
+  recorded (`ratio_to_adam_q25`), else the phase's quartile seconds over
+  the unit's median, else the ratio itself."""
+  own = rows[f"{q}_s"] / rows.unit_s if f"{q}_s" in rows else rows.ratio
+  paired = f"ratio_to_adam_{q}"
+  if unit == BASELINE_PHASE and paired in rows:
+    own = rows[paired].where(rows[paired].notna(), own)
+  return own.fillna(rows.ratio)
+
+
+def phase_ratios(df: pd.DataFrame) -> pd.DataFrame:
+  """Each phase's time over the same run's Adam step (`_unit`) per device
+  kind, label and phase (the unit's own phase left out): the `median` over
+  runs, the quartiles `q25` and `q75` over runs or, for a single run, over
+  its timed repeats (`_repeat_quartile`), `n` runs and the `unit`."""
+  df = df.assign(run_id=df.get("run_id", "run"))
+  unit = _unit(df)
+  run = ["problem", "device_kind", "label", "run_id"]
+  base = df[df.phase == unit].groupby(run).median_s.median().rename("unit_s")
+  rows = df[df.phase != unit].join(base, on=run)
+  rows = rows.assign(ratio=rows.median_s / rows.unit_s)
+  rows = rows.assign(low=_repeat_quartile(rows, "q25", unit),
+                     high=_repeat_quartile(rows, "q75", unit))
+  index = ["device_kind", "label", "phase"]
+  out = aggregate.over_runs(rows, index[:2], "phase", "ratio").join(
+      rows.groupby(index)[["low", "high"]].median(), on=index)
+  one = out.n == 1
+  return out.assign(q25=out.q25.where(~one, out.low),
+                    q75=out.q75.where(~one, out.high),
+                    unit=unit).drop(columns=["low", "high"])
+
+
+def _phase_order(phases) -> list[str]:
+  known = [p for p in (*PHASES, BASELINE_PHASE) if p in set(phases)]
+  return known + sorted(set(phases) - set(known))
+
+
+def _phase_bars(ax, ratios: pd.DataFrame):
+  """A bar group per label (and device kind where several), a bar per
+  phase with its interquartile error bar; n (runs) under each group."""
+  several = ratios.device_kind.nunique() > 1
+  ratios = ratios.assign(group=ratios.label.astype(str) + np.where(
+      several, " on " + ratios.device_kind.astype(str), ""))
+  groups = sorted(ratios.group.unique())
+  phases = _phase_order(ratios.phase)
+  width = 0.8 / len(phases)
+  cmap = plt.get_cmap("tab10")
+  for i, phase in enumerate(phases):
+    r = ratios[ratios.phase == phase].set_index("group").reindex(groups)
+    err = np.clip([r["median"] - r.q25, r.q75 - r["median"]], 0, None)
+    ax.bar(np.arange(len(groups)) + (i - (len(phases) - 1) / 2) * width,
+           r["median"], width, yerr=np.nan_to_num(err), capsize=2,
+           label=phase,
+           color=cmap(PHASES.index(phase) if phase in PHASES else i))
+  n = ratios.groupby("group").n.max()
+  ax.set_xticks(np.arange(len(groups)), [f"{g} (n={n[g]})" for g in groups],
+                rotation=20, ha="right", rotation_mode="anchor", fontsize=7)
+
+
 def timing(df: pd.DataFrame, out: Path) -> list[Path]:
-  """Per problem and device: median time of each phase as a multiple of a
-  gradient step, a bar group per method and setting."""
+  """Per problem: each phase's time as a multiple of the same run's Adam
+  step (else, for older tables, of its gradient step), a bar group per
+  method and setting, the median over runs with interquartile error bars."""
   paths = []
   for problem, p in df.groupby("problem"):
-    table = p.pivot_table(index="label", columns="phase",
-                          values="ratio_to_grad_step", aggfunc="median")
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    table.plot.bar(ax=ax, rot=20, logy=True)
-    device = ", ".join(p.device_kind.unique())
-    ax.set(ylabel="time / gradient step", xlabel="",
-           title=f"{problem} ({device})")
-    ax.axhline(1.0, color="k", lw=0.5)
-    ax.legend(fontsize=7)
+    ratios = phase_ratios(p)
+    unit = "Adam step" if _unit(p) == BASELINE_PHASE else "gradient step"
+    ylabel = f"× {unit} (median, IQR)" + (
+        "" if unit == "Adam step" else ": no Adam step recorded")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * ratios.label.nunique()
+                                        + 2), 4.0), layout="constrained")
+    if ratios.empty:
+      _no_values(ax, f"only the {unit} was timed")
+    else:
+      _phase_bars(ax, ratios)
+    _log_if_decades(ax, ratios["median"], decades=1)
+    ax.axhline(1.0, color="k", lw=0.6, ls="--", label=f"one {unit}")
+    ax.set(ylabel=ylabel, title=_title(
+        f"time per phase ({_values(p, 'device_kind')})", p))
+    _legend_below(fig, ax, title="n: runs; error bars: interquartile range "
+                  "over runs (over timed repeats where n=1)")
     paths += save(fig, out / f"timing_{problem}")
   return paths
 

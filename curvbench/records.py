@@ -36,6 +36,7 @@ from problems.datafiles import file_sha256
 MARKER = "DONE.json"
 LOCK = ".lock"
 OWNED = ".curvbench"  # the files the harness wrote in a run directory
+SWEEP_MARKER = ".curvbench-sweep"  # a sweep folder is curvbench's
 # Files of runs written before `OWNED` existed, which the harness took as its
 # own when it found them beside a completion marker.
 LEGACY = ("DONE.json", "ERROR.json", "metadata.json", "environment.json",

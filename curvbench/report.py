@@ -157,7 +157,8 @@ def load_sweep(root) -> Sweep:
     run_dir = str(path.relative_to(root))
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
     row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
-               problem=cfg.get("problem.label"),
+               # A problem's name in the records: its label, else its kind.
+               problem=cfg.get("problem.label") or cfg.get("problem.name"),
                measure=cfg.get("measure.kind"),
                **{key: (marker or {}).get(key) for key in INPUTS}, **{
                    f"config:{k}": v for k, v in cfg.items()})
@@ -199,28 +200,37 @@ def _value(v) -> str:
   return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+# Keys of what a run measured rather than of how it trained: a training
+# curve recorded along a spectra run is labelled without them.
+MEASURED = ("curvature.", "measure.spectra.", "measure.timing.")
+
+
 def settings(runs: pd.DataFrame) -> pd.DataFrame:
   """`runs` (complete and diverged) with the columns `setting` (the config
   keys that vary within the run's problem, measurement and method, seeds
-  aside, as `key=value, ...`) and `label` (method and setting)."""
+  aside, as `key=value, ...`), `label` (method and setting) and
+  `trained_setting` (the setting less the keys of what was measured)."""
   done = runs[runs.status.isin(["complete", "diverged"])].copy()
   if done.empty:
-    return done.assign(setting="", label="")
+    return done.assign(setting="", label="", trained_setting="")
   keys = {c: c.removeprefix("config:") for c in done.columns
           if c.startswith("config:")}
   candidates = [c for c, key in keys.items()
                 if key.split(".")[0] not in provenance.NOT_IDENTITY
                 and key not in provenance.SEED_KEYS]
   candidates += [c for c in ("device_kind", *INPUTS) if c in done]
-  done["setting"] = ""
+  done["setting"], done["trained_setting"] = "", ""
   for _, group in done.groupby(list(GROUP), dropna=False):
     varying = [c for c in candidates
                if group[c].astype(str).nunique(dropna=False) > 1]
     keys = [c.removeprefix("config:") for c in varying]
     short = _short_names(keys)
     for index, run in group.iterrows():
-      done.at[index, "setting"] = ", ".join(
-          f"{short[k]}={_value(run[c])}" for k, c in zip(keys, varying))
+      items = [(k, f"{short[k]}={_value(run[c])}")
+               for k, c in zip(keys, varying)]
+      done.at[index, "setting"] = ", ".join(text for _, text in items)
+      done.at[index, "trained_setting"] = ", ".join(
+          text for k, text in items if not k.startswith(MEASURED))
   done["label"] = [f"{m} ({s})" if s else str(m)
                    for m, s in zip(done.method, done.setting)]
   return done
@@ -241,10 +251,21 @@ def mixed_inputs(done: pd.DataFrame) -> list[str]:
   return notes
 
 
-def _with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
-  labels = done[["run_id", "setting", "label"]].drop_duplicates("run_id")
-  return df.drop(columns=["setting", "label"], errors="ignore").merge(
+def with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
+  """`df` with each row's setting and label: its run's, or where the row
+  records another method than its run (the optimizer's curve along a
+  spectra run), that method with the run's trained setting."""
+  labels = done[["run_id", "method", "setting", "label",
+                 "trained_setting"]].drop_duplicates("run_id").rename(
+                     columns={"method": "run_method"})
+  out = df.drop(columns=["setting", "label"], errors="ignore").merge(
       labels, on="run_id", how="left")
+  if "method" in out:
+    other = out.method.notna() & (out.method != out.run_method)
+    out.loc[other, "setting"] = out.trained_setting[other]
+    out.loc[other, "label"] = [f"{m} ({s})" if s else str(m) for m, s in
+                               zip(out.method[other], out.setting[other])]
+  return out.drop(columns=["run_method", "trained_setting"])
 
 
 def not_in_results(runs: pd.DataFrame) -> pd.DataFrame:
@@ -293,7 +314,7 @@ def write(root, out=None) -> dict:
     raise FileNotFoundError(f"No runs under {root}: run a sweep first "
                             "(curvbench -m +experiment=quick).")
   done = settings(sweep.runs)
-  tables = {name: _with_labels(df, done) for name, df in sweep.tables.items()}
+  tables = {name: with_labels(df, done) for name, df in sweep.tables.items()}
   records.claim(out, REPORT_MARKER, "a report folder (give another with "
                 "--out)", legacy=lambda folder: (folder / "report.md").exists())
   counts = sweep.runs.status.value_counts()

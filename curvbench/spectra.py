@@ -26,6 +26,9 @@ Two methods:
 
 from __future__ import annotations
 
+import functools
+import time
+
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -34,6 +37,7 @@ import numpy as np
 from curvbench import curvatures, matrix_free, metrics
 from curvbench.costs import Costs
 from curvbench.data import Data
+from curvbench.references import ReferenceStore, content_hash
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps")
 
@@ -42,10 +46,17 @@ def _flat(tree) -> np.ndarray:
   return np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
 
 
+def _mean_gradient(loss_fn, params, data: Data):
+  return data.mean(lambda b: jax.grad(loss_fn)(params, b))
+
+
 def mean_gradient(loss_fn, params, data: Data):
   """The gradient of the loss averaged over every example of `data`."""
-  return jax.jit(lambda p, d: d.mean(lambda b: jax.grad(loss_fn)(p, b)))(
-      params, data)
+  return jax.jit(functools.partial(_mean_gradient, loss_fn))(params, data)
+
+
+def _symmetric(matrix):
+  return 0.5 * (matrix + matrix.T)
 
 
 def _spectrum_rows(source, matrix, values, weights=None, reference=None):
@@ -84,8 +95,11 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   largest eigenvalues where they are known better than from `values`.
 
   `condition_number` is over the eigenvalues above the relative floor (the
-  rest count as the null space); `damped_condition_number` is that of the
-  matrix plus `damping`, as a damped preconditioner sees it.
+  rest count as the null space). Where the smallest of those lies within a
+  decade of the floor, the spectrum runs on into the floor and the number
+  measures the floor as much as the matrix: it is recorded as
+  `condition_number_at_least` instead. `damped_condition_number` is that
+  of the matrix plus `damping`, as a damped preconditioner sees it.
   """
   values = np.asarray(values, np.float64)
   top = np.sort(values)[::-1] if top is None else np.asarray(top)
@@ -93,33 +107,62 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   zero = floor(cfg, values)
   damping = float(cfg["damping"])
   lowest = float(values.min())
-  return dict(max_eigenvalue=float(top[0]), min_eigenvalue=lowest,
-              condition_number=metrics.condition_number(values, zero),
-              # What a damped preconditioner sees; undefined when indefinite.
-              damped_condition_number=(top[0] + damping) / (lowest + damping)
-              if lowest + damping > 0 else np.nan,
-              num_outliers=metrics.num_outliers(top, int(cfg["top_k"])),
-              negative_mass=metrics.negative_mass(values, weights, zero),
-              negative_ratio=metrics.negative_ratio(values, top[0]))
+  kept = np.abs(values)[np.abs(values) > zero]
+  at_floor = kept.size and kept.min() < 10 * zero
+  condition = ("condition_number_at_least" if at_floor
+               else "condition_number")
+  return {"max_eigenvalue": float(top[0]), "min_eigenvalue": lowest,
+          condition: metrics.condition_number(values, zero),
+          # What a damped preconditioner sees; undefined when indefinite.
+          "damped_condition_number": (top[0] + damping) / (lowest + damping)
+          if lowest + damping > 0 else np.nan,
+          "num_outliers": metrics.num_outliers(top, int(cfg["top_k"])),
+          "negative_mass": metrics.negative_mass(values, weights, zero),
+          "negative_ratio": metrics.negative_ratio(values, top[0])}
 
 
 # --- dense method ------------------------------------------------------------
 
 def _dense_exact(loss_fn, matrix, params, data, rng, costs):
-  exact = curvatures.exact(matrix, loss_fn, matrix_free=False)
-  dense = costs.call(f"exact {matrix}",
-                     lambda p, d, k: exact.to_dense(exact.estimate(k, p, d)),
-                     params, data, rng)
-  dense = np.asarray(dense, np.float64)
-  return 0.5 * (dense + dense.T)
+  exact = curvatures.exact(
+      matrix, loss_fn,
+      matrix_free=matrix in curvatures.DENSE_FROM_PRODUCTS)
+
+  return costs.call(f"exact {matrix}", lambda p, d, k: _symmetric(
+      exact.to_dense(exact.estimate(k, p, d))), params, data, rng)
+
+
+def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key):
+  """`(dense matrix, (eigenvalues, eigenvectors))` of the exact `matrix`,
+  from the `store` where another run computed it from the same content."""
+  def compute():
+    dense = _dense_exact(loss_fn, matrix, params, data, rng, costs)
+    values, vectors = _eigh(costs, f"exact {matrix}", dense)
+    return dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,
+                eigenvectors=vectors)
+
+  start = time.perf_counter()
+  found, shared = store.get(dict(key, matrix=matrix), compute)
+  if shared:
+    costs.record(f"exact {matrix} (read from the reference store)",
+                 time.perf_counter() - start)
+  return found["matrix"], (found["eigenvalues"], found["eigenvectors"])
+
+
+def _eigh(costs, what, matrix):
+  """`(eigenvalues, eigenvectors)` of `matrix` as float64 numpy arrays,
+  computed by XLA on the run's device and recorded as phase `eigh {what}`."""
+  values, vectors = costs.call(f"eigh {what}", jnp.linalg.eigh, matrix)
+  return np.asarray(values, np.float64), np.asarray(vectors, np.float64)
 
 
 def dense_metrics(approx, exact, approx_dir, exact_dir, k, floor,
-                  approx_eigh=None, exact_eigh=None) -> dict:
+                  approx_eigh, exact_eigh) -> dict:
   """Quality of the dense `approx` against `exact`, given both damped
-  natural-gradient directions (and their `np.linalg.eigh`, if at hand)."""
-  approx_eigs, approx_vecs = approx_eigh or np.linalg.eigh(approx)
-  exact_eigs, exact_vecs = exact_eigh or np.linalg.eigh(exact)
+  natural-gradient directions and both eigendecompositions."""
+  approx, exact = np.asarray(approx, np.float64), np.asarray(exact, np.float64)
+  approx_eigs, approx_vecs = approx_eigh
+  exact_eigs, exact_vecs = exact_eigh
   k = min(k, len(exact_eigs))
   return dict(
       relative_frobenius=metrics.relative_frobenius(approx, exact),
@@ -134,8 +177,10 @@ def dense_metrics(approx, exact, approx_dir, exact_dir, k, floor,
           np.diag(approx), np.diag(exact)))
 
 
-def _damped_solve(matrix, vector, damping):
-  return np.linalg.solve(matrix + damping * np.eye(len(matrix)), vector)
+def _damped_solve(eigh, vector, damping):
+  """`(M + damping I)^-1 vector` from M's eigendecomposition."""
+  values, vectors = eigh
+  return vectors @ ((vectors.T @ vector) / (values + damping))
 
 
 def heatmap_units(blocks, num_blocks: int, units: int) -> list[tuple]:
@@ -157,21 +202,28 @@ def _heatmap_rows(source, kind, reference, sub, units):
           for r in range(len(names)) for c in range(len(names))]
 
 
-def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
-  """Every table, from dense matrices (small models)."""
+def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
+                  store=ReferenceStore(None), key=None):
+  """Every table, from dense matrices (small models); the exact references
+  from `store` where a run with the same content (`key` plus the
+  parameters and examples) computed them."""
   curvatures.check_dense_fits(
       curvatures.num_params(params), 8, float(cfg["max_dense_gib"]),
       "The dense spectra method",
       "use measure.spectra.method=lanczos (matrix-free)")
   references = list(dict.fromkeys([*cfg["references"], curvature.matrix]))
-  exact = {m: _dense_exact(loss_fn, m, params, data, rng, costs)
-           for m in references}
+  key = dict(key or {}, params=content_hash(params),
+             data=content_hash(data.chunks, data.rest),
+             precision=cfg["precision"])
+  exact, exact_eighs = {}, {}
+  for m in references:
+    exact[m], exact_eighs[m] = _exact_reference(loss_fn, m, params, data,
+                                                rng, costs, store, key)
   tables = {name: [] for name in TABLES}
   reference = exact[curvature.matrix]
-  exact_eigh = np.linalg.eigh(reference)
+  exact_eigh = exact_eighs[curvature.matrix]
   for m, matrix in exact.items():
-    values = (exact_eigh[0] if m == curvature.matrix
-              else np.linalg.eigvalsh(matrix))
+    values = exact_eighs[m][0]
     tables["spectra"] += _spectrum_rows("exact", m, values)
     tables["statistics"] += _statistic_rows(
         "exact", m, dict(trace=np.trace(matrix),
@@ -179,9 +231,10 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
 
   state = costs.call("approx estimate", lambda p, d, k: curvature.estimate(
       k, p, d, int(cfg["num_samples"])), params, data, rng)
-  approx = np.asarray(jax.jit(curvature.to_dense)(state), np.float64)
-  approx = 0.5 * (approx + approx.T)
-  approx_eigh = np.linalg.eigh(approx)
+  approx = costs.call("approx dense", lambda s: _symmetric(
+      curvature.to_dense(s)), state)
+  approx_eigh = _eigh(costs, "approx", approx)
+  approx = np.asarray(approx, np.float64)
   approx_eigs = approx_eigh[0]
   tables["spectra"] += _spectrum_rows("approx", curvature.label, approx_eigs,
                                       reference=curvature.matrix)
@@ -190,23 +243,26 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
                                       **spectrum_statistics(approx_eigs, cfg)))
 
   damping, k = float(cfg["damping"]), int(cfg["top_k"])
-  zero = floor(cfg, reference)
-  grads = mean_gradient(loss_fn, params, data)
+  zero = floor(cfg, exact_eigh[0])
+  grads = costs.call("mean gradient", functools.partial(_mean_gradient,
+                                                       loss_fn), params, data)
   g = _flat(grads)
-  refreshed = jax.jit(curvature.refresh)(state, damping)
-  approx_dir = _flat(jax.jit(curvature.precondition)(refreshed, grads,
-                                                     damping))
-  exact_dir = exact_eigh[1] @ ((exact_eigh[1].T @ g) / (exact_eigh[0]
-                                                        + damping))
+  refreshed = costs.call("approx refresh", lambda s: curvature.refresh(
+      s, damping), state)
+  approx_dir = _flat(costs.call("approx direction", lambda s, v: (
+      curvature.precondition(s, v, damping)), refreshed, grads))
+  exact_dir = _damped_solve(exact_eigh, g, damping)
   tables["quality"] += _quality_rows(curvature.matrix, "all", dense_metrics(
       approx, reference, approx_dir, exact_dir, k, zero, approx_eigh,
       exact_eigh))
   blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   for name, idx in blocks:
     a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
+    a_eigh, e_eigh = (_eigh(costs, f"{source} block {name}", m)
+                      for source, m in (("approx", a), ("exact", e)))
     tables["quality"] += _quality_rows(curvature.matrix, name, dense_metrics(
-        a, e, _damped_solve(a, g[idx], damping),
-        _damped_solve(e, g[idx], damping), k, zero))
+        a, e, _damped_solve(a_eigh, g[idx], damping),
+        _damped_solve(e_eigh, g[idx], damping), k, zero, a_eigh, e_eigh))
 
   units = heatmap_units(blocks, int(cfg["heatmap_blocks"]),
                         int(cfg["heatmap_units"]))
@@ -214,9 +270,10 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs):
     idx = np.concatenate([i for _, i in units])
     unravel = jax.flatten_util.ravel_pytree(grads)[1]
     # Columns idx of the approximation's own damped inverse (symmetric).
-    columns = jax.jit(jax.vmap(lambda e: jax.flatten_util.ravel_pytree(
-        curvature.precondition(refreshed, unravel(e), damping))[0]))(
-            jnp.eye(len(g), dtype=jnp.result_type(g))[idx])
+    columns = costs.call("approx inverse columns", lambda s: jax.vmap(
+        lambda e: jax.flatten_util.ravel_pytree(curvature.precondition(
+            s, unravel(e), damping))[0])(
+                jnp.eye(len(g), dtype=jnp.result_type(g))[idx]), refreshed)
     vecs = exact_eigh[1][idx]
     exact_inverse = (vecs / (exact_eigh[0] + damping)) @ vecs.T
     for source, kind, sub in (
@@ -372,11 +429,16 @@ METHODS = {"dense": measure_dense, "lanczos": measure_lanczos}
 
 
 def measure(loss_fn, curvature, params, data, cfg, rng,
-            costs: Costs | None = None) -> dict[str, list[dict]]:
+            costs: Costs | None = None, store: ReferenceStore | None = None,
+            key: dict | None = None) -> dict[str, list[dict]]:
   """The tables of `TABLES` by `cfg["method"]` (one of `METHODS`), over
-  `data` (a batch or a `Data`)."""
+  `data` (a batch or a `Data`); the dense method shares its exact
+  references through `store` (see `measure_dense`)."""
   if cfg["method"] not in METHODS:
     raise ValueError(f"Unknown measure.spectra.method {cfg['method']!r}; "
                      f"choose one of {', '.join(METHODS)}.")
-  return METHODS[cfg["method"]](loss_fn, curvature, params, Data.of(data),
-                                cfg, rng, costs or Costs())
+  data, costs = Data.of(data), costs or Costs()
+  if cfg["method"] == "dense":
+    return measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
+                         store or ReferenceStore(None), key)
+  return measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs)

@@ -202,7 +202,11 @@ def time_steps(steppers: dict, warmup: int, repeats: int,
                progress: bool = False) -> dict:
   """A row per stepper, their samples interleaved: repeat by repeat, one
   sample of each in turn. `first_call_s` is NaN: the first call of a step
-  compiles, so there is no first call apart from compilation."""
+  compiles, so there is no first call apart from compilation. Where the
+  baseline (Adam) is among them, every other row has the quartiles of the
+  ratio of its samples to the baseline's of the same repeat
+  (`ratio_to_adam_q25`, `ratio_to_adam_q75`): load that hits a repeat hits
+  both of its samples, so this spread is the measurement's own."""
   times = {name: [] for name in steppers}
   for repeat in tqdm(range(warmup + repeats), desc="timing steps",
                      disable=not progress, leave=False):
@@ -210,11 +214,18 @@ def time_steps(steppers: dict, warmup: int, repeats: int,
       seconds = stepper.sample()
       if repeat >= warmup:
         times[name].append(seconds)
-  return {name: dict(compile_s=stepper.compile_s, first_call_s=float("nan"),
+  rows = {name: dict(compile_s=stepper.compile_s, first_call_s=float("nan"),
                      steps_per_sample=stepper.steps,
                      **statistics(times[name]),
                      **costs.memory_columns(*stepper.programs))
           for name, stepper in steppers.items()}
+  if BASELINE_PHASE in times:
+    for name in rows:
+      if name != BASELINE_PHASE:
+        ratios = np.divide(times[name], times[BASELINE_PHASE])
+        rows[name].update(zip(("ratio_to_adam_q25", "ratio_to_adam_q75"),
+                              map(float, np.quantile(ratios, [0.25, 0.75]))))
+  return rows
 
 
 def selected_phases(cfg, uses_curvature: bool) -> list[str]:

@@ -136,8 +136,9 @@ def evaluator(problem, cfg, dtype) -> Callable:
 def run(problem, optimizer, params, cfg, rng, data_seed: int,
         progress: bool = True, at_steps=(), on_step: Callable | None = None,
         mesh: Mesh | None = None) -> list[dict]:
-  """Trains for `cfg.num_steps` steps (`cfg`: the training measurement's
-  settings); one row per logged step.
+  """Trains for `cfg.num_steps` steps, or until `cfg.budget_s` seconds of
+  training are spent (`cfg`: the training measurement's settings); one row
+  per logged step.
 
   Row `step` s describes the parameters after s updates (0: the
   initialisation): `batch_loss` is the loss of the minibatch of update s
@@ -155,6 +156,7 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   """
   num_steps, log_every, eval_every = (cfg.num_steps, cfg.log_every,
                                       cfg.eval_every)
+  budget = getattr(cfg, "budget_s", None)
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
   batches = problem.batches(seed=data_seed, dtype=dtype)
@@ -188,8 +190,16 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
     if step % log_every == 0 or step == num_steps:
       loss = float(loss)  # waits for the step
       elapsed += time.perf_counter() - start
+      last = step == num_steps or (budget is not None and elapsed >= budget)
       rows.append(row(step, params, elapsed, loss,
-                      step % eval_every == 0 or step == num_steps))
+                      step % eval_every == 0 or last))
+      if last and step < num_steps:  # the time budget is spent
+        missed = sorted(s for s in at_steps if s > step)
+        if missed:
+          raise ValueError(
+              f"measure.training.budget_s={budget} ran out at step {step}, "
+              f"before the steps {missed} to measure at: raise the budget.")
+        break
       if rows[-1]["diverged"]:
         missed = sorted(s for s in at_steps if s >= step)
         if missed:

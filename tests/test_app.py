@@ -51,11 +51,17 @@ def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
     assert sorted(tables[name].step.unique()) == [0, 2], name
     assert set(tables[name].data) == {"batch"}, name
   assert set(tables["quality"].block) == {"all", "dense_0", "logits"}
-  assert set(tables["training"].step) == {0, 1, 2, 3, 4}  # num_steps=4
+  # num_steps=4, but training stops at the last step measured.
+  assert set(tables["training"].step) == {0, 1, 2}
   assert set(tables["training"].method) == {"sgd"}
   cost = tables["cost"]
   assert {"phase", "compile_s", "run_s", "program_bytes"} <= set(cost.columns)
-  assert (cost.run_s > 0).all() and (cost.program_bytes > 0).all()
+  programs = cost[cost.phase != "unaccounted"]
+  assert (programs.run_s > 0).all() and (programs.program_bytes > 0).all()
+  # Every eigendecomposition is a phase of its own.
+  assert {"eigh exact ggn", "eigh approx",
+          "eigh exact block dense_0"} <= set(cost.phase)
+  assert set(cost.phase[cost.program_bytes.isna()]) == {"unaccounted"}
   assert sorted(checkpoints.steps_in(run.path / "checkpoints")) == [0, 2]
 
   again = config.compose(*TINY, "measure.spectra.steps=[2]",

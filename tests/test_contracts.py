@@ -97,7 +97,7 @@ def test_every_optimizer_and_measurement_runs_and_reports(every_component):
     rep = report.Report(root, pd.DataFrame(), pd.DataFrame(), {}, {})
     assert measurement.summaries(rep) == []  # nothing to say of no records
   for heading in ("Approximation quality", "Time per phase",
-                  "Training: final errors"):
+                  "Training: each quantity over seeds"):
     assert f"## {heading}" in text
 
 

@@ -126,7 +126,7 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
     assert words in listed[listed.run_dir == name].reason.item()
   training = pd.read_csv(tmp_path / "out" / "training_all.csv")
   assert set(training.run_dir) == {"good"}
-  assert "## Training: final errors and losses" in text
+  assert "## Training: each quantity over seeds" in text
 
 
 def test_report_names_the_runs_not_in_the_results(good, tmp_path, capsys):

@@ -26,7 +26,10 @@ CLASSES = {
     "dense": (DenseEKFAC, kronecker.DenseTwoKroneckerFactored),
     "dense_repeated": (DenseEKFAC,
                        kronecker.RepeatedDenseTwoKroneckerFactored),
-    "conv": (Conv2DEKFAC, kronecker.Conv2DTwoKroneckerFactored),
+    # Per-location scalings: the per-row curvature below is their target
+    # (the per-example default is tested in tests/test_ekfac_conv.py).
+    "conv": (functools.partial(Conv2DEKFAC, scalings="per_location"),
+             kronecker.Conv2DTwoKroneckerFactored),
 }
 
 

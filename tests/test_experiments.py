@@ -14,7 +14,8 @@ CURVBENCH = Path(sys.executable).parent / "curvbench"
 def test_kfac_paper_small_tunes_and_reports(tmp_path):
   """The small preset, shortened: the sweeper expands each optimizer's grid
   (3 settings here) over 2 seeds; the report picks one setting per
-  optimizer and draws the tuned curves and the sensitivity."""
+  optimizer, draws the tuned curves and the sensitivity, compares the
+  chosen settings at equal time and says whether K-FAC's claim holds."""
   sweep = tmp_path / "sweep"
   subprocess.run(
       [str(CURVBENCH), "-m", "+experiment=kfac_paper_small",
@@ -24,6 +25,7 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
        "seed=0,1",  # replaces the preset's seeds
        "tuning.grid.adam.learning_rate=[0.001,0.01]",
        "tuning.grid.sgd.learning_rate=[0.1]",
+       "tuning.grid.sgd.momentum=[0.9]",
        "tuning.grid.kfac.initial_damping=[1.0]"],
       check=True, capture_output=True, text=True, timeout=900)
   subprocess.run([str(CURVBENCH), "report", str(sweep)], check=True,
@@ -40,3 +42,10 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
                      "training_all_autoencoder_curves_small.png",
                      "tuning_autoencoder_curves_small.png"}
   assert (out / "report.html").stat().st_size > 10_000
+  compared = pd.read_csv(out / "comparison.csv")
+  assert set(compared.optimizer) == {"adam", "kfac", "sgd"}
+  assert (compared.n == 2).all() and compared.target_error.notna().all()
+  assert (compared.error_at_equal_time_ci_low
+          <= compared.error_at_equal_time_mean).all()
+  text = (out / "report.md").read_text()
+  assert "Claim (autoencoder_curves_small" in text

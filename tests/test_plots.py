@@ -1,20 +1,49 @@
 """curvbench.plots on small synthetic tables: every figure is written as PNG
 and PDF, for tables along training and for older tables without step, data
-and block; the signed density and the heatmap block lines are checked."""
+and block; the signed density and the heatmap block lines are checked, and
+what each figure draws (overlays, titles, better directions, bars, error
+bars, legends outside the panels) is read off its matplotlib objects."""
 
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.container import BarContainer, ErrorbarContainer
 
-from curvbench import plots, report
+from curvbench import plots, report, spectra
 from curvbench.measurements.spectra import Spectra
 
 IDENTITY = dict(problem="mlp", curvature="kfac", block_type="kfac",
                 mode="ggn_exact", optimizer="kfac", seed=0, run="r0")
 METHODS = ("kfac/ggn_exact", "diagonal/ggn_exact")
 STEPS = (0, 10, 1000)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+  """The figures `plots.save` is given, by file stem."""
+  figures = {}
+  save = plots.save
+
+  def capture(fig, path):
+    figures[path.name] = fig
+    return save(fig, path)
+
+  monkeypatch.setattr(plots, "save", capture)
+  return figures
+
+
+def _legend_outside(fig):
+  """The figure's legend, checked to cover none of its panels."""
+  fig.canvas.draw()
+  legend = next(ax.get_legend() for ax in fig.axes if ax.get_legend())
+  box = legend.get_window_extent()
+  for ax in fig.axes:
+    if ax.get_visible():
+      assert not box.overlaps(ax.get_window_extent()), ax.get_title()
+  return legend
 
 
 def _written(paths, prefix):
@@ -234,3 +263,185 @@ def test_tuned_curves_are_chosen_per_problem():
   kept = plots.tuned_curves(train, tuning)
   assert sorted(zip(kept.problem, kept.label)) == [
       ("a", "kfac"), ("a", "sgd (lr=0.1)"), ("b", "kfac"), ("b", "sgd (lr=1)")]
+
+
+# --- what the figures draw ---------------------------------------------------
+
+LONG = [f"{m}[{m}/ggn_exact] (initial_damping={d})"
+        for m in ("kfac", "ekfac", "tkfac", "diagonal", "full")
+        for d in (0.1, 1.0)]
+
+
+def test_spectra_overlay_each_step_on_the_exact_spectrum(spectra_table,
+                                                         drawn, tmp_path):
+  plots.spectra(spectra_table, tmp_path)
+  fig = drawn["spectra_mlp_batch_hessian"]
+  panels = [ax for ax in fig.axes if ax.get_visible()]
+  assert len(panels) == len(STEPS)
+  for ax, step in zip(panels, STEPS):
+    exact = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert [c.get_label() for c in exact] == ["exact hessian"]
+    assert {line.get_label() for line in ax.lines} >= set(METHODS)
+    title = ax.get_title()
+    for words in ("mlp", "hessian", "batch", f"step {step}"):
+      assert words in title, title
+  colours = {line.get_label(): line.get_color() for line in panels[0].lines}
+  assert colours[METHODS[0]] != colours[METHODS[1]]
+  assert [t.get_text() for t in _legend_outside(fig).get_texts()] == [
+      "exact hessian", *sorted(METHODS)]
+
+
+def test_every_quality_metric_says_which_way_is_better():
+  rng = np.random.default_rng(4)
+  a = rng.normal(size=(4, 4))
+  a = a @ a.T + np.eye(4)
+  b = a + 0.1 * np.eye(4)
+  measured = spectra.dense_metrics(a, b, np.ones(4), np.ones(4), 2, 1e-12,
+                                   np.linalg.eigh(a), np.linalg.eigh(b))
+  assert set(measured) <= set(plots.BETTER)
+  assert plots.metric_title("relative_frobenius") == (
+      "relative_frobenius (lower is better)")
+  assert "higher is better" in plots.metric_title("natural_gradient_cosine")
+  assert "1 is best" in plots.metric_title("trace_ratio")
+
+
+def test_quality_titles_name_where_and_which_way(drawn, tmp_path):
+  plots.quality(_quality_table([10]), tmp_path)
+  fig = drawn["quality_mlp"]
+  for words in ("mlp", "ggn", "batch", "step 10"):
+    assert words in fig.get_suptitle(), fig.get_suptitle()
+  titles = {ax.get_title() for ax in fig.axes}
+  assert {"relative_frobenius (lower is better)",
+          "log_wasserstein (lower is better)"} <= titles
+  _legend_outside(fig)
+
+
+def _many_methods_quality():
+  """Ten labelled methods (five methods, two settings each), one of them
+  measured with a ratio metric whose best value is 1."""
+  rows = [dict(IDENTITY, method=label.split(" ")[0], label=label, step=step,
+               data="batch", block=block, reference="ggn", metric=metric,
+               value=1.0 + i + step / 100)
+          for i, label in enumerate(LONG) for step in STEPS
+          for block in ("all", "dense_0")
+          for metric in ("relative_frobenius", "top_eigenvalue_ratio")]
+  return pd.DataFrame(rows)
+
+
+def test_quality_through_training_with_ten_methods(drawn, tmp_path):
+  table = _many_methods_quality()
+  plots.quality_through_training(table, tmp_path, plots.palette(table.method))
+  fig = drawn["quality_steps_mlp_ggn_batch"]
+  assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
+  ratio = next(ax for ax in fig.axes
+               if ax.get_title() == "top_eigenvalue_ratio (1 is best)")
+  assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.lines)
+  legend = _legend_outside(fig)
+  texts = [t.get_text() for t in legend.get_texts()]
+  assert texts == [*sorted(LONG), "block dense_0"]
+  assert legend.get_texts()[0].get_fontsize() <= 8
+  colours = {h.get_color() for h in legend.legend_handles[:len(LONG)]}
+  assert len(colours) == len(LONG)  # two settings of a method: two shades
+
+
+def test_palette_tells_ten_methods_apart():
+  assert len(set(plots.palette(LONG).values())) == 10
+
+
+def test_statistics_of_one_step_are_bars(drawn, tmp_path):
+  table = _statistics_table()
+  table = table[table.step == 10].assign(value=[1e-3, 1.0, 2.0, 5.0, 1e2,
+                                                3.0])
+  plots.statistics(table, tmp_path)
+  fig = drawn["statistics_mlp"]
+  for words in ("mlp", "batch", "step 10"):
+    assert words in fig.get_suptitle(), fig.get_suptitle()
+  panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+  assert set(panels) == {"trace", "condition_number", "negative_ratio"}
+  for ax in panels.values():
+    assert len(ax.patches) == 2  # exact and approximation
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "exact ggn", METHODS[0]]
+    assert ax.get_ylim()[1] > 0.5  # not a degenerate axis around 0
+  assert panels["trace"].get_yscale() == "log"  # 1e-3 to 1e2
+
+
+def test_statistics_along_training_are_lines(drawn, tmp_path):
+  plots.statistics(_statistics_table(), tmp_path)
+  fig = drawn["statistics_mlp"]
+  assert "over steps 0-1000" in fig.get_suptitle()
+  ax = fig.axes[0]
+  assert not ax.patches and len(ax.lines) >= 2
+  assert ax.get_xlabel() == "training step"
+  _legend_outside(fig)
+
+
+def _timing_table(adam=True):
+  """Two labels: one with three runs (optimizer step 4, 5, 6 Adam steps),
+  one with a single run (4 Adam steps; paired quartiles 3.5 and 4.4)."""
+  rows = []
+  for label, runs in (("kfac[kfac/ggn_exact]", 3), ("sgd", 1)):
+    for r in range(runs):
+      unit = 1.0 + r
+      for phase, times in (("adam_step", 1.0), ("grad_step", 0.5),
+                           ("optimizer_step", 4.0 + r)):
+        s = unit * times
+        rows.append(dict(problem="mlp", device_kind="cpu", label=label,
+                         run_id=f"{label}{r}", phase=phase, median_s=s,
+                         q25_s=0.9 * s, q75_s=1.2 * s))
+  table = pd.DataFrame(rows)
+  alone = (table.label == "sgd") & (table.phase == "optimizer_step")
+  table.loc[alone, ["ratio_to_adam_q25", "ratio_to_adam_q75"]] = [3.5, 4.4]
+  return table if adam else table[table.phase != "adam_step"]
+
+
+def _bars(ax, phase):
+  """Heights and error-bar ends of a phase's bars."""
+  bars = next(c for c in ax.containers
+              if isinstance(c, BarContainer) and c.get_label() == phase)
+  assert isinstance(bars.errorbar, ErrorbarContainer)
+  ends = [sorted(seg[:, 1]) for seg in
+          bars.errorbar.lines[2][0].get_segments()]
+  return [p.get_height() for p in bars.patches], ends
+
+
+def test_timing_in_adam_steps_with_interquartile_error_bars(drawn, tmp_path):
+  plots.timing(_timing_table(), tmp_path)
+  ax = drawn["timing_mlp"].axes[0]
+  assert ax.get_ylabel() == "× Adam step (median, IQR)"
+  assert [t.get_text() for t in ax.get_xticklabels()] == [
+      "kfac[kfac/ggn_exact] (n=3)", "sgd (n=1)"]
+  heights, ends = _bars(ax, "optimizer_step")
+  np.testing.assert_allclose(heights, [5.0, 4.0])  # medians of the ratios
+  # Over runs for three runs; the paired repeat quartiles for one run.
+  np.testing.assert_allclose(ends, [[4.5, 5.5], [3.5, 4.4]])
+  heights, ends = _bars(ax, "grad_step")
+  np.testing.assert_allclose(heights, [0.5, 0.5])
+  np.testing.assert_allclose(ends[1], [0.45, 0.6])  # q25_s, q75_s / Adam
+  assert "adam_step" not in {c.get_label() for c in ax.containers}
+  assert "mlp" in ax.get_title() and "cpu" in ax.get_title()
+  _legend_outside(drawn["timing_mlp"])
+
+
+def test_timing_without_an_adam_step_falls_back_to_the_gradient_step(
+    drawn, tmp_path):
+  plots.timing(_timing_table(adam=False), tmp_path)
+  ax = drawn["timing_mlp"].axes[0]
+  assert "gradient step" in ax.get_ylabel()
+  assert "no Adam step" in ax.get_ylabel()
+  heights, _ = _bars(ax, "optimizer_step")
+  np.testing.assert_allclose(heights, [10.0, 8.0])
+
+
+def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
+  rows = [dict(problem="mlp", method=label.split(" ")[0], label=label,
+               run_id=f"{label}{seed}", step=step, wall_s=0.1 * step,
+               train_error=1.0 / (1 + step + i))
+          for i, label in enumerate(LONG) for seed in range(2)
+          for step in range(0, 50, 10)]
+  table = pd.DataFrame(rows)
+  plots.training(table, tmp_path, plots.palette(table.method))
+  fig = drawn["training_mlp"]
+  legend = _legend_outside(fig)
+  assert fig.axes[0].get_legend() is legend
+  assert len(legend.get_texts()) == len(LONG)

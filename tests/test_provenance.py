@@ -113,7 +113,7 @@ def test_other_data_makes_another_run_and_the_report_keeps_them_apart(
                   tmp_path / "sweep" / "second") == "complete"
   report.write(tmp_path / "sweep")
   summary = pd.read_csv(tmp_path / "sweep" / "report" / "training.csv")
-  assert len(summary) == 2 and set(summary.n) == {1}
+  assert summary.label.nunique() == 2 and set(summary.n) == {1}
   assert all("data=MNIST:" in label for label in summary.label)
   text = (tmp_path / "sweep" / "report" / "report.md").read_text()
   assert "These runs come from 2 datasets" in text

@@ -21,11 +21,14 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   ratio = pd.read_csv(out / "step_ratio.csv")
   assert list(ratio.label) == ["kfac[kfac/ggn_exact]"]
   assert ratio.ratio_to_adam_step.item() > 0 and ratio.n.item() == 1
-  memory = pd.read_csv(out / "timing_memory.csv")
-  assert list(memory.label) == ["kfac[kfac/ggn_exact]"]
+  # One run: the spread is over its repeats, each paired with an Adam one.
+  assert ratio.spread_over.item() == "repeats"
+  assert 0 < ratio.q25.item() <= ratio.q75.item()
+  memory = pd.read_csv(out / "timing_memory.csv").set_index("phase")
+  assert set(memory.label) == {"kfac[kfac/ggn_exact]"}
   for phase in ("grad_step", "curvature_update", "optimizer_step",
                 "adam_step"):
-    assert memory[phase].item() > 0, phase  # MiB of the phase's program
+    assert memory["median"][phase] > 0, phase  # MiB of the phase's program
   figures = {p.name for p in (out / "figures").iterdir()}
   for kind in ("spectra_mlp_batch_ggn", "training_mlp",
                "timing_mlp", "quality_steps_mlp_ggn_batch",
@@ -63,14 +66,16 @@ def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
                         {"timing": table}, {})
     return {name: df for name, _, df in Timing().summaries(rep)}
 
-  table = sections(timing)["timing_memory"]
-  assert table[["grad_step", "optimizer_step", "n"]].values.tolist() == [
-      [2.0, 20.0, 2]]
-  assert "device_peak_mib" not in table  # the CPU measures no peak
+  table = sections(timing)["timing_memory"].set_index("phase")
+  assert table["median"].to_dict() == {"grad_step": 2.0,
+                                       "optimizer_step": 20.0}
+  assert table.q25.to_dict() == {"grad_step": 1.5, "optimizer_step": 15.0}
+  assert set(table.n) == {2}
+  assert "device peak" not in table.index  # the CPU measures no peak
   peaks = timing.assign(device_peak_bytes=[5 * mib, 7 * mib, 9 * mib,
                                            11 * mib])
-  table = sections(peaks)["timing_memory"]
-  assert table.device_peak_mib.item() == 9.0  # median of 7 and 11
+  table = sections(peaks)["timing_memory"].set_index("phase")
+  assert table["median"]["device peak"] == 9.0  # median of 7 and 11
   old = timing.drop(columns=["program_bytes", "device_peak_bytes"])
   assert "timing_memory" not in sections(old)
 
@@ -119,10 +124,19 @@ def test_settings_and_seeds_are_told_apart_and_aggregated(designed, tmp_path,
 
   monkeypatch.setattr(plots, "save", capture)
   report.write(root, tmp_path)
-  summary = pd.read_csv(tmp_path / "training.csv").set_index("label")
-  assert summary.n.to_dict() == {"adam (learning_rate=0.001)": 3,
-                                 "adam (learning_rate=0.01)": 1, "sgd": 1}
-  assert summary.diverged["sgd"] == 1
+  summary = pd.read_csv(tmp_path / "training.csv")
+  per_label = summary.groupby("label")
+  assert per_label.n.unique().map(list).to_dict() == {
+      "adam (learning_rate=0.001)": [3], "adam (learning_rate=0.01)": [1],
+      "sgd": [1]}
+  assert per_label.diverged.unique()["sgd"] == [1]
+  # Every statistic says what it is, with its spread.
+  assert {"quantity", "mean", "ci_low", "ci_high", "median", "q25", "q75",
+          "n"} <= set(summary.columns)
+  three = summary[summary.label == "adam (learning_rate=0.001)"]
+  assert ((three.ci_low <= three["mean"]) & (three["mean"] <= three.ci_high)
+          & (three.q25 <= three["median"]) & (three["median"] <= three.q75)
+          ).all()
   axes = drawn["training_mlp"]
   legend = [t.get_text() for t in axes.get_legend().get_texts()]
   assert legend == ["adam (learning_rate=0.001) (n=3)",
@@ -155,3 +169,14 @@ def test_runs_not_in_the_results_are_listed_with_reasons(designed, tmp_path,
   assert images and all(images)  # every figure decoded
   assert page.locator("table").count() >= 3
   assert chromium_page.errors == []
+
+
+def test_a_problem_without_a_label_is_known_by_its_kind(tmp_path):
+  """Runs of default problems (no `problem.label`) are grouped by the
+  problem's kind, so settings of one problem never label another's runs."""
+  for name in ("mlp", "convnet"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.yaml").write_text(
+        f"problem:\n  name: {name}\n  label: null\nmeasure:\n  kind: timing\n")
+  runs = report.load_sweep(tmp_path).runs
+  assert sorted(runs.problem) == ["convnet", "mlp"]

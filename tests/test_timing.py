@@ -99,6 +99,11 @@ def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
   assert list(df.compile_s[["optimizer_step", "adam_step"]]) == compiled
   assert df.compile_s["optimizer_step"] > df.median_s["optimizer_step"]
   assert df.first_call_s[["optimizer_step", "adam_step"]].isna().all()
+  # The step's ratio to Adam has a spread over its paired repeats.
+  q25, q75 = df.loc["optimizer_step", ["ratio_to_adam_q25",
+                                       "ratio_to_adam_q75"]]
+  assert 0 < q25 <= q75
+  assert df.ratio_to_adam_q25.drop("optimizer_step").isna().all()
   assert (df.first_call_s.iloc[:4] > 0).all()
   # Set-up: compile_steps (cycle + 1 steps), then the first (burn-in) step,
   # for kfac and then adam (its own cycle is 1); then 1 + 2 repeats of one

@@ -2,9 +2,10 @@
 eigenvalues refitted to the per-example second moments in that basis."""
 
 import dataclasses
-from typing import ClassVar
+import functools
 
 import estimators as kfac
+from components import OneOf, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
 
 
@@ -15,6 +16,16 @@ class EKFAC(BlockDiagonal):
   inverse refresh, the scalings at each update)."""
 
   name: str = "ekfac"
-  blocks: ClassVar = {"dense_tag": kfac.DenseEKFAC,
-                      "repeated_dense_tag": kfac.DenseEKFAC,
-                      "conv2d_tag": kfac.Conv2DEKFAC}
+  conv_scalings: str = setting(
+      "per_example", OneOf(kfac.Conv2DEKFAC.SCALINGS),
+      "conv layers' scalings: fitted to per-example gradients (George et "
+      "al.) or to each output location's gradient")
+
+  @property
+  def blocks(self):
+    # A property, not the usual class constant: the conv block takes a
+    # setting.
+    return {"dense_tag": kfac.DenseEKFAC,
+            "repeated_dense_tag": kfac.DenseEKFAC,
+            "conv2d_tag": functools.partial(kfac.Conv2DEKFAC,
+                                            scalings=self.conv_scalings)}

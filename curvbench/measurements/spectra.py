@@ -3,11 +3,13 @@ chosen points (steps of a training run, or saved checkpoints) over chosen
 data (a batch, N batches, the training split); see `curvbench.spectra`."""
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pandas as pd
 
 from components import (Flag, ListOf, Number, OneOf, Parsed, Text, Whole,
                         setting)
@@ -15,6 +17,7 @@ from curvbench import (aggregate, checkpoints, curvatures, devices, plots,
                        spectra, training)
 from curvbench.data import parse_scope, select
 from curvbench.costs import Costs
+from curvbench.references import ReferenceStore
 from curvbench.measurements import MEASUREMENTS, Measurement
 from curvbench.measurements.training import save_checkpoint
 
@@ -86,6 +89,11 @@ class Spectra(Measurement):
   cg_iters: int = setting(100, COUNT, "conjugate-gradient steps")
   max_dense_gib: float = setting(2.0, POSITIVE, "refuse a dense matrix "
                                  "larger than this")
+  share_references: bool = setting(
+      True, Flag(), "dense method in a sweep: keep each exact reference "
+      "(matrix and eigendecomposition) in the sweep folder's .references, "
+      "keyed by the parameters, examples, problem and code it was computed "
+      "from, so the sweep's other runs at the same point read it instead")
 
   def trains(self) -> bool:
     """Whether it trains to its steps (rather than starting from the
@@ -140,14 +148,23 @@ class Spectra(Measurement):
     scope = dict(data=self.data)
     tables = {name: [] for name in (*self.tables, "training")}
 
+    store = (ReferenceStore.of_run(ctx.run_dir.path)
+             if self.share_references else ReferenceStore(None))
+    key = dict(problem=dataclasses.asdict(ctx.run.problem))
+
     def at(step, point):
+      start = time.perf_counter()
       costs = Costs(log=ctx.log if ctx.run.progress else None, step=step,
                     **scope)
       point = devices.replicate(point, ctx.mesh)
       for name, rows in spectra.measure(
           ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
-          ctx.rng, costs).items():
+          ctx.rng, costs, store, key).items():
         tables[name] += [dict(step=step, **scope, **row) for row in rows]
+      # What the phases leave out (host work between them), so that the
+      # table adds up to the measurement's wall time.
+      costs.record("unaccounted", time.perf_counter() - start - sum(
+          row["compile_s"] + row["run_s"] for row in costs.rows))
       tables["cost"] += costs.rows
       if self.save_checkpoints:
         save_checkpoint(ctx, step, point)
@@ -161,8 +178,10 @@ class Spectra(Measurement):
     else:
       optimizer = ctx.run.optimizer
       trainer = optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh)
-      rows = training.run(ctx.problem, trainer, ctx.params,
-                          ctx.run.measure.training,
+      # Training stops at the last step measured.
+      until = dataclasses.replace(ctx.run.measure.training,
+                                  num_steps=steps[-1])
+      rows = training.run(ctx.problem, trainer, ctx.params, until,
                           jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
                           progress=ctx.run.progress, at_steps=steps,
                           on_step=at, mesh=ctx.mesh)
@@ -184,26 +203,32 @@ class Spectra(Measurement):
           ("quality_blocks", "Approximation quality per layer block",
            q[q.block != "all"])):
         if not part.empty:
-          out.append((name, title, aggregate.medians(
-              part, ["problem", "data", "step", "reference", "block_type",
-                     "label", "block"], "metric", "value")))
+          out.append((name, f"{title}: median over runs, quartiles, n "
+                      "runs", aggregate.over_runs(
+                          part, ["problem", "data", "step", "reference",
+                                 "block_type", "label", "block"], "metric",
+                          "value")))
     if "statistics" in tables:
-      out.append(("statistics", "Spectrum statistics", aggregate.medians(
-          tables["statistics"], ["problem", "label", "data", "step",
-                                 "source", "matrix"], "statistic", "value")))
+      out.append(("statistics", "Spectrum statistics: median over runs, "
+                  "quartiles, n runs (condition_number_at_least: the "
+                  "spectrum runs into the relative floor, so only a bound "
+                  "is known)", aggregate.over_runs(
+                      tables["statistics"], ["problem", "label", "data",
+                                             "step", "source", "matrix"],
+                      "statistic", "value")))
     if "cost" in tables:
-      cost = tables["cost"].groupby(["problem", "label", "data", "phase"],
-                                    dropna=False)
-      out.append(("cost", "Cost of each measured phase", cost[
-          ["compile_s", "run_s", "program_bytes"]].median().join(
-              cost.run_id.nunique().rename("n")).reset_index()))
+      out.append(("cost", "Cost of each measured phase: seconds (compile "
+                  "apart), median over runs, quartiles, n runs",
+                  aggregate.over_runs(cost_rows(tables["cost"]), [
+                      "problem", "label", "data", "step", "phase"], "cost",
+                      "value")))
     return out
 
   def figures(self, report, out):
     tables = completed(report.tables)
     paths = []
     if "spectra" in tables:
-      paths += plots.spectra(tables["spectra"], out)
+      paths += plots.spectra(tables["spectra"], out, colour=report.colour)
     if "heatmaps" in tables:
       paths += plots.heatmaps(tables["heatmaps"], out)
     if "quality" in tables:
@@ -212,10 +237,21 @@ class Spectra(Measurement):
       if along.any():
         paths += plots.quality_through_training(q[along], out, report.colour)
       if (~along).any():
-        paths += plots.quality(q[~along], out)
+        paths += plots.quality(q[~along], out, report.colour)
     if "statistics" in tables:
-      paths += plots.statistics(tables["statistics"], out)
+      paths += plots.statistics(tables["statistics"], out, report.colour)
     return paths
+
+
+def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
+  """The cost table long: one row per run, phase and cost (`compile_s`,
+  `run_s`, `program_mib`), a run's repeated phases summed."""
+  cost = cost.assign(program_mib=cost.program_bytes / 2 ** 20)
+  index = ["problem", "label", "data", "step", "phase", "run_id"]
+  summed = cost.groupby(index, dropna=False).agg(
+      compile_s=("compile_s", "sum"), run_s=("run_s", "sum"),
+      program_mib=("program_mib", "max")).reset_index()
+  return summed.melt(index, var_name="cost", value_name="value")
 
 
 def completed(tables: dict) -> dict:

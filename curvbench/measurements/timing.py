@@ -29,8 +29,10 @@ class Timing(Measurement):
       "the phases to time (adam_step always is; curvature phases only "
       "where the optimizer uses a curvature)")
   warmup: int = setting(2, Whole(0), "untimed repeats first")
-  repeats: int = setting(10, Whole(1), "timed repeats; each repeat of the "
-                         "two steps times one cycle of each, in turn")
+  repeats: int = setting(30, Whole(1), "timed repeats; each repeat of the "
+                         "two steps times one cycle of each, in turn (with "
+                         "30, two runs on an idle machine gave step ratios "
+                         "within 10 % of each other)")
   damping: float = setting(1e-3, POSITIVE, "of the curvature phases")
   learning_rate: float = setting(1e-2, POSITIVE, "of grad_step")
   baseline: Adam = dataclasses.field(default_factory=Adam)
@@ -63,22 +65,24 @@ class Timing(Measurement):
     steps = t[t.phase == "optimizer_step"] if "ratio_to_adam_step" in t \
         else t.iloc[:0]
     if not steps.empty:
-      g = steps.groupby(index, dropna=False)
-      out.append((
-          "step_ratio", "Optimizer step / Adam step (same problem, same "
-          "process)", g.agg(step_s=("median_s", "median"),
-                            ratio_to_adam_step=("ratio_to_adam_step",
-                                                "median"),
-                            compile_s=("compile_s", "median"),
-                            n=("run_id", "nunique")).reset_index()))
-    out.append(("timing", "Time per phase / time of a gradient step",
-                aggregate.medians(t, index, "phase", "ratio_to_grad_step")))
-    seconds = t.pivot_table(index=index, columns="phase",
-                            values=["median_s", "compile_s"],
-                            aggfunc="median")
-    seconds.columns = [f"{p}_{v}" for v, p in seconds.columns]
-    out.append(("timing_seconds", "Seconds per phase (median) and compile "
-                "time", seconds.reset_index()))
+      out.append(("step_ratio", "Optimizer step / Adam step (same problem, "
+                  "same process): median over runs with quartiles over "
+                  "runs, or for one run over its paired repeats; n runs, "
+                  "repeats per run", step_ratio(steps, index)))
+    unit, of = (("ratio_to_adam_step", "an Adam step")
+                if "ratio_to_adam_step" in t
+                else ("ratio_to_grad_step", "a gradient step"))
+    out.append(("timing", f"Time per phase / time of {of}: median over runs, "
+                "quartiles, n runs", aggregate.over_runs(t, index, "phase",
+                                                        unit)))
+    seconds = t.melt([*index, "run_id", "phase"], ["median_s", "compile_s"],
+                     "what", "seconds")
+    seconds["phase"] = seconds.phase + " " + seconds.what.str.removesuffix(
+        "_s").str.replace("median", "run")
+    out.append(("timing_seconds", "Seconds per phase (run: the median of a "
+                "run's repeats; compile: once): median over runs, quartiles, "
+                "n runs", aggregate.over_runs(seconds, index, "phase",
+                                              "seconds")))
     if "program_bytes" in t:  # records from before memory was recorded
       out.append(("timing_memory", "Memory per phase (MiB): XLA's figure for "
                   "its program; the device's peak where measured",
@@ -91,17 +95,35 @@ class Timing(Measurement):
     return plots.timing(report.tables["timing"], out)
 
 
+def step_ratio(steps: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+  """Per `index`: the optimizer step's seconds and compile seconds and its
+  ratio to the Adam step (median over runs), the ratio's quartiles (over
+  runs; for one run, over its repeats, each paired with the Adam sample
+  beside it), `n` runs and `repeats` per run."""
+  def one(group):
+    ratio = group.ratio_to_adam_step
+    alone = len(group) == 1 and "ratio_to_adam_q25" in group
+    return pd.Series(dict(
+        step_s=group.median_s.median(), compile_s=group.compile_s.median(),
+        ratio_to_adam_step=ratio.median(),
+        q25=group.ratio_to_adam_q25.iloc[0] if alone else ratio.quantile(.25),
+        q75=group.ratio_to_adam_q75.iloc[0] if alone else ratio.quantile(.75),
+        spread_over="repeats" if alone else "runs",
+        n=group.run_id.nunique(), repeats=group.repeats.median()))
+
+  return steps.groupby(index, dropna=False).apply(
+      one, include_groups=False).reset_index()
+
+
 def memory(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
-  """MiB per phase: the median of XLA's figure for the phase's compiled
-  program (`program_bytes`) and, where the device measured one, the median
-  over runs of the device's peak (`device_peak_mib`)."""
-  mib = rows.assign(program_mib=rows.program_bytes / 2 ** 20)
-  table = aggregate.medians(mib, index, "phase", "program_mib")
+  """MiB per phase, median over runs with quartiles and `n` runs: XLA's
+  figure for the phase's compiled program and, where the device measured
+  one, the device's peak over the whole run (phase `device peak`)."""
+  mib = rows.assign(mib=rows.program_bytes / 2 ** 20)
   peaks = rows.get("device_peak_bytes")
   if peaks is not None and peaks.notna().any():
-    per_run = rows.groupby([*index, "run_id"], dropna=False)[
-        "device_peak_bytes"].max() / 2 ** 20
-    peak = per_run.groupby(level=index, dropna=False).median()
-    table = table.merge(peak.rename("device_peak_mib").reset_index(),
-                        on=index, how="left")
-  return table
+    peak = rows.groupby([*index, "run_id"], dropna=False)[
+        "device_peak_bytes"].max().reset_index()
+    mib = pd.concat([mib, peak.assign(phase="device peak",
+                                      mib=peak.device_peak_bytes / 2 ** 20)])
+  return aggregate.over_runs(mib, index, "phase", "mib")

@@ -10,6 +10,13 @@ best (Frobenius) diagonal approximation of the per-row curvature in `U`.
 A row's gradient `x̃ dyᵀ` projects to `(U_Aᵀ x̃) (U_Gᵀ dy)ᵀ`, so its squares
 are an outer product of elementwise squares and `s` never needs per-example
 gradients.
+
+A convolution has several rows (output locations) per example. George et
+al. fit `s` to the per-example gradients `Σ_l x̃_l dy_lᵀ`, which makes
+`U diag(s) Uᵀ` the Frobenius-nearest matrix of that form to the layer's
+curvature; `Conv2DEKFAC` does so by default. Fitting to each location's
+gradient alone (`scalings="per_location"`) drops the cross-location terms, as
+K-FAC's conv factors do.
 """
 
 from __future__ import annotations
@@ -267,11 +274,60 @@ class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):
 
 
 class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
-  """EKFAC for 2-D convolutions, per output location as in K-FAC's conv
-  approximation: one row per example and location, `fixed_scale()` the
-  number of locations. Same layer restrictions as
-  `Conv2DTwoKroneckerFactored`.
+  """EKFAC for 2-D convolutions.
+
+  Factors, basis and `fixed_scale()` (the number of locations) are those of
+  `Conv2DTwoKroneckerFactored`, with its layer restrictions. The scalings
+  are fitted either to each example's gradient (`"per_example"`, George et
+  al. 2018, the default) or to each output location's share of it
+  (`"per_location"`, one row per example and location, like K-FAC's conv
+  factors). Either way the block is `num_locations * U diag(s) Uᵀ`.
   """
+
+  SCALINGS = ("per_example", "per_location")
+
+  def __init__(self, layer_tag_eq, name: str, scalings: str = "per_example"):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the conv2d tag's jaxpr equation.
+      name: the block's name in messages.
+      scalings: `"per_example"` fits `s` to the second moments of the
+        per-example gradients in the eigenbasis, the Frobenius-optimal
+        diagonal there; `"per_location"` to those of the per-location
+        gradients, ignoring how locations of one example correlate.
+
+    Raises:
+      ValueError: for another `scalings`, or a layer the block cannot take.
+    """
+    if scalings not in self.SCALINGS:
+      raise ValueError(
+          f"Conv2DEKFAC(scalings={scalings!r}) for block {name!r}: choose "
+          f"one of {', '.join(map(repr, self.SCALINGS))}.")
+    self._scalings = scalings
+    super().__init__(layer_tag_eq, name)
+
+  @property
+  def scalings(self) -> str:
+    """How the scalings are fitted: "per_example" or "per_location"."""
+    return self._scalings
+
+  def _batch_scalings(self, estimation_data, batch_size, u_a, u_g):
+    """Per example: `(1/(B L)) Σ_{s,n} (U_Aᵀ G_sn U_G)²`, where
+    `G_sn = Σ_l x̃_nl dy_snlᵀ` and L the locations (the `1/L` is undone by
+    `fixed_scale()`, as for the per-location rows)."""
+    if self._scalings == "per_location":
+      return super()._batch_scalings(estimation_data, batch_size, u_a, u_g)
+    px, pg, locations = self._projected_rows(estimation_data, u_a, u_g)
+    # Rows are example-major, so each example's locations are contiguous.
+    px = px.reshape(-1, locations, px.shape[-1])
+    pg = pg.reshape(pg.shape[0], -1, locations, pg.shape[-1])
+    # Projecting is linear, so the projected per-example gradient is the sum
+    # over locations of the projected rows' outer products: one (i, o)
+    # matrix per sample and example, never a dense (P, P) one.
+    projected = jnp.einsum("nli,snlo->snio", px, pg)
+    return (jnp.sum(jnp.square(projected), axis=(0, 1))
+            / (batch_size * locations))
 
   def _projected_rows(self, estimation_data, inputs_basis, outputs_basis):
     (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]

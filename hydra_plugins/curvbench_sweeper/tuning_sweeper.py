@@ -49,8 +49,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, devices, measurements, records, runs
 
-# In a sweep directory: it is curvbench's (see `records.claim`).
-SWEEP_MARKER = ".curvbench-sweep"
+SWEEP_MARKER = records.SWEEP_MARKER  # see `records.claim`
 
 
 @dataclass

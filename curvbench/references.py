@@ -1,0 +1,96 @@
+"""Exact reference matrices computed once and shared by the runs of a sweep.
+
+A sweep over approximations measures each of them against the same exact
+GGN, Fisher or Hessian at the same points. The `ReferenceStore` of a sweep
+folder (`<sweep>/.references`) keeps each dense reference with its
+eigendecomposition, so only the first run computes them.
+
+An entry's key is the content it was computed from, not the config that led
+there: a hash of the parameters and the examples (their bytes), the
+problem's settings (the model and loss), the matrix, the precision and the
+code. Runs whose trajectories differ (another optimizer, seed or step) hold
+other parameters and never share; runs that reach identical parameters do,
+whatever else their configs say. Entries are written atomically (a
+temporary file, then a rename) and checked against their key when read, so
+runs launched in parallel at worst compute an entry twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from curvbench import provenance, records
+
+MARKER = ".curvbench-references"  # the store folder is curvbench's
+FOLDER = ".references"
+
+
+def content_hash(*trees) -> str:
+  """sha256 over the shapes, dtypes and bytes of every leaf of `trees`."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(trees):
+    leaf = np.asarray(leaf)
+    digest.update(f"{leaf.shape}{leaf.dtype}".encode())
+    digest.update(np.ascontiguousarray(leaf).tobytes())
+  return digest.hexdigest()
+
+
+class ReferenceStore:
+  """Dense references keyed by content, in `folder` (None: keeps nothing,
+  every reference is computed)."""
+
+  def __init__(self, folder: Path | None):
+    self.folder = None if folder is None else Path(folder)
+
+  @classmethod
+  def of_run(cls, run_dir: Path) -> ReferenceStore:
+    """The store of the sweep that `run_dir` belongs to; one that keeps
+    nothing for a run on its own."""
+    sweep = Path(run_dir).parent
+    if not (sweep / records.SWEEP_MARKER).exists():
+      return cls(None)
+    return cls(sweep / FOLDER)
+
+  def get(self, key: dict, compute: Callable[[], dict[str, np.ndarray]]
+          ) -> tuple[dict[str, np.ndarray], bool]:
+    """`(arrays, shared)`: the entry for `key`, read from the store where an
+    earlier run wrote it (`shared` True), else `compute()`d and stored."""
+    if self.folder is None:
+      return compute(), False
+    text = json.dumps(dict(key, code=provenance.code_version()["code"]),
+                      sort_keys=True, default=str)
+    path = self.folder / (hashlib.sha256(text.encode()).hexdigest()[:24]
+                          + ".npz")
+    found = self._read(path, text)
+    if found is not None:
+      return found, True
+    arrays = compute()
+    records.claim(self.folder, MARKER, "a reference store")
+    records.atomic_write(path, lambda tmp: _save(tmp, text, arrays))
+    return arrays, False
+
+  @staticmethod
+  def _read(path: Path, text: str) -> dict[str, np.ndarray] | None:
+    """The entry at `path` if it is whole and made for `text`; None else
+    (absent, damaged or a hash collision: then it is computed anew)."""
+    if not path.exists():
+      return None
+    try:
+      with np.load(path, allow_pickle=False) as entry:
+        if str(entry["key"]) != text:
+          return None
+        return {name: entry[name] for name in entry.files if name != "key"}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+      return None
+
+
+def _save(tmp: str, text: str, arrays: dict[str, np.ndarray]) -> None:
+  with open(tmp, "wb") as f:
+    np.savez(f, key=np.array(text), **arrays)

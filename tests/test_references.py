@@ -1,0 +1,110 @@
+"""The reference store: exact matrices computed once per content and shared
+by a sweep's runs, never confused, never written into a foreign folder."""
+
+import jax
+import numpy as np
+import pandas as pd
+import pytest
+
+from curvbench import records, spectra
+from curvbench.costs import Costs
+from curvbench.references import ReferenceStore, content_hash
+from tests.test_spectra import make, spec
+
+KEY = dict(problem={"name": "tiny"})
+
+
+def counted(value):
+  calls = []
+
+  def compute():
+    calls.append(1)
+    return dict(matrix=np.full((2, 2), value))
+
+  return compute, calls
+
+
+def test_an_entry_is_computed_once_and_read_back_for_the_same_key(tmp_path):
+  store = ReferenceStore(tmp_path / "refs")
+  compute, calls = counted(1.0)
+  first, shared = store.get(KEY, compute)
+  assert not shared and len(calls) == 1
+  again, shared = store.get(KEY, compute)
+  assert shared and len(calls) == 1
+  np.testing.assert_array_equal(again["matrix"], first["matrix"])
+  other, calls_other = counted(2.0)
+  found, shared = store.get(dict(KEY, matrix="hessian"), other)
+  assert not shared and found["matrix"][0, 0] == 2.0 and calls_other
+
+
+def test_a_damaged_entry_is_computed_anew(tmp_path):
+  store = ReferenceStore(tmp_path / "refs")
+  compute, calls = counted(1.0)
+  store.get(KEY, compute)
+  [entry] = (tmp_path / "refs").glob("*.npz")
+  entry.write_bytes(entry.read_bytes()[:40])  # truncated
+  found, shared = store.get(KEY, compute)
+  assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 1.0
+
+
+def test_without_a_folder_nothing_is_kept(tmp_path):
+  compute, calls = counted(1.0)
+  store = ReferenceStore(None)
+  store.get(KEY, compute)
+  store.get(KEY, compute)
+  assert len(calls) == 2
+
+
+def test_the_store_never_writes_into_a_folder_it_did_not_make(tmp_path):
+  folder = tmp_path / "refs"
+  folder.mkdir()
+  (folder / "mine.npz").write_bytes(b"a user's file")
+  with pytest.raises(records.ForeignFolder, match="mine.npz"):
+    ReferenceStore(folder).get(KEY, counted(1.0)[0])
+  assert [p.name for p in folder.iterdir()] == ["mine.npz"]
+  assert (folder / "mine.npz").read_bytes() == b"a user's file"
+
+
+def test_a_run_in_a_sweep_folder_uses_the_sweeps_store(tmp_path):
+  assert ReferenceStore.of_run(tmp_path / "run").folder is None
+  (tmp_path / records.SWEEP_MARKER).touch()
+  assert ReferenceStore.of_run(tmp_path / "run").folder == (
+      tmp_path / ".references")
+
+
+def test_content_hash_tells_apart_values_shapes_and_dtypes():
+  a = {"w": np.zeros(3)}
+  assert content_hash(a) == content_hash({"w": np.zeros(3)})
+  assert content_hash(a) != content_hash({"w": np.ones(3)})
+  assert content_hash(a) != content_hash({"w": np.zeros((3, 1))})
+  assert content_hash(a) != content_hash({"w": np.zeros(3, np.float32)})
+
+
+def test_two_approximations_share_the_exact_reference_and_agree(tiny,
+                                                               tmp_path):
+  """The second approximation reads the GGN the first computed, and its
+  records equal those computed without the store; other parameters make
+  another entry."""
+  p, params, batch = tiny
+  store = ReferenceStore(tmp_path / "refs")
+  key = jax.random.PRNGKey(1)
+
+  def measure(name, at=params, with_store=store):
+    costs = Costs()
+    tables = spectra.measure(p.loss_fn, make(tiny, name), at, batch, spec(),
+                             key, costs, with_store, KEY)
+    return tables, {row["phase"] for row in costs.rows}
+
+  _, phases = measure("kfac")
+  assert "exact ggn" in phases and "eigh exact ggn" in phases
+  shared, phases = measure("diagonal")
+  assert "exact ggn" not in phases and "eigh exact ggn" not in phases
+  assert "exact ggn (read from the reference store)" in phases
+  alone, _ = measure("diagonal", with_store=ReferenceStore(None))
+  for table in ("spectra", "quality", "statistics"):
+    pd.testing.assert_frame_equal(pd.DataFrame(shared[table]),
+                                  pd.DataFrame(alone[table]))
+  moved = jax.tree.map(lambda x: x * 1.01, params)
+  _, phases = measure("diagonal", at=moved)
+  assert "exact ggn" in phases
+  assert len(list((tmp_path / "refs").glob("*.npz"))) == 2
