@@ -10,7 +10,7 @@ from estimators import blocks, curvature, estimation_modes, losses, patches
 from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
     EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce, Conv2DTNT,
-    DenseEKFAC, DenseTNT, NaiveTNT, RepeatedDenseKFACExpand,
+    DenseEKFAC, DenseTNT, EmbeddingKFAC, NaiveTNT, RepeatedDenseKFACExpand,
     RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull,
     Conv2DTwoKroneckerFactored, DenseDiagonal, DenseFull,
     DenseTwoKroneckerFactored, Diagonal, ExplicitFull, Full, NaiveDiagonal,
@@ -42,7 +42,7 @@ from estimators.losses import (
 from estimators.patches import patches_moments, patches_moments_explicit
 from estimators.tags import (
     LayerTag, LossTag, register_conv2d, register_dense, register_generic,
-    register_repeated_dense, register_scale_and_shift)
+    register_embedding, register_repeated_dense, register_scale_and_shift)
 from estimators.tracer import (
     ProcessedJaxpr, StackedLayerTag, TracingError, layer_tags_vjp,
     loss_tags_hvp, loss_tags_jvp, loss_tags_linearize, loss_tags_vjp)
@@ -62,7 +62,7 @@ __all__ = [
     "loss_functions", "patches_second_moment", "tag_graph_matcher",
     # curvature blocks and their settings
     "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce", "Conv2DTNT",
-    "DenseEKFAC", "DenseTNT", "EKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
+    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
     "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull",
     "Conv2DTwoKroneckerFactored", "CurvatureBlock", "DenseDiagonal",
     "DenseFull", "DenseTwoKroneckerFactored", "Diagonal", "ExplicitFull",
@@ -96,7 +96,8 @@ __all__ = [
     "patches_moments", "patches_moments_explicit",
     # tags
     "LayerTag", "LossTag", "register_conv2d", "register_dense",
-    "register_generic", "register_repeated_dense", "register_scale_and_shift",
+    "register_embedding", "register_generic", "register_repeated_dense",
+    "register_scale_and_shift",
     # tracer
     "ProcessedJaxpr", "StackedLayerTag", "TracingError", "layer_tags_vjp",
     "loss_tags_hvp", "loss_tags_jvp", "loss_tags_linearize", "loss_tags_vjp",

@@ -51,7 +51,9 @@ class GraphMatcherComparator:
   except for `ignored_params`; primitives in `params_free_primitives` match
   whatever their parameters (a convolution's strides, padding etc. are read
   from the match instead), and `dot_general` axes are counted from the last
-  axis, so a matmul over extra leading axes matches the 2-D one. Equations
+  axis, so a matmul over extra leading axes matches the 2-D one (and an
+  `iota`, as in `jax.nn.one_hot`, matches whatever its size and rank when
+  it counts along the same axis from the end). Equations
   of `layout_primitives` are looked through, and `commutative_primitives`
   may have their two operands matched in either order.
   """
@@ -100,6 +102,9 @@ class GraphMatcherComparator:
       True when they are equivalent under the rules of the class docstring.
     """
     name = pattern_eqn.primitive.name
+    if name == "iota" == graph_eqn.primitive.name:  # as `dot_general`
+      return (_iota_axis(graph_eqn) == _iota_axis(pattern_eqn)
+              and graph_eqn.params["dtype"] == pattern_eqn.params["dtype"])
     if (name != graph_eqn.primitive.name
         or len(pattern_eqn.invars) != len(graph_eqn.invars)
         or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):
@@ -125,6 +130,11 @@ def _dot_axes_from_end(eqn):
   lhs, rhs = (v.aval.ndim for v in eqn.invars)
   return tuple(tuple(a - n for a in axes)
                for axes, n in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+
+
+def _iota_axis(eqn):
+  """The axis an `iota` counts along, from the last axis."""
+  return eqn.params["dimension"] - len(eqn.params["shape"])
 
 
 def _call_body(eqn):
@@ -335,6 +345,26 @@ def dense_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   return y + b[0] if b else y
 
 
+def embedding_layer(ids: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
+  """An embedding lookup as a dense layer on one-hot inputs,
+  `jax.nn.one_hot(ids, vocab) @ table`.
+
+  Args:
+    ids: integer token ids.
+    params: `[table]`, `(vocab, d_out)`.
+
+  Returns:
+    The layer's output, `ids.shape + (d_out,)`.
+  """
+  (w,) = params
+  return jnp.matmul(jax.nn.one_hot(ids, w.shape[0], dtype=w.dtype), w)
+
+
+def _squeeze_last(ins):
+  """The ids before `one_hot` gave them a trailing unit axis."""
+  return [jnp.reshape(ins[0], jnp.shape(ins[0])[:-1])]
+
+
 def conv2d_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   """An unstrided, unpadded NHWC/HWIO 2-D convolution (plus a bias).
 
@@ -400,7 +430,8 @@ def _conv2d_extractor(eqns):
 
 def _default_patterns():
   """KFAC-JAX's documented patterns, in its order, plus a scale-only Haiku
-  normalization (Haiku's norms with `create_offset=False`).
+  normalization (Haiku's norms with `create_offset=False`), and first an
+  embedding lookup written `jax.nn.one_hot(ids, vocab) @ table`.
 
   `_broadcast_1` patterns match layers that broadcast a parameter against
   the input (the usual case: a batch axis in front), `_broadcast_0` ones
@@ -437,7 +468,12 @@ def _default_patterns():
   conv = functools.partial(GraphPattern, tag_primitive=tags.conv2d,
                            compute_func=conv2d_layer,
                            parameters_extractor_func=_conv2d_extractor)
-  return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
+  embedding = GraphPattern(
+      "embedding", tags.embedding, embedding_layer, lambda eqns: {},
+      [z((2,), np.int32), [z((5, 3))]], in_values_preprocessor=_squeeze_last,
+      precedence=1)  # before the dense patterns, which match its matmul
+  return (embedding,
+          dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
           conv("conv2d_no_bias", example_args=[img, [kernel]]),
@@ -585,6 +621,10 @@ def _check_tag(tag, y, xs, ps, uses, meta):
     if len(ps) == 2 and (ps[1] != (w[1],) or not aligned_right(1, len(y))):
       return None
     return tags.dense if len(x) == 2 else tags.repeated_dense
+  if tag is tags.embedding:
+    if len(xs) != 1 or len(ps) != 1 or len(ps[0]) != 2 or not unchanged(0):
+      return None
+    return tag if y == xs[0] + (ps[0][1],) and len(xs[0]) >= 1 else None
   if tag is tags.conv2d:
     dn = meta.get("dimension_numbers")
     if (len(xs) != 1 or len(ps) not in (1, 2) or len(xs[0]) != 4
@@ -620,6 +660,8 @@ def _bind_tag(tag, meta, y, xs, ps):
     return tags.register_dense(y, *xs, *ps, **meta)
   if tag is tags.repeated_dense:
     return tags.register_repeated_dense(y, *xs, *ps, **meta)
+  if tag is tags.embedding:
+    return tags.register_embedding(y, *xs, *ps, **meta)
   if tag is tags.conv2d:
     return tags.register_conv2d(y, *xs, *ps, **meta)
   if tag is tags.scale_and_shift:

@@ -199,6 +199,7 @@ dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1)
 repeated_dense = LayerTag("repeated_dense_tag", num_inputs=1, num_outputs=1)
 conv2d = LayerTag("conv2d_tag", num_inputs=1, num_outputs=1)
 scale_and_shift = LayerTag("scale_and_shift_tag", num_inputs=1, num_outputs=1)
+embedding = LayerTag("embedding_tag", num_inputs=1, num_outputs=1)
 
 
 def is_loss_tag_eqn(eqn: Any) -> bool:
@@ -305,6 +306,35 @@ def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
   _check_dense(x, w, b, "register_repeated_dense", repeated=True)
   operands = (y, x, w) if b is None else (y, x, w, b)
   return _single(repeated_dense.bind(*operands, **kwargs))
+
+
+def register_embedding(y: jax.Array, ids: jax.Array, w: jax.Array,
+                       **kwargs: Any) -> jax.Array:
+  """Tags an embedding lookup `y = one_hot(ids) @ w`, i.e. `w[ids]`.
+
+  It is a dense layer on one-hot inputs, applied at every position; its
+  curvature block keeps the (diagonal) input factor as a vector.
+
+  Args:
+    y: the layer's output, `ids.shape + (d_out,)`.
+    ids: the integer token ids (any float holding integers is accepted),
+      batch axis first.
+    w: the table, `(vocab, d_out)`.
+    **kwargs: hashable constants kept on the tag.
+
+  Returns:
+    `y`, unchanged.
+
+  Raises:
+    ValueError: if the shapes do not fit an embedding lookup.
+  """
+  if (jnp.ndim(w) != 2 or jnp.ndim(ids) < 1
+      or jnp.shape(y) != jnp.shape(ids) + (jnp.shape(w)[1],)):
+    raise ValueError(
+        "register_embedding: needs ids (batch, ...), a table (vocab, d_out) "
+        f"and outputs ids.shape + (d_out,); got ids {jnp.shape(ids)}, table "
+        f"{jnp.shape(w)}, outputs {jnp.shape(y)}.")
+  return _single(embedding.bind(y, ids, w, **kwargs))
 
 
 def _check_dense(x, w, b, fn, repeated):

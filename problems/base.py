@@ -33,6 +33,16 @@ def softmax_cross_entropy(logits, labels):
   return -jnp.mean(jnp.take_along_axis(log_p, labels[:, None], axis=1))
 
 
+def sequence_softmax_cross_entropy(logits, labels):
+  """Mean over the batch and the positions of `-log softmax(logits)[label]`
+  for logits `(batch, positions, classes)`: registered as one categorical
+  loss per example summed over its positions, weighted by 1 / positions."""
+  logits = kfac.register_softmax_cross_entropy_loss(
+      logits, labels, weight=1.0 / logits.shape[1])
+  log_p = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1))
+
+
 def sigmoid_cross_entropy(logits, targets):
   """Mean over the batch of the summed Bernoulli NLL of `targets`, registered."""
   logits = kfac.register_sigmoid_cross_entropy_loss(logits, targets)
@@ -48,6 +58,7 @@ def squared_error(prediction, targets):
 
 
 LOSSES = {"softmax_cross_entropy": softmax_cross_entropy,
+          "sequence_softmax_cross_entropy": sequence_softmax_cross_entropy,
           "sigmoid_cross_entropy": sigmoid_cross_entropy,
           "squared_error": squared_error}
 
@@ -200,6 +211,9 @@ class ProblemSettings(Component, abc.ABC):
   data: Any = setting(None, Choice(DATASETS),
                       "the dataset: choose with problem/data=NAME")
   default_data: ClassVar[str] = "digits"
+  # Whether the model reads token sequences (datasets with `tokens`) and
+  # predicts a token at every position; the others read arrays of numbers.
+  sequence_model: ClassVar[bool] = False
 
   @abc.abstractmethod
   def build(self, data: Dataset) -> Problem:
@@ -212,6 +226,14 @@ class ProblemSettings(Component, abc.ABC):
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
+    if self.data.tokens != self.sequence_model:
+      wanted = "token sequences" if self.sequence_model else "numeric arrays"
+      fits = [n for n in DATASETS
+              if DATASETS.defaults(n).tokens == self.sequence_model]
+      yield (f"{prefix}.data: problem {self.name!r} reads {wanted} but "
+             f"dataset {self.data.name!r} does not hold them; choose "
+             f"problem/data={' or '.join(fits)}.")
+      return
     yield from self.disagreements_with(self.data, prefix)
     sizes = self.data.sizes()
     if sizes is not None and self.batch_size > sizes[0]:

@@ -28,6 +28,7 @@ _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
     "conv2d_tag": curvature_blocks.Conv2DTwoKroneckerFactored,
     "generic_tag": curvature_blocks.NaiveDiagonal,
     "scale_and_shift_tag": curvature_blocks.ScaleAndShiftDiagonal,
+    "embedding_tag": curvature_blocks.EmbeddingKFAC,
 }
 
 

@@ -3,6 +3,7 @@ and how it is read or generated (`load`)."""
 
 import abc
 import dataclasses
+from typing import ClassVar
 from pathlib import Path
 
 from components import Component, Registry, Whole, setting
@@ -15,6 +16,9 @@ class DatasetSettings(Component, abc.ABC):
   """What every dataset is asked: its split sizes, its input shape before
   it is loaded, and its arrays (`load`)."""
 
+  # Whether inputs are integer token ids and targets the next token at
+  # every position (for sequence models, `ProblemSettings.sequence_model`).
+  tokens: ClassVar[bool] = False
   num_train: int | None = setting(
       None, Whole(1, null=True), "the first N training examples (null: all)")
   num_test: int | None = setting(

@@ -49,6 +49,7 @@ class Modular(DatasetSettings):
   last one being `c`."""
 
   name: str = "modular"
+  tokens = True
   modulus: int = setting(23, Whole(2), "p: numbers are taken mod p "
                          "(prime for division)")
   operation: str = setting("+", OneOf(OPERATIONS), "the operation op")

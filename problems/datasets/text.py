@@ -70,6 +70,7 @@ class CharText(DatasetSettings):
   other; the last `test_fraction` of them are the test split."""
 
   name: str = "text"
+  tokens = True
   path: str | None = setting(None, Text(null=True),
                              "the UTF-8 text file to model (required)")
   seq_len: int = setting(16, Whole(1), "characters per example")
