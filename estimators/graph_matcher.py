@@ -53,7 +53,8 @@ class GraphMatcherComparator:
   from the match instead), and `dot_general` axes are counted from the last
   axis, so a matmul over extra leading axes matches the 2-D one (and an
   `iota`, as in `jax.nn.one_hot`, matches whatever its size and rank when
-  it counts along the same axis from the end). Equations
+  it counts along the same axis from the end, integers matching any
+  integer type). Equations
   of `layout_primitives` are looked through, and `commutative_primitives`
   may have their two operands matched in either order.
   """
@@ -104,7 +105,8 @@ class GraphMatcherComparator:
     name = pattern_eqn.primitive.name
     if name == "iota" == graph_eqn.primitive.name:  # as `dot_general`
       return (_iota_axis(graph_eqn) == _iota_axis(pattern_eqn)
-              and graph_eqn.params["dtype"] == pattern_eqn.params["dtype"])
+              and jnp.issubdtype(graph_eqn.params["dtype"], jnp.integer)
+              == jnp.issubdtype(pattern_eqn.params["dtype"], jnp.integer))
     if (name != graph_eqn.primitive.name
         or len(pattern_eqn.invars) != len(graph_eqn.invars)
         or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):

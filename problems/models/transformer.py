@@ -31,12 +31,12 @@ class Embed(hk.Module):
     super().__init__(name=name)
     self.vocab, self.width = vocab, width
 
-  def table(self):
-    return hk.get_parameter("embeddings", (self.vocab, self.width),
+  def table(self, dtype):
+    return hk.get_parameter("embeddings", (self.vocab, self.width), dtype,
                             init=hk.initializers.RandomNormal(1.0))
 
   def __call__(self, ids, dtype):
-    table = self.table().astype(dtype)
+    table = self.table(dtype)
     return jax.nn.one_hot(ids, self.vocab, dtype=table.dtype) @ table
 
 
@@ -86,7 +86,8 @@ class Transformer(ProblemSettings):
       dtype = x.dtype
       ids = x.astype(jnp.int32)
       tokens = Embed(vocab, self.width, name="token_embed")
-      positions = jnp.broadcast_to(jnp.arange(seq_len), ids.shape)
+      positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=ids.dtype),
+                                   ids.shape)
       h = tokens(ids, dtype) + Embed(seq_len, self.width,
                                      name="position_embed")(positions, dtype)
       for i in range(self.layers):
@@ -98,7 +99,7 @@ class Transformer(ProblemSettings):
             jax.nn.gelu(u))
       h = layer_norm("final_norm")(h)
       if self.tied:
-        return h @ tokens.table().astype(dtype).T / jnp.sqrt(self.width)
+        return h @ tokens.table(dtype).T / jnp.sqrt(self.width)
       return hk.Linear(vocab, name="logits")(h)
 
     return Problem.from_model(model, data, self, task="classification",

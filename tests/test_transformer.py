@@ -1,0 +1,184 @@
+"""The transformer problem and its token datasets: every parameter gets the
+block meant for it by automatic registration; the harness's exact GGN and
+Hessian products equal brute force; the embedding block's statistics equal
+K-FAC's for a dense layer on one-hot inputs while storing O(vocab) numbers;
+the datasets are fixed by their seed and say where a missing file goes."""
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import estimators as kfac
+import problems
+from curvbench import config, curvatures
+from problems import DATASETS
+from problems.datasets import modular
+
+TINY = dict(name="transformer", width=8, layers=1, heads=2, mlp_ratio=2,
+            batch_size=3, data=dict(name="modular", modulus=5))  # vocab 7
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  problem = problems.make(TINY)
+  params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
+  return problem, params, problem.fixed_batch(3, dtype=np.float64)
+
+
+def test_every_parameter_gets_the_block_meant_for_it(tiny):
+  problem, params, batch = tiny
+  report = kfac.registration_report(problem.loss_fn, (params, batch))
+  tag = {r["path"]: (r["tag"], r["source"]) for r in report}
+  assert len(tag) == len(jax.tree.leaves(params)) == 22
+  for path, (name, source) in tag.items():
+    if "embed" in path:
+      assert (name, source) == ("embedding_tag", "embedding"), path
+    elif "norm" in path:
+      assert name == "scale_and_shift_tag", path
+    else:  # attention projections, MLP and output layers
+      assert (name, source) == ("repeated_dense_tag", "dense_with_bias"), path
+  rng = jax.random.PRNGKey(0)
+  expected = {"kfac": "RepeatedDenseTwoKroneckerFactored",
+              "kfac_reduce": "RepeatedDenseKFACReduce"}
+  for name, dense_block in expected.items():
+    curvature = config.load(config.compose(
+        "problem=transformer", f"curvature={name}")).curvature.make(
+            problem.loss_fn)
+    curvature.init(rng, params, batch)
+    classes = [b["block_class"] for b in curvature.registration()]
+    assert sorted(set(classes)) == sorted(
+        {"EmbeddingKFAC", "ScaleAndShiftDiagonal", dense_block}), name
+    assert classes.count("EmbeddingKFAC") == 2
+    dims = sum(b["dim"] for b in curvature.registration())
+    assert dims == problem.num_params
+
+
+def test_tied_output_layer_is_reported_as_shared():
+  problem = problems.make(dict(TINY, tied=True))
+  params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
+  batch = problem.fixed_batch(3, dtype=np.float64)
+  report = kfac.registration_report(problem.loss_fn, (params, batch))
+  table = next(r for r in report if r["path"] == "['token_embed']['embeddings']")
+  assert table["tag"] == "generic_tag" and table["source"].startswith(
+      "unmatched")
+  assert "logits" not in str([r["path"] for r in report])
+
+
+def _flat_loss_and_logits(problem, params, batch):
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  x, y = batch
+  return (flat, lambda f: problem.loss_fn(unravel(f), batch),
+          lambda f: problem.net.apply(unravel(f), x), y, unravel)
+
+
+def test_exact_ggn_and_hessian_products_equal_brute_force(tiny):
+  problem, params, batch = tiny
+  flat, loss, logits, _, unravel = _flat_loss_and_logits(problem, params,
+                                                         batch)
+  hessian = jax.hessian(loss)(flat)
+  out = logits(flat)  # (B, T, V)
+  b, t, v = out.shape
+  jac = jax.jacobian(logits)(flat).reshape(b * t, v, -1)
+  p = jax.nn.softmax(out).reshape(b * t, v)
+  h = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+  ggn = jnp.einsum("nvi,nvw,nwj->ij", jac, h, jac) / (b * t)
+  rng = jax.random.PRNGKey(1)
+  for name, truth in (("ggn", ggn), ("hessian", hessian)):
+    exact = curvatures.exact(name, problem.loss_fn, matrix_free=True)
+    state = curvatures.estimate(exact, rng, params, batch)
+    for seed in range(2):
+      vec = np.random.default_rng(seed).normal(size=len(flat))
+      got = jax.flatten_util.ravel_pytree(
+          exact.multiply(state, unravel(vec)))[0]
+      np.testing.assert_allclose(got, truth @ vec, rtol=1e-8,
+                                 atol=1e-10 * np.abs(truth @ vec).max())
+
+
+def _blocks(problem, params, batch, **kwargs):
+  est = kfac.BlockDiagonalCurvature(problem.loss_fn, **kwargs)
+  rng = jax.random.PRNGKey(2)
+  state = est.init(rng, (params, batch), exact_powers_to_cache=None)
+  state = est.update_curvature_matrix_estimate(
+      state, 0.0, 1.0, len(batch[0]), rng, (params, batch),
+      estimation_mode="ggn_exact")
+  return est, state
+
+
+def test_embedding_block_equals_kfac_of_a_one_hot_dense_layer(tiny):
+  problem, params, batch = tiny
+  est, state = _blocks(problem, params, batch)
+  dense_est, dense_state = _blocks(problem, params, batch,
+                                   patterns_to_skip=("embedding",))
+  names = ("['token_embed']['embeddings']", "['position_embed']['embeddings']")
+  for name in names:
+    i = next(i for i, b in enumerate(est.blocks) if b.name.startswith(name))
+    j = next(j for j, b in enumerate(dense_est.blocks) if b.name.startswith(name))
+    block, dense = est.blocks[i], dense_est.blocks[j]
+    assert type(block) is kfac.EmbeddingKFAC
+    assert type(dense) is kfac.RepeatedDenseTwoKroneckerFactored
+    s, d = state.blocks_states[i], dense_state.blocks_states[j]
+    vocab, width = block.parameters_shapes[0]
+    assert s.inputs_factor.value.shape == (vocab,)  # O(vocab), not vocab^2
+    np.testing.assert_allclose(jnp.diag(s.inputs_factor.value),
+                               d.inputs_factor.value, atol=1e-15)
+    np.testing.assert_allclose(s.outputs_factor.value,
+                               d.outputs_factor.value, rtol=1e-10,
+                               atol=1e-15)
+    assert block.fixed_scale() == dense.fixed_scale() == 4
+    vec = (jnp.asarray(np.random.default_rng(0).normal(size=(vocab, width))),)
+    for power, exact in ((1, True), (-1, True), (-0.5, True), (-1, False)):
+      np.testing.assert_allclose(
+          block.multiply_matpower(s, vec, 1e-2, power, exact, False)[0],
+          dense.multiply_matpower(d, vec, 1e-2, power, exact, False)[0],
+          rtol=1e-9, atol=1e-12)
+  # Brute force: A = the token frequencies over every position.
+  x = batch[0].astype(int)
+  i = next(i for i, b in enumerate(est.blocks) if b.name.startswith(names[0]))
+  counts = np.bincount(x.ravel(), minlength=7) / x.size
+  np.testing.assert_allclose(state.blocks_states[i].inputs_factor.value,
+                             counts, atol=1e-15)
+
+
+def test_modular_data_is_fixed_by_its_seed():
+  def load(**kw):
+    return DATASETS.load(dict(name="modular", modulus=7, **kw),
+                         "problem.data").load()
+  a, b, c = load(seed=3), load(seed=3), load(seed=4)
+  np.testing.assert_array_equal(a.x_train, b.x_train)
+  assert not np.array_equal(a.x_train, c.x_train)
+  assert len(a.x_train) + len(a.x_test) == 49 and a.num_classes == 9
+  x, y = a.x_train.astype(int), a.y_train
+  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # next tokens
+  np.testing.assert_array_equal((x[:, 0] + x[:, 2]) % 7, y[:, -1])
+  assert (x[:, 1] == 7).all() and (x[:, 3] == 8).all()
+  abc = modular.equations(7, "/")
+  np.testing.assert_array_equal(abc[:, 2] * abc[:, 1] % 7, abc[:, 0])
+
+
+def test_text_data_and_the_missing_file_error(tmp_path, monkeypatch):
+  monkeypatch.delenv("CURVBENCH_DATA", raising=False)
+  path = tmp_path / "book.txt"
+  path.write_text("héllo wörld, " * 20, encoding="utf-8")
+  settings = DATASETS.load(dict(name="text", path=str(path), seq_len=5),
+                           "problem.data")
+  data = settings.load()
+  assert data.num_classes == len(set("héllo wörld, "))
+  assert data.x_train.shape[1:] == (5,)
+  np.testing.assert_array_equal(data.x_train[:, 1:], data.y_train[:, :-1])
+  before = settings.fingerprint()
+  path.write_text("other text " * 30, encoding="utf-8")
+  assert settings.fingerprint() != before  # the file's sha256 is its identity
+  for given in (None, str(tmp_path / "missing.txt")):
+    with pytest.raises(FileNotFoundError,
+                       match=r"problem\.data\.path.*UTF-8 text file.*set "
+                             r"problem\.data\.path=/path/to/file\.txt"):
+      DATASETS.load(dict(name="text", path=given), "problem.data").load()
+
+
+def test_sequence_models_and_array_models_refuse_each_others_data():
+  with pytest.raises(config.ConfigError, match="token sequences"):
+    config.compose("problem=transformer", "problem/data=digits")
+  with pytest.raises(config.ConfigError, match="numeric arrays"):
+    config.compose("problem=mlp", "problem/data=modular")
