@@ -432,8 +432,8 @@ def _conv2d_extractor(eqns):
 
 def _default_patterns():
   """KFAC-JAX's documented patterns, in its order, plus a scale-only Haiku
-  normalization (Haiku's norms with `create_offset=False`), and first an
-  embedding lookup written `jax.nn.one_hot(ids, vocab) @ table`.
+  normalization (Haiku's norms with `create_offset=False`) and an embedding
+  lookup written `jax.nn.one_hot(ids, vocab) @ table` (tried first).
 
   `_broadcast_1` patterns match layers that broadcast a parameter against
   the input (the usual case: a batch axis in front), `_broadcast_0` ones
@@ -474,8 +474,7 @@ def _default_patterns():
       "embedding", tags.embedding, embedding_layer, lambda eqns: {},
       [z((2,), np.int32), [z((5, 3))]], in_values_preprocessor=_squeeze_last,
       precedence=1)  # before the dense patterns, which match its matmul
-  return (embedding,
-          dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
+  return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
           conv("conv2d_no_bias", example_args=[img, [kernel]]),
@@ -484,7 +483,8 @@ def _default_patterns():
           *(norm("normalization_haiku_scale_only", False, b)
             for b in (True, False)),
           *(ss("scale_only", True, False, b) for b in (True, False)),
-          *(ss("shift_only", False, True, b) for b in (True, False)))
+          *(ss("shift_only", False, True, b) for b in (True, False)),
+          embedding)
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()

@@ -512,10 +512,11 @@ def test_default_patterns_have_the_documented_names():
       "shift_only_broadcast_1", "shift_only_broadcast_0"]
   names = [p.name for p in gm.DEFAULT_GRAPH_PATTERNS]
   assert [n for n in names if n in documented] == documented
-  # The one addition: Haiku norms without an offset (e.g. RMSNorm).
+  # The additions: Haiku norms without an offset (e.g. RMSNorm), and
+  # embedding lookups as one-hot matmuls.
   assert set(names) - set(documented) == {
       "normalization_haiku_scale_only_broadcast_1",
-      "normalization_haiku_scale_only_broadcast_0"}
+      "normalization_haiku_scale_only_broadcast_0", "embedding"}
 
 
 def test_broadcast_0_and_1_patterns_split_scale_and_shift_layers():
