@@ -664,11 +664,23 @@ def _band(ax, x, lo, hi, colour):
   ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
 
 
+def _common_steps(runs: pd.DataFrame) -> pd.DataFrame:
+  """The rows up to the last step every seed reached (diverged seeds
+  aside): runs to a time budget end at different steps, and a median over
+  the seeds that ran longest would jump where the others stop."""
+  ends = runs.groupby("run_id").step.max()
+  if "diverged" in runs:
+    finished = ~runs.groupby("run_id").diverged.any().astype(bool)
+    ends = ends[finished] if finished.any() else ends
+  return runs[runs.step <= ends.min()]
+
+
 def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
              name: str = "training") -> list[Path]:
   """Per problem: the training error (else loss) against the step and
   against steady-state seconds, the median over seeds with the
-  interquartile band, test error as dots."""
+  interquartile band, test error as dots; each curve up to the step all
+  its seeds reached."""
   paths = []
   y, what = next(((c, w) for c, w in TRAINING_CURVES
                   if c in df and df[c].notna().any()), TRAINING_CURVES[-1])
@@ -680,7 +692,7 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
     for method, m in p.groupby("method"):
       for i, (label, runs) in enumerate(m.groupby("label")):
         n = runs.run_id.nunique()
-        g = runs.groupby("step")
+        g = _common_steps(runs).groupby("step")
         curve = g[y].median().dropna()
         if curve.empty:
           continue
@@ -706,7 +718,8 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
     axes[1].set(xlabel="seconds (compilation excluded)", yscale="log",
                 title=f"{problem}")
     _legend_below(fig, axes[0],
-                  title="median over seeds, band: quartiles; dots: test")
+                  title="median over seeds (to the step all reached), band: "
+                  "quartiles; dots: test")
     paths += save(fig, out / f"{name}_{problem}")
   return paths
 

@@ -445,3 +445,16 @@ def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
   legend = _legend_outside(fig)
   assert fig.axes[0].get_legend() is legend
   assert len(legend.get_texts()) == len(LONG)
+
+
+def test_training_curves_end_where_every_seed_has_a_value(drawn, tmp_path):
+  """Seeds trained to a time budget end at different steps: the median is
+  drawn to the last step all reached, a diverged seed aside."""
+  rows = [dict(problem="mlp", method="adam", label="adam", run_id=run,
+               step=step, wall_s=0.1 * step, train_error=1.0 / (1 + step),
+               diverged=run == "c" and step == end)
+          for run, end in (("a", 30), ("b", 50), ("c", 10))
+          for step in range(0, end + 1, 10)]
+  plots.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
+  steps_axis = drawn["training_mlp"].axes[0]
+  assert max(steps_axis.lines[0].get_xdata()) == 30

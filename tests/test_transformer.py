@@ -77,10 +77,10 @@ def test_exact_ggn_and_hessian_products_equal_brute_force(tiny):
   problem, params, batch = tiny
   flat, loss, logits, _, unravel = _flat_loss_and_logits(problem, params,
                                                          batch)
-  hessian = jax.hessian(loss)(flat)
+  hessian = jax.jit(jax.hessian(loss))(flat)
   out = logits(flat)  # (B, T, V)
   b, t, v = out.shape
-  jac = jax.jacobian(logits)(flat).reshape(b * t, v, -1)
+  jac = jax.jit(jax.jacobian(logits))(flat).reshape(b * t, v, -1)
   p = jax.nn.softmax(out).reshape(b * t, v)
   h = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
   ggn = jnp.einsum("nvi,nvw,nwj->ij", jac, h, jac) / (b * t)
@@ -88,10 +88,10 @@ def test_exact_ggn_and_hessian_products_equal_brute_force(tiny):
   for name, truth in (("ggn", ggn), ("hessian", hessian)):
     exact = curvatures.exact(name, problem.loss_fn, matrix_free=True)
     state = curvatures.estimate(exact, rng, params, batch)
+    multiply = jax.jit(exact.multiply)
     for seed in range(2):
       vec = np.random.default_rng(seed).normal(size=len(flat))
-      got = jax.flatten_util.ravel_pytree(
-          exact.multiply(state, unravel(vec)))[0]
+      got = jax.flatten_util.ravel_pytree(multiply(state, unravel(vec)))[0]
       np.testing.assert_allclose(got, truth @ vec, rtol=1e-8,
                                  atol=1e-10 * np.abs(truth @ vec).max())
 
