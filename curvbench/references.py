@@ -58,11 +58,16 @@ class ReferenceStore:
       return cls(None)
     return cls(sweep / FOLDER)
 
+  @property
+  def keeps(self) -> bool:
+    """Whether entries are kept (else every `get` computes)."""
+    return self.folder is not None
+
   def get(self, key: dict, compute: Callable[[], dict[str, np.ndarray]]
           ) -> tuple[dict[str, np.ndarray], bool]:
     """`(arrays, shared)`: the entry for `key`, read from the store where an
     earlier run wrote it (`shared` True), else `compute()`d and stored."""
-    if self.folder is None:
+    if not self.keeps:
       return compute(), False
     text = json.dumps(dict(key, code=provenance.code_version()["code"]),
                       sort_keys=True, default=str)

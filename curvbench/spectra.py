@@ -142,7 +142,7 @@ def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key):
                 eigenvectors=vectors)
 
   start = time.perf_counter()
-  found, shared = store.get(dict(key, matrix=matrix), compute)
+  found, shared = store.get(dict(key or {}, matrix=matrix), compute)
   if shared:
     costs.record(f"exact {matrix} (read from the reference store)",
                  time.perf_counter() - start)
@@ -212,9 +212,10 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
       "The dense spectra method",
       "use measure.spectra.method=lanczos (matrix-free)")
   references = list(dict.fromkeys([*cfg["references"], curvature.matrix]))
-  key = dict(key or {}, params=content_hash(params),
-             data=content_hash(data.chunks, data.rest),
-             precision=cfg["precision"])
+  if store.keeps:  # hashing the examples costs a pass over them
+    key = dict(key or {}, params=content_hash(params),
+               data=content_hash(data.chunks, data.rest),
+               precision=cfg["precision"])
   exact, exact_eighs = {}, {}
   for m in references:
     exact[m], exact_eighs[m] = _exact_reference(loss_fn, m, params, data,

@@ -156,7 +156,7 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   """
   num_steps, log_every, eval_every = (cfg.num_steps, cfg.log_every,
                                       cfg.eval_every)
-  budget = getattr(cfg, "budget_s", None)
+  budget = cfg.budget_s
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
   batches = problem.batches(seed=data_seed, dtype=dtype)

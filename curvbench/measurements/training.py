@@ -217,15 +217,14 @@ def _chosen(report) -> pd.DataFrame:
   return rows if tuned is None else plots.tuned_curves(rows, tuned)
 
 
-def equal_time(report) -> pd.DataFrame | None:
-  """Per problem and method (its chosen setting): the error at the time
-  every method reached (the shortest of their median final times, or the
-  budget), and the steps and seconds to the target error, over seeds;
-  None where a problem has one method only and no target."""
+def _compared(report) -> dict:
+  """Per problem with two methods or a target: `(equal time, target,
+  {label: its seeds' comparison.outcomes})` for each method's chosen
+  setting; the equal time is the shortest of the methods' median final
+  times (the budget, where they had one)."""
   rows = _chosen(report)
-  optimizers = report.done.set_index("run_id").get("config:optimizer.name")
   targets = report.done.get("config:measure.training.target_error")
-  out = []
+  out = {}
   for problem, p in rows.groupby("problem"):
     runs = report.done[report.done.problem == problem]
     target = (targets[runs.index].dropna().unique() if targets is not None
@@ -235,16 +234,28 @@ def equal_time(report) -> pd.DataFrame | None:
                        f"different target errors {sorted(target)}; report "
                        "them apart.")
     target = float(target[0]) if len(target) else None
-    labels = p.label.unique()
-    if len(labels) < 2 and target is None:
+    if p.label.nunique() < 2 and target is None:
       continue
     ends = p.groupby(["label", "run_id"]).wall_s.max().groupby(
         "label").median()
     equal = float(ends.min())
-    for label, runs_of in p.groupby("label"):
-      o = comparison.outcomes(runs_of, target=target, at_time=equal)
+    out[problem] = (equal, target, {
+        label: comparison.outcomes(runs_of, target=target, at_time=equal)
+        for label, runs_of in p.groupby("label")})
+  return out
+
+
+def equal_time(report) -> pd.DataFrame | None:
+  """Per problem and method (its chosen setting): the error at equal time
+  and the steps and seconds to the target error, over seeds (`_compared`);
+  None where no problem has two methods or a target."""
+  optimizers = report.done.set_index("run_id").get("config:optimizer.name")
+  out = []
+  for problem, (equal, target, seeds) in report.once(
+      "compared", _compared).items():
+    for label, o in seeds.items():
       row = dict(problem=problem, label=label, optimizer=None if optimizers
-                 is None else optimizers.get(runs_of.run_id.iloc[0]),
+                 is None else optimizers.get(o.run_id.iloc[0]),
                  n=len(o), equal_time_s=equal)
       row.update(_mean_and_interval("error_at_equal_time", o.value_at_time))
       if target is not None:
@@ -272,12 +283,11 @@ def claims(report) -> list[str]:
   compared = report.once("equal_time", equal_time)
   if not len(named) or compared is None:
     return []
-  rows, notes = _chosen(report), []
-  for problem, p in compared.groupby("problem"):
-    equal = p.equal_time_s.iloc[0]
-    errors = {label: comparison.outcomes(
-        rows[(rows.problem == problem) & (rows.label == label)],
-        at_time=equal).value_at_time for label in p.label}
+  notes = []
+  for problem, (equal, _, seeds) in report.once("compared",
+                                                _compared).items():
+    p = compared[compared.problem == problem]
+    errors = {label: o.value_at_time for label, o in seeds.items()}
     for claimed in named:
       own = p.label[p.optimizer == claimed]
       if own.empty:
