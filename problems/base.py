@@ -84,6 +84,10 @@ class Problem:
   data: Dataset
   batch_size: int
   seed: int = 0
+  # Roles of layers that their tag alone does not tell (is a dense layer
+  # part of attention or of an MLP?): `(part of the layer's name, role)`,
+  # the first match wins (`ProblemSettings.layer_roles`).
+  layer_roles: tuple[tuple[str, str], ...] = ()
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -108,7 +112,8 @@ class Problem:
     return cls(name=settings.label or settings.name, task=task,
                net=hk.without_apply_rng(hk.transform(model)),
                loss_name=loss_name, data=data,
-               batch_size=settings.batch_size)
+               batch_size=settings.batch_size,
+               layer_roles=settings.layer_roles)
 
   def loss_fn(self, params, batch):
     inputs, targets = batch
@@ -214,6 +219,9 @@ class ProblemSettings(Component, abc.ABC):
   # Whether the model reads token sequences (datasets with `tokens`) and
   # predicts a token at every position; the others read arrays of numbers.
   sequence_model: ClassVar[bool] = False
+  # `(part of a layer's name, role)` for layers whose tag does not say
+  # their role, e.g. `("attention", "attention")` (see `Problem`).
+  layer_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
 
   @abc.abstractmethod
   def build(self, data: Dataset) -> Problem:

@@ -73,6 +73,7 @@ class Transformer(ProblemSettings):
   tied: bool = setting(False, Flag(), "output layer reuses the token table")
   default_data = "modular"
   sequence_model = True
+  layer_roles = (("attention", "attention"), ("mlp", "mlp"))
 
   def disagreements_with(self, data, prefix):
     if self.width % self.heads:
