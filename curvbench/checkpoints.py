@@ -16,6 +16,10 @@ Loading one without curvbench::
     for m in modules:
       node = node.setdefault(m, {})
     node[name] = array  # numpy; jnp.asarray(array) for a JAX array
+
+A model with state (batch norm's running averages) stores it beside the
+parameters under the top-level key "~model_state" (haiku gives no module a
+name starting with "~"), e.g. "~model_state/norm_in/mean".
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from curvbench.records import atomic_write
 
 FORMAT = "curvbench-params-v1"
 SEP = "/"
+MODEL_STATE = "~model_state"
 _NAME = re.compile(r"params_step(\d+)\.safetensors")
 
 
@@ -97,7 +102,7 @@ def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
 
 
 def save(path, params, *, step: int, problem: str,
-         metadata: dict | None = None) -> Path:
+         metadata: dict | None = None, model_state=None) -> Path:
   """Writes `params` to a safetensors file atomically.
 
   Args:
@@ -106,11 +111,17 @@ def save(path, params, *, step: int, problem: str,
     step: the training step the parameters belong to.
     problem: the label of the problem they were trained on.
     metadata: extra JSON-serialisable information (e.g. the config).
+    model_state: the model's state at that step, a nested dict like
+      `params` (none or `{}`: a model without state).
 
   Returns:
     The path written.
   """
-  flat = flatten(params)
+  if MODEL_STATE in params:
+    raise ValueError(f"parameter key {MODEL_STATE!r} is where checkpoints "
+                     "keep the model state; rename that module.")
+  flat = flatten({**params, MODEL_STATE: model_state} if model_state
+                 else params)
   # safetensors metadata is str -> str, so anything richer goes in as JSON.
   header = {"format": FORMAT, "step": str(int(step)), "problem": str(problem),
             "curvbench": json.dumps(metadata or {}, sort_keys=True,
@@ -127,8 +138,8 @@ def load(path) -> tuple[dict, dict]:
 
   Returns:
     `(params, info)`: params as a nested dict of numpy arrays, and info with
-    `step` (int), `problem` (str) and `metadata` (the extra dict given to
-    `save`).
+    `step` (int), `problem` (str), `metadata` (the extra dict given to
+    `save`) and `model_state` (`{}` where none was saved).
   """
   path = Path(path)
   if not path.is_file():
@@ -152,7 +163,9 @@ def load(path) -> tuple[dict, dict]:
             "metadata": json.loads(header.get("curvbench", "{}"))}
   except (KeyError, ValueError) as e:
     raise ValueError(f"{path} has damaged curvbench metadata: {e!r}") from e
-  return unflatten(flat), info
+  params = unflatten(flat)
+  info["model_state"] = params.pop(MODEL_STATE, {})
+  return params, info
 
 
 def check_matches(params, reference_params, *, path, problem=None,

@@ -221,6 +221,13 @@ class RunSettings(Settings):
       yield from getattr(self.measure, name).run_disagreements(
           self, f"measure.{name}")
     yield from self.measure.chosen.batch_disagreements(self)
+    if self.curvature.per_example_alone and self.problem.couples_examples:
+      yield (f"curvature={self.curvature.name} forms each example's gradient "
+             f"from that example alone, but problem {self.problem.name!r} "
+             "normalises over the batch (batch norm), so an example's "
+             "gradient depends on the rest of its batch: use "
+             "curvature=implicit_exact (products through the whole batch), "
+             "or a normalisation per example (problem.norm=group or layer).")
 
 
 # --- the ConfigStore ----------------------------------------------------------

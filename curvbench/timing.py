@@ -11,6 +11,9 @@ Phases (one row each):
   learning rate, momentum and damping and the periodic inverse refresh.
 - `adam_step`: an Adam step (settings `measure.timing.baseline`) on the
   same parameters and batch; always timed.
+- `model_state_update`: for a model with state (batch norm), the forward
+  pass that moves its running averages on (`Problem.next_model_state`),
+  which training adds to every optimizer's step.
 
 The first four are single jitted calls (`time_function`): compile time is
 taken once, then `warmup` untimed and `repeats` timed calls, each ended by
@@ -238,8 +241,8 @@ def selected_phases(cfg, uses_curvature: bool) -> list[str]:
 
 
 def measure(loss_fn, curvature, params, batch, cfg, optimizer, baseline,
-            rng, progress: bool = False,
-            mesh: Mesh | None = None) -> list[dict]:
+            rng, progress: bool = False, mesh: Mesh | None = None,
+            model_state_update=None) -> list[dict]:
   """One row per phase; see the module docstring.
 
   Args:
@@ -255,6 +258,9 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer, baseline,
     progress: show a progress bar.
     mesh: the devices the batch is split across (None: one device, as
       JAX places it).
+    model_state_update: for a model with state, `(fn, model_state)` with
+      `fn(params, model_state, inputs)` its next state (timed as the phase
+      `model_state_update`).
 
   Returns:
     Rows with `phase`, `compile_s`, `first_call_s`, `steps_per_sample`,
@@ -271,7 +277,13 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer, baseline,
 
   stats = {}
   timed = [p for p in phases if p != "optimizer_step"]
-  for phase in tqdm(timed, desc="timing", disable=not progress, leave=False):
+  extra = []
+  if model_state_update is not None:
+    fn, model_state = model_state_update
+    calls["model_state_update"] = (jax.jit(fn), (params, model_state,
+                                                 batch[0]))
+    extra.append("model_state_update")
+  for phase in tqdm(timed + extra, desc="timing", disable=not progress, leave=False):
     stats[phase] = time_function(*calls[phase], warmup, repeats)
 
   trainer = optimizer.make(loss_fn, curvature, mesh)
@@ -290,4 +302,4 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer, baseline,
   return [dict(phase=phase, **stats[phase],
                ratio_to_grad_step=stats[phase]["median_s"] / grad_s,
                ratio_to_adam_step=stats[phase]["median_s"] / adam_s)
-          for phase in (*phases, BASELINE_PHASE)]
+          for phase in (*phases, *extra, BASELINE_PHASE)]

@@ -107,9 +107,10 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
 
 
 def evaluator(problem, cfg, dtype) -> Callable:
-  """`evaluate(params) -> {train_loss, train_error, test_loss, test_error}`
-  on fixed examples: the first `train_eval_size` of the training split and
-  the first `eval_size` of the test split (None: all of a split)."""
+  """`evaluate(params, model_state) -> {train_loss, train_error, test_loss,
+  test_error}` on fixed examples: the first `train_eval_size` of the
+  training split and the first `eval_size` of the test split (None: all of
+  a split); a model with state in evaluation mode (`Problem.outputs`)."""
   splits = {split: problem.evaluation_batch(getattr(cfg, key), dtype,
                                             split=split)
             for split, key in (("train", "train_eval_size"),
@@ -120,13 +121,16 @@ def evaluator(problem, cfg, dtype) -> Callable:
                        "evaluate the training run on.")
 
   @jax.jit
-  def losses(params, batch):
-    return problem.loss_fn(params, batch), problem.error(params, batch)
+  def losses(params, model_state, batch):
+    if not problem.has_state:  # the training loss, as registered
+      return problem.loss_fn(params, batch), problem.error(params, batch)
+    return (problem.evaluation_loss(params, batch, model_state),
+            problem.error(params, batch, model_state))
 
-  def evaluate(params):
+  def evaluate(params, model_state):
     out = {}
     for split, batch in splits.items():
-      loss, error = losses(params, batch)
+      loss, error = losses(params, model_state, batch)
       out[f"{split}_loss"], out[f"{split}_error"] = float(loss), float(error)
     return out
 
@@ -147,9 +151,15 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   `wall_s` is steady-state training time: every program of the step is
   compiled first (`compile_steps`, whose seconds are the `compile_s`
   column), and evaluations run with the clock stopped. A non-finite loss
-  ends the run; its last row has `diverged` true. `on_step(step, params)`
-  is called, off the clock, after each of `at_steps` steps. With a `mesh`
-  (the optimizer's), every batch is split over its devices.
+  ends the run; its last row has `diverged` true. `on_step(step, params,
+  model_state)` is called, off the clock, after each of `at_steps` steps.
+  With a `mesh` (the optimizer's), every batch is split over its devices.
+
+  A model with state (batch norm) has it moved on after every step by
+  `Problem.next_model_state` at the step's starting parameters and batch,
+  on the clock: the running averages the step's forward pass would keep,
+  from a forward pass of their own (the optimizers' steps know nothing of
+  model state, so every method pays the same pass).
 
   Raises:
     FloatingPointError: when the run diverges before a step of `at_steps`.
@@ -169,11 +179,17 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   first = place(next(batches))
   opt_state = optimizer.init(params, first, rng)
   compile_s = compile_steps(optimizer, params, opt_state, first, rng)
+  model_state = problem.init_model_state(dtype)
+  if problem.has_state:
+    start_compile = time.perf_counter()
+    advance = jax.jit(problem.next_model_state)
+    jax.block_until_ready(advance(params, model_state, first[0]))  # compiled
+    compile_s += time.perf_counter() - start_compile
   if 0 in at_steps:
-    on_step(0, params)
+    on_step(0, params, model_state)
 
   def row(step, params, wall_s, batch_loss, evaluated):
-    scores = evaluate(params) if evaluated else {}
+    scores = evaluate(params, model_state) if evaluated else {}
     checked = [v for v in (batch_loss, scores.get("train_loss"))
                if v is not None]
     return dict(step=step, wall_s=wall_s, compile_s=compile_s,
@@ -186,6 +202,8 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
                    disable=not progress, leave=False):
     start = time.perf_counter()
     key = jax.random.fold_in(rng, step)
+    if problem.has_state:
+      model_state = advance(params, model_state, batch[0])
     params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
     if step % log_every == 0 or step == num_steps:
       loss = float(loss)  # waits for the step
@@ -211,6 +229,6 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
     else:
       elapsed += time.perf_counter() - start
     if step in at_steps:
-      on_step(step, params)
+      on_step(step, params, model_state)
     batch = place(next(batches))
   return rows

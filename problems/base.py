@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -106,21 +107,69 @@ class Problem:
   @classmethod
   def from_model(cls, model: Callable, data: Dataset,
                  settings: ProblemSettings, *, task: str,
-                 loss_name: str) -> Problem:
-    """A problem around the Haiku forward function `model(inputs)`; its
-    name and batch size come from its `settings`."""
+                 loss_name: str, with_state: bool = False) -> Problem:
+    """A problem around the Haiku forward function `model(inputs)`, or with
+    `with_state` `model(inputs, is_training)` keeping model state (batch
+    norm's running averages, `hk.get_state`); its name and batch size come
+    from its `settings`."""
+    transform = hk.transform_with_state if with_state else hk.transform
     return cls(name=settings.label or settings.name, task=task,
-               net=hk.without_apply_rng(hk.transform(model)),
+               net=hk.without_apply_rng(transform(model)),
                loss_name=loss_name, data=data,
                batch_size=settings.batch_size,
                layer_roles=settings.layer_roles)
 
-  def loss_fn(self, params, batch):
-    inputs, targets = batch
-    return loss(self.loss_name)(self.net.apply(params, inputs), targets)
+  @property
+  def has_state(self) -> bool:
+    """Whether the model keeps state (batch norm's running averages).
 
-  def error(self, params, batch):
-    """The error the papers report, averaged over the batch.
+    Such a model couples the examples of a batch in training mode: each
+    example's output depends on the batch's statistics. Its loss, and so
+    every curvature of it, is that of training mode on the batch given, as
+    in the papers that study batch-norm networks' curvature; evaluation uses
+    the running averages (`outputs` with a `model_state`).
+    """
+    return isinstance(self.net, hk.TransformedWithState)
+
+  @functools.cached_property
+  def _state_structure(self):
+    """A model state of the right structure, for training-mode calls, whose
+    outputs do not read it (numpy arrays: it may first be asked for while
+    a function is traced, and must outlive the trace)."""
+    shapes = jax.eval_shape(self._init, jax.random.PRNGKey(0), None)[1]
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+  def _init(self, rng, dtype):
+    """`(params, model_state)` of the model (state `{}` without)."""
+    x = jnp.asarray(self.data.x_train[:1], dtype)
+    if self.has_state:
+      return self.net.init(rng, x, True)
+    return self.net.init(rng, x), {}
+
+  def outputs(self, params, inputs, model_state=None):
+    """The network's outputs on `inputs`: in training mode, or, for a model
+    with state and given its `model_state`, in evaluation mode (batch norm
+    normalising by its running averages)."""
+    if not self.has_state:
+      return self.net.apply(params, inputs)
+    if model_state is None:
+      return self.net.apply(params, self._state_structure, inputs, True)[0]
+    return self.net.apply(params, model_state, inputs, False)[0]
+
+  def loss_fn(self, params, batch):
+    """The registered training loss, in training mode."""
+    inputs, targets = batch
+    return loss(self.loss_name)(self.outputs(params, inputs), targets)
+
+  def evaluation_loss(self, params, batch, model_state=None):
+    """The loss of `outputs(params, inputs, model_state)`."""
+    inputs, targets = batch
+    return loss(self.loss_name)(self.outputs(params, inputs, model_state),
+                                targets)
+
+  def error(self, params, batch, model_state=None):
+    """The error the papers report, averaged over the batch, of
+    `outputs(params, inputs, model_state)`.
 
     Classification: the fraction of misclassified examples. Reconstruction
     (autoencoders): the squared reconstruction error summed over pixels (the K-FAC paper's
@@ -128,16 +177,30 @@ class Problem:
     under the cross-entropy loss and the output itself under squared error.
     """
     inputs, targets = batch
-    out = self.net.apply(params, inputs)
+    out = self.outputs(params, inputs, model_state)
     if self.task == "classification":
       return jnp.mean(jnp.argmax(out, axis=-1) != targets)
     if self.loss_name == "sigmoid_cross_entropy":
       out = jax.nn.sigmoid(out)
     return jnp.mean(jnp.sum((out - targets) ** 2, axis=-1))
 
+  def init_model_state(self, dtype=None):
+    """The model state before training (`{}` for a model without)."""
+    if not self.has_state:
+      return {}
+    return jax.jit(self._init, static_argnums=1)(jax.random.PRNGKey(0),
+                                                 dtype)[1]
+
+  def next_model_state(self, params, model_state, inputs):
+    """The model state after a training step on `inputs` from `params`:
+    the running averages moved towards the batch's statistics, which the
+    step's forward pass computes (here a forward pass of its own)."""
+    if not self.has_state:
+      return model_state
+    return self.net.apply(params, model_state, inputs, True)[1]
+
   def init_params(self, rng, dtype=None):
-    x = jnp.asarray(self.data.x_train[:1], dtype)
-    return jax.jit(self.net.init)(rng, x)
+    return jax.jit(self._init, static_argnums=1)(rng, dtype)[0]
 
   @property
   def num_params(self) -> int:
@@ -222,6 +285,12 @@ class ProblemSettings(Component, abc.ABC):
   # `(part of a layer's name, role)` for layers whose tag does not say
   # their role, e.g. `("attention", "attention")` (see `Problem`).
   layer_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+  @property
+  def couples_examples(self) -> bool:
+    """Whether an example's output depends on the rest of its batch in
+    training (batch norm); the model then keeps state (`Problem.has_state`)."""
+    return False
 
   @abc.abstractmethod
   def build(self, data: Dataset) -> Problem:

@@ -76,7 +76,8 @@ def test_metadata_round_trip(tmp_path):
   path = checkpoints.save(tmp_path / "p.safetensors", mlp_params(np.float32),
                           step=42, problem="mlp-mnist1d", metadata=extra)
   _, info = checkpoints.load(path)
-  assert info == {"step": 42, "problem": "mlp-mnist1d", "metadata": extra}
+  assert info == {"step": 42, "problem": "mlp-mnist1d", "metadata": extra,
+                  "model_state": {}}
 
 
 def test_deeper_nesting_round_trips(tmp_path):

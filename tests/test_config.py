@@ -94,7 +94,7 @@ def test_python_api_and_command_line_build_the_same_objects(capsys):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("problem.name=resnet", "problem.name='resnet' is not allowed: these are "
+    ("problem.name=vit", "problem.name='vit' is not allowed: these are "
      "the settings of problem mlp"),
     ("device=quantum", "Unknown device 'quantum'"),
     ("curvature.mode=fisher", "Unknown curvature.mode 'fisher'"),
@@ -114,7 +114,7 @@ def test_bad_values_are_refused_when_composed(tmp_path, override, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("problem=resnet", "(?s)Could not find 'problem/resnet'.*mlp"),
+    ("problem=vit", "(?s)Could not find 'problem/vit'.*mlp"),
     ("problem.widht=3", r"problem mlp has no setting 'widht' \(did you mean "
      r"width\?\)"),
     ("curvature.block_type=diagonal", "curvature kfac has no setting "

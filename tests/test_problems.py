@@ -213,8 +213,8 @@ def test_layers_are_tagged_once_each(built):
 
 def test_problem_config_errors(cache):
   mlp = problem_config("problem=mlp")
-  with pytest.raises(ValueError, match="Unknown problem.name 'resnet'.*mlp"):
-    problems.make(dict(mlp, name="resnet"))
+  with pytest.raises(ValueError, match="Unknown problem.name 'vit'.*mlp"):
+    problems.make(dict(mlp, name="vit"))
   with pytest.raises(ValueError, match="batch_size"):
     problems.make(dict(mlp, batch_size=5000))
   with pytest.raises(ValueError, match="Unknown problem.activation 'swish2'"):

@@ -43,6 +43,9 @@ class CurvatureSettings(Component, abc.ABC):
   uses_estimation_mode: ClassVar[bool] = True
   # Whether estimators.Optimizer (optimizer=kfac) can use it.
   is_block_diagonal: ClassVar[bool] = False
+  # Whether it forms each example's gradient from that example alone, which
+  # a model normalising over the batch (batch norm) does not allow.
+  per_example_alone: ClassVar[bool] = False
 
   @abc.abstractmethod
   def make(self, loss_fn: Callable) -> curvatures.Curvature:

@@ -152,7 +152,7 @@ class Spectra(Measurement):
              if self.share_references else ReferenceStore(None))
     key = dict(problem=dataclasses.asdict(ctx.run.problem))
 
-    def at(step, point):
+    def at(step, point, model_state=None):
       start = time.perf_counter()
       costs = Costs(log=ctx.log if ctx.run.progress else None, step=step,
                     **scope)
@@ -167,7 +167,7 @@ class Spectra(Measurement):
           row["compile_s"] + row["run_s"] for row in costs.rows))
       tables["cost"] += costs.rows
       if self.save_checkpoints:
-        save_checkpoint(ctx, step, point)
+        save_checkpoint(ctx, step, point, model_state)
 
     if self.checkpoint is not None:
       for step, point in checkpoint_params(self.checkpoint, steps,

@@ -3,6 +3,7 @@ against an Adam step on the same batch (`curvbench.timing`)."""
 
 import dataclasses
 
+import jax
 import pandas as pd
 
 from components import ListOf, Number, OneOf, Whole, setting
@@ -52,7 +53,11 @@ class Timing(Measurement):
     return dict(timing=timing.measure(
         ctx.problem.loss_fn, ctx.curvature, ctx.params, ctx.batch,
         dataclasses.asdict(self), ctx.run.optimizer, self.baseline, ctx.rng,
-        progress=ctx.run.progress, mesh=ctx.mesh))
+        progress=ctx.run.progress, mesh=ctx.mesh,
+        model_state_update=(ctx.problem.next_model_state,
+                            ctx.problem.init_model_state(
+                                jax.tree.leaves(ctx.params)[0].dtype))
+        if ctx.problem.has_state else None))
 
   # --- the report --------------------------------------------------------
 

@@ -5,6 +5,7 @@ the report, each method at equal time and against a target error, with
 intervals over seeds (`curvbench.comparison`)."""
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -19,11 +20,12 @@ STEPS = Parsed(lambda v: training.measurement_steps(v, 2**62),
                "a list of whole numbers >= 0, or 'log:N' (N >= 2)")
 
 
-def save_checkpoint(ctx, step: int, params) -> None:
-  """Saves `params` as the run's checkpoint of `step`."""
+def save_checkpoint(ctx, step: int, params, model_state) -> None:
+  """Saves `params` and the model's state as the run's checkpoint of
+  `step`."""
   path = checkpoints.path_for("checkpoints", step)
   checkpoints.save(ctx.run_dir.own(str(path)), params, step=step,
-                   problem=ctx.problem.name)
+                   problem=ctx.problem.name, model_state=model_state)
 
 
 @MEASUREMENTS.register
@@ -90,8 +92,8 @@ class Training(Measurement):
     rows = training.run(ctx.problem, optimizer, ctx.params, self, ctx.rng,
                         ctx.run.data_seed, progress=ctx.run.progress,
                         at_steps=steps,
-                        on_step=lambda step, point: save_checkpoint(
-                            ctx, step, point), mesh=ctx.mesh)
+                        on_step=functools.partial(save_checkpoint, ctx),
+                        mesh=ctx.mesh)
     return dict(training=rows)
 
   # --- the report --------------------------------------------------------
