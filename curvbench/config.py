@@ -228,6 +228,13 @@ class RunSettings(Settings):
              "gradient depends on the rest of its batch: use "
              "curvature=implicit_exact (products through the whole batch), "
              "or a normalisation per example (problem.norm=group or layer).")
+    if self.devices > 1 and self.problem.couples_examples:
+      yield (f"devices={self.devices} splits each batch over devices, and "
+             f"problem {self.problem.name!r} normalises over the batch "
+             "(batch norm): K-FAC's steps and the curvature phases would "
+             "normalise each device's part by its own statistics, the other "
+             "steps by the whole batch's; use devices=1, or a normalisation "
+             "per example (problem.norm=group or layer).")
 
 
 # --- the ConfigStore ----------------------------------------------------------

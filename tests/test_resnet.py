@@ -3,7 +3,8 @@ block meant for it; the exact GGN and Hessian products of the batch-norm
 network (training mode: the batch's statistics) equal brute force; batch
 norm's running averages after training steps equal a hand-written
 reference; evaluation normalises by them; checkpoints and timing carry the
-model state; a curvature that needs examples to stand alone is refused."""
+model state; a curvature that needs examples to stand alone, and batches split over
+devices, are refused."""
 
 import jax
 import jax.flatten_util
@@ -200,10 +201,14 @@ def test_timing_times_the_model_state_update(batch_norm):
   assert row["median_s"] > 0 and row["repeats"] == 2
 
 
-def test_a_curvature_of_examples_taken_alone_is_refused():
+def test_what_would_take_examples_apart_is_refused():
   with pytest.raises(ValueError, match="curvature=implicit_exact"):
     config.load(config.compose("problem=resnet", "curvature=explicit_exact",
                                "optimizer=preconditioned_sgd"))
+  with pytest.raises(ValueError, match="devices=2 splits each batch"):
+    config.load(config.compose("problem=resnet", "devices=2"))
+  config.load(config.compose("problem=resnet", "problem.norm=layer",
+                             "devices=2"))
   config.load(config.compose("problem=resnet", "problem.norm=group",
                              "curvature=explicit_exact",
                              "optimizer=preconditioned_sgd"))
