@@ -42,20 +42,63 @@ def num_params(params) -> int:
   return int(sum(np.size(x) for x in jax.tree.leaves(params)))
 
 
+def _traced(loss_fn: Callable, params, batch) -> kfac.BlockDiagonalCurvature:
+  """A block-diagonal estimator of `loss_fn` with its blocks built."""
+  estimator = kfac.BlockDiagonalCurvature(loss_fn)
+  # Tracing builds the blocks; eval_shape spares allocating their state.
+  jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0),
+                                        (params, batch)))
+  return estimator
+
+
 def layer_blocks(loss_fn: Callable, params, batch) -> list[tuple[str, np.ndarray]]:
   """The network's layer blocks: for each tagged layer, its name (the
   modules its parameters belong to, e.g. 'dense_0') and the `ravel_pytree`
   indices of its parameters; the blocks of block-diagonal K-FAC, whatever
   curvature is measured."""
-  estimator = kfac.BlockDiagonalCurvature(loss_fn)
-  # Tracing builds the blocks; eval_shape spares allocating their state.
-  jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0),
-                                        (params, batch)))
+  estimator = _traced(loss_fn, params, batch)
   leaves = jax.tree.leaves(params)
   starts = np.cumsum([0, *(int(np.size(x)) for x in leaves)])
   return [(name, np.concatenate([np.arange(starts[i], starts[i + 1])
                                  for i in mine]))
           for name, mine in _block_leaves(estimator, params)]
+
+
+# A layer block's type ("role") by its layer tag, where the problem's
+# `layer_roles` do not name it; layers of other tags are "other".
+TAG_ROLES = {kfac.tags.conv2d: "conv", kfac.tags.embedding: "embedding",
+             kfac.tags.scale_and_shift: "norm", kfac.tags.dense: "dense",
+             kfac.tags.repeated_dense: "dense"}
+OTHER_ROLE = "other"
+
+
+def block_role(name: str, tag, layer_roles=()) -> str:
+  """The type ("role") of the layer block `name` of layer tag `tag` (a
+  `kfac.tags.LayerTag`): the role of the first `(part of a name, role)` of
+  a problem's `layer_roles` whose part is in `name`, else the tag's
+  (`TAG_ROLES`), else "other"."""
+  for pair in layer_roles:
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+        or not all(isinstance(x, str) and x for x in pair)):
+      raise ValueError(
+          f"layer_roles entry {pair!r} is not a (part of a layer's name, "
+          "role) pair of non-empty strings: declare e.g. "
+          "(('attention', 'attention'), ('mlp', 'mlp')).")
+    if pair[1] == "all":
+      raise ValueError(
+          "layer_roles names a role 'all', which quality records keep for "
+          "the whole network: call it something else.")
+  part_role = next((role for part, role in layer_roles if part in name), None)
+  return part_role or TAG_ROLES.get(tag, OTHER_ROLE)
+
+
+def block_roles(loss_fn: Callable, params, batch,
+                layer_roles=()) -> dict[str, str]:
+  """`{name: role}` for each of `layer_blocks`' blocks (`block_role`)."""
+  estimator = _traced(loss_fn, params, batch)
+  return {name: block_role(name, block.layer_tag_primitive, layer_roles)
+          for (name, _), block in zip(_block_leaves(estimator, params),
+                                      estimator.blocks)}
 
 
 def _block_leaves(estimator, params) -> list[tuple[str, list[int]]]:

@@ -8,6 +8,8 @@ measurements (`curvbench.measurements`) pick the ones of their tables.
   inverses on a subsample of parameters (Martens & Grosse 2015, Fig. 2)
 - quality: a panel per metric, bars per method (one step) or lines against
   the step (several); each panel says which way is better (`BETTER`)
+- quality per block type: a panel per metric, a bar group per block type
+  (attention, MLP, ...), a bar per method
 - statistics: spectral statistics, bars per matrix (one step) or lines
   against the step (several)
 - training: training error (median and quartiles over seeds) against
@@ -24,6 +26,8 @@ of it (`_series_colours`).
 
 Tables written before curvature was measured along training lack `step`,
 `data` and `block`; they read as step 0, data "batch" and block "all".
+Quality tables written before block types lack `level`; it is read from
+`block` (`quality_levels`).
 """
 
 from __future__ import annotations
@@ -469,14 +473,40 @@ def _metric_panel(ax, metric: str):
   ax.tick_params(labelsize=7)
 
 
-def _context(p: pd.DataFrame) -> pd.Series:
-  """Each row's exact reference, with its data and step where these vary
-  within `p`: the x groups of a bar chart."""
-  text = "vs " + p.reference.astype(str)
-  for col, prefix in (("data", "on "), ("step", "step ")):
-    if p[col].nunique() > 1:
-      text = text + "\n" + prefix + p[col].astype(str)
-  return text
+def _context(p: pd.DataFrame, head: pd.Series | None = None) -> pd.Series:
+  """Each row's exact reference (after `head`, only where it varies), with
+  its data and step where these vary within `p`: the x groups of a bar
+  chart."""
+  parts = [] if head is None else [head.astype(str)]
+  for col, prefix in (("reference", "vs "), ("data", "on "),
+                      ("step", "step ")):
+    if p[col].nunique() > 1 or (col == "reference" and head is None):
+      parts.append(prefix + p[col].astype(str))
+  return parts[0].str.cat(parts[1:], sep="\n") if parts[1:] else parts[0]
+
+
+def quality_levels(df: pd.DataFrame) -> pd.DataFrame:
+  """A quality table with its `level` filled in where older records lack
+  it: "network" on block "all", else "layer" (block types came later)."""
+  level = np.where(df["block"] == "all", "network", "layer")
+  return df.assign(level=df["level"].fillna(pd.Series(level, df.index))
+                   if "level" in df else level)
+
+
+def _metric_bars(ax, rows: pd.DataFrame, metric: str, colours: dict,
+                 order=None):
+  """A metric's panel: bars per `series` grouped by `context` (in `order`
+  where given)."""
+  table = rows.pivot_table(index="context", columns="series", values="value",
+                           aggfunc="mean")
+  _metric_panel(ax, metric)
+  if table.empty:
+    _no_values(ax)
+    return
+  if order is not None:
+    table = table.reindex([c for c in order if c in table.index])
+  table.plot.bar(ax=ax, rot=0, fontsize=7, legend=False, xlabel="",
+                 color=[colours[c] for c in table.columns])
 
 
 def quality(df: pd.DataFrame, out: Path,
@@ -493,17 +523,49 @@ def quality(df: pd.DataFrame, out: Path,
     metric_names = sorted(p.metric.unique())
     fig, axes = _grid(len(metric_names))
     for ax, metric in zip(axes, metric_names):
-      table = p[p.metric == metric].pivot_table(
-          index="context", columns="series", values="value", aggfunc="mean")
-      _metric_panel(ax, metric)
-      if table.empty:
-        _no_values(ax)
-        continue
-      table.plot.bar(ax=ax, rot=0, fontsize=7, legend=False, xlabel="",
-                     color=[colours[c] for c in table.columns])
+      _metric_bars(ax, p[p.metric == metric], metric, colours)
     fig.suptitle(_title("approximation quality", p), fontsize=9)
     _legend_below(fig, axes[0])
     paths += save(fig, out / f"quality_{problem}")
+  return paths
+
+
+# The order block types are drawn in; others (a problem's own) follow by name.
+ROLE_ORDER = ("attention", "mlp", "embedding", "norm", "conv", "dense",
+              "other")
+
+
+def role_order(roles) -> list[str]:
+  """`roles` once each, in `ROLE_ORDER` and then by name."""
+  roles = {str(r) for r in roles}
+  known = [r for r in ROLE_ORDER if r in roles]
+  return known + sorted(roles - set(known))
+
+
+def quality_per_block_type(df: pd.DataFrame, out: Path,
+                           colour: dict[str, str] | None = None
+                           ) -> list[Path]:
+  """Per problem: a panel per metric on each block type (the quality rows
+  of `level` "role", `block` the type), a bar group per type (with the
+  exact reference, data and step where they vary) and a bar per method
+  and setting (`colour`: by method, default `palette`)."""
+  paths = []
+  df = _finite(quality_levels(_complete(df, "step", "data", "block")),
+               "value")
+  df = df[df.level == "role"].assign(series=_series)
+  colours = _series_colours(df, colour)
+  for problem, p in df.groupby("problem"):
+    p = p.assign(context=_context(p, head=p.block))
+    order = [c for role in role_order(p.block)
+             for c in sorted(set(p.context[p.block.astype(str) == role]))]
+    metric_names = sorted(p.metric.unique())
+    fig, axes = _grid(len(metric_names), width=max(4.0, 0.9 * len(order)))
+    for ax, metric in zip(axes, metric_names):
+      _metric_bars(ax, p[p.metric == metric], metric, colours, order)
+    fig.suptitle(_title("approximation quality per block type", p),
+                 fontsize=9)
+    _legend_below(fig, axes[0])
+    paths += save(fig, out / f"quality_block_types_{problem}")
   return paths
 
 
@@ -543,8 +605,9 @@ def quality_through_training(df: pd.DataFrame, out: Path,
   """Per problem, reference and data: each metric against the step, a line
   per method and setting and block (the whole network, "all", thicker)."""
   paths = []
-  df = _finite(_complete(df, "step", "data", "block"), "value")
-  df = df.assign(series=_series)
+  df = _finite(quality_levels(_complete(df, "step", "data", "block")),
+               "value")
+  df = df[df.level != "role"].assign(series=_series)
   colours = _series_colours(df, colour)
   for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
     metric_names = sorted(p.metric.unique())

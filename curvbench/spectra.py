@@ -8,8 +8,11 @@ returns four tables:
 - `spectra`: signed eigenvalues with weights (1/P for full spectra, Gauss
   weights for stochastic Lanczos quadrature), per matrix.
 - `quality`: approximation-quality metrics for the whole network
-  (`block='all'`) and for each layer block (the exact diagonal block
-  against the approximation's).
+  (`level='network'`, `block='all'`), for each layer block (`level=
+  'layer'`, `block` its name: the exact diagonal block against the
+  approximation's) and for each block type (`level='role'`, `block` the
+  role, e.g. 'attention': the sub-matrices over every parameter of the
+  role's layers, cross-layer entries included; see `role_indices`).
 - `statistics`: trace, condition number, outliers, negative mass, ... of
   each exact matrix and of the approximation (`stderr` 0 where exact).
 - `heatmaps`: the exact and approximate matrix and damped inverse over a
@@ -68,9 +71,22 @@ def _spectrum_rows(source, matrix, values, weights=None, reference=None):
           for i, (v, w) in enumerate(zip(values, weights))]
 
 
-def _quality_rows(reference, block, values: dict):
-  return [dict(reference=reference, block=block, metric=k, value=float(v))
-          for k, v in values.items()]
+def _quality_rows(reference, level, block, values: dict):
+  return [dict(reference=reference, level=level, block=block, metric=k,
+               value=float(v)) for k, v in values.items()]
+
+
+def role_indices(blocks, roles: dict[str, str]) -> dict[str, np.ndarray]:
+  """`{role: sorted ravel_pytree indices}` of the layer `blocks` (`(name,
+  indices)`, as `curvatures.layer_blocks`) of each role (`roles`, by block
+  name: `curvatures.block_roles`). Empty where one role holds every block:
+  its parameters are the whole network's, measured already."""
+  out = {}
+  for name, idx in blocks:
+    out.setdefault(roles[name], []).append(idx)
+  if len(out) < 2:
+    return {}
+  return {role: np.sort(np.concatenate(idx)) for role, idx in out.items()}
 
 
 def _statistic_rows(source, matrix, values: dict, stderr: dict = None):
@@ -203,10 +219,11 @@ def _heatmap_rows(source, kind, reference, sub, units):
 
 
 def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                  store=ReferenceStore(None), key=None):
+                  store=ReferenceStore(None), key=None, layer_roles=()):
   """Every table, from dense matrices (small models); the exact references
   from `store` where a run with the same content (`key` plus the
-  parameters and examples) computed them."""
+  parameters and examples) computed them; block types from the problem's
+  `layer_roles` (`curvatures.block_role`)."""
   curvatures.check_dense_fits(
       curvatures.num_params(params), 8, float(cfg["max_dense_gib"]),
       "The dense spectra method",
@@ -253,17 +270,30 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   approx_dir = _flat(costs.call("approx direction", lambda s, v: (
       curvature.precondition(s, v, damping)), refreshed, grads))
   exact_dir = _damped_solve(exact_eigh, g, damping)
-  tables["quality"] += _quality_rows(curvature.matrix, "all", dense_metrics(
-      approx, reference, approx_dir, exact_dir, k, zero, approx_eigh,
-      exact_eigh))
+  tables["quality"] += _quality_rows(
+      curvature.matrix, "network", "all", dense_metrics(
+          approx, reference, approx_dir, exact_dir, k, zero, approx_eigh,
+          exact_eigh))
+
+  def restricted(idx, what):
+    """The quality of the sub-matrices over parameters `idx`, with the
+    damped natural gradients of the sub-matrices."""
+    a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
+    a_eigh, e_eigh = (_eigh(costs, f"{source} {what}", m)
+                      for source, m in (("approx", a), ("exact", e)))
+    return dense_metrics(a, e, _damped_solve(a_eigh, g[idx], damping),
+                         _damped_solve(e_eigh, g[idx], damping), k, zero,
+                         a_eigh, e_eigh)
+
   blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   for name, idx in blocks:
-    a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
-    a_eigh, e_eigh = (_eigh(costs, f"{source} block {name}", m)
-                      for source, m in (("approx", a), ("exact", e)))
-    tables["quality"] += _quality_rows(curvature.matrix, name, dense_metrics(
-        a, e, _damped_solve(a_eigh, g[idx], damping),
-        _damped_solve(e_eigh, g[idx], damping), k, zero, a_eigh, e_eigh))
+    tables["quality"] += _quality_rows(curvature.matrix, "layer", name,
+                                       restricted(idx, f"block {name}"))
+  if cfg["per_block_type"]:
+    roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
+    for role, idx in role_indices(blocks, roles).items():
+      tables["quality"] += _quality_rows(
+          curvature.matrix, "role", role, restricted(idx, f"block type {role}"))
 
   units = heatmap_units(blocks, int(cfg["heatmap_blocks"]),
                         int(cfg["heatmap_units"]))
@@ -328,10 +358,12 @@ def _estimators(of, cfg) -> dict:
           _masked, m, diagonals, key, of.operator(s), m))
 
 
-def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs):
+def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
+                    layer_roles=()):
   """Every table but the heatmaps, from matrix-vector products only: the
   density, top-k and statistics of each reference matrix and of the
-  approximation, and the approximation's quality against its matrix."""
+  approximation, and the approximation's quality against its matrix (block
+  types as in `measure_dense`)."""
   keys = jax.random.split(rng, 6)
   ones = jax.tree.map(jnp.ones_like, params)
   tables = {name: [] for name in TABLES}
@@ -398,7 +430,7 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs):
   ex_diag = _flat(run(matrix, "diagonal", keys[3])[0])
   ap_diag = _flat(run(label, "diagonal", keys[3])[0])
   zero = floor(cfg, ex_top)
-  tables["quality"] += _quality_rows(matrix, "all", dict(
+  tables["quality"] += _quality_rows(matrix, "network", "all", dict(
       relative_frobenius=frobenius(ones),
       spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
                                                   ex_w),
@@ -411,18 +443,30 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs):
       top_eigenvalue_ratio=ap_top[0] / ex_top[0],
       diagonal_relative_error=metrics.relative_frobenius(ap_diag, ex_diag)))
 
+  def restricted(idx, what):
+    """The quality of both matrices restricted to parameters `idx`."""
+    mask = _block_mask(params, idx)
+    ex_b, ex_bv = run(matrix, "top", keys[1], mask, what)
+    ap_b, ap_bv = run(label, "top", keys[1], mask, what)
+    return dict(
+        relative_frobenius=frobenius(mask, what),
+        top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
+                                               _columns(ex_bv)[idx]),
+        top_eigenvalue_ratio=ap_b[0] / ex_b[0],
+        diagonal_relative_error=metrics.relative_frobenius(
+            ap_diag[idx], ex_diag[idx]))
+
+  if cfg["per_block"] or cfg["per_block_type"]:
+    blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   if cfg["per_block"]:
-    for name, idx in curvatures.layer_blocks(loss_fn, params, data.first):
-      mask = _block_mask(params, idx)
-      ex_b, ex_bv = run(matrix, "top", keys[1], mask, name)
-      ap_b, ap_bv = run(label, "top", keys[1], mask, name)
-      tables["quality"] += _quality_rows(matrix, name, dict(
-          relative_frobenius=frobenius(mask, name),
-          top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
-                                                 _columns(ex_bv)[idx]),
-          top_eigenvalue_ratio=ap_b[0] / ex_b[0],
-          diagonal_relative_error=metrics.relative_frobenius(
-              ap_diag[idx], ex_diag[idx])))
+    for name, idx in blocks:
+      tables["quality"] += _quality_rows(matrix, "layer", name,
+                                         restricted(idx, name))
+  if cfg["per_block_type"]:
+    roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
+    for role, idx in role_indices(blocks, roles).items():
+      tables["quality"] += _quality_rows(matrix, "role", role, restricted(
+          idx, f"block type {role}"))
   return tables
 
 
@@ -431,15 +475,18 @@ METHODS = {"dense": measure_dense, "lanczos": measure_lanczos}
 
 def measure(loss_fn, curvature, params, data, cfg, rng,
             costs: Costs | None = None, store: ReferenceStore | None = None,
-            key: dict | None = None) -> dict[str, list[dict]]:
+            key: dict | None = None,
+            layer_roles=()) -> dict[str, list[dict]]:
   """The tables of `TABLES` by `cfg["method"]` (one of `METHODS`), over
   `data` (a batch or a `Data`); the dense method shares its exact
-  references through `store` (see `measure_dense`)."""
+  references through `store` (see `measure_dense`); block types from the
+  problem's `layer_roles` (`curvatures.block_role`)."""
   if cfg["method"] not in METHODS:
     raise ValueError(f"Unknown measure.spectra.method {cfg['method']!r}; "
                      f"choose one of {', '.join(METHODS)}.")
   data, costs = Data.of(data), costs or Costs()
   if cfg["method"] == "dense":
     return measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                         store or ReferenceStore(None), key)
-  return measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs)
+                         store or ReferenceStore(None), key, layer_roles)
+  return measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
+                         layer_roles)

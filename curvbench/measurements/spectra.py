@@ -35,7 +35,8 @@ def _measured_steps(value) -> None:
 @dataclasses.dataclass
 class Spectra(Measurement):
   """Eigenvalues of the exact matrices and the approximation, the
-  approximation's quality per layer block and for the whole network,
+  approximation's quality per layer block, per block type (attention,
+  MLP, embedding, norm, conv, other dense layers) and for the whole network,
   spectral statistics, exact-vs-approximate heatmaps, and what each phase
   cost."""
 
@@ -82,6 +83,13 @@ class Spectra(Measurement):
   diagonal_probes: int = setting(30, COUNT, "stochastic-diagonal probes")
   per_block: bool = setting(True, Flag(), "lanczos method: quality per layer "
                             "block too")
+  # On by default: a handful of types, each costing no more than a layer
+  # block's quality (dense: eigendecompositions of sizes that sum to the
+  # parameter count; lanczos: one masked top-k and Frobenius estimate).
+  per_block_type: bool = setting(
+      True, Flag(), "quality per block type too (attention, mlp, embedding, "
+      "norm, conv, dense, other): the sub-matrices over all layers of a "
+      "type (none where one type holds every layer)")
   heatmap_blocks: int = setting(4, Whole(0), "middle layer blocks drawn as "
                                 "heatmaps (0: none)")
   heatmap_units: int = setting(8, COUNT, "parameters subsampled per drawn "
@@ -159,7 +167,7 @@ class Spectra(Measurement):
       point = devices.replicate(point, ctx.mesh)
       for name, rows in spectra.measure(
           ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
-          ctx.rng, costs, store, key).items():
+          ctx.rng, costs, store, key, ctx.problem.layer_roles).items():
         tables[name] += [dict(step=step, **scope, **row) for row in rows]
       # What the phases leave out (host work between them), so that the
       # table adds up to the measurement's wall time.
@@ -197,16 +205,20 @@ class Spectra(Measurement):
     out = []
     if "quality" in tables:
       q = tables["quality"]
-      for name, title, part in (
+      for name, title, level, block in (
           ("quality", "Approximation quality (vs the exact matrix)",
-           q[q.block == "all"]),
+           "network", "block"),
           ("quality_blocks", "Approximation quality per layer block",
-           q[q.block != "all"])):
+           "layer", "block"),
+          ("quality_block_types", "Approximation quality per block type "
+           "(role: the sub-matrices over every layer of that type)", "role",
+           "role")):
+        part = q[q.level == level].rename(columns={"block": block})
         if not part.empty:
           out.append((name, f"{title}: median over runs, quartiles, n "
                       "runs", aggregate.over_runs(
                           part, ["problem", "data", "step", "reference",
-                                 "block_type", "label", "block"], "metric",
+                                 "block_type", "label", block], "metric",
                           "value")))
     if "statistics" in tables:
       out.append(("statistics", "Spectrum statistics: median over runs, "
@@ -233,6 +245,10 @@ class Spectra(Measurement):
       paths += plots.heatmaps(tables["heatmaps"], out)
     if "quality" in tables:
       q = tables["quality"]
+      roles = q.level == "role"
+      if roles.any():
+        paths += plots.quality_per_block_type(q[roles], out, report.colour)
+      q = q[~roles]
       along = q.groupby("problem").step.transform("nunique") > 1
       if along.any():
         paths += plots.quality_through_training(q[along], out, report.colour)
@@ -256,8 +272,8 @@ def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
 
 def completed(tables: dict) -> dict:
   """The spectra and quality tables with the location columns filled in
-  where older records lack them (`plots.DEFAULTS`; `block` on quality rows
-  only)."""
+  where older records lack them (`plots.DEFAULTS`; `block` and `level` on
+  quality rows only, see `plots.quality_levels`)."""
   out = dict(tables)
   for name in ("spectra", "quality"):
     if name in out:
@@ -266,7 +282,7 @@ def completed(tables: dict) -> dict:
         if column != "block" or name == "quality":
           df[column] = df.get(column, value)
           df[column] = df[column].fillna(value)
-      out[name] = df
+      out[name] = plots.quality_levels(df) if name == "quality" else df
   return out
 
 
