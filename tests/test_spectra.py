@@ -83,21 +83,28 @@ def test_lanczos_method_agrees_with_dense(tiny, tiny_ggn):
 
 def test_lanczos_block_metrics_estimate_the_dense_ones(tiny):
   """The matrix-free metrics of a K-FAC estimate against the dense method's,
-  at full Krylov depth (past the rank of the GGN, where Lanczos breaks down)."""
+  at full Krylov depth (past the rank of the GGN, where Lanczos breaks down),
+  for the whole network and for each block type (here the hidden layer's
+  type, named by the problem, and the output layer's, by its tag)."""
   p, params, batch = tiny
   cur = make(tiny, "kfac")
-  dense = quality(spectra.measure(p.loss_fn, cur, params, batch, spec(),
-                                  jax.random.PRNGKey(1)))
-  lanczos = quality(spectra.measure(
+  roles = (("dense_0", "hidden"),)
+  dense_tables = spectra.measure(p.loss_fn, cur, params, batch, spec(),
+                                 jax.random.PRNGKey(1), layer_roles=roles)
+  lanczos_tables = spectra.measure(
       p.loss_fn, cur, params, batch,
       spec(method="lanczos", frobenius_probes=400, lanczos_iters=235),
-      jax.random.PRNGKey(1)))
-  assert lanczos["relative_frobenius"] == pytest.approx(
-      dense["relative_frobenius"], rel=0.1)
-  assert lanczos["top_eigenvalue_ratio"] == pytest.approx(
-      dense["top_eigenvalue_ratio"], rel=1e-6)
-  assert lanczos["top_k_overlap"] == pytest.approx(dense["top_k_overlap"],
-                                                   abs=1e-6)
+      jax.random.PRNGKey(1), layer_roles=roles)
+  for block in ("all", "hidden", "dense"):
+    dense, lanczos = (quality(t, block) for t in (dense_tables,
+                                                  lanczos_tables))
+    assert lanczos["relative_frobenius"] == pytest.approx(
+        dense["relative_frobenius"], rel=0.1), block
+    assert lanczos["top_eigenvalue_ratio"] == pytest.approx(
+        dense["top_eigenvalue_ratio"], rel=1e-6), block
+    assert lanczos["top_k_overlap"] == pytest.approx(dense["top_k_overlap"],
+                                                     abs=1e-6), block
+  dense, lanczos = quality(dense_tables), quality(lanczos_tables)
   # The matrix-free exact direction is CG's, to a relative residual of 1e-5.
   assert lanczos["natural_gradient_cosine"] == pytest.approx(
       dense["natural_gradient_cosine"], abs=1e-5)
