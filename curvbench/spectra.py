@@ -139,20 +139,25 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
 
 # --- dense method ------------------------------------------------------------
 
-def _dense_exact(loss_fn, matrix, params, data, rng, costs):
+def _dense_exact(loss_fn, matrix, params, data, rng, costs,
+                 examples_interact):
+  # Per-example rows take each example alone, which a loss that couples
+  # the batch's examples (batch norm) does not allow: products then.
   exact = curvatures.exact(
-      matrix, loss_fn,
-      matrix_free=matrix in curvatures.DENSE_FROM_PRODUCTS)
+      matrix, loss_fn, matrix_free=examples_interact
+      or matrix in curvatures.DENSE_FROM_PRODUCTS)
 
   return costs.call(f"exact {matrix}", lambda p, d, k: _symmetric(
       exact.to_dense(exact.estimate(k, p, d))), params, data, rng)
 
 
-def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key):
+def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
+                     examples_interact):
   """`(dense matrix, (eigenvalues, eigenvectors))` of the exact `matrix`,
   from the `store` where another run computed it from the same content."""
   def compute():
-    dense = _dense_exact(loss_fn, matrix, params, data, rng, costs)
+    dense = _dense_exact(loss_fn, matrix, params, data, rng, costs,
+                         examples_interact)
     values, vectors = _eigh(costs, f"exact {matrix}", dense)
     return dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,
                 eigenvectors=vectors)
@@ -219,11 +224,14 @@ def _heatmap_rows(source, kind, reference, sub, units):
 
 
 def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                  store=ReferenceStore(None), key=None, layer_roles=()):
+                  store=ReferenceStore(None), key=None, layer_roles=(),
+                  examples_interact=False):
   """Every table, from dense matrices (small models); the exact references
   from `store` where a run with the same content (`key` plus the
   parameters and examples) computed them; block types from the problem's
-  `layer_roles` (`curvatures.block_role`)."""
+  `layer_roles` (`curvatures.block_role`). Where the loss couples the
+  examples of a batch (`examples_interact`: batch norm), every exact
+  matrix comes from products through the whole batch."""
   curvatures.check_dense_fits(
       curvatures.num_params(params), 8, float(cfg["max_dense_gib"]),
       "The dense spectra method",
@@ -235,8 +243,8 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
                precision=cfg["precision"])
   exact, exact_eighs = {}, {}
   for m in references:
-    exact[m], exact_eighs[m] = _exact_reference(loss_fn, m, params, data,
-                                                rng, costs, store, key)
+    exact[m], exact_eighs[m] = _exact_reference(
+        loss_fn, m, params, data, rng, costs, store, key, examples_interact)
   tables = {name: [] for name in TABLES}
   reference = exact[curvature.matrix]
   exact_eigh = exact_eighs[curvature.matrix]
@@ -475,18 +483,20 @@ METHODS = {"dense": measure_dense, "lanczos": measure_lanczos}
 
 def measure(loss_fn, curvature, params, data, cfg, rng,
             costs: Costs | None = None, store: ReferenceStore | None = None,
-            key: dict | None = None,
-            layer_roles=()) -> dict[str, list[dict]]:
+            key: dict | None = None, layer_roles=(),
+            examples_interact: bool = False) -> dict[str, list[dict]]:
   """The tables of `TABLES` by `cfg["method"]` (one of `METHODS`), over
   `data` (a batch or a `Data`); the dense method shares its exact
-  references through `store` (see `measure_dense`); block types from the
-  problem's `layer_roles` (`curvatures.block_role`)."""
+  references through `store` and forms them from products where the
+  examples interact (see `measure_dense`); block types from the problem's
+  `layer_roles` (`curvatures.block_role`)."""
   if cfg["method"] not in METHODS:
     raise ValueError(f"Unknown measure.spectra.method {cfg['method']!r}; "
                      f"choose one of {', '.join(METHODS)}.")
   data, costs = Data.of(data), costs or Costs()
   if cfg["method"] == "dense":
     return measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                         store or ReferenceStore(None), key, layer_roles)
+                         store or ReferenceStore(None), key, layer_roles,
+                         examples_interact)
   return measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
                          layer_roles)

@@ -14,7 +14,9 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import checkpoints, config, curvatures, timing, training
+from curvbench import checkpoints, config, curvatures, spectra, timing, training
+from curvbench.costs import Costs
+from curvbench.data import Data
 from curvbench.optimizers.sgd import SGD
 
 # 8x8 digits -> 8x8, 4x4: conv_in, a block per stage, a projection shortcut.
@@ -212,3 +214,21 @@ def test_what_would_take_examples_apart_is_refused():
   config.load(config.compose("problem=resnet", "problem.norm=group",
                              "curvature=explicit_exact",
                              "optimizer=preconditioned_sgd"))
+
+
+def test_the_dense_empirical_fisher_comes_through_the_whole_batch():
+  problem, params, batch = _tiny(widths=[2])
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  x, y = batch
+
+  def example_losses(f):  # each example's loss, its batch normalised together
+    log_p = jax.nn.log_softmax(problem.outputs(unravel(f), x))
+    return -jnp.take_along_axis(log_p, y[:, None], axis=1)[:, 0]
+
+  rows = jax.jit(jax.jacobian(example_losses))(flat)  # (B, P)
+  truth = rows.T @ rows / len(x)
+  dense = spectra._dense_exact(problem.loss_fn, "empirical_fisher", params,
+                               Data.of(batch), jax.random.PRNGKey(0), Costs(),
+                               examples_interact=True)
+  np.testing.assert_allclose(dense, truth, rtol=1e-8,
+                             atol=1e-10 * np.abs(truth).max())

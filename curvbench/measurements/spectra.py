@@ -167,7 +167,8 @@ class Spectra(Measurement):
       point = devices.replicate(point, ctx.mesh)
       for name, rows in spectra.measure(
           ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
-          ctx.rng, costs, store, key, ctx.problem.layer_roles).items():
+          ctx.rng, costs, store, key, ctx.problem.layer_roles,
+          examples_interact=ctx.problem.has_state).items():
         tables[name] += [dict(step=step, **scope, **row) for row in rows]
       # What the phases leave out (host work between them), so that the
       # table adds up to the measurement's wall time.
