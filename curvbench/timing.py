@@ -283,7 +283,8 @@ def measure(loss_fn, curvature, params, batch, cfg, optimizer, baseline,
     calls["model_state_update"] = (jax.jit(fn), (params, model_state,
                                                  batch[0]))
     extra.append("model_state_update")
-  for phase in tqdm(timed + extra, desc="timing", disable=not progress, leave=False):
+  for phase in tqdm(timed + extra, desc="timing", disable=not progress,
+                    leave=False):
     stats[phase] = time_function(*calls[phase], warmup, repeats)
 
   trainer = optimizer.make(loss_fn, curvature, mesh)

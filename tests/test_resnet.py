@@ -3,8 +3,9 @@ block meant for it; the exact GGN and Hessian products of the batch-norm
 network (training mode: the batch's statistics) equal brute force; batch
 norm's running averages after training steps equal a hand-written
 reference; evaluation normalises by them; checkpoints and timing carry the
-model state; a curvature that needs examples to stand alone, and batches split over
-devices, are refused."""
+model state; a curvature that needs examples to stand alone, and batches
+split over devices, are refused; the dense empirical Fisher comes through
+the whole batch."""
 
 import jax
 import jax.flatten_util
@@ -146,7 +147,8 @@ def test_running_averages_after_training_equal_a_hand_reference(batch_norm):
       for k in ("mean", "var"):
         np.testing.assert_allclose(got[name][k], state[name][k], rtol=1e-12)
     # The parameters did move, so each step's statistics are new ones.
-    assert not np.allclose(seen[step][0]["conv_in"]["w"], before["conv_in"]["w"])
+    assert not np.allclose(seen[step][0]["conv_in"]["w"],
+                           before["conv_in"]["w"])
 
 
 def test_evaluation_normalises_by_the_running_averages(batch_norm):

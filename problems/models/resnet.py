@@ -88,8 +88,8 @@ class GroupNorm(hk.Module):
 class ResNet(ProblemSettings):
   """A 3x3 convolution, then stages of residual blocks (two 3x3
   convolutions, each normalised, the first stride 2 from the second stage
-  on, a 1x1 projection where the shape changes: He et al.'s option B), global average pooling
-  and a dense classifier."""
+  on, a 1x1 projection where the shape changes: He et al.'s option B),
+  global average pooling and a dense classifier."""
 
   name: str = "resnet"
   widths: list[int] = setting(
