@@ -10,7 +10,8 @@ from estimators import blocks, curvature, estimation_modes, losses, patches
 from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
     EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce, Conv2DTNT,
-    DenseEKFAC, DenseTNT, EmbeddingKFAC, NaiveTNT, RepeatedDenseKFACExpand,
+    DenseEKFAC, DenseTNT, EmbeddingDiagonal, EmbeddingEKFAC, EmbeddingFull,
+    EmbeddingKFAC, EmbeddingTNT, NaiveTNT, RepeatedDenseKFACExpand,
     RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull,
     Conv2DTwoKroneckerFactored, DenseDiagonal, DenseFull,
     DenseTwoKroneckerFactored, Diagonal, ExplicitFull, Full, NaiveDiagonal,
@@ -62,8 +63,9 @@ __all__ = [
     "loss_functions", "patches_second_moment", "tag_graph_matcher",
     # curvature blocks and their settings
     "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce", "Conv2DTNT",
-    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
-    "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull",
+    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
+    "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT", "NaiveTNT",
+    "RepeatedDenseKFACExpand", "RepeatedDenseKFACReduce", "Conv2DDiagonal", "Conv2DFull",
     "Conv2DTwoKroneckerFactored", "CurvatureBlock", "DenseDiagonal",
     "DenseFull", "DenseTwoKroneckerFactored", "Diagonal", "ExplicitFull",
     "Full", "NaiveDiagonal", "NaiveFull", "RepeatedDenseTwoKroneckerFactored",

@@ -5,7 +5,9 @@ from estimators.blocks.base import (CurvatureBlock,
                                     get_max_parallel_elements,
                                     set_default_eigen_decomposition_threshold,
                                     set_max_parallel_elements)
-from estimators.blocks.embedding import EmbeddingKFAC
+from estimators.blocks.embedding import (EmbeddingDiagonal, EmbeddingEKFAC,
+                                         EmbeddingFull, EmbeddingKFAC,
+                                         EmbeddingTNT)
 from estimators.blocks.eigenbasis import EKFAC, Conv2DEKFAC, DenseEKFAC
 from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
                                         NaiveDiagonal, ScaleAndShiftDiagonal)
@@ -26,8 +28,9 @@ from estimators.blocks.weight_sharing import (Conv2DKFACExpand,
 __all__ = [
     "Conv2DDiagonal", "Conv2DEKFAC", "Conv2DFull", "Conv2DKFACExpand",
     "Conv2DKFACReduce", "Conv2DTNT", "Conv2DTwoKroneckerFactored",
-    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingKFAC", "NaiveTNT", "RepeatedDenseKFACExpand",
-    "RepeatedDenseKFACReduce",
+    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
+    "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT", "NaiveTNT",
+    "RepeatedDenseKFACExpand", "RepeatedDenseKFACReduce",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
     "Diagonal", "ExplicitFull", "Full", "NaiveDiagonal", "NaiveFull",
     "RepeatedDenseTwoKroneckerFactored", "ScaleAndShiftDiagonal",
