@@ -1,21 +1,23 @@
 """Automatic layer registration: finds the layers of a model in its jaxpr.
 
 `auto_register_tags(func, func_args)` returns `func` with a layer tag after
-every dense, convolution and scale-and-shift layer it computes and a generic
-tag on every other parameter. The model's jaxpr is flattened into one graph
-(`_Graph`: jit, custom_jvp/vjp and remat bodies inlined; while and cond
-opaque; a scan stays one node, and its body joins the graph in a context of
-its own, where the slices of stacked parameter leaves that the scan iterates
-over count as parameters, so `hk.experimental.layer_stack` layers are found
-and tagged inside the scan). Each `GraphPattern` is traced to a small graph
-of the same kind, and from every model equation with the primitive of a
-pattern's output, `_Matcher` walks backwards through both graphs in lock
-step: equations must be
+every dense, convolution, scale-and-shift and embedding layer it computes
+and a generic tag on every other parameter. The model's jaxpr is flattened
+into one graph (`_Graph`: jit, custom_jvp/vjp and remat bodies inlined;
+while and cond opaque; a scan stays one node, and its body joins the graph
+in a context of its own, where the slices of stacked parameter leaves that
+the scan iterates over count as parameters, so
+`hk.experimental.layer_stack` layers are found and tagged inside the scan).
+Each `GraphPattern` is traced to a small graph of the same kind, and from
+every model equation with the primitive of a pattern's output, `_Matcher`
+walks backwards through both graphs in lock step: equations must be
 equivalent (`GraphMatcherComparator`), pattern inputs bind to model values and
 pattern parameters to leaves of the params argument. Layout equations
 (reshape, broadcast, casts) are looked through. Matches whose parameters or
 intermediates feed anything else on the way to a loss, or whose shapes the
-tag rejects, are dropped; hand-written tags claim their parameters first and
+tag rejects, are dropped (a parameter that several computations use, such
+as a table tied to an output layer, gets a generic tag and the report says
+what shares it); hand-written tags claim their parameters first and
 patterns claim greedily, in order. `TaggedFunction` then re-evaluates the
 jaxpr, binding each tag right after the equation making the layer's output.
 """
@@ -54,7 +56,12 @@ class GraphMatcherComparator:
   axis, so a matmul over extra leading axes matches the 2-D one (and an
   `iota`, as in `jax.nn.one_hot`, matches whatever its size and rank when
   it counts along the same axis from the end, integers matching any
-  integer type). Equations
+  integer type). A `gather` matches one that takes the same kind of slice
+  (its dimension numbers, output axes counted from the end, and which
+  slice sizes span their whole axis), whatever the sizes, its mode and
+  fill value (which only say what out-of-range indices give) and its
+  sortedness hints: `table[ids]` and `jnp.take(table, ids, axis=0)` are
+  one row lookup for any table and ids shapes. Equations
   of `layout_primitives` are looked through, and `commutative_primitives`
   may have their two operands matched in either order.
   """
@@ -107,6 +114,8 @@ class GraphMatcherComparator:
       return (_iota_axis(graph_eqn) == _iota_axis(pattern_eqn)
               and jnp.issubdtype(graph_eqn.params["dtype"], jnp.integer)
               == jnp.issubdtype(pattern_eqn.params["dtype"], jnp.integer))
+    if name == "gather" == graph_eqn.primitive.name:
+      return _gather_form(graph_eqn) == _gather_form(pattern_eqn)
     if (name != graph_eqn.primitive.name
         or len(pattern_eqn.invars) != len(graph_eqn.invars)
         or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):
@@ -137,6 +146,20 @@ def _dot_axes_from_end(eqn):
 def _iota_axis(eqn):
   """The axis an `iota` counts along, from the last axis."""
   return eqn.params["dimension"] - len(eqn.params["shape"])
+
+
+def _gather_form(eqn):
+  """What slice a `gather` takes, whatever the sizes: its dimension numbers
+  (output axes counted from the end), the operand's rank and, per operand
+  axis, whether the slice spans it (else its size)."""
+  dn, operand = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
+  out_ndim = eqn.outvars[0].aval.ndim
+  sizes = tuple("all" if s == n else s
+                for s, n in zip(eqn.params["slice_sizes"], operand))
+  return (tuple(a - out_ndim for a in dn.offset_dims),
+          tuple(dn.collapsed_slice_dims), tuple(dn.start_index_map),
+          tuple(dn.operand_batching_dims),
+          tuple(dn.start_indices_batching_dims), len(operand), sizes)
 
 
 def _call_body(eqn):
@@ -362,6 +385,26 @@ def embedding_layer(ids: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   return jnp.matmul(jax.nn.one_hot(ids, w.shape[0], dtype=w.dtype), w)
 
 
+def embedding_gather_layer(indices: jax.Array,
+                           params: Sequence[jax.Array]) -> jax.Array:
+  """An embedding lookup as the `gather` that `table[ids]` and
+  `jnp.take(table, ids, axis=0)` make (after wrapping negative ids).
+
+  Args:
+    indices: the ids with a trailing unit axis, `ids.shape + (1,)`.
+    params: `[table]`, `(vocab, d_out)`.
+
+  Returns:
+    The table's rows at the ids, `ids.shape + (d_out,)`.
+  """
+  (w,) = params
+  rows = lax.GatherDimensionNumbers(offset_dims=(indices.ndim - 1,),
+                                    collapsed_slice_dims=(0,),
+                                    start_index_map=(0,))
+  return lax.gather(w, indices, rows, slice_sizes=(1, w.shape[1]),
+                    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def _squeeze_last(ins):
   """The ids before `one_hot` gave them a trailing unit axis."""
   return [jnp.reshape(ins[0], jnp.shape(ins[0])[:-1])]
@@ -432,8 +475,10 @@ def _conv2d_extractor(eqns):
 
 def _default_patterns():
   """KFAC-JAX's documented patterns, in its order, plus a scale-only Haiku
-  normalization (Haiku's norms with `create_offset=False`) and an embedding
-  lookup written `jax.nn.one_hot(ids, vocab) @ table` (tried first).
+  normalization (Haiku's norms with `create_offset=False`) and embedding
+  lookups, written `jax.nn.one_hot(ids, vocab) @ table` (tried first) or
+  `table[ids]` / `jnp.take(table, ids, axis=0)` (a gather): the same
+  `embedding_tag` on the same ids and table, whichever is written.
 
   `_broadcast_1` patterns match layers that broadcast a parameter against
   the input (the usual case: a batch axis in front), `_broadcast_0` ones
@@ -474,6 +519,13 @@ def _default_patterns():
       "embedding", tags.embedding, embedding_layer, lambda eqns: {},
       [z((2,), np.int32), [z((5, 3))]], in_values_preprocessor=_squeeze_last,
       precedence=1)  # before the dense patterns, which match its matmul
+  # `table[ids]` and `jnp.take`: the gather's indices are the ids (negative
+  # ones already wrapped) with a trailing unit axis, as in the one-hot. The
+  # same precedence, so layers are numbered alike whichever is written.
+  gather = GraphPattern(
+      "embedding_gather", tags.embedding, embedding_gather_layer,
+      lambda eqns: {}, [z((2, 1), np.int32), [z((5, 3))]],
+      in_values_preprocessor=_squeeze_last, precedence=1)
   return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
@@ -484,7 +536,7 @@ def _default_patterns():
             for b in (True, False)),
           *(ss("scale_only", True, False, b) for b in (True, False)),
           *(ss("shift_only", False, True, b) for b in (True, False)),
-          embedding)
+          embedding, gather)
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
@@ -723,6 +775,9 @@ class _Registration:
 
     self.owner = {}  # leaf index -> (tag name, source, layer number, stack)
     self.matches, self.dropped = {}, set()  # root node -> _Match
+    # leaf index -> matches left unclaimed because they share that leaf
+    self.sharing = {}
+    self.rules = graph_matcher_rules
     self._claim_manual(manual,
                        allow_multiple=allow_multiple_registrations)
     if not register_only_generic:
@@ -796,12 +851,8 @@ class _Registration:
     nodes |= {n for _, chain in st.chains for n in chain}
     inner = {k for n in nodes for k in g.nodes[n].outputs} - {out_key}
     leaves = [st.params[i] for i in range(p.num_params)]
-    if any(not self.consumers.get(k, set()) <= nodes for k in (
-        inner if allow_multiple else inner | set(leaves))):
-      return None  # an intermediate value or a parameter is used elsewhere
-    if any(k in self.slices and self.consumers.get(self.slices[k][0], set())
-           != {self.slices[k][1]} for k in leaves):
-      return None  # a stacked leaf that is also used outside its scan
+    if any(not self.consumers.get(k, set()) <= nodes for k in inner):
+      return None  # an intermediate value is used elsewhere
     in_keys = [st.inputs[i] for i in range(p.num_inputs)]
     if inner & set(in_keys):
       return None
@@ -820,15 +871,59 @@ class _Registration:
     if tag is None or (tag is tags.scale_and_shift and _broadcasts(
         _shape(out_key), ps) != p.broadcasts):
       return None
-    return _Match(pattern, tag, out_key, in_keys, leaves, nodes, meta)
+    match = _Match(pattern, tag, out_key, in_keys, leaves, nodes, meta)
+    # Parameters something else uses too (a stacked leaf: outside its scan)
+    # leave the match unclaimed; it is kept for the report, once per layer
+    # (a smaller pattern on the same layer adds nothing).
+    shared = [k for k in leaves if (
+        k in self.slices and self.consumers.get(self.slices[k][0], set())
+        != {self.slices[k][1]}
+        or not allow_multiple and not self.consumers.get(k, set()) <= nodes)]
+    for k in shared:
+      found = self.sharing.setdefault(self.leaf_index[k], [])
+      if not any(m.nodes & nodes for m in found):
+        found.append(match)
+    return None if shared else match
 
   def _why_generic(self, leaf):
+    uses = self._uses(leaf)
+    if len(uses) > 1:
+      return (f"shared by {len(uses)} layers: {', '.join(uses[:-1])} and "
+              f"{uses[-1]}")
     users = sorted({self.graph.nodes[n].eqn.primitive.name
                     for n in self.consumers.get(leaf, ())
                     if any(jaxpr_utils.sub_jaxprs(self.graph.nodes[n].eqn))})
     if users:
       return f"unmatched: used inside {', '.join(users)}"
     return "unmatched" if leaf in self.consumers else "unmatched: unused"
+
+  def _uses(self, leaf) -> list[str]:
+    """What each computation a parameter leaf feeds is: the matches it kept
+    from being claimed (their pattern, other parameters and output shape),
+    then its other uses (their primitive, whether they take its transpose,
+    and their output shape). Layout equations are looked through."""
+    g = self.graph
+    found = self.sharing.get(self.leaf_index[leaf], [])
+    uses = []
+    for m in found:
+      others = [self.paths[self.leaf_index[k]] for k in m.leaves
+                if self.leaf_index[k] != self.leaf_index[leaf]]
+      uses.append(m.pattern.name + (f" with {', '.join(others)}"
+                                    if others else "")
+                  + f" (output {_shape(m.out_key)})")
+    stack = [(leaf, False)]
+    while stack:
+      key, transposed = stack.pop()
+      for n in sorted(self.consumers.get(key, ())):
+        node = g.nodes[n]
+        name = node.eqn.primitive.name
+        if self.rules.is_layout(node.eqn) or name == "transpose":
+          stack.append((node.outputs[0], transposed or name == "transpose"))
+        elif not any(g.nodes[i].path[:len(node.path)] == node.path
+                     for m in found for i in m.nodes):  # not a match's
+          uses.append(f"{name}{' of its transpose' if transposed else ''} "
+                      f"(output {_shape(node.outputs[0])})")
+    return uses
 
   def _calls_to_inline(self, manual):
     """Paths of the calls to evaluate equation by equation, not as a call."""
@@ -959,9 +1054,12 @@ class TaggedFunction:
 
     Returns:
       One dict per parameter leaf: `path` (`jax.tree_util.keystr`), `tag`,
-      `shape`, `source` ("manual", a pattern's name, or why it is generic),
-      `layer` (a number shared by the parameters of one tag) and `stacked`
-      (the number of scan iterations for a stacked leaf, else None).
+      `shape`, `source` ("manual", a pattern's name, or why it is generic:
+      "unmatched...", or "shared by N layers: ..." naming each use of a
+      parameter that several computations use, by the pattern that found
+      it or its primitive, with its output shape), `layer` (a number shared
+      by the parameters of one tag) and `stacked` (the number of scan
+      iterations for a stacked leaf, else None).
     """
     return [dict(r) for r in self._registration(func_args).report]
 

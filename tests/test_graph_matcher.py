@@ -333,6 +333,10 @@ def test_unusual_parameters_get_generic_tags():
   assert layers(report) == {("dense_tag", "b", "w")} | {
       ("generic_tag", n) for n in ("temperature", "log_scale", "w_t",
                                    "shared", "gate", "beta")}
+  sources = {_short(r["path"]): r["source"] for r in report}
+  assert sources["shared"] == ("shared by 2 layers: dense_no_bias (output "
+                               "(4, 3)) and dense_no_bias (output (4, 3))")
+  assert sources["w_t"] == "unmatched"  # one use, transposed
   shared = report_of(_loss(forward), (p, _batch((4, 4))),
                      allow_multiple_registrations=True)
   assert ("dense_tag", "shared") in layers(shared)
@@ -435,6 +439,83 @@ def test_full_blocks_on_auto_tags_equal_the_exact_ggn_blocks():
   np.testing.assert_allclose(estimate, ggn * (owner[:, None] == owner),
                              rtol=1e-8, atol=1e-10)
 
+# --- embeddings ------------------------------------------------------------
+
+VOCAB = 7
+LOOKUPS = {
+    "one_hot": lambda table, ids: jax.nn.one_hot(ids, VOCAB,
+                                                 dtype=table.dtype) @ table,
+    "index": lambda table, ids: table[ids],
+    "take": lambda table, ids: jnp.take(table, ids, axis=0),
+    "take_clip": lambda table, ids: jnp.take(table, ids, axis=0, mode="clip"),
+}
+
+
+def _token_model(lookup):
+  """Class logits from the embeddings of two tokens per example."""
+  def loss_fn(p, batch):
+    ids, t = batch
+    h = jnp.tanh(lookup(p["table"], ids)).reshape(len(ids), -1)
+    return _loss(lambda p, h: h @ p["out"])(p, (h, t))
+  return loss_fn
+
+
+def test_embedding_lookups_register_alike_however_written():
+  rng = np.random.default_rng(0)
+  params = {"table": rng.normal(size=(VOCAB, 3)),
+            "out": rng.normal(size=(6, 3))}
+  args = (params, (np.array([[1, 4], [4, 4], [0, 6], [1, 2], [6, 1]]),
+                   np.arange(5) % 3))
+  reports = {name: report_of(_token_model(lookup), args)
+             for name, lookup in LOOKUPS.items()}
+  for name, report in reports.items():
+    assert [(r["path"], r["tag"], r["layer"]) for r in report] == [
+        ("['out']", "dense_tag", 1), ("['table']", "embedding_tag", 0)], name
+    assert report[1]["source"] == (
+        "embedding" if name == "one_hot" else "embedding_gather"), name
+
+  @jax.jit
+  def curvatures(args):
+    out = []
+    for lookup in LOOKUPS.values():
+      est = kfac.BlockDiagonalCurvature(_token_model(lookup))
+      state = est.init(jax.random.PRNGKey(0), args)
+      state = est.update_curvature_matrix_estimate(
+          state, 0.0, 1.0, 5, jax.random.PRNGKey(1), args,
+          estimation_mode="ggn_exact")
+      out.append(est.to_dense_matrix(state))
+    return out
+
+  first, *others = curvatures(args)
+  assert np.abs(first[-21:, -21:]).max() > 0.1  # the table's block
+  for other in others:
+    np.testing.assert_allclose(other, first, rtol=1e-12, atol=1e-14)
+  # A gather of columns is no row lookup.
+  columns = {"table": params["table"].T, "out": params["out"]}
+  report = report_of(_token_model(lambda table, ids: jnp.moveaxis(
+      jnp.take(table, ids, axis=1), 0, -1)), (columns, args[1]))
+  assert [r["tag"] for r in report] == ["dense_tag", "generic_tag"]
+
+
+def test_a_parameter_two_layers_use_is_reported_as_shared():
+  """Tied embeddings: the table feeds a lookup and, transposed, the output
+  layer; no block of either layer's kind covers both uses."""
+  def loss_fn(p, batch):
+    ids, t = batch
+    h = jnp.tanh(p["table"][ids].sum(axis=1))
+    return _loss(lambda p, h: h @ p["table"].T)(p, (h, t))
+
+  params = {"table": np.ones((VOCAB, 3))}
+  args = (params, (np.zeros((5, 2), np.int32), np.arange(5) % VOCAB))
+  (row,) = report_of(loss_fn, args)
+  assert row["tag"] == "generic_tag"
+  assert row["source"] == (
+      "shared by 2 layers: embedding_gather (output (5, 2, 3)) and "
+      "dot_general of its transpose (output (5, 7))")
+  (row,) = report_of(loss_fn, args, allow_multiple_registrations=True)
+  assert (row["tag"], row["source"]) == ("embedding_tag", "embedding_gather")
+
+
 # --- options, manual tags and errors ----------------------------------------
 
 
@@ -513,10 +594,11 @@ def test_default_patterns_have_the_documented_names():
   names = [p.name for p in gm.DEFAULT_GRAPH_PATTERNS]
   assert [n for n in names if n in documented] == documented
   # The additions: Haiku norms without an offset (e.g. RMSNorm), and
-  # embedding lookups as one-hot matmuls.
+  # embedding lookups as one-hot matmuls or gathers.
   assert set(names) - set(documented) == {
       "normalization_haiku_scale_only_broadcast_1",
-      "normalization_haiku_scale_only_broadcast_0", "embedding"}
+      "normalization_haiku_scale_only_broadcast_0", "embedding",
+      "embedding_gather"}
 
 
 def test_broadcast_0_and_1_patterns_split_scale_and_shift_layers():
@@ -741,6 +823,9 @@ def test_stacked_weight_used_outside_its_scan_is_generic():
       "ws": ("generic_tag", None), "bs": ("scale_and_shift_tag", gt.STACK),
       "w0": ("dense_tag", None), "b0": ("dense_tag", None),
       "w1": ("dense_tag", None), "b1": ("dense_tag", None)}
+  assert report["ws"]["source"] == (
+      "shared by 2 layers: dense_with_bias with ['bs'] (output (5, 3)) and "
+      "slice (output (1, 1, 2))")
   matrix = _dense_curvature(tied, params, batch, "ggn_exact",
                             kfac.DenseDiagonal)
   assert np.all(np.isfinite(matrix)) and np.trace(matrix) > 0
