@@ -11,9 +11,11 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class Full(BlockDiagonal):
-  """Full blocks for dense, conv and scale-and-shift layers."""
+  """Full blocks for dense (shared over positions too), conv and
+  scale-and-shift layers."""
 
   name: str = "full"
   blocks: ClassVar = {"dense_tag": kfac.DenseFull,
+                      "repeated_dense_tag": kfac.DenseFull,
                       "conv2d_tag": kfac.Conv2DFull,
                       "scale_and_shift_tag": kfac.ScaleAndShiftFull}

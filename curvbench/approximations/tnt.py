@@ -11,9 +11,11 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class TNT(BlockDiagonal):
-  """TNT blocks for dense and conv layers, and for generic parameters."""
+  """TNT blocks for dense (shared over positions too) and conv layers, and
+  for generic parameters."""
 
   name: str = "tnt"
   blocks: ClassVar = {"dense_tag": kfac.DenseTNT,
+                      "repeated_dense_tag": kfac.DenseTNT,
                       "conv2d_tag": kfac.Conv2DTNT,
                       "generic_tag": kfac.NaiveTNT}
