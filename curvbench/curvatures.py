@@ -25,7 +25,7 @@ import numpy as np
 
 import estimators as kfac
 from curvbench.data import Data
-from estimators import estimation_modes
+from estimators import estimation_modes, graph_matcher
 
 # Matrices that have an exact reference: the estimation-mode matrices and the
 # Hessian, which only matrix-vector products give.
@@ -211,7 +211,8 @@ class Curvature(abc.ABC):
     """The estimate as a dense P x P matrix."""
 
   def registration(self) -> list[dict]:
-    """One row per curvature block (after `init`): name, class and size."""
+    """One row per curvature block (after `init`): name, class and size
+    (block-diagonal families add how its parameters were found)."""
     return [dict(block=self.name, block_class=type(self).__name__, dim=None)]
 
   def estimate(self, rng, params, data: Data, num_samples: int = 1):
@@ -317,8 +318,23 @@ class BlockDiagonal(_Estimator):
   is_block_diagonal = True
 
   def registration(self):
-    return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim))
-            for b in self.estimator.blocks]
+    """One row per block: `block` (its parameters and tag), `block_class`,
+    `dim` and `source`, how the graph matcher found its parameters: a
+    pattern's name, 'manual', or why they got a generic tag, e.g. 'shared
+    by 2 layers: embedding (output ...) and dot_general of its transpose
+    (output ...)' for a table that a lookup and a tied output layer share
+    (the row's class is then the block the family gives a generic tag)."""
+    estimator = self.estimator
+    args = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype),
+        estimator.jaxpr.in_vars)
+    sources = [r["source"] for r in graph_matcher.registration_report(
+        estimator.func, args, estimator.params_index)]
+    which = jax.tree.leaves(estimator.params_block_index)
+    return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim),
+                 source="; ".join(dict.fromkeys(
+                     s for s, w in zip(sources, which) if w == index)))
+            for index, b in enumerate(estimator.blocks)]
 
   def init(self, rng, params, batch):
     self.check_state_fits(rng, params, batch)

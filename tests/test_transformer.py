@@ -4,6 +4,8 @@ Hessian products equal brute force; the embedding block's statistics equal
 K-FAC's for a dense layer on one-hot inputs while storing O(vocab) numbers;
 the datasets are fixed by their seed and say where a missing file goes."""
 
+import re
+
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import config, curvatures
+from curvbench import approximations, config, curvatures
 from problems import DATASETS
 from problems.datasets import modular
 
@@ -27,32 +29,52 @@ def tiny():
   return problem, params, problem.fixed_batch(3, dtype=np.float64)
 
 
+# Per block-diagonal family: the blocks of the (shared) dense layers, the
+# embeddings and the layer norms.
+BLOCKS = {
+    "kfac": ("RepeatedDenseTwoKroneckerFactored", "EmbeddingKFAC",
+             "ScaleAndShiftDiagonal"),
+    "kfac_reduce": ("RepeatedDenseKFACReduce", "EmbeddingKFAC",
+                    "ScaleAndShiftDiagonal"),
+    "kfac_tridiagonal": ("RepeatedDenseTwoKroneckerFactored", "EmbeddingKFAC",
+                         "ScaleAndShiftDiagonal"),
+    "ekfac": ("DenseEKFAC", "EmbeddingEKFAC", "ScaleAndShiftDiagonal"),
+    "tnt": ("DenseTNT", "EmbeddingTNT", "ScaleAndShiftDiagonal"),
+    "diagonal": ("DenseDiagonal", "EmbeddingDiagonal", "ScaleAndShiftDiagonal"),
+    "full": ("DenseFull", "EmbeddingFull", "ScaleAndShiftFull"),
+    "identity": ("ScaledIdentity",) * 3,
+}
+
+
 def test_every_parameter_gets_the_block_meant_for_it(tiny):
   problem, params, batch = tiny
   report = kfac.registration_report(problem.loss_fn, (params, batch))
   tag = {r["path"]: (r["tag"], r["source"]) for r in report}
   assert len(tag) == len(jax.tree.leaves(params)) == 22
   for path, (name, source) in tag.items():
-    if "embed" in path:
-      assert (name, source) == ("embedding_tag", "embedding"), path
+    if "embed" in path:  # a one-hot matmul or a gather
+      assert name == "embedding_tag" and source.startswith("embedding"), path
     elif "norm" in path:
       assert name == "scale_and_shift_tag", path
     else:  # attention projections, MLP and output layers
       assert (name, source) == ("repeated_dense_tag", "dense_with_bias"), path
   rng = jax.random.PRNGKey(0)
-  expected = {"kfac": "RepeatedDenseTwoKroneckerFactored",
-              "kfac_reduce": "RepeatedDenseKFACReduce"}
-  for name, dense_block in expected.items():
+  families = [n for n in approximations.CURVATURES.names()
+              if approximations.CURVATURES.defaults(n).is_block_diagonal]
+  assert sorted(families) == sorted(BLOCKS)  # a new family says its blocks
+  for name, (dense, embedding, norm) in BLOCKS.items():
     curvature = config.load(config.compose(
         "problem=transformer", f"curvature={name}")).curvature.make(
             problem.loss_fn)
     curvature.init(rng, params, batch)
-    classes = [b["block_class"] for b in curvature.registration()]
-    assert sorted(set(classes)) == sorted(
-        {"EmbeddingKFAC", "ScaleAndShiftDiagonal", dense_block}), name
-    assert classes.count("EmbeddingKFAC") == 2
-    dims = sum(b["dim"] for b in curvature.registration())
-    assert dims == problem.num_params
+    rows = curvature.registration()
+    kinds = {"embed": embedding, "norm": norm}
+    for row in rows:
+      want = next((b for k, b in kinds.items() if k in row["block"]), dense)
+      assert row["block_class"] == want, (name, row)
+      first = row["block"].split(" [")[0].split(",")[0]  # a parameter's path
+      assert row["source"] == tag[first][1], (name, row)
+    assert sum(row["dim"] for row in rows) == problem.num_params
 
 
 def test_tied_output_layer_is_reported_as_shared():
@@ -60,10 +82,23 @@ def test_tied_output_layer_is_reported_as_shared():
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
   batch = problem.fixed_batch(3, dtype=np.float64)
   report = kfac.registration_report(problem.loss_fn, (params, batch))
-  table = next(r for r in report if r["path"] == "['token_embed']['embeddings']")
-  assert table["tag"] == "generic_tag" and table["source"].startswith(
-      "unmatched")
+  path = "['token_embed']['embeddings']"
+  table = next(r for r in report if r["path"] == path)
+  shared = (r"shared by 2 layers: embedding(_gather)? \(output \(3, 4, 8\)\) "
+            r"and dot_general of its transpose \(output \(3, 4, 7\)\)")
+  assert table["tag"] == "generic_tag"
+  assert re.fullmatch(shared, table["source"]), table["source"]
   assert "logits" not in str([r["path"] for r in report])
+  # The curvature's report names the block the shared table got.
+  for name, block in (("kfac", "NaiveDiagonal"), ("tnt", "NaiveTNT")):
+    curvature = config.load(config.compose(
+        "problem=transformer", f"curvature={name}")).curvature.make(
+            problem.loss_fn)
+    curvature.init(jax.random.PRNGKey(0), params, batch)
+    (row,) = [r for r in curvature.registration() if path in r["block"]]
+    assert row["block"] == f"{path} [generic_tag]"
+    assert row["block_class"] == block
+    assert re.fullmatch(shared, row["source"]), row["source"]
 
 
 def _flat_loss_and_logits(problem, params, batch):

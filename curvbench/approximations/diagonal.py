@@ -10,12 +10,14 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class Diagonal(BlockDiagonal):
-  """Diagonal blocks for dense (shared over positions too), conv and
-  scale-and-shift layers."""
+  """Diagonal blocks for dense (shared over positions too), conv,
+  scale-and-shift and embedding layers (an embedding's, `(vocab, d)`, holds
+  as many numbers as its table)."""
 
   name: str = "diagonal"
   blocks: ClassVar = {"dense_tag": kfac.DenseDiagonal,
                       "repeated_dense_tag": kfac.DenseDiagonal,
                       "conv2d_tag": kfac.Conv2DDiagonal,
-                      "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal}
+                      "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal,
+                      "embedding_tag": kfac.EmbeddingDiagonal}
   smaller: ClassVar = "curvature=identity"

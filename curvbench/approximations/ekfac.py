@@ -12,8 +12,9 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class EKFAC(BlockDiagonal):
-  """EKFAC blocks for dense, shared-dense and conv layers (the basis at each
-  inverse refresh, the scalings at each update)."""
+  """EKFAC blocks for dense, shared-dense, conv and embedding layers (the
+  basis at each inverse refresh, the scalings at each update); other tags
+  keep the library's default block."""
 
   name: str = "ekfac"
   conv_scalings: str = setting(
@@ -28,4 +29,5 @@ class EKFAC(BlockDiagonal):
     return {"dense_tag": kfac.DenseEKFAC,
             "repeated_dense_tag": kfac.DenseEKFAC,
             "conv2d_tag": functools.partial(kfac.Conv2DEKFAC,
-                                            scalings=self.conv_scalings)}
+                                            scalings=self.conv_scalings),
+            "embedding_tag": kfac.EmbeddingEKFAC}

@@ -11,11 +11,13 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class Full(BlockDiagonal):
-  """Full blocks for dense (shared over positions too), conv and
-  scale-and-shift layers."""
+  """Full blocks for dense (shared over positions too), conv,
+  scale-and-shift and embedding layers. An embedding's is `(vocab d)^2`
+  numbers: `max_state_gib` refuses it where that is too large."""
 
   name: str = "full"
   blocks: ClassVar = {"dense_tag": kfac.DenseFull,
                       "repeated_dense_tag": kfac.DenseFull,
                       "conv2d_tag": kfac.Conv2DFull,
-                      "scale_and_shift_tag": kfac.ScaleAndShiftFull}
+                      "scale_and_shift_tag": kfac.ScaleAndShiftFull,
+                      "embedding_tag": kfac.EmbeddingFull}

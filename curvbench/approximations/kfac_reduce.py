@@ -13,8 +13,13 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class KFACReduce(BlockDiagonal):
-  """K-FAC-reduce blocks where weights are shared, K-FAC elsewhere."""
+  """K-FAC-reduce blocks where weights are shared, K-FAC elsewhere.
+
+  Embeddings keep `EmbeddingKFAC` (K-FAC-expand): averaging one-hot inputs
+  over positions would make their input factor a dense vocab x vocab
+  matrix."""
 
   name: str = "kfac_reduce"
   blocks: ClassVar = {"repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
-                      "conv2d_tag": kfac.Conv2DKFACReduce}
+                      "conv2d_tag": kfac.Conv2DKFACReduce,
+                      "embedding_tag": kfac.EmbeddingKFAC}

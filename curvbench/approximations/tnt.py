@@ -11,11 +11,13 @@ from curvbench.approximations import CURVATURES, BlockDiagonal
 @CURVATURES.register
 @dataclasses.dataclass
 class TNT(BlockDiagonal):
-  """TNT blocks for dense (shared over positions too) and conv layers, and
-  for generic parameters."""
+  """TNT blocks for dense (shared over positions too), conv and embedding
+  layers, and for generic parameters; scale-and-shift layers keep the
+  library's default (diagonal) block."""
 
   name: str = "tnt"
   blocks: ClassVar = {"dense_tag": kfac.DenseTNT,
                       "repeated_dense_tag": kfac.DenseTNT,
                       "conv2d_tag": kfac.Conv2DTNT,
+                      "embedding_tag": kfac.EmbeddingTNT,
                       "generic_tag": kfac.NaiveTNT}
