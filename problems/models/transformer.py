@@ -10,7 +10,7 @@ projection and MLP layer (dense layers shared over positions,
 under `curvature=kfac_reduce`, Eschenhagen et al., NeurIPS 2023) and the
 layer norms (`scale_and_shift_tag`). A tied output layer reuses the token
 table, which two layers then share: it gets a generic block, and the
-registration report says so.
+registration report says which layers share it.
 """
 
 import dataclasses
@@ -25,7 +25,7 @@ from problems.base import PROBLEMS, Problem, ProblemSettings
 
 class Embed(hk.Module):
   """`table[ids]`, written `one_hot(ids) @ table` (a dense layer on one-hot
-  inputs) so that automatic registration finds it; table entries N(0, 1)."""
+  inputs; registration finds `table[ids]` alike); table entries N(0, 1)."""
 
   def __init__(self, vocab: int, width: int, name=None):
     super().__init__(name=name)
