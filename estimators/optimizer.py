@@ -60,6 +60,7 @@ def _add(a, b):
 # time goes to the many small fusions around the factor inverses, which XLA's
 # older loop emitters compile much sooner while running about as fast. The
 # other steps keep the newer emitters, whose elementwise code runs better.
+# (`staging.stage` drops the option where a jaxlib no longer has it.)
 _REFRESH_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 

@@ -71,3 +71,49 @@ def test_pmap_stage_runs_on_the_default_devices_platform():
     out = staged(jnp.ones((2, 3)))
   np.testing.assert_array_equal(out, np.full((2, 3), 4.0))
   assert {d.platform for d in out.devices()} == {"cpu"}
+
+
+UNKNOWN = "xla_option_no_jaxlib_has"
+
+
+def test_cpu_options_this_jaxlib_lacks_are_left_out():
+  # The bad option and value really fail a compilation here.
+  for bad in ({UNKNOWN: False}, {"xla_backend_optimization_level": "high"}):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
+      jax.jit(lambda x: x * 2, compiler_options=bad)(jnp.ones(2))
+  options = {"xla_backend_optimization_level": 1, UNKNOWN: False}
+  assert staging.supported_cpu_options(options) == {
+      "xla_backend_optimization_level": 1}
+  assert staging.supported_cpu_options(
+      {"xla_backend_optimization_level": "high"}) == {}
+  assert staging.supported_cpu_options({}) == {}
+
+
+def test_stage_compiles_without_the_cpu_options_this_jaxlib_lacks():
+  state, x, scale = _args()
+  staged = staging.stage(_step, static_argnums=(3,),
+                         cpu_options={UNKNOWN: True})
+  got = staged(state, x, scale, True)
+  expected = _step(state, x, scale, True)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_kfac_memory_programs_compile_without_unknown_cpu_options(
+    tiny, monkeypatch):
+  from curvbench import approximations, config, optimizers
+  from curvbench.optimizers import kfac as kfac_trainer
+  from tests.conftest import TINY
+  problem, params, batch = tiny
+  monkeypatch.setattr(kfac_trainer, "QUICK_CPU_COMPILE",
+                      {**kfac_trainer.QUICK_CPU_COMPILE, UNKNOWN: True})
+  cfg = config.compose(*TINY, "optimizer=kfac",
+                       "optimizer.inverse_update_period=1")
+  curvature = approximations.make(config.plain(cfg.curvature),
+                                  problem.loss_fn)
+  trainer = optimizers.make(config.plain(cfg.optimizer), problem.loss_fn,
+                            curvature)
+  rng = jax.random.PRNGKey(0)
+  state = trainer.init(params, batch, rng)
+  programs = trainer.compiled_programs(params, state, batch, rng)
+  assert len(programs) == len(trainer.kinds)

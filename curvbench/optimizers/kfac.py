@@ -278,8 +278,8 @@ class KFACTrainer:
              for k, v in self.step_kwargs.items()}
     # Only the memory figure is wanted: the CPU's quicker code generation
     # halves the compile time and leaves the buffers as they are.
-    options = (QUICK_CPU_COMPILE if staging.target_platform() == "cpu"
-               else None)
+    options = (staging.supported_cpu_options(QUICK_CPU_COMPILE)
+               if staging.target_platform() == "cpu" else None)
 
     def compiled(refresh, adapt):
       step = costs.without_passthrough(functools.partial(

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_static
@@ -55,6 +56,37 @@ def target_platform() -> str:
   return device if isinstance(device, str) else device.platform
 
 
+@functools.cache
+def _cpu_option_known(name: str, value: Any) -> bool:
+  # A trivial program compiled with the option: jaxlib checks option names
+  # and values when compiling, and rejects them with INVALID_ARGUMENT.
+  probe = jax.device_put(np.float32(0), jax.devices("cpu")[0])
+  try:
+    jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(
+        probe).compile()
+  except jax.errors.JaxRuntimeError:
+    return False
+  return True
+
+
+def supported_cpu_options(options: dict[str, Any]) -> dict[str, Any]:
+  """`options` less those this jaxlib's CPU compiler does not take.
+
+  XLA's compiler options come and go between jaxlib releases, and an
+  unknown one fails the whole compilation ("No such compile option"); the
+  options passed here only tune compile and run time, so a program is
+  better compiled without them. Each option is checked once per process,
+  by compiling a trivial program with it.
+
+  Args:
+    options: XLA compiler options by name, with their values.
+
+  Returns:
+    The options this jaxlib accepts, with the same values.
+  """
+  return {k: v for k, v in options.items() if _cpu_option_known(k, v)}
+
+
 def stage(fn: Callable, static_argnums: Sequence[int] = (),
           pmap_axis_name: str | None = None,
           cpu_options: dict | None = None) -> Callable:
@@ -65,7 +97,8 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
     static_argnums: positions of its static (hashable, non-array) arguments.
     pmap_axis_name: when given, compile with `jax.pmap` over this axis name
       instead of `jax.jit`.
-    cpu_options: XLA compiler options added when compiling for CPU.
+    cpu_options: XLA compiler options added when compiling for CPU; those
+      this jaxlib does not know are left out (`supported_cpu_options`).
 
   Returns:
     A function returning a tree equal to `fn(*args)`, in which outputs that
@@ -87,7 +120,7 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
     if pmap_axis_name is not None:
       return jax.pmap(pruned, axis_name=pmap_axis_name, backend=platform,
                       static_broadcasted_argnums=static_argnums)
-    options = ({**_CPU_OPTIONS, **(cpu_options or {})}
+    options = (supported_cpu_options({**_CPU_OPTIONS, **(cpu_options or {})})
                if platform == "cpu" else None)
     return jax.jit(pruned, static_argnums=static_argnums,
                    compiler_options=options)
