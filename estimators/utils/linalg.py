@@ -96,15 +96,12 @@ def psd_inverse(matrix: jax.Array) -> jax.Array:
   complement as `A22 - K A12` saves a product but lost positive definiteness
   in float32 once the damping got small.)
 
-  Tracing it calls `limit_lapack_threads`.
-
   Args:
     matrix: a positive definite matrix.
 
   Returns:
     Its inverse, symmetric by construction.
   """
-  limit_lapack_threads()
   return _inverse_from_root(_inverse_root_blocks(symmetrize(matrix)))
 
 
@@ -120,7 +117,7 @@ def psd_inverse_root(matrix: jax.Array) -> InverseRoot:
   multiply-adds against 2n³/3 for the assembled root) and applying the root
   reads only its nonzero half. Only the upper triangle of `matrix` is read:
   averaging away an estimate's round-off asymmetry would cost a transposing
-  pass over a big matrix. Tracing it calls `limit_lapack_threads`.
+  pass over a big matrix.
 
   Args:
     matrix: a positive definite matrix.
@@ -128,7 +125,6 @@ def psd_inverse_root(matrix: jax.Array) -> InverseRoot:
   Returns:
     `L⁻¹`, as a lower-triangular array or as `(top, below, bottom)` blocks.
   """
-  limit_lapack_threads()
   return _inverse_root_blocks(matrix)
 
 
@@ -200,14 +196,18 @@ _lapack_threads_limited = False
 def limit_lapack_threads() -> None:
   """Makes scipy's OpenBLAS, which jax's CPU LAPACK calls use, single-threaded.
 
-  jax runs those LAPACK calls inside XLA's own thread pool; OpenBLAS's extra
-  worker threads then compete with it for cores, and on a busy machine a
-  small Cholesky waits for them far longer than it computes. Big matrices get
-  their parallelism from the matrix products of `psd_inverse` instead.
-  `psd_inverse` and `psd_inverse_root` call this when they are traced; call
-  it yourself to apply it earlier. It runs once per process, touches only
-  scipy's copy of OpenBLAS, and does nothing when `OPENBLAS_NUM_THREADS` is
-  set (set it to keep your own thread count) or threadpoolctl is missing.
+  jax runs those LAPACK calls (eigh, Cholesky, triangular and LU solves,
+  ...) inside XLA's own thread pool; OpenBLAS's extra worker threads then
+  compete with it for cores, and on a busy machine a small factorisation
+  waits for them far longer than it computes (on 2 cores, one of them
+  busy: an EKFAC update of a small MLP, 190 ms at 2 threads, 11 ms at 1).
+  Big matrices get their parallelism from the matrix products of
+  `psd_inverse` instead.
+  Importing `estimators` calls this, so the limit holds for every LAPACK
+  call the library makes, and for the caller's own jax LAPACK calls too.
+  It runs once per process, touches only scipy's copy of OpenBLAS, and does
+  nothing when `OPENBLAS_NUM_THREADS` is set (set it to keep your own
+  thread count) or threadpoolctl is missing.
   """
   global _lapack_threads_limited
   if _lapack_threads_limited:
@@ -224,6 +224,11 @@ def limit_lapack_threads() -> None:
     if lib.internal_api == "openblas" and "scipy" in os.path.basename(
         os.path.dirname(lib.filepath)):
       lib.set_num_threads(1)
+
+
+# Once, here, rather than where each LAPACK call is traced: then no call
+# site (the library's or one added later) can run before the limit.
+limit_lapack_threads()
 
 
 def _trace(matrix):
