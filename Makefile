@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test browser bench cuda clean-venv
+.PHONY: run test browser bench bench-accelerator bench-against cuda clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,30 @@ cuda: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,cuda]"
 	$(PY) -c "import jax; print('jax sees', jax.devices())"
 
+# The benchmark of record (`python -m curvbench.bench run`): K-FAC / Adam on
+# every problem, the MLP's exact GGN spectrum, the dataset GGN-vector product
+# per gradient, per-phase costs; a report in reports/bench/ (or BENCH_OUT),
+# compared with this device kind's record in benchmarks/record/ (exit 1 when a
+# figure is more than 25 % worse). REF=<commit> also times that commit side
+# by side with the working tree.
+BENCH_ARGS = $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(if $(REF),--against $(REF))
+
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -p no:xdist --benchmark-only --benchmark-columns=median,iqr,rounds
+	$(PY) -m curvbench.bench run --compare $(BENCH_ARGS)
+
+# The same on an accelerator, in one command: first the CUDA build of jax
+# where nvidia-smi sees a GPU and jax runs on the CPU.
+bench-accelerator: $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
+	  && [ "$$($(PY) -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; \
+	then $(MAKE) cuda; fi
+	$(PY) -m curvbench.bench run --compare $(BENCH_ARGS)
+
+# An earlier commit against the working tree, side by side in one process.
+bench-against: $(STAMP)
+	$(if $(REF),,$(error give the commit: make bench-against REF=HEAD~1))
+	$(PY) -m curvbench.bench against $(REF)
 
 clean-venv:
 	rm -rf $(VENV)

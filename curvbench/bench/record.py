@@ -1,0 +1,229 @@
+"""The performance record: the benchmark's figures, one committed JSON file
+per device kind under `benchmarks/record/`, today's figures compared with
+them, and the README's table generated from them.
+
+Every figure is a cost where lower is better:
+
+- `kfac_step/adam_step`: a K-FAC optimizer step (refresh and damping
+  updates in their cadence) over an Adam step, interleaved on the same
+  parameters and batch (the timing measurement's `optimizer_step` row).
+- `refresh/gradient`: K-FAC's inverse refresh (`cache_update`) over a
+  gradient step on the same batch.
+- `dataset_ggn_product/gradient`: one exact GGN-vector product over the
+  training split over one gradient over it (`curvbench.bench.products`).
+- `exact_ggn_spectrum_s`: seconds to form the exact GGN of a batch and
+  eigendecompose it (the spectra measurement's `exact ggn` and
+  `eigh exact ggn` phases, float64).
+
+A record also keeps the side-by-side ratios (`curvbench.bench.against`)
+of the run that made it, where one was run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD_DIR = ROOT / "benchmarks" / "record"
+README = ROOT / "README.md"
+TOLERANCE = 0.25  # a figure more than this much worse is named
+
+FIGURES = {  # name: what the README calls it
+    "kfac_step/adam_step": "K-FAC step / Adam step",
+    "refresh/gradient": "K-FAC refresh / gradient step",
+    "dataset_ggn_product/gradient": "GGN-vector product / gradient, "
+                                    "training split",
+    "exact_ggn_spectrum_s": "exact GGN + eigh of a batch (s)",
+}
+START = "<!-- performance-record:start (python -m curvbench.bench readme) -->"
+END = "<!-- performance-record:end -->"
+
+
+def device_key(device_kind: str, platform: str, cpu_count: int) -> str:
+  """The record's file name (no suffix) for a device: its kind in lower
+  case with runs of other characters as '-'; on the CPU, where the kind
+  says nothing of the machine, with the number of cores the process may
+  use."""
+  key = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+  if platform == "cpu":
+    key += f"-{cpu_count}-cores"
+  return key
+
+
+def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
+            products: pd.DataFrame) -> dict[str, dict[str, float]]:
+  """`{figure: {problem: value}}` from the records of one benchmark run
+  (the harness's `timing` and spectra `cost` tables, the product rows);
+  problems without a row are left out."""
+  out = {name: {} for name in FIGURES}
+
+  def rows(table, phase):
+    if table.empty:
+      return table
+    return table[table.phase == phase]
+
+  for _, row in rows(timing, "optimizer_step").iterrows():
+    out["kfac_step/adam_step"][row.problem] = float(row.ratio_to_adam_step)
+  for _, row in rows(timing, "cache_update").iterrows():
+    out["refresh/gradient"][row.problem] = float(row.ratio_to_grad_step)
+  for _, row in rows(products, "dataset ggn product").iterrows():
+    out["dataset_ggn_product/gradient"][row.problem] = float(
+        row.ratio_to_gradient)
+  if not spectra_cost.empty:
+    exact = spectra_cost[spectra_cost.phase.isin(["exact ggn",
+                                                  "eigh exact ggn"])]
+    for problem, group in exact.groupby("problem"):
+      if len(group) == 2:  # both phases ran (not read from a store)
+        out["exact_ggn_spectrum_s"][problem] = float(group.run_s.sum())
+  return {name: values for name, values in out.items() if values}
+
+
+def save(record: dict, folder: Path = RECORD_DIR) -> Path:
+  """Writes `record` as `folder/<record['key']>.json`; returns the path."""
+  folder.mkdir(parents=True, exist_ok=True)
+  path = folder / f"{record['key']}.json"
+  path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+  return path
+
+
+def load(path: Path) -> dict:
+  """A record file, checked to hold `key`, `mode` and `figures`."""
+  try:
+    record = json.loads(Path(path).read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot read the performance record {path}: {e}") from e
+  missing = [k for k in ("key", "mode", "figures") if k not in record]
+  if missing:
+    raise ValueError(f"{path} is not a performance record: it lacks "
+                     f"{', '.join(missing)}; write one with `python -m "
+                     "curvbench.bench run --save-record`.")
+  return record
+
+
+def records(folder: Path = RECORD_DIR) -> list[dict]:
+  """Every record in `folder`, by file name."""
+  return [load(p) for p in sorted(Path(folder).glob("*.json"))]
+
+
+@dataclasses.dataclass
+class Comparison:
+  """Today's figures against a record: `worse` lists (figure, problem,
+  today, recorded) more than `tolerance` worse, `missing` what the record
+  has and today lacks, `compared` how many figures were compared."""
+
+  record_path: Path
+  record: dict
+  tolerance: float
+  worse: list[tuple[str, str, float, float]]
+  missing: list[tuple[str, str]]
+  compared: int
+
+  @property
+  def passed(self) -> bool:
+    return not self.worse and not self.missing
+
+  def text(self) -> str:
+    r = self.record
+    lines = [f"Compared with {self.record_path} (device {r.get('device_kind')}"
+             f", commit {str(r.get('commit'))[:10]}, {r.get('date')}): "
+             f"{self.compared} figures."]
+    if self.worse:
+      lines.append(f"{len(self.worse)} more than {self.tolerance:.0%} worse "
+                   "than the record:")
+      lines += [f"  {figure} [{problem}]: {today:.4g} today, {recorded:.4g} "
+                f"in the record ({today / recorded - 1:+.0%})"
+                for figure, problem, today, recorded in self.worse]
+    if self.missing:
+      lines.append("In the record but not measured today: " + ", ".join(
+          f"{figure} [{problem}]" for figure, problem in self.missing))
+    if self.passed:
+      lines.append(f"None more than {self.tolerance:.0%} worse than the "
+                   "record.")
+    return "\n".join(lines)
+
+
+def compare(today: dict, record_path: Path,
+            tolerance: float = TOLERANCE) -> Comparison:
+  """Today's run (`{'mode', 'figures'}`) against the record at
+  `record_path`.
+
+  Raises:
+    ValueError: when the record was made in another mode (`--quick` or
+      not): its figures measure other sizes and are not comparable.
+  """
+  record = load(record_path)
+  if record["mode"] != today["mode"]:
+    raise ValueError(
+        f"{record_path} was made by a {record['mode']} run, this run is "
+        f"{today['mode']}: their figures are not comparable; run the "
+        f"benchmark in {record['mode']} mode to compare.")
+  worse, missing, compared = [], [], 0
+  for figure, values in record["figures"].items():
+    for problem, recorded in values.items():
+      now = today["figures"].get(figure, {}).get(problem)
+      if now is None or math.isnan(now):
+        missing.append((figure, problem))
+        continue
+      compared += 1
+      if now > recorded * (1 + tolerance):
+        worse.append((figure, problem, now, recorded))
+  return Comparison(Path(record_path), record, tolerance, worse, missing,
+                    compared)
+
+
+# --- the README's table ------------------------------------------------------
+
+def _cell(value) -> str:
+  return "" if value is None else f"{value:.3g}"
+
+
+def readme_table(folder: Path = RECORD_DIR) -> str:
+  """The README's performance table: a row per figure and problem, a
+  column per record file, then what made each record."""
+  recs = records(folder)
+  if not recs:
+    return ("No performance record yet: `python -m curvbench.bench run "
+            "--save-record` writes one.\n")
+  head = ["figure", "problem", *(f"`{r['key']}`" for r in recs)]
+  lines = ["| " + " | ".join(head) + " |",
+           "|" + "---|" * len(head)]
+  for figure, label in FIGURES.items():
+    problems = sorted({p for r in recs for p in r["figures"].get(figure, {})})
+    for problem in problems:
+      cells = [_cell(r["figures"].get(figure, {}).get(problem)) for r in recs]
+      lines.append(f"| {label} | {problem} | " + " | ".join(cells) + " |")
+  lines.append("")
+  for r in recs:
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(
+        r.get("versions", {}).items()) if k in ("jax", "jaxlib"))
+    lines.append(f"- `{r['key']}`: {r.get('device_kind')} "
+                 f"({r.get('platform_version')}), commit "
+                 f"`{str(r.get('commit'))[:10]}`, {r.get('date')}, "
+                 f"{versions}; `{r.get('command')}`")
+    side = r.get("side_by_side")
+    if side:
+      ratios = ", ".join(f"{name} {ratio:.3g}"
+                         for name, ratio in side["ratios"].items())
+      lines.append(f"  (working tree / `{side['ref']}` side by side: "
+                   f"{ratios})")
+  return "\n".join(lines) + "\n"
+
+
+def readme_with_table(text: str, table: str) -> str:
+  """`text` (the README) with the block between the markers replaced by
+  `table`.
+
+  Raises:
+    ValueError: when the markers are missing.
+  """
+  start, end = text.find(START), text.find(END)
+  if start < 0 or end < start:
+    raise ValueError(f"the README has no performance-record block: put the "
+                     f"lines\n{START}\n{END}\nwhere the table goes.")
+  return text[:start + len(START)] + "\n" + table + text[end:]

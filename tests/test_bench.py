@@ -1,0 +1,227 @@
+"""The benchmark of record (`python -m curvbench.bench`): the shortened run
+writes its report with figures traceable to the harness's records, the
+comparison names a figure more than 25 % worse than the record, the README's
+table is the record files', and the side-by-side check times an earlier
+commit beside the working tree."""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from curvbench import records
+from curvbench.bench import against, cli, record
+
+ROOT = record.ROOT
+
+
+def _bench(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "curvbench.bench", *args],
+                        cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def _record(figures, mode="full", key="cpu-2-cores"):
+  return dict(key=key, mode=mode, device_kind="cpu", platform="cpu",
+              platform_version="cpu", commit="0123456789abcdef",
+              date="2026-01-01T00:00:00Z", versions={"jax": "0.0"},
+              command="python -m curvbench.bench run", figures=figures)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_report_whose_figures_are_the_records(
+    tmp_path, capsys):
+  out, folder = tmp_path / "report", tmp_path / "records"
+  result = _bench("run", "--quick", "--out", str(out), "--records",
+                  str(folder), "--compare", "--save-record")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "No performance record for this device kind" in result.stdout
+  rec = json.loads((out / "record.json").read_text())
+  assert rec["mode"] == "quick" and rec["device_kind"]
+  assert rec["versions"]["jax"] and rec["commit"]
+  assert (folder / f"{rec['key']}.json").exists()
+  assert set(rec["figures"]) == set(record.FIGURES)
+  for values in rec["figures"].values():
+    assert list(values) == ["mlp"] and 0 < values["mlp"] < np.inf
+
+  # Each figure is the harness's raw record, not a number made up here.
+  [timing_run] = records.find_runs(out / "runs" / "timing")
+  timing = timing_run.tables()["timing"].set_index("phase")
+  figures = rec["figures"]
+  assert figures["kfac_step/adam_step"]["mlp"] == pytest.approx(
+      timing.loc["optimizer_step", "ratio_to_adam_step"])
+  assert figures["refresh/gradient"]["mlp"] == pytest.approx(
+      timing.loc["cache_update", "ratio_to_grad_step"])
+  [spectra_run] = records.find_runs(out / "runs" / "spectra")
+  cost = spectra_run.tables()["cost"].set_index("phase")
+  assert figures["exact_ggn_spectrum_s"]["mlp"] == pytest.approx(
+      cost.loc["exact ggn", "run_s"] + cost.loc["eigh exact ggn", "run_s"])
+  products = pd.read_csv(out / "runs" / "products.csv").set_index("phase")
+  assert figures["dataset_ggn_product/gradient"]["mlp"] == pytest.approx(
+      products.loc["dataset ggn product", "median_s"]
+      / products.loc["dataset gradient", "median_s"])
+  assert products.num_examples.iloc[0] == 1500  # the whole training split
+
+  summary = (out / "summary.md").read_text()
+  for words in ("K-FAC step / Adam step", "Per-phase costs", "device_peak_mib",
+                "Exact GGN spectrum", "Dataset GGN-vector product",
+                f"jax {rec['versions']['jax']}", rec["device_kind"]):
+    assert words in summary
+  assert "## Failed" not in summary
+
+  # The same figures against the record they were saved as: nothing worse.
+  assert cli.main(["compare", str(out), "--record",
+                   str(folder / f"{rec['key']}.json")]) == 0
+  assert "None more than 25% worse" in capsys.readouterr().out
+
+
+def test_a_slower_run_is_named_with_both_values(tmp_path):
+  path = record.save(_record({
+      "kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
+      "exact_ggn_spectrum_s": {"mlp": 0.02}}), tmp_path)
+  slower = dict(mode="full", figures={
+      "kfac_step/adam_step": {"mlp": 5.2, "convnet": 12.4},  # +30 %, +24 %
+      "exact_ggn_spectrum_s": {"mlp": 0.01}})
+  result = record.compare(slower, path)
+  assert not result.passed
+  assert result.worse == [("kfac_step/adam_step", "mlp", 5.2, 4.0)]
+  assert "kfac_step/adam_step [mlp]: 5.2 today, 4 in the record (+30%)" in (
+      result.text())
+  assert "convnet" not in result.text()
+
+  for today in ({"kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
+                 "exact_ggn_spectrum_s": {"mlp": 0.02}},
+                {"kfac_step/adam_step": {"mlp": 3.0, "convnet": 12.5},
+                 "exact_ggn_spectrum_s": {"mlp": 0.001}}):
+    result = record.compare(dict(mode="full", figures=today), path)
+    assert result.passed and result.compared == 3, result.text()
+
+  missing = record.compare(dict(mode="full", figures={
+      "kfac_step/adam_step": {"mlp": 4.0}}), path)
+  assert not missing.passed
+  assert "not measured today: exact_ggn_spectrum_s [mlp], " \
+         "kfac_step/adam_step [convnet]" in missing.text()
+  with pytest.raises(ValueError, match="made by a full run.*quick"):
+    record.compare(dict(mode="quick", figures={}), path)
+
+
+def test_the_command_exits_1_on_a_regression_and_0_without_a_record(
+    tmp_path, capsys):
+  path = record.save(_record({"refresh/gradient": {"mlp": 2.0}}), tmp_path)
+  today = tmp_path / "today.json"
+  today.write_text(json.dumps(_record({"refresh/gradient": {"mlp": 3.0}})))
+  assert cli.main(["compare", str(today), "--record", str(path)]) == 1
+  assert "refresh/gradient [mlp]: 3 today, 2 in the record" in (
+      capsys.readouterr().out)
+  assert cli.main(["compare", str(today), "--record",
+                   str(tmp_path / "none.json")]) == 0
+  assert "No performance record for this device kind" in (
+      capsys.readouterr().out)
+
+
+def test_figures_come_from_the_rows_they_name():
+  timing = pd.DataFrame(dict(
+      problem=["mlp"] * 3 + ["convnet"] * 3,
+      phase=["optimizer_step", "cache_update", "grad_step"] * 2,
+      ratio_to_adam_step=[3.0, 9.0, 0.5, 7.0, 9.0, 0.5],
+      ratio_to_grad_step=[6.0, 2.0, 1.0, 14.0, 0.5, 1.0]))
+  cost = pd.DataFrame(dict(problem=["mlp"] * 3 + ["convnet"],
+                           phase=["exact ggn", "eigh exact ggn", "eigh approx",
+                                  "eigh exact ggn"],
+                           run_s=[0.25, 1.0, 9.0, 4.0]))
+  products = pd.DataFrame(dict(problem=["mlp", "mlp"],
+                               phase=["dataset gradient",
+                                      "dataset ggn product"],
+                               ratio_to_gradient=[1.0, 1.5]))
+  assert record.figures(timing, cost, products) == {
+      "kfac_step/adam_step": {"mlp": 3.0, "convnet": 7.0},
+      "refresh/gradient": {"mlp": 2.0, "convnet": 0.5},
+      "dataset_ggn_product/gradient": {"mlp": 1.5},
+      # convnet's exact GGN was read from a store: no spectrum figure.
+      "exact_ggn_spectrum_s": {"mlp": 1.25}}
+
+
+def test_device_keys():
+  assert record.device_key("NVIDIA H100 80GB HBM3", "gpu", 16) == (
+      "nvidia-h100-80gb-hbm3")
+  assert record.device_key("cpu", "cpu", 2) == "cpu-2-cores"
+  assert record.device_key("TPU v5 lite", "tpu", 8) == "tpu-v5-lite"
+
+
+def test_a_file_that_is_no_record_is_refused_clearly(tmp_path):
+  (tmp_path / "x.json").write_text('{"figures": {}}')
+  with pytest.raises(ValueError, match="not a performance record: it lacks "
+                     "key, mode"):
+    record.load(tmp_path / "x.json")
+
+
+def test_the_readme_table_is_the_record_files():
+  text = record.README.read_text()
+  assert record.readme_with_table(text, record.readme_table()) == text, (
+      "run `python -m curvbench.bench readme`")
+  assert list(record.RECORD_DIR.glob("*.json")), "no record committed"
+
+
+def test_the_table_has_a_column_per_record(tmp_path):
+  record.save(_record({"kfac_step/adam_step": {"mlp": 3.456, "convnet": 5.0},
+                       "exact_ggn_spectrum_s": {"mlp": 0.0123}}), tmp_path)
+  record.save(_record({"kfac_step/adam_step": {"mlp": 6.1}},
+                      key="nvidia-h100-80gb-hbm3"), tmp_path)
+  table = record.readme_table(tmp_path)
+  assert "| figure | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |" in table
+  assert "| K-FAC step / Adam step | convnet | 5 |  |" in table
+  assert "| K-FAC step / Adam step | mlp | 3.46 | 6.1 |" in table
+  assert "| exact GGN + eigh of a batch (s) | mlp | 0.0123 |  |" in table
+  with pytest.raises(ValueError, match="no performance-record block"):
+    record.readme_with_table("# a README\n", table)
+
+
+def test_interleaved_rounds_give_the_ratio_of_the_two_calls():
+  def sleeper(seconds):
+    return lambda: time.sleep(seconds)
+
+  slower = against.interleaved(sleeper(0.006), sleeper(0.002), rounds=5)
+  assert 2.0 < slower["ratio"] < 4.0
+  assert slower["ratio_q25"] <= slower["ratio"] * 1.5
+  same = against.interleaved(sleeper(0.003), sleeper(0.003), rounds=5)
+  assert 0.7 < same["ratio"] < 1.4
+
+
+def _has_parent_commit() -> bool:
+  try:
+    against.resolve("HEAD~1")
+  except ValueError:
+    return False
+  return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_parent_commit(),
+                    reason="needs git and the commit before HEAD")
+def test_side_by_side_against_the_previous_commit():
+  result = _bench("against", "HEAD~1", "--quick", "--rounds", "3",
+                  "--benchmarks", "kfac_update,dataset_gradient")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  rows = {line.split("|")[1].strip(): line for line in lines
+          if line.startswith("| kfac_update") or
+          line.startswith("| dataset_gradient")}
+  assert set(rows) == {"kfac_update", "dataset_gradient"}
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  for line in rows.values():
+    cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+    assert 0 < float(cells["ratio"]) < 100 and cells["ref"].startswith("HEAD~1")
+    assert np.isfinite(float(cells["max_rel_diff"]))
+  source = lines[-1].split("imported from ")[1]
+  assert "curvbench-against-" in source and str(ROOT) not in source
+
+
+def test_an_unknown_commit_is_refused_by_name(capsys):
+  with pytest.raises(SystemExit) as exit:
+    cli.main(["against", "no-such-commit-xyz", "--quick"])
+  assert exit.value.code == 2
+  assert "'no-such-commit-xyz' names no commit here" in capsys.readouterr().err
