@@ -11,9 +11,9 @@ Each benchmark builds its work from one version's modules (its own loss
 registration, blocks and optimizer, or its own `Data.mean`) on the same
 arrays, compiles it and runs it once off the clock; then rounds time one
 call of each version, the order flipping every round, so that load on the
-machine hits both alike. The ratio is the working tree's median over the
-earlier commit's (> 1: the working tree is slower), with the quartiles of
-the rounds' own ratios; `max_rel_diff` is how far the two versions'
+machine hits both alike. The ratio is the median over rounds of the
+working tree's time over the earlier commit's (> 1: the working tree is
+slower), with its quartiles; `max_rel_diff` is how far the two versions'
 results differ (a faster version that computes something else shows).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
+import math
 import subprocess
 import sys
 import tarfile
@@ -54,16 +55,18 @@ class Version:
 @dataclasses.dataclass(frozen=True)
 class Size:
   """The benchmarks' sizes: the dense network's layer widths and batch; the
-  convnet's examples per chunk and chunks."""
+  convnet's examples per chunk and chunks; the least seconds of one round
+  (`interleaved`)."""
 
   widths: tuple[int, ...]
   batch: int
   chunk: int
   chunks: int
+  round_s: float
 
 
-SIZES = dict(full=Size((100, 50, 50, 50, 10), 128, 128, 4),
-             quick=Size((12, 8, 4), 16, 8, 2))
+SIZES = dict(full=Size((100, 50, 50, 50, 10), 128, 128, 4, round_s=0.05),
+             quick=Size((12, 8, 4), 16, 8, 2, round_s=0.0))
 
 
 def _git(*args) -> bytes:
@@ -269,27 +272,40 @@ def _leaves(result) -> np.ndarray:
                          for x in jax.tree.leaves(result)])
 
 
-def interleaved(new: Callable, old: Callable, rounds: int,
-                warmup: int = 1) -> dict:
+def interleaved(new: Callable, old: Callable, rounds: int, warmup: int = 1,
+                round_s: float = 0.0) -> dict:
   """Times two calls in alternating rounds (the order flipping every
-  round), each call ended by `block_until_ready`.
+  round). A round makes `calls` calls of one, each ended by
+  `block_until_ready`, as many as take the slower of the two at least
+  `round_s` seconds, so that short calls are not timed one by one.
 
   Returns:
-    `new_s` and `old_s` (medians), `ratio` (`new_s / old_s`), `ratio_q25`
-    and `ratio_q75` (quartiles of the rounds' own ratios) and `rounds`.
+    `new_s` and `old_s` (medians of the seconds per call), `ratio` (the
+    median of the rounds' own ratios, new over old: each round's pair saw
+    the same load), its quartiles `ratio_q25` and `ratio_q75`, `rounds`
+    and `calls`.
   """
+  def seconds(fn, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+      jax.block_until_ready(fn())
+    return (time.perf_counter() - start) / calls
+
+  slower = max(seconds(new, 1), seconds(old, 1))
+  calls = max(1, math.ceil(round_s / slower))
   times = {"new": [], "old": []}
   for i in range(warmup + rounds):
     order = (("new", new), ("old", old))
     for which, fn in order if i % 2 == 0 else order[::-1]:
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
+      t = seconds(fn, calls)
       if i >= warmup:
-        times[which].append(time.perf_counter() - start)
-  new_s, old_s = float(np.median(times["new"])), float(np.median(times["old"]))
-  q25, q75 = np.quantile(np.divide(times["new"], times["old"]), [0.25, 0.75])
-  return dict(new_s=new_s, old_s=old_s, ratio=new_s / old_s,
-              ratio_q25=float(q25), ratio_q75=float(q75), rounds=rounds)
+        times[which].append(t)
+  ratios = np.divide(times["new"], times["old"])
+  q25, median, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
+  return dict(new_s=float(np.median(times["new"])),
+              old_s=float(np.median(times["old"])), ratio=float(median),
+              ratio_q25=float(q25), ratio_q75=float(q75), rounds=rounds,
+              calls=calls)
 
 
 def compare(ref: str, mode: str = "full", rounds: int = 15,
@@ -329,7 +345,8 @@ def compare(ref: str, mode: str = "full", rounds: int = 15,
         a, b = row.pop("results")
         row["max_rel_diff"] = float(np.max(np.abs(a - b)) / max(
             np.max(np.abs(b)), np.finfo(np.float32).tiny))
-        row.update(interleaved(calls[new.name], calls[old.name], rounds))
+        row.update(interleaved(calls[new.name], calls[old.name], rounds,
+                               round_s=size.round_s))
       row.pop("results", None)
       rows.append(row)
   return pd.DataFrame(rows)

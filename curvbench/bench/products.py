@@ -34,14 +34,13 @@ def _seconds(program, *args) -> float:
   return time.perf_counter() - start
 
 
-def measure(problem_name: str, overrides: tuple[str, ...] = (),
-            rounds: int = 10, warmup: int = 1) -> list[dict]:
+def measure(problem_name: str, rounds: int = 10,
+            warmup: int = 1) -> list[dict]:
   """Rows `dataset gradient` and `dataset ggn product` for the problem
   `problem_name` at its defaults (float32, initial parameters, seed 0).
 
   Args:
     problem_name: a registered problem (`problem=NAME`).
-    overrides: further config overrides (e.g. `problem.width=8`).
     rounds: timed rounds, each one gradient then one product.
     warmup: untimed rounds first.
 
@@ -51,8 +50,7 @@ def measure(problem_name: str, overrides: tuple[str, ...] = (),
     `costs.memory_columns` and `ratio_to_gradient` (the product's row:
     the ratio of the medians, with the quartiles of the rounds' own ratios).
   """
-  cfg = config.compose(f"problem={problem_name}", *overrides)
-  problem = problems.make(cfg.problem)
+  problem = problems.make(config.compose(f"problem={problem_name}").problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float32)
   examples = data.select(problem, "train", dtype=np.float32)
   ggn = curvatures.exact("ggn", problem.loss_fn, matrix_free=True)

@@ -202,9 +202,10 @@ def readme_table(folder: Path = RECORD_DIR) -> str:
   for r in recs:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(
         r.get("versions", {}).items()) if k in ("jax", "jaxlib"))
+    dirty = " with local changes" if r.get("dirty") else ""
     lines.append(f"- `{r['key']}`: {r.get('device_kind')} "
                  f"({r.get('platform_version')}), commit "
-                 f"`{str(r.get('commit'))[:10]}`, {r.get('date')}, "
+                 f"`{str(r.get('commit'))[:10]}`{dirty}, {r.get('date')}, "
                  f"{versions}; `{r.get('command')}`")
     side = r.get("side_by_side")
     if side:

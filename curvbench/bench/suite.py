@@ -97,7 +97,8 @@ def _failures(folder: Path) -> list[str]:
 def _environment(folder: Path) -> dict:
   """The device, versions and code of the sweeps' runs
   (`environment.json`), with the cores this process may use."""
-  found = sorted(folder.rglob("environment.json"))
+  found = (sorted((folder / "timing").rglob("environment.json"))
+           or sorted(folder.rglob("environment.json")))
   env = json.loads(found[0].read_text()) if found else {}
   env.pop("argv", None)
   return dict(env, cpu_count=len(os.sched_getaffinity(0)))
@@ -242,7 +243,7 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
                 phases=_phases(timing), spectrum=_spectrum(cost),
                 products=_products(product_table))
   if side is not None:
-    tables["side_by_side"] = side
+    tables["side_by_side"] = side.drop(columns="ref_source")
   _write(out, rec, tables, failures)
   say(f"report: {out / 'summary.md'}")
   return rec
