@@ -129,10 +129,11 @@ def test_figures_come_from_the_rows_they_name():
       phase=["optimizer_step", "cache_update", "grad_step"] * 2,
       ratio_to_adam_step=[3.0, 9.0, 0.5, 7.0, 9.0, 0.5],
       ratio_to_grad_step=[6.0, 2.0, 1.0, 14.0, 0.5, 1.0]))
-  cost = pd.DataFrame(dict(problem=["mlp"] * 3 + ["convnet"],
-                           phase=["exact ggn", "eigh exact ggn", "eigh approx",
-                                  "eigh exact ggn"],
-                           run_s=[0.25, 1.0, 9.0, 4.0]))
+  cost = pd.DataFrame(dict(
+      problem=["mlp"] * 7 + ["convnet"], run_id=[*"aaabbcc", "d"],
+      phase=["exact ggn", "eigh exact ggn", "eigh approx"]
+      + ["exact ggn", "eigh exact ggn"] * 2 + ["eigh exact ggn"],
+      run_s=[0.25, 1.0, 9.0, 0.5, 2.0, 0.25, 0.5, 4.0]))
   products = pd.DataFrame(dict(problem=["mlp", "mlp"],
                                phase=["dataset gradient",
                                       "dataset ggn product"],
@@ -141,7 +142,8 @@ def test_figures_come_from_the_rows_they_name():
       "kfac_step/adam_step": {"mlp": 3.0, "convnet": 7.0},
       "refresh/gradient": {"mlp": 2.0, "convnet": 0.5},
       "dataset_ggn_product/gradient": {"mlp": 1.5},
-      # convnet's exact GGN was read from a store: no spectrum figure.
+      # The median over runs (1.25, 2.5, 0.75 s); convnet's exact GGN was
+      # read from a store: no spectrum figure.
       "exact_ggn_spectrum_s": {"mlp": 1.25}}
 
 

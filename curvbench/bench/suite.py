@@ -4,9 +4,9 @@
 
 1. a timing sweep (`curvbench -m measure=timing curvature=kfac
    optimizer=kfac problem=<every registered problem>`), a subprocess;
-2. a spectra run of the MLP at its defaults (`problem=mlp measure=spectra
-   measure.spectra.references=[ggn]`), a subprocess, for the seconds of
-   its exact GGN and that matrix's eigendecomposition;
+2. spectra runs of the MLP at its defaults (`problem=mlp measure=spectra
+   measure.spectra.references=[ggn] seed=0,1,2`), a subprocess, for the
+   seconds of its exact GGN and that matrix's eigendecomposition;
 3. the dataset GGN-vector product per gradient of every problem
    (`curvbench.bench.products`), in this process once the sweeps are
    done (so no two processes hold the accelerator at once);
@@ -45,10 +45,12 @@ SPECTRA_PROBLEM = "mlp"  # the README's MLP, at the config's defaults
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What one mode runs: the problems, the timing sweep's repeats, the
+  spectra runs' seeds (each times the exact GGN's phases once), the
   product rounds and the side-by-side rounds."""
 
   problems: tuple[str, ...]
   timing: tuple[str, ...]
+  spectra_seeds: str
   product_rounds: int
   against_rounds: int
 
@@ -57,10 +59,10 @@ def plans() -> dict[str, Plan]:
   return dict(
       full=Plan(problems.PROBLEMS.names(),
                 ("measure.timing.repeats=30", "measure.timing.warmup=2"),
-                product_rounds=10, against_rounds=15),
+                spectra_seeds="0,1,2", product_rounds=10, against_rounds=15),
       quick=Plan((SPECTRA_PROBLEM,),
                  ("measure.timing.repeats=3", "measure.timing.warmup=1"),
-                 product_rounds=3, against_rounds=3))
+                 spectra_seeds="0", product_rounds=3, against_rounds=3))
 
 
 COMMON = ("compilation_cache=null", "progress=false", "continue_on_error=true",
@@ -196,7 +198,8 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
       timing=["measure=timing", "curvature=kfac", "optimizer=kfac",
               f"problem={','.join(plan.problems)}", *plan.timing],
       spectra=[f"problem={SPECTRA_PROBLEM}", "measure=spectra",
-               "curvature=kfac", "measure.spectra.references=[ggn]"])
+               "curvature=kfac", "measure.spectra.references=[ggn]",
+               f"seed={plan.spectra_seeds}"])
   failures = []
   for name, overrides in sweeps.items():
     say(f"{name} sweep: {' '.join(overrides)} (log: runs/{name}.log)")
@@ -255,7 +258,8 @@ TITLES = dict(
     phases="Per-phase costs (median run, cold compile; memory: XLA's "
            "program figure and the device's peak since the run started, "
            "NaN on the CPU)",
-    spectrum=f"Exact GGN spectrum of the {SPECTRA_PROBLEM} (one batch)",
+    spectrum=f"Exact GGN spectrum of the {SPECTRA_PROBLEM} (one batch; "
+             "a row per phase and run)",
     products="Dataset GGN-vector product / gradient over the training split",
     side_by_side="Side by side with an earlier commit (ratio > 1: the "
                  "working tree is slower)")
