@@ -92,6 +92,7 @@ def test_a_slower_run_is_named_with_both_values(tmp_path):
   assert "kfac_step/adam_step [mlp]: 5.2 today, 4 in the record (+30%)" in (
       result.text())
   assert "convnet" not in result.text()
+  assert "python -m curvbench.bench against 0123456789" in result.text()
 
   for today in ({"kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
                  "exact_ggn_spectrum_s": {"mlp": 0.02}},

@@ -145,6 +145,11 @@ class Comparison:
       lines += [f"  {figure} [{problem}]: {today:.4g} today, {recorded:.4g} "
                 f"in the record ({today / recorded - 1:+.0%})"
                 for figure, problem, today, recorded in self.worse]
+      if r.get("commit"):
+        lines.append("Load on the machine moves these figures too: to tell a "
+                     "regression from it, time the record's commit side by "
+                     "side with the working tree, `python -m curvbench.bench "
+                     f"against {r['commit'][:10]}`.")
     if self.missing:
       lines.append("In the record but not measured today: " + ", ".join(
           f"{figure} [{problem}]" for figure, problem in self.missing))
