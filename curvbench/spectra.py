@@ -139,10 +139,14 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
 
 # --- dense method ------------------------------------------------------------
 
-def _dense_exact(loss_fn, matrix, params, data, rng, costs,
-                 examples_interact):
-  # Per-example rows take each example alone, which a loss that couples
-  # the batch's examples (batch norm) does not allow: products then.
+def dense_exact(loss_fn, matrix, params, data, rng, costs,
+                examples_interact):
+  """The exact `matrix` over `data` as a dense array, a phase of `costs`.
+
+  Per-example rows take each example alone, which a loss coupling its
+  batch's examples (`examples_interact`: batch norm) does not allow: its
+  matrices come from products through the whole batch.
+  """
   exact = curvatures.exact(
       matrix, loss_fn, matrix_free=examples_interact
       or matrix in curvatures.DENSE_FROM_PRODUCTS)
@@ -156,7 +160,7 @@ def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
   """`(dense matrix, (eigenvalues, eigenvectors))` of the exact `matrix`,
   from the `store` where another run computed it from the same content."""
   def compute():
-    dense = _dense_exact(loss_fn, matrix, params, data, rng, costs,
+    dense = dense_exact(loss_fn, matrix, params, data, rng, costs,
                          examples_interact)
     values, vectors = _eigh(costs, f"exact {matrix}", dense)
     return dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,

@@ -56,8 +56,12 @@ def every_component(tmp_path_factory):
 
 @pytest.mark.parametrize("name", PROBLEMS.names())
 def test_every_problem_builds_is_fully_registered_and_trains(name, tmp_path):
+  # One kind of K-FAC step (refresh and damping every step): one program
+  # to compile.
   cfg = config.compose(f"problem={name}", "problem.batch_size=8",
-                       "measure=training", "optimizer=kfac", *SHORT)
+                       "measure=training", "optimizer=kfac",
+                       "optimizer.inverse_update_period=1",
+                       "optimizer.damping_adaptation_interval=1", *SHORT)
   assert runs.run(cfg, tmp_path / "run") == "complete"
   run = records.RunDir(tmp_path / "run")
   training = run.tables()["training"]

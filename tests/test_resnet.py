@@ -229,8 +229,8 @@ def test_the_dense_empirical_fisher_comes_through_the_whole_batch():
 
   rows = jax.jit(jax.jacobian(example_losses))(flat)  # (B, P)
   truth = rows.T @ rows / len(x)
-  dense = spectra._dense_exact(problem.loss_fn, "empirical_fisher", params,
-                               Data.of(batch), jax.random.PRNGKey(0), Costs(),
-                               examples_interact=True)
+  dense = spectra.dense_exact(problem.loss_fn, "empirical_fisher", params,
+                              Data.of(batch), jax.random.PRNGKey(0), Costs(),
+                              examples_interact=True)
   np.testing.assert_allclose(dense, truth, rtol=1e-8,
                              atol=1e-10 * np.abs(truth).max())
