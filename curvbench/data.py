@@ -9,6 +9,15 @@ so the result is the mean over examples, as the papers define full-dataset
 curvature (every per-batch quantity here is itself a mean over its batch).
 With several devices (`split`), every chunk is spread over them along its
 examples, so a jitted `mean` runs on all of them and sums their parts.
+
+On CPU, XLA runs a convolution through its fast (Eigen) kernel only in the
+layout `(batch, spatial..., feature)` with an `(spatial..., in, out)`
+kernel, and brings other layouts to it only outside loops, so the backward
+convolutions of a gradient in the scan's body took the slow generic loop:
+over 4 chunks, the gradient of two 3x3 convolutions cost 5 to 10 times the
+4 batches' (2 cores). Importing this module therefore lowers every ungrouped
+CPU convolution in that layout, between transposes
+(`canonical_cpu_convolutions`); values are unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import mlir
 from jax.sharding import Mesh
 
 from curvbench import devices
@@ -113,6 +123,68 @@ class Data:
     return jax.tree.map(
         lambda t, r: (t * self.chunk_size + r * self.rest_size)
         / (full + self.rest_size), total, fn(self.rest))
+
+
+def _canonical(ndim: int) -> jax.lax.ConvDimensionNumbers:
+  """Batch first, features last; kernel `(spatial..., in, out)`."""
+  spatial = tuple(range(1, ndim - 1))
+  return jax.lax.ConvDimensionNumbers(
+      (0, ndim - 1) + spatial, (ndim - 1, ndim - 2) + tuple(range(ndim - 2)),
+      (0, ndim - 1) + spatial)
+
+
+def canonical_cpu_convolutions() -> bool:
+  """Lowers CPU convolutions in the layout XLA's fast kernel takes.
+
+  An ungrouped convolution in another layout becomes transposes of its
+  operands, the convolution in `_canonical` layout and a transpose of the
+  result: what XLA's own canonicalisation does, but only in a program's
+  top level, not in loop bodies (jax issue 12868). Spatial dimensions keep
+  their order, so strides, padding and dilations are unchanged. Other
+  devices and grouped or sharded convolutions keep jax's lowering.
+
+  Returns:
+    Whether the lowering is in place: False where this jax keeps its
+    lowering rules elsewhere (the convolutions are then slower in loops,
+    their values the same).
+  """
+  conv = jax.lax.conv_general_dilated_p
+  try:  # jax's rule, to lower the canonical convolution itself
+    entry = (mlir._platform_specific_lowerings["cpu"].get(conv)
+             or mlir._lowerings[conv])
+  except (AttributeError, KeyError, TypeError):
+    return False
+  default = getattr(entry, "rule", entry)
+  if getattr(default, "canonicalizes", False):
+    return True
+
+  def rule(ctx, lhs, rhs, *, dimension_numbers, **params):
+    canonical = _canonical(len(dimension_numbers.lhs_spec))
+    if (dimension_numbers == canonical or params["feature_group_count"] != 1
+        or params["batch_group_count"] != 1
+        or params.get("out_sharding") is not None):
+      return default(ctx, lhs, rhs, dimension_numbers=dimension_numbers,
+                     **params)
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    out_order = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
+
+    def transposed(x, kernel):
+      y = conv.bind(
+          jax.lax.transpose(x, (lhs_spec[0],) + tuple(lhs_spec[2:])
+                            + (lhs_spec[1],)),
+          jax.lax.transpose(kernel, tuple(rhs_spec[2:])
+                            + (rhs_spec[1], rhs_spec[0])),
+          dimension_numbers=canonical, **params)
+      return jax.lax.transpose(y, tuple(np.argsort(out_order)))
+
+    return mlir.lower_fun(transposed, multiple_results=False)(ctx, lhs, rhs)
+
+  rule.canonicalizes = True
+  mlir.register_lowering(conv, rule, platform="cpu")
+  return True
+
+
+canonical_cpu_convolutions()
 
 
 SCOPE = re.compile(r"^(batch|train|batches:([1-9][0-9]*))$")
