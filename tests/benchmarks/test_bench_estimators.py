@@ -6,9 +6,11 @@ timing, and each round ends with `block_until_ready`.
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -170,3 +172,41 @@ def test_explicit_exact_ggn_eigenvalues(benchmark):
   assert values.shape == (10_660,)
   benchmark.pedantic(lambda: jax.block_until_ready(eig(state)), rounds=3,
                      warmup_rounds=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_estimate(family):
+  """One estimate from a fresh state (`ggn_exact`, the issue's MLP, batch
+  128): for EKFAC the factors, their eigenbasis and the scalings."""
+  loss_fn, params, batch = mlp_problem()
+  est = CURVATURES.defaults(family).make(loss_fn).estimator
+  args, rng = (params, batch), jax.random.PRNGKey(0)
+  state = est.init(rng, args, exact_powers_to_cache=None,
+                   approx_powers_to_cache=None)
+  update = jax.jit(lambda s, a: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, batch[0].shape[0], rng, a, estimation_mode="ggn_exact"))
+  run = lambda: jax.block_until_ready(update(state, args))
+  run()
+  return run
+
+
+@pytest.mark.benchmark(group="ekfac-estimate")
+def test_ekfac_estimate_against_kfac_factors(benchmark):
+  """A K-FAC factor estimate on the same batch runs before every round;
+  `time_ratio` is the median per-round ratio (the goal: at most 3)."""
+  ekfac, kfac_factors = _fresh_estimate("ekfac"), _fresh_estimate("kfac")
+  factor_times = []
+
+  def time_factors():
+    start = time.perf_counter()
+    kfac_factors()
+    factor_times.append(time.perf_counter() - start)
+
+  benchmark.pedantic(ekfac, setup=time_factors, rounds=21, warmup_rounds=1)
+  if not benchmark.disabled:
+    ratios = np.asarray(benchmark.stats.stats.data) / np.asarray(
+        factor_times[1:])
+    benchmark.extra_info.update(
+        kfac_factors_ms=1e3 * float(np.median(factor_times[1:])),
+        time_ratio=float(np.median(ratios)),
+        time_ratio_iqr=[float(q) for q in np.quantile(ratios, [.25, .75])])
