@@ -122,8 +122,6 @@ def evaluator(problem, cfg, dtype) -> Callable:
 
   @jax.jit
   def losses(params, model_state, batch):
-    if not problem.has_state:  # the training loss, as registered
-      return problem.loss_fn(params, batch), problem.error(params, batch)
     return (problem.evaluation_loss(params, batch, model_state),
             problem.error(params, batch, model_state))
 
