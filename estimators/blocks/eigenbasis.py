@@ -33,6 +33,29 @@ from estimators.blocks import base
 from estimators.blocks import kronecker
 
 
+def restarted_scalings(scalings: utils.WeightedMovingAverage
+                       ) -> utils.WeightedMovingAverage:
+  """The scalings' average restarted for a new basis: its value kept as the
+  starting point, its weight zeroed."""
+  return utils.WeightedMovingAverage(weight=jnp.zeros_like(scalings.weight),
+                                     raw_value=scalings.value)
+
+
+def damped_scalings(block, state, identity_weight, power, exact_power: bool,
+                    use_cached: bool) -> jax.Array:
+  """`(scalings + damping) ** power`, the eigenvalues of the damped power in
+  the block's eigenbasis (exact and approximate powers alike: the damping
+  adds to the scalings); with `use_cached`, the damping and the state
+  dependent scale of the cache entry."""
+  s = state.scalings.value
+  if use_cached:
+    # Cached weights already include the state dependent scale's share.
+    identity_weight = state.cache[base.cache_key(power, exact=exact_power)]
+    s = block.state_dependent_scale(state) * s
+  grid = s + identity_weight
+  return grid if power == 1 else jnp.power(grid, power)
+
+
 class EKFAC(kronecker.TwoKroneckerFactored):
   """`U diag(s) Uᵀ` with `U = U_A ⊗ U_G` from K-FAC's factors (see module).
 
@@ -195,24 +218,15 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       ValueError: as `CurvatureBlock.update_cache`.
     """
     u_a, u_g = self._factor_bases(state)
-    kept = state.scalings
-    scalings = utils.WeightedMovingAverage(
-        weight=jnp.zeros_like(kept.weight), raw_value=kept.value)
     state = dataclasses.replace(state, inputs_basis=u_a, outputs_basis=u_g,
-                                scalings=scalings)
+                                scalings=restarted_scalings(state.scalings))
     return super().update_cache(state, identity_weight, exact_powers,
                                 approx_powers, eigenvalues)
 
   def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
                                   exact_power, use_cached):
-    s = state.scalings.value
-    if use_cached:
-      # Cached weights already include the state dependent scale's share.
-      identity_weight = state.cache[base.cache_key(power, exact=exact_power)]
-      s = self.state_dependent_scale(state) * s
-    grid = s + identity_weight
-    if power != 1:
-      grid = jnp.power(grid, power)
+    grid = damped_scalings(self, state, identity_weight, power, exact_power,
+                           use_cached)
     result = utils.kronecker_eigen_multiply(
         state.inputs_basis, state.outputs_basis, grid, self._to_matrix(vector))
     return self._from_matrix(result)

@@ -38,6 +38,7 @@ from estimators import tags
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import diagonal
+from estimators.blocks import eigenbasis
 from estimators.blocks import full
 
 
@@ -291,24 +292,16 @@ class EmbeddingEKFAC(EmbeddingKFAC):
                    eigenvalues):
     """Recomputes the basis, restarts the scalings and refreshes the
     entries, as `EKFAC.update_cache` does."""
-    kept = state.scalings
     state = dataclasses.replace(
         state, outputs_basis=self._outputs_basis(state),
-        scalings=utils.WeightedMovingAverage(
-            weight=jnp.zeros_like(kept.weight), raw_value=kept.value))
+        scalings=eigenbasis.restarted_scalings(state.scalings))
     return super().update_cache(state, identity_weight, exact_powers,
                                 approx_powers, eigenvalues)
 
   def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
                                   exact_power, use_cached):
-    # Exact and approximate powers are the same: damping adds to `s`.
-    s = state.scalings.value
-    if use_cached:
-      identity_weight = state.cache[base.cache_key(power, exact=exact_power)]
-      s = self.state_dependent_scale(state) * s
-    grid = s + identity_weight
-    if power != 1:
-      grid = jnp.power(grid, power)
+    grid = eigenbasis.damped_scalings(self, state, identity_weight, power,
+                                      exact_power, use_cached)
     u = state.outputs_basis
     return (((vector[0] @ u) * grid) @ u.T,)
 
