@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
-from components import Choice, Component, Registry, Text, Whole, setting
+from components import (Choice, Component, Registry, Text, Whole, dotted,
+                        setting)
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
@@ -285,6 +286,17 @@ class ProblemSettings(Component, abc.ABC):
   # `(part of a layer's name, role)` for layers whose tag does not say
   # their role, e.g. `("attention", "attention")` (see `Problem`).
   layer_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+  def not_images(self, data: DatasetSettings, prefix: str) -> str | None:
+    """Why `data` does not fit a model of images (H, W, C), or None."""
+    shape = data.input_shape()
+    if len(shape) == 3:
+      return None
+    images = [n for n in DATASETS
+              if len(DATASETS.defaults(n).input_shape()) == 3]
+    return (f"{dotted(prefix, 'data')}: the {self.name} needs images (H, W, "
+            f"C) but dataset {data.name!r} has inputs of shape {shape}; "
+            f"choose an image dataset (problem/data={', '.join(images)}).")
 
   @property
   def couples_examples(self) -> bool:

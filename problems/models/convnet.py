@@ -7,7 +7,6 @@ import haiku as hk
 from components import Flag, ListOf, OneOf, Whole, dotted, setting
 from problems import layers
 from problems.base import PROBLEMS, Problem, ProblemSettings
-from problems.datasets import DATASETS
 
 
 @PROBLEMS.register
@@ -28,14 +27,11 @@ class ConvNet(ProblemSettings):
                             "nonlinearity of every block and dense layer")
 
   def disagreements_with(self, data, prefix):
-    shape = data.input_shape()
-    if len(shape) != 3:
-      images = [n for n in DATASETS
-                if len(DATASETS.defaults(n).input_shape()) == 3]
-      yield (f"{dotted(prefix, 'data')}: the convnet needs images (H, W, C) "
-             f"but dataset {data.name!r} has inputs of shape {shape}; "
-             f"choose an image dataset (problem/data={', '.join(images)}).")
+    refusal = self.not_images(data, prefix)
+    if refusal:
+      yield refusal
       return
+    shape = data.input_shape()
     side, blocks = min(shape[:2]), len(self.channels)
     if side >> blocks < 1:  # each block halves the side (2x2 max-pooling)
       yield (f"{dotted(prefix, 'channels')}={self.channels}: {blocks} conv "

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from components import ListOf, Number, OneOf, Whole, dotted, setting
 from problems.base import PROBLEMS, Problem, ProblemSettings
-from problems.datasets import DATASETS
 
 NORMS = ("batch", "group", "layer", "none")
 
@@ -110,13 +109,9 @@ class ResNet(ProblemSettings):
     return self.norm == "batch"
 
   def disagreements_with(self, data, prefix):
-    shape = data.input_shape()
-    if len(shape) != 3:
-      images = [n for n in DATASETS
-                if len(DATASETS.defaults(n).input_shape()) == 3]
-      yield (f"{dotted(prefix, 'data')}: the ResNet needs images (H, W, C) "
-             f"but dataset {data.name!r} has inputs of shape {shape}; "
-             f"choose an image dataset (problem/data={', '.join(images)}).")
+    refusal = self.not_images(data, prefix)
+    if refusal:
+      yield refusal
     if self.norm == "group":
       odd = [w for w in self.widths if w % self.groups]
       if odd:
