@@ -217,6 +217,9 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
               f"before the steps {missed} to measure at: raise the budget.")
         break
       if rows[-1]["diverged"]:
+        failure = getattr(optimizer, "failure", lambda state: None)(opt_state)
+        if failure:
+          raise FloatingPointError(failure)
         missed = sorted(s for s in at_steps if s >= step)
         if missed:
           raise FloatingPointError(

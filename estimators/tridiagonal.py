@@ -246,7 +246,8 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
     A chain's layers but its last are not refreshed as blocks (their
     inverse comes from the links); the other blocks are, as in
-    block-diagonal K-FAC.
+    block-diagonal K-FAC (with `matrix_power_method`; the links always use
+    generalized eigendecompositions).
     """
     self._require_finalized()
     exact, approx = canonical_powers(exact_powers), canonical_powers(
@@ -271,10 +272,12 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       args.append(state)
       costs.append(distributed.refresh_cost(self._chain_states(state, chain)))
     axis = pmap_axis_name if self.distributed_cache_updates else None
-    results = iter(distributed.map_blocks(fns, args, costs, axis))
+    results = iter(self._refresh(fns, args, costs, axis))
     blocks_states = list(state.blocks_states)
-    for j in own:
-      blocks_states[j] = next(results)
+    for j, refreshed in zip(own, self._newton_verdicts(
+        [state.blocks_states[j] for j in own],
+        [next(results) for _ in own])):
+      blocks_states[j] = refreshed
     caches = {}
     for chain in chains:
       caches.update(zip(chain, next(results)))
@@ -345,7 +348,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
           self._chain_states(state, chain),
           sum(self.blocks[j].dim for j in chain)))
     axis = pmap_axis_name if self.distributed_multiplies else None
-    results = iter(distributed.map_blocks(fns, args, costs, axis))
+    results = iter(self._refresh(fns, args, costs, axis))
     out = list(vectors)
     for j in single:
       out[j] = next(results)

@@ -18,6 +18,7 @@ from curvbench import curvatures
 from estimators import estimation_modes
 
 GIB = Number(0, low_in=False, finite=False)
+MATRIX_POWER_METHODS = estimators.curvature.block_diagonal.MATRIX_POWER_METHODS
 
 
 @dataclasses.dataclass
@@ -74,11 +75,34 @@ class BlockDiagonal(CurvatureSettings):
   smaller: ClassVar[str] = "curvature=diagonal"
   is_block_diagonal: ClassVar[bool] = True
 
+  matrix_power_method: str = setting(
+      "decomposition", OneOf(MATRIX_POWER_METHODS),
+      "how a refresh raises damped factors to powers: decomposition "
+      "(Cholesky, eigh) or newton (the coupled Newton iteration: matrix "
+      "products only, batched over equal-size factors; suits accelerators). "
+      "Block-diagonal families; eigenbases and exact powers always use eigh")
+  newton_max_iterations: int = setting(
+      100, Whole(1), "matrix_power_method=newton: the most Newton steps; a "
+      "factor that needs more (too little damping) stops the run with an "
+      "error")
+
+  def ignored(self):
+    if self.matrix_power_method == "newton":
+      return {}
+    return {"newton_max_iterations": "matrix_power_method=decomposition "
+            "takes no Newton steps"}
+
+  def estimator_options(self) -> dict:
+    """The block-diagonal estimator's arguments from these settings."""
+    return dict(self.distribution(),
+                matrix_power_method=self.matrix_power_method,
+                newton_max_iterations=self.newton_max_iterations)
+
   def make(self, loss_fn):
     estimator = estimators.BlockDiagonalCurvature(
         loss_fn, default_estimation_mode=self.mode,
         layer_tag_to_block_ctor=dict(self.blocks) or None,
-        **self.distribution())
+        **self.estimator_options())
     return curvatures.BlockDiagonal(
         mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
         estimator=estimator, block_type=self.name,
@@ -96,4 +120,5 @@ def make(settings, loss_fn: Callable) -> curvatures.Curvature:
   return settings.make(loss_fn)
 
 
-__all__ = ["BlockDiagonal", "CURVATURES", "CurvatureSettings", "make"]
+__all__ = ["BlockDiagonal", "CURVATURES", "CurvatureSettings",
+           "MATRIX_POWER_METHODS", "make"]

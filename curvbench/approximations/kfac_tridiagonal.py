@@ -45,7 +45,8 @@ class KFACTridiagonal(BlockDiagonal):
 
   def make(self, loss_fn):
     estimator = kfac.BlockTridiagonalCurvature(
-        loss_fn, default_estimation_mode=self.mode, **self.distribution())
+        loss_fn, default_estimation_mode=self.mode,
+        **self.estimator_options())
     return BlockTridiagonal(
         mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
         estimator=estimator, block_type=self.name, smaller=self.smaller,

@@ -236,10 +236,15 @@ class KFACTrainer:
     # Per input, the last (value given, its per-device layout): a step's own
     # parameters, or timing's fixed batch, are not converted again.
     self._last = {}
+    estimator = curvature.estimator
     self.opt = kfac.Optimizer(
         jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
         layer_tag_to_block_ctor=curvature.block_ctors or None,
-        estimator_ctor=type(curvature.estimator), **kwargs)
+        estimator_ctor=functools.partial(
+            type(estimator),
+            matrix_power_method=estimator.matrix_power_method,
+            newton_max_iterations=estimator.newton_max_iterations),
+        **kwargs)
 
   def _per_device(self, name, tree, convert):
     last = self._last.get(name)
@@ -308,3 +313,18 @@ class KFACTrainer:
       params, loss = devices.unstack((stacked, loss), self.mesh)
       self._last["params"] = (params, stacked)
     return params, (state, count + 1), loss
+
+  def failure(self, opt_state) -> str | None:
+    """Why the loss stopped being finite, where the state tells: blocks
+    whose Newton iteration could not invert their damped factors."""
+    estimator = self.opt.estimator
+    bad = estimator.newton_failures(opt_state[0].estimator_state)
+    if not bad:
+      return None
+    return (f"The Newton iteration (curvature.matrix_power_method=newton) did "
+            f"not converge in {estimator.newton_max_iterations} steps for "
+            f"the damped factors of {', '.join(bad)}: they are too badly "
+            "conditioned for it. Raise the damping (optimizer.min_damping, "
+            "optimizer.initial_damping), raise "
+            "curvature.newton_max_iterations, or use "
+            "curvature.matrix_power_method=decomposition.")

@@ -15,6 +15,7 @@ import numpy as np
 from estimators import blocks as curvature_blocks
 from estimators import distributed, estimation_modes, graph_matcher
 from estimators import tracer
+from estimators.utils import newton
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.curvature.base import (CurvatureBlockCtor, CurvatureEstimator,
                                        check_params_tree,
@@ -39,6 +40,13 @@ def _block_name(paths, indices, tag_name):
   return f"{keys[0] if len(keys) == 1 else ','.join(keys)} [{tag_name}]"
 
 
+# How `update_cache` raises damped matrices to approximate powers.
+MATRIX_POWER_METHODS = ("decomposition", "newton")
+# With 'newton', every block's cache holds this flag: whether the iteration
+# failed at some refresh (`BlockDiagonalCurvature.newton_failures`).
+NEWTON_FAILED = "newton_failed"
+
+
 class BlockDiagonalCurvature(CurvatureEstimator):
   """One curvature block per layer tag; the blocks form a block diagonal.
 
@@ -59,6 +67,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                auto_register_tags: bool = True,
                distributed_multiplies: bool = True,
                distributed_cache_updates: bool = True,
+               matrix_power_method: str = "decomposition",
+               newton_max_iterations: int = newton.DEFAULT_MAX_ITERATIONS,
                **auto_register_kwargs):
     """Prepares the tracing of `func`; blocks are built by `init`.
 
@@ -78,13 +88,31 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         cost) and the results are summed across devices; otherwise every
         device computes every block.
       distributed_cache_updates: the same for `update_cache`.
+      matrix_power_method: how `update_cache` raises damped matrices to
+        approximate powers: 'decomposition' (Cholesky for inverses,
+        eigendecompositions otherwise) or 'newton' (the coupled Newton
+        iteration of `utils.newton`, matrix products only, equal-size
+        matrices stacked, all in one loop; powers -1/p only). Exact powers
+        and eigenbases always use eigendecompositions.
+      newton_max_iterations: the most Newton steps; a matrix that needs
+        more (singular or too badly conditioned: too little damping) gets a
+        NaN power, and its block is named by `newton_failures`.
       **auto_register_kwargs: passed to the graph matcher (e.g.
         `register_only_generic`, `patterns_to_skip`).
 
     Raises:
-      ValueError: for an unknown estimation mode.
+      ValueError: for an unknown estimation mode or matrix power method.
     """
     super().__init__(func, params_index, default_estimation_mode)
+    if matrix_power_method not in MATRIX_POWER_METHODS:
+      raise ValueError(
+          f"matrix_power_method={matrix_power_method!r}: choose one of "
+          f"{', '.join(map(repr, MATRIX_POWER_METHODS))}.")
+    if int(newton_max_iterations) < 1:
+      raise ValueError(f"newton_max_iterations={newton_max_iterations}: "
+                       "give at least 1.")
+    self.matrix_power_method = matrix_power_method
+    self.newton_max_iterations = int(newton_max_iterations)
     self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
     self._index_to_block_ctor = dict(index_to_block_ctor or {})
     self.distributed_multiplies = distributed_multiplies
@@ -293,11 +321,15 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     """Builds the blocks on the first call; see `CurvatureEstimator.init`."""
     self._finalize(func_args)
     rngs = jax.random.split(rng, self.num_blocks)
-    return self.State(tuple(
-        b.init(r, powers_tuple(exact_powers_to_cache),
-               powers_tuple(approx_powers_to_cache),
-               cache_eigenvalues=cache_eigenvalues)
-        for b, r in zip(self._blocks, rngs)))
+    states = [b.init(r, powers_tuple(exact_powers_to_cache),
+                     powers_tuple(approx_powers_to_cache),
+                     cache_eigenvalues=cache_eigenvalues)
+              for b, r in zip(self._blocks, rngs)]
+    if self.matrix_power_method == "newton":
+      states = [dataclasses.replace(s, cache={**s.cache, NEWTON_FAILED:
+                                              jnp.zeros((), bool)})
+                for s in states]
+    return self.State(tuple(states))
 
   def update_curvature_matrix_estimate(
       self, state: BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
@@ -351,8 +383,48 @@ class BlockDiagonalCurvature(CurvatureEstimator):
            for b, w in zip(self._blocks, weights)]
     costs = [distributed.refresh_cost(s) for s in state.blocks_states]
     axis = pmap_axis_name if self.distributed_cache_updates else None
-    return self.State(tuple(distributed.map_blocks(
-        fns, state.blocks_states, costs, axis)))
+    return self.State(self._newton_verdicts(
+        state.blocks_states, self._refresh(fns, state.blocks_states, costs,
+                                           axis)))
+
+  def _refresh(self, fns, args, costs, axis):
+    """`distributed.map_blocks` of refreshes, their damped powers by
+    `matrix_power_method`."""
+    refresh = lambda: distributed.map_blocks(fns, args, costs, axis)
+    if self.matrix_power_method == "decomposition":
+      return refresh()
+    # Shared among devices, each block's refresh is traced inside its own
+    # branch, out of reach of one batched iteration.
+    return newton.by_products(refresh, batched=axis is None,
+                              max_iterations=self.newton_max_iterations)
+
+  def _newton_verdicts(self, old_states, new_states) -> tuple:
+    """The refreshed block states, each with its sticky NEWTON_FAILED flag
+    set where the refresh left non-finite powers from finite statistics:
+    a factor the Newton iteration could not invert (with non-finite
+    statistics the run diverged for other reasons)."""
+    new_states = tuple(new_states)
+    if self.matrix_power_method != "newton":
+      return new_states
+    finite = lambda tree: jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)] or
+        [jnp.asarray(True)]))
+    out = []
+    for old, new in zip(old_states, new_states):
+      powers = {k: v for k, v in new.cache.items() if k != NEWTON_FAILED}
+      failed = old.cache[NEWTON_FAILED] | (
+          ~finite(powers) & finite(dataclasses.replace(new, cache={})))
+      out.append(dataclasses.replace(new, cache={**powers,
+                                                 NEWTON_FAILED: failed}))
+    return tuple(out)
+
+  def newton_failures(self, state: BlockDiagonalState) -> list[str]:
+    """The names of the blocks whose Newton iteration failed at some
+    refresh (`matrix_power_method='newton'`; reads the device)."""
+    if self.matrix_power_method != "newton":
+      return []
+    return [b.name for b, s in zip(self._blocks, state.blocks_states)
+            if bool(np.any(s.cache[NEWTON_FAILED]))]
 
   def _blocks_matpower(self, which, states, vectors, weights, power,
                        exact_power, use_cached, pmap_axis_name):

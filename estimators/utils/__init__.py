@@ -1,6 +1,7 @@
 """Shared utilities: moving averages, PSD linear algebra, pytree helpers,
 cross-device reductions and the type names KFAC-JAX code annotates with."""
 
+from estimators.utils import newton
 from estimators.utils.collectives import in_pmap, pmean_if_pmap, psum_if_pmap
 from estimators.utils.linalg import (inverse_root_multiply,
                                      kronecker_eigen_multiply,
@@ -42,6 +43,6 @@ __all__ = [
     "kronecker_eigen_multiply", "kronecker_product_eigenvalues",
     "limit_lapack_threads", "psd_inverse", "psd_inverse_root",
     "pi_adjusted_kronecker_damping", "psd_eigvalsh", "psd_matrix_power",
-    "safe_psd_eigh", "symmetrize",
+    "safe_psd_eigh", "symmetrize", "newton",
 ]
 

@@ -7,6 +7,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from estimators.utils import newton
+
 # The inverse Cholesky root of `psd_inverse_root`: a lower-triangular array,
 # or `(top, below, bottom)` blocks for a big matrix.
 InverseRoot = jax.Array | tuple
@@ -59,6 +61,8 @@ def psd_matrix_power(matrix: jax.Array, power: float) -> jax.Array:
 
   Power 1 returns the matrix, power -1 uses a Cholesky solve (exact for a
   positive definite input), any other power goes through `safe_psd_eigh`.
+  Inside `newton.by_products` every other power is an inverse p-th root
+  from the Newton iteration instead (matrix products only).
 
   Args:
     matrix: a PSD matrix (positive definite for negative powers).
@@ -73,6 +77,8 @@ def psd_matrix_power(matrix: jax.Array, power: float) -> jax.Array:
     return matrix
   if power == 0:
     return jnp.eye(n, dtype=matrix.dtype)
+  if newton.active():
+    return newton.requested_power(matrix, newton.root_order(power))
   if power == -1:
     return psd_inverse(matrix)
   values, vectors = safe_psd_eigh(matrix)
@@ -119,12 +125,18 @@ def psd_inverse_root(matrix: jax.Array) -> InverseRoot:
   averaging away an estimate's round-off asymmetry would cost a transposing
   pass over a big matrix.
 
+  Inside `newton.by_products` the root is the symmetric `matrix^(-1/2)`
+  from the Newton iteration instead, which serves the same purpose
+  (`Rᵀ R = matrix⁻¹`).
+
   Args:
     matrix: a positive definite matrix.
 
   Returns:
     `L⁻¹`, as a lower-triangular array or as `(top, below, bottom)` blocks.
   """
+  if newton.active():
+    return newton.requested_power(matrix, 2)
   return _inverse_root_blocks(matrix)
 
 

@@ -5,6 +5,7 @@ time is excluded: every benchmarked function is compiled and run once before
 timing, and each round ends with `block_until_ready`.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -15,7 +16,7 @@ import pytest
 from jax import lax
 
 import estimators as kfac
-from curvbench.approximations import CURVATURES
+from curvbench.approximations import CURVATURES, MATRIX_POWER_METHODS
 
 F32 = jnp.float32
 # The harness's block-structured approximations, from its registry.
@@ -91,9 +92,11 @@ def _run(benchmark, fn, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def _setup(problem, family):
+def _setup(problem, family, matrix_power_method="decomposition"):
   loss_fn, params, batch = PROBLEMS[problem]()
-  est = CURVATURES.defaults(family).make(loss_fn).estimator
+  settings = dataclasses.replace(CURVATURES.defaults(family),
+                                 matrix_power_method=matrix_power_method)
+  est = settings.make(loss_fn).estimator
   coupled = isinstance(est, kfac.BlockTridiagonalCurvature)
   args = (params, batch)
   rng = jax.random.PRNGKey(0)
@@ -122,6 +125,16 @@ def test_update_curvature_estimate(benchmark, problem, family):
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_update_cache(benchmark, problem, family):
   est, state, _, _ = _setup(problem, family)
+  cache = jax.jit(lambda s: est.update_cache(s, 1e-3, None, -1, False))
+  _run(benchmark, cache, state)
+
+
+@pytest.mark.benchmark(group="cache-update-method")
+@pytest.mark.parametrize("method", MATRIX_POWER_METHODS)
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_kfac_refresh_by_matrix_power_method(benchmark, problem, method):
+  """K-FAC's damped inverses by Cholesky against the Newton iteration."""
+  est, state, _, _ = _setup(problem, "kfac", method)
   cache = jax.jit(lambda s: est.update_cache(s, 1e-3, None, -1, False))
   _run(benchmark, cache, state)
 
