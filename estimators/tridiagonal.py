@@ -217,7 +217,8 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       estimation_mode: str | None = None,
       identity_weight: Numeric | None = None) -> "State":
     del identity_weight  # the estimates do not depend on the damping
-    data = self.blocks_estimation_data(func_args, rng, estimation_mode)
+    data = self.blocks_estimation_data(func_args, rng, estimation_mode,
+                                       batch_size)
     blocks_states = tuple(
         curvature.update_block_estimate(b, s, d, ema_old, ema_new,
                                         batch_size, pmap_axis_name)

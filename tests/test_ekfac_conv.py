@@ -155,8 +155,10 @@ def conv_block_in_matrix_layout(problem, mode, conv):
   # Flat parameter order -> the block's matrix layout.
   layer = np.flatnonzero(jax.flatten_util.ravel_pytree(marks)[0])
   perm = layer[matrix_order(est.blocks[j])]
-  exact = (problem.empirical_fisher() if mode == "fisher_empirical"
-           else problem.ggn())
+  # The block-diagonal estimator's empirical Fisher is the mean of
+  # outer products over the batch size, as in KFAC-JAX.
+  exact = (problem.empirical_fisher() / problem.batch[0].shape[0]
+           if mode == "fisher_empirical" else problem.ggn())
   pick = lambda m: np.asarray(m)[np.ix_(perm, perm)]
   return pick(est.to_dense_matrix(state)), pick(exact), state.blocks_states[j]
 

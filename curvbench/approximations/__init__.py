@@ -93,8 +93,12 @@ class BlockDiagonal(CurvatureSettings):
             "takes no Newton steps"}
 
   def estimator_options(self) -> dict:
-    """The block-diagonal estimator's arguments from these settings."""
-    return dict(self.distribution(),
+    """The block-diagonal estimator's arguments from these settings. The
+    harness's `fisher_empirical` estimates are the mean of per-example
+    outer products, as its `empirical_fisher` reference and the exact
+    estimators are (the library's default follows KFAC-JAX: that mean
+    divided by the batch size)."""
+    return dict(self.distribution(), fisher_empirical_normalization="batch",
                 matrix_power_method=self.matrix_power_method,
                 newton_max_iterations=self.newton_max_iterations)
 

@@ -31,6 +31,12 @@ def _measured_steps(value) -> None:
                      "training step to measure at (0: initialisation).")
 
 
+# The relation a reader comparing with KFAC-JAX needs (README, porting).
+EMPIRICAL_FISHER_SCALE = (
+    "; empirical_fisher here, reference and estimates alike, is the mean of "
+    "per-example gradient outer products: B (the batch size) times what "
+    "KFAC-JAX's block-diagonal estimator, or ours at its default, holds")
+
 @MEASUREMENTS.register
 @dataclasses.dataclass
 class Spectra(Measurement):
@@ -215,6 +221,8 @@ class Spectra(Measurement):
            "(role: the sub-matrices over every layer of that type)", "role",
            "role")):
         part = q[q.level == level].rename(columns={"block": block})
+        if (part.get("reference") == "empirical_fisher").any():
+          title += EMPIRICAL_FISHER_SCALE
         if not part.empty:
           out.append((name, f"{title}: median over runs, quartiles, n "
                       "runs", aggregate.over_runs(

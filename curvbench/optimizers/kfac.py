@@ -243,7 +243,9 @@ class KFACTrainer:
         estimator_ctor=functools.partial(
             type(estimator),
             matrix_power_method=estimator.matrix_power_method,
-            newton_max_iterations=estimator.newton_max_iterations),
+            newton_max_iterations=estimator.newton_max_iterations,
+            fisher_empirical_normalization=(
+                estimator.fisher_empirical_normalization)),
         **kwargs)
 
   def _per_device(self, name, tree, convert):

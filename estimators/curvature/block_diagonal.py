@@ -69,6 +69,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                distributed_cache_updates: bool = True,
                matrix_power_method: str = "decomposition",
                newton_max_iterations: int = newton.DEFAULT_MAX_ITERATIONS,
+               fisher_empirical_normalization: str = "batch_squared",
                **auto_register_kwargs):
     """Prepares the tracing of `func`; blocks are built by `init`.
 
@@ -97,11 +98,21 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       newton_max_iterations: the most Newton steps; a matrix that needs
         more (singular or too badly conditioned: too little damping) gets a
         NaN power, and its block is named by `newton_failures`.
+      fisher_empirical_normalization: in `fisher_empirical` mode, what the
+        blocks' second moments of the per-example loss gradients `d_i` are
+        divided by. 'batch_squared' (KFAC-JAX's block-diagonal estimator):
+        `B²`, so a block estimates `(1/B) mean_i d_i d_iᵀ`, the outer product
+        of the mean loss's gradient `(1/B) sum_i d_i` with itself taken
+        per example. 'batch': `B`, the mean of the per-example outer
+        products, which `ExplicitExactCurvature` and `ImplicitExactCurvature`
+        (here as in KFAC-JAX) estimate in that mode. Other modes are
+        unaffected.
       **auto_register_kwargs: passed to the graph matcher (e.g.
         `register_only_generic`, `patterns_to_skip`).
 
     Raises:
-      ValueError: for an unknown estimation mode or matrix power method.
+      ValueError: for an unknown estimation mode, matrix power method or
+        normalization.
     """
     super().__init__(func, params_index, default_estimation_mode)
     if matrix_power_method not in MATRIX_POWER_METHODS:
@@ -111,6 +122,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     if int(newton_max_iterations) < 1:
       raise ValueError(f"newton_max_iterations={newton_max_iterations}: "
                        "give at least 1.")
+    if fisher_empirical_normalization not in ("batch_squared", "batch"):
+      raise ValueError(
+          f"fisher_empirical_normalization={fisher_empirical_normalization!r}"
+          ": choose 'batch_squared' (KFAC-JAX's block-diagonal estimator) or "
+          "'batch' (the mean of per-example outer products).")
+    self.fisher_empirical_normalization = fisher_empirical_normalization
     self.matrix_power_method = matrix_power_method
     self.newton_max_iterations = int(newton_max_iterations)
     self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
@@ -338,7 +355,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       estimation_mode: str | None = None,
       identity_weight: Numeric | None = None) -> BlockDiagonalState:
     del identity_weight  # the estimates do not depend on the damping
-    data = self.blocks_estimation_data(func_args, rng, estimation_mode)
+    data = self.blocks_estimation_data(func_args, rng, estimation_mode,
+                                       batch_size)
     return self.State(tuple(
         update_block_estimate(block, block_state, block_data, ema_old,
                               ema_new, batch_size, pmap_axis_name)
@@ -346,7 +364,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             self._blocks, state.blocks_states, data)))
 
   def blocks_estimation_data(self, func_args: FuncArgs, rng: jax.Array,
-                             estimation_mode: str | None = None
+                             estimation_mode: str | None = None,
+                             batch_size: Numeric | None = None
                              ) -> list[dict[str, tuple]]:
     """Each block's estimation data for one batch, from one vmapped pass.
 
@@ -354,6 +373,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       func_args: the arguments of `func` for this batch.
       rng: a PRNG key for the sampled modes.
       estimation_mode: as for `update_curvature_matrix_estimate`.
+      batch_size: the batch size the blocks normalise by; with it, in
+        `fisher_empirical` mode under `fisher_empirical_normalization=
+        'batch_squared'`, the tangents are divided by its square root.
 
     Returns:
       Per block, in `blocks` order, the mapping its
@@ -364,6 +386,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
         self._traced, tuple(func_args))
     loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
+    if (mode == "fisher_empirical" and batch_size is not None
+        and self.fisher_empirical_normalization == "batch_squared"):
+      # The blocks divide the tangents' second moments by the batch size;
+      # this makes it the square of the batch size (see `__init__`).
+      loss_tangents = jax.tree.map(
+          lambda t: t / jnp.sqrt(jnp.asarray(batch_size, t.dtype)),
+          loss_tangents)
     layer_tangents = jax.vmap(tangents_fn)(loss_tangents)
     return [dict(value, outputs_tangent=outs_t, params_tangent=params_t)
             for value, (outs_t, params_t) in zip(values, layer_tangents)]
