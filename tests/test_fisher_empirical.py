@@ -137,11 +137,14 @@ def test_exact_families_equal_brute_force_under_each_convention(
                                rtol=1e-10, atol=1e-15)
 
 
-def test_unknown_normalization_is_refused(setting):
+def test_unknown_or_unsupported_normalization_is_refused(setting):
   problem, _, _ = setting
   with pytest.raises(ValueError, match="batch_squared"):
     kfac.BlockDiagonalCurvature(problem.loss_fn,
                                 fisher_empirical_normalization="mean")
+  with pytest.raises(ValueError, match="always the mean"):
+    kfac.ExplicitExactCurvature(
+        problem.loss_fn, fisher_empirical_normalization="batch_squared")
 
 
 @pytest.mark.parametrize("normalization", ["batch_squared", "batch"])

@@ -101,12 +101,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       fisher_empirical_normalization: in `fisher_empirical` mode, what the
         blocks' second moments of the per-example loss gradients `d_i` are
         divided by. 'batch_squared' (KFAC-JAX's block-diagonal estimator):
-        `B²`, so a block estimates `(1/B) mean_i d_i d_iᵀ`, the outer product
-        of the mean loss's gradient `(1/B) sum_i d_i` with itself taken
-        per example. 'batch': `B`, the mean of the per-example outer
-        products, which `ExplicitExactCurvature` and `ImplicitExactCurvature`
-        (here as in KFAC-JAX) estimate in that mode. Other modes are
-        unaffected.
+        `B²`, since the gradient of the mean loss is `(1/B) sum_i d_i`; a
+        block then estimates `(1/B) mean_i d_i d_iᵀ`. 'batch': `B`, the mean
+        of the per-example outer products, which `ExplicitExactCurvature`
+        and `ImplicitExactCurvature` always estimate (as KFAC-JAX's do).
+        Other modes are unaffected.
       **auto_register_kwargs: passed to the graph matcher (e.g.
         `register_only_generic`, `patterns_to_skip`).
 

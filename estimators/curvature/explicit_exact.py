@@ -64,6 +64,12 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     Raises:
       ValueError: for an unknown estimation mode.
     """
+    if auto_register_kwargs.get("fisher_empirical_normalization",
+                                "batch") != "batch":
+      raise ValueError(
+          "ExplicitExactCurvature's empirical Fisher is always the mean of "
+          "per-example outer products, as KFAC-JAX's is: leave out "
+          "fisher_empirical_normalization (BlockDiagonalCurvature takes it).")
     super().__init__(func, params_index, default_estimation_mode,
                      layer_tag_to_block_ctor, index_to_block_ctor,
                      auto_register_tags, **auto_register_kwargs)
