@@ -276,15 +276,15 @@ def by_products(fn: Callable[[], Any], batched: bool = True,
   (`Rᵀ R = matrix⁻¹`). With `batched`, `fn` is called twice: the first call
   collects the matrices (its results are dropped, and under `jax.jit` XLA
   removes the work they alone needed), the matrices of one shape, dtype and
-  root are stacked into one iteration each, and the second call receives
-  the roots in the order it asks for them. `fn` must therefore ask for the
+  root are stacked and all stacks run in one loop (`inverse_roots`), and
+  the second call receives the roots in the order it asks for them. `fn` must therefore ask for the
   same powers in the same order each time, and its matrices must be
   reachable outside it (not traced inside a `lax.cond` or `lax.switch`
   branch: use `batched=False` there).
 
   Args:
     fn: the function to call, with no arguments.
-    batched: stack equal-size matrices into one iteration.
+    batched: stack equal-size matrices and run them all in one loop.
     max_iterations: the most Newton steps per iteration.
 
   Returns:
