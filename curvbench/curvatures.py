@@ -313,6 +313,9 @@ class BlockDiagonal(_Estimator):
   block_type: str = "kfac"
   # The layer-tag to block-constructor map (empty: the library's defaults).
   block_ctors: Mapping = dataclasses.field(default_factory=dict)
+  # The estimator's other arguments from the settings (how it refreshes,
+  # its empirical Fisher's scale), for a copy of it built elsewhere.
+  estimator_options: Mapping = dataclasses.field(default_factory=dict)
   # A curvature with a smaller state, for the message that refuses this one.
   smaller: str = "curvature=diagonal"
   is_block_diagonal = True

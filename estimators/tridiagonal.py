@@ -349,7 +349,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
           self._chain_states(state, chain),
           sum(self.blocks[j].dim for j in chain)))
     axis = pmap_axis_name if self.distributed_multiplies else None
-    results = iter(self._refresh(fns, args, costs, axis))
+    results = iter(distributed.map_blocks(fns, args, costs, axis))
     out = list(vectors)
     for j in single:
       out[j] = next(results)

@@ -93,23 +93,25 @@ class BlockDiagonal(CurvatureSettings):
             "takes no Newton steps"}
 
   def estimator_options(self) -> dict:
-    """The block-diagonal estimator's arguments from these settings. The
-    harness's `fisher_empirical` estimates are the mean of per-example
-    outer products, as its `empirical_fisher` reference and the exact
-    estimators are (the library's default follows KFAC-JAX: that mean
-    divided by the batch size)."""
-    return dict(self.distribution(), fisher_empirical_normalization="batch",
+    """The block-diagonal estimator's arguments from these settings, past
+    its function, mode, blocks and `distribution`. The harness's
+    `fisher_empirical` estimates are the mean of per-example outer
+    products, as its `empirical_fisher` reference and the exact estimators
+    are (the library's default follows KFAC-JAX: that mean divided by the
+    batch size)."""
+    return dict(fisher_empirical_normalization="batch",
                 matrix_power_method=self.matrix_power_method,
                 newton_max_iterations=self.newton_max_iterations)
 
   def make(self, loss_fn):
+    options = self.estimator_options()
     estimator = estimators.BlockDiagonalCurvature(
         loss_fn, default_estimation_mode=self.mode,
         layer_tag_to_block_ctor=dict(self.blocks) or None,
-        **self.estimator_options())
+        **self.distribution(), **options)
     return curvatures.BlockDiagonal(
         mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
-        estimator=estimator, block_type=self.name,
+        estimator=estimator, estimator_options=options, block_type=self.name,
         block_ctors=dict(self.blocks), smaller=self.smaller, **self.common())
 
 

@@ -44,10 +44,11 @@ class KFACTridiagonal(BlockDiagonal):
                        "curvature=diagonal")
 
   def make(self, loss_fn):
+    options = self.estimator_options()
     estimator = kfac.BlockTridiagonalCurvature(
-        loss_fn, default_estimation_mode=self.mode,
-        **self.estimator_options())
+        loss_fn, default_estimation_mode=self.mode, **self.distribution(),
+        **options)
     return BlockTridiagonal(
         mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
-        estimator=estimator, block_type=self.name, smaller=self.smaller,
-        **self.common())
+        estimator=estimator, estimator_options=options, block_type=self.name,
+        smaller=self.smaller, **self.common())

@@ -37,6 +37,7 @@ EMPIRICAL_FISHER_SCALE = (
     "per-example gradient outer products: B (the batch size) times what "
     "KFAC-JAX's block-diagonal estimator, or ours at its default, holds")
 
+
 @MEASUREMENTS.register
 @dataclasses.dataclass
 class Spectra(Measurement):
@@ -221,7 +222,7 @@ class Spectra(Measurement):
            "(role: the sub-matrices over every layer of that type)", "role",
            "role")):
         part = q[q.level == level].rename(columns={"block": block})
-        if (part.get("reference") == "empirical_fisher").any():
+        if (part.reference == "empirical_fisher").any():
           title += EMPIRICAL_FISHER_SCALE
         if not part.empty:
           out.append((name, f"{title}: median over runs, quartiles, n "

@@ -236,16 +236,11 @@ class KFACTrainer:
     # Per input, the last (value given, its per-device layout): a step's own
     # parameters, or timing's fixed batch, are not converted again.
     self._last = {}
-    estimator = curvature.estimator
     self.opt = kfac.Optimizer(
         jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
         layer_tag_to_block_ctor=curvature.block_ctors or None,
-        estimator_ctor=functools.partial(
-            type(estimator),
-            matrix_power_method=estimator.matrix_power_method,
-            newton_max_iterations=estimator.newton_max_iterations,
-            fisher_empirical_normalization=(
-                estimator.fisher_empirical_normalization)),
+        estimator_ctor=functools.partial(type(curvature.estimator),
+                                         **curvature.estimator_options),
         **kwargs)
 
   def _per_device(self, name, tree, convert):

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from estimators.utils.pytree import is_tracer
+
 DEFAULT_MAX_ITERATIONS = 100
 
 
@@ -170,7 +172,7 @@ def _step(state, p):
 def _check(converged, shape, max_iterations) -> None:
   """Raises for a concrete non-converged result (nothing to do under jit,
   where the root is NaN instead)."""
-  if isinstance(converged, jax.core.Tracer):
+  if is_tracer(converged):
     return
   if not bool(np.all(converged)):
     raise ValueError(
