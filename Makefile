@@ -7,16 +7,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test browser bench bench-accelerator bench-against cuda clean-venv
 
+# Quiet (-qq): errors only; a machine's pip configuration may name package
+# folders it lacks, which pip would otherwise report on every install.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
-	touch $(STAMP)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (the pinned dependency set, a few minutes)"
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -c constraints.txt -e ".[test]"
+	@touch $(STAMP)
 
 # The default benchmark: spectra, timing and training on the three small
 # problems, then the merged report (reports/quick/report/report.md + figures).
 run: $(STAMP)
-	$(VENV)/bin/curvbench
+	@$(VENV)/bin/curvbench
 
 # Tests check values, not speed: XLA's CPU code generation at its lowest
 # optimisation level compiles about a fifth faster (runs and benchmarks keep
@@ -39,7 +42,7 @@ browser:
 
 # The CUDA build of jax for NVIDIA GPUs (then run with device=gpu, or auto).
 cuda: $(STAMP)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,cuda]"
+	$(PY) -m pip install -qq -c constraints.txt -e ".[test,cuda]"
 	$(PY) -c "import jax; print('jax sees', jax.devices())"
 
 # The benchmark of record (`python -m curvbench.bench run`): K-FAC / Adam on

@@ -209,8 +209,11 @@ class Parsed(Check):
 @dataclasses.dataclass(frozen=True)
 class Choice(Check):
   """The settings of one component of a `registry` (see
-  `components.Registry`), chosen by their `name`."""
+  `components.Registry`), chosen by their `name`; a field left null takes
+  the `default` component's settings (`Settings.completed`), and in Hydra
+  a config group of its own chooses it (`curvbench.config.store`)."""
   registry: Any
+  default: str | None = None
 
   def _accepts(self, value) -> bool:
     return next(self.complaints("", value), None) is None
@@ -291,8 +294,15 @@ class Settings:
   @classmethod
   def completed(cls, values: Mapping) -> Mapping:
     """`values` with what a missing key means filled in, where that is more
-    than the field's default (e.g. a problem's own dataset)."""
-    return values
+    than the field's default: a `Choice` with a default component left
+    null takes that component's settings (subclasses add their own, e.g.
+    a problem's own dataset)."""
+    filled = {f.name: dataclasses.asdict(check.registry.defaults(
+                  check.default))
+              for f in dataclasses.fields(cls)
+              if isinstance(check := f.metadata.get("check"), Choice)
+              and check.default is not None and values.get(f.name) is None}
+    return {**values, **filled} if filled else values
 
   @classmethod
   def what(cls) -> str:

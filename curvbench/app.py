@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 import jax
@@ -19,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from curvbench import config, report, runs
+from curvbench import config, records, report, runs
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
 
 # Hydra's options that take a value, and those after which the command does
@@ -87,10 +88,18 @@ def _hydra_main():
     out_dir = HydraConfig.get().runtime.output_dir
     try:
       return runs.run(cfg, out_dir)
-    except (ValueError, OSError, MemoryError, FloatingPointError) as e:
-      # One line; the traceback is the run's ERROR.json, where it could be
-      # written.
-      raise SystemExit(f"curvbench: {out_dir}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - one line, or re-raised
+      # One line: the traceback is the run's ERROR.json, where it could be
+      # written. An error of another kind (a library's own, e.g.
+      # safetensors' on a full disk) is named with its kind and where its
+      # traceback is; where none was written, Hydra prints the traceback.
+      if isinstance(e, (ValueError, OSError, MemoryError, FloatingPointError)):
+        raise SystemExit(f"curvbench: {out_dir}: {e}") from None
+      error = Path(out_dir) / records.ERROR
+      if error.is_file():
+        raise SystemExit(f"curvbench: {out_dir}: {type(e).__name__}: {e} "
+                         f"(its traceback is in {error})") from None
+      raise
 
   return main()
 

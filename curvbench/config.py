@@ -258,6 +258,9 @@ def options(group: str) -> list[str]:
   """The choices of a config group (e.g. 'problem'): its registered
   components and its presets in conf/."""
   names = [n for r in REGISTRIES if r.group == group for n in r.names()]
+  nested = measure_groups().get(group.removeprefix("measure/"))
+  if group.startswith("measure/") and nested is not None:
+    names += nested.registry.names()
   names += [p.stem for p in (CONF_DIR / group).glob("*.yaml")]
   return sorted(set(names))
 
@@ -278,10 +281,29 @@ def store() -> None:
     for name in registry:
       cs.store(group=registry.group, name=name, node=registry.defaults(name),
                provider="curvbench")
+  nested = measure_groups()
+  for group, choice in nested.items():
+    for name in choice.registry:
+      cs.store(group=f"measure/{group}", name=name,
+               node=choice.registry.defaults(name), provider="curvbench")
   section = measurements.schema()
   for name in measurements.MEASUREMENTS:
-    cs.store(group="measure", name=name, node=section(kind=name),
-             provider="curvbench")
+    node = OmegaConf.structured(section(kind=name))
+    with open_dict(node):
+      node.defaults = ["_self_", *({group: choice.default}
+                                   for group, choice in nested.items())]
+    cs.store(group="measure", name=name, node=node, provider="curvbench")
+
+
+def measure_groups() -> dict[str, Choice]:
+  """The config groups inside the `measure` section: each measurement's
+  `Choice` settings with a default component (e.g. `timing/baseline`,
+  chosen by `measure/timing/baseline=NAME`), by group path."""
+  return {f"{name}/{f.name}": f.metadata["check"]
+          for name in measurements.MEASUREMENTS
+          for f in dataclasses.fields(measurements.MEASUREMENTS.get(name))
+          if isinstance(f.metadata.get("check"), Choice)
+          and f.metadata["check"].default is not None}
 
 
 # --- checking a config --------------------------------------------------------
@@ -313,11 +335,23 @@ def refusals(cfg) -> Iterator[str]:
   # A group's settings renamed (optimizer=adam optimizer.name=sgd): checked
   # as the settings they are, which says how to choose another one.
   if isinstance(cfg, DictConfig):
-    for group, registry in _groups().items():
+    for group in _groups():
       chosen = OmegaConf.get_type(cfg, group) if group in cfg else None
       if (isinstance(chosen, type) and issubclass(chosen, Component)
           and values[group].get("name") not in chosen.registered_names):
         yield from chosen.refusals(values[group], group)
+        return
+    for path in measure_groups():
+      key = "measure." + path.replace("/", ".")
+      node = OmegaConf.select(cfg, key)
+      chosen = OmegaConf.get_type(node) if isinstance(node, DictConfig) \
+          else None
+      name = node.get("name") if isinstance(node, DictConfig) else None
+      if (isinstance(chosen, type) and issubclass(chosen, Component)
+          and name not in chosen.registered_names):
+        yield (f"{key}.name={name!r} is not allowed: these are the settings "
+               f"of {chosen.what()}; choose another by its config group "
+               f"(measure/{path}={name}), not by {key}.name.")
         return
   yield from RunSettings.refusals(values)
 

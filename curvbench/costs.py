@@ -5,7 +5,7 @@ so compile time is recorded apart from run time. Memory is XLA's own figure
 for the compiled program (arguments + outputs + temporaries, which holds on
 every backend), and the device's peak where the runtime reports one (GPU,
 TPU; not the CPU). `memory_columns` gives these figures for any compiled
-programs; `curvbench.timing` records them too.
+programs; the timing measurement records them too.
 """
 
 from __future__ import annotations
@@ -84,15 +84,28 @@ class Costs:
   """Collects one row per phase: `phase`, `compile_s`, `run_s`, the
   `memory_columns`, plus the constant `columns`.
 
-  A function called again with arguments of the same shapes reuses its
-  compiled program (`compile_s` 0): keep the function object to benefit.
+  A phase called again with arguments of the same shapes reuses its
+  compiled program (`compile_s` 0): programs are kept by phase name, code
+  and argument shapes in `programs`, which several `Costs` may share (a
+  measurement's steps and samples), so a phase compiles once per run.
+  A phase's name must therefore say what differs between its programs
+  (the matrix, the block), as the names the measurements give do.
+
+  `log` (e.g. `print`) gets a line for each phase slower than `SLOW_S`
+  and, from `summary`, one for everything recorded.
   """
 
-  def __init__(self, log: Callable[[str], None] | None = None, **columns):
+  SLOW_S = 5.0
+
+  def __init__(self, log: Callable[[str], None] | None = None,
+               programs: dict | None = None, **columns):
     self.columns = columns
     self.rows: list[dict] = []
-    self.log = log  # called with a line per phase, e.g. `print`
-    self._compiled = {}
+    self.log = log
+    self.programs = {} if programs is None else programs
+
+  def _where(self) -> str:
+    return ", ".join(f"{k}={v}" for k, v in self.columns.items())
 
   def record(self, phase: str, run_s: float) -> None:
     """A row for work done outside `call` (no program, no memory figure)."""
@@ -103,21 +116,33 @@ class Costs:
 
   def call(self, phase: str, fn: Callable, *args):
     """`jax.jit(fn)(*args)`, timed; `args` are arrays or pytrees of them."""
-    key = (fn, _signature(args))
+    key = (phase, getattr(fn, "__code__", fn), _signature(args))
     start = time.perf_counter()
-    if key not in self._compiled:
-      self._compiled[key] = jax.jit(fn).lower(*args).compile()
-    compiled = self._compiled[key]
+    if key not in self.programs:
+      self.programs[key] = jax.jit(fn).lower(*args).compile()
+    compiled = self.programs[key]
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     run_s = time.perf_counter() - start
     memory = memory_columns(compiled)
-    program = memory["program_bytes"]
     self.rows.append(dict(self.columns, phase=phase, compile_s=compile_s,
                           run_s=run_s, **memory))
-    if self.log:
-      where = ", ".join(f"{k}={v}" for k, v in self.columns.items())
-      self.log(f"[curvbench] {where}: {phase}: {run_s:.1f} s (compile "
-               f"{compile_s:.1f} s, {program / 2 ** 30:.2f} GiB)")
+    if self.log and compile_s + run_s >= self.SLOW_S:
+      self.log(f"[curvbench] {self._where()}: {phase}: {run_s:.1f} s "
+               f"(compile {compile_s:.1f} s, "
+               f"{memory['program_bytes'] / 2 ** 30:.2f} GiB)")
     return out
+
+  def summary(self, rows: list[dict] | None = None) -> None:
+    """Logs one line for `rows` (default: the phases recorded here)."""
+    rows = self.rows if rows is None else rows
+    if not self.log or not rows:
+      return
+    run = sum(r["run_s"] for r in rows)
+    compile_ = sum(r["compile_s"] for r in rows)
+    largest = max((r["program_bytes"] for r in rows
+                   if not math.isnan(r["program_bytes"])), default=math.nan)
+    self.log(f"[curvbench] {self._where()}: {len(rows)} phases, "
+             f"{run:.1f} s (compile {compile_:.1f} s), largest program "
+             f"{largest / 2 ** 30:.2f} GiB")

@@ -204,7 +204,7 @@ def parse_scope(scope: str) -> tuple[str, int | None]:
 
 def select(problem, scope: str, batch_size: int | None = None,
            chunk_size: int | None = None, dtype=np.float32,
-           seed: int | None = None) -> Data:
+           seed: int | None = None, sample: int = 0) -> Data:
   """The examples of `scope` from `problem`, on the device.
 
   Args:
@@ -214,10 +214,13 @@ def select(problem, scope: str, batch_size: int | None = None,
     chunk_size: examples per chunk for 'train' (None: the batch size).
     dtype: the inputs' dtype.
     seed: the batch order of 'batch' and 'batches:N' (None: the problem's).
+    sample: which of consecutive draws of 'batch' or 'batches:N' (0: the
+      first batches of the order, 1: the ones after them, ...); 'train' has
+      one.
 
   Returns:
-    A `Data`. Batches are the first of the problem's seeded order, so
-    'batch' is `problem.fixed_batch`; 'train' keeps the split's order.
+    A `Data`. Batches are taken in the problem's seeded order, so 'batch'
+    with sample 0 is `problem.fixed_batch`; 'train' keeps the split's order.
   """
   kind, count = parse_scope(scope)
   if kind == "train":
@@ -241,5 +244,7 @@ def select(problem, scope: str, batch_size: int | None = None,
         f"more than the {len(problem.data.x_train)} training examples; use "
         "'train' for the whole split.")
   batches = problem.batches(batch_size=size, seed=seed, dtype=dtype)
+  for _ in range(sample * (count or 1)):
+    next(batches)
   chosen = [next(batches) for _ in range(count or 1)]
   return Data(jax.tree.map(lambda *b: jnp.stack(b), *chosen))

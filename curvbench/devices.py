@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 
@@ -26,6 +27,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+# JAX notes at INFO that it found no TPU whenever it looks for backends,
+# which Hydra's logging prints on every command; its warnings still show.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 AXIS = "data"  # the mesh axis batches are split along

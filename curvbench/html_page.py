@@ -1,5 +1,7 @@
 """A self-contained HTML page of headings, text, tables and figures, from
-the template `templates/page.html` (jinja2, every text escaped).
+the template `templates/page.html` (jinja2, every text escaped); a
+`Details` block holds others behind a line that opens it (collapsed until
+clicked).
 
 The page is one file with nothing outside it: figures are inlined as base64
 PNG data URIs, style and script are inline, and a Content-Security-Policy
@@ -81,7 +83,23 @@ class Figure:
   caption: str = ""
 
 
-Block = Heading | Paragraph | Bullets | Table | Figure
+@dataclasses.dataclass(frozen=True, eq=False)
+class Details:
+  """Blocks collapsed behind `summary`, shown when it is clicked."""
+  summary: str
+  blocks: tuple
+
+  def __post_init__(self):
+    inner = tuple(self.blocks)
+    bad = [b for b in inner if isinstance(b, (Heading, Details))
+           or not isinstance(b, (Paragraph, Bullets, Table, Figure))]
+    if bad:
+      raise ValueError(f"Details holds paragraphs, bullets, tables and "
+                       f"figures, got a {type(bad[0]).__name__}")
+    object.__setattr__(self, "blocks", inner)
+
+
+Block = Heading | Paragraph | Bullets | Table | Figure | Details
 
 
 def write(path: str | Path, title: str, blocks: list[Block]) -> Path:
@@ -129,8 +147,12 @@ def _block(block, anchor) -> dict:
     return _table(block)
   if isinstance(block, Figure):
     return _figure(block)
+  if isinstance(block, Details):
+    return dict(kind="details", summary=block.summary,
+                blocks=[_block(inner, None) for inner in block.blocks])
   raise ValueError(f"cannot put a {type(block).__name__} on the page: blocks "
-                   f"must be Heading, Paragraph, Bullets, Table or Figure")
+                   f"must be Heading, Paragraph, Bullets, Table, Figure or "
+                   f"Details")
 
 
 def _figure(figure: Figure) -> dict:

@@ -66,7 +66,7 @@ def inputs(cfg) -> dict:
   if isinstance(section, DictConfig):
     section = OmegaConf.to_container(section, resolve=True)
   return dict(code=code_version()["code"],
-              data=problems.DATASETS.load(section).fingerprint())
+              dataset=problems.DATASETS.load(section).fingerprint())
 
 
 def run_id(cfg) -> str:

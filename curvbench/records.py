@@ -12,6 +12,13 @@ every other file the run wrote: a run directory without it is unfinished
 and gets redone, one with it is skipped by a rerun of its sweep unless a
 file is missing or changed (`RunDir.damage`). A lock per run directory
 (`RunDir.lock`) keeps two processes from running it at once.
+
+A run that fails records why in `ERROR.json`, even when it failed because
+the disk filled: it sets space aside for that record when it starts
+(`RunDir.reserve`), and writes into that space where no new file can be
+written (`RunDir.write_error`). A folder that cannot be written at all
+(read-only, not permitted, full) is refused before a run or sweep starts
+(`check_writable`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ MARKER = "DONE.json"
 LOCK = ".lock"
 OWNED = ".curvbench"  # the files the harness wrote in a run directory
 SWEEP_MARKER = ".curvbench-sweep"  # a sweep folder is curvbench's
+ERROR = "ERROR.json"  # why a run failed (its traceback and identity)
+RESERVE = ".ERROR.json.reserve"  # space kept for it while the run runs
+RESERVE_BYTES = 32 * 1024  # the end of a traceback, where it names the error
 # Files of runs written before `OWNED` existed, which the harness took as its
 # own when it found them beside a completion marker.
 LEGACY = ("DONE.json", "ERROR.json", "metadata.json", "environment.json",
@@ -50,6 +60,11 @@ class DamagedRun(ValueError):
 
 class ForeignFolder(ValueError):
   """A folder holding files the harness did not write, named as a run's."""
+
+
+class UnwritableFolder(ValueError):
+  """A folder the harness cannot write into: read-only, not permitted, or
+  on a full disk."""
 
 
 class RunLocked(RuntimeError):
@@ -81,6 +96,34 @@ def atomic_write(path: Path, write) -> Path:
   finally:
     tmp.unlink(missing_ok=True)
   return path
+
+
+def check_writable(folder, fix: str) -> None:
+  """Raises `UnwritableFolder` where `folder`, or the folder it would be
+  created in, cannot be written: on a read-only file system, without
+  permission, or on a full disk; the message names `folder`, why, and
+  `fix` (what to do, e.g. "choose another folder with hydra.sweep.dir=...").
+  Asks the system without writing anything, so it can run before any
+  folder is made."""
+  absolute = Path(os.path.abspath(folder))
+  # The nearest folder that exists (os.path.exists, unlike Path.exists,
+  # answers False where a parent may not be searched).
+  existing = next(p for p in (absolute, *absolute.parents)
+                  if os.path.exists(p))
+  if not existing.is_dir():
+    code = errno.ENOTDIR
+  else:
+    disk = os.statvfs(existing)
+    free = disk.f_bfree if os.geteuid() == 0 else disk.f_bavail
+    code = (errno.EROFS if disk.f_flag & os.ST_RDONLY else
+            errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else
+            # f_blocks 0: a file system that does not count its blocks
+            errno.ENOSPC if disk.f_blocks and not free else None)
+  if code == errno.ENOSPC:
+    fix = f"free some space there, or {fix}"
+  if code is not None:
+    raise UnwritableFolder(
+        f"cannot write to {folder} ({os.strerror(code)}): {fix}")
 
 
 def tidy(rows, **columns) -> pd.DataFrame:
@@ -124,7 +167,7 @@ class RunDir:
     try:
       listed = json.loads((self.path / OWNED).read_text())
     except FileNotFoundError:
-      if not any((self.path / n).exists() for n in (MARKER, "ERROR.json")):
+      if not any((self.path / n).exists() for n in (MARKER, ERROR)):
         return []
       return sorted({str(p.relative_to(self.path)) for pattern in LEGACY
                      for p in self.path.glob(pattern)})
@@ -178,6 +221,61 @@ class RunDir:
   def write_text(self, name: str, text: str) -> Path:
     return atomic_write(self.own(name), lambda tmp: Path(tmp).write_text(text))
 
+  def reserve(self, size: int = RESERVE_BYTES) -> Path:
+    """Sets `size` bytes aside here for the run's error record, while there
+    is still space (`write_error` uses them once the disk has filled);
+    `mark_done` removes them. Both the reserve and `ERROR.json` are
+    recorded as the harness's now: recording them later needs space."""
+    self.own(ERROR)
+    note = (b'{"reserved": "space curvbench keeps for this run\'s error '
+            b'record, in case the disk fills"}')
+    return atomic_write(self.own(RESERVE), lambda tmp: Path(tmp).write_bytes(
+        note.ljust(size)))  # real bytes: a sparse file would hold no blocks
+
+  def write_error(self, record: dict) -> Path | None:
+    """Writes `record` (the traceback, the run's identity) as `ERROR.json`;
+    returns where it went, None where nowhere.
+
+    Where the file cannot be written (a full disk), the record goes into
+    the run's reserve in place, the start of its traceback cut to fit, and
+    the reserve is renamed `ERROR.json`: overwriting bytes a file already
+    has needs no new blocks (on file systems that write in place: ext4,
+    xfs, tmpfs). Where even that fails, the reserve is emptied, which
+    frees space rather than needing it, and an empty reserve is what tells
+    the report that the run failed when its disk filled.
+    """
+    reserve = self.path / RESERVE
+    try:
+      written = self.write_json(ERROR, record)
+    except OSError:
+      pass
+    else:
+      reserve.unlink(missing_ok=True)  # the record is whole without it
+      return written
+    try:
+      fd = os.open(reserve, os.O_WRONLY)
+    except OSError:
+      return None  # it failed before it made its reserve
+    try:
+      size = os.fstat(fd).st_size
+      data = _fitted(record, size)
+      padded = data.ljust(size)  # over every byte of the note it was made with
+      if os.pwrite(fd, padded, 0) != len(padded):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+      with contextlib.suppress(OSError):  # the padding: shrinking is free
+        os.ftruncate(fd, len(data))
+    except OSError:
+      with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+      return None
+    finally:
+      os.close(fd)
+    try:
+      os.replace(reserve, self.path / ERROR)
+    except OSError:
+      return reserve  # whole, and read there by the report
+    return self.path / ERROR
+
   def clear(self) -> None:
     """Removes the files the harness wrote here (tables, markers, config,
     checkpoints) before the directory is used again; nothing else."""
@@ -196,10 +294,12 @@ class RunDir:
     """Writes the completion marker, listing the tables and the sha256 of
     every file written so far; call it after every other file."""
     files = {n: file_sha256(self.path / n) for n in self.written()
-             if n != MARKER and (self.path / n).is_file()}
-    return self.write_json(MARKER, dict(status=status, finished=time.time(),
-                                        tables=self.table_names(),
-                                        files=files, **info))
+             if n not in (MARKER, RESERVE) and (self.path / n).is_file()}
+    marker = self.write_json(MARKER, dict(status=status, finished=time.time(),
+                                          tables=self.table_names(),
+                                          files=files, **info))
+    (self.path / RESERVE).unlink(missing_ok=True)  # no error to record now
+    return marker
 
   def marker(self) -> dict | None:
     """The completion marker, None when there is none; `DamagedRun` when it
@@ -235,9 +335,10 @@ class RunDir:
     if missing:
       return (f"tables {', '.join(missing)} listed in {MARKER} are missing")
     digests = marker.get("files")
-    if digests is None:  # a marker from before checksums
+    if digests is None:  # a marker from before checksums, or none yet
       return next(filter(None, map(_unreadable_record, sorted(
-          self.path / n for n in self.written() if n != MARKER))), None)
+          self.path / n for n in self.written()
+          if n not in (MARKER, ERROR, RESERVE)))), None)  # not records
     for name, digest in digests.items():
       path = self.path / name
       if not path.is_file():
@@ -355,6 +456,20 @@ def _held(path: Path) -> bool | None:
   wanted = f"{device}:{stat_.st_ino}"
   return any(len(fields) > 5 and fields[5] == wanted
              for fields in map(str.split, listed.splitlines()))
+
+
+def _fitted(record: dict, size: int) -> bytes:
+  """`record` as JSON in at most `size` bytes, the start of its traceback
+  cut where the whole would not fit (its end names the error); longer only
+  where its other fields alone are."""
+  trace, cut = str(record.get("traceback", "")), 0
+  while True:
+    shown = "[...]" + trace[cut:] if cut else trace
+    data = json.dumps(dict(record, traceback=shown), indent=2,
+                      sort_keys=True, default=str).encode()
+    if len(data) <= size or cut >= len(trace):
+      return data
+    cut += len(data) - size + len("[...]")
 
 
 def _unreadable_record(path: Path) -> str | None:

@@ -13,6 +13,12 @@ other parameters and never share; runs that reach identical parameters do,
 whatever else their configs say. Entries are written atomically (a
 temporary file, then a rename) and checked against their key when read, so
 runs launched in parallel at worst compute an entry twice.
+
+A dense reference of a few thousand parameters is a hundred MB or more,
+and a sweep measures many points, so the store keeps the most recent
+`KEEP_BYTES` only: the runs that share an entry come one after another
+when a sweep varies the curvature fastest (seeds swept before it), and an
+entry gone is computed again, never read wrong.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from curvbench import provenance, records
 
 MARKER = ".curvbench-references"  # the store folder is curvbench's
 FOLDER = ".references"
+KEEP_BYTES = 2 * 2 ** 30
 
 
 def content_hash(*trees) -> str:
@@ -79,7 +86,26 @@ class ReferenceStore:
     arrays = compute()
     records.claim(self.folder, MARKER, "a reference store")
     records.atomic_write(path, lambda tmp: _save(tmp, text, arrays))
+    self.prune(keep=path)
     return arrays, False
+
+  def prune(self, keep: Path | None = None) -> None:
+    """Removes the oldest entries until the store holds at most
+    `KEEP_BYTES` (`keep`, the entry just written, stays)."""
+    entries = []
+    for path in self.folder.glob("*.npz"):
+      try:
+        found = path.stat()
+      except FileNotFoundError:  # removed by another run meanwhile
+        continue
+      entries.append((found.st_mtime, found.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries, key=lambda e: e[0]):
+      if total <= KEEP_BYTES:
+        break
+      if path != keep:
+        path.unlink(missing_ok=True)
+        total -= size
 
   @staticmethod
   def _read(path: Path, text: str) -> dict[str, np.ndarray] | None:

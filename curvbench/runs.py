@@ -91,8 +91,8 @@ def quiet_logging(names=("estimators.graph_matcher", "jax")):
 
 def measure(cfg, run_dir) -> dict:
   """Runs the configured measurement and writes its records into `run_dir`;
-  returns the run's outcome for its completion marker (status 'complete',
-  or 'diverged' with the step).
+  returns the fields of its completion marker (`Outcome.marker`: status
+  'complete', or 'diverged' with the step and the reason).
 
   64-bit precision and quiet loggers hold for the measurement only.
   """
@@ -121,14 +121,10 @@ def measure(cfg, run_dir) -> dict:
     ctx = Context(problem=problem, curvature=curvature, params=params,
                   batch=batch, run=run, rng=jax.random.fold_in(rng, 1),
                   run_dir=run_dir, mesh=devices.mesh(run.device, run.devices))
-    tables = measurement.measure(ctx)
-    for name, rows in tables.items():
+    outcome = measurement.measure(ctx)
+    for name, rows in outcome.tables.items():
       run_dir.write_table(name, records.tidy(rows, **ident))
-  training_rows = tables.get("training", [])
-  if training_rows and training_rows[-1]["diverged"]:
-    return dict(status="diverged", step=training_rows[-1]["step"],
-                reason=f"non-finite loss at step {training_rows[-1]['step']}")
-  return dict(status="complete")
+  return outcome.marker
 
 
 def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
@@ -138,7 +134,7 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)
-  for key, what in (("code", "code"), ("data", "data")):
+  for key, what in (("code", "code"), ("dataset", "data")):
     if marker.get(key) != now[key]:
       return (f"it was measured with {what} {marker.get(key)}, this is "
               f"{now[key]}")
@@ -166,9 +162,12 @@ def identity(cfg) -> dict:
 
 
 def start(run_dir: records.RunDir, cfg, ident: dict) -> None:
-  """Clears `run_dir` and writes the run's config (`config.yaml` and the
-  `config` table, under the run's id)."""
+  """Clears `run_dir`, sets space aside for the run's error record (so a
+  full disk cannot erase why the run failed: `records.RunDir.reserve`) and
+  writes the run's config (`config.yaml` and the `config` table, under the
+  run's id)."""
   run_dir.clear()
+  run_dir.reserve()
   run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
   run_dir.write_table("config", pd.DataFrame(
       [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
@@ -204,10 +203,13 @@ def _mark_skipped(run_dir: records.RunDir, cfg, reason: str) -> None:
 def refuse(cfg, out_dir) -> None:
   """Raises a `ValueError` where `cfg` may not run into `out_dir`: a
   setting the config refuses (`config.ConfigError`), a folder holding files
-  the harness did not write (`records.ForeignFolder`), or a file the run
-  reads inside the folder it would clear."""
+  the harness did not write (`records.ForeignFolder`) or one it cannot
+  write into (`records.UnwritableFolder`), or a file the run reads inside
+  the folder it would clear."""
   run = config.load(cfg)
   records.RunDir(out_dir).check_ours()
+  records.check_writable(out_dir, "choose another folder (hydra.run.dir=..., "
+                         "or hydra.sweep.dir=... for a sweep)")
   folder = Path(out_dir).resolve()
   for key, path in run.measure.chosen.inputs(run).items():
     if Path(path).expanduser().resolve().is_relative_to(folder):
@@ -260,15 +262,13 @@ def _run_locked(cfg, run_dir: records.RunDir) -> str:
   try:
     start(run_dir, cfg, ident)
     outcome = measure(cfg, run_dir)
+    (run_dir.path / records.ERROR).unlink(missing_ok=True)
+    run_dir.mark_done(**outcome, **ident)  # a full disk may fail it too
   except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to
-    try:
-      run_dir.write_json("ERROR.json", dict(traceback=traceback.format_exc(),
-                                            **ident))
-    except OSError:  # a full or read-only disk: the error itself says so
-      pass
+    # Into the space reserved at the start where the disk has filled;
+    # nowhere on a read-only disk, where the error itself says so.
+    run_dir.write_error(dict(traceback=traceback.format_exc(), **ident))
     if not cfg.continue_on_error:
       raise
     return "error"
-  (run_dir.path / "ERROR.json").unlink(missing_ok=True)
-  run_dir.mark_done(**outcome, **ident)
   return outcome["status"]

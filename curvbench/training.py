@@ -135,12 +135,22 @@ def evaluator(problem, cfg, dtype) -> Callable:
   return evaluate
 
 
+def time_grid(cfg) -> list[float]:
+  """The seconds of training at which a run with a time budget is
+  evaluated besides its steps: `cfg.time_grid` points evenly spaced up to
+  `cfg.budget_s` (none without a budget)."""
+  if cfg.budget_s is None or not cfg.time_grid:
+    return []
+  return [cfg.budget_s * k / cfg.time_grid
+          for k in range(1, cfg.time_grid + 1)]
+
+
 def run(problem, optimizer, params, cfg, rng, data_seed: int,
         progress: bool = True, at_steps=(), on_step: Callable | None = None,
         mesh: Mesh | None = None) -> list[dict]:
   """Trains for `cfg.num_steps` steps, or until `cfg.budget_s` seconds of
   training are spent (`cfg`: the training measurement's settings); one row
-  per logged step.
+  per logged step, and one per point of the time grid.
 
   Row `step` s describes the parameters after s updates (0: the
   initialisation): `batch_loss` is the loss of the minibatch of update s
@@ -148,10 +158,19 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   loss and error on fixed training and test examples (`evaluator`).
   `wall_s` is steady-state training time: every program of the step is
   compiled first (`compile_steps`, whose seconds are the `compile_s`
-  column), and evaluations run with the clock stopped. A non-finite loss
-  ends the run; its last row has `diverged` true. `on_step(step, params,
-  model_state)` is called, off the clock, after each of `at_steps` steps.
-  With a `mesh` (the optimizer's), every batch is split over its devices.
+  column), and evaluations run with the clock stopped.
+
+  With a time budget, the run is also evaluated on a grid of seconds
+  (`time_grid`): the row of grid point t (`time_point_s` t, NaN on other
+  rows) evaluates the parameters the run held at t seconds, those of the
+  last step finished by then, so every method is compared at the same
+  seconds whatever its step time. Each step then waits for its result, so
+  that the clock is read when the step is done.
+
+  A non-finite loss ends the run; its last row has `diverged` true.
+  `on_step(step, params, model_state)` is called, off the clock, after
+  each of `at_steps` steps. With a `mesh` (the optimizer's), every batch
+  is split over its devices.
 
   A model with state (batch norm) has it moved on after every step by
   `Problem.next_model_state` at the step's starting parameters and batch,
@@ -165,6 +184,7 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   num_steps, log_every, eval_every = (cfg.num_steps, cfg.log_every,
                                       cfg.eval_every)
   budget = cfg.budget_s
+  grid = time_grid(cfg)
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
   batches = problem.batches(seed=data_seed, dtype=dtype)
@@ -186,16 +206,19 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   if 0 in at_steps:
     on_step(0, params, model_state)
 
-  def row(step, params, wall_s, batch_loss, evaluated):
-    scores = evaluate(params, model_state) if evaluated else {}
+  def row(step, params, model_state, wall_s, batch_loss, scores,
+          time_point_s=np.nan):
     checked = [v for v in (batch_loss, scores.get("train_loss"))
                if v is not None]
     return dict(step=step, wall_s=wall_s, compile_s=compile_s,
-                batch_loss=batch_loss, **scores,
+                batch_loss=batch_loss, **scores, time_point_s=time_point_s,
                 diverged=not np.all(np.isfinite(checked)))
 
-  rows = [row(0, params, 0.0, None, True)]
-  elapsed, batch = 0.0, first
+  start_scores = evaluate(params, model_state)
+  rows = [row(0, params, model_state, 0.0, None, start_scores,
+              0.0 if grid else np.nan)]
+  held = (0, params, model_state, 0.0, start_scores)  # the last step done
+  elapsed, batch, next_point = 0.0, first, 0
   for step in tqdm(range(1, num_steps + 1), desc="training",
                    disable=not progress, leave=False):
     start = time.perf_counter()
@@ -203,12 +226,27 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
     if problem.has_state:
       model_state = advance(params, model_state, batch[0])
     params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
-    if step % log_every == 0 or step == num_steps:
+    logged = step % log_every == 0 or step == num_steps
+    if logged or budget is not None:
       loss = float(loss)  # waits for the step
-      elapsed += time.perf_counter() - start
-      last = step == num_steps or (budget is not None and elapsed >= budget)
-      rows.append(row(step, params, elapsed, loss,
-                      step % eval_every == 0 or last))
+    elapsed += time.perf_counter() - start
+    # Grid points this step ran past: the parameters held there are the
+    # previous step's.
+    while next_point < len(grid) and elapsed >= grid[next_point]:
+      done, kept, kept_state, wall, scores = held
+      if scores is None:
+        scores = evaluate(kept, kept_state)
+        held = (done, kept, kept_state, wall, scores)
+      rows.append(row(done, kept, kept_state, wall, None, scores,
+                      grid[next_point]))
+      next_point += 1
+    last = step == num_steps or (budget is not None and elapsed >= budget)
+    if logged or last:
+      evaluated = step % eval_every == 0 or last
+      scores = evaluate(params, model_state) if evaluated else {}
+      rows.append(row(step, params, model_state, elapsed, loss, scores))
+      held = (step, params, model_state, elapsed,
+              scores if evaluated else None)
       if last and step < num_steps:  # the time budget is spent
         missed = sorted(s for s in at_steps if s > step)
         if missed:
@@ -228,8 +266,11 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
               "learning rate or raise the damping.")
         break
     else:
-      elapsed += time.perf_counter() - start
+      held = (step, params, model_state, elapsed, None)
     if step in at_steps:
       on_step(step, params, model_state)
     batch = place(next(batches))
+  # A run that stopped before its budget holds its last parameters from
+  # then on.
+  rows += [dict(rows[-1], time_point_s=t) for t in grid[next_point:]]
   return rows

@@ -46,6 +46,7 @@ def tiny_ggn(tiny):
 
 
 TINY = (*TINY_PROBLEM, "measure.spectra.references=[ggn]",
+        "measure.spectra.samples=1",
         "measure.timing.repeats=2", "measure.timing.warmup=0",
         "measure.training.num_steps=4", "measure.training.eval_every=2",
         "measure.training.eval_size=50", "progress=false")

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pandas as pd
 import pytest
 
 import estimators
 
-from curvbench import app, checkpoints, config, records, runs, timing
+from curvbench import app, checkpoints, config, records, runs
+from curvbench.measurements.timing import clock
 from tests.conftest import SKIPPED, SWEEP, TINY
 
 
@@ -42,37 +44,53 @@ def test_runs_write_records_and_metadata(sweep):
 
 
 def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
-  """Spectra at steps 0 and 2 of an SGD run carry step, data and block; the
-  same measurement from the run's saved checkpoint gives the same numbers."""
+  """Spectra at steps 0 and 2 of an SGD run carry step, data, sample and
+  block; the same measurement from the run's saved checkpoint gives the
+  same numbers on the same sample of the data, other ones on the next."""
   root, _ = sweep
   run = records.RunDir(root / "spectra_steps")
   tables = run.tables()
   for name in ("spectra", "quality", "statistics", "heatmaps"):
     assert sorted(tables[name].step.unique()) == [0, 2], name
     assert set(tables[name].data) == {"batch"}, name
+    assert set(tables[name]["sample"]) == {0}, name  # TINY: samples=1
   assert set(tables["quality"].block) == {"all", "dense_0", "logits"}
   # num_steps=4, but training stops at the last step measured.
   assert set(tables["training"].step) == {0, 1, 2}
   assert set(tables["training"].method) == {"sgd"}
   cost = tables["cost"]
   assert {"phase", "compile_s", "run_s", "program_bytes"} <= set(cost.columns)
-  programs = cost[cost.phase != "unaccounted"]
+  # Host work (no program of its own): what lies between the phases, and
+  # K-FAC's spectrum joined from its blocks' eigendecompositions.
+  host = {"unaccounted", "eigh approx (from its blocks)"}
+  programs = cost[~cost.phase.isin(host)]
   assert (programs.run_s > 0).all() and (programs.program_bytes > 0).all()
   # Every eigendecomposition is a phase of its own.
-  assert {"eigh exact ggn", "eigh approx",
-          "eigh exact block dense_0"} <= set(cost.phase)
-  assert set(cost.phase[cost.program_bytes.isna()]) == {"unaccounted"}
+  assert {"eigh exact ggn", "eigh approx block dense_0",
+          "eigh exact ggn block dense_0"} <= set(cost.phase)
+  assert set(cost.phase[cost.program_bytes.isna()]) == host
   assert sorted(checkpoints.steps_in(run.path / "checkpoints")) == [0, 2]
 
+  # From the checkpoint, on two samples of the data: the first is the
+  # batch measured in training, the second another draw (the next batch).
   again = config.compose(*TINY, "measure.spectra.steps=[2]",
+                         "measure.spectra.samples=2",
                          f"measure.spectra.checkpoint={run.path}/checkpoints")
   assert runs.run(again, tmp_path / "again") == "complete"
-  from_checkpoint = records.RunDir(tmp_path / "again").tables()["quality"]
+  again_tables = records.RunDir(tmp_path / "again").tables()
+  from_checkpoint = again_tables["quality"]
+  assert set(from_checkpoint["sample"]) == {0, 1}
+  assert set(again_tables["heatmaps"]["sample"]) == {0}  # the first only
   in_training = tables["quality"][tables["quality"].step == 2]
-  columns = ["block", "metric", "value"]
+  columns = ["sample", "reference", "block", "metric", "relative_damping",
+             "value"]
+  first = from_checkpoint[from_checkpoint["sample"] == 0]
   pd.testing.assert_frame_equal(
-      from_checkpoint[columns].reset_index(drop=True),
+      first[columns].reset_index(drop=True),
       in_training[columns].reset_index(drop=True))
+  second = from_checkpoint[from_checkpoint["sample"] == 1]
+  assert len(second) == len(first)
+  assert not np.allclose(second.value, first.value, equal_nan=True)
 
 
 def test_bad_measurement_points_are_refused_by_name(sweep, tmp_path):
@@ -104,7 +122,7 @@ def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr(timing, "measure", interrupted)
+  monkeypatch.setattr(clock, "measure", interrupted)
   with pytest.raises(KeyboardInterrupt):
     runs.run(cfg, tmp_path / "cut")
   assert not records.RunDir(tmp_path / "cut").done

@@ -3,6 +3,7 @@ tiny normalised convnet gets the intended type; the quality of a type is
 that of the sub-matrices over all its parameters, against brute force in
 float64; the report has its table and figure."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -14,8 +15,10 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import approximations, config, curvatures, plots, report, spectra
+from curvbench import approximations, config, curvatures, plots, report
 from curvbench.measurements.spectra import Spectra
+from curvbench.measurements.spectra import compute as spectra
+from curvbench.measurements.spectra import figures
 from problems.base import loss
 
 TRANSFORMER = ("problem=transformer", "problem.width=4", "problem.layers=1",
@@ -104,10 +107,12 @@ def _brute_force(problem, params, batch):
           np.asarray(grad, np.float64))
 
 
-def _by_hand(a, e, g, damping):
+def _by_hand(a, e, g, rho):
   """The quality metrics of `a` against `e`, straight from their
-  definitions."""
+  definitions; the natural-gradient cosine with each matrix damped by `rho`
+  times its own largest eigenvalue."""
   def direction(m):
+    damping = rho * np.linalg.eigvalsh(m)[-1]
     return np.linalg.solve(m + damping * np.eye(len(m)), g)
   da, de = direction(a), direction(e)
   return dict(
@@ -119,10 +124,15 @@ def _by_hand(a, e, g, damping):
       / np.linalg.norm(np.diag(e)))
 
 
+RHO = 1e-2  # the one relative damping of the natural-gradient cosine
+
+
 def _spec(**overrides):
-  cfg = config.plain(config.compose().measure.spectra)
-  cfg.update(references=["ggn"], top_k=3, heatmap_blocks=0, damping=1e-2)
-  return dict(cfg, **overrides)
+  """The spectra settings, small, with `overrides`."""
+  cfg = config.load(config.compose()).measure.spectra
+  return dataclasses.replace(
+      cfg, **dict(dict(references=["ggn"], top_k=3, heatmap_blocks=0,
+                       relative_dampings=[RHO]), **overrides))
 
 
 def _quality(tables, level):
@@ -143,6 +153,9 @@ def test_quality_of_a_type_is_that_of_its_sub_matrices(tiny):
   approx = np.asarray(cur.to_dense(curvatures.estimate(
       cur, jax.random.PRNGKey(1), params, batch)), np.float64)
   exact, grad = _brute_force(problem, params, batch)
+  assert {r["reference"] for r in tables["quality"]} == {"ggn"}
+  assert {r["relative_damping"] for r in tables["quality"]
+          if r["metric"] == "natural_gradient_cosine"} == {RHO}
   roles, layers = _quality(tables, "role"), _quality(tables, "layer")
   assert {b for b, _ in roles} == set(ROLES[name].values())
   assert {b for b, _ in _quality(tables, "network")} == {"all"}
@@ -151,7 +164,7 @@ def test_quality_of_a_type_is_that_of_its_sub_matrices(tiny):
     mine = [n for n, r in ROLES[name].items() if r == role]
     idx = np.sort(np.concatenate([blocks[n] for n in mine]))
     expected = _by_hand(approx[np.ix_(idx, idx)], exact[np.ix_(idx, idx)],
-                        grad[idx], cfg["damping"])
+                        grad[idx], RHO)
     for metric, value in expected.items():
       assert roles[(role, metric)] == pytest.approx(value, rel=1e-7,
                                                     abs=1e-12), (role, metric)
@@ -171,6 +184,7 @@ def test_one_type_over_the_whole_network_adds_no_rows():
 # --- the report -----------------------------------------------------------
 
 METRICS = ("relative_frobenius", "natural_gradient_cosine", "trace_ratio")
+COSINE = "natural_gradient_cosine (rho=0.001)"  # as the report names it
 
 
 def _records():
@@ -183,34 +197,38 @@ def _records():
                            ("layer", "conv_0"), ("role", "mlp"),
                            ("role", "conv")):
         for i, metric in enumerate(METRICS):
-          rows.append(dict(problem="tiny", method=method, label=method,
-                           block_type=method.split("/")[0], step=0,
-                           data="batch", reference="ggn", level=level,
-                           block=block, metric=metric, run_id=f"{method}{run}",
-                           value=i + run + (level == "role")))
+          rows.append(dict(
+              problem="tiny", method=method, label=method,
+              block_type=method.split("/")[0], step=0, data="batch",
+              sample=0, seed=run, reference="ggn", level=level,
+              block=block, metric=metric,
+              relative_damping=1e-3 if metric == METRICS[1] else np.nan,
+              run_id=f"{method}{run}", value=i + run + (level == "role")))
   return pd.DataFrame(rows)
 
 
-def _sections(table):
+def _section(table, out):
   rep = report.Report(Path("."), pd.DataFrame(), pd.DataFrame(),
-                      {"quality": table}, plots.palette(table.method))
-  return rep, {name: df for name, _, df in Spectra().summaries(rep)}
+                      {"quality": table}, plots.colours(table.method))
+  found = Spectra().section(rep, out)
+  return found, {t.name: t.data for t in found.tables}
 
 
-def test_report_table_per_block_type():
-  _, sections = _sections(_records())
-  types = sections["quality_block_types"]
-  assert set(types.role) == {"mlp", "conv"}
+def test_report_table_per_block_type(tmp_path):
+  _, tables = _section(_records(), tmp_path / "new")
+  types = tables["quality_block_types"]
+  assert set(types.block) == {"mlp", "conv"}
+  assert set(types.metric) == {"relative_frobenius", COSINE, "trace_ratio"}
   assert len(types) == 2 * 2 * len(METRICS) and set(types.n) == {2}
-  row = types[(types.role == "mlp") & (types.metric == "trace_ratio")
+  row = types[(types.block == "mlp") & (types.metric == "trace_ratio")
               & (types.label == "kfac/ggn_exact")].iloc[0]
   # Metric 2 of a type row: 3 in run 0, 4 in run 1.
   assert (row["median"], row.q25, row.q75) == (3.5, 3.25, 3.75)
-  assert set(sections["quality_blocks"].block) == {"block0_mlp_in", "conv_0"}
-  assert set(sections["quality"].block) == {"all"}
+  assert set(tables["quality_blocks"].block) == {"block0_mlp_in", "conv_0"}
+  assert set(tables["quality"].block) == {"all"}
   # Records from before block types: no level, no type rows.
-  _, old = _sections(_records().query("level != 'role'").drop(
-      columns="level"))
+  _, old = _section(_records().query("level != 'role'").drop(
+      columns="level"), tmp_path / "old")
   assert "quality_block_types" not in old
   assert set(old["quality_blocks"].block) == {"block0_mlp_in", "conv_0"}
 
@@ -224,16 +242,19 @@ def test_report_figure_per_block_type(tmp_path, monkeypatch):
     return save(fig, path)
 
   monkeypatch.setattr(plots, "save", keep)
-  rep, _ = _sections(_records())
-  paths = Spectra().figures(rep, tmp_path)
+  found, _ = _section(_records(), tmp_path)
+  paths = found.figures
   names = {p.name for p in paths}
   assert {"quality_block_types_tiny.png",
           "quality_block_types_tiny.pdf"} <= names
   assert all(p.stat().st_size > 1000 for p in paths)
   axes = dict(drawn)["quality_block_types_tiny"]
+  # The headline metrics first (summary.METRICS), whatever their names.
   assert [ax.get_title() for ax in axes] == [
-      plots.metric_title(m) for m in sorted(METRICS)]
-  assert "lower is better" in axes[1].get_title()
+      figures.metric_title(m) for m in
+      ["relative_frobenius", COSINE, "trace_ratio"]]
+  assert "lower is better" in axes[0].get_title()
+  assert "higher is better" in axes[1].get_title()
   # The attention/MLP/... order, a bar per method in each group.
   assert [t.get_text() for t in axes[0].get_xticklabels()] == ["mlp", "conv"]
   assert len(axes[0].patches) == 2 * 2

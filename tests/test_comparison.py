@@ -1,12 +1,14 @@
-"""Comparisons over seeds: intervals, grid edges, equal time, targets and
-claims, checked on synthetic sweeps whose true ordering is known."""
+"""Comparisons over seeds: intervals, grid edges, equal time on the time
+grid, targets and claims, checked on synthetic sweeps whose true ordering
+is known; and the time grid itself on a real training run."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import comparison, report
+from curvbench import config, records, report, runs, stats, sweep
 from curvbench.measurements import training
+from tests.conftest import TINY
 
 SEEDS = range(4)
 # method -> {learning rate: final training error}; every seed lands within
@@ -16,17 +18,22 @@ FINAL = {"kfac[kfac/ggn]": {0.1: 0.10},
          "sgd": {0.01: 0.60, 0.1: 0.40, 1.0: 0.45}}
 GRID = {"adam": [0.001, 0.01, 0.1], "sgd": [0.01, 0.1, 1.0]}
 STEP_S = {"kfac[kfac/ggn]": 0.1, "adam": 0.01, "sgd": 0.01}
+STEPS = 100
 
 
-def _sweep(target=0.35, claim="kfac"):
+def _sweep(target=0.35, claim="kfac", budget=None, points=10):
   """A tuned training sweep's runs and curves: each run's error falls
-  linearly from 1 to its final value over 100 steps."""
+  linearly from 1 to its final value over 100 steps. With a `budget` of
+  seconds, a run stops when it is spent and is also evaluated on a grid of
+  `points` seconds (the parameters it held then), as `training.run`
+  records it."""
   runs, curves = [], []
   for method, finals in FINAL.items():
     for lr, final in finals.items():
       for seed in SEEDS:
         run_id = f"{method}-{lr}-{seed}"
         end = final + 0.01 * (seed - 1.5) / 1.5
+        error = lambda step: 1 + (end - 1) * step / STEPS
         runs.append({"run_id": run_id, "status": "complete",
                      "problem": "mlp", "measure": "training",
                      "method": method,
@@ -35,31 +42,66 @@ def _sweep(target=0.35, claim="kfac"):
                      "config:seed": seed, "config:tuning.metric":
                      "final_train_error", "config:tuning.claim": claim,
                      "config:measure.training.target_error": target,
+                     "config:measure.training.budget_s": budget,
+                     "config:measure.training.time_grid": points,
                      **{f"config:tuning.grid.{m}.learning_rate": str(g)
                         for m, g in GRID.items()}})
-        for step in range(0, 101, 10):
+        step_s = STEP_S[method]
+        last = STEPS if budget is None else min(
+            STEPS, int(round(budget / step_s)))
+        for step in range(0, last + 1, 10):
           curves.append(dict(run_id=run_id, problem="mlp", method=method,
-                             seed=seed,
-                             step=step, wall_s=step * STEP_S[method],
-                             train_error=1 + (end - 1) * step / 100,
+                             seed=seed, step=step, wall_s=step * step_s,
+                             train_error=error(step), diverged=False))
+        for k in range(1, points + 1) if budget is not None else ():
+          t = budget * k / points
+          held = min(int(np.floor(t / step_s + 1e-9)), last)
+          curves.append(dict(run_id=run_id, problem="mlp", method=method,
+                             seed=seed, step=held, wall_s=held * step_s,
+                             train_error=error(held), time_point_s=t,
                              diverged=False))
   runs = pd.DataFrame(runs)
-  done = report.settings(runs)
-  tables = {"training": report.with_labels(pd.DataFrame(curves), done)}
+  done = sweep.settings(runs)
+  tables = {"training": sweep.with_labels(pd.DataFrame(curves), done)}
   return report.Report(None, runs, done, tables, {})
 
 
 def test_interval_covers_the_mean_and_shrinks_with_more_seeds():
   rng = np.random.default_rng(0)
   few, many = rng.normal(1.0, 0.1, 4), rng.normal(1.0, 0.1, 64)
-  mean, low, high = comparison.interval(few)
+  mean, low, high = stats.interval(few)
   assert low < mean < high and mean == pytest.approx(few.mean())
-  _, low_many, high_many = comparison.interval(many)
+  _, low_many, high_many = stats.interval(many)
   assert high_many - low_many < high - low
-  assert comparison.interval([0.1, np.inf]) == (np.inf,) * 3  # diverged
-  assert np.isnan(comparison.interval([])).all()
-  mean, low, high = comparison.difference([1.0, 1.1, 0.9], [2.0, 2.1, 1.9])
+  assert stats.interval([0.1, np.inf]) == (np.inf,) * 3  # diverged
+  assert np.isnan(stats.interval([])).all()
+  mean, low, high = stats.difference([1.0, 1.1, 0.9], [2.0, 2.1, 1.9])
   assert mean == pytest.approx(-1.0) and high < 0
+
+
+def test_paired_samples_tell_apart_what_unpaired_ones_cannot():
+  """Two methods measured on the same batches: the batches' own spread is
+  shared, so the paired difference is clear where the unpaired one is
+  not."""
+  rng = np.random.default_rng(3)
+  batch = rng.normal(0, 1.0, 9)
+  a, b = batch + 0.5, batch + 0.6
+  assert stats.ordering(stats.difference(a, b)) == "tied"
+  assert stats.ordering(stats.paired_difference(a, b)) == "lower"
+  with pytest.raises(ValueError, match="paired samples"):
+    stats.paired_difference(a, b[:3])
+
+
+def test_every_summary_is_checked_against_its_own_spread():
+  good = pd.DataFrame(dict(median=[1.0, 2.0], q25=[0.5, 2.0], q75=[1.5, 2.0],
+                           error_mean=[0.3, np.nan], error_ci_low=[0.2, np.nan],
+                           error_ci_high=[0.4, np.nan]))
+  assert stats.inconsistencies("good", good) == []
+  bad = good.assign(q25=[1.1, 2.0], error_ci_high=[0.25, np.nan])
+  found = stats.inconsistencies("bad", bad)
+  assert len(found) == 2
+  assert "bad row 0: median=1 outside [q25=1.1, q75=1.5]" in found
+  assert any("error_mean=0.3 outside" in f for f in found)
 
 
 def test_tuning_flags_a_best_setting_at_its_grid_edge_and_its_runner_up():
@@ -77,57 +119,100 @@ def test_tuning_flags_a_best_setting_at_its_grid_edge_and_its_runner_up():
   assert adam.score == pytest.approx(0.30)
 
 
-def test_equal_time_and_target_compare_the_chosen_settings():
-  sweep = _sweep()
-  table = training.equal_time(sweep).set_index("label")
-  # Only each method's chosen setting, labelled by what trained.
+def test_equal_time_reads_the_time_grid_of_the_chosen_settings():
+  """Every run had 1 s: K-FAC (0.1 s a step) holds step 10 at 1 s (error
+  0.91), the others step 100; the claim that K-FAC is ahead at equal time
+  does not hold, and every figure comes from the grid point at 1 s."""
+  rep = _sweep(budget=1.0)
+  table = training.equal_time(rep).set_index("label")
   assert set(table.index) == {"kfac[kfac/ggn]", "adam (learning_rate=0.1)",
                               "sgd (learning_rate=0.1)"}
-  # The baselines end at 1 s, so that is the equal time: K-FAC has made 10
-  # of its 100 steps (error 0.91), the others all 100.
   assert set(table.equal_time_s) == {1.0}
   at = table.error_at_equal_time_mean
   assert at["kfac[kfac/ggn]"] == pytest.approx(0.91, abs=1e-3)
   assert at["adam (learning_rate=0.1)"] == pytest.approx(0.30, abs=1e-3)
-  # Target 0.35: Adam and K-FAC reach it (K-FAC at step 80, later in
-  # seconds), SGD's best setting (0.40) never does.
+  assert (table.error_at_equal_time_ci_low <= at).all()
+  [claim] = training.claims(rep)
+  assert "Claim (mlp, 1 s each)" in claim
+  assert "On these runs it does not hold" in claim
+  assert "kfac[kfac/ggn] higher than adam (learning_rate=0.1)" in claim
+  [finding] = training.findings(rep)
+  assert finding.startswith("mlp: adam (learning_rate=0.1) reaches the "
+                            "lowest training error at 1 s (the time grid)")
+
+
+def test_a_claim_that_holds_is_said_to_hold():
+  fast = dict(STEP_S, **{"kfac[kfac/ggn]": 0.01})  # as fast per step
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(f"{__name__}.STEP_S", fast)
+    [claim] = training.claims(_sweep(claim="kfac", budget=1.0))
+  assert "On these runs it holds" in claim
+  assert training.claims(_sweep(claim=None, budget=1.0)) == []
+
+
+def test_step_budgets_compare_targets_but_not_equal_time():
+  """Runs of 100 steps each end at their own time: no error at equal time
+  is read off them (a note says why), the claim is not judged, and the
+  target is: Adam and K-FAC reach 0.35 (K-FAC at step 80, later in
+  seconds), SGD's best setting (0.40) never does."""
+  rep = _sweep()
+  table = training.equal_time(rep).set_index("label")
+  assert table.equal_time_s.isna().all()
+  assert "error_at_equal_time_mean" not in table
   assert table.reached["sgd (learning_rate=0.1)"] == "0 of 4"
   assert table.reached["kfac[kfac/ggn]"] == "4 of 4"
   assert (table.seconds_to_target_mean["kfac[kfac/ggn]"]
           > table.seconds_to_target_mean["adam (learning_rate=0.1)"])
   assert table.steps_to_target_mean["kfac[kfac/ggn]"] == pytest.approx(80)
-  [claim] = training.claims(sweep)
-  assert "On these runs it does not hold" in claim
-  assert "kfac[kfac/ggn] higher than adam (learning_rate=0.1)" in claim
-
-
-def test_a_claim_that_holds_is_said_to_hold():
-  fast = dict(STEP_S, **{"kfac[kfac/ggn]": 0.01})  # K-FAC as fast per step as the others
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(f"{__name__}.STEP_S", fast)
-    [claim] = training.claims(_sweep(claim="kfac"))
-  assert "On these runs it holds" in claim
-  assert training.claims(_sweep(claim=None)) == []
+  [claim] = training.claims(rep)
+  assert "Not judged: these runs are budgeted in steps" in claim
+  assert any("budgeted in steps, so each method stops at its own time"
+             in note for note in training.notes(rep))
+  [finding] = training.findings(rep)
+  assert "final training error after 100 steps" in finding
+  assert training.equal_time(_sweep(target=None)) is None
 
 
 def test_one_seed_gives_no_interval_and_no_verdict():
-  assert np.isnan(comparison.interval([0.3])[1:]).all()
-  diff = comparison.difference([0.1], [0.2, 0.3])
-  assert comparison.ordering(diff) == "unknown"
-  assert "no interval (one seed)" in comparison.verdict("a", "b", diff, "x")
+  assert np.isnan(stats.interval([0.3])[1:]).all()
+  diff = stats.difference([0.1], [0.2, 0.3])
+  assert stats.ordering(diff) == "unknown"
+  assert "no interval (one sample)" in stats.verdict("a", "b", diff, "x")
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(f"{__name__}.SEEDS", range(1))
-    [claim] = training.claims(_sweep())
+    [claim] = training.claims(_sweep(budget=1.0))
   assert "is not settled" in claim
 
 
 def test_a_curve_along_a_spectra_run_is_labelled_by_its_optimizer():
-  runs = pd.DataFrame([
+  runs_ = pd.DataFrame([
       {"run_id": c, "status": "complete", "problem": "mlp",
        "measure": "spectra", "method": c, "config:curvature.name": c,
        "config:optimizer.name": "adam"} for c in ("kfac", "ekfac")])
-  done = report.settings(runs)
+  done = sweep.settings(runs_)
   rows = pd.DataFrame(dict(run_id=["kfac", "ekfac"], method="adam", seed=0,
                            step=0, wall_s=0.0, train_error=1.0))
-  labelled = report.with_labels(rows, done)
+  labelled = sweep.with_labels(rows, done)
   assert list(labelled.label) == ["adam", "adam"]
+
+
+def test_a_time_budgeted_run_is_evaluated_on_its_time_grid(tmp_path):
+  """Each grid point evaluates the parameters the run held at that second:
+  those of the last step finished by then."""
+  cfg = config.compose(*TINY, "measure=training", "optimizer=adam",
+                       "measure.training.num_steps=100000",
+                       "measure.training.budget_s=0.5",
+                       "measure.training.time_grid=5",
+                       "measure.training.eval_every=100000")
+  assert runs.run(cfg, tmp_path / "run") == "complete"
+  rows = records.RunDir(tmp_path / "run").tables()["training"]
+  grid = rows[rows.time_point_s.notna()]
+  np.testing.assert_allclose(grid.time_point_s, [0, 0.1, 0.2, 0.3, 0.4, 0.5])
+  assert (grid.wall_s <= grid.time_point_s + 1e-12).all()
+  assert grid.train_error.notna().all()
+  steps = rows[rows.time_point_s.isna()].set_index("step")
+  for point in grid.itertuples():
+    if point.step:  # the step after it finished past the grid point
+      assert steps.wall_s[point.step + 1] >= point.time_point_s
+  with pytest.raises(config.ConfigError, match="time_grid=5 is ignored"):
+    config.compose(*TINY, "measure=training", "measure.training.time_grid=5")

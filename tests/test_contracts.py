@@ -1,32 +1,31 @@
 """Every registered component through the shared contract, found by its
 registry and listed nowhere: each problem builds, is fully registered and
 trains; each optimizer trains and reaches the report; each measurement runs
-and reports the tables it declares (each curvature approximation's
-contract is in tests/test_curvatures.py: its products, spectrum and
-inverse against its own dense matrix). And a toy problem, block type and
-measurement, declared in this module, go the whole way (compose, run,
-report) with nothing else changed."""
+and reports the tables it declares, and its report holds nothing
+inconsistent (each curvature approximation's contract is in
+tests/test_curvatures.py: its products, spectrum and inverse against its
+own dense matrix). And a toy problem and block type, declared in this
+module, and a toy measurement, declared in its own folder
+(tests/toy_measurement), go the whole way (compose, run, report) with
+nothing else changed."""
 
 import dataclasses
 import json
 from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
 
 import estimators
 import problems
-from components import Number, setting
-from curvbench import config, plots, provenance, records, report, runs
+from curvbench import config, provenance, records, report, runs
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench.measurements import MEASUREMENTS, Measurement
+from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS
 from problems import DATASETS, PROBLEMS, Problem, ProblemSettings, layers
 from tests.conftest import TINY
+from tests.toy_measurement import GradientNorms
 
 SHORT = ("measure.training.num_steps=2", "measure.training.eval_every=1",
          "measure.training.eval_size=20", "measure.training.train_eval_size=20",
@@ -99,10 +98,10 @@ def test_every_optimizer_and_measurement_runs_and_reports(every_component):
     measurement = MEASUREMENTS.get(name)()
     assert set(measurement.tables) & tables, name
     rep = report.Report(root, pd.DataFrame(), pd.DataFrame(), {}, {})
-    assert measurement.summaries(rep) == []  # nothing to say of no records
-  for heading in ("Approximation quality", "Time per phase",
-                  "Training: each quantity over seeds"):
+    assert measurement.section(rep, root) is None  # no records, no section
+  for heading in ("Summary", "Curvature", "Timing", "Training", "Runs"):
     assert f"## {heading}" in text
+  assert written["self_check"] == []
 
 
 # --- components declared here, in one place each ----------------------------
@@ -127,41 +126,6 @@ class ToyDiagonal(BlockDiagonal):
 
   name: str = "toy_diagonal"
   blocks: ClassVar = {"dense_tag": estimators.DenseDiagonal}
-
-
-@dataclasses.dataclass
-class GradientNorms(Measurement):
-  """The norm of the loss's gradient per parameter array, at the start."""
-
-  name = "toy_gradient_norms"
-  tables = ("toy_gradient_norms",)
-  scale: float = setting(1.0, Number(0, low_in=False), "multiplies the norms")
-
-  def uses_curvature(self, run):
-    return False
-
-  def measure(self, ctx):
-    grads = jax.grad(ctx.problem.loss_fn)(ctx.params, ctx.batch)
-    return {"toy_gradient_norms": [
-        dict(leaf=jax.tree_util.keystr(path),
-             norm=self.scale * float(jnp.linalg.norm(g)))
-        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]]}
-
-  def summaries(self, report):
-    rows = report.tables.get("toy_gradient_norms")
-    if rows is None:
-      return []
-    return [("toy_gradient_norms", "Gradient norms at the start",
-             rows.groupby(["problem", "leaf"]).norm.median().reset_index())]
-
-  def figures(self, report, out):
-    rows = report.tables.get("toy_gradient_norms")
-    if rows is None:
-      return []
-    fig, ax = plt.subplots()
-    ax.bar(rows.leaf, rows.norm)
-    ax.set(ylabel="gradient norm", title="toy")
-    return plots.save(fig, out / "toy_gradient_norms")
 
 
 @pytest.fixture
@@ -202,7 +166,14 @@ def test_a_new_problem_block_type_and_measurement_are_one_file_each(
   assert [b["block_class"] for b in blocks] == ["DenseDiagonal"]
   written = report.write(tmp_path)
   text = (tmp_path / "report" / "report.md").read_text()
-  assert "## Gradient norms at the start" in text
+  summary = text.split("## Summary")[1].split("\n## ")[0]
+  assert ("**Gradient norms**: How large is the gradient at the start?"
+          in summary)
+  assert "toy_linear: the largest gradient is ['logits']['w']'s" in summary
+  assert "## Gradient norms" in text
+  assert "Gradient norms at the start ([toy_gradient_norms.csv]" in text
+  assert (tmp_path / "report" / "toy_gradient_norms.csv").exists()
+  assert "![toy_gradient_norms](figures/toy_gradient_norms.png)" in text
   assert "toy_diagonal/ggn_exact" in text
   assert any(p.name == "toy_gradient_norms.png" for p in written["figures"])
   assert problems.make({"name": "toy_linear"}).num_params == 650

@@ -10,7 +10,7 @@ import socket
 import pandas as pd
 import pytest
 
-from curvbench import config, records, report, runs
+from curvbench import config, records, report, runs, sweep
 from tests.conftest import TINY, truncate
 
 ADAM = ("measure=training", "optimizer=adam", *TINY,
@@ -116,7 +116,12 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
   assert statuses.status.to_dict() == dict(
       good="complete", **{k: v[0] for k, v in EXPECTED.items()})
   text = (tmp_path / "out" / "report.md").read_text()
-  section = text.split("## Runs not in the results")[1].split("\n## ")[0]
+  # The runs section: its table of the runs not in the results, and a
+  # finding in the summary that counts them.
+  section = text.split("\n## Runs\n")[1].split("Runs not in the results, "
+                                                "with why")[1]
+  assert (f"{len(EXPECTED)} run folders are not in the results: 7 damaged, "
+          "2 error, 4 killed, 1 running, 1 skipped (see Runs)") in text
   page = (tmp_path / "out" / "report.html").read_text()
   listed = pd.read_csv(tmp_path / "out" / "not_in_results.csv")
   for name, (status, words) in EXPECTED.items():
@@ -126,7 +131,8 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
     assert words in listed[listed.run_dir == name].reason.item()
   training = pd.read_csv(tmp_path / "out" / "training_all.csv")
   assert set(training.run_dir) == {"good"}
-  assert "## Training: each quantity over seeds" in text
+  assert "\n## Training\n" in text
+  assert "Training: each quantity over seeds" in text
 
 
 def test_report_names_the_runs_not_in_the_results(good, tmp_path, capsys):
@@ -168,5 +174,5 @@ def test_a_full_disk_is_the_runs_error_with_its_cause(tmp_path, monkeypatch):
   with pytest.raises(OSError, match="No space left on device"):
     runs.run(config.compose(*ADAM), tmp_path / "sweep" / "full")
   monkeypatch.undo()
-  run, = report.load_sweep(tmp_path / "sweep").runs.itertuples()
+  run, = sweep.load_sweep(tmp_path / "sweep").runs.itertuples()
   assert run.status == "error" and "No space left on device" in run.reason

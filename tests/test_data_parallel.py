@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from curvbench import approximations, config, curvatures, data, devices
-from curvbench import matrix_free, optimizers, records, runs, timing
+from curvbench import matrix_free, optimizers, records, runs
+from curvbench.measurements.timing import clock
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.skipif(
@@ -102,7 +103,7 @@ def test_timing_on_two_devices_has_the_rows_of_one(tmp_path):
                   "optimizer.inverse_update_period=1",
                   "optimizer.damping_adaptation_interval=1")
   assert list(one["timing"].phase) == list(two["timing"].phase) == [
-      *timing.PHASES, timing.BASELINE_PHASE]
+      *clock.PHASES, clock.BASELINE_PHASE]
   assert set(one["timing"].devices_used) == {1}
   assert set(two["timing"].devices_used) == {2}
   assert (two["timing"].program_bytes > 0).all()
@@ -126,13 +127,13 @@ def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
   cfg = config.compose(*TINY, f"curvature={name}")
   curvature = approximations.make(config.plain(cfg.curvature),
                                   problem.loss_fn)
-  timing_cfg = config.plain(cfg.measure.timing)
+  settings = config.load(cfg).measure.timing
   rng = jax.random.PRNGKey(1)
-  one = timing.phase_calls(problem.loss_fn, curvature, params, batch,
-                           timing_cfg, rng)
-  two = timing.phase_calls(problem.loss_fn, curvature, params, batch,
-                           timing_cfg, rng, mesh)
-  assert list(one) == list(two) == ["grad_step", *timing.CURVATURE_PHASES]
+  one = clock.phase_calls(problem.loss_fn, curvature, params, batch,
+                          settings.damping, settings.learning_rate, rng)
+  two = clock.phase_calls(problem.loss_fn, curvature, params, batch,
+                          settings.damping, settings.learning_rate, rng, mesh)
+  assert list(one) == list(two) == ["grad_step", *clock.CURVATURE_PHASES]
   # CG (implicit_exact's preconditioning) magnifies the rounding.
   rtol = 1e-6 if name == "implicit_exact" else 1e-9
   for phase, (fn, args) in one.items():
@@ -148,11 +149,17 @@ def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
 
 @pytest.mark.slow
 def test_spectra_on_two_devices_match_one(tmp_path):
-  one, two = both(tmp_path, "measure=spectra", "measure.spectra.data=batches:2")
-  for name, keys in (("spectra", ["source", "matrix", "index"]),
-                     ("quality", ["block", "metric"]),
-                     ("statistics", ["source", "matrix", "statistic"]),
-                     ("heatmaps", ["source", "kind", "row", "col"])):
+  """Every sample of the data (two here), split across the devices, gives
+  one device's records."""
+  one, two = both(tmp_path, "measure=spectra", "measure.spectra.data=batches:2",
+                  "measure.spectra.samples=2")
+  assert set(two["quality"]["sample"]) == {0, 1}
+  for name, keys in (("spectra", ["sample", "source", "matrix", "index"]),
+                     ("quality", ["sample", "reference", "block", "metric",
+                                  "relative_damping"]),
+                     ("statistics", ["sample", "source", "matrix",
+                                     "statistic"]),
+                     ("heatmaps", ["sample", "source", "kind", "row", "col"])):
     a, b = (t[name].sort_values(keys).reset_index(drop=True)
             for t in (one, two))
     value = "eigenvalue" if name == "spectra" else "value"
@@ -212,7 +219,8 @@ def test_more_devices_than_found_are_refused_with_the_fix():
     (("measure=training", "problem.batch_size=7"), "problem.batch_size=7"),
     (("measure=timing", "measure.batch_size=7"), "measure.batch_size=7"),
     (("measure=spectra", "measure.spectra.data=train",
-      "measure.spectra.chunk_size=7"), "measure.spectra.chunk_size=7"),
+      "measure.spectra.chunk_size=7"),
+     "measure.spectra.chunk_size=7"),
 ], ids=["training", "timing", "spectra"])
 def test_a_batch_that_does_not_split_names_its_setting(overrides, setting):
   """Refused when the config is composed, before anything is built."""

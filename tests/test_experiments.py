@@ -1,4 +1,5 @@
-"""The tuned K-FAC paper comparison, end to end through the command line."""
+"""The presets: the tuned K-FAC paper comparison end to end through the
+command line, and every preset sampled enough to compare what it compares."""
 
 import subprocess
 import sys
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from curvbench import config
 
 CURVBENCH = Path(sys.executable).parent / "curvbench"
 
@@ -49,3 +52,30 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
           <= compared.error_at_equal_time_mean).all()
   text = (out / "report.md").read_text()
   assert "Claim (autoencoder_curves_small" in text
+
+
+def _sweep_values(params, key, default):
+  """The values a preset's sweep gives `key` (its default where unswept)."""
+  value = params.get(key)
+  return [default] if value is None else str(value).split(",")
+
+
+@pytest.mark.parametrize("preset", sorted(
+    p.stem for p in config.CONF_DIR.joinpath("experiment").glob("*.yaml")))
+def test_presets_sample_enough_to_compare(preset):
+  """A preset that compares approximations' quality sweeps three seeds or
+  more, each measuring three draws of the data (or the whole split); one
+  that budgets seconds evaluates on a time grid of ten points or more."""
+  cfg = config.compose(f"+experiment={preset}", with_hydra=True,
+                       check=False)
+  params = dict(cfg.hydra.sweeper.params or {})
+  measures = _sweep_values(params, "measure", cfg.measure.kind)
+  curvatures = _sweep_values(params, "curvature", cfg.curvature.name)
+  seeds = _sweep_values(params, "seed", cfg.seed)
+  spectra = cfg.measure.spectra
+  if "spectra" in measures and len(curvatures) > 1:
+    assert len(seeds) >= 3, preset
+    assert spectra.samples >= 3 or spectra.data == "train", preset
+  if "training" in measures and cfg.measure.training.budget_s is not None:
+    assert cfg.measure.training.time_grid >= 10, preset
+    assert len(seeds) >= 3, preset

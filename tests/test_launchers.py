@@ -1,5 +1,5 @@
 """Launchers: a sweep through submitit's local executor records its runs,
-skipped points are recorded by the sweeper and never launched, and timing
+points that repeat another are left out and never launched, and timing
 runs that would share a device are refused before anything starts."""
 
 import re
@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from curvbench import config, provenance, records, report
+from curvbench import config, provenance, records, runs
+from curvbench import sweep as sweep_runs
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
 from tests.conftest import TINY
 
@@ -43,9 +44,9 @@ def test_submitit_local_sweep_records_both_runs(tmp_path):
                     "optimizer=sgd,adam")
   assert code == 0, out[-3000:]
   assert "Submitit 'local'" in out
-  runs = run_dirs(root)
-  assert len(runs) == 2
-  for path in runs:
+  found = run_dirs(root)
+  assert len(found) == 2
+  for path in found:
     run = records.RunDir(path)
     assert run.marker()["status"] == "complete", path.name
     assert {"config", "training"} <= set(run.tables()), path.name
@@ -53,33 +54,36 @@ def test_submitit_local_sweep_records_both_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipped_points_are_recorded_not_launched(tmp_path):
+def test_skipped_points_are_left_out_not_launched(tmp_path):
   """SGD does not use the curvature: of curvature=kfac,diagonal only kfac
-  (the canonical one) is launched; diagonal's skip is recorded before
-  launching, and the report lists it with its reason."""
+  (the canonical one) is launched; diagonal is left out, named in one line
+  with the reason, and leaves no folder for the report to list. The same
+  point run on its own records a skipped run with that reason."""
   root = tmp_path / "sweep"
   code, out = sweep(root, "measure=training", "optimizer=sgd",
                     "curvature=kfac,diagonal")
   assert code == 0, out[-3000:]
   assert "Launching 1 jobs locally" in out
-  assert "1 of 2 sweep points repeat another" in out and str(root) in out
-  by_curvature = {OmegaConf.load(p / "config.yaml").curvature.name: p
-                  for p in run_dirs(root)}
-  skipped, launched = by_curvature["diagonal"], by_curvature["kfac"]
-  marker = records.RunDir(skipped).marker()
-  assert marker["status"] == "skipped"
-  assert "optimizer=sgd does not use the curvature" in marker["reason"]
+  reason = ("optimizer=sgd does not use the curvature; it runs with "
+            "curvature=kfac, mode=ggn_exact only")
+  assert f"1 of 2 sweep points repeat another and are left out ({reason})" \
+      in out
+  launched, = run_dirs(root)  # no folder for the left-out point
+  assert OmegaConf.load(launched / "config.yaml").curvature.name == "kfac"
+  assert (launched / ".hydra").is_dir()  # a launched job's Hydra record
+  marker = records.RunDir(launched).marker()
+  assert marker["status"] == "complete"
   # the config the sweeper composed is the one a run by hand composes
   assert marker["run_id"] == provenance.run_id(config.compose(
-      *TINY, "measure=training", "optimizer=sgd", "curvature=diagonal"))
-  assert {p.name for p in skipped.iterdir()} == {
-      records.MARKER, records.OWNED, "config.yaml",
-      "config.parquet"}  # no job ran here
-  assert (launched / ".hydra").is_dir()  # a launched job's Hydra record
-  assert records.RunDir(launched).marker()["status"] == "complete"
-  missing = report.not_in_results(report.load_sweep(root).runs)
-  row, = missing[missing.status == "skipped"].itertuples()
-  assert row.run_dir == skipped.name and row.reason == marker["reason"]
+      *TINY, "measure=training", "optimizer=sgd", "curvature=kfac"))
+  loaded = sweep_runs.load_sweep(root).runs
+  assert list(loaded.status) == ["complete"]
+  assert sweep_runs.not_in_results(loaded).empty
+  alone = tmp_path / "alone"
+  assert runs.run(config.compose(*TINY, "measure=training", "optimizer=sgd",
+                                 "curvature=diagonal"), alone) == "skipped"
+  skipped = records.RunDir(alone).marker()
+  assert skipped["status"] == "skipped" and skipped["reason"] == reason
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
-"""curvbench.plots on small synthetic tables: every figure is written as PNG
-and PDF, for tables along training and for older tables without step, data
-and block; the signed density and the heatmap block lines are checked, and
-what each figure draws (overlays, titles, better directions, bars, error
-bars, legends outside the panels) is read off its matplotlib objects."""
-
-from pathlib import Path
+"""Every measurement's figures on small synthetic tables: every figure is
+written as PNG and PDF, for tables along training and for older tables
+without step, data and block; the signed density (and a PSD matrix's,
+which stays above zero) and the heatmap block lines are checked, and what
+each figure draws (overlays, titles, better directions, bars, error bars,
+legends outside the panels, one colour per method) is read off its
+matplotlib objects."""
 
 import numpy as np
 import pandas as pd
@@ -12,8 +12,12 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.container import BarContainer, ErrorbarContainer
 
-from curvbench import plots, report, spectra
-from curvbench.measurements.spectra import Spectra
+from curvbench import plots
+from curvbench.measurements.spectra import Spectra, completed
+from curvbench.measurements.spectra import compute
+from curvbench.measurements.spectra import figures as spectra_figures
+from curvbench.measurements.timing import figures as timing_figures
+from curvbench.measurements.training import figures as training_figures
 
 IDENTITY = dict(problem="mlp", curvature="kfac", block_type="kfac",
                 mode="ggn_exact", optimizer="kfac", seed=0, run="r0")
@@ -90,7 +94,7 @@ def spectra_table():
 
 
 def test_spectra_per_problem_data_and_reference(spectra_table, tmp_path):
-  names = _written(plots.spectra(spectra_table, tmp_path), "spectra_")
+  names = _written(spectra_figures.spectra(spectra_table, tmp_path), "spectra_")
   assert "spectra_mlp_batches-8_hessian.png" in names
   assert len(names) == 3 * 2
 
@@ -99,7 +103,7 @@ def test_spectra_of_an_older_table(spectra_table, tmp_path):
   old = spectra_table[(spectra_table.step == 0)
                       & (spectra_table.data == "batch")]
   old = old.drop(columns=["step", "data", "run"])
-  names = _written(plots.spectra(old, tmp_path), "spectra_")
+  names = _written(spectra_figures.spectra(old, tmp_path), "spectra_")
   assert names == {f"spectra_mlp_batch_{r}.{e}" for r in ("ggn", "hessian")
                    for e in ("png", "pdf")}
 
@@ -109,33 +113,33 @@ def test_symlog_density_integrates_to_one_and_keeps_the_sign():
   lam = -10.0 ** rng.uniform(-2, 2, 200)
   lam[:20] = 0.0
   linthresh = 1e-4 * np.abs(lam).max()
-  u = plots.symlog(lam, linthresh)
+  u = spectra_figures.symlog(lam, linthresh)
   grid = np.linspace(u.min() - 1, u.max() + 1, 4000)
-  density = plots.symlog_density(lam, np.full(lam.size, np.nan), grid,
+  density = spectra_figures.symlog_density(lam, np.full(lam.size, np.nan), grid,
                                  linthresh)
   assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-3)
   negative = grid < -0.5
   assert np.trapezoid(density[negative], grid[negative]) > 0.85
-  x = plots.symlog_inverse(grid, linthresh)
-  np.testing.assert_allclose(plots.symlog(x, linthresh), grid, atol=1e-9)
+  x = spectra_figures.symlog_inverse(grid, linthresh)
+  np.testing.assert_allclose(spectra_figures.symlog(x, linthresh), grid, atol=1e-9)
   assert (np.diff(x) > 0).all()
 
 
 def test_symlog_density_of_a_positive_spectrum_with_weights():
   lam = np.array([1e-3, 1.0, 10.0])
   grid = np.linspace(-10, 10, 8001)
-  density = plots.symlog_density(lam, [0.0, 0.0, 2.0], grid, 1e-6)
+  density = spectra_figures.symlog_density(lam, [0.0, 0.0, 2.0], grid, 1e-6)
   assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-6)
   assert grid[np.argmax(density)] == pytest.approx(
-      plots.symlog(10.0, 1e-6), abs=1e-2)
+      spectra_figures.symlog(10.0, 1e-6), abs=1e-2)
   assert np.trapezoid(density[grid < 0], grid[grid < 0]) < 1e-6
 
 
 def test_block_boundaries():
-  lines, names = plots.block_boundaries(["a", "a", "a", "b", "c", "c"])
+  lines, names = spectra_figures.block_boundaries(["a", "a", "a", "b", "c", "c"])
   assert lines == [2.5, 3.5]
   assert names == [(1.0, "a"), (3.0, "b"), (4.5, "c")]
-  assert plots.block_boundaries(["w"] * 4) == ([], [(1.5, "w")])
+  assert spectra_figures.block_boundaries(["w"] * 4) == ([], [(1.5, "w")])
 
 
 def _heatmap_rows(blocks, step, source, kind, method, seed=0):
@@ -163,7 +167,7 @@ def test_heatmaps_draw_exact_approx_and_inverses(tmp_path):
            for source in ("exact", "approx")]
   table = pd.concat(parts, ignore_index=True)
   table.loc[7, "value"] = np.nan
-  names = _written(plots.heatmaps(table, tmp_path), "heatmaps_")
+  names = _written(spectra_figures.heatmaps(table, tmp_path), "heatmaps_")
   assert "heatmaps_mlp_kfac-ggn_exact_batch_step10.png" in names
   assert len(names) == 3 * 2
 
@@ -171,13 +175,13 @@ def test_heatmaps_draw_exact_approx_and_inverses(tmp_path):
 def test_heatmaps_with_one_block_and_no_inverse(tmp_path):
   table = pd.concat([_heatmap_rows(["w"] * 4, 0, s, "matrix", METHODS[0])
                      for s in ("exact", "approx")])
-  _written(plots.heatmaps(table, tmp_path), "heatmaps_")
+  _written(spectra_figures.heatmaps(table, tmp_path), "heatmaps_")
 
 
 def test_heatmap_lines_sit_at_block_boundaries():
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots()
-  rows, cols = plots.draw_blocks(ax, ["a", "a", "b"], ["a", "a", "b"])
+  rows, cols = spectra_figures.draw_blocks(ax, ["a", "a", "b"], ["a", "a", "b"])
   assert rows == cols == [1.5]
   assert [line.get_ydata()[0] for line in ax.lines[:1]] == [1.5]
   assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
@@ -204,15 +208,15 @@ def _quality_table(steps, with_location=True):
 
 def test_quality_through_training(tmp_path):
   table = _quality_table(STEPS)
-  names = _written(plots.quality_through_training(
-      table, tmp_path, plots.palette(table.method)), "quality_steps_")
+  names = _written(spectra_figures.quality_through_training(
+      table, tmp_path, plots.colours(plots.series(table))), "quality_steps_")
   assert names == {"quality_steps_mlp_ggn_batch.png",
                    "quality_steps_mlp_ggn_batch.pdf"}
 
 
 def test_quality_bars_for_one_step_and_older_tables(tmp_path):
   for table in (_quality_table([0]), _quality_table([0], False)):
-    assert _written(plots.quality(table, tmp_path), "quality_") == {
+    assert _written(spectra_figures.quality(table, tmp_path), "quality_") == {
         "quality_mlp.png", "quality_mlp.pdf"}
 
 
@@ -242,9 +246,8 @@ def test_the_spectra_measurement_draws_every_table_it_declares(spectra_table, tm
                           & (spectra_table.reference == "ggn")]
   tables = dict(spectra=spectra, heatmaps=heat, quality=quality,
                 statistics=_statistics_table())
-  drawn = report.Report(Path("."), pd.DataFrame(), pd.DataFrame(), tables,
-                        plots.palette(METHODS))
-  names = {p.stem for p in Spectra().figures(drawn, tmp_path)}
+  names = {p.stem for p in Spectra.figures(completed(tables),
+                                           plots.colours(METHODS), tmp_path)}
   assert {"spectra_mlp_batch_ggn", "heatmaps_mlp_kfac-ggn_exact_batch_step0",
           "quality_steps_mlp_ggn_batch", "quality_convnet",
           "statistics_mlp"} <= names
@@ -260,7 +263,7 @@ def test_tuned_curves_are_chosen_per_problem():
   tuning = pd.DataFrame(dict(problem=["a", "a", "b", "b"], method="sgd",
                              setting=["lr=0.1", "lr=1"] * 2,
                              best=[True, False, False, True]))
-  kept = plots.tuned_curves(train, tuning)
+  kept = training_figures.tuned_curves(train, tuning)
   assert sorted(zip(kept.problem, kept.label)) == [
       ("a", "kfac"), ("a", "sgd (lr=0.1)"), ("b", "kfac"), ("b", "sgd (lr=1)")]
 
@@ -274,7 +277,7 @@ LONG = [f"{m}[{m}/ggn_exact] (initial_damping={d})"
 
 def test_spectra_overlay_each_step_on_the_exact_spectrum(spectra_table,
                                                          drawn, tmp_path):
-  plots.spectra(spectra_table, tmp_path)
+  spectra_figures.spectra(spectra_table, tmp_path)
   fig = drawn["spectra_mlp_batch_hessian"]
   panels = [ax for ax in fig.axes if ax.get_visible()]
   assert len(panels) == len(STEPS)
@@ -296,17 +299,20 @@ def test_every_quality_metric_says_which_way_is_better():
   a = rng.normal(size=(4, 4))
   a = a @ a.T + np.eye(4)
   b = a + 0.1 * np.eye(4)
-  measured = spectra.dense_metrics(a, b, np.ones(4), np.ones(4), 2, 1e-12,
+  measured = compute.dense_metrics(a, b, {1e-3: np.ones(4)},
+                                   {1e-3: np.ones(4)}, 2, 1e-12,
                                    np.linalg.eigh(a), np.linalg.eigh(b))
-  assert set(measured) <= set(plots.BETTER)
-  assert plots.metric_title("relative_frobenius") == (
+  assert {k[0] if isinstance(k, tuple) else k for k in measured} == set(
+      spectra_figures.BETTER)
+  assert spectra_figures.metric_title("relative_frobenius") == (
       "relative_frobenius (lower is better)")
-  assert "higher is better" in plots.metric_title("natural_gradient_cosine")
-  assert "1 is best" in plots.metric_title("trace_ratio")
+  assert "higher is better" in spectra_figures.metric_title(
+      "natural_gradient_cosine (rho=0.001)")
+  assert "1 is best" in spectra_figures.metric_title("trace_ratio")
 
 
 def test_quality_titles_name_where_and_which_way(drawn, tmp_path):
-  plots.quality(_quality_table([10]), tmp_path)
+  spectra_figures.quality(_quality_table([10]), tmp_path)
   fig = drawn["quality_mlp"]
   for words in ("mlp", "ggn", "batch", "step 10"):
     assert words in fig.get_suptitle(), fig.get_suptitle()
@@ -330,7 +336,7 @@ def _many_methods_quality():
 
 def test_quality_through_training_with_ten_methods(drawn, tmp_path):
   table = _many_methods_quality()
-  plots.quality_through_training(table, tmp_path, plots.palette(table.method))
+  spectra_figures.quality_through_training(table, tmp_path, plots.colours(plots.series(table)))
   fig = drawn["quality_steps_mlp_ggn_batch"]
   assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
   ratio = next(ax for ax in fig.axes
@@ -345,14 +351,14 @@ def test_quality_through_training_with_ten_methods(drawn, tmp_path):
 
 
 def test_palette_tells_ten_methods_apart():
-  assert len(set(plots.palette(LONG).values())) == 10
+  assert len(set(plots.colours(LONG).values())) == 10
 
 
 def test_statistics_of_one_step_are_bars(drawn, tmp_path):
   table = _statistics_table()
   table = table[table.step == 10].assign(value=[1e-3, 1.0, 2.0, 5.0, 1e2,
                                                 3.0])
-  plots.statistics(table, tmp_path)
+  spectra_figures.statistics(table, tmp_path)
   fig = drawn["statistics_mlp"]
   for words in ("mlp", "batch", "step 10"):
     assert words in fig.get_suptitle(), fig.get_suptitle()
@@ -367,7 +373,7 @@ def test_statistics_of_one_step_are_bars(drawn, tmp_path):
 
 
 def test_statistics_along_training_are_lines(drawn, tmp_path):
-  plots.statistics(_statistics_table(), tmp_path)
+  spectra_figures.statistics(_statistics_table(), tmp_path)
   fig = drawn["statistics_mlp"]
   assert "over steps 0-1000" in fig.get_suptitle()
   ax = fig.axes[0]
@@ -376,23 +382,19 @@ def test_statistics_along_training_are_lines(drawn, tmp_path):
   _legend_outside(fig)
 
 
-def _timing_table(adam=True):
-  """Two labels: one with three runs (optimizer step 4, 5, 6 Adam steps),
-  one with a single run (4 Adam steps; paired quartiles 3.5 and 4.4)."""
+def _timing_ratios():
+  """Two labels' phase ratios (as `phase_ratios` gives them): the median
+  and quartiles of their paired ratios to the Adam step."""
   rows = []
-  for label, runs in (("kfac[kfac/ggn_exact]", 3), ("sgd", 1)):
-    for r in range(runs):
-      unit = 1.0 + r
-      for phase, times in (("adam_step", 1.0), ("grad_step", 0.5),
-                           ("optimizer_step", 4.0 + r)):
-        s = unit * times
-        rows.append(dict(problem="mlp", device_kind="cpu", label=label,
-                         run_id=f"{label}{r}", phase=phase, median_s=s,
-                         q25_s=0.9 * s, q75_s=1.2 * s))
-  table = pd.DataFrame(rows)
-  alone = (table.label == "sgd") & (table.phase == "optimizer_step")
-  table.loc[alone, ["ratio_to_adam_q25", "ratio_to_adam_q75"]] = [3.5, 4.4]
-  return table if adam else table[table.phase != "adam_step"]
+  for label, n, scale in (("kfac[kfac/ggn_exact]", 3, 1.0), ("sgd", 1, 0.8)):
+    for phase, (median, q25, q75) in (
+        ("grad_step", (0.5, 0.45, 0.6)), ("optimizer_step", (5.0, 4.5, 5.5)),
+        ("baseline_step", (1.0, 1.0, 1.0))):
+      rows.append(dict(problem="mlp", device_kind="cpu", label=label,
+                       phase=phase, baseline="adam", median=median * scale,
+                       q25=q25 * scale, q75=q75 * scale, n=n,
+                       samples=10 * n))
+  return pd.DataFrame(rows)
 
 
 def _bars(ax, phase):
@@ -405,32 +407,22 @@ def _bars(ax, phase):
   return [p.get_height() for p in bars.patches], ends
 
 
-def test_timing_in_adam_steps_with_interquartile_error_bars(drawn, tmp_path):
-  plots.timing(_timing_table(), tmp_path)
+def test_timing_in_baseline_steps_with_interquartile_error_bars(drawn,
+                                                               tmp_path):
+  timing_figures.timing(_timing_ratios(), tmp_path)
   ax = drawn["timing_mlp"].axes[0]
-  assert ax.get_ylabel() == "× Adam step (median, IQR)"
+  assert ax.get_ylabel() == "× adam step (median, IQR)"
   assert [t.get_text() for t in ax.get_xticklabels()] == [
-      "kfac[kfac/ggn_exact] (n=3)", "sgd (n=1)"]
+      "kfac[kfac/ggn_exact]\n(3 runs, 30 rounds)", "sgd\n(1 runs, 10 rounds)"]
   heights, ends = _bars(ax, "optimizer_step")
-  np.testing.assert_allclose(heights, [5.0, 4.0])  # medians of the ratios
-  # Over runs for three runs; the paired repeat quartiles for one run.
-  np.testing.assert_allclose(ends, [[4.5, 5.5], [3.5, 4.4]])
+  np.testing.assert_allclose(heights, [5.0, 4.0])
+  np.testing.assert_allclose(ends, [[4.5, 5.5], [3.6, 4.4]])
   heights, ends = _bars(ax, "grad_step")
-  np.testing.assert_allclose(heights, [0.5, 0.5])
-  np.testing.assert_allclose(ends[1], [0.45, 0.6])  # q25_s, q75_s / Adam
-  assert "adam_step" not in {c.get_label() for c in ax.containers}
+  np.testing.assert_allclose(heights, [0.5, 0.4])
+  np.testing.assert_allclose(ends[0], [0.45, 0.6])
+  assert "baseline_step" not in {c.get_label() for c in ax.containers}
   assert "mlp" in ax.get_title() and "cpu" in ax.get_title()
   _legend_outside(drawn["timing_mlp"])
-
-
-def test_timing_without_an_adam_step_falls_back_to_the_gradient_step(
-    drawn, tmp_path):
-  plots.timing(_timing_table(adam=False), tmp_path)
-  ax = drawn["timing_mlp"].axes[0]
-  assert "gradient step" in ax.get_ylabel()
-  assert "no Adam step" in ax.get_ylabel()
-  heights, _ = _bars(ax, "optimizer_step")
-  np.testing.assert_allclose(heights, [10.0, 8.0])
 
 
 def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
@@ -440,7 +432,7 @@ def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
           for i, label in enumerate(LONG) for seed in range(2)
           for step in range(0, 50, 10)]
   table = pd.DataFrame(rows)
-  plots.training(table, tmp_path, plots.palette(table.method))
+  training_figures.training(table, tmp_path, plots.colours(plots.series(table)))
   fig = drawn["training_mlp"]
   legend = _legend_outside(fig)
   assert fig.axes[0].get_legend() is legend
@@ -455,6 +447,41 @@ def test_training_curves_end_where_every_seed_has_a_value(drawn, tmp_path):
                diverged=run == "c" and step == end)
           for run, end in (("a", 30), ("b", 50), ("c", 10))
           for step in range(0, end + 1, 10)]
-  plots.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
+  training_figures.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
   steps_axis = drawn["training_mlp"].axes[0]
   assert max(steps_axis.lines[0].get_xdata()) == 30
+
+
+def test_a_psd_spectrum_has_no_density_below_zero(spectra_table, drawn,
+                                                  tmp_path):
+  """Smoothing reflects a PSD spectrum's kernels at zero: nothing spills
+  below it, the density still integrates to one, and a figure of PSD
+  matrices only starts its axis at zero."""
+  lam = np.array([0.0, 1e-12, 1e-3, 1.0, 10.0])
+  density = lambda grid: spectra_figures.symlog_density(
+      lam, np.full(5, 0.2), grid, 1e-6, nonnegative=True)
+  assert (density(np.linspace(-5, -1e-9, 100)) == 0).all()
+  grid = np.linspace(0, 12, 8001)
+  assert np.trapezoid(density(grid), grid) == pytest.approx(1.0, abs=1e-4)
+  assert spectra_figures.nonnegative([-1e-14, 0.0, 2.0])
+  assert not spectra_figures.nonnegative([-0.1, 2.0])
+  spectra_figures.spectra(spectra_table, tmp_path)
+  psd = drawn["spectra_mlp_batch_ggn"].axes[0]
+  assert psd.get_xlim()[0] >= 0
+  signed = drawn["spectra_mlp_batch_hessian"].axes[0]
+  assert signed.get_xlim()[0] < 0
+
+
+def test_one_colour_per_method_in_every_figure():
+  """A label has one colour wherever it is drawn; K-FAC's curvature and the
+  K-FAC optimizer using it share a hue, which a component declares."""
+  labels = ["kfac/ggn_exact", "kfac[kfac/ggn_exact]", "adam",
+            "diagonal/ggn_exact", "kfac[diagonal/ggn_exact]",
+            "kfac/fisher_gradients", "mine/ggn_exact"]
+  colour = plots.colours(labels, {"kfac": "tab:red", "adam": "tab:blue"})
+  assert colour["kfac/ggn_exact"] == colour["kfac[kfac/ggn_exact]"]
+  assert colour["diagonal/ggn_exact"] == colour["kfac[diagonal/ggn_exact]"]
+  assert colour["adam"] == "#1f77b4"
+  assert colour["kfac/fisher_gradients"] != colour["kfac/ggn_exact"]
+  assert len({colour[x] for x in ("kfac/ggn_exact", "diagonal/ggn_exact",
+                                  "adam", "mine/ggn_exact")}) == 4

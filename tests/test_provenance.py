@@ -114,9 +114,9 @@ def test_other_data_makes_another_run_and_the_report_keeps_them_apart(
   report.write(tmp_path / "sweep")
   summary = pd.read_csv(tmp_path / "sweep" / "report" / "training.csv")
   assert summary.label.nunique() == 2 and set(summary.n) == {1}
-  assert all("data=MNIST:" in label for label in summary.label)
+  assert all("dataset=MNIST:" in label for label in summary.label)
   text = (tmp_path / "sweep" / "report" / "report.md").read_text()
-  assert "These runs come from 2 datasets" in text
+  assert "The mlp_mnist runs come from 2 datasets" in text
 
 
 def test_data_seed_orders_batches_and_init_seed_initialises():

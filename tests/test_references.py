@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import records, spectra
+from curvbench import records
 from curvbench.costs import Costs
+from curvbench.measurements.spectra import compute as spectra
 from curvbench.references import ReferenceStore, content_hash
 from tests.test_spectra import make, spec
 
@@ -45,6 +46,26 @@ def test_a_damaged_entry_is_computed_anew(tmp_path):
   entry.write_bytes(entry.read_bytes()[:40])  # truncated
   found, shared = store.get(KEY, compute)
   assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 1.0
+
+
+def test_the_store_keeps_the_newest_entries_within_its_size(tmp_path,
+                                                            monkeypatch):
+  """Past its size the oldest entries go; a pruned entry is computed
+  again, never read wrong."""
+  store = ReferenceStore(tmp_path / "refs")
+  big = lambda value: lambda: dict(matrix=np.full((64, 64), value))
+  store.get(dict(KEY, matrix="ggn"), big(1.0))
+  [first] = (tmp_path / "refs").glob("*.npz")
+  size = first.stat().st_size
+  monkeypatch.setattr("curvbench.references.KEEP_BYTES", int(2.5 * size))
+  store = ReferenceStore(tmp_path / "refs")
+  for i, matrix in enumerate(("fisher", "hessian")):
+    store.get(dict(KEY, matrix=matrix), big(2.0 + i))
+  entries = list((tmp_path / "refs").glob("*.npz"))
+  assert len(entries) == 2 and first not in entries
+  compute, calls = counted(1.0)
+  found, shared = store.get(dict(KEY, matrix="ggn"), compute)
+  assert not shared and calls and found["matrix"][0, 0] == 1.0
 
 
 def test_without_a_folder_nothing_is_kept(tmp_path):

@@ -15,9 +15,11 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import checkpoints, config, curvatures, spectra, timing, training
+from curvbench import checkpoints, config, curvatures, training
 from curvbench.costs import Costs
 from curvbench.data import Data
+from curvbench.measurements.spectra import compute as spectra
+from curvbench.measurements.timing import clock
 from curvbench.optimizers.sgd import SGD
 
 # 8x8 digits -> 8x8, 4x4: conv_in, a block per stage, a projection shortcut.
@@ -193,16 +195,19 @@ def test_timing_times_the_model_state_update(batch_norm):
       "problem=resnet", "measure=timing", "optimizer=sgd",
       "measure.timing.phases=[grad_step]", "measure.timing.repeats=2",
       "measure.timing.warmup=0"))
-  rows = timing.measure(
-      problem.loss_fn, None, params, batch, {
-          **cfg.measure.timing.__dict__}, cfg.optimizer,
-      cfg.measure.timing.baseline, jax.random.PRNGKey(0),
+  tables = clock.measure(
+      problem.loss_fn, None, params, batch, cfg.measure.timing,
+      cfg.optimizer, jax.random.PRNGKey(0),
       model_state_update=(problem.next_model_state,
                           problem.init_model_state(jnp.float64)))
+  rows = tables["timing"]
   phases = [r["phase"] for r in rows]
-  assert "model_state_update" in phases and phases[-1] == "adam_step"
+  assert "model_state_update" in phases and phases[-1] == clock.BASELINE_PHASE
   row = rows[phases.index("model_state_update")]
   assert row["median_s"] > 0 and row["repeats"] == 2
+  samples = [r for r in tables["timing_samples"]
+             if r["phase"] == "model_state_update"]
+  assert [r["repeat"] for r in samples] == [0, 1]
 
 
 def test_what_would_take_examples_apart_is_refused():

@@ -1,18 +1,26 @@
 """Spectra records on a tiny problem against brute force."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, curvatures, metrics, spectra
+from curvbench import approximations, config, curvatures, metrics
+from curvbench.costs import Costs
+from curvbench.measurements.spectra import compute as spectra
+
+RHO = 1e-3  # the relative damping the single-value checks read
 
 
 def spec(**overrides):
-  cfg = config.plain(config.compose().measure.spectra)
-  cfg.update(references=["ggn"], top_k=3, lanczos_iters=40, slq_probes=2,
-             frobenius_probes=4, cg_iters=300)
-  return dict(cfg, **overrides)
+  """The spectra settings, small, with `overrides`."""
+  cfg = config.load(config.compose()).measure.spectra
+  return dataclasses.replace(
+      cfg, **dict(dict(references=["ggn"], top_k=3, lanczos_iters=40,
+                       slq_probes=2, frobenius_probes=4, cg_iters=300,
+                       relative_dampings=[RHO]), **overrides))
 
 
 def make(tiny, name):
@@ -20,9 +28,13 @@ def make(tiny, name):
   return approximations.make(cfg, tiny[0].loss_fn)
 
 
-def quality(tables, block="all"):
+def quality(tables, block="all", reference="ggn", rho=RHO):
+  """`{metric: value}` of one block against one reference; the
+  natural-gradient cosine at relative damping `rho`."""
   return {r["metric"]: r["value"] for r in tables["quality"]
-          if r["block"] == block}
+          if r["block"] == block and r["reference"] == reference
+          and (np.isnan(r["relative_damping"])
+               or r["relative_damping"] == rho)}
 
 
 def test_exact_spectrum_equals_numpy_and_exact_estimator_has_no_error(
@@ -127,6 +139,7 @@ def test_per_block_quality_is_the_metric_of_each_exact_block(tiny, tiny_ggn):
   blocks = curvatures.layer_blocks(p.loss_fn, params, batch)
   assert {r["block"] for r in tables["quality"]} == {
       "all", *(name for name, _ in blocks)}
+  assert {r["reference"] for r in tables["quality"]} == {"ggn"}
   for name, idx in blocks:
     a, e = approx[np.ix_(idx, idx)], tiny_ggn[np.ix_(idx, idx)]
     q = quality(tables, name)
@@ -175,12 +188,13 @@ def test_signed_hessian_density_and_top_k_match_the_exact_spectrum(tiny):
 def test_zero_is_at_least_ten_round_offs_of_the_precision():
   """A PSD matrix measured in float32 has a null space at +-1e-8 of its top
   eigenvalue; that is zero, not negative mass."""
-  cfg = dict(relative_floor=1e-8, precision="float32", damping=1e-3, top_k=2)
+  cfg = spec(relative_floor=1e-8, precision="float32", damping=1e-3,
+             top_k=2)
   values = np.array([-1.5e-8, 0.0, 1e-8, 0.5, 1.0]) * 1287.0
   assert spectra.floor(cfg, values) == pytest.approx(
       10 * np.finfo(np.float32).eps * 1287.0)
   assert spectra.spectrum_statistics(values, cfg)["negative_mass"] == 0.0
-  as64 = dict(cfg, precision="float64")
+  as64 = dataclasses.replace(cfg, precision="float64")
   assert spectra.floor(as64, values) == pytest.approx(1e-8 * 1287.0)
   assert spectra.spectrum_statistics(values, as64)["negative_mass"] == 0.2
 
@@ -222,3 +236,91 @@ def test_dense_statistics_and_heatmaps_are_exact(tiny, tiny_ggn):
       state, unravel(np.eye(235)[idx[0]]), 0.1))[0]
   np.testing.assert_allclose(matrix("approx", "inverse")[:, 0],
                              np.asarray(column)[idx], rtol=1e-8)
+
+
+def test_natural_gradient_cosine_compares_matrices_at_damping_relative_to_each(
+    tiny, tiny_ggn):
+  """At each relative damping rho, the exact GGN is damped by rho times its
+  largest eigenvalue and K-FAC by rho times its own (through its own
+  preconditioner, as its optimizer applies it): brute force in float64."""
+  p, params, batch = tiny
+  cur = make(tiny, "kfac")
+  rhos = [1e-4, 1e-2]
+  tables = spectra.measure(p.loss_fn, cur, params, batch,
+                           spec(relative_dampings=rhos),
+                           jax.random.PRNGKey(1))
+  state = curvatures.estimate(cur, jax.random.PRNGKey(1), params, batch)
+  approx = np.asarray(cur.to_dense(state))
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  g = np.asarray(jax.flatten_util.ravel_pytree(
+      jax.grad(p.loss_fn)(params, batch))[0])
+  for rho in rhos:
+    exact_dir = np.linalg.solve(
+        tiny_ggn + rho * np.linalg.eigvalsh(tiny_ggn)[-1] * np.eye(len(g)), g)
+    damping = rho * np.linalg.eigvalsh(approx)[-1]
+    approx_dir = np.asarray(jax.flatten_util.ravel_pytree(cur.precondition(
+        cur.refresh(state, damping), unravel(g), damping))[0])
+    assert quality(tables, rho=rho)["natural_gradient_cosine"] == (
+        pytest.approx(metrics.cosine(approx_dir, exact_dir), abs=1e-10))
+  cosines = [r for r in tables["quality"] if r["block"] == "all"
+             and r["metric"] == "natural_gradient_cosine"]
+  assert sorted(r["relative_damping"] for r in cosines) == rhos
+
+
+def test_quality_against_every_reference_and_identical_ones_said_once(tiny):
+  """Against the GGN and the Hessian each, at every level; the Fisher of
+  softmax cross-entropy is the GGN, which the references table shows, and
+  gets no quality rows of its own."""
+  p, params, batch = tiny
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  hessian = np.asarray(jax.hessian(lambda w: p.loss_fn(unravel(w), batch))(
+      flat))
+  cur = make(tiny, "kfac")
+  tables = spectra.measure(p.loss_fn, cur, params, batch,
+                           spec(references=["ggn", "fisher", "hessian"]),
+                           jax.random.PRNGKey(1))
+  q = pd.DataFrame(tables["quality"])
+  assert set(q.reference) == {"ggn", "hessian"}
+  assert (q.groupby("reference").size() == len(q) // 2).all()
+  approx = np.asarray(cur.to_dense(curvatures.estimate(
+      cur, jax.random.PRNGKey(1), params, batch)))
+  assert quality(tables, reference="hessian")["relative_frobenius"] == (
+      pytest.approx(np.linalg.norm(approx - hessian)
+                    / np.linalg.norm(hessian), rel=1e-8))
+  pairs = {(r["matrix"], r["reference"]): r["relative_frobenius"]
+           for r in tables["references"]}
+  assert pairs[("fisher", "ggn")] < 1e-12
+  assert pairs[("hessian", "ggn")] > 1e-3
+
+
+def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
+  """Block-diagonal K-FAC's eigendecomposition is assembled from its
+  layer blocks' (the same spectrum, eigenvectors of the same matrix);
+  block-tridiagonal K-FAC couples layers, so it is decomposed whole."""
+  p, params, batch = tiny
+  blocks = curvatures.layer_blocks(p.loss_fn, params, batch)
+
+  def dense(name):
+    cur = make(tiny, name)
+    return cur, np.asarray(cur.to_dense(curvatures.estimate(
+        cur, jax.random.PRNGKey(1), params, batch)))
+
+  cur, kfac = dense("kfac")
+  values, vectors = spectra.joined_eigh(
+      kfac, blocks, {n: np.linalg.eigh(kfac[np.ix_(i, i)]) for n, i in blocks})
+  np.testing.assert_allclose(values, np.linalg.eigvalsh(kfac), atol=1e-12)
+  np.testing.assert_allclose(kfac @ vectors, vectors * values, atol=1e-12)
+  np.testing.assert_allclose(vectors.T @ vectors, np.eye(len(values)),
+                             atol=1e-12)
+  _, coupled = dense("kfac_tridiagonal")
+  assert spectra.joined_eigh(coupled, blocks, {}) is None
+  costs = Costs()
+  tables = spectra.measure(p.loss_fn, cur, params, batch,
+                           spec(per_block_type=False, heatmap_blocks=0),
+                           jax.random.PRNGKey(1), costs)
+  phases = {r["phase"] for r in costs.rows}
+  assert "eigh approx (from its blocks)" in phases
+  assert "eigh approx" not in phases
+  df = pd.DataFrame(tables["spectra"])
+  np.testing.assert_allclose(df[df.source == "approx"].eigenvalue,
+                             np.linalg.eigvalsh(kfac), atol=1e-10)

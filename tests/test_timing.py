@@ -1,15 +1,19 @@
-"""Per-phase timing records: the phases each optimizer gets, the optimizer's
-step timed over whole cycles and interleaved with Adam's, and the baseline's
-settings taken from the adam config."""
+"""Per-phase timing records: the phases each optimizer gets, every phase
+timed round by round beside the baseline step (the steps by whole
+cycles), ratios paired within a round, the baseline an optimizer of the
+registry, and the machine's load in every record."""
 
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, costs, timing, training
+from curvbench import config, costs, report, runs, stats, training
+from curvbench.measurements.timing import clock, load
 from curvbench.optimizers import OPTIMIZERS
 from tests.conftest import TINY
 
@@ -56,14 +60,14 @@ def check_memory(df):
 def run_timing(tiny, *overrides):
   problem, params, batch = tiny
   run = config.load(config.compose(*TINY, *overrides))
-  rows = timing.measure(
+  tables = clock.measure(
       problem.loss_fn, run.curvature.make(problem.loss_fn), params, batch,
-      config.plain(run.measure.timing), run.optimizer,
-      run.measure.timing.baseline, jax.random.PRNGKey(0))
-  return pd.DataFrame(rows).set_index("phase")
+      run.measure.timing, run.optimizer, jax.random.PRNGKey(0))
+  return (pd.DataFrame(tables["timing"]).set_index("phase"),
+          pd.DataFrame(tables["timing_samples"]))
 
 
-def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
+def test_every_phase_is_timed_round_by_round_beside_the_baseline(
     tiny, monkeypatch):
   log, compiled = [], []
   compile_steps = training.compile_steps
@@ -83,72 +87,145 @@ def test_kfac_step_is_timed_over_whole_cycles_interleaved_with_adam(
     compiled.append(compile_steps(*args))
     return compiled[-1]
 
-  monkeypatch.setattr(training, "compile_steps", recorded)
-  df = run_timing(tiny, "measure.timing.warmup=1", "measure.timing.repeats=2",
-                  "optimizer.inverse_update_period=3",
-                  "optimizer.damping_adaptation_interval=5")
+  sample = clock.Call.sample
 
-  assert list(df.index) == [*timing.PHASES, "adam_step"]
+  def single(self):
+    log.append("call")
+    return sample(self)
+
+  monkeypatch.setattr(training, "compile_steps", recorded)
+  monkeypatch.setattr(clock.Call, "sample", single)
+  df, samples = run_timing(
+      tiny, "measure.timing.warmup=1", "measure.timing.repeats=2",
+      "optimizer.inverse_update_period=3",
+      "optimizer.damping_adaptation_interval=5")
+
+  assert list(df.index) == [*clock.PHASES, "baseline_step"]
   assert (df[STATS] > 0).all().all() and (df.repeats == 2).all()
-  assert df.ratio_to_grad_step["grad_step"] == 1.0
-  assert df.ratio_to_adam_step["adam_step"] == 1.0
-  assert (df.ratio_to_adam_step == df.median_s / df.median_s["adam_step"]).all()
+  assert set(df.baseline) == {"adam"}
   cycle = math.lcm(3, 5)
   assert list(df.steps_per_sample) == [1, 1, 1, 1, cycle, cycle]
   # Stepped phases: compile time from compile_steps, no clean first call.
-  assert list(df.compile_s[["optimizer_step", "adam_step"]]) == compiled
+  assert list(df.compile_s[["optimizer_step", "baseline_step"]]) == compiled
   assert df.compile_s["optimizer_step"] > df.median_s["optimizer_step"]
-  assert df.first_call_s[["optimizer_step", "adam_step"]].isna().all()
-  # The step's ratio to Adam has a spread over its paired repeats.
-  q25, q75 = df.loc["optimizer_step", ["ratio_to_adam_q25",
-                                       "ratio_to_adam_q75"]]
-  assert 0 < q25 <= q75
-  assert df.ratio_to_adam_q25.drop("optimizer_step").isna().all()
+  assert df.first_call_s[["optimizer_step", "baseline_step"]].isna().all()
   assert (df.first_call_s.iloc[:4] > 0).all()
   # Set-up: compile_steps (cycle + 1 steps), then the first (burn-in) step,
-  # for kfac and then adam (its own cycle is 1); then 1 + 2 repeats of one
-  # whole cycle of each, in turn.
+  # for kfac and then adam (its own cycle is 1); then 1 + 2 rounds, each
+  # one call of every single-call phase and one whole cycle of each step.
   setup = ["kfac"] * (cycle + 2) + ["adam"] * 3
   assert log[:len(setup)] == setup
-  assert log[len(setup):] == (["kfac"] * cycle + ["adam"] * cycle) * 3
+  assert log[len(setup):] == (["call"] * 4 + ["kfac"] * cycle
+                              + ["adam"] * cycle) * 3
+  # Every ratio is paired within its round: the median and quartiles of
+  # the same per-round ratios, which the samples table holds.
+  assert len(samples) == 2 * len(df)
+  for phase, rows in samples.groupby("phase"):
+    base = samples[samples.phase == "baseline_step"].seconds.to_numpy()
+    ratios = rows.seconds.to_numpy() / base
+    np.testing.assert_allclose(rows.ratio_to_baseline, ratios)
+    median, q25, q75 = stats.quartiles(ratios)
+    assert df.ratio_to_baseline[phase] == pytest.approx(median)
+    assert (df.ratio_q25[phase], df.ratio_q75[phase]) == pytest.approx(
+        (q25, q75))
+    assert q25 <= median <= q75
+  assert (df.ratio_to_baseline["baseline_step"] == 1.0
+          and df.ratio_to_grad_step["grad_step"] == 1.0)
+  # The machine's load over the timed rounds, in every row.
+  assert (df.load_window_s > 0).all() and (df.cpu_count >= 1).all()
+  assert df.others_cpu_share.between(0, 1).all()
+  assert (df.contended == (df.others_cpu_share > 0.1)).all()
   # Memory: the optimizer's step is the largest of its four kinds of step
   # (refresh or not, damping adaptation or not), and holds the curvature.
   check_memory(df)
   kfac_bytes = trainers["kfac"].program_bytes
   assert len(kfac_bytes) == 4
   assert df.program_bytes["optimizer_step"] == max(kfac_bytes)
-  assert df.program_bytes["adam_step"] == trainers["adam"].program_bytes[0]
-  assert df.program_bytes["optimizer_step"] > df.program_bytes["adam_step"]
+  assert df.program_bytes["baseline_step"] == trainers[
+      "adam"].program_bytes[0]
+  assert df.program_bytes["optimizer_step"] > df.program_bytes[
+      "baseline_step"]
 
 
 def test_first_order_optimizer_has_no_curvature_phases(tiny):
-  df = run_timing(tiny, "optimizer=adam")
-  assert list(df.index) == ["grad_step", "optimizer_step", "adam_step"]
+  df, _ = run_timing(tiny, "optimizer=adam")
+  assert list(df.index) == ["grad_step", "optimizer_step", "baseline_step"]
   assert (df[STATS] > 0).all().all()
-  assert df.ratio_to_adam_step["adam_step"] == 1.0
   assert (df.steps_per_sample == 1).all()
   check_memory(df)
 
 
-def test_baseline_is_the_adam_config_whatever_the_optimizer():
-  adam = config.compose("optimizer=adam").optimizer
+def test_the_baseline_is_any_first_order_optimizer_of_the_registry(tiny):
   cfg = config.compose("measure=timing", "optimizer=sgd")
-  assert cfg.optimizer.name == "sgd" and cfg.measure.timing.baseline == adam
   run = config.load(cfg)
+  assert run.measure.timing.baseline == OPTIMIZERS.defaults("adam")
   assert run.measure.chosen.uses_optimizer(run)
   assert not run.measure.chosen.uses_curvature(run)
-  kfac = config.load(config.compose("measure=timing"))
-  assert kfac.measure.chosen.uses_curvature(kfac)
-  tuned = config.compose("measure.timing.baseline.learning_rate=0.5")
+  tuned = config.load(config.compose(
+      "measure.timing.baseline.learning_rate=0.5"))
   assert tuned.optimizer.name == "kfac"
   assert tuned.measure.timing.baseline.learning_rate == 0.5
+  sgd = config.load(config.compose(
+      *TINY, "measure=timing", "measure/timing/baseline=sgd",
+      "measure.timing.baseline.momentum=0.5"))
+  assert sgd.measure.timing.baseline == OPTIMIZERS.load(
+      {"name": "sgd", "momentum": 0.5})
+  df, _ = run_timing(tiny, "optimizer=adam", "measure/timing/baseline=sgd")
+  assert set(df.baseline) == {"sgd"}
+  with pytest.raises(config.ConfigError, match="kfac uses a curvature; "
+                     "the baseline is a first-order optimizer"):
+    config.compose("measure/timing/baseline=kfac")
+  with pytest.raises(config.ConfigError, match="did you mean learning_rate"):
+    config.compose("measure.timing.baseline.learnig_rate=3")
 
 
-def test_baseline_must_be_adam():
-  for overrides, message in (
-      (["+optimizer@measure.timing.baseline=sgd"], "SGD is not a subclass of "
-       "Adam"),
-      (["measure.timing.baseline.name=sgd"], "these are the settings of "
-       "optimizer adam")):
-    with pytest.raises(config.ConfigError, match=message):
-      config.compose(*overrides)
+# --- the machine's load -------------------------------------------------------
+
+
+@pytest.fixture
+def hog():
+  """Two processes that keep a core busy each, for the test's length."""
+  procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+           for _ in range(2)]
+  try:
+    yield
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+
+
+def test_load_counts_what_other_processes_use(hog):
+  busy = load.sample(1.0)
+  assert busy.others_share > 0.3  # two cores of whatever the machine has
+  assert busy.seconds == pytest.approx(1.0, abs=0.5)
+  with pytest.raises(load.MachineBusy, match=r"the machine is busy: other "
+                     r"processes used \d+ % of the \d+ CPUs .*"
+                     "when_busy=wait"):
+    load.settle("refuse", 0.1, 0.0)
+  waited = load.settle("wait", 0.1, 0.5)  # gives up, then measures
+  assert waited.others_share > 0.1
+  assert load.settle("measure", 0.1, 0.0) is None  # the timing records it
+  with load.Monitor() as own:
+    sum(i * i for i in range(2 * 10 ** 6))
+  assert own.load.process_cores > 0.2
+
+
+def test_a_timing_beside_a_cpu_hog_is_flagged_in_the_report(hog, tmp_path):
+  """Timed while two other processes keep cores busy: the records carry
+  the load, and the report flags the figures and says by how much."""
+  cfg = config.compose(*TINY, "measure=timing", "measure.timing.repeats=4",
+                       "optimizer=adam")
+  assert runs.run(cfg, tmp_path / "busy") == "complete"
+  written = report.write(tmp_path)
+  rows = pd.read_csv(tmp_path / "report" / "timing_all.csv")
+  assert rows.contended.all() and (rows.others_cpu_share > 0.1).all()
+  text = (tmp_path / "report" / "report.md").read_text()
+  assert "(1 runs x 4 rounds, contended in 1 of 1 runs)" in text
+  assert ("1 of 1 timing runs ran while other processes used more of the "
+          "CPUs than busy_share allows (up to") in text
+  assert written["self_check"] == []
+  refused = config.compose(*TINY, "measure=timing", "optimizer=adam",
+                           "measure.timing.when_busy=refuse")
+  with pytest.raises(load.MachineBusy, match="the machine is busy"):
+    runs.run(refused, tmp_path / "refused")

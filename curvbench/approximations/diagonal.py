@@ -15,6 +15,7 @@ class Diagonal(BlockDiagonal):
   as many numbers as its table)."""
 
   name: str = "diagonal"
+  colour = "tab:green"
   blocks: ClassVar = {"dense_tag": kfac.DenseDiagonal,
                       "repeated_dense_tag": kfac.DenseDiagonal,
                       "conv2d_tag": kfac.Conv2DDiagonal,

@@ -17,6 +17,7 @@ class EKFAC(BlockDiagonal):
   keep the library's default block."""
 
   name: str = "ekfac"
+  colour = "tab:purple"
   conv_scalings: str = setting(
       "per_example", OneOf(kfac.Conv2DEKFAC.SCALINGS),
       "conv layers' scalings: fitted to per-example gradients (George et "

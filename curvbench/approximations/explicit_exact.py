@@ -15,6 +15,7 @@ class ExplicitExact(CurvatureSettings):
   """`estimators.ExplicitExactCurvature`: exact in the `*_exact` modes."""
 
   name: str = "explicit_exact"
+  colour = "black"
   per_example_alone = True  # its rows: one example's gradient at a time
 
   def make(self, loss_fn):

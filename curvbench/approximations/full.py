@@ -16,6 +16,7 @@ class Full(BlockDiagonal):
   numbers: `max_state_gib` refuses it where that is too large."""
 
   name: str = "full"
+  colour = "tab:olive"
   blocks: ClassVar = {"dense_tag": kfac.DenseFull,
                       "repeated_dense_tag": kfac.DenseFull,
                       "conv2d_tag": kfac.Conv2DFull,

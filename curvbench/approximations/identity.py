@@ -14,6 +14,7 @@ class Identity(BlockDiagonal):
   """An identity block (`estimators.ScaledIdentity`) for every layer tag."""
 
   name: str = "identity"
+  colour = "goldenrod"
   blocks: ClassVar = {tag: kfac.ScaledIdentity for tag in (
       "dense_tag", "conv2d_tag", "scale_and_shift_tag", "repeated_dense_tag",
       "embedding_tag", "generic_tag")}

@@ -15,6 +15,7 @@ class ImplicitExact(CurvatureSettings):
   """The `matrix` it multiplies by is set here, so `mode` is ignored."""
 
   name: str = "implicit_exact"
+  colour = "dimgray"
   matrix: str = setting("ggn", OneOf(tuple(curvatures.IMPLICIT_PRODUCTS)),
                         "the exact matrix")
 

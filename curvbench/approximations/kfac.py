@@ -13,3 +13,4 @@ class KFAC(BlockDiagonal):
   """The library's default block for every tag."""
 
   name: str = "kfac"
+  colour = "tab:red"

@@ -20,6 +20,7 @@ class KFACReduce(BlockDiagonal):
   matrix."""
 
   name: str = "kfac_reduce"
+  colour = "tab:orange"
   blocks: ClassVar = {"repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
                       "conv2d_tag": kfac.Conv2DKFACReduce,
                       "embedding_tag": kfac.EmbeddingKFAC}

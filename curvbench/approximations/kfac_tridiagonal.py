@@ -40,6 +40,7 @@ class KFACTridiagonal(BlockDiagonal):
   """K-FAC blocks, consecutive dense ones coupled."""
 
   name: str = "kfac_tridiagonal"
+  colour = "tab:pink"
   smaller: ClassVar = ("curvature=kfac, without the coupling, or "
                        "curvature=diagonal")
 

@@ -16,6 +16,7 @@ class TNT(BlockDiagonal):
   library's default (diagonal) block."""
 
   name: str = "tnt"
+  colour = "tab:brown"
   blocks: ClassVar = {"dense_tag": kfac.DenseTNT,
                       "repeated_dense_tag": kfac.DenseTNT,
                       "conv2d_tag": kfac.Conv2DTNT,

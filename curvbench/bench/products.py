@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import problems
-from curvbench import config, costs, curvatures, data, timing
+from curvbench import config, costs, curvatures, data, stats
+from curvbench.measurements.timing import clock
 
 
 def _compiled(fn, *args):
@@ -75,16 +76,15 @@ def measure(problem_name: str, rounds: int = 10,
                 num_examples=examples.num_examples,
                 chunk_size=examples.chunk_size, num_chunks=examples.num_chunks)
   grad_row = dict(common, phase="dataset gradient", compile_s=grad_compile_s,
-                  **timing.statistics(times["gradient"]),
+                  **clock.statistics(times["gradient"]),
                   **costs.memory_columns(grad_program))
   ratios = np.divide(times["product"], times["gradient"])
   prod_row = dict(common, phase="dataset ggn product",
                   compile_s=prod_compile_s,
-                  **timing.statistics(times["product"]),
+                  **clock.statistics(times["product"]),
                   **costs.memory_columns(prod_program))
-  prod_row.update(ratio_to_gradient=prod_row["median_s"]
-                  / grad_row["median_s"],
-                  ratio_q25=float(np.quantile(ratios, 0.25)),
-                  ratio_q75=float(np.quantile(ratios, 0.75)))
+  # The median and quartiles of the same paired ratios, round by round.
+  median, q25, q75 = stats.quartiles(ratios)
+  prod_row.update(ratio_to_gradient=median, ratio_q25=q25, ratio_q75=q75)
   grad_row.update(ratio_to_gradient=1.0)
   return [grad_row, prod_row]

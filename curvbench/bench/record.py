@@ -71,7 +71,7 @@ def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
     return table[table.phase == phase]
 
   for _, row in rows(timing, "optimizer_step").iterrows():
-    out["kfac_step/adam_step"][row.problem] = float(row.ratio_to_adam_step)
+    out["kfac_step/adam_step"][row.problem] = float(row.ratio_to_baseline)
   for _, row in rows(timing, "cache_update").iterrows():
     out["refresh/gradient"][row.problem] = float(row.ratio_to_grad_step)
   for _, row in rows(products, "dataset ggn product").iterrows():
@@ -80,10 +80,11 @@ def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
   if not spectra_cost.empty:
     exact = spectra_cost[spectra_cost.phase.isin(["exact ggn",
                                                   "eigh exact ggn"])]
+    keys = ["run_id", *(["sample"] if "sample" in exact else [])]
     for problem, rows in exact.groupby("problem"):
-      # One run's seconds each; runs that read the matrix from a store
-      # (one phase only) left out.
-      per_run = [run.run_s.sum() for _, run in rows.groupby("run_id")
+      # One spectrum's seconds each (a run's, per sample of its data);
+      # those read from a store (one phase only) left out.
+      per_run = [run.run_s.sum() for _, run in rows.groupby(keys)
                  if len(run) == 2]
       if per_run:
         out["exact_ggn_spectrum_s"][problem] = float(np.median(per_run))

@@ -1,14 +1,16 @@
 """What a run measures (the `measure` config group), one module each.
 
-A measurement is a `Measurement` dataclass registered with
-`MEASUREMENTS.register`: its fields are its settings (the section
-`measure.<name>`), and it declares what it needs (`uses_optimizer`,
-`uses_curvature`, the batches it splits across devices), how it runs
-(`measure`, returning `{table: rows}`), which tables it declares (`tables`)
-and how the report summarises and draws them (`summaries`, `figures`,
-`notes`). A table may be written by several measurements (a spectra run
+A measurement is one folder (a package here, or a module): a `Measurement`
+dataclass registered with `MEASUREMENTS.register`, whose fields are its
+settings (the section `measure.<name>`), beside its computation, its
+figures and its part of the report. It declares what it needs
+(`uses_optimizer`, `uses_curvature`, the batches it splits across
+devices), how it runs (`measure`, returning an `Outcome`: its tables and
+its status), which tables it declares (`tables`) and its section of the
+report (`section`: the question it answers, its findings, tables, figures
+and notes). A table may be written by several measurements (a spectra run
 that trains writes `training` rows too); the one that declares it
-summarises it.
+reports it.
 
 The `measure` section holds every measurement's settings, so that one
 experiment can set them all and sweep `measure=spectra,timing,training`;
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 
 from components import OneOf, Registry, Settings, Whole, setting
 from curvbench import devices
+from curvbench.sections import Section
 
 PRECISIONS = ("float32", "float64")
 
@@ -51,12 +54,34 @@ class Context:
       print(line, flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What a measurement gives its run: `{table name: rows}` and how it
+  ended: `status` 'complete', or 'diverged' with the `step` and the
+  `reason` (the run's completion marker says so)."""
+
+  tables: dict[str, list[dict]]
+  status: str = "complete"
+  reason: str = ""
+  step: int | None = None
+
+  @property
+  def marker(self) -> dict:
+    """The fields of the run's completion marker."""
+    out = dict(status=self.status)
+    if self.reason:
+      out["reason"] = self.reason
+    if self.step is not None:
+      out["step"] = self.step
+    return out
+
+
 @dataclasses.dataclass
 class Measurement(Settings, abc.ABC):
   """What every measurement declares; see the module docstring."""
 
   name: ClassVar[str]
-  # The tables it declares: those its `summaries` and `figures` read.
+  # The tables it declares: those its `section` reports.
   tables: ClassVar[tuple[str, ...]] = ()
   # Whether its runs are the tuning protocol's: a sweep runs them at every
   # point of their optimizer's `tuning.grid`.
@@ -115,21 +140,14 @@ class Measurement(Settings, abc.ABC):
                                else None)
 
   @abc.abstractmethod
-  def measure(self, ctx: Context) -> dict[str, list[dict]]:
-    """Runs the measurement; `{table name: rows}`."""
+  def measure(self, ctx: Context) -> Outcome:
+    """Runs the measurement: its tables and how it ended."""
 
-  def summaries(self, report) -> list[tuple[str, str, Any]]:
-    """`(name, title, DataFrame)` of each table the report shows, from a
-    `curvbench.report.Report` (its tables, runs and colours)."""
-    return []
-
-  def figures(self, report, out: Path) -> list[Path]:
-    """The figures of its tables, saved under `out`."""
-    return []
-
-  def notes(self, report) -> list[str]:
-    """Lines the report adds under Notes."""
-    return []
+  def section(self, report, out: Path) -> Section | None:
+    """Its part of the report, from a `curvbench.report.Report` (the
+    sweep's tables, runs and colours), its figures saved under `out`; None
+    where the sweep holds none of its records."""
+    return None
 
 
 MEASUREMENTS = Registry("measurement", Measurement, package=__name__,
@@ -173,4 +191,4 @@ def _schema(names: tuple[str, ...]) -> type[MeasureSettings]:
 
 
 __all__ = ["Context", "MEASUREMENTS", "MeasureSettings", "Measurement",
-           "PRECISIONS", "schema"]
+           "Outcome", "PRECISIONS", "schema"]

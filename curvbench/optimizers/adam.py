@@ -17,6 +17,7 @@ class Adam(OptimizerSettings):
   nesterov=...)`."""
 
   name: str = "adam"
+  colour = "tab:blue"
   learning_rate: float = setting(1e-2, Number(0, low_in=False),
                                  "the step size")
   b1: float = setting(0.9, Number(0, 1), "decay of the first moment")

@@ -16,6 +16,7 @@ class SGD(OptimizerSettings):
   """`optax.sgd(learning_rate, momentum, nesterov, accumulator_dtype)`."""
 
   name: str = "sgd"
+  colour = "tab:cyan"
   learning_rate: float = setting(0.1, Number(0, low_in=False),
                                  "the step size")
   momentum: float | None = setting(0.9, Number(0, 1, null=True),

@@ -1,6 +1,6 @@
-"""A sweeper that checks every point before it launches any, records the
-points that repeat another instead of launching them, and adds each
-optimizer's tuning grid to the runs of the tuning protocol.
+"""A sweeper that checks every point before it launches any, leaves out the
+points that repeat another, and adds each optimizer's tuning grid to the
+runs of the tuning protocol.
 
 Like Hydra's basic sweeper it runs the cartesian product of the swept
 values (`a=1,2 b=x,y`, and `hydra.sweeper.params`); it is written on
@@ -24,8 +24,9 @@ setting (or the folder that is not curvbench's, or the points that would
 share one); a run that needs the device alone (timing) that the launcher
 would run beside another job on the same machine is refused
 (`device_sharing`). Then a point that repeats another
-(`curvbench.runs.skip_reason`) gets its skipped-run record written here
-and is not launched, so a cluster sees only jobs that measure, and a point
+(`curvbench.runs.skip_reason`: e.g. a spectra run with an optimizer it
+does not use) is left out, named in one line, so a cluster sees only jobs
+that measure and the report only runs that count, and a point
 that finished earlier with the same config, code and data (`runs.cached`)
 is not launched either, so a restarted sweep goes straight to the runs it
 has left.
@@ -229,8 +230,8 @@ def _earlier_sweep(folder: Path) -> bool:
 
 class TuningSweeper(Sweeper):
   """The cartesian product of the swept values, checked, with each
-  optimizer's `tuning.grid` expanded and skipped points recorded instead
-  of launched."""
+  optimizer's `tuning.grid` expanded and the points that repeat another
+  left out."""
 
   def __init__(self, max_batch_size=None, params=None):
     super().__init__()
@@ -249,19 +250,26 @@ class TuningSweeper(Sweeper):
     claim = lambda check_only: records.claim(
         sweep_dir, SWEEP_MARKER, "a sweep directory", legacy=_earlier_sweep,
         check_only=check_only)
-    try:
-      claim(check_only=True)  # before anything is written, skips included
-    except records.ForeignFolder as e:
+    fix = "choose another folder with hydra.sweep.dir=..."
+    try:  # before anything is written
+      claim(check_only=True)
+      records.check_writable(sweep_dir, fix)
+    except (records.ForeignFolder, records.UnwritableFolder) as e:
       raise SystemExit(f"curvbench: {e}") from None
+    except OSError as e:  # e.g. a folder that may not be listed
+      raise SystemExit(f"curvbench: cannot use {sweep_dir} "
+                       f"({e.strerror or e}): {fix}") from None
     jobs = product([f"{k}={v}" for k, v in self.params.items()]
                    + list(arguments))
     grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
-    jobs, skipped = self.planned(expand(jobs, grid, self.config.optimizer.name,
-                                        self.config.measure.kind))
-    claim(check_only=False)
-    for cfg, out_dir in skipped:
-      runs.record_skip(cfg, out_dir)
-    OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+    jobs = self.planned(expand(jobs, grid, self.config.optimizer.name,
+                               self.config.measure.kind))
+    try:
+      claim(check_only=False)
+      OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+    except OSError as e:  # the disk filled, or turned read-only, since
+      raise SystemExit(f"curvbench: cannot write to {sweep_dir} "
+                       f"({e.strerror or e}): {fix}") from None
     returns, start = [], 0
     for batch in batches(jobs, self.max_batch_size):
       results = self.launcher.launch(batch, initial_job_idx=start)
@@ -326,12 +334,10 @@ class TuningSweeper(Sweeper):
         refusal = str(e)
     return cfg, out_dir, refusal
 
-  def planned(self, jobs: list[list[str]]) -> tuple[list, list]:
-    """The jobs to launch, and the `(config, folder)` of the points that
-    repeat another (to be recorded as skipped). Every job's config and
-    folder is checked, and the device of the runs that need it alone,
-    before anything is written; a point that finished earlier is left out
-    too."""
+  def planned(self, jobs: list[list[str]]) -> list:
+    """The jobs to launch: every job's config and folder checked, and the
+    device of the runs that need it alone, before anything is written; the
+    points that repeat another, or finished earlier, left out."""
     if len(jobs) >= 100:  # about 0.1 s each
       print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
             "before launching.", flush=True)
@@ -341,7 +347,8 @@ class TuningSweeper(Sweeper):
                              for cfg, _, refusal in composed])
     refuse_shared_folders(jobs, [out_dir for _, out_dir, _ in composed])
     settings = [config.load(cfg) for cfg, _, _ in composed]
-    skip = [runs.skip_reason(run) is not None for run in settings]
+    reasons = [runs.skip_reason(run) for run in settings]
+    skip = [reason is not None for reason in reasons]
     done = [not skipped and runs.cached(cfg, out_dir)
             for (cfg, out_dir, _), skipped in zip(composed, skip)]
     keep = [(job, run.measure.chosen.needs_device_alone)
@@ -349,16 +356,14 @@ class TuningSweeper(Sweeper):
             if not (skipped or finished)]
     check_alone([alone for _, alone in keep], self.config.hydra.launcher,
                 self.max_batch_size)
-    sweep_dir = self.config.hydra.sweep.dir
     if any(skip):
       print(f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
-            "another and were not launched; their skip markers (with the "
-            f"reason) are under {sweep_dir}.", flush=True)
+            "another and are left out ("
+            + "; ".join(sorted({r for r in reasons if r})) + ").",
+            flush=True)
     if any(done):
       # A restarted sweep goes straight to the runs it has left.
       print(f"[curvbench] {sum(done)} of {len(jobs)} sweep points finished "
             "earlier with this config, code and data and were not launched "
             "(force=true redoes them).", flush=True)
-    skipped = [(cfg, out_dir) for (cfg, out_dir, _), s in zip(composed, skip)
-               if s]
-    return [job for job, _ in keep], skipped
+    return [job for job, _ in keep]

@@ -7,7 +7,9 @@ per-step time is a fifth of that; an Adam round, timed the same way, runs
 before each K-FAC round. The first two K-FAC steps (trace + compile +
 run of the refresh step, then of the plain step) are recorded apart, as
 `first_step_s` and `second_step_s`, and the ratio to Adam measured in
-the same run as `ratio_to_adam`. Next to it, `flop_ratio_to_adam` is the
+the same run as `ratio_to_adam`: the median of each K-FAC round over the
+Adam round before it, with the quartiles of the same ratios
+(`ratio_q25`, `ratio_q75`). Next to it, `flop_ratio_to_adam` is the
 ratio of the arithmetic XLA counts in the compiled steps (averaged over a
 refresh period; LAPACK calls are not counted): a time ratio near it means the
 step is bound by arithmetic, not overhead. The `distributed-refresh` group
@@ -194,10 +196,15 @@ def test_kfac_step_against_adam(benchmark, name):
   adam_median = sorted(adam_times)[len(adam_times) // 2]
   if not benchmark.disabled:
     kfac_median = benchmark.stats.stats.median / PERIOD
+    kfac_times = np.asarray(benchmark.stats.stats.data) / PERIOD
+    # The timed rounds, each over the Adam round just before it.
+    ratios = kfac_times / np.asarray(adam_times[-len(kfac_times):])
+    q25, ratio, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
     kfac_gflop, adam_gflop = kfac_flops() / 1e9, adam_flops() / 1e9
     benchmark.extra_info.update(
         kfac_step_ms=1e3 * kfac_median, adam_step_ms=1e3 * adam_median,
-        ratio_to_adam=kfac_median / adam_median, kfac_gflop=kfac_gflop,
+        ratio_to_adam=ratio, ratio_q25=q25, ratio_q75=q75,
+        kfac_gflop=kfac_gflop,
         adam_gflop=adam_gflop, flop_ratio_to_adam=kfac_gflop / adam_gflop,
         first_step_s=first_step_s, second_step_s=second_step_s,
         adam_first_step_s=adam_compile_s, device=jax.devices()[0].device_kind)

@@ -1,8 +1,10 @@
 """Training: the loss and error against steps and seconds, with any
-optimizer, to a budget of steps or of seconds; with a tuning grid
-(`tuning.grid`), each optimizer's best setting (`curvbench.tuning`); and in
-the report, each method at equal time and against a target error, with
-intervals over seeds (`curvbench.comparison`)."""
+optimizer, to a budget of steps or of seconds (then also on a grid of
+seconds); with a tuning grid (`tuning.grid`), each optimizer's best
+setting (`curvbench.tuning`); and in the report, each method at equal time
+(time-budgeted runs) and against a target error, with intervals over
+seeds (`comparison`, `curvbench.stats`). The loop itself is
+`curvbench.training`, which the spectra measurement trains with too."""
 
 import dataclasses
 import functools
@@ -12,9 +14,10 @@ import numpy as np
 import pandas as pd
 
 from components import Number, Parsed, Whole, setting
-from curvbench import (checkpoints, comparison, plots, provenance, training,
-                       tuning)
-from curvbench.measurements import MEASUREMENTS, Measurement
+from curvbench import checkpoints, provenance, stats, training, tuning
+from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
+from curvbench.measurements.training import comparison, figures
+from curvbench.sections import Section, Table, spread, wide
 
 STEPS = Parsed(lambda v: training.measurement_steps(v, 2**62),
                "a list of whole numbers >= 0, or 'log:N' (N >= 2)")
@@ -33,7 +36,8 @@ def save_checkpoint(ctx, step: int, params, model_state) -> None:
 class Training(Measurement):
   """The loss curve of the run's optimizer: one row per logged step, the
   loss and error on fixed training and test examples every `eval_every`
-  steps, wall time with compilation apart."""
+  steps and, with a time budget, at `time_grid` evenly spaced seconds;
+  wall time with compilation apart."""
 
   name = "training"
   tables = ("training",)
@@ -48,6 +52,10 @@ class Training(Measurement):
   target_error: float | None = setting(
       None, Number(null=True), "the training error the report gives each "
       "method's steps and seconds to reach (null: none)")
+  time_grid: int = setting(
+      20, Whole(0), "with budget_s: evaluations at this many evenly spaced "
+      "seconds of the budget, of the parameters held then (what equal-time "
+      "comparisons read; 0: none)")
   log_every: int = setting(1, Whole(1), "steps between rows")
   eval_every: int = setting(20, Whole(1), "steps between evaluations of "
                             "loss and error")
@@ -85,6 +93,12 @@ class Training(Measurement):
                f"examples of dataset {run.problem.data.name!r}: lower it "
                "(null: all of them).")
 
+  def ignored(self):
+    if self.budget_s is None:
+      return {"time_grid": "without measure.training.budget_s there are no "
+                           "seconds to lay a grid over"}
+    return {}
+
   def measure(self, ctx):
     steps = training.measurement_steps(self.checkpoint_steps, self.num_steps)
     optimizer = ctx.run.optimizer.make(ctx.problem.loss_fn, ctx.curvature,
@@ -94,61 +108,85 @@ class Training(Measurement):
                         at_steps=steps,
                         on_step=functools.partial(save_checkpoint, ctx),
                         mesh=ctx.mesh)
-    return dict(training=rows)
+    end = rows[-1]
+    if end["diverged"]:
+      return Outcome(dict(training=rows), "diverged", step=end["step"],
+                     reason=f"non-finite loss at step {end['step']}")
+    return Outcome(dict(training=rows))
 
   # --- the report --------------------------------------------------------
 
-  def summaries(self, report):
+  def section(self, report, out):
     if "training" not in report.tables:
-      return []
+      return None
+    found = Section(
+        "Training", "Which optimizer reaches the lowest training error, "
+        "per step, per second and, where every method had the same seconds, "
+        "at equal time?")
     rows = report.once("curves", curves)
-    out = []
     tuned = report.once("tuning", tuning_table)
-    if tuned is not None:
-      out.append(("tuning", "Tuning: each setting's score over seeds (mean, "
-                  "95 % bootstrap interval); edge: a best value at the edge "
-                  "of its grid", tuned))
-    out.append(("training", "Training: each quantity over seeds (mean with "
-                "its 95 % bootstrap interval; median with quartiles)",
-                summary(rows)))
     compared = report.once("equal_time", equal_time)
-    if compared is not None:
-      out.append(("comparison", "At equal time and to the target: each "
-                  "method (its best setting, where tuned), over seeds (mean, "
-                  "95 % bootstrap interval)", compared))
-    return out
-
-  def figures(self, report, out):
-    if "training" not in report.tables:
-      return []
-    train = report.once("curves", curves)
-    tuned = report.once("tuning", tuning_table)
-    if tuned is None:
-      return plots.training(train, out, report.colour)
-    return (plots.training(plots.tuned_curves(train, tuned), out,
-                           report.colour)
-            + plots.training(train, out, report.colour, name="training_all")
-            + plots.sensitivity(tuned, out, report.colour))
-
-  def notes(self, report):
-    if "training" not in report.tables:
-      return []
-    notes = []
-    tuned = report.once("tuning", tuning_table)
+    found.findings += report.once("claims", claims)
+    found.findings += findings(report)
     if tuned is not None:
-      best = tuned[tuned.best]
-      notes.append(
-          f"Tuned by {best.metric.iloc[0]} (mean over seeds); the main "
-          "training figure shows each optimizer's best setting: " + "; ".join(
-              f"{r.problem} {r.method}: {r.setting or 'its only setting'}"
-              for r in best.itertuples()))
-      notes += [f"{r.problem} {r.method}: its best setting sits at the edge "
-                f"of the grid ({r.edge}), so a better one may lie beyond it; "
-                "widen the grid." for r in best.itertuples() if r.edge]
-      notes += [f"{r.problem} {r.method}: {r.vs_runner_up}"
-                for r in best.itertuples() if r.vs_runner_up]
-    notes += report.once("claims", claims)
-    return notes
+      found.tables.append(Table(
+          "tuning", "Tuning: each setting's score over seeds (mean [95 % "
+          "bootstrap interval]); edge: a best value at the edge of its grid",
+          tuned, view=tuned.assign(score=[
+              spread(m, lo, hi) for m, lo, hi in zip(
+                  tuned.score, tuned.ci_low, tuned.ci_high)]).drop(
+                      columns=["ci_low", "ci_high"]), detail=True))
+    quantities = summary(rows)
+    found.tables.append(Table(
+        "training", "Training: each quantity over seeds, mean [95 % "
+        "bootstrap interval] (the CSV has the median and quartiles too)",
+        quantities, view=wide(quantities, ["problem", "label"], "quantity",
+                              "mean", "ci_low", "ci_high")))
+    if compared is not None:
+      found.tables.append(Table(
+          "comparison", "At equal time (on the time grid) and to the "
+          "target: each method (its best setting, where tuned), over seeds "
+          "(mean [95 % bootstrap interval])", compared,
+          view=comparison_view(compared)))
+    found.notes += notes(report)
+    found.figures += self.figures(report, rows, tuned, out)
+    return found
+
+  @staticmethod
+  def figures(report, train, tuned, out):
+    if tuned is None:
+      return figures.training(train, out, report.colour)
+    return (figures.training(figures.tuned_curves(train, tuned), out,
+                             report.colour)
+            + figures.training(train, out, report.colour,
+                               name="training_all")
+            + figures.sensitivity(tuned, out, report.colour))
+
+
+def notes(report) -> list[str]:
+  """What the tuning chose, and what the equal-time comparison cannot
+  say."""
+  out = []
+  tuned = report.once("tuning", tuning_table)
+  if tuned is not None:
+    best = tuned[tuned.best]
+    out.append(
+        f"Tuned by {best.metric.iloc[0]} (mean over seeds); the main "
+        "training figure shows each optimizer's best setting: " + "; ".join(
+            f"{r.problem} {r.method}: {r.setting or 'its only setting'}"
+            for r in best.itertuples()))
+    out += [f"{r.problem} {r.method}: its best setting sits at the edge "
+            f"of the grid ({r.edge}), so a better one may lie beyond it; "
+            "widen the grid." for r in best.itertuples() if r.edge]
+    out += [f"{r.problem} {r.method}: {r.vs_runner_up}"
+            for r in best.itertuples() if r.vs_runner_up]
+  for problem, (budget, _, _) in report.once("compared", _compared).items():
+    if budget is None:
+      out.append(f"{problem}: the runs are budgeted in steps, so each method "
+                 "stops at its own time and no equal-time comparison is "
+                 "made; give every method the same seconds "
+                 "(measure.training.budget_s) for one.")
+  return out
 
 
 def curves(report) -> pd.DataFrame:
@@ -190,7 +228,7 @@ def tuning_table(report) -> pd.DataFrame | None:
       scores.rename("score"), left_on="run_id", right_index=True)
   samples = {key: group.score.to_numpy() for key, group in
              per_setting.groupby(["problem", "method", "setting"])}
-  bounds = [comparison.interval(samples[key])[1:] for key in zip(
+  bounds = [stats.interval(samples[key])[1:] for key in zip(
       table.problem, table.method, table.setting)]
   table.insert(table.columns.get_loc("score") + 1, "ci_low",
                [b[0] for b in bounds])
@@ -203,10 +241,10 @@ def tuning_table(report) -> pd.DataFrame | None:
         comparison.grid_edges(group.setting, best.setting))
     if len(group) > 1:
       runner = group[~group.best].iloc[0]
-      table.loc[best.name, "vs_runner_up"] = comparison.verdict(
+      table.loc[best.name, "vs_runner_up"] = stats.verdict(
           best.setting or method, runner.setting,
-          comparison.difference(samples[problem, method, best.setting],
-                                samples[problem, method, runner.setting]),
+          stats.difference(samples[problem, method, best.setting],
+                           samples[problem, method, runner.setting]),
           metrics[0])
   return table.assign(metric=metrics[0])
 
@@ -216,50 +254,61 @@ def _chosen(report) -> pd.DataFrame:
   sweep tuned nothing)."""
   rows = report.once("curves", curves)
   tuned = report.once("tuning", tuning_table)
-  return rows if tuned is None else plots.tuned_curves(rows, tuned)
+  return rows if tuned is None else figures.tuned_curves(rows, tuned)
 
 
 def _compared(report) -> dict:
-  """Per problem with two methods or a target: `(equal time, target,
-  {label: its seeds' comparison.outcomes})` for each method's chosen
-  setting; the equal time is the shortest of the methods' median final
-  times (the budget, where they had one)."""
+  """Per problem with two methods or a target: `(budget, target, {label:
+  its seeds' comparison.outcomes})` for each method's chosen setting. The
+  budget is the seconds every run had (`measure.training.budget_s`),
+  read on the time grid; None where the runs are budgeted in steps."""
   rows = _chosen(report)
-  targets = report.done.get("config:measure.training.target_error")
+  done = report.done
   out = {}
   for problem, p in rows.groupby("problem"):
-    runs = report.done[report.done.problem == problem]
-    target = (targets[runs.index].dropna().unique() if targets is not None
-              else [])
-    if len(target) > 1:
-      raise ValueError(f"The {problem} runs under {report.root} state "
-                       f"different target errors {sorted(target)}; report "
-                       "them apart.")
-    target = float(target[0]) if len(target) else None
+    runs = done[done.run_id.isin(p.run_id.unique())]
+    target = _one(runs, "config:measure.training.target_error", problem,
+                  report, "target errors")
+    budget = _one(runs, "config:measure.training.budget_s", problem, report,
+                  "time budgets")
+    grid = runs.get("config:measure.training.time_grid")
+    if grid is not None and (grid.fillna(0) == 0).any():
+      budget = None  # no time grid to read equal time on
     if p.label.nunique() < 2 and target is None:
       continue
-    ends = p.groupby(["label", "run_id"]).wall_s.max().groupby(
-        "label").median()
-    equal = float(ends.min())
-    out[problem] = (equal, target, {
-        label: comparison.outcomes(runs_of, target=target, at_time=equal)
+    out[problem] = (budget, target, {
+        label: comparison.outcomes(runs_of, target=target, at_time=budget)
         for label, runs_of in p.groupby("label")})
   return out
 
 
+def _one(runs: pd.DataFrame, column: str, problem: str, report,
+         what: str) -> float | None:
+  """The one value of `column` over `runs` (None where unset)."""
+  values = (runs[column].dropna().unique() if column in runs else [])
+  if len(values) > 1:
+    raise ValueError(f"The {problem} runs under {report.root} state "
+                     f"different {what} {sorted(values)}; report them "
+                     "apart.")
+  return float(values[0]) if len(values) else None
+
+
 def equal_time(report) -> pd.DataFrame | None:
   """Per problem and method (its chosen setting): the error at equal time
-  and the steps and seconds to the target error, over seeds (`_compared`);
-  None where no problem has two methods or a target."""
+  (time-budgeted runs, on the time grid) and the steps and seconds to the
+  target error, over seeds (`_compared`); None where no problem has two
+  methods or a target."""
   optimizers = report.done.set_index("run_id").get("config:optimizer.name")
   out = []
-  for problem, (equal, target, seeds) in report.once(
+  for problem, (budget, target, seeds) in report.once(
       "compared", _compared).items():
     for label, o in seeds.items():
       row = dict(problem=problem, label=label, optimizer=None if optimizers
                  is None else optimizers.get(o.run_id.iloc[0]),
-                 n=len(o), equal_time_s=equal)
-      row.update(_mean_and_interval("error_at_equal_time", o.value_at_time))
+                 n=len(o), equal_time_s=budget)
+      if budget is not None:
+        row.update(_mean_and_interval("error_at_equal_time",
+                                      o.value_at_time))
       if target is not None:
         reached = o.dropna(subset=["seconds_to_target"])
         row.update(target_error=target,
@@ -269,45 +318,102 @@ def equal_time(report) -> pd.DataFrame | None:
         row.update(_mean_and_interval("steps_to_target",
                                       reached.steps_to_target))
       out.append(row)
-  return pd.DataFrame(out) if out else None
+  if not out or all(r["equal_time_s"] is None and "target_error" not in r
+                    for r in out):
+    return None
+  return pd.DataFrame(out)
+
+
+def comparison_view(compared: pd.DataFrame) -> pd.DataFrame:
+  """The comparison as the page shows it: each quantity's mean [interval]
+  in one cell."""
+  view = compared[[c for c in ("problem", "label", "n", "equal_time_s",
+                               "target_error", "reached") if c in compared]]
+  for name in ("error_at_equal_time", "seconds_to_target",
+               "steps_to_target"):
+    if f"{name}_mean" in compared:
+      view = view.assign(**{name: [spread(m, lo, hi) for m, lo, hi in zip(
+          compared[f"{name}_mean"], compared[f"{name}_ci_low"],
+          compared[f"{name}_ci_high"])]})
+  return view
 
 
 def _mean_and_interval(name: str, values) -> dict:
   return dict(zip((f"{name}_mean", f"{name}_ci_low", f"{name}_ci_high"),
-                  comparison.interval(values)))
+                  stats.interval(values)))
 
 
 def claims(report) -> list[str]:
   """Whether the optimizer a sweep's `tuning.claim` names reached a lower
-  training error at equal time than each other method, per problem."""
+  training error at equal time than each other method, per problem: on
+  the time grid, at the budget every method had."""
   column = report.done.get("config:tuning.claim")
   named = column.dropna().unique() if column is not None else []
   compared = report.once("equal_time", equal_time)
   if not len(named) or compared is None:
     return []
   notes = []
-  for problem, (equal, _, seeds) in report.once("compared",
-                                                _compared).items():
+  for problem, (budget, _, seeds) in report.once("compared",
+                                                 _compared).items():
     p = compared[compared.problem == problem]
-    errors = {label: o.value_at_time for label, o in seeds.items()}
     for claimed in named:
       own = p.label[p.optimizer == claimed]
       if own.empty:
         continue
       own = own.iloc[0]
-      diffs = {other: comparison.difference(errors[own], errors[other])
+      if budget is None:
+        notes.append(f"Claim ({problem}): {claimed} reaches a lower training "
+                     "error than every other method in the same time. Not "
+                     "judged: these runs are budgeted in steps, not seconds.")
+        continue
+      errors = {label: o.value_at_time for label, o in seeds.items()}
+      diffs = {other: stats.difference(errors[own], errors[other])
                for other in errors if other != own}
-      orders = {comparison.ordering(d) for d in diffs.values()}
+      orders = {stats.ordering(d) for d in diffs.values()}
       outcome = ("holds" if orders == {"lower"} else "does not hold"
                  if "higher" in orders else "is not settled (an interval "
                  "holds 0, or one seed gives none)")
-      notes.append(f"Claim ({problem}, {equal:.3g} s each): {claimed} "
+      notes.append(f"Claim ({problem}, {budget:.3g} s each): {claimed} "
                    "reaches a lower training error than every other method "
                    f"in the same time. On these runs it {outcome}: "
-                   + "; ".join(comparison.verdict(
+                   + "; ".join(stats.verdict(
                        own, other, d, "training error at equal time")
                                for other, d in diffs.items()) + ".")
   return notes
+
+
+def findings(report) -> list[str]:
+  """Per problem: the method with the lowest training error at the end
+  (at equal time on the time grid, where the runs had a time budget),
+  with the interval of its difference to the runner-up."""
+  out = []
+  per_problem = report.once("compared", _compared)
+  rows = _chosen(report)
+  for problem, p in rows.groupby("problem"):
+    budget = per_problem.get(problem, (None,))[0]
+    if budget is not None:
+      values = {label: o.value_at_time for label, o in
+                per_problem[problem][2].items()}
+      what = f"training error at {budget:.3g} s (the time grid)"
+    else:
+      values = {label: o.final for label, o in (
+          (label, comparison.outcomes(r)) for label, r in p.groupby("label"))}
+      ends = p.groupby("run_id").step.max()
+      what = (f"final training error after {int(ends.median())} steps" if
+              ends.nunique() == 1 else "final training error")
+    finite = {k: np.asarray(v, float) for k, v in values.items()}
+    ranked = sorted(finite, key=lambda k: np.nanmean(
+        np.where(np.isfinite(finite[k]), finite[k], np.inf)))
+    best = ranked[0]
+    mean = spread(*stats.interval(finite[best]))
+    line = (f"{problem}: {best} reaches the lowest {what}, {mean} (mean "
+            f"[95 % interval] over {len(finite[best])} seeds)")
+    if len(ranked) > 1:
+      runner = ranked[1]
+      line += "; " + stats.verdict(best, runner, stats.difference(
+          finite[best], finite[runner]), "error")
+    out.append(line + ".")
+  return out
 
 
 QUANTITIES = (("final_train_error", "train_error", "last"),
@@ -343,8 +449,8 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
       values = per_run[quantity].to_numpy(np.float64)
       if np.isnan(values).all():
         continue
-      mean, low, high = comparison.interval(values)
-      q25, median, q75 = np.nanquantile(values, [0.25, 0.5, 0.75])
+      mean, low, high = stats.interval(values)
+      median, q25, q75 = stats.quartiles(values)
       out.append(dict(problem=problem, label=label, quantity=quantity,
                       mean=mean, ci_low=low, ci_high=high, median=median,
                       q25=q25, q75=q75, n=len(per_run),
@@ -352,5 +458,5 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(out)
 
 
-__all__ = ["Training", "claims", "curves", "equal_time", "save_checkpoint",
-           "summary", "tuning_table"]
+__all__ = ["Training", "claims", "curves", "equal_time", "findings",
+           "save_checkpoint", "summary", "tuning_table"]

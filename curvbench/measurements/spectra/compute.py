@@ -1,22 +1,32 @@
 """Eigenvalue spectra of exact curvatures and their approximations.
 
-`measure` compares one configured `Curvature` with the exact matrix it
-estimates (its `matrix`: GGN, Fisher, empirical Fisher, or the Hessian) at
-one point, over a `Data` (a batch, N batches or the training split), and
-returns four tables:
+`measure` compares one configured `Curvature` with the exact matrices
+(GGN, Fisher, empirical Fisher, Hessian: the references asked for, and the
+one it estimates, its `matrix`) at one point, over a `Data` (a batch, N
+batches or the training split), and returns five tables:
 
 - `spectra`: signed eigenvalues with weights (1/P for full spectra, Gauss
   weights for stochastic Lanczos quadrature), per matrix.
-- `quality`: approximation-quality metrics for the whole network
-  (`level='network'`, `block='all'`), for each layer block (`level=
-  'layer'`, `block` its name: the exact diagonal block against the
-  approximation's) and for each block type (`level='role'`, `block` the
-  role, e.g. 'attention': the sub-matrices over every parameter of the
-  role's layers, cross-layer entries included; see `role_indices`).
+- `quality`: approximation-quality metrics against each reference
+  (`reference`) for the whole network (`level='network'`, `block='all'`),
+  for each layer block (`level='layer'`, `block` its name: the exact
+  diagonal block against the approximation's) and for each block type
+  (`level='role'`, `block` the role, e.g. 'attention': the sub-matrices
+  over every parameter of the role's layers, cross-layer entries
+  included; see `role_indices`). The natural-gradient cosine depends on
+  the damping, so it is taken at each `relative_dampings` value rho
+  (column `relative_damping`): each matrix damped by rho times its own
+  largest eigenvalue (`scale`), so that matrices of different scale
+  (K-FAC-reduce's trace is half the GGN's on some layers) are compared at
+  the same effective damping. A reference that equals an earlier one (the
+  Fisher and the GGN of the registered losses) gets no quality rows of
+  its own: the `references` table says why.
 - `statistics`: trace, condition number, outliers, negative mass, ... of
   each exact matrix and of the approximation (`stderr` 0 where exact).
 - `heatmaps`: the exact and approximate matrix and damped inverse over a
   few subsampled units of a few layers (as in Martens & Grosse 2015, Fig. 2).
+- `references`: the relative Frobenius distance between each pair of
+  exact matrices measured (`matrix` against `reference`).
 
 Two methods:
 
@@ -29,20 +39,27 @@ Two methods:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
 
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
+import threadpoolctl
 
 from curvbench import curvatures, matrix_free, metrics
 from curvbench.costs import Costs
 from curvbench.data import Data
 from curvbench.references import ReferenceStore, content_hash
 
-TABLES = ("spectra", "quality", "statistics", "heatmaps")
+TABLES = ("spectra", "quality", "statistics", "heatmaps", "references")
+# Below this relative Frobenius distance two exact references are the
+# same matrix (round-off of float64 products; matrix-free estimates
+# of equal operators give exactly 0).
+SAME = 1e-9
 
 
 def _flat(tree) -> np.ndarray:
@@ -72,8 +89,21 @@ def _spectrum_rows(source, matrix, values, weights=None, reference=None):
 
 
 def _quality_rows(reference, level, block, values: dict):
-  return [dict(reference=reference, level=level, block=block, metric=k,
-               value=float(v)) for k, v in values.items()]
+  """Rows of `values`, `{metric: value}` or `{(metric, rho): value}` for
+  metrics taken at a relative damping."""
+  rows = []
+  for key, v in values.items():
+    metric, rho = key if isinstance(key, tuple) else (key, np.nan)
+    rows.append(dict(reference=reference, level=level, block=block,
+                     metric=metric, relative_damping=rho, value=float(v)))
+  return rows
+
+
+def scale(eigenvalues) -> float:
+  """The largest eigenvalue: the scale a relative damping multiplies (the
+  same from a dense eigendecomposition and from Lanczos, which finds the
+  top of a spectrum first)."""
+  return float(np.max(np.asarray(eigenvalues, np.float64)))
 
 
 def role_indices(blocks, roles: dict[str, str]) -> dict[str, np.ndarray]:
@@ -101,8 +131,8 @@ def floor(cfg, values) -> float:
   that is larger, times the largest magnitude in `values`. (A float32
   Lanczos run puts the null space at +-1e-8 of the top eigenvalue, which
   would otherwise read as negative mass.)"""
-  eps = float(np.finfo(np.dtype(cfg["precision"])).eps)
-  relative = max(float(cfg["relative_floor"]), 10 * eps)
+  eps = float(np.finfo(np.dtype(cfg.precision)).eps)
+  relative = max(cfg.relative_floor, 10 * eps)
   return relative * float(np.nanmax(np.abs(values)))
 
 
@@ -121,7 +151,7 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   top = np.sort(values)[::-1] if top is None else np.asarray(top)
   top = top[np.isfinite(top)]
   zero = floor(cfg, values)
-  damping = float(cfg["damping"])
+  damping = cfg.damping
   lowest = float(values.min())
   kept = np.abs(values)[np.abs(values) > zero]
   at_floor = kept.size and kept.min() < 10 * zero
@@ -132,7 +162,7 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
           # What a damped preconditioner sees; undefined when indefinite.
           "damped_condition_number": (top[0] + damping) / (lowest + damping)
           if lowest + damping > 0 else np.nan,
-          "num_outliers": metrics.num_outliers(top, int(cfg["top_k"])),
+          "num_outliers": metrics.num_outliers(top, cfg.top_k),
           "negative_mass": metrics.negative_mass(values, weights, zero),
           "negative_ratio": metrics.negative_ratio(values, top[0])}
 
@@ -174,38 +204,93 @@ def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
   return found["matrix"], (found["eigenvalues"], found["eigenvectors"])
 
 
+# From this size on, a dense eigendecomposition runs LAPACK on every core.
+MANY_CORES = 512
+
+
+@contextlib.contextmanager
+def _lapack_on(size: int):
+  """LAPACK on every core this process may use for a big matrix. The
+  library keeps it single-threaded for the small factorisations of its
+  steps, which would otherwise wait on OpenBLAS's threads; one big
+  eigendecomposition, run alone, gains from them (a 2,484-parameter GGN
+  on 2 cores: 2.2 s alone, 1.4 s on both). OPENBLAS_NUM_THREADS, where
+  set, is kept."""
+  if size < MANY_CORES or "OPENBLAS_NUM_THREADS" in os.environ:
+    yield
+    return
+  with threadpoolctl.threadpool_limits(len(os.sched_getaffinity(0)),
+                                       user_api="blas"):
+    yield
+
+
 def _eigh(costs, what, matrix):
   """`(eigenvalues, eigenvectors)` of `matrix` as float64 numpy arrays,
-  computed by XLA on the run's device and recorded as phase `eigh {what}`."""
-  values, vectors = costs.call(f"eigh {what}", jnp.linalg.eigh, matrix)
+  computed by XLA on the run's device and recorded as phase `eigh {what}`
+  (the call waits for its result, so LAPACK's threads are done within)."""
+  with _lapack_on(matrix.shape[0]):
+    values, vectors = costs.call(f"eigh {what}", jnp.linalg.eigh, matrix)
   return np.asarray(values, np.float64), np.asarray(vectors, np.float64)
 
 
-def dense_metrics(approx, exact, approx_dir, exact_dir, k, floor,
+def joined_eigh(approx, blocks, eighs):
+  """The eigendecomposition of `approx` from those of its diagonal blocks
+  (`eighs`, by block name), where it is block-diagonal over `blocks` (a
+  block-diagonal estimator's): the same matrix decomposed, at a fraction
+  of the cost. None where it is not."""
+  size = len(approx)
+  if sum(len(idx) for _, idx in blocks) != size:
+    return None
+  outside = np.ones(approx.shape, bool)
+  for _, idx in blocks:
+    outside[np.ix_(idx, idx)] = False
+  if np.any(approx[outside]):
+    return None
+  values = np.concatenate([eighs[name][0] for name, _ in blocks])
+  vectors = np.zeros(approx.shape)
+  start = 0
+  for name, idx in blocks:
+    vectors[idx, start:start + len(idx)] = eighs[name][1]
+    start += len(idx)
+  order = np.argsort(values, kind="stable")
+  return values[order], vectors[:, order]
+
+
+def dense_metrics(approx, exact, approx_dirs, exact_dirs, k, floor,
                   approx_eigh, exact_eigh) -> dict:
   """Quality of the dense `approx` against `exact`, given both damped
-  natural-gradient directions and both eigendecompositions."""
+  natural-gradient directions at each relative damping (`{rho: vector}`)
+  and both eigendecompositions; `{metric or (metric, rho): value}`."""
   approx, exact = np.asarray(approx, np.float64), np.asarray(exact, np.float64)
   approx_eigs, approx_vecs = approx_eigh
   exact_eigs, exact_vecs = exact_eigh
   k = min(k, len(exact_eigs))
-  return dict(
+  out = dict(
       relative_frobenius=metrics.relative_frobenius(approx, exact),
       spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
       log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
-      natural_gradient_cosine=metrics.cosine(approx_dir, exact_dir),
       top_k_overlap=metrics.subspace_overlap(approx_vecs[:, ::-1][:, :k],
                                              exact_vecs[:, ::-1][:, :k]),
       top_eigenvalue_ratio=approx_eigs[-1] / exact_eigs[-1],
       trace_ratio=np.trace(approx) / np.trace(exact),
       diagonal_relative_error=metrics.relative_frobenius(
           np.diag(approx), np.diag(exact)))
+  for rho, direction in exact_dirs.items():
+    out["natural_gradient_cosine", rho] = metrics.cosine(approx_dirs[rho],
+                                                         direction)
+  return out
 
 
 def _damped_solve(eigh, vector, damping):
   """`(M + damping I)^-1 vector` from M's eigendecomposition."""
   values, vectors = eigh
   return vectors @ ((vectors.T @ vector) / (values + damping))
+
+
+def _relative_solves(eigh, vector, dampings) -> dict:
+  """`{rho: (M + rho * scale(M) I)^-1 vector}` (`scale`)."""
+  top = scale(eigh[0])
+  return {rho: _damped_solve(eigh, vector, rho * top) for rho in dampings}
 
 
 def heatmap_units(blocks, num_blocks: int, units: int) -> list[tuple]:
@@ -227,6 +312,20 @@ def _heatmap_rows(source, kind, reference, sub, units):
           for r in range(len(names)) for c in range(len(names))]
 
 
+def _distinct(references, exact: dict, rows: list) -> list[str]:
+  """The references that equal no earlier one, recording in `rows` the
+  relative Frobenius distance of each pair (`references` table)."""
+  kept = []
+  for i, m in enumerate(references):
+    distances = {o: metrics.relative_frobenius(exact[m], exact[o])
+                 for o in references[:i]}
+    rows += [dict(matrix=m, reference=o, relative_frobenius=d)
+             for o, d in distances.items()]
+    if all(distances[o] > SAME for o in kept):
+      kept.append(m)
+  return kept
+
+
 def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
                   store=ReferenceStore(None), key=None, layer_roles=(),
                   examples_interact=False):
@@ -237,34 +336,42 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   examples of a batch (`examples_interact`: batch norm), every exact
   matrix comes from products through the whole batch."""
   curvatures.check_dense_fits(
-      curvatures.num_params(params), 8, float(cfg["max_dense_gib"]),
+      curvatures.num_params(params), 8, cfg.max_dense_gib,
       "The dense spectra method",
       "use measure.spectra.method=lanczos (matrix-free)")
-  references = list(dict.fromkeys([*cfg["references"], curvature.matrix]))
+  references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
   if store.keeps:  # hashing the examples costs a pass over them
     key = dict(key or {}, params=content_hash(params),
                data=content_hash(data.chunks, data.rest),
-               precision=cfg["precision"])
+               precision=cfg.precision)
   exact, exact_eighs = {}, {}
   for m in references:
     exact[m], exact_eighs[m] = _exact_reference(
         loss_fn, m, params, data, rng, costs, store, key, examples_interact)
   tables = {name: [] for name in TABLES}
-  reference = exact[curvature.matrix]
-  exact_eigh = exact_eighs[curvature.matrix]
   for m, matrix in exact.items():
     values = exact_eighs[m][0]
     tables["spectra"] += _spectrum_rows("exact", m, values)
     tables["statistics"] += _statistic_rows(
         "exact", m, dict(trace=np.trace(matrix),
                          **spectrum_statistics(values, cfg)))
+  compared = _distinct(references, exact, tables["references"])
 
   state = costs.call("approx estimate", lambda p, d, k: curvature.estimate(
-      k, p, d, int(cfg["num_samples"])), params, data, rng)
+      k, p, d, cfg.num_samples), params, data, rng)
   approx = costs.call("approx dense", lambda s: _symmetric(
       curvature.to_dense(s)), state)
-  approx_eigh = _eigh(costs, "approx", approx)
+  blocks = curvatures.layer_blocks(loss_fn, params, data.first)
+  block_eighs = {name: _eigh(costs, f"approx block {name}",
+                             approx[np.ix_(idx, idx)])
+                 for name, idx in blocks}
+  start = time.perf_counter()
   approx = np.asarray(approx, np.float64)
+  approx_eigh = joined_eigh(approx, blocks, block_eighs)
+  if approx_eigh is None:
+    approx_eigh = _eigh(costs, "approx", approx)
+  else:
+    costs.record("eigh approx (from its blocks)", time.perf_counter() - start)
   approx_eigs = approx_eigh[0]
   tables["spectra"] += _spectrum_rows("approx", curvature.label, approx_eigs,
                                       reference=curvature.matrix)
@@ -272,46 +379,56 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
       "approx", curvature.label, dict(trace=np.trace(approx),
                                       **spectrum_statistics(approx_eigs, cfg)))
 
-  damping, k = float(cfg["damping"]), int(cfg["top_k"])
-  zero = floor(cfg, exact_eigh[0])
+  damping, k, rhos = cfg.damping, cfg.top_k, cfg.relative_dampings
   grads = costs.call("mean gradient", functools.partial(_mean_gradient,
                                                        loss_fn), params, data)
   g = _flat(grads)
-  refreshed = costs.call("approx refresh", lambda s: curvature.refresh(
-      s, damping), state)
-  approx_dir = _flat(costs.call("approx direction", lambda s, v: (
-      curvature.precondition(s, v, damping)), refreshed, grads))
-  exact_dir = _damped_solve(exact_eigh, g, damping)
-  tables["quality"] += _quality_rows(
-      curvature.matrix, "network", "all", dense_metrics(
-          approx, reference, approx_dir, exact_dir, k, zero, approx_eigh,
-          exact_eigh))
+  # The approximation's own damped inverse, as its optimizer applies it.
+  approx_scale = scale(approx_eigs)
+  approx_dirs = {rho: _flat(costs.call(
+      "approx direction", lambda s, v, d: curvature.precondition(
+          curvature.refresh(s, d), v, d), state, grads, rho * approx_scale))
+                 for rho in rhos}
+  for m in compared:
+    tables["quality"] += _quality_rows(m, "network", "all", dense_metrics(
+        approx, exact[m], approx_dirs, _relative_solves(exact_eighs[m], g,
+                                                        rhos),
+        k, floor(cfg, exact_eighs[m][0]), approx_eigh, exact_eighs[m]))
 
-  def restricted(idx, what):
-    """The quality of the sub-matrices over parameters `idx`, with the
-    damped natural gradients of the sub-matrices."""
-    a, e = approx[np.ix_(idx, idx)], reference[np.ix_(idx, idx)]
-    a_eigh, e_eigh = (_eigh(costs, f"{source} {what}", m)
-                      for source, m in (("approx", a), ("exact", e)))
-    return dense_metrics(a, e, _damped_solve(a_eigh, g[idx], damping),
-                         _damped_solve(e_eigh, g[idx], damping), k, zero,
-                         a_eigh, e_eigh)
+  def restricted(idx, what, a_eigh=None):
+    """The quality of the sub-matrices over parameters `idx` against each
+    reference, with the damped natural gradients of the sub-matrices
+    (`a_eigh`: the approximation's sub-matrix decomposed, where known)."""
+    a = approx[np.ix_(idx, idx)]
+    a_eigh = a_eigh or _eigh(costs, f"approx {what}", a)
+    a_dirs = _relative_solves(a_eigh, g[idx], rhos)
+    out = {}
+    for m in compared:
+      e = exact[m][np.ix_(idx, idx)]
+      e_eigh = _eigh(costs, f"exact {m} {what}", e)
+      out[m] = dense_metrics(a, e, a_dirs, _relative_solves(e_eigh, g[idx],
+                                                            rhos),
+                             k, floor(cfg, exact_eighs[m][0]), a_eigh, e_eigh)
+    return out
 
-  blocks = curvatures.layer_blocks(loss_fn, params, data.first)
+  def quality_of(level, name, idx, what, a_eigh=None):
+    for m, values in restricted(idx, what, a_eigh).items():
+      tables["quality"] += _quality_rows(m, level, name, values)
+
   for name, idx in blocks:
-    tables["quality"] += _quality_rows(curvature.matrix, "layer", name,
-                                       restricted(idx, f"block {name}"))
-  if cfg["per_block_type"]:
+    quality_of("layer", name, idx, f"block {name}", block_eighs[name])
+  if cfg.per_block_type:
     roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
     for role, idx in role_indices(blocks, roles).items():
-      tables["quality"] += _quality_rows(
-          curvature.matrix, "role", role, restricted(idx, f"block type {role}"))
+      quality_of("role", role, idx, f"block type {role}")
 
-  units = heatmap_units(blocks, int(cfg["heatmap_blocks"]),
-                        int(cfg["heatmap_units"]))
+  reference, exact_eigh = exact[curvature.matrix], exact_eighs[curvature.matrix]
+  units = heatmap_units(blocks, cfg.heatmap_blocks, cfg.heatmap_units)
   if units:
     idx = np.concatenate([i for _, i in units])
     unravel = jax.flatten_util.ravel_pytree(grads)[1]
+    refreshed = costs.call("approx refresh", lambda s: curvature.refresh(
+        s, damping), state)
     # Columns idx of the approximation's own damped inverse (symmetric).
     columns = costs.call("approx inverse columns", lambda s: jax.vmap(
         lambda e: jax.flatten_util.ravel_pytree(curvature.precondition(
@@ -327,6 +444,7 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
       tables["heatmaps"] += _heatmap_rows(source, kind, curvature.matrix, sub,
                                           units)
   return tables
+
 
 
 # --- matrix-free method ------------------------------------------------------
@@ -354,9 +472,9 @@ def _estimators(of, cfg) -> dict:
   key)`; the mask doubles as the shape template, so one compiled program
   serves the whole network and every block. Each builds `of.operator` once
   (for the exact curvatures, one forward pass for all its products)."""
-  k, iters = int(cfg["top_k"]), int(cfg["lanczos_iters"])
-  probes, traces = int(cfg["slq_probes"]), int(cfg["trace_probes"])
-  diagonals = int(cfg["diagonal_probes"])
+  k, iters = cfg.top_k, cfg.lanczos_iters
+  probes, traces = cfg.slq_probes, cfg.trace_probes
+  diagonals = cfg.diagonal_probes
   return dict(
       density=lambda s, m, key: matrix_free.slq_density(
           _masked, m, iters, probes, key, of.operator(s), m),
@@ -374,21 +492,21 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
                     layer_roles=()):
   """Every table but the heatmaps, from matrix-vector products only: the
   density, top-k and statistics of each reference matrix and of the
-  approximation, and the approximation's quality against its matrix (block
-  types as in `measure_dense`)."""
+  approximation, and the approximation's quality against each distinct
+  reference (block types as in `measure_dense`)."""
   keys = jax.random.split(rng, 6)
   ones = jax.tree.map(jnp.ones_like, params)
   tables = {name: [] for name in TABLES}
   operators, states = {}, {}
-  for m in dict.fromkeys([*cfg["references"], curvature.matrix]):
+  references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
+  for m in references:
     operators[m] = curvatures.exact(m, loss_fn, matrix_free=True,
-                                    cg_iters=int(cfg["cg_iters"]))
+                                    cg_iters=cfg.cg_iters)
     states[m] = operators[m].estimate(rng, params, data)
   label = curvature.label
   operators[label] = curvature
   states[label] = costs.call("approx estimate", lambda p, d, k:
-                             curvature.estimate(k, p, d,
-                                                int(cfg["num_samples"])),
+                             curvature.estimate(k, p, d, cfg.num_samples),
                              params, data, rng)
   estimators = {name: _estimators(of, cfg) for name, of in operators.items()}
 
@@ -397,12 +515,13 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
     phase = " ".join(filter(None, (source, kind, block)))
     return costs.call(phase, estimators[name][kind], states[name], mask, key)
 
-  spectra_of = {}
+  spectra_of, top_of = {}, {}
   for name in operators:
     source = "approx" if name == label else "exact"
     nodes, weights = run(name, "density", keys[0])
     top, vectors = run(name, "top", keys[1])
     spectra_of[name] = (nodes, weights, top, vectors)
+    top_of[name] = scale(top)
     tables["spectra"] += _spectrum_rows(source, name, nodes, weights,
                                         reference=curvature.matrix
                                         if name == label else name)
@@ -417,68 +536,81 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
                            **spectrum_statistics(nodes, cfg, weights, top)),
         dict(trace=hutch[1], trace_xtrace=xtr[1]))
 
-  matrix = curvature.matrix
-  exact, exact_state, state = operators[matrix], states[matrix], states[label]
-  ex_nodes, ex_w, ex_top, ex_vecs = spectra_of[matrix]
-  ap_nodes, ap_w, ap_top, ap_vecs = spectra_of[label]
+  def frobenius(of, against, mask, block=""):
+    """The relative Frobenius distance of `of` to `against` over `mask`."""
+    first, second = operators[of], operators[against]
 
-  def frobenius(mask, block=""):
     def fn(a, e, m, key):
       return matrix_free.relative_frobenius(
           lambda v, a, e, m: _masked(v, a, m),
-          lambda v, a, e, m: _masked(v, e, m), m,
-          int(cfg["frobenius_probes"]), key, curvature.operator(a),
-          exact.operator(e), m)
-    return costs.call(" ".join(filter(None, ("frobenius", block))), fn,
-                      state, exact_state, mask, keys[2])
+          lambda v, a, e, m: _masked(v, e, m), m, cfg.frobenius_probes, key,
+          first.operator(a), second.operator(e), m)
+    what = "frobenius" if of == label else f"frobenius {of}"
+    return float(costs.call(" ".join(filter(None, (what, against, block))),
+                            fn, states[of], states[against], mask, keys[2]))
 
-  damping = float(cfg["damping"])
+  same = max(SAME, 100 * float(np.finfo(np.dtype(cfg.precision)).eps))
+  compared = []
+  for i, m in enumerate(references):
+    distances = {o: frobenius(m, o, ones) for o in references[:i]}
+    tables["references"] += [dict(matrix=m, reference=o, relative_frobenius=d)
+                             for o, d in distances.items()]
+    if all(distances[o] > same for o in compared):
+      compared.append(m)
+
   grads = mean_gradient(loss_fn, params, data)
-  exact_dir = costs.call(f"exact {matrix} direction",
-                         lambda s, g: exact.precondition(s, g, damping),
-                         exact_state, grads)
-  refreshed = jax.jit(curvature.refresh)(state, damping)
-  approx_dir = jax.jit(curvature.precondition)(refreshed, grads, damping)
-  ex_diag = _flat(run(matrix, "diagonal", keys[3])[0])
-  ap_diag = _flat(run(label, "diagonal", keys[3])[0])
-  zero = floor(cfg, ex_top)
-  tables["quality"] += _quality_rows(matrix, "network", "all", dict(
-      relative_frobenius=frobenius(ones),
-      spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
-                                                  ex_w),
-      log_wasserstein=metrics.log_wasserstein(ap_nodes, ex_nodes, zero,
-                                              ap_w, ex_w),
-      natural_gradient_cosine=metrics.cosine(_flat(approx_dir),
-                                             _flat(exact_dir)),
-      top_k_overlap=metrics.subspace_overlap(_columns(ap_vecs),
-                                             _columns(ex_vecs)),
-      top_eigenvalue_ratio=ap_top[0] / ex_top[0],
-      diagonal_relative_error=metrics.relative_frobenius(ap_diag, ex_diag)))
+  rhos = cfg.relative_dampings
+  approx_dirs = {rho: _flat(jax.jit(lambda s, g, d: curvature.precondition(
+      curvature.refresh(s, d), g, d))(states[label], grads,
+                                      rho * top_of[label])) for rho in rhos}
+  diagonal = {name: _flat(run(name, "diagonal", keys[3])[0])
+              for name in [label, *compared]}
+  ap_nodes, ap_w, ap_top, ap_vecs = spectra_of[label]
+  for m in compared:
+    ex_nodes, ex_w, ex_top, ex_vecs = spectra_of[m]
+    values = dict(
+        relative_frobenius=frobenius(label, m, ones),
+        spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
+                                                    ex_w),
+        log_wasserstein=metrics.log_wasserstein(
+            ap_nodes, ex_nodes, floor(cfg, ex_top), ap_w, ex_w),
+        top_k_overlap=metrics.subspace_overlap(_columns(ap_vecs),
+                                               _columns(ex_vecs)),
+        top_eigenvalue_ratio=ap_top[0] / ex_top[0],
+        diagonal_relative_error=metrics.relative_frobenius(diagonal[label],
+                                                           diagonal[m]))
+    for rho in rhos:
+      direction = costs.call(
+          f"exact {m} direction", lambda s, g, d, of=operators[m]:
+          of.precondition(s, g, d), states[m], grads, rho * top_of[m])
+      values["natural_gradient_cosine", rho] = metrics.cosine(
+          approx_dirs[rho], _flat(direction))
+    tables["quality"] += _quality_rows(m, "network", "all", values)
 
-  def restricted(idx, what):
-    """The quality of both matrices restricted to parameters `idx`."""
+  def restricted(level, name, idx, what):
+    """The quality of both matrices restricted to parameters `idx`, against
+    each reference."""
     mask = _block_mask(params, idx)
-    ex_b, ex_bv = run(matrix, "top", keys[1], mask, what)
     ap_b, ap_bv = run(label, "top", keys[1], mask, what)
-    return dict(
-        relative_frobenius=frobenius(mask, what),
-        top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
-                                               _columns(ex_bv)[idx]),
-        top_eigenvalue_ratio=ap_b[0] / ex_b[0],
-        diagonal_relative_error=metrics.relative_frobenius(
-            ap_diag[idx], ex_diag[idx]))
+    for m in compared:
+      ex_b, ex_bv = run(m, "top", keys[1], mask, what)
+      tables["quality"] += _quality_rows(m, level, name, dict(
+          relative_frobenius=frobenius(label, m, mask, what),
+          top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
+                                                 _columns(ex_bv)[idx]),
+          top_eigenvalue_ratio=ap_b[0] / ex_b[0],
+          diagonal_relative_error=metrics.relative_frobenius(
+              diagonal[label][idx], diagonal[m][idx])))
 
-  if cfg["per_block"] or cfg["per_block_type"]:
+  if cfg.per_block or cfg.per_block_type:
     blocks = curvatures.layer_blocks(loss_fn, params, data.first)
-  if cfg["per_block"]:
+  if cfg.per_block:
     for name, idx in blocks:
-      tables["quality"] += _quality_rows(matrix, "layer", name,
-                                         restricted(idx, name))
-  if cfg["per_block_type"]:
+      restricted("layer", name, idx, name)
+  if cfg.per_block_type:
     roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
     for role, idx in role_indices(blocks, roles).items():
-      tables["quality"] += _quality_rows(matrix, "role", role, restricted(
-          idx, f"block type {role}"))
+      restricted("role", role, idx, f"block type {role}")
   return tables
 
 
@@ -489,16 +621,16 @@ def measure(loss_fn, curvature, params, data, cfg, rng,
             costs: Costs | None = None, store: ReferenceStore | None = None,
             key: dict | None = None, layer_roles=(),
             examples_interact: bool = False) -> dict[str, list[dict]]:
-  """The tables of `TABLES` by `cfg["method"]` (one of `METHODS`), over
-  `data` (a batch or a `Data`); the dense method shares its exact
-  references through `store` and forms them from products where the
-  examples interact (see `measure_dense`); block types from the problem's
-  `layer_roles` (`curvatures.block_role`)."""
-  if cfg["method"] not in METHODS:
-    raise ValueError(f"Unknown measure.spectra.method {cfg['method']!r}; "
+  """The tables of `TABLES` by `cfg.method` (one of `METHODS`; `cfg` the
+  spectra settings), over `data` (a batch or a `Data`); the dense method
+  shares its exact references through `store` and forms them from
+  products where the examples interact (see `measure_dense`); block types
+  from the problem's `layer_roles` (`curvatures.block_role`)."""
+  if cfg.method not in METHODS:
+    raise ValueError(f"Unknown measure.spectra.method {cfg.method!r}; "
                      f"choose one of {', '.join(METHODS)}.")
   data, costs = Data.of(data), costs or Costs()
-  if cfg["method"] == "dense":
+  if cfg.method == "dense":
     return measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
                          store or ReferenceStore(None), key, layer_roles,
                          examples_interact)

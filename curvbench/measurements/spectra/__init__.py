@@ -1,6 +1,8 @@
 """Spectra: the curvature against the exact matrices it approximates, at
 chosen points (steps of a training run, or saved checkpoints) over chosen
-data (a batch, N batches, the training split); see `curvbench.spectra`."""
+data (a batch, N batches, the training split), each point measured on
+several samples of that data (`samples`); the computation is `compute`,
+the figures `figures`, the report's tables `summary`."""
 
 import dataclasses
 import time
@@ -9,17 +11,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pandas as pd
+import numpy as np
 
 from components import (Flag, ListOf, Number, OneOf, Parsed, Text, Whole,
                         setting)
-from curvbench import (aggregate, checkpoints, curvatures, devices, plots,
-                       spectra, training)
-from curvbench.data import parse_scope, select
+from curvbench import checkpoints, curvatures, devices, plots, training
 from curvbench.costs import Costs
-from curvbench.references import ReferenceStore
-from curvbench.measurements import MEASUREMENTS, Measurement
+from curvbench.data import parse_scope, select
+from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
+from curvbench.measurements.spectra import compute, figures, summary
 from curvbench.measurements.training import save_checkpoint
+from curvbench.references import ReferenceStore
+from curvbench.sections import Section
 
 POSITIVE = Number(0, low_in=False)
 COUNT = Whole(1)
@@ -29,13 +32,6 @@ def _measured_steps(value) -> None:
   if not training.measurement_steps(value, 2**62):
     raise ValueError("measure.spectra.steps is empty: give at least one "
                      "training step to measure at (0: initialisation).")
-
-
-# The relation a reader comparing with KFAC-JAX needs (README, porting).
-EMPIRICAL_FISHER_SCALE = (
-    "; empirical_fisher here, reference and estimates alike, is the mean of "
-    "per-example gradient outer products: B (the batch size) times what "
-    "KFAC-JAX's block-diagonal estimator, or ours at its default, holds")
 
 
 @MEASUREMENTS.register
@@ -48,15 +44,20 @@ class Spectra(Measurement):
   cost."""
 
   name = "spectra"
-  tables = (*spectra.TABLES, "cost")
+  tables = (*compute.TABLES, "cost")
 
   precision: str = setting("float64", OneOf(("float32", "float64")),
                            "the floating-point precision it runs in")
-  method: str = setting("dense", OneOf(tuple(spectra.METHODS)),
+  method: str = setting("dense", OneOf(tuple(compute.METHODS)),
                         "dense (small models) or lanczos (matrix-free)")
   data: str = setting("batch", Parsed(parse_scope, "batch, batches:N "
                                       "(N >= 1) or train"),
                       "batch, batches:N (the first N) or train (the split)")
+  samples: int = setting(
+      3, COUNT, "draws of that data measured apart at each step (batch: "
+      "consecutive batches; batches:N: consecutive sets of N), each a "
+      "sample of every table, so the report can give a spread; data=train "
+      "has one")
   chunk_size: int | None = setting(
       None, Whole(1, null=True), "examples per chunk with data=train "
       "(null: the batch size)")
@@ -73,9 +74,16 @@ class Spectra(Measurement):
   references: list[str] = setting(
       ["ggn", "fisher", "empirical_fisher", "hessian"],
       ListOf(OneOf(curvatures.EXACT_MATRICES), 1),
-      "the exact matrices measured (and the approximation's own)")
-  damping: float = setting(1e-3, POSITIVE, "for the natural-gradient "
-                           "directions")
+      "the exact matrices measured (and the approximation's own), the "
+      "approximation's quality against each")
+  relative_dampings: list[float] = setting(
+      [1e-4, 1e-3, 1e-2], ListOf(POSITIVE, 1), "the natural-gradient "
+      "cosine's dampings rho: each matrix damped by rho times its own "
+      "largest eigenvalue, so matrices of different scale are compared at "
+      "the same effective damping")
+  damping: float = setting(1e-3, POSITIVE, "the absolute damping of the "
+                           "heatmaps' inverses and the damped condition "
+                           "number")
   top_k: int = setting(10, COUNT, "eigenspace overlap; outliers among the "
                        "top k")
   relative_floor: float = setting(
@@ -152,36 +160,59 @@ class Spectra(Measurement):
   def method_label(self, run, curvature):
     return curvature.label
 
+  def ignored(self):
+    if parse_scope(self.data)[0] == "train" and self.samples > 1:
+      return {"samples": "data=train measures the whole training split, "
+                         "which is one sample (seeds give the spread)"}
+    return {}
+
+  def sample_count(self) -> int:
+    """The samples measured at each step: one over the training split."""
+    return 1 if parse_scope(self.data)[0] == "train" else self.samples
+
   def measure(self, ctx):
-    spec = dataclasses.asdict(self)
     num_steps = ctx.run.measure.training.num_steps
     steps = training.measurement_steps(self.steps, num_steps)
     dtype = jax.tree.leaves(ctx.params)[0].dtype
-    examples = select(ctx.problem, self.data, ctx.run.measure.batch_size,
-                           self.chunk_size, dtype, seed=ctx.run.data_seed)
-    examples = examples.split(ctx.mesh, self.batches(ctx.run)[-1][0])
+    split = self.batches(ctx.run)[-1][0]
+    samples = [select(ctx.problem, self.data, ctx.run.measure.batch_size,
+                      self.chunk_size, dtype, seed=ctx.run.data_seed,
+                      sample=j).split(ctx.mesh, split)
+               for j in range(self.sample_count())]
+    # Heatmaps of the first sample only: they show structure, not spread.
+    settings = [self] + [dataclasses.replace(self, heatmap_blocks=0)
+                         ] * (len(samples) - 1)
     scope = dict(data=self.data)
     tables = {name: [] for name in (*self.tables, "training")}
 
     store = (ReferenceStore.of_run(ctx.run_dir.path)
              if self.share_references else ReferenceStore(None))
     key = dict(problem=dataclasses.asdict(ctx.run.problem))
+    programs = {}  # compiled once per run, whatever the step and sample
+    log = ctx.log if ctx.run.progress else None
 
     def at(step, point, model_state=None):
       start = time.perf_counter()
-      costs = Costs(log=ctx.log if ctx.run.progress else None, step=step,
-                    **scope)
       point = devices.replicate(point, ctx.mesh)
-      for name, rows in spectra.measure(
-          ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
-          ctx.rng, costs, store, key, ctx.problem.layer_roles,
-          examples_interact=ctx.problem.has_state).items():
-        tables[name] += [dict(step=step, **scope, **row) for row in rows]
+      phases = []
+      for j, (examples, spec) in enumerate(zip(samples, settings)):
+        costs = Costs(log=log, programs=programs, step=step, sample=j,
+                      **scope)
+        for name, rows in compute.measure(
+            ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
+            jax.random.fold_in(ctx.rng, j), costs, store, key,
+            ctx.problem.layer_roles,
+            examples_interact=ctx.problem.has_state).items():
+          tables[name] += [dict(step=step, sample=j, **scope, **row)
+                           for row in rows]
+        phases += costs.rows
+      Costs(log=log, step=step, samples=len(samples), **scope).summary(phases)
       # What the phases leave out (host work between them), so that the
       # table adds up to the measurement's wall time.
-      costs.record("unaccounted", time.perf_counter() - start - sum(
-          row["compile_s"] + row["run_s"] for row in costs.rows))
-      tables["cost"] += costs.rows
+      rest = Costs(step=step, sample=0, **scope)
+      rest.record("unaccounted", time.perf_counter() - start - sum(
+          row["compile_s"] + row["run_s"] for row in phases))
+      tables["cost"] += phases + rest.rows
       if self.save_checkpoints:
         save_checkpoint(ctx, step, point, model_state)
 
@@ -196,7 +227,7 @@ class Spectra(Measurement):
       trainer = optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh)
       # Training stops at the last step measured.
       until = dataclasses.replace(ctx.run.measure.training,
-                                  num_steps=steps[-1])
+                                  num_steps=steps[-1], budget_s=None)
       rows = training.run(ctx.problem, trainer, ctx.params, until,
                           jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
                           progress=ctx.run.progress, at_steps=steps,
@@ -204,95 +235,80 @@ class Spectra(Measurement):
       # The loss curve is the optimizer's, labelled as a training run's.
       method = optimizer.label(ctx.curvature)
       tables["training"] = [dict(row, method=method) for row in rows]
-    return {name: rows for name, rows in tables.items() if rows}
+    return Outcome({name: rows for name, rows in tables.items() if rows})
 
   # --- the report --------------------------------------------------------
 
-  def summaries(self, report):
+  def section(self, report, out):
     tables = completed(report.tables)
-    out = []
-    if "quality" in tables:
-      q = tables["quality"]
-      for name, title, level, block in (
-          ("quality", "Approximation quality (vs the exact matrix)",
-           "network", "block"),
-          ("quality_blocks", "Approximation quality per layer block",
-           "layer", "block"),
-          ("quality_block_types", "Approximation quality per block type "
-           "(role: the sub-matrices over every layer of that type)", "role",
-           "role")):
-        part = q[q.level == level].rename(columns={"block": block})
-        if (part.reference == "empirical_fisher").any():
-          title += EMPIRICAL_FISHER_SCALE
+    if not any(name in tables for name in self.tables):
+      return None
+    found = Section(
+        "Curvature", "How close is each approximation to the exact "
+        "curvature, over the whole network, per layer and per block type, "
+        "and how do their spectra compare?")
+    quality = tables.get("quality")
+    pairs = tables.get("references")
+    if quality is not None:
+      q = summary.quality(quality)
+      found.findings += summary.findings(quality)
+      for level, name, title in summary.LEVELS:
+        part = q[q.level == level]
         if not part.empty:
-          out.append((name, f"{title}: median over runs, quartiles, n "
-                      "runs", aggregate.over_runs(
-                          part, ["problem", "data", "step", "reference",
-                                 "block_type", "label", block], "metric",
-                          "value")))
+          found.tables.append(summary.quality_table(name, title, part,
+                                                    detail=level != "network"))
+      found.notes += summary.shared_blocks(quality)
+      if (quality.reference == "empirical_fisher").any():
+        found.notes.append(summary.EMPIRICAL_FISHER_SCALE)
+    if pairs is not None:
+      found.notes += summary.same_references(pairs)
     if "statistics" in tables:
-      out.append(("statistics", "Spectrum statistics: median over runs, "
-                  "quartiles, n runs (condition_number_at_least: the "
-                  "spectrum runs into the relative floor, so only a bound "
-                  "is known)", aggregate.over_runs(
-                      tables["statistics"], ["problem", "label", "data",
-                                             "step", "source", "matrix"],
-                      "statistic", "value")))
+      found.tables.append(summary.statistics_table(tables["statistics"]))
     if "cost" in tables:
-      out.append(("cost", "Cost of each measured phase: seconds (compile "
-                  "apart), median over runs, quartiles, n runs",
-                  aggregate.over_runs(cost_rows(tables["cost"]), [
-                      "problem", "label", "data", "step", "phase"], "cost",
-                      "value")))
-    return out
+      found.tables.append(summary.cost_table(tables["cost"]))
+    found.figures += self.figures(tables, report.colour, out)
+    return found
 
-  def figures(self, report, out):
-    tables = completed(report.tables)
+  @staticmethod
+  def figures(tables, colour, out):
     paths = []
     if "spectra" in tables:
-      paths += plots.spectra(tables["spectra"], out, colour=report.colour)
+      paths += figures.spectra(tables["spectra"], out, colour=colour)
     if "heatmaps" in tables:
-      paths += plots.heatmaps(tables["heatmaps"], out)
+      paths += figures.heatmaps(tables["heatmaps"], out)
     if "quality" in tables:
-      q = tables["quality"]
+      q = summary.named(tables["quality"])
       roles = q.level == "role"
       if roles.any():
-        paths += plots.quality_per_block_type(q[roles], out, report.colour)
+        paths += figures.quality_per_block_type(q[roles], out, colour)
       q = q[~roles]
       along = q.groupby("problem").step.transform("nunique") > 1
       if along.any():
-        paths += plots.quality_through_training(q[along], out, report.colour)
+        paths += figures.quality_through_training(q[along], out, colour)
       if (~along).any():
-        paths += plots.quality(q[~along], out, report.colour)
+        paths += figures.quality(q[~along], out, colour)
     if "statistics" in tables:
-      paths += plots.statistics(tables["statistics"], out, report.colour)
+      paths += figures.statistics(tables["statistics"], out, colour)
     return paths
-
-
-def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
-  """The cost table long: one row per run, phase and cost (`compile_s`,
-  `run_s`, `program_mib`), a run's repeated phases summed."""
-  cost = cost.assign(program_mib=cost.program_bytes / 2 ** 20)
-  index = ["problem", "label", "data", "step", "phase", "run_id"]
-  summed = cost.groupby(index, dropna=False).agg(
-      compile_s=("compile_s", "sum"), run_s=("run_s", "sum"),
-      program_mib=("program_mib", "max")).reset_index()
-  return summed.melt(index, var_name="cost", value_name="value")
 
 
 def completed(tables: dict) -> dict:
   """The spectra and quality tables with the location columns filled in
   where older records lack them (`plots.DEFAULTS`; `block` and `level` on
-  quality rows only, see `plots.quality_levels`)."""
+  quality rows only, see `figures.quality_levels`; `sample` 0 and no
+  relative damping where a run measured one sample at one damping)."""
   out = dict(tables)
-  for name in ("spectra", "quality"):
+  for name in ("spectra", "quality", "statistics"):
     if name in out:
       df = out[name].copy()
-      for column, value in plots.DEFAULTS.items():
+      for column, value in {**plots.DEFAULTS, "sample": 0}.items():
         if column != "block" or name == "quality":
           df[column] = df.get(column, value)
           df[column] = df[column].fillna(value)
-      out[name] = plots.quality_levels(df) if name == "quality" else df
+      if name == "quality":
+        df["relative_damping"] = df.get("relative_damping", np.nan)
+        df = figures.quality_levels(df)
+      out[name] = df
   return out
 
 

@@ -1,0 +1,250 @@
+"""The spectra measurement's part of the report: quality, statistics and
+cost over every sample (seeds x batches, per step), the findings that
+compare the approximations with the interval of their difference, and
+what the tables cannot show (references that coincide, blocks every
+method shares)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from curvbench import stats
+from curvbench.measurements.spectra.compute import SAME
+from curvbench.sections import Table, number, spread, wide
+
+# The relation a reader comparing with KFAC-JAX needs (README, porting).
+EMPIRICAL_FISHER_SCALE = (
+    "empirical_fisher, reference and estimates alike, is the mean of "
+    "per-example gradient outer products: B (the batch size) times what "
+    "KFAC-JAX's block-diagonal estimator, or ours at its default, holds.")
+
+# Why two exact matrices coincide, where the mathematics says.
+WHY_SAME = {
+    frozenset({"fisher", "ggn"}): (
+        "for a loss that is the negative log-likelihood of an exponential "
+        "family in its natural parameters, as every registered loss is "
+        "(softmax and sigmoid cross-entropy, squared error), the Fisher is "
+        "the GGN"),
+    frozenset({"ggn", "hessian"}): (
+        "the Hessian is the GGN where the network's outputs are linear in "
+        "its parameters (the network's second-derivative term vanishes)")}
+
+LEVELS = (("network", "quality", "Approximation quality against each exact "
+           "matrix, whole network"),
+          ("layer", "quality_blocks", "Approximation quality per layer block"),
+          ("role", "quality_block_types", "Approximation quality per block "
+           "type (the sub-matrices over every layer of that type)"))
+
+# The order the tables show the metrics in: the headline ones first.
+METRICS = ("relative_frobenius", "natural_gradient_cosine",
+           "spectral_distance", "top_k_overlap", "top_eigenvalue_ratio",
+           "trace_ratio", "diagonal_relative_error", "log_wasserstein")
+
+# A sample: one seed's measurement of one draw of the data at one step.
+SAMPLE = ["run_id", "sample"]
+INDEX = ["problem", "data", "step", "reference", "level", "block", "label",
+         "metric", "relative_damping"]
+
+
+def metric_order(names) -> list[str]:
+  """`names` (metric names, dampings included) once each, headline ones
+  first (`METRICS`), then by name."""
+  rank = lambda m: (METRICS.index(m.split(" (")[0]) if m.split(" (")[0]
+                    in METRICS else len(METRICS), m)
+  return sorted(set(names), key=rank)
+
+
+def metric_name(metric: str, rho) -> str:
+  """The metric as the tables name it, its relative damping included."""
+  return metric if pd.isna(rho) else f"{metric} (rho={rho:g})"
+
+
+def named(q: pd.DataFrame) -> pd.DataFrame:
+  """Quality rows with each metric named by `metric_name`."""
+  return q.assign(metric=[metric_name(m, r) for m, r in
+                          zip(q.metric, q.relative_damping)])
+
+
+def _summarise(df: pd.DataFrame, index: list[str], value: str = "value"
+               ) -> pd.DataFrame:
+  """Per `index`: median and quartiles, mean and its bootstrap interval of
+  `value` over the samples (runs x draws), `n` samples and `seeds`."""
+  out = []
+  for key, group in df.groupby(index, dropna=False, sort=True):
+    values = pd.to_numeric(group[value], errors="coerce").to_numpy(float)
+    median, q25, q75 = stats.quartiles(values)
+    mean, low, high = stats.interval(values[np.isfinite(values)])
+    out.append(dict(zip(index, key), median=median, q25=q25, q75=q75,
+                    mean=mean, ci_low=low, ci_high=high,
+                    n=int(np.isfinite(values).sum()),
+                    seeds=group.run_id.nunique()))
+  return pd.DataFrame(out, columns=[*index, "median", "q25", "q75", "mean",
+                                    "ci_low", "ci_high", "n", "seeds"])
+
+
+def quality(q: pd.DataFrame) -> pd.DataFrame:
+  """Every quality metric over its samples (`_summarise`), its relative
+  damping in its name; layer and block-type rows say whether every
+  method scores the same there (`same_in_every_method`)."""
+  out = _summarise(named(q), [c for c in INDEX if c != "relative_damping"])
+  shared = _shared(q)
+  out["same_in_every_method"] = [
+      (p, lvl, b) in shared for p, lvl, b in zip(out.problem, out.level,
+                                                 out.block)]
+  return out
+
+
+def quality_table(name: str, title: str, part: pd.DataFrame,
+                  detail: bool) -> Table:
+  """A quality table: CSV long, the page a row per method (and block) and
+  a column per metric, each cell the median [quartiles] over samples."""
+  index = ["problem", "reference", "step", "label"]
+  if part.level.iloc[0] != "network":
+    index.insert(3, "block")
+  if part.step.nunique() == 1:
+    index.remove("step")
+  rank = {m: i for i, m in enumerate(metric_order(part.metric))}
+  part = part.iloc[np.argsort([rank[m] for m in part.metric], kind="stable")]
+  return Table(name, f"{title}: median [quartiles] over the samples "
+               "(seeds x data draws; n per row)", part.drop(columns="level"),
+               view=wide(part, index, "metric"), detail=detail)
+
+
+def _shared(q: pd.DataFrame) -> set[tuple]:
+  """`(problem, level, block)` of the layer blocks and block types whose
+  every score is the same in every method compared (two or more): they
+  all approximate it with the same block."""
+  parts = q[q.level != "network"]
+  if parts.empty:
+    return set()
+  where = ["problem", "data", "step", "reference", "level", "block",
+           "metric", "relative_damping", "seed", "sample"]
+  where = [c for c in where if c in parts]
+  groups = parts.groupby(where, dropna=False).value
+  values = groups.agg(["min", "max", "size"]).join(
+      parts.groupby(where, dropna=False).label.nunique().rename("methods"))
+  scale = np.maximum(values["max"].abs(), values["min"].abs())
+  agree = (values["max"] - values["min"] <= 1e-9 * scale) | (scale == 0)
+  values = values.assign(agree=agree & (values.methods > 1))
+  per_block = values.groupby(level=["problem", "level", "block"]).agree.all()
+  return set(per_block[per_block].index)
+
+
+def shared_blocks(q: pd.DataFrame) -> list[str]:
+  """A note per problem naming the blocks every method scores alike."""
+  notes = []
+  shared = sorted(_shared(q))
+  for problem in sorted({p for p, _, _ in shared}):
+    layers = [b for p, lvl, b in shared if p == problem and lvl == "layer"]
+    types = [b for p, lvl, b in shared if p == problem and lvl == "role"]
+    named = ", ".join(filter(None, (
+        f"layer blocks {', '.join(layers)}" if layers else "",
+        f"block types {', '.join(types)}" if types else "")))
+    notes.append(
+        f"{problem}: {named} score the same in every approximation "
+        "compared: all of them give these layers the same block, so these "
+        "rows cannot tell the methods apart (column same_in_every_method).")
+  return notes
+
+
+def same_references(pairs: pd.DataFrame) -> list[str]:
+  """A note per pair of exact references that coincide in every run."""
+  notes = []
+  for (problem, matrix, reference), group in pairs.groupby(
+      ["problem", "matrix", "reference"]):
+    largest = group.relative_frobenius.max()
+    if largest > SAME:
+      continue
+    why = WHY_SAME.get(frozenset({matrix, reference}),
+                       "they coincide on these runs")
+    distance = ("0" if largest == 0 else f"at most {largest:.1g}")
+    notes.append(
+        f"{problem}: the exact {matrix} equals the exact {reference} here "
+        f"(relative Frobenius distance {distance} in all {len(group)} "
+        f"samples): {why}. Quality against {matrix} is the quality against "
+        f"{reference}, so it is given once.")
+  return notes
+
+
+def findings(q: pd.DataFrame) -> list[str]:
+  """Per problem and reference, at the first measured step: the method
+  closest to the exact matrix in relative Frobenius error over the whole
+  network, and the interval of its difference to the runner-up, paired
+  by seed and data draw where both were measured alike."""
+  out = []
+  network = q[(q.level == "network") & (q.metric == "relative_frobenius")]
+  for (problem, reference), part in network.groupby(["problem",
+                                                     "reference"]):
+    part = part[part.step == part.step.min()]
+    values = {label: g.set_index(["seed", "sample", "data"]).value
+              for label, g in part.groupby("label")}
+    ranked = sorted(values, key=lambda m: values[m].mean())
+    best = ranked[0]
+    n = len(values[best])
+    med = spread(*stats.quartiles(values[best]))
+    where = (f"{problem} vs exact {reference}"
+             + (f" at step {part.step.min()}" if part.step.max() else ""))
+    if len(ranked) == 1:
+      out.append(f"{where}: {best} has relative Frobenius error {med} "
+                 f"(median [quartiles] of {n} samples).")
+      continue
+    runner = ranked[1]
+    both = values[best].index.intersection(values[runner].index)
+    diff = (stats.paired_difference(values[best][both], values[runner][both])
+            if len(both) == max(n, len(values[runner]))
+            else stats.difference(values[best], values[runner]))
+    other = spread(*stats.quartiles(values[runner]))
+    verdict = (f"not told apart from {runner}'s {other}"
+               if stats.ordering(diff) == "tied"
+               else f"lower than {runner}'s {other}")
+    interval = ("no interval from one sample: measure more seeds or "
+                "samples" if not np.isfinite(diff[1]) else
+                f"difference {number(diff[0])} [{number(diff[1])}, "
+                f"{number(diff[2])}], 95 % bootstrap interval over "
+                f"{len(both)} {'paired ' if len(both) else ''}samples")
+    out.append(f"{where}: {best} comes closest, relative Frobenius error "
+               f"{med} (median [quartiles], n={n}), {verdict} ({interval}).")
+  return out
+
+
+def statistics_table(statistics: pd.DataFrame) -> Table:
+  """Spectrum statistics of each exact matrix and approximation over the
+  samples; a condition number known only as a bound in some samples
+  (`condition_number_at_least`) counts with the others, and `bounds` says
+  in how many."""
+  index = ["problem", "label", "data", "step", "source", "matrix"]
+  bound = statistics.statistic == "condition_number_at_least"
+  rows = statistics.assign(statistic=statistics.statistic.where(
+      ~bound, "condition_number"), bound=bound)
+  data = _summarise(rows, [*index, "statistic"])
+  data["bounds"] = rows.groupby([*index, "statistic"], dropna=False,
+                                sort=True).bound.sum().to_numpy()
+  view = wide(data, [c for c in index if data[c].nunique() > 1 or c in (
+      "problem", "source", "matrix")], "statistic")
+  return Table("statistics", "Spectrum statistics: median [quartiles] over "
+               "the samples (a condition number whose spectrum runs into the "
+               "relative floor is only a lower bound: bounds counts those "
+               "samples)", data, view=view, detail=True)
+
+
+def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
+  """The cost table long: one row per run, sample, phase and cost
+  (`compile_s`, `run_s`, `program_mib`), a sample's repeated phases
+  summed."""
+  cost = cost.assign(program_mib=cost.program_bytes / 2 ** 20,
+                     sample=cost.get("sample", 0))
+  index = ["problem", "label", "data", "step", "phase", "run_id", "sample"]
+  summed = cost.groupby(index, dropna=False).agg(
+      compile_s=("compile_s", "sum"), run_s=("run_s", "sum"),
+      program_mib=("program_mib", "max")).reset_index()
+  return summed.melt(index, var_name="cost", value_name="value")
+
+
+def cost_table(cost: pd.DataFrame) -> Table:
+  data = _summarise(cost_rows(cost), ["problem", "label", "data", "step",
+                                      "phase", "cost"])
+  return Table("cost", "Cost of each measured phase: seconds (compile "
+               "apart) and MiB, median [quartiles] over the samples", data,
+               view=wide(data, ["problem", "label", "phase"], "cost"),
+               detail=True)
