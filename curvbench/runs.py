@@ -11,6 +11,7 @@ code or data). One process at a time runs a run directory (its lock).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import traceback
 from pathlib import Path
@@ -89,18 +90,34 @@ def quiet_logging(names=("estimators.graph_matcher", "jax")):
       logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def released():
+  """Releases, when the block ends, the programs JAX compiled in it. A
+  sweep runs its points in one process, and each compiled CPU program
+  holds memory maps (a transformer's timing run leaves about 2,000) that
+  JAX's caches keep alive: past Linux's 65,530 maps per process, LLVM
+  cannot compile and the process dies. Later runs load what they need
+  from the compilation cache."""
+  try:
+    yield
+  finally:
+    jax.clear_caches()
+    gc.collect()
+
+
 def measure(cfg, run_dir) -> dict:
   """Runs the configured measurement and writes its records into `run_dir`;
   returns the fields of its completion marker (`Outcome.marker`: status
   'complete', or 'diverged' with the step and the reason).
 
-  64-bit precision and quiet loggers hold for the measurement only.
+  64-bit precision and quiet loggers hold for the measurement only, and
+  the programs it compiled are released when it ends (`released`).
   """
   run = config.load(cfg)
   measurement = run.measure.chosen
   float64 = measurement.precision == "float64"
   with (devices.use(run.device, run.devices), jax.enable_x64(float64),
-        quiet_logging()):
+        quiet_logging(), released()):
     dtype = np.float64 if float64 else np.float32
     problem = problems.make(run.problem)
     curvature = run.curvature.make(problem.loss_fn)

@@ -51,6 +51,8 @@ def number(value, digits: int = 3) -> str:
   if value is None or (isinstance(value, float) and math.isnan(value)):
     return ""
   if isinstance(value, float):
+    if 10 ** digits <= abs(value) < 1e6:  # a count of steps, say: whole
+      return f"{value:.0f}"
     return f"{value:.{digits}g}"
   return str(value)
 

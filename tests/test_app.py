@@ -208,3 +208,18 @@ def test_a_failing_run_says_why_in_one_line(tmp_path, capsys):
   with pytest.raises(SystemExit, match="curvbench report: No sweep "
                      "directory at /no/such/sweep"):
     app.cli(["report", "/no/such/sweep"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(),
+                    reason="counts the memory maps Linux lists per process")
+def test_a_sweeps_runs_release_their_compiled_programs(tmp_path):
+  """Each compiled program holds memory maps, and Linux allows a process
+  65,530: the runs of a sweep, one process, release theirs, so the count
+  stays where the first run left it (it grew by hundreds a run before)."""
+  maps = lambda: sum(1 for _ in open("/proc/self/maps"))
+  counts = []
+  for seed in range(3):
+    cfg = config.compose(*TINY, "measure=timing", f"seed={seed}")
+    assert runs.run(cfg, tmp_path / str(seed)) == "complete"
+    counts.append(maps())
+  assert max(counts) - counts[0] < 50, counts

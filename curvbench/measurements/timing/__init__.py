@@ -98,6 +98,7 @@ class Timing(Measurement):
                          "samples: rerun them for ratios with their spread.")
       return found
     ratios = phase_ratios(rows, samples)
+    mib = memory(rows)
     steps = ratios[ratios.phase == "optimizer_step"]
     found.findings += [finding(group) for _, group in steps.groupby(
         ["problem", "device_kind"], sort=True)]
@@ -114,9 +115,9 @@ class Timing(Measurement):
                                 "phase"), detail=True),
         Table("timing_memory", "Memory per phase (MiB): XLA's figure for "
               "its program; the device's peak where measured; median "
-              "[quartiles] over runs", memory(rows),
-              view=wide(memory(rows), ["problem", "device_kind", "label"],
-                        "phase"), detail=True)]
+              "[quartiles] over runs", mib,
+              view=wide(mib, ["problem", "device_kind", "label"], "phase"),
+              detail=True)]
     found.figures += figures.timing(ratios, out)
     return found
 
