@@ -78,7 +78,17 @@ def _load_average() -> float:
 
 class Monitor:
   """Measures the load over the block it wraps: `with Monitor() as m:
-  ...`, then `m.load`."""
+  ...`, then `m.load`.
+
+  The kernel counts CPU time in ticks of 10 ms, so a block of a few
+  milliseconds (the timed rounds of a tiny model) would read as an idle
+  machine whatever ran beside it. A block shorter than `min_seconds` is
+  measured over a window stretched to `min_seconds` after it, this process
+  idle for the rest; the window's length is in the result.
+  """
+
+  def __init__(self, min_seconds: float = 1.0):
+    self.min_seconds = min_seconds
 
   def __enter__(self) -> Monitor:
     self._process = psutil.Process()
@@ -89,6 +99,7 @@ class Monitor:
 
   def __exit__(self, *exc) -> None:
     wall, busy, own = self._start
+    time.sleep(max(self.min_seconds - (time.perf_counter() - wall), 0.0))
     wall = time.perf_counter() - wall
     busy = _busy(psutil.cpu_times()) - busy
     own = _own(self._process) - own
@@ -102,8 +113,8 @@ class Monitor:
 
 def sample(seconds: float = 1.0) -> Load:
   """The load over the next `seconds`, this process idle."""
-  with Monitor() as monitor:
-    time.sleep(seconds)
+  with Monitor(min_seconds=seconds) as monitor:
+    pass
   return monitor.load
 
 
