@@ -324,3 +324,22 @@ def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
   df = pd.DataFrame(tables["spectra"])
   np.testing.assert_allclose(df[df.source == "approx"].eigenvalue,
                              np.linalg.eigvalsh(kfac), atol=1e-10)
+
+
+def test_the_closest_method_is_named_by_the_statistic_it_quotes():
+  """One sample far off moves a method's mean but not its median: the
+  finding ranks, quotes and differences the same statistic (means), so
+  the method it names first never has the higher figure."""
+  from curvbench.measurements.spectra import summary
+  spiky, steady = [0.1, 0.1, 0.1, 0.1, 2.0], [0.3] * 5
+  rows = [dict(problem="p", data="d", step=0, reference="ggn",
+               level="network", block="all", label=label,
+               metric="relative_frobenius", relative_damping=np.nan,
+               run_id=f"r{label}{i}", seed=i, sample=0, value=value)
+          for label, values in (("spiky", spiky), ("steady", steady))
+          for i, value in enumerate(values)]
+  [finding] = summary.findings(pd.DataFrame(rows))
+  assert finding.startswith("p vs exact ggn: steady comes closest, relative "
+                            "Frobenius error 0.3 (mean [95 % interval], n=5)")
+  assert "not told apart from spiky's 0.48 [0.1, 1.24]" in finding
+  assert "difference -0.18 [" in finding

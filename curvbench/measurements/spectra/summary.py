@@ -182,19 +182,21 @@ def findings(q: pd.DataFrame) -> list[str]:
     ranked = sorted(values, key=lambda m: values[m].mean())
     best = ranked[0]
     n = len(values[best])
-    med = spread(*stats.quartiles(values[best]))
+    # Ranked by the mean, so the figures quoted are means too: a median
+    # could put the runner-up first while the difference of means does not.
+    mean = spread(*stats.interval(values[best]))
     where = (f"{problem} vs exact {reference}"
              + (f" at step {part.step.min()}" if part.step.max() else ""))
     if len(ranked) == 1:
-      out.append(f"{where}: {best} has relative Frobenius error {med} "
-                 f"(median [quartiles] of {n} samples).")
+      out.append(f"{where}: {best} has relative Frobenius error {mean} "
+                 f"(mean [95 % interval] of {n} samples).")
       continue
     runner = ranked[1]
     both = values[best].index.intersection(values[runner].index)
     diff = (stats.paired_difference(values[best][both], values[runner][both])
             if len(both) == max(n, len(values[runner]))
             else stats.difference(values[best], values[runner]))
-    other = spread(*stats.quartiles(values[runner]))
+    other = spread(*stats.interval(values[runner]))
     verdict = (f"not told apart from {runner}'s {other}"
                if stats.ordering(diff) == "tied"
                else f"lower than {runner}'s {other}")
@@ -204,7 +206,8 @@ def findings(q: pd.DataFrame) -> list[str]:
                 f"{number(diff[2])}], 95 % bootstrap interval over "
                 f"{len(both)} {'paired ' if len(both) else ''}samples")
     out.append(f"{where}: {best} comes closest, relative Frobenius error "
-               f"{med} (median [quartiles], n={n}), {verdict} ({interval}).")
+               f"{mean} (mean [95 % interval], n={n}), {verdict} "
+               f"({interval}).")
   return out
 
 
