@@ -87,9 +87,15 @@ def difference(a, b, level: float = LEVEL, seed: int = 0
     return (mean,) * 3
   if a.size == 1 or b.size == 1:  # no interval from one sample
     return (mean, np.nan, np.nan)
+  # The groups draw in an order fixed by their values, not by which is
+  # passed first, so difference(b, a) is exactly -difference(a, b): a
+  # report that states one comparison both ways gives one interval.
   rng = np.random.default_rng(seed)
-  diffs = (rng.choice(a, (ROUNDS, a.size)).mean(axis=1)
-           - rng.choice(b, (ROUNDS, b.size)).mean(axis=1))
+  means = {}
+  for name, values in sorted((("a", a), ("b", b)), key=lambda item: (
+      item[1].size, tuple(np.sort(item[1])))):
+    means[name] = rng.choice(values, (ROUNDS, values.size)).mean(axis=1)
+  diffs = means["a"] - means["b"]
   low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
   return (mean, min(float(low), mean), max(float(high), mean))
 

@@ -77,6 +77,11 @@ def test_interval_covers_the_mean_and_shrinks_with_more_seeds():
   assert np.isnan(stats.interval([])).all()
   mean, low, high = stats.difference([1.0, 1.1, 0.9], [2.0, 2.1, 1.9])
   assert mean == pytest.approx(-1.0) and high < 0
+  # One comparison stated both ways gives one interval, mirrored.
+  a, b = rng.normal(0.0, 1.0, 5), rng.normal(0.5, 1.0, 3)
+  forward, backward = stats.difference(a, b), stats.difference(b, a)
+  mean, low, high = backward
+  assert forward == pytest.approx((-mean, -high, -low))
 
 
 def test_paired_samples_tell_apart_what_unpaired_ones_cannot():
