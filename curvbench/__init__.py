@@ -2,10 +2,13 @@
 
 Its components, each one module found through its registry:
 `curvbench.approximations` (the `curvature` group), `curvbench.optimizers`
-(`optimizer`), `curvbench.measurements` (`measure`); problems and datasets
-are in the `problems` package. `config` declares and checks the run's
-settings, `runs` runs one, `app` is the `curvbench` command, `report` and
-`plots` merge a sweep. `curvatures` is the one interface over the
-estimators that measurements use; `spectra`, `timing` and `training` hold
-the measurements' computations.
+(`optimizer`), `curvbench.measurements` (`measure`, one folder per
+measurement: its computation, settings, figures and report section);
+problems and datasets are in the `problems` package. `components` is how
+each of them declares its settings and registry. `config` declares and
+checks the run's settings, `runs` runs one, `app` is the `curvbench`
+command, `report` merges a sweep (`sweep` loads it, `stats` and
+`sections` shape what it shows, `plots` holds the shared figure helpers).
+`curvatures` is the one interface over the estimators that measurements
+use.
 """

@@ -32,8 +32,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 import estimators
-from components import (Check, Choice, Component, Flag, Number, OneOf,
-                        Parsed, Settings, SettingsError, Text, Whole, setting)
+from curvbench.components import (Check, Choice, Component, Flag, Number, OneOf,
+                                  Parsed, Settings, SettingsError, Text, Whole,
+                                  setting)
 from curvbench import devices, measurements, tuning
 from curvbench.approximations import CURVATURES
 from curvbench.optimizers import OPTIMIZERS

@@ -18,7 +18,8 @@ def make(settings) -> Problem:
   dataset.
 
   Raises:
-    components.SettingsError: naming the first setting that is not allowed.
+    curvbench.components.SettingsError: naming the first setting that is
+      not allowed.
   """
   if not isinstance(settings, ProblemSettings):
     settings = PROBLEMS.load(_plain(settings), "problem")

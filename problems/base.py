@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
-from components import (Choice, Component, Registry, Text, Whole, dotted,
-                        setting)
+from curvbench.components import (Choice, Component, Registry, Text, Whole,
+                                  dotted, setting)
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 

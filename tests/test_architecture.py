@@ -8,7 +8,7 @@ from pathlib import Path
 from curvbench import config
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("components", "estimators", "problems", "curvbench",
+PACKAGES = ("estimators", "problems", "curvbench",
             "hydra_plugins")
 
 

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import pytest
 
-from components import (Component, Flag, ListOf, Number, OneOf, Parsed,
-                        Registry, Settings, SettingsError, Text, Whole,
-                        setting)
+from curvbench.components import (Component, Flag, ListOf, Number, OneOf,
+                                   Parsed, Registry, Settings, SettingsError,
+                                   Text, Whole, setting)
 
 
 def complaint(check, value, key="k"):
@@ -158,7 +158,7 @@ def test_a_registry_imports_every_module_of_its_package(tmp_path,
   package.mkdir()
   (package / "__init__.py").write_text(textwrap.dedent("""
       import dataclasses
-      from components import Component, Registry
+      from curvbench.components import Component, Registry
       @dataclasses.dataclass
       class Base(Component):
         pass

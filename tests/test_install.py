@@ -42,6 +42,15 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
   where = run(venv / "bin/python", "-c", "import curvbench; "
               "print(curvbench.__file__)", cwd=work, env=env)
   assert Path(where).resolve().is_relative_to(venv), where
+  # The wheel installs the project's own names at the top level, no
+  # generic one (`components` lives inside curvbench).
+  tops = {p.name for p in site.iterdir() if p.is_dir()
+          and not p.name.endswith((".dist-info", "__pycache__"))}
+  assert tops == {"curvbench", "estimators", "problems", "hydra_plugins"}
+  missing = run(venv / "bin/python", "-c", "import importlib.util; "
+                "print(importlib.util.find_spec('components'))", cwd=work,
+                env=env)
+  assert missing.strip() == "None"
   run(venv / "bin/curvbench", "-m", "name=installed", "measure=spectra,timing",
       "problem.width=3", "problem.depth=1", "problem.batch_size=8",
       "measure.spectra.references=[ggn]", "measure.spectra.samples=1",

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import estimators
-from components import Component, Flag, Number, OneOf, Registry, Whole, setting
+from curvbench.components import (Component, Flag, Number, OneOf, Registry,
+                                  Whole, setting)
 from curvbench import curvatures
 from estimators import estimation_modes
 

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 
 import estimators as kfac
-from components import OneOf, setting
+from curvbench.components import OneOf, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
 
 

@@ -5,7 +5,7 @@ registered twice: `implicit_exact` (the GGN) and `implicit_hessian`."""
 import dataclasses
 from typing import ClassVar
 
-from components import OneOf, setting
+from curvbench.components import OneOf, setting
 from curvbench import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
 

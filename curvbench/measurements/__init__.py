@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from components import OneOf, Registry, Settings, Whole, setting
+from curvbench.components import OneOf, Registry, Settings, Whole, setting
 from curvbench import devices
 from curvbench.sections import Section
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from jax.sharding import Mesh
 
-from components import Component, Registry
+from curvbench.components import Component, Registry
 from curvbench.curvatures import Curvature
 
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import optax
 
-from components import Flag, Number, OneOf, setting
+from curvbench.components import Flag, Number, OneOf, setting
 from curvbench import training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
 

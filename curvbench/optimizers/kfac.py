@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import estimators as kfac
-from components import Flag, ListOf, Number, OneOf, Settings, Whole, setting
+from curvbench.components import (Flag, ListOf, Number, OneOf, Settings, Whole,
+                                  setting)
 from curvbench import costs, devices
 from curvbench.curvatures import Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from components import Number, Whole, setting
+from curvbench.components import Number, Whole, setting
 from curvbench import training
 from curvbench.curvatures import Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings

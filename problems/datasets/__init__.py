@@ -6,7 +6,7 @@ import dataclasses
 from typing import ClassVar
 from pathlib import Path
 
-from components import Component, Registry, Whole, setting
+from curvbench.components import Component, Registry, Whole, setting
 from problems import data
 from problems.data import Dataset
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components import Text, setting
+from curvbench.components import Text, setting
 from problems import data
 from problems.datafiles import (SPLIT_KEYS, DataFileError, check_splits,
                                 leading_lengths, read_npz)

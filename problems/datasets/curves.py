@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from components import Number, Text, Whole, setting
+from curvbench.components import Number, Text, Whole, setting
 from problems import data
 from problems.datasets import DATASETS, DatasetSettings
 

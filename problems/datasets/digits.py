@@ -5,7 +5,7 @@ import importlib.metadata
 
 import numpy as np
 
-from components import Text, Whole, dotted, setting
+from curvbench.components import Text, Whole, dotted, setting
 from problems import data
 from problems.datasets import DATASETS, DatasetSettings
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from components import Number, OneOf, Text, Whole, setting
+from curvbench.components import Number, OneOf, Text, Whole, setting
 from problems import data
 from problems.datasets import DATASETS, DatasetSettings
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components import Number, Text, Whole, setting
+from curvbench.components import Number, Text, Whole, setting
 from problems import data
 from problems.datafiles import DataFileError
 from problems.datasets import DATASETS, DatasetSettings

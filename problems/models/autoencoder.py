@@ -9,7 +9,7 @@ and output logits scored against the input pixels. The paper's sizes: MNIST
 import dataclasses
 import math
 
-from components import ListOf, OneOf, Whole, setting
+from curvbench.components import ListOf, OneOf, Whole, setting
 from problems import layers
 from problems.base import LOSSES, PROBLEMS, Problem, ProblemSettings
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import haiku as hk
 
-from components import Flag, ListOf, OneOf, Whole, dotted, setting
+from curvbench.components import Flag, ListOf, OneOf, Whole, dotted, setting
 from problems import layers
 from problems.base import PROBLEMS, Problem, ProblemSettings
 

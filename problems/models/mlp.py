@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from components import ListOf, OneOf, Whole, setting
+from curvbench.components import ListOf, OneOf, Whole, setting
 from problems import layers
 from problems.base import PROBLEMS, Problem, ProblemSettings
 

@@ -23,7 +23,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from components import ListOf, Number, OneOf, Whole, dotted, setting
+from curvbench.components import ListOf, Number, OneOf, Whole, dotted, setting
 from problems.base import PROBLEMS, Problem, ProblemSettings
 
 NORMS = ("batch", "group", "layer", "none")

@@ -19,7 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from components import Flag, Whole, dotted, setting
+from curvbench.components import Flag, Whole, dotted, setting
 from problems.base import PROBLEMS, Problem, ProblemSettings
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from components import Number, setting
+from curvbench.components import Number, setting
 from curvbench.measurements import Measurement, Outcome
 from curvbench.sections import Section, Table
 from tests.toy_measurement import figures

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from components import (Flag, ListOf, Number, OneOf, Parsed, Text, Whole,
-                        setting)
+from curvbench.components import (Flag, ListOf, Number, OneOf, Parsed, Text,
+                                   Whole, setting)
 from curvbench import checkpoints, curvatures, devices, plots, training
 from curvbench.costs import Costs
 from curvbench.data import parse_scope, select

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import pandas as pd
 
-from components import Choice, ListOf, Number, OneOf, Whole, setting
+from curvbench.components import Choice, ListOf, Number, OneOf, Whole, setting
 from curvbench import stats
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.timing import clock, figures, load

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from components import Number, Parsed, Whole, setting
+from curvbench.components import Number, Parsed, Whole, setting
 from curvbench import checkpoints, provenance, stats, training, tuning
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.training import comparison, figures

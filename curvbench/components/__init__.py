@@ -3,10 +3,11 @@ dataclass (`settings`), and the registry of its kind that finds it by name
 (`registry`). Problems, datasets, curvature approximations, optimizers and
 measurements are all components; nothing here knows any of them."""
 
-from components.registry import Component, Registry
-from components.settings import (Check, Choice, Flag, ListOf, Number, OneOf,
-                                 Parsed, Settings, SettingsError, Text, Whole,
-                                 dotted, setting)
+from curvbench.components.registry import Component, Registry
+from curvbench.components.settings import (Check, Choice, Flag, ListOf, Number,
+                                           OneOf, Parsed, Settings,
+                                           SettingsError, Text, Whole, dotted,
+                                           setting)
 
 __all__ = ["Check", "Choice", "Component", "Flag", "ListOf", "Number",
            "OneOf", "Parsed", "Registry", "Settings", "SettingsError", "Text",

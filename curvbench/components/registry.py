@@ -24,7 +24,8 @@ import pkgutil
 from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
-from components.settings import Settings, SettingsError, Text, setting
+from curvbench.components.settings import (Settings, SettingsError, Text,
+                                            setting)
 
 
 @dataclasses.dataclass
