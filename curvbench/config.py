@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 import estimators
+import hydra_plugins.curvbench_sweeper  # noqa: F401  (hydra/sweeper/tuning)
 from curvbench.components import (Check, Choice, Component, Flag, Number, OneOf,
                                   Parsed, Settings, SettingsError, Text, Whole,
                                   setting)

@@ -439,3 +439,16 @@ def test_single_runs_in_the_same_second_get_their_own_directories():
     assert [cfg.hydra.run.dir for cfg in composed] == dirs  # fixed once read
   finally:
     setup_globals()  # Hydra's own `now` again
+
+
+def test_the_python_api_composes_from_any_directory(tmp_path):
+  """Outside the repository (its root not on the path, the package found
+  through the install) `config.compose` knows the sweeper's config, as the
+  README's Python example needs, with nothing registered by hand."""
+  script = ("from curvbench import config; "
+            "cfg = config.compose('+experiment=quick', with_hydra=True); "
+            "print(cfg.hydra.sweeper._target_)")
+  result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
+                          capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split()[-1].endswith("tuning_sweeper.TuningSweeper")

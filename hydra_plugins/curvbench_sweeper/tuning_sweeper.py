@@ -32,15 +32,11 @@ is not launched either, so a restarted sweep goes straight to the runs it
 has left.
 """
 
-# No `from __future__ import annotations`: Hydra executes plugin modules
-# outside sys.modules, where dataclasses cannot resolve string annotations.
 import itertools
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
@@ -53,24 +49,13 @@ from curvbench import config, devices, measurements, records, runs
 SWEEP_MARKER = records.SWEEP_MARKER  # see `records.claim`
 
 
-@dataclass
-class TuningSweeperConf:
-  _target_: str = (
-      "hydra_plugins.curvbench_sweeper.tuning_sweeper.TuningSweeper")
-  max_batch_size: Any = None
-  params: Any = None
-
-
-ConfigStore.instance().store(group="hydra/sweeper", name="tuning",
-                             node=TuningSweeperConf, provider="curvbench")
-
-
 def register() -> None:
   """Makes the sweeper known to Hydra where its plugin scan misses it.
 
   Hydra lists `hydra_plugins` modules with pkgutil, which cannot see
-  through setuptools' editable-install finder; importing this module stores
-  the config node, and this adds the class to Hydra's plugin table.
+  through setuptools' editable-install finder; importing the package
+  stores the config node, and this adds the class to Hydra's plugin
+  table.
   """
   name = f"{TuningSweeper.__module__}.{TuningSweeper.__name__}"
   Plugins.instance().class_name_to_class.setdefault(name, TuningSweeper)
