@@ -121,7 +121,8 @@ def test_symlog_density_integrates_to_one_and_keeps_the_sign():
   negative = grid < -0.5
   assert np.trapezoid(density[negative], grid[negative]) > 0.85
   x = spectra_figures.symlog_inverse(grid, linthresh)
-  np.testing.assert_allclose(spectra_figures.symlog(x, linthresh), grid, atol=1e-9)
+  np.testing.assert_allclose(spectra_figures.symlog(x, linthresh), grid,
+                             atol=1e-9)
   assert (np.diff(x) > 0).all()
 
 
@@ -136,7 +137,8 @@ def test_symlog_density_of_a_positive_spectrum_with_weights():
 
 
 def test_block_boundaries():
-  lines, names = spectra_figures.block_boundaries(["a", "a", "a", "b", "c", "c"])
+  lines, names = spectra_figures.block_boundaries(
+      ["a", "a", "a", "b", "c", "c"])
   assert lines == [2.5, 3.5]
   assert names == [(1.0, "a"), (3.0, "b"), (4.5, "c")]
   assert spectra_figures.block_boundaries(["w"] * 4) == ([], [(1.5, "w")])
@@ -336,7 +338,8 @@ def _many_methods_quality():
 
 def test_quality_through_training_with_ten_methods(drawn, tmp_path):
   table = _many_methods_quality()
-  spectra_figures.quality_through_training(table, tmp_path, plots.colours(plots.series(table)))
+  spectra_figures.quality_through_training(
+      table, tmp_path, plots.colours(plots.series(table)))
   fig = drawn["quality_steps_mlp_ggn_batch"]
   assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
   ratio = next(ax for ax in fig.axes

@@ -272,8 +272,8 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
       else:
         axes[r, 2].set_visible(False)
     fig.suptitle(f"{problem}: |{ref}| on {data}, step {step}", fontsize=9)
-    paths += plots.save(fig, out / f"heatmaps_{plots.slug(problem, method, data)}"
-                              f"_step{step}")
+    name = f"heatmaps_{plots.slug(problem, method, data)}_step{step}"
+    paths += plots.save(fig, out / name)
   return paths
 
 
@@ -451,7 +451,8 @@ def quality_through_training(df: pd.DataFrame, out: Path,
     plots.legend_below(fig, axes[0], *_quality_legend(sorted(set(p.series)),
                                                  blocks, colours),
                   title="thick: whole network; thin: one layer block")
-    paths += plots.save(fig, out / f"quality_steps_{plots.slug(problem, ref, data)}")
+    paths += plots.save(
+        fig, out / f"quality_steps_{plots.slug(problem, ref, data)}")
   return paths
 
 

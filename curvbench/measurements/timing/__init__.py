@@ -67,10 +67,11 @@ class Timing(Measurement):
 
   def run_disagreements(self, run, prefix):
     if self.baseline is not None and self.baseline.uses_curvature:
+      first_order = [n for n in OPTIMIZERS
+                     if not OPTIMIZERS.get(n).uses_curvature]
       yield (f"{prefix}.baseline: {self.baseline.name} uses a curvature; "
              "the baseline is a first-order optimizer, the unit every phase "
-             f"is measured in (choose one of "
-             f"{', '.join(n for n in OPTIMIZERS if not OPTIMIZERS.get(n).uses_curvature)}).")
+             f"is measured in (choose one of {', '.join(first_order)}).")
 
   def measure(self, ctx):
     problem = ctx.problem
