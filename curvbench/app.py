@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from curvbench import config, records, report, runs
+from curvbench import config, plugins, records, report, runs
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
 
 # Hydra's options that take a value, and those after which the command does
@@ -81,8 +81,9 @@ def _hydra_main():
               config_name="config")
   def main(cfg):
     try:
+      plugins.load(cfg.plugins)  # a launcher's own process imports them too
       config.validate(cfg)
-    except config.ConfigError as e:  # the message alone, no traceback
+    except ValueError as e:  # ConfigError, PluginError: the message alone
       raise SystemExit(f"curvbench: {e}") from None
     use_compilation_cache(cfg.compilation_cache)
     out_dir = HydraConfig.get().runtime.output_dir

@@ -17,7 +17,9 @@ settings make pointless, and settings that disagree each raise a
 """
 
 import dataclasses
+import difflib
 import hashlib
+import re
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -33,10 +35,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 import estimators
 import hydra_plugins.curvbench_sweeper  # noqa: F401  (hydra/sweeper/tuning)
-from curvbench.components import (Check, Choice, Component, Flag, Number, OneOf,
-                                  Parsed, Settings, SettingsError, Text, Whole,
-                                  setting)
-from curvbench import devices, measurements, tuning
+from curvbench.components import (Check, Choice, Component, Flag, ListOf,
+                                  Number, OneOf, Parsed, Settings,
+                                  SettingsError, Text, Whole, setting)
+from curvbench import devices, measurements, plugins, tuning
 from curvbench.approximations import CURVATURES
 from curvbench.optimizers import OPTIMIZERS
 from problems import DATASETS, PROBLEMS
@@ -203,6 +205,10 @@ class RunSettings(Settings):
   lock_wait_s: float = setting(
       0.0, Number(0, finite=False), "seconds to wait for a run directory "
       "another process holds (inf: until free), then skip the run")
+  plugins: list[str] = setting(
+      [], ListOf(Text()), "modules or .py files declaring components of "
+      "your own, imported before the config is composed (give it on the "
+      "command line: plugins=[my_lab.models,./my_model.py])")
   compilation_cache: str | None = setting(
       "reports/.jax_cache", Text(null=True), "where the command keeps JAX's "
       "compiled programs (null: no cache; safe to delete)")
@@ -270,7 +276,9 @@ def options(group: str) -> list[str]:
 def store() -> None:
   """Puts every registered component's settings, and the run's, in Hydra's
   ConfigStore: again where components were registered or removed since."""
-  registered = tuple(r.names() for r in REGISTRIES)
+  # By class too: a model given from Python again replaces its class.
+  plugins.load_installed()
+  registered = tuple((n, r.get(n)) for r in REGISTRIES for n in r.names())
   if _stored == [registered]:
     return
   _stored[:] = [registered]
@@ -325,7 +333,7 @@ def run_values(cfg) -> dict:
   if not isinstance(cfg, DictConfig):
     return {k: v for k, v in cfg.items() if k != "hydra"}
   return {k: OmegaConf.to_container(cfg[k], resolve=True)
-          if isinstance(cfg[k], DictConfig) else cfg[k]
+          if OmegaConf.is_config(cfg[k]) else cfg[k]
           for k in cfg if k != "hydra"}
 
 
@@ -358,6 +366,18 @@ def refusals(cfg) -> Iterator[str]:
   yield from RunSettings.refusals(values)
 
 
+def _choosers() -> set[str]:
+  """The config groups that choose a component (`problem`,
+  `measure/timing/baseline`, ...)."""
+  return {r.group for r in REGISTRIES} | {f"measure/{g}"
+                                          for g in measure_groups()}
+
+
+def _nearest(name: str, names) -> str:
+  close = difflib.get_close_matches(name, list(names), n=3)
+  return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
 def _groups() -> dict:
   return {f.name: f.metadata["check"].registry
           for f in dataclasses.fields(RunSettings)
@@ -387,6 +407,12 @@ def explain(error: Exception, overrides=()) -> str:
   key = getattr(cause, "key", None)
   if not (isinstance(cause, OmegaConfBaseException) and isinstance(where, type)
           and issubclass(where, Settings) and isinstance(key, str)):
+    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", str(error))
+    if missing and missing[1] in _choosers():
+      return (f"Unknown {missing[1]} {missing[2]!r}"
+              f"{_nearest(missing[2], options(missing[1]))}; choose one of "
+              f"{', '.join(options(missing[1]))}, or declare your own in a "
+              "module named by plugins=[...].")
     # Hydra's own words, less its search path (not the user's concern).
     text = f"{error}{f': {cause}' if cause else ''}"
     return text.split("\nConfig search path")[0].strip()
@@ -442,6 +468,21 @@ def coerced_flags(cfg, overrides) -> Iterator[str]:
       yield f"{key}={value!r} is not allowed: {key} must be true or false."
 
 
+def plugins_of(overrides) -> list[str]:
+  """The plugins an override list names (`plugins=[a,b]`, `+plugins=a`):
+  read before Hydra composes, since they add the config groups' choices."""
+  found = []
+  for override in OverridesParser.create().parse_overrides(list(overrides)):
+    if override.get_key_element().lstrip("+~") != "plugins":
+      continue
+    if override.is_sweep_override():
+      raise ConfigError("plugins cannot be swept: give one list, "
+                        "plugins=[a,b], for every run of the sweep.")
+    value = override.value()
+    found += [str(v) for v in (value if isinstance(value, list) else [value])]
+  return found
+
+
 def compose(*overrides: str, check: bool = True,
             with_hydra: bool = False) -> DictConfig:
   """The config of `curvbench OVERRIDES...`, e.g.
@@ -454,6 +495,7 @@ def compose(*overrides: str, check: bool = True,
       checked) any setting `validate` refuses.
   """
   register_resolvers()
+  plugins.load(plugins_of(overrides))
   store()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     try:

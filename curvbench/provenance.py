@@ -6,7 +6,8 @@ name, progress output, error handling, the skip rule, the report-only
 tuning section, the lock's wait and the compilation cache), the code (the
 commit, and a hash of uncommitted changes) and the data (the dataset's
 fingerprint: the sha256 of the files it reads, or its generator, version
-and settings). Two runs that differ in any of these never share an id, are
+and settings) and the code of any component declared outside curvbench (a
+plugin's, or a model given from Python: `plugins.source`). Two runs that differ in any of these never share an id, are
 never taken for each other on resume, and the report keeps them apart.
 Every record row carries the id and the provenance columns of `columns`;
 the run's whole config, flattened to dotted keys, is the run's `config`
@@ -15,6 +16,7 @@ table, joined on `run_id`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -23,12 +25,13 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 import problems
-from curvbench import devices
+from curvbench import devices, plugins
 
 NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
                 "tuning", "lock_wait_s", "compilation_cache")
@@ -60,13 +63,39 @@ def identity_config(cfg) -> dict:
 
 
 def inputs(cfg) -> dict:
-  """The code (`code_version`) and the data (the dataset's fingerprint) a
-  run with `cfg` measures with."""
+  """The code (`code_version`), the data (the dataset's fingerprint) and
+  the code of the components from outside curvbench (`plugin_code`) a run
+  with `cfg` measures with."""
   section = cfg["problem"]["data"]
   if isinstance(section, DictConfig):
     section = OmegaConf.to_container(section, resolve=True)
   return dict(code=code_version()["code"],
-              dataset=problems.DATASETS.load(section).fingerprint())
+              dataset=problems.DATASETS.load(section).fingerprint(),
+              plugins=plugin_code(cfg))
+
+
+def _components(settings) -> Iterator[type]:
+  """The classes of `settings` and of the settings nested in it; of the
+  `measure` section, the measurement that runs only."""
+  yield type(settings)
+  for field in dataclasses.fields(settings):
+    value = getattr(settings, field.name)
+    if field.name == "measure" and hasattr(value, "chosen"):
+      value = value.chosen
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      yield from _components(value)
+
+
+def plugin_code(cfg) -> str | None:
+  """A hash of the code of the run's components declared outside curvbench
+  (`plugins.source`); None where every one is curvbench's own."""
+  from curvbench import config  # noqa: PLC0415  (config imports the registries)
+  sources = sorted({f"{c.__module__}.{c.__qualname__}={code}"
+                    for c in _components(config.load(cfg))
+                    if (code := plugins.source(c)) is not None})
+  if not sources:
+    return None
+  return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
 
 
 def run_id(cfg) -> str:

@@ -151,7 +151,8 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)
-  for key, what in (("code", "code"), ("dataset", "data")):
+  for key, what in (("code", "code"), ("dataset", "data"),
+                    ("plugins", "plugin code")):
     if marker.get(key) != now[key]:
       return (f"it was measured with {what} {marker.get(key)}, this is "
               f"{now[key]}")

@@ -19,6 +19,7 @@ over the runs that finished.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import json
@@ -28,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from curvbench import provenance, records
+from curvbench import plugins, provenance, records
 from curvbench.measurements import MEASUREMENTS
 
 # Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
@@ -45,7 +46,7 @@ LINK_DEPTH = 3
 GROUP = ("problem", "measure", "method")
 # What a run measured with besides its config (`provenance.inputs`): runs
 # that differ here are told apart like runs of different settings.
-INPUTS = ("code", "dataset")
+INPUTS = ("code", "dataset", "plugins")
 
 
 @dataclasses.dataclass
@@ -171,15 +172,22 @@ def _linked(root: Path, link: Path, target: Path) -> dict:
 
 def load_sweep(root) -> Sweep:
   """Every run directory under `root`, and each table concatenated over the
-  complete and diverged runs (with `run_id` and `run_dir` columns)."""
+  complete and diverged runs (with `run_id` and `run_dir` columns). The
+  plugins a run names are imported, for the tables their measurements
+  declare."""
   root = Path(root)
-  declared = [t for name in MEASUREMENTS for t in MEASUREMENTS.get(name).tables]
-  runs, parts = [], {t: [] for t in declared}
+  plugins.load_installed()
+  runs, parts = [], collections.defaultdict(list)
   found, links = _run_dirs(root)
   for path in found:
     run = records.RunDir(path)
     status, reason, marker = _status(run)
     cfg = _run_config(run)
+    try:
+      plugins.load(json.loads(cfg.get("plugins") or "[]"))
+    except plugins.PluginError as e:  # the rest of the report still stands
+      print(f"[curvbench] {path}: {e}; the tables only its measurement "
+            "declares are left out.", flush=True)
     run_dir = str(path.relative_to(root))
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
     row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
@@ -195,18 +203,18 @@ def load_sweep(root) -> Sweep:
       except records.DamagedRun as e:  # damaged since `damage` looked
         row.update(status="damaged", reason=str(e))
     for name, df in run_tables.items():
-      if name in parts:
-        df = df.assign(run_dir=run_dir)
-        if "run_id" not in df:  # written before run ids
-          df["run_id"] = run_id
-        parts[name].append(df)
-        if "device_kind" in df and len(df):
-          row["device_kind"] = df.device_kind.iloc[0]
+      df = df.assign(run_dir=run_dir)
+      if "run_id" not in df:  # written before run ids
+        df["run_id"] = run_id
+      parts[name].append(df)
+      if "device_kind" in df and len(df):
+        row["device_kind"] = df.device_kind.iloc[0]
     row["method"] = _json_field(path / "metadata.json", "method")
     runs.append(row)
   runs += [_linked(root, link, target) for link, target in links]
+  declared = {t for name in MEASUREMENTS for t in MEASUREMENTS.get(name).tables}
   tables = {name: pd.concat(dfs, ignore_index=True)
-            for name, dfs in parts.items() if dfs}
+            for name, dfs in parts.items() if name in declared}
   return Sweep(root, pd.DataFrame(runs), tables)
 
 
@@ -264,10 +272,12 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def mixed_inputs(done: pd.DataFrame) -> list[str]:
-  """Notes naming the code or dataset versions that runs of one problem
-  mix (their runs carry `code=` or `dataset=` in their setting)."""
+  """Notes naming the code, dataset or plugin code versions that runs of
+  one problem mix (their runs carry `code=`, `dataset=` or `plugins=` in
+  their setting)."""
   notes = []
-  for key, what in (("code", "code versions"), ("dataset", "datasets")):
+  for key, what in (("code", "code versions"), ("dataset", "datasets"),
+                    ("plugins", "versions of plugin code")):
     if key not in done:
       continue
     for problem, runs in done.groupby("problem"):

@@ -8,7 +8,8 @@ problem's defaults) and returns a `Problem`. The problems are the modules of
 """
 
 from problems import data, layers
-from problems.base import LOSSES, PROBLEMS, TASKS, Problem, ProblemSettings
+from problems.base import (LOSSES, PROBLEMS, TASKS, Network, Problem,
+                           ProblemSettings)
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
@@ -37,5 +38,5 @@ def _plain(settings) -> dict:
   return dict(settings)
 
 
-__all__ = ["DATASETS", "Dataset", "DatasetSettings", "LOSSES", "PROBLEMS",
-           "Problem", "ProblemSettings", "TASKS", "data", "layers", "make"]
+__all__ = ["DATASETS", "Dataset", "DatasetSettings", "LOSSES", "Network",
+           "PROBLEMS", "Problem", "ProblemSettings", "TASKS", "data", "layers", "make"]

@@ -25,7 +25,10 @@ from curvbench.components import (Choice, Component, Registry, Text, Whole,
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
-TASKS = ("classification", "reconstruction")
+# What the targets are: class labels (`classification`, per position for
+# sequence models), arrays the outputs should equal (`regression`), or the
+# inputs themselves (`reconstruction`).
+TASKS = ("classification", "regression", "reconstruction")
 
 
 def softmax_cross_entropy(logits, labels):
@@ -72,6 +75,17 @@ def loss(name: str) -> Callable:
 
 
 @dataclasses.dataclass(frozen=True)
+class Network:
+  """A model as two pure functions, `init(rng, inputs) -> params` and
+  `apply(params, inputs) -> outputs`: the form of a Haiku transform, which
+  any JAX model takes (a Flax module's `init` and `apply`, an Equinox or
+  Flax NNX model split into its arrays and the rest, a plain function)."""
+
+  init: Callable
+  apply: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class Problem:
   """What is optimized: `loss_fn(params, (inputs, targets))` and its data.
 
@@ -81,7 +95,7 @@ class Problem:
 
   name: str
   task: str
-  net: hk.Transformed
+  net: Network | hk.Transformed | hk.TransformedWithState
   loss_name: str
   data: Dataset
   batch_size: int
@@ -116,6 +130,17 @@ class Problem:
     transform = hk.transform_with_state if with_state else hk.transform
     return cls(name=settings.label or settings.name, task=task,
                net=hk.without_apply_rng(transform(model)),
+               loss_name=loss_name, data=data,
+               batch_size=settings.batch_size,
+               layer_roles=settings.layer_roles)
+
+  @classmethod
+  def from_functions(cls, network: Network, data: Dataset,
+                     settings: ProblemSettings, *, task: str,
+                     loss_name: str) -> Problem:
+    """A problem around any JAX model, given as a `Network`; its name and
+    batch size come from its `settings`."""
+    return cls(name=settings.label or settings.name, task=task, net=network,
                loss_name=loss_name, data=data,
                batch_size=settings.batch_size,
                layer_roles=settings.layer_roles)
@@ -172,8 +197,9 @@ class Problem:
     """The error the papers report, averaged over the batch, of
     `outputs(params, inputs, model_state)`.
 
-    Classification: the fraction of misclassified examples. Reconstruction
-    (autoencoders): the squared reconstruction error summed over pixels (the K-FAC paper's
+    Classification: the fraction of misclassified examples. Regression:
+    the squared error summed over outputs. Reconstruction (autoencoders):
+    the squared reconstruction error summed over pixels (the K-FAC paper's
     "training error"), the reconstruction being the sigmoid of the logits
     under the cross-entropy loss and the output itself under squared error.
     """
@@ -201,7 +227,14 @@ class Problem:
     return self.net.apply(params, model_state, inputs, True)[1]
 
   def init_params(self, rng, dtype=None):
-    return jax.jit(self._init, static_argnums=1)(rng, dtype)[0]
+    """The initial parameters; floating ones in `dtype` where given (a
+    model may fix its parameters' precision whatever its inputs')."""
+    params = jax.jit(self._init, static_argnums=1)(rng, dtype)[0]
+    if dtype is None:
+      return params
+    return jax.tree.map(
+        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
+        else p, params)
 
   @property
   def num_params(self) -> int:

@@ -114,7 +114,7 @@ def test_bad_values_are_refused_when_composed(tmp_path, override, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("problem=vit", "(?s)Could not find 'problem/vit'.*mlp"),
+    ("problem=vit", "Unknown problem 'vit'; choose one of .*mlp.* plugins="),
     ("problem.widht=3", r"problem mlp has no setting 'widht' \(did you mean "
      r"width\?\)"),
     ("curvature.block_type=diagonal", "curvature kfac has no setting "

@@ -60,3 +60,26 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
   text = (work / "reports/installed/report/report.md").read_text()
   assert "kfac/ggn_exact" in text and "## Timing" in text
   assert (work / "reports/installed/report/report.html").stat().st_size
+  # Models in files outside the repository, one per framework: plugins of
+  # the command, and measured by the Python API.
+  models = {"haiku_model.py": "haiku_mlp", "flax_nnx_model.py": "nnx_mlp",
+            "equinox_model.py": "equinox_mlp"}
+  for example in models:
+    (work / example).write_text((REPO / "examples" / example).read_text())
+  quick = ["measure=spectra", "measure.spectra.references=[ggn]",
+           "measure.spectra.samples=1", "progress=false"]
+  run(venv / "bin/curvbench", "-m", f"plugins=[{','.join(models)}]",
+      f"problem={','.join(models.values())}", "curvature=kfac,ekfac",
+      "name=models", *quick, cwd=work, env=env)
+  run(venv / "bin/python", "-c", "import curvbench\n"
+      f"for file, name in {models!r}.items():\n"
+      "  curvbench.measure(name, approximations=['kfac', 'ekfac'], "
+      f"name='api', plugins=[file], settings={quick[1:]!r})",
+      cwd=work, env=env)
+  for sweep in ("models", "api"):
+    run(venv / "bin/curvbench", "report", f"reports/{sweep}", cwd=work,
+        env=env)
+    quality = (work / f"reports/{sweep}/report/quality_all.csv").read_text()
+    for name in models.values():
+      for method in ("kfac/ggn_exact", "ekfac/ggn_exact"):
+        assert f"{name},spectra,{method}" in quality, (sweep, name, method)

@@ -56,6 +56,8 @@ class Component(Settings):
 class Registry:
   """The components of one `kind` (e.g. 'optimizer'), by name."""
 
+  _instances: ClassVar[list] = []
+
   def __init__(self, kind: str, base: type[Settings],
                package: str | None = None, group: str | None = None):
     self.kind = kind
@@ -64,6 +66,12 @@ class Registry:
     self.package = package
     self._entries: dict[str, tuple[type[Settings], dict]] = {}
     self._discovered = package is None
+    Registry._instances.append(self)
+
+  @classmethod
+  def instances(cls) -> tuple["Registry", ...]:
+    """Every registry made so far."""
+    return tuple(cls._instances)
 
   def register(self, cls: type | None = None, /, *, name: str | None = None,
                **defaults):
@@ -85,9 +93,11 @@ class Registry:
                       "its `name` field, or a class attribute): the name it "
                       "is registered and chosen by.")
     if name in self._entries and self._entries[name][0] is not cls:
-      raise ValueError(f"Two {self.kind}s are registered as {name!r}: "
-                       f"{self._entries[name][0].__qualname__} and "
-                       f"{cls.__qualname__}.")
+      first = self._entries[name][0]
+      raise ValueError(
+          f"Two {self.kind}s are registered as {name!r}: "
+          f"{first.__module__}.{first.__qualname__} and "
+          f"{cls.__module__}.{cls.__qualname__}; give one another name.")
     unknown = set(defaults) - set(cls.keys())
     if unknown:
       raise TypeError(f"{cls.__qualname__} has no settings "

@@ -1,0 +1,310 @@
+"""curvbench from Python: your model, your data, the harness's
+approximations and measurements, the same records and report as the
+command line's.
+
+    import curvbench
+    results = curvbench.measure(
+        curvbench.Model(apply=net.apply, init=net.init),
+        curvbench.Data(x_train, y_train),
+        loss="softmax_cross_entropy",
+        approximations=["kfac", "ekfac"], measurements=["spectra"],
+        seeds=[0, 1, 2])
+    results.tables["quality"]          # one row per run, batch and method
+    results.report()                   # report.md, figures, CSVs
+
+The model is any JAX function of parameters and a batch of inputs:
+Haiku's `transform`, a Flax module's `init`/`apply`, a Flax NNX or
+Equinox model split into its arrays and the rest (see examples/). It is
+registered as a problem (and the data as a dataset) under `name`, and the
+points are the sweep the command line would run: `approximations x
+measurements x optimizers x seeds`, with `settings` as further overrides,
+the tuning grids expanded, the points that repeat another recorded as
+skipped and those finished earlier with the same config, code, data and
+model not run again. A registered problem (curvbench's own, or a
+plugin's) is measured by its name instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+import pandas as pd
+
+import problems
+from curvbench.components import Whole, setting
+import curvbench.plugins
+from curvbench import config, records, report, runs, sweep
+from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from problems import data as datasets
+
+# The loss of each task where none is given.
+DEFAULT_LOSS = {"classification": "softmax_cross_entropy",
+                "regression": "squared_error",
+                "reconstruction": "sigmoid_cross_entropy"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """Your model: `apply(params, inputs) -> outputs` on a batch, and either
+  `init(rng, inputs) -> params` (each seed draws its own) or fixed
+  `params`. The outputs are the registered loss's inputs (logits for the
+  cross-entropies, predictions for the squared error)."""
+
+  apply: Callable
+  init: Callable | None = None
+  params: Any = None
+
+  def __post_init__(self):
+    if (self.init is None) == (self.params is None):
+      raise ValueError("Model needs exactly one of init= (a function of a "
+                       "key and inputs giving parameters) and params= "
+                       "(fixed parameters).")
+
+  def network(self) -> problems.Network:
+    if self.init is not None:
+      return problems.Network(self.init, self.apply)
+    params = self.params
+    return problems.Network(lambda rng, inputs: params, self.apply)
+
+  def fingerprint(self, inputs) -> str:
+    """A hash of the computation on `inputs` (the jaxpr of initialisation
+    and forward pass) and of fixed parameters' values: the model's part
+    of a run's identity."""
+    net = self.network()
+    jaxpr = jax.make_jaxpr(lambda rng, x: self.apply(net.init(rng, x), x))(
+        jax.random.PRNGKey(0), inputs)
+    text = str(jaxpr)
+    if self.params is not None:
+      text += datasets.arrays_sha256(
+          {str(i): np.asarray(leaf)
+           for i, leaf in enumerate(jax.tree.leaves(self.params))})
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """Your examples as arrays, one per split: inputs `x_*` (the first axis
+  the examples; integer token ids for a sequence model) and targets `y_*`
+  (class labels, regression targets; none where the task is the inputs'
+  reconstruction). Without a test split, the last `test_fraction` of the
+  training examples is held out as one."""
+
+  x_train: Any
+  y_train: Any = None
+  x_test: Any = None
+  y_test: Any = None
+  test_fraction: float = 0.2
+
+  def dataset(self, name: str, task: str) -> datasets.Dataset:
+    x, y = np.asarray(self.x_train), self._targets(self.y_train, task)
+    if len(x) != len(y):
+      raise ValueError(f"Data: {len(x)} training inputs but {len(y)} "
+                       "targets; give one target per example.")
+    if self.x_test is None:
+      cut = len(x) - max(1, int(round(self.test_fraction * len(x))))
+      if cut < 1:
+        raise ValueError(f"Data: {len(x)} training examples leave none to "
+                         "train on once a test split is held out; give "
+                         "more, or x_test and y_test.")
+      x, xt, y, yt = x[:cut], x[cut:], y[:cut], y[cut:]
+    else:
+      xt, yt = np.asarray(self.x_test), self._targets(self.y_test, task)
+    if not np.issubdtype(x.dtype, np.integer):
+      x, xt = x.astype(np.float32), xt.astype(np.float32)
+    classes = int(max(y.max(), yt.max())) + 1 if task == "classification" \
+        else 0
+    return datasets.Dataset(name, x, y, xt, yt, classes)
+
+  def _targets(self, y, task):
+    if task == "reconstruction":
+      return np.zeros(len(self.x_train if y is None else y), np.int32)
+    if y is None:
+      raise ValueError(f"Data: a {task} task needs targets (y_train, and "
+                       "y_test with x_test).")
+    y = np.asarray(y)
+    if task == "classification":
+      return y.astype(np.int32)
+    y = y.astype(np.float32)  # one row of outputs per example
+    return y[:, None] if y.ndim == 1 else y
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+  """What `measure` recorded: the run directories under `path`, their
+  status (`runs`) and every table they wrote, merged over the runs
+  (`tables`, as `curvbench report` reads them)."""
+
+  path: Path
+  runs: pd.DataFrame
+  tables: dict[str, pd.DataFrame]
+
+  def report(self, out=None) -> dict:
+    """Writes the report (`report.md`, `report.html`, figures and CSVs)
+    into `out` (default: `path/report`); returns what it wrote."""
+    return report.write(self.path, out)
+
+
+def _task(task, loss):
+  if task is None:
+    task = next((t for t, l in DEFAULT_LOSS.items() if l == loss),
+                "classification")
+  if task not in problems.TASKS:
+    raise ValueError(f"Unknown task {task!r}; choose one of "
+                     f"{', '.join(problems.TASKS)}.")
+  loss = loss or DEFAULT_LOSS[task]
+  if loss not in problems.LOSSES:
+    raise ValueError(f"Unknown loss {loss!r}; choose one of "
+                     f"{', '.join(problems.LOSSES)}.")
+  return task, loss
+
+
+def _register(registry, cls, name: str):
+  """Registers `cls` as `name`, in place of an earlier `measure` call's
+  component of that name (a notebook cell run again); a name a component
+  of curvbench or of a plugin holds is refused, naming both."""
+  if name in registry and getattr(registry.get(name), "from_python", False):
+    registry.unregister(name)
+  return registry.register(cls, name=name)
+
+
+def register_model(name: str, model: Model, examples: Data, *,
+                   task: str | None = None, loss: str | None = None) -> str:
+  """Registers `model` on `examples` as problem `name` (its data as dataset
+  `name_data`), so that `problem=name` chooses it; returns the name."""
+  task, loss = _task(task, loss)
+  dataset = examples.dataset(f"{name}_data", task)
+  sequences = bool(np.issubdtype(dataset.x_train.dtype, np.integer))
+
+  @dataclasses.dataclass
+  class YourData(problems.DatasetSettings):
+    from_python: ClassVar[bool] = True
+    # Checked against the problem's `sequence_model`.
+    tokens: ClassVar[bool] = sequences
+
+    def input_shape(self):
+      return dataset.input_shape
+
+    def available(self):
+      return len(dataset.x_train), len(dataset.x_test)
+
+    def source(self):
+      return "arrays given from Python"
+
+    def fingerprint(self):
+      return datasets.fingerprint(self.source(), dataclasses.asdict(self)) \
+          + ":" + datasets.arrays_sha256(dict(
+              x_train=dataset.x_train, y_train=dataset.y_train,
+              x_test=dataset.x_test, y_test=dataset.y_test))[:12]
+
+    def load(self):
+      return dataclasses.replace(
+          dataset, x_train=dataset.x_train[:self.num_train],
+          y_train=dataset.y_train[:self.num_train],
+          x_test=dataset.x_test[:self.num_test],
+          y_test=dataset.y_test[:self.num_test])
+
+  @dataclasses.dataclass
+  class YourProblem(problems.ProblemSettings):
+    from_python: ClassVar[bool] = True
+    default_data: ClassVar[str] = f"{name}_data"
+    sequence_model: ClassVar[bool] = sequences
+    batch_size: int = setting(min(64, len(dataset.x_train)), Whole(1),
+                              "training batch size")
+
+    def build(self, data):
+      return problems.Problem.from_functions(
+          model.network(), data, self, task=task, loss_name=loss)
+
+    @classmethod
+    @functools.cache
+    def source_identity(cls) -> str:
+      return f"{task}:{loss}:" + model.fingerprint(dataset.x_train[:2])
+
+  YourProblem.__qualname__ = YourProblem.__name__ = f"Problem_{name}"
+  YourData.__qualname__ = YourData.__name__ = f"Dataset_{name}"
+  _register(problems.DATASETS, YourData, f"{name}_data")
+  _register(problems.PROBLEMS, YourProblem, name)
+  return name
+
+
+def _override_dirname(job: list[str], excluded) -> str:
+  """The run folder's name, as the command line's sweep names it: its
+  overrides, sorted, less those Hydra's `override_dirname` leaves out."""
+  kept = sorted(o.lstrip("+") for o in job
+                if o.partition("=")[0].lstrip("+") not in excluded)
+  return config.run_dir_name(",".join(kept))
+
+
+def measure(model: Model | str, data: Data | None = None, *,
+            loss: str | None = None, task: str | None = None,
+            approximations: Sequence[str] = ("kfac",),
+            measurements: Sequence[str] = ("spectra",),
+            optimizers: Sequence[str] = ("kfac",),
+            seeds: Sequence[int] = (0,), name: str | None = None,
+            out: str | Path | None = None, batch_size: int | None = None,
+            settings: Sequence[str] = (),
+            plugins: Sequence[str] = ()) -> Results:
+  """Measures `model` (a `Model` on `data`, or the name of a registered
+  problem) with each of `approximations` (curvature names), `measurements`
+  and `optimizers` (where a measurement trains), once per seed, into `out`
+  (default `reports/<name>`; `name`, the sweep's, defaults to the
+  problem's, or `my_model`); returns the records.
+
+  `loss` is one of `problems.LOSSES` and `task` one of `problems.TASKS`
+  (each defaults from the other; classification without either);
+  `settings` are further command-line overrides
+  (`"measure.spectra.batch_size=128"`) and `plugins` modules or files
+  declaring components to import first.
+
+  Raises:
+    curvbench.config.ConfigError: for a setting that is not allowed, at
+      any point, before anything runs.
+  """
+  curvbench.plugins.load(list(plugins))
+  name = name or (model if isinstance(model, str) else "my_model")
+  if isinstance(model, Model):
+    if data is None:
+      raise ValueError("measure(Model(...)) needs data=Data(...): the "
+                       "examples the model is measured on.")
+    problem = register_model(name, model, data, task=task, loss=loss)
+  elif isinstance(model, str):
+    problem = model
+  else:
+    raise TypeError(f"model must be a curvbench.Model or the name of a "
+                    f"registered problem, not {type(model).__name__}.")
+  out = Path(out or Path("reports") / name)
+  swept = [f"problem={problem}", f"name={name}",
+           f"curvature={','.join(approximations)}",
+           f"measure={','.join(measurements)}",
+           f"optimizer={','.join(optimizers)}",
+           f"seed={','.join(str(s) for s in seeds)}"]
+  if batch_size is not None:
+    swept.append(f"problem.batch_size={batch_size}")
+  if plugins:
+    swept.append(f"plugins=[{','.join(plugins)}]")
+  jobs = tuning_sweeper.product(swept + list(settings))
+  base = config.compose(*jobs[0], check=False, with_hydra=True)
+  excluded = set(base.hydra.job.config.override_dirname.exclude_keys)
+  jobs = tuning_sweeper.expand(
+      jobs, config.plain(base.tuning.grid), base.optimizer.name,
+      base.measure.kind)
+  claim = functools.partial(records.claim, out, records.SWEEP_MARKER,
+                            "a sweep directory (give another with out=)")
+  claim(check_only=True)
+  points = [(config.compose(*job), out / _override_dirname(job, excluded))
+            for job in jobs]  # every point checked before any runs
+  for cfg, run_dir in points:
+    runs.refuse(cfg, run_dir)
+  claim()
+  for cfg, run_dir in points:
+    if runs.record_skip(cfg, run_dir) is None:
+      runs.run(cfg, run_dir)
+  loaded = sweep.load_sweep(out)
+  return Results(out, loaded.runs, loaded.tables)
