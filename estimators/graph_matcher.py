@@ -17,9 +17,15 @@ pattern parameters to leaves of the params argument. Layout equations
 intermediates feed anything else on the way to a loss, or whose shapes the
 tag rejects, are dropped (a parameter that several computations use, such
 as a table tied to an output layer, gets a generic tag and the report says
-what shares it); hand-written tags claim their parameters first and
-patterns claim greedily, in order. `TaggedFunction` then re-evaluates the
-jaxpr, binding each tag right after the equation making the layer's output.
+what shares it, and one no pattern claims says which use no pattern fits,
+or which pattern fits its computation but not its shapes); hand-written
+tags claim their parameters first and patterns claim greedily, in order.
+`TaggedFunction` then re-evaluates the jaxpr, binding each tag right after
+the equation making the layer's output. Weights keep the layout the model
+stores them in: an output-major dense weight (Equinox's, `x @ w.T`) is
+tagged with `transposed_weight=True`, and a dense weight with several axes
+(Flax's `DenseGeneral`) gets the layer's input and output features
+flattened on the tag, so the blocks see one `(d_in, d_out)` layer.
 """
 
 from __future__ import annotations
@@ -53,10 +59,14 @@ class GraphMatcherComparator:
   except for `ignored_params`; primitives in `params_free_primitives` match
   whatever their parameters (a convolution's strides, padding etc. are read
   from the match instead), and `dot_general` axes are counted from the last
-  axis, so a matmul over extra leading axes matches the 2-D one (and an
-  `iota`, as in `jax.nn.one_hot`, matches whatever its size and rank when
-  it counts along the same axis from the end, integers matching any
-  integer type). A `gather` matches one that takes the same kind of slice
+  axis, so a matmul over extra leading axes matches the 2-D one; one that
+  contracts trailing axes of its first operand with leading axes of its
+  second, with no batch axes, matches any other such (Flax's `DenseGeneral`
+  contracts one or two axes). A `transpose` that moves the first axis to the
+  end matches any other such, whatever the rank (as `jax.vmap` of `w @ x`
+  gives, one or two batch axes deep). An `iota`, as in `jax.nn.one_hot`,
+  matches whatever its size and rank when it counts along the same axis
+  from the end, integers matching any integer type. A `gather` matches one that takes the same kind of slice
   (its dimension numbers, output axes counted from the end, and which
   slice sizes span their whole axis), whatever the sizes, its mode and
   fill value (which only say what out-of-range indices give) and its
@@ -116,6 +126,8 @@ class GraphMatcherComparator:
               == jnp.issubdtype(pattern_eqn.params["dtype"], jnp.integer))
     if name == "gather" == graph_eqn.primitive.name:
       return _gather_form(graph_eqn) == _gather_form(pattern_eqn)
+    if name == "transpose" == graph_eqn.primitive.name:
+      return _transpose_form(graph_eqn) == _transpose_form(pattern_eqn)
     if (name != graph_eqn.primitive.name
         or len(pattern_eqn.invars) != len(graph_eqn.invars)
         or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):
@@ -126,7 +138,7 @@ class GraphMatcherComparator:
                 ) - self.ignored_params:
       a, b = pattern_eqn.params.get(key), graph_eqn.params.get(key)
       if name == "dot_general" and key == "dimension_numbers":
-        a, b = _dot_axes_from_end(pattern_eqn), _dot_axes_from_end(graph_eqn)
+        a, b = _dot_form(pattern_eqn), _dot_form(graph_eqn)
       try:
         if not bool(a == b):
           return False
@@ -141,6 +153,28 @@ def _dot_axes_from_end(eqn):
   lhs, rhs = (v.aval.ndim for v in eqn.invars)
   return tuple(tuple(a - n for a in axes)
                for axes, n in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+
+
+def _dot_form(eqn):
+  """A `dot_general`'s axes as the comparator sees them: "trailing_leading"
+  when it contracts the first operand's trailing axes with the second's
+  leading ones (in order, no batch axes), else counted from the end."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval.ndim
+  k = len(lc)
+  if (k and not lb and not rb and tuple(lc) == tuple(range(lhs - k, lhs))
+      and tuple(rc) == tuple(range(k))):
+    return "trailing_leading"
+  return _dot_axes_from_end(eqn)
+
+
+def _transpose_form(eqn):
+  """A `transpose`'s permutation, or "first_to_last" for one that moves the
+  first axis to the end and keeps the others in order."""
+  perm = tuple(int(a) for a in eqn.params["permutation"])
+  if len(perm) >= 2 and perm == tuple(range(1, len(perm))) + (0,):
+    return "first_to_last"
+  return perm
 
 
 def _iota_axis(eqn):
@@ -370,6 +404,41 @@ def dense_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   return y + b[0] if b else y
 
 
+def dense_transposed_layer(x: jax.Array,
+                           params: Sequence[jax.Array]) -> jax.Array:
+  """A dense layer on an output-major weight, `x @ w.T (+ b)`, written as
+  one `dot_general` over the last axes of both (`jnp.einsum("bi,oi->bo")`).
+
+  Args:
+    x: the inputs, features on the last axis.
+    params: `[w]` or `[w, b]`, `w` of shape `(d_out, d_in)`.
+
+  Returns:
+    The layer's output.
+  """
+  w, *b = params
+  y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+  return y + b[0] if b else y
+
+
+def dense_weight_first_layer(x: jax.Array,
+                             params: Sequence[jax.Array]) -> jax.Array:
+  """`w @ x (+ b)` on every example, as `jax.vmap` computes it for a batch
+  (Equinox's `Linear`): the output-major weight times the inputs, then the
+  output axis moved last.
+
+  Args:
+    x: the inputs, `(batch, d_in)`.
+    params: `[w]` or `[w, b]`, `w` of shape `(d_out, d_in)`.
+
+  Returns:
+    The layer's output, `(batch, d_out)`.
+  """
+  w, *b = params
+  y = jnp.transpose(lax.dot_general(w, x, (((1,), (1,)), ((), ()))))
+  return y + b[0] if b else y
+
+
 def embedding_layer(ids: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   """An embedding lookup as a dense layer on one-hot inputs,
   `jax.nn.one_hot(ids, vocab) @ table`.
@@ -403,6 +472,35 @@ def embedding_gather_layer(indices: jax.Array,
                                     start_index_map=(0,))
   return lax.gather(w, indices, rows, slice_sizes=(1, w.shape[1]),
                     mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def embedding_row_gather_layer(indices: jax.Array,
+                               params: Sequence[jax.Array]) -> jax.Array:
+  """An embedding lookup as the `gather` that `jax.vmap(lambda i: table[i])`
+  makes (Equinox's `Embedding`): a `(1, d_out)` slice at each `(id, 0)`.
+
+  The slice spans the table's width, so its column start is clamped to 0
+  whatever it holds.
+
+  Args:
+    indices: `ids.shape + (2,)`: the (wrapped) id, then a column start.
+    params: `[table]`, `(vocab, d_out)`.
+
+  Returns:
+    `ids.shape + (1, d_out)`.
+  """
+  (w,) = params
+  n = indices.ndim - 1
+  rows = lax.GatherDimensionNumbers(offset_dims=(n, n + 1),
+                                    collapsed_slice_dims=(),
+                                    start_index_map=(0, 1))
+  return lax.gather(w, indices, rows, slice_sizes=(1, w.shape[1]),
+                    mode=lax.GatherScatterMode.CLIP)
+
+
+def _first_column(ins):
+  """The ids of `(id, column)` index pairs."""
+  return [ins[0][..., 0]]
 
 
 def _squeeze_last(ins):
@@ -474,10 +572,13 @@ def _conv2d_extractor(eqns):
 
 
 def _default_patterns():
-  """KFAC-JAX's documented patterns, in its order, plus a scale-only Haiku
-  normalization (Haiku's norms with `create_offset=False`) and embedding
-  lookups, written `jax.nn.one_hot(ids, vocab) @ table` (tried first) or
-  `table[ids]` / `jnp.take(table, ids, axis=0)` (a gather): the same
+  """KFAC-JAX's documented patterns, in its order, plus: dense layers on
+  output-major weights (`transposed_weight`), as `jnp.einsum("bi,oi->bo")`
+  or `jax.vmap` of `w @ x` (Equinox) computes them; a scale-only Haiku
+  normalization (Haiku's norms with `create_offset=False`); and embedding
+  lookups, written `jax.nn.one_hot(ids, vocab) @ table` (tried first),
+  `table[ids]` / `jnp.take(table, ids, axis=0)` (a gather) or
+  `jax.vmap(lambda i: table[i])(ids)` (Equinox's gather): the same
   `embedding_tag` on the same ids and table, whichever is written.
 
   `_broadcast_1` patterns match layers that broadcast a parameter against
@@ -512,6 +613,10 @@ def _default_patterns():
   dense = functools.partial(GraphPattern, tag_primitive=tags.dense,
                             compute_func=dense_layer,
                             parameters_extractor_func=lambda eqns: {})
+  transposed = functools.partial(
+      GraphPattern, tag_primitive=tags.dense,
+      parameters_extractor_func=lambda eqns: {"transposed_weight": True})
+  w_t, b_t = z((3, 5)), z((3,))
   conv = functools.partial(GraphPattern, tag_primitive=tags.conv2d,
                            compute_func=conv2d_layer,
                            parameters_extractor_func=_conv2d_extractor)
@@ -526,8 +631,20 @@ def _default_patterns():
       "embedding_gather", tags.embedding, embedding_gather_layer,
       lambda eqns: {}, [z((2, 1), np.int32), [z((5, 3))]],
       in_values_preprocessor=_squeeze_last, precedence=1)
+  rows = GraphPattern(
+      "embedding_row_gather", tags.embedding, embedding_row_gather_layer,
+      lambda eqns: {}, [z((2, 2), np.int32), [z((5, 3))]],
+      in_values_preprocessor=_first_column, precedence=1)
   return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
           dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
+          transposed("dense_transposed_with_bias", compute_func=
+                     dense_transposed_layer, example_args=[x, [w_t, b_t]]),
+          transposed("dense_transposed_no_bias", compute_func=
+                     dense_transposed_layer, example_args=[x, [w_t]]),
+          transposed("dense_weight_first_with_bias", compute_func=
+                     dense_weight_first_layer, example_args=[x, [w_t, b_t]]),
+          transposed("dense_weight_first_no_bias", compute_func=
+                     dense_weight_first_layer, example_args=[x, [w_t]]),
           conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
           conv("conv2d_no_bias", example_args=[img, [kernel]]),
           *(ss("scale_and_shift", True, True, b) for b in (True, False)),
@@ -536,7 +653,7 @@ def _default_patterns():
             for b in (True, False)),
           *(ss("scale_only", True, False, b) for b in (True, False)),
           *(ss("shift_only", False, True, b) for b in (True, False)),
-          embedding, gather)
+          embedding, gather, rows)
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
@@ -666,19 +783,28 @@ def _check_tag(tag, y, xs, ps, uses, meta):
         u == ndim - len(ps[i]) + a for a, u in uses[i][0].items())
 
   if tag in (tags.dense, tags.repeated_dense):
-    if len(xs) != 1 or len(ps) not in (1, 2) or len(ps[0]) != 2:
-      return None
-    (x,), w = xs, ps[0]
-    if (len(x) < 2 or x[-1] != w[0] or y != x[:-1] + (w[1],)
+    if (len(xs) != 1 or len(ps) not in (1, 2) or len(ps[0]) < 2
         or not unchanged(0)):
       return None
-    if len(ps) == 2 and (ps[1] != (w[1],) or not aligned_right(1, len(y))):
+    (x,), w = xs, ps[0]
+    k = _dense_input_axes(len(y), len(x), len(w), meta)
+    if k is None:
       return None
-    return tags.dense if len(x) == 2 else tags.repeated_dense
+    ins, outs = ((w[1:], w[:1]) if meta.get("transposed_weight")
+                 else (w[:k], w[k:]))
+    if len(x) <= k or x[-k:] != ins or y != x[:-k] + outs:
+      return None
+    if len(ps) == 2 and (ps[1] != outs or not aligned_right(1, len(y))):
+      return None
+    return tags.dense if len(x) == k + 1 else tags.repeated_dense
   if tag is tags.embedding:
     if len(xs) != 1 or len(ps) != 1 or len(ps[0]) != 2 or not unchanged(0):
       return None
-    return tag if y == xs[0] + (ps[0][1],) and len(xs[0]) >= 1 else None
+    # The rows may come with a unit axis (Equinox's gather); the tag gets
+    # them reshaped to `ids.shape + (d_out,)`.
+    want = xs[0] + (ps[0][1],)
+    fits = y[-1:] == want[-1:] and _drop_units(y) == _drop_units(want)
+    return tag if fits and len(xs[0]) >= 1 else None
   if tag is tags.conv2d:
     dn = meta.get("dimension_numbers")
     if (len(xs) != 1 or len(ps) not in (1, 2) or len(xs[0]) != 4
@@ -688,9 +814,11 @@ def _check_tag(tag, y, xs, ps, uses, meta):
     if isinstance(dn, lax.ConvDimensionNumbers):
       if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
         return None  # the blocks need the batch axis first
+      # A bias of one entry per output channel, e.g. (C,) or Equinox's
+      # (C, 1, 1), added along the outputs' channel axis.
       if len(ps) == 2 and (
-          ps[1] != (ps[0][dn.rhs_spec[0]],) or uses[1] is None
-          or len(uses[1][1]) != 4
+          _drop_units(ps[1]) != _drop_units((ps[0][dn.rhs_spec[0]],))
+          or uses[1] is None or len(uses[1][1]) != 4
           or any(u != dn.out_spec[1] for u in uses[1][0].values())):
         return None
     return tag
@@ -707,15 +835,41 @@ def _check_tag(tag, y, xs, ps, uses, meta):
   return tag
 
 
+def _dense_input_axes(y_ndim, x_ndim, w_ndim, meta):
+  """How many trailing input axes a dense match contracts with its weight
+  (one for an output-major weight), or None if the ranks do not add up."""
+  if meta.get("transposed_weight"):
+    return 1 if w_ndim == 2 else None
+  twice = x_ndim + w_ndim - y_ndim
+  k = twice // 2
+  return k if twice % 2 == 0 and 1 <= k < w_ndim else None
+
+
+def _drop_units(shape):
+  return tuple(d for d in shape if d != 1)
+
+
 def _bind_tag(tag, meta, y, xs, ps):
-  """Binds a layer tag through the same `register_*` call a user would make."""
+  """Binds a layer tag through the same `register_*` call a user would make.
+
+  A dense layer whose weight has more than two axes gets its inputs' and
+  outputs' feature axes flattened, and an embedding's rows are reshaped to
+  `ids.shape + (d_out,)`; the tag's output is reshaped back.
+  """
   meta = dict(meta)
-  if tag is tags.dense:
-    return tags.register_dense(y, *xs, *ps, **meta)
-  if tag is tags.repeated_dense:
-    return tags.register_repeated_dense(y, *xs, *ps, **meta)
+  if tag in (tags.dense, tags.repeated_dense):
+    (x,) = xs
+    k = _dense_input_axes(y.ndim, x.ndim, ps[0].ndim, meta)
+    lead = x.shape[:x.ndim - k]
+    register = (tags.register_dense if tag is tags.dense
+                else tags.register_repeated_dense)
+    out = register(y.reshape(lead + (-1,)), x.reshape(lead + (-1,)), *ps,
+                   **meta)
+    return out.reshape(y.shape)
   if tag is tags.embedding:
-    return tags.register_embedding(y, *xs, *ps, **meta)
+    (ids,), (table,) = xs, ps
+    rows = y.reshape(ids.shape + table.shape[1:])
+    return tags.register_embedding(rows, ids, table, **meta).reshape(y.shape)
   if tag is tags.conv2d:
     return tags.register_conv2d(y, *xs, *ps, **meta)
   if tag is tags.scale_and_shift:
@@ -777,6 +931,8 @@ class _Registration:
     self.matches, self.dropped = {}, set()  # root node -> _Match
     # leaf index -> matches left unclaimed because they share that leaf
     self.sharing = {}
+    # leaf index -> a pattern whose computation it fits but whose shapes not
+    self.misfits = {}
     self.rules = graph_matcher_rules
     self._claim_manual(manual,
                        allow_multiple=allow_multiple_registrations)
@@ -868,6 +1024,12 @@ class _Registration:
     for pos, chain in st.chains:
       uses[pos] = _param_axes(g, chain, ps[pos])
     tag = _check_tag(pattern.tag_primitive, _shape(out_key), xs, ps, uses, meta)
+    if tag is None:
+      for k in leaves:  # kept to say why the parameter stays generic
+        self.misfits.setdefault(self.leaf_index[k], (
+            f"{pattern.name} fits its computation but not its shapes (output "
+            f"{_shape(out_key)}, inputs {', '.join(map(str, xs))}, "
+            f"parameters {', '.join(map(str, ps))})"))
     if tag is None or (tag is tags.scale_and_shift and _broadcasts(
         _shape(out_key), ps) != p.broadcasts):
       return None
@@ -895,7 +1057,13 @@ class _Registration:
                     if any(jaxpr_utils.sub_jaxprs(self.graph.nodes[n].eqn))})
     if users:
       return f"unmatched: used inside {', '.join(users)}"
-    return "unmatched" if leaf in self.consumers else "unmatched: unused"
+    if leaf not in self.consumers:
+      return "unmatched: unused (no registered loss depends on it)"
+    misfit = self.misfits.get(self.leaf_index[leaf])
+    if misfit is not None:
+      return f"unmatched: {misfit}"
+    use = f"its use by {uses[0]}" if uses else "how it is used"
+    return f"unmatched: no layer pattern fits {use}"
 
   def _uses(self, leaf) -> list[str]:
     """What each computation a parameter leaf feeds is: the matches it kept
@@ -1055,9 +1223,12 @@ class TaggedFunction:
     Returns:
       One dict per parameter leaf: `path` (`jax.tree_util.keystr`), `tag`,
       `shape`, `source` ("manual", a pattern's name, or why it is generic:
-      "unmatched...", or "shared by N layers: ..." naming each use of a
-      parameter that several computations use, by the pattern that found
-      it or its primitive, with its output shape), `layer` (a number shared
+      "unmatched: ..." saying which use no pattern fits (its primitive and
+      output shape), which pattern fits its computation but not its shapes,
+      or that it is unused or used inside a while/cond; or "shared by N
+      layers: ..." naming each use of a parameter that several computations
+      use, by the pattern that found it or its primitive, with its output
+      shape), `layer` (a number shared
       by the parameters of one tag) and `stacked` (the number of scan
       iterations for a stacked leaf, else None).
     """

@@ -262,14 +262,22 @@ def register_generic(
 
 
 def register_dense(y: jax.Array, x: jax.Array, w: jax.Array,
-                   b: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+                   b: jax.Array | None = None, *,
+                   transposed_weight: bool = False, **kwargs: Any) -> jax.Array:
   """Tags a dense layer `y = x @ w + b`.
+
+  The weight may have more than two axes (Flax's `DenseGeneral` kernels):
+  its leading axes then flatten to `d_in` and its trailing ones to `d_out`,
+  row-major, as `x`'s and `y`'s features do.
 
   Args:
     y: the layer's output, `(batch, d_out)`.
     x: its input, `(batch, d_in)`.
-    w: the weight, `(d_in, d_out)`.
-    b: the bias, `(d_out,)`, if any.
+    w: the weight, `(d_in, d_out)`, or `(d_out, d_in)` with
+      `transposed_weight` (`y = x @ w.T + b`, the output-major layout of
+      Equinox and PyTorch).
+    b: the bias, `d_out` entries (any shape), if any.
+    transposed_weight: whether `w` is stored output-major.
     **kwargs: hashable constants kept on the tag.
 
   Returns:
@@ -278,13 +286,14 @@ def register_dense(y: jax.Array, x: jax.Array, w: jax.Array,
   Raises:
     ValueError: if the shapes do not fit a dense layer.
   """
-  _check_dense(x, w, b, "register_dense", repeated=False)
-  operands = (y, x, w) if b is None else (y, x, w, b)
-  return _single(dense.bind(*operands, **kwargs))
+  _check_dense(y, x, w, b, "register_dense", False, transposed_weight)
+  return _single(dense.bind(*_dense_operands(y, x, w, b), **_dense_meta(
+      transposed_weight, kwargs)))
 
 
 def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
-                            b: jax.Array | None = None,
+                            b: jax.Array | None = None, *,
+                            transposed_weight: bool = False,
                             **kwargs: Any) -> jax.Array:
   """Tags a dense layer applied over extra leading axes.
 
@@ -293,8 +302,9 @@ def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
   Args:
     y: the layer's output, `(batch, ..., d_out)`.
     x: its input, `(batch, ..., d_in)`.
-    w: the weight, `(d_in, d_out)`.
-    b: the bias, `(d_out,)`, if any.
+    w: the weight, as for `register_dense`.
+    b: the bias, `d_out` entries, if any.
+    transposed_weight: whether `w` is stored output-major, `(d_out, d_in)`.
     **kwargs: hashable constants kept on the tag.
 
   Returns:
@@ -303,9 +313,18 @@ def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
   Raises:
     ValueError: if the shapes do not fit a dense layer.
   """
-  _check_dense(x, w, b, "register_repeated_dense", repeated=True)
-  operands = (y, x, w) if b is None else (y, x, w, b)
-  return _single(repeated_dense.bind(*operands, **kwargs))
+  _check_dense(y, x, w, b, "register_repeated_dense", True, transposed_weight)
+  return _single(repeated_dense.bind(
+      *_dense_operands(y, x, w, b), **_dense_meta(transposed_weight, kwargs)))
+
+
+def _dense_operands(y, x, w, b):
+  return (y, x, w) if b is None else (y, x, w, b)
+
+
+def _dense_meta(transposed_weight, kwargs):
+  # Only recorded when set, so tags in the usual layout carry no extra key.
+  return dict(kwargs, transposed_weight=True) if transposed_weight else kwargs
 
 
 def register_embedding(y: jax.Array, ids: jax.Array, w: jax.Array,
@@ -337,21 +356,52 @@ def register_embedding(y: jax.Array, ids: jax.Array, w: jax.Array,
   return _single(embedding.bind(y, ids, w, **kwargs))
 
 
-def _check_dense(x, w, b, fn, repeated):
-  if jnp.ndim(w) != 2:
-    raise ValueError(f"{fn}: the weight must be 2-D (d_in, d_out), got shape "
-                     f"{jnp.shape(w)}.")
+def dense_weight_split(w_shape: Sequence[int], d_in: int,
+                       transposed_weight: bool = False) -> int | None:
+  """Where a dense weight's axes split into input and output features.
+
+  Args:
+    w_shape: the weight's shape.
+    d_in: the number of input features.
+    transposed_weight: whether the output axes come first.
+
+  Returns:
+    The number of leading axes that flatten to `d_in` (or, transposed, to
+    `d_out`), at least one and fewer than all; None if no split gives
+    `d_in` input features.
+  """
+  w_shape = tuple(int(d) for d in w_shape)
+  for k in range(1, len(w_shape)):
+    inputs = w_shape[k:] if transposed_weight else w_shape[:k]
+    if int(np.prod(inputs)) == d_in:
+      return k
+  return None
+
+
+def _check_dense(y, x, w, b, fn, repeated, transposed):
+  layout = "(d_out, d_in)" if transposed else "(d_in, d_out)"
+  if jnp.ndim(w) < 2:
+    raise ValueError(f"{fn}: the weight must have at least 2 axes, {layout}, "
+                     f"got shape {jnp.shape(w)}.")
   if repeated and jnp.ndim(x) < 2 or not repeated and jnp.ndim(x) != 2:
     hint = ("use register_repeated_dense for inputs with extra leading axes"
             if not repeated else "inputs need a batch axis and a feature axis")
     raise ValueError(f"{fn}: inputs of shape {jnp.shape(x)} are not supported; "
                      f"{hint}.")
-  if jnp.shape(x)[-1] != jnp.shape(w)[0]:
-    raise ValueError(f"{fn}: inputs have {jnp.shape(x)[-1]} features but the "
-                     f"weight expects {jnp.shape(w)[0]}.")
-  if b is not None and jnp.shape(b) != (jnp.shape(w)[1],):
-    raise ValueError(f"{fn}: the bias must have shape ({jnp.shape(w)[1]},), got "
-                     f"{jnp.shape(b)}.")
+  d_in = jnp.shape(x)[-1]
+  if dense_weight_split(jnp.shape(w), d_in, transposed) is None:
+    raise ValueError(f"{fn}: inputs have {d_in} features but the weight of "
+                     f"shape {jnp.shape(w)} ({layout}) does not take {d_in}"
+                     + ("; pass transposed_weight=True for an output-major "
+                        "weight" if not transposed else "") + ".")
+  d_out = int(np.prod(jnp.shape(w))) // d_in
+  if jnp.shape(y) != jnp.shape(x)[:-1] + (d_out,):
+    raise ValueError(f"{fn}: outputs must have shape "
+                     f"{jnp.shape(x)[:-1] + (d_out,)} for inputs {jnp.shape(x)}"
+                     f" and a weight {jnp.shape(w)}, got {jnp.shape(y)}.")
+  if b is not None and (jnp.ndim(b) < 1 or np.prod(jnp.shape(b)) != d_out):
+    raise ValueError(f"{fn}: the bias must have {d_out} entries, e.g. shape "
+                     f"({d_out},), got {jnp.shape(b)}.")
 
 
 def _normalize_pairs(value, n, name):
@@ -382,7 +432,8 @@ def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
     y: the layer's output.
     x: its input, 4-D.
     w: the kernel, 4-D.
-    b: the bias, one entry per output channel, if any.
+    b: the bias, one entry per output channel (any shape, e.g. `(C,)` or
+      Equinox's `(C, 1, 1)`), if any.
     window_strides: the strides, an int or a pair.
     padding: "SAME", "VALID" or explicit `(low, high)` pairs.
     data_format: "NHWC" (kernel "HWIO") or "NCHW" (kernel "OIHW"), used when
@@ -411,6 +462,10 @@ def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
     kernel = "HWIO" if data_format == "NHWC" else "OIHW"
     dimension_numbers = (data_format, kernel, data_format)
   dn = lax.conv_dimension_numbers(jnp.shape(x), jnp.shape(w), dimension_numbers)
+  channels = jnp.shape(w)[dn.rhs_spec[0]]
+  if b is not None and np.prod(jnp.shape(b)) != channels:
+    raise ValueError(f"register_conv2d: the bias must have one entry per "
+                     f"output channel ({channels}), got shape {jnp.shape(b)}.")
   strides = _normalize_pairs(window_strides, 2, "window_strides")
   lhs_dilation = _normalize_pairs(lhs_dilation, 2, "lhs_dilation")
   rhs_dilation = _normalize_pairs(rhs_dilation, 2, "rhs_dilation")

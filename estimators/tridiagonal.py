@@ -66,12 +66,17 @@ def _is_chain_layer(block) -> bool:
 
 def _as_matrix(block, vector):
   """A dense layer's `(w, [b])` as the `(inputs + bias, outputs)` matrix."""
-  w = vector[0]
-  return jnp.concatenate([w, vector[1][None]]) if block.has_bias else w
+  w = block.weight_to_matrix(vector[0])
+  if not block.has_bias:
+    return w
+  return jnp.concatenate([w, vector[1].reshape(1, -1)])
 
 
 def _as_vector(block, matrix):
-  return (matrix[:-1], matrix[-1]) if block.has_bias else (matrix,)
+  if not block.has_bias:
+    return (block.weight_from_matrix(matrix),)
+  return (block.weight_from_matrix(matrix[:-1]),
+          matrix[-1].reshape(block.parameters_shapes[1]))
 
 
 def _rows(block, data):

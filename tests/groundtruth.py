@@ -66,7 +66,7 @@ class Problem:
   forward: Callable  # (params, x) -> outputs z, plain JAX
   per_example_loss: Callable  # (z_i, t_i) -> scalar
   params: dict
-  batch: tuple  # (x, t)
+  batch: tuple  # (x, t); x an array or a tuple of arrays
   tagged_forward: Callable = None  # (params, x) -> outputs z, with layer tags
 
   @property
@@ -79,7 +79,7 @@ class Problem:
     x, t = self.batch
 
     def one(xi, ti):
-      z_of = lambda p: self.forward(unravel(p), xi[None])[0]
+      z_of = lambda p: self.forward(unravel(p), _as_batch(xi))[0]
       jac = jax.jacobian(z_of)(flat).reshape(-1, flat.size)
       z = z_of(flat)
       hess = jax.hessian(self.per_example_loss)(z, ti).reshape(
@@ -93,7 +93,8 @@ class Problem:
     x, t = self.batch
 
     def loss(p, xi, ti):
-      return self.per_example_loss(self.forward(unravel(p), xi[None])[0], ti)
+      return self.per_example_loss(self.forward(unravel(p), _as_batch(xi))[0],
+                                   ti)
 
     return jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(flat, x, t)
 
@@ -110,6 +111,11 @@ class Problem:
       return jnp.mean(jax.vmap(self.per_example_loss)(z, t))
 
     return jax.hessian(mean_loss)(flat)
+
+
+def _as_batch(example):
+  """One example (an array, or a tuple of arrays) as a batch of one."""
+  return jax.tree.map(lambda a: a[None], example)
 
 
 def _problem(register, per_example, layers, params, batch):

@@ -95,9 +95,10 @@ class DenseDiagonal(layers.DenseMixin, Diagonal):
     if x.ndim != 2:  # repeated dense: the per-example sums do not factor
       return super()._batch_statistics(estimation_data, batch_size)
     dy2 = jnp.sum(dy * dy, axis=0)  # samples add up: sum_s dy_si^2
-    stats = [(x * x).T @ dy2 / batch_size]
+    stats = [self.weight_from_matrix((x * x).T @ dy2 / batch_size)]
     if self.has_bias:
-      stats.append(jnp.sum(dy2, axis=0) / batch_size)
+      stats.append(jnp.sum(dy2, axis=0).reshape(self.parameters_shapes[1])
+                   / batch_size)
     return tuple(stats)
 
 

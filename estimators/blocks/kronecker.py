@@ -1,7 +1,8 @@
 """Kronecker-factored blocks: curvature ≈ scale * A ⊗ G (K-FAC).
 
 A block's parameters are laid out as one `(input_size, output_size)` matrix
-`V` (for a dense layer: the weight, with the bias as an extra last row), and
+`V` (for a dense layer: the weight as `x @ W` uses it, whatever its stored
+layout, with the bias as an extra last row), and
 `(A ⊗ G) vec(V) = A V G` with row-major `vec`.
 """
 
@@ -64,15 +65,26 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   def output_size(self) -> int:
     """Size of the outputs factor G."""
 
+  def _kernel_to_matrix(self, kernel):
+    """The first parameter as the matrix's rows above the bias."""
+    return kernel.reshape(-1, self.output_size())
+
+  def _kernel_from_matrix(self, matrix):
+    """Inverts `_kernel_to_matrix`."""
+    return matrix.reshape(self.parameters_shapes[0])
+
   def _to_matrix(self, vector):
     """Parameters-shaped tuple -> `(input_size, output_size)` matrix."""
-    w = vector[0].reshape(-1, self.output_size())
-    return jnp.concatenate([w, vector[1][None]]) if self.has_bias else w
+    w = self._kernel_to_matrix(vector[0])
+    if not self.has_bias:
+      return w
+    return jnp.concatenate([w, vector[1].reshape(1, -1)])
 
   def _from_matrix(self, matrix):
     if not self.has_bias:
-      return (matrix.reshape(self.parameters_shapes[0]),)
-    return (matrix[:-1].reshape(self.parameters_shapes[0]), matrix[-1])
+      return (self._kernel_from_matrix(matrix),)
+    return (self._kernel_from_matrix(matrix[:-1]),
+            matrix[-1].reshape(self.parameters_shapes[1]))
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
@@ -203,10 +215,16 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
   """
 
   def input_size(self) -> int:
-    return self.parameters_shapes[0][0] + int(self.has_bias)
+    return self.weight_matrix_shape[0] + int(self.has_bias)
 
   def output_size(self) -> int:
-    return self.parameters_shapes[0][1]
+    return self.weight_matrix_shape[1]
+
+  def _kernel_to_matrix(self, kernel):
+    return self.weight_to_matrix(kernel)
+
+  def _kernel_from_matrix(self, matrix):
+    return self.weight_from_matrix(matrix)
 
   def _rows(self, inputs, outputs_tangent):
     """(x̃, dy) as matrices with one row per example (and position)."""
@@ -316,17 +334,15 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
     spec = self.dimension_numbers.rhs_spec
     return (spec[2], spec[3], spec[1], spec[0])
 
-  def _to_matrix(self, vector):
-    kernel = jnp.transpose(vector[0], self._kernel_axes())
-    return super()._to_matrix((kernel,) + tuple(vector[1:]))
+  def _kernel_to_matrix(self, kernel):
+    kernel = jnp.transpose(kernel, self._kernel_axes())
+    return kernel.reshape(-1, self.output_size())
 
-  def _from_matrix(self, matrix):
+  def _kernel_from_matrix(self, matrix):
     axes = self._kernel_axes()
     shape = tuple(self.parameters_shapes[0][i] for i in axes)
-    kernel_rows = matrix[:-1] if self.has_bias else matrix
     inverse = tuple(axes.index(i) for i in range(4))
-    kernel = jnp.transpose(kernel_rows.reshape(shape), inverse)
-    return (kernel, matrix[-1]) if self.has_bias else (kernel,)
+    return jnp.transpose(matrix.reshape(shape), inverse)
 
   def _batch_statistics(self, estimation_data, batch_size):
     (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]

@@ -23,7 +23,11 @@ class DenseMixin:
   """Dense tags: `y = x @ w (+ b)`, parameters `(w, [b])`.
 
   Repeated dense tags (`x: (B, ..., d_in)`) are accepted too: an example's
-  gradient then sums over its extra axes.
+  gradient then sums over its extra axes. The block works on the weight as
+  a `(d_in, d_out)` matrix (`weight_to_matrix`): a weight with more axes
+  (Flax's `DenseGeneral`) is flattened, an output-major one
+  (`transposed_weight`, as Equinox stores it) transposed; products and
+  gradients come back in the weight's own shape.
   """
 
   _TAG_PRIMITIVES = (tags.dense, tags.repeated_dense)
@@ -32,9 +36,18 @@ class DenseMixin:
   def _check_layer(self):
     n = self.number_of_parameters
     (x_shape,) = self.inputs_shapes
-    if n not in (1, 2) or len(self.parameters_shapes[0]) != 2:
-      raise ValueError(f"Block {self.name!r}: a dense tag needs a 2-D weight and "
-                       f"an optional bias, got shapes {self.parameters_shapes}.")
+    d_in, d_out = self.weight_matrix_shape
+    shapes = self.parameters_shapes
+    if (n not in (1, 2) or len(shapes[0]) < 2
+        or tags.dense_weight_split(shapes[0], d_in,
+                                   self.transposed_weight) is None
+        or utils.product(shapes[0]) != d_in * d_out
+        or n == 2 and utils.product(shapes[1]) != d_out):
+      raise ValueError(
+          f"Block {self.name!r}: a dense tag with {d_in} input and {d_out} "
+          "output features needs a weight of d_in * d_out entries (at least "
+          "2 axes) and an optional bias of d_out entries, got shapes "
+          f"{shapes}.")
     if self.layer_tag_primitive is tags.dense and len(x_shape) != 2:
       raise ValueError(f"Block {self.name!r}: dense inputs must be (batch, d_in),"
                        f" got {x_shape}; tag the layer with "
@@ -45,14 +58,54 @@ class DenseMixin:
     """Whether the tag has a bias (a second parameter)."""
     return self.number_of_parameters == 2
 
+  @property
+  def transposed_weight(self) -> bool:
+    """Whether the weight is stored output-major, `(d_out, d_in)`."""
+    return bool(self.layer_tag_extra_params.get("transposed_weight", False))
+
+  @property
+  def weight_matrix_shape(self) -> tuple[int, int]:
+    """`(d_in, d_out)`, the features of the layer's inputs and outputs."""
+    return self.inputs_shapes[0][-1], self.outputs_shapes[0][-1]
+
+  def weight_to_matrix(self, w: jax.Array) -> jax.Array:
+    """A weight-shaped array (with any leading axes) as `(..., d_in, d_out)`.
+
+    Args:
+      w: `(..., *parameters_shapes[0])`.
+
+    Returns:
+      The same entries as `(d_in, d_out)` matrices, in the layer's `x @ W`
+      orientation.
+    """
+    d_in, d_out = self.weight_matrix_shape
+    lead = w.shape[:w.ndim - len(self.parameters_shapes[0])]
+    if self.transposed_weight:
+      return jnp.swapaxes(w.reshape(lead + (d_out, d_in)), -1, -2)
+    return w.reshape(lead + (d_in, d_out))
+
+  def weight_from_matrix(self, m: jax.Array) -> jax.Array:
+    """Inverts `weight_to_matrix`.
+
+    Args:
+      m: `(..., d_in, d_out)`.
+
+    Returns:
+      `(..., *parameters_shapes[0])`.
+    """
+    if self.transposed_weight:
+      m = jnp.swapaxes(m, -1, -2)
+    return m.reshape(m.shape[:-2] + self.parameters_shapes[0])
+
   def _per_example_gradients(self, data):
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
-    d_in, d_out = self.parameters_shapes[0]
+    d_in, d_out = self.weight_matrix_shape
     s, b = dy.shape[:2]
-    grads = [jnp.einsum("b...i,sb...o->sbio", x, dy).reshape(s * b, d_in,
-                                                             d_out)]
+    grads = [self.weight_from_matrix(jnp.einsum(
+        "b...i,sb...o->sbio", x, dy).reshape(s * b, d_in, d_out))]
     if self.has_bias:
-      grads.append(dy.reshape(s * b, -1, d_out).sum(axis=1))
+      grads.append(dy.reshape(s * b, -1, d_out).sum(axis=1).reshape(
+          (s * b,) + self.parameters_shapes[1]))
     return tuple(grads)
 
 
@@ -116,6 +169,11 @@ class Conv2DMixin:
     if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
       raise ValueError(f"Block {self.name!r}: the batch must be the leading axis "
                        "of the convolution's inputs and outputs.")
+    if self.has_bias and utils.product(
+        self.parameters_shapes[1]) != self.num_outputs_channels:
+      raise ValueError(f"Block {self.name!r}: the bias must have one entry per "
+                       f"output channel ({self.num_outputs_channels}), got "
+                       f"shape {self.parameters_shapes[1]}.")
 
   @property
   def dimension_numbers(self) -> lax.ConvDimensionNumbers:
@@ -224,8 +282,9 @@ class PerExampleConv2DMixin(Conv2DMixin):
       xi, dyi = args  # dyi: (S, *output_shape[1:]); S sits where the batch was
       _, vjp = jax.vjp(lambda k: self._conv(xi[None], k), kernel)
       grads = [jax.vmap(lambda d: vjp(d[None])[0])(dyi)]
-      if self.has_bias:
-        grads.append(jnp.sum(dyi, axis=spatial_axes))
+      if self.has_bias:  # in the bias's own shape, e.g. (C,) or (C, 1, 1)
+        grads.append(jnp.sum(dyi, axis=spatial_axes).reshape(
+            (dyi.shape[0],) + self.parameters_shapes[1]))
       return tuple(grads)
 
     chunk = max(1, min(x.shape[0], self.max_elements_for_vmap))
