@@ -229,8 +229,8 @@ def register_model(name: str, model: Model, examples: Data, *,
 
   YourProblem.__qualname__ = YourProblem.__name__ = f"Problem_{name}"
   YourData.__qualname__ = YourData.__name__ = f"Dataset_{name}"
+  _register(problems.PROBLEMS, YourProblem, name)  # a clash: nothing added
   _register(problems.DATASETS, YourData, f"{name}_data")
-  _register(problems.PROBLEMS, YourProblem, name)
   return name
 
 
