@@ -276,8 +276,8 @@ def options(group: str) -> list[str]:
 def store() -> None:
   """Puts every registered component's settings, and the run's, in Hydra's
   ConfigStore: again where components were registered or removed since."""
-  # By class too: a model given from Python again replaces its class.
   plugins.load_installed()
+  # By class too: a model given from Python again replaces its class.
   registered = tuple((n, r.get(n)) for r in REGISTRIES for n in r.names())
   if _stored == [registered]:
     return

@@ -7,8 +7,9 @@ tuning section, the lock's wait and the compilation cache), the code (the
 commit, and a hash of uncommitted changes) and the data (the dataset's
 fingerprint: the sha256 of the files it reads, or its generator, version
 and settings) and the code of any component declared outside curvbench (a
-plugin's, or a model given from Python: `plugins.source`). Two runs that differ in any of these never share an id, are
-never taken for each other on resume, and the report keeps them apart.
+plugin's, or a model given from Python: `plugins.source`). Two runs that
+differ in any of these never share an id, are never taken for each other
+on resume, and the report keeps them apart.
 Every record row carries the id and the provenance columns of `columns`;
 the run's whole config, flattened to dotted keys, is the run's `config`
 table, joined on `run_id`.
