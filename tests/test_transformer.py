@@ -43,6 +43,12 @@ BLOCKS = {
     "diagonal": ("DenseDiagonal", "EmbeddingDiagonal", "ScaleAndShiftDiagonal"),
     "full": ("DenseFull", "EmbeddingFull", "ScaleAndShiftFull"),
     "identity": ("ScaledIdentity",) * 3,
+    # The Shampoo family: embeddings keep the library's K-FAC block.
+    "shampoo": ("DenseShampoo", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
+    "shampoo2": ("DenseShampoo2", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
+    "soap": ("DenseSOAP", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
+    "optimal_kronecker": ("DenseOptimalKronecker", "EmbeddingKFAC",
+                          "ScaleAndShiftDiagonal"),
 }
 
 

@@ -14,6 +14,11 @@ from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
 from estimators.blocks.full import (Conv2DFull, DenseFull, ExplicitFull,
                                     Full, NaiveFull, ScaleAndShiftFull)
 from estimators.blocks.identity import ScaledIdentity
+from estimators.blocks.optimal_kronecker import (Conv2DOptimalKronecker,
+                                                 DenseOptimalKronecker)
+from estimators.blocks.shampoo import (Conv2DShampoo, Conv2DShampoo2,
+                                       Conv2DSOAP, DenseShampoo, DenseShampoo2,
+                                       DenseSOAP)
 from estimators.blocks.kronecker import (Conv2DTwoKroneckerFactored,
                                          DenseTwoKroneckerFactored,
                                          RepeatedDenseTwoKroneckerFactored,
@@ -27,8 +32,10 @@ from estimators.blocks.weight_sharing import (Conv2DKFACExpand,
 
 __all__ = [
     "Conv2DDiagonal", "Conv2DEKFAC", "Conv2DFull", "Conv2DKFACExpand",
-    "Conv2DKFACReduce", "Conv2DTNT", "Conv2DTwoKroneckerFactored",
-    "DenseEKFAC", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
+    "Conv2DKFACReduce", "Conv2DOptimalKronecker", "Conv2DShampoo",
+    "Conv2DShampoo2", "Conv2DSOAP", "Conv2DTNT", "Conv2DTwoKroneckerFactored",
+    "DenseEKFAC", "DenseOptimalKronecker", "DenseShampoo", "DenseShampoo2",
+    "DenseSOAP", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
     "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT", "NaiveTNT",
     "RepeatedDenseKFACExpand", "RepeatedDenseKFACReduce",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
