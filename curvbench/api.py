@@ -159,9 +159,7 @@ def _task(task, loss):
     raise ValueError(f"Unknown task {task!r}; choose one of "
                      f"{', '.join(problems.TASKS)}.")
   loss = loss or DEFAULT_LOSS[task]
-  if loss not in problems.LOSSES:
-    raise ValueError(f"Unknown loss {loss!r}; choose one of "
-                     f"{', '.join(problems.LOSSES)}.")
+  problems.base.loss(loss)  # refuses an unknown one, naming the others
   return task, loss
 
 

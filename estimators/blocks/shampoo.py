@@ -185,7 +185,11 @@ class KroneckerSpectrum:
     return 1
 
   def _kronecker_spectrum(self, state):
-    raise NotImplementedError
+    """`(q_l, q_r, s)`: the block is `(q_l ⊗ q_r) diag(vec s) (q_l ⊗ q_r)ᵀ`,
+    `s` of shape `(input_size, output_size)`. The one hook a family gives."""
+    raise NotImplementedError(
+        f"{type(self).__name__} must give its Kronecker eigenbasis and "
+        "spectrum (`_kronecker_spectrum`).")
 
   def _kronecker_multiply(self, state, v):
     """The block times the `(input_size, output_size)` matrix `v`."""
