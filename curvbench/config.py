@@ -307,13 +307,13 @@ def store() -> None:
 
 def measure_groups() -> dict[str, Choice]:
   """The config groups inside the `measure` section: each measurement's
-  `Choice` settings with a default component (e.g. `timing/baseline`,
-  chosen by `measure/timing/baseline=NAME`), by group path."""
+  `Choice` settings (e.g. `timing/baseline`, chosen by
+  `measure/timing/baseline=NAME`; one without a default component is
+  null until chosen), by group path."""
   return {f"{name}/{f.name}": f.metadata["check"]
           for name in measurements.MEASUREMENTS
           for f in dataclasses.fields(measurements.MEASUREMENTS.get(name))
-          if isinstance(f.metadata.get("check"), Choice)
-          and f.metadata["check"].default is not None}
+          if isinstance(f.metadata.get("check"), Choice)}
 
 
 # --- checking a config --------------------------------------------------------
@@ -413,6 +413,13 @@ def explain(error: Exception, overrides=()) -> str:
               f"{_nearest(missing[2], options(missing[1]))}; choose one of "
               f"{', '.join(options(missing[1]))}, or declare your own in a "
               "module named by plugins=[...].")
+    unchosen = re.search(r"Could not override 'measure\.(\w+)\.(\w+)\.",
+                         str(error))
+    path = unchosen and f"{unchosen[1]}/{unchosen[2]}"
+    if path in measure_groups() and measure_groups()[path].default is None:
+      return (f"measure.{unchosen[1]}.{unchosen[2]} is null until chosen: "
+              f"give measure/{path}=NAME before its settings (one of "
+              f"{', '.join(options('measure/' + path))}).")
     # Hydra's own words, less its search path (not the user's concern).
     text = f"{error}{f': {cause}' if cause else ''}"
     return text.split("\nConfig search path")[0].strip()

@@ -93,6 +93,28 @@ def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
   assert not np.allclose(second.value, first.value, equal_nan=True)
 
 
+def test_spectra_trainer_trains_apart_from_the_optimizer_axis(sweep,
+                                                              tmp_path):
+  """`measure/spectra/trainer=sgd` trains to the measured steps as
+  `optimizer=sgd` does (the same numbers), so a sweep over the optimizer
+  group measures spectra once, with the canonical optimizer's point."""
+  root, _ = sweep
+  fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
+           "measure/spectra/trainer=sgd", *TINY)
+  assert runs.run(config.compose(*fixed), tmp_path / "run") == "complete"
+  tables = records.RunDir(tmp_path / "run").tables()
+  expected = records.RunDir(root / "spectra_steps").tables()
+  columns = ["step", "reference", "block", "metric", "value"]
+  pd.testing.assert_frame_equal(tables["quality"][columns],
+                                expected["quality"][columns])
+  assert set(tables["training"].method) == {"sgd"}
+  other = config.load(config.compose(*fixed, "optimizer=adam"))
+  assert "does not use the optimizer" in runs.skip_reason(other)
+  with pytest.raises(config.ConfigError, match="null until chosen: give "
+                     "measure/spectra/trainer=NAME"):
+    config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
+
+
 def test_bad_measurement_points_are_refused_by_name(sweep, tmp_path):
   root, _ = sweep
   with pytest.raises(ValueError, match=r"measure.spectra.steps: .*step 9, "

@@ -343,3 +343,49 @@ def test_the_closest_method_is_named_by_the_statistic_it_quotes():
                             "Frobenius error 0.3 (mean [95 % interval], n=5)")
   assert "not told apart from spiky's 0.48 [0.1, 1.24]" in finding
   assert "difference -0.18 [" in finding
+
+
+def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
+    monkeypatch):
+  """kfac made to claim it is nearer than diagonal: where its errors sit
+  below diagonal's in every paired sample it holds, where above it does
+  not, where the samples straddle it is not settled, and where both score
+  alike (the same block) the cell is left out; gaps are paired over the
+  floor."""
+  from curvbench.approximations import CURVATURES, Nearer
+  from curvbench.measurements.spectra import summary
+  monkeypatch.setattr(CURVATURES.get("kfac"), "claims", (Nearer(
+      than="diagonal", source="A. Author (2025)", floor="explicit_exact"),))
+  errors = {  # block: (kfac, diagonal, floor) per seed
+      "dense": ([0.2, 0.21, 0.19, 0.2], [0.5, 0.52, 0.49, 0.5],
+                [0.1, 0.1, 0.1, 0.1]),
+      "conv": ([0.6, 0.62, 0.61, 0.6], [0.3, 0.31, 0.3, 0.29],
+               [0.1, 0.1, 0.1, 0.1]),
+      "attention": ([0.3, 0.5, 0.3, 0.5], [0.4, 0.4, 0.4, 0.4],
+                    [0.1, 0.1, 0.1, 0.1]),
+      "norm": ([0.4] * 4, [0.4] * 4, [0.1] * 4)}
+  rows = [dict(problem="p", data="batch", step=0, mode="ggn_exact",
+               reference="ggn", level="role", block=block, curvature=name,
+               label=f"{name}/ggn_exact", metric=metric,
+               relative_damping=np.nan, run_id=f"{name}{seed}", seed=seed,
+               sample=0, value=value * (metric == "relative_frobenius"))
+          for block, per_method in errors.items()
+          for name, values in zip(("kfac", "diagonal", "explicit_exact"),
+                                  per_method)
+          for seed, value in enumerate(values)
+          for metric in ("relative_frobenius", "trace_ratio")]
+  [line], table = summary.claims(pd.DataFrame(rows))
+  assert line.startswith("Claim (A. Author (2025)): kfac is nearer the exact "
+                         "matrix than diagonal")
+  assert "holds in 1, does not hold in 1, not settled in 1 of 3" in line
+  verdicts = table.data.set_index("block").verdict.to_dict()
+  assert verdicts == {"dense": "holds", "conv": "does not hold",
+                      "attention": "not settled"}
+  dense = table.data.set_index("block").loc["dense"]
+  assert dense.diff_mean == pytest.approx(0.2 - 0.5025)
+  assert dense.gap_mean == pytest.approx(0.1)
+  assert dense.than_gap_mean == pytest.approx(0.4025)
+  assert dense.n == 4
+  # Without the other approximation measured, no claim is checked.
+  alone = pd.DataFrame([r for r in rows if r["curvature"] != "diagonal"])
+  assert summary.claims(alone) == ([], None)

@@ -210,8 +210,9 @@ class Parsed(Check):
 class Choice(Check):
   """The settings of one component of a `registry` (see
   `components.Registry`), chosen by their `name`; a field left null takes
-  the `default` component's settings (`Settings.completed`), and in Hydra
-  a config group of its own chooses it (`curvbench.config.store`)."""
+  the `default` component's settings (`Settings.completed`), or stays
+  null where there is no default; in Hydra a config group of its own
+  chooses it (`curvbench.config.store`)."""
   registry: Any
   default: str | None = None
 
@@ -222,9 +223,13 @@ class Choice(Check):
     return f"the settings of a {self.registry.kind}"
 
   def complaints(self, key: str, value) -> Iterator[str]:
+    if value is None and self.default is None:
+      return
     yield from self.registry.refusals(value, key)
 
   def build(self, value, key: str):
+    if value is None:
+      return None
     return self.registry.load(value, key, checked=True)
 
 

@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvbench.components import (Flag, ListOf, Number, OneOf, Parsed, Text,
-                                   Whole, setting)
+from curvbench.components import (Choice, Flag, ListOf, Number, OneOf,
+                                  Parsed, Text, Whole, setting)
 from curvbench import checkpoints, curvatures, devices, plots, training
 from curvbench.costs import Costs
 from curvbench.data import parse_scope, select
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.spectra import compute, figures, summary
 from curvbench.measurements.training import save_checkpoint
+from curvbench.optimizers import OPTIMIZERS
 from curvbench.references import ReferenceStore
 from curvbench.sections import Section
 
@@ -66,6 +67,12 @@ class Spectra(Measurement):
                        "training steps to measure at (0: the "
                        "initialisation; later ones train with the optimizer "
                        "group for measure.training.num_steps steps)")
+  trainer: Any = setting(
+      None, Choice(OPTIMIZERS), "the optimizer that trains to the measured "
+      "steps (measure/spectra/trainer=NAME, its settings "
+      "measure.spectra.trainer.KEY), so that a sweep over the optimizer "
+      "group measures every approximation at one training run's "
+      "parameters; null: the run's optimizer group")
   checkpoint: str | None = setting(
       None, Text(null=True), "measure saved parameters instead: a "
       ".safetensors file, or a run directory (its checkpoints at steps)")
@@ -124,7 +131,7 @@ class Spectra(Measurement):
     return self.checkpoint is None and self.steps != [0]
 
   def uses_optimizer(self, run):
-    return self.trains()
+    return self.trains() and self.trainer is None
 
   def inputs(self, run):
     if self.checkpoint is None:
@@ -223,7 +230,7 @@ class Spectra(Measurement):
     elif not self.trains():
       at(0, ctx.params)
     else:
-      optimizer = ctx.run.optimizer
+      optimizer = self.trainer or ctx.run.optimizer
       trainer = optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh)
       # Training stops at the last step measured.
       until = dataclasses.replace(ctx.run.measure.training,
@@ -252,11 +259,14 @@ class Spectra(Measurement):
     if quality is not None:
       q = summary.quality(quality)
       found.findings += summary.findings(quality)
+      lines, table = summary.claims(quality)
+      found.findings += lines
       for level, name, title in summary.LEVELS:
         part = q[q.level == level]
         if not part.empty:
           found.tables.append(summary.quality_table(name, title, part,
                                                     detail=level != "network"))
+      found.tables += [table] if table is not None else []
       found.notes += summary.shared_blocks(quality)
       if (quality.reference == "empirical_fisher").any():
         found.notes.append(summary.EMPIRICAL_FISHER_SCALE)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from curvbench import stats
+from curvbench.approximations import CURVATURES
 from curvbench.measurements.spectra.compute import SAME
 from curvbench.sections import Table, number, spread, wide
 
@@ -209,6 +210,94 @@ def findings(q: pd.DataFrame) -> list[str]:
                f"{mean} (mean [95 % interval], n={n}), {verdict} "
                f"({interval}).")
   return out
+
+
+# A claim's cell: one comparison, over that cell's paired samples.
+CELL = ["problem", "mode", "reference", "level", "block", "step"]
+VERDICTS = {"lower": "holds", "higher": "does not hold"}
+
+
+def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
+  """Every published claim (`approximations.Nearer`) that an approximation
+  of these runs declares about another one measured alike: per problem,
+  estimation mode, reference, block type (and whole network) and step,
+  the paired interval of the difference of their relative Frobenius
+  errors, a verdict (holds, does not hold, not settled where the interval
+  holds 0), and each one's gap over the claim's floor; a line per claim
+  counting the verdicts. Cells where both score alike (the same block
+  for both) are left out: they cannot bear on the claim."""
+  frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
+  names = set(frob.curvature.dropna())
+  rows, lines = [], []
+  for name in sorted(names & set(CURVATURES.names())):
+    for claim in CURVATURES.get(name).claims:
+      if claim.than not in names:
+        continue
+      cells = [_claim_cell(cell, name, claim) for _, cell in
+               frob.groupby(CELL, dropna=False)]
+      cells = [c for c in cells if c is not None]
+      if not cells:
+        continue
+      for c in cells:
+        c.update(claim=f"{name} nearer than {claim.than}",
+                 source=claim.source)
+      rows += cells
+      counts = pd.Series([c["verdict"] for c in cells]).value_counts()
+      tally = ", ".join(f"{verdict} in {counts.get(verdict, 0)}" for verdict
+                        in ("holds", "does not hold", "not settled"))
+      floor = ""
+      if claim.floor is not None and "gap_mean" in cells[0]:
+        gaps = pd.DataFrame(cells)
+        floor = (f" Over {claim.floor}, {name}'s gap in relative Frobenius "
+                 f"error has median {number(gaps.gap_mean.median())} over "
+                 f"the cells, {claim.than}'s "
+                 f"{number(gaps.than_gap_mean.median())}.")
+      lines.append(
+          f"Claim ({claim.source}): {name} is nearer the exact matrix than "
+          f"{claim.than} (relative Frobenius error, per block type and whole "
+          f"network). On these runs it {tally} of {len(cells)} (problem, "
+          "reference, block type, step) cells, each a 95 % bootstrap "
+          "interval of the paired difference (table claims)." + floor)
+  if not rows:
+    return [], None
+  data = pd.DataFrame(rows)
+  view = data.assign(
+      difference=[spread(m, lo, hi) for m, lo, hi in zip(
+          data.diff_mean, data.diff_ci_low, data.diff_ci_high)])
+  shown = ["claim", "problem", "reference", "block", "step", "difference",
+           "verdict", "n"]
+  for gap in ("gap", "than_gap"):
+    if f"{gap}_mean" in data:
+      view[gap] = [spread(m, lo, hi) for m, lo, hi in zip(
+          data[f"{gap}_mean"], data[f"{gap}_ci_low"], data[f"{gap}_ci_high"])]
+      shown.insert(-2, gap)
+  return lines, Table(
+      "claims", "Published claims checked: the difference of relative "
+      "Frobenius errors (claimed nearer minus the other; mean [95 % "
+      "bootstrap interval] over paired samples) and each one's gap over the "
+      "claim's floor", data, view=view[shown])
+
+
+def _claim_cell(cell: pd.DataFrame, name: str, claim) -> dict | None:
+  """One cell of a claim (see `claims`); None where it cannot bear on it."""
+  values = {n: g.set_index(["seed", "sample", "data"]).value
+            for n, g in cell.groupby("curvature")}
+  if name not in values or claim.than not in values:
+    return None
+  both = values[name].index.intersection(values[claim.than].index)
+  own, other = values[name][both], values[claim.than][both]
+  if len(both) == 0 or np.allclose(own, other, rtol=1e-9, atol=0):
+    return None
+  diff = stats.paired_difference(own, other)
+  row = dict(zip(CELL, cell[CELL].iloc[0]), n=len(both),
+             diff_mean=diff[0], diff_ci_low=diff[1], diff_ci_high=diff[2],
+             verdict=VERDICTS.get(stats.ordering(diff), "not settled"))
+  floor = values.get(claim.floor)
+  if floor is not None and both.isin(floor.index).all():
+    for key, series in (("gap", own), ("than_gap", other)):
+      row.update(zip((f"{key}_mean", f"{key}_ci_low", f"{key}_ci_high"),
+                     stats.paired_difference(series, floor[both])))
+  return row
 
 
 def statistics_table(statistics: pd.DataFrame) -> Table:
