@@ -1,0 +1,216 @@
+"""The Kronecker-factored optimizers (shampoo, soap, kl_shampoo) against
+hand computations in numpy, step by step on a small tree (a matrix, a
+vector and a 4-D kernel), in float64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from curvbench import config
+from curvbench.components import SettingsError
+from curvbench.optimizers.shampoo import shampoo
+
+jax.config.update("jax_enable_x64", True)
+
+TOL = dict(rtol=1e-8, atol=1e-12)
+SHAPES = {"w": (3, 4), "b": (3,), "k": (1, 2, 2, 3)}
+
+
+def tree(seed, shapes=SHAPES):
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(size=s) for k, s in shapes.items()}
+
+
+def run(tx, steps, shapes=SHAPES):
+  """`steps` updates of `tx` on random gradients, the parameters moved by
+  each; returns the gradients, the parameters and the updates, in numpy."""
+  params = tree(0, shapes)
+  state = tx.init(jax.tree.map(jnp.asarray, params))
+  update = jax.jit(tx.update)
+  history = []
+  for step in range(steps):
+    grads = tree(step + 1, shapes)
+    updates, state = update(jax.tree.map(jnp.asarray, grads), state,
+                               jax.tree.map(jnp.asarray, params))
+    updates = jax.tree.map(np.asarray, updates)
+    history.append((grads, params, updates))
+    params = jax.tree.map(np.add, params, updates)
+  return history, state
+
+
+def matrix(shape):
+  """A parameter's matrix view, written out: size-1 axes dropped, leading
+  axes merged, a vector a column."""
+  dims = [d for d in shape if d > 1]
+  return (dims[0], 1) if len(dims) == 1 else (int(np.prod(dims[:-1])),
+                                                dims[-1])
+
+
+def power(f, p):
+  """A symmetric PSD matrix to the power p, by numpy's eigh."""
+  w, v = np.linalg.eigh((f + f.T) / 2)
+  return (v * np.maximum(w, 0) ** p) @ v.T
+
+
+# --- Shampoo -----------------------------------------------------------------
+
+def shampoo_by_hand(history_grads, p0, lr=0.1, beta1=0.9, beta2=0.999,
+                    epsilon=1e-12, momentum=0.0, nesterov=False,
+                    weight_decay=0.0, max_preconditioner_dim=1024,
+                    precondition_frequency=1, start_preconditioning_step=None,
+                    exponent_override=0, exponent_multiplier=1.0,
+                    use_bias_correction=True, grafting_type="adam",
+                    grafting_epsilon=1e-8, grafting_beta2=0.999,
+                    matrix_power_method="eigh"):
+  """Distributed Shampoo's steps on one parameter, its blocks cut with
+  uneven ends as torch.split does."""
+  del matrix_power_method
+  m, n = matrix(p0.shape)
+  start = start_preconditioning_step or precondition_frequency
+  b = max_preconditioner_dim
+  rows = [slice(i, min(i + b, m)) for i in range(0, m, b)]
+  cols = [slice(j, min(j + b, n)) for j in range(0, n, b)]
+  two = n > 1
+  root = exponent_override or (4 if two else 2)
+  blocks = [(r, c) for r in rows for c in cols]
+  left, right = [0.0] * len(blocks), [0.0] * len(blocks)
+  size = lambda sl: sl.stop - sl.start
+  xl = [np.zeros((size(r), size(r))) for r, _ in blocks]  # zero until
+  xr = [np.zeros((size(c), size(c))) for _, c in blocks]  # the first roots
+  second, avg, buf, p, out = 0.0, 0.0, 0.0, p0, []
+  ema = lambda old, new, beta: old + new if beta == 1 else (
+      beta * old + (1 - beta) * new)
+  for t, g in enumerate(history_grads, 1):
+    gm = g.reshape(m, n)
+    for k, (r, c) in enumerate(blocks):
+      left[k] = ema(left[k], gm[r, c] @ gm[r, c].T, beta2)
+      right[k] = ema(right[k], gm[r, c].T @ gm[r, c], beta2)
+    if grafting_type in ("adagrad", "rmsprop", "adam"):
+      second = ema(second, g * g, 1 if grafting_type == "adagrad"
+                   else grafting_beta2)
+    avg = ema(avg, g, beta1) if beta1 else g
+    hat = avg / (1 - beta1**t) if beta1 and use_bias_correction else avg
+    if (t % precondition_frequency == 0 and t > start) or t == start:
+      scale = 1 - beta2**t if use_bias_correction and beta2 < 1 else 1
+      for k in range(len(blocks)):
+        xl[k] = power(left[k] / scale + epsilon * np.eye(len(left[k])),
+                      -exponent_multiplier / root)
+        xr[k] = power(right[k] / scale + epsilon * np.eye(len(right[k])),
+                      -exponent_multiplier / root) if two else np.eye(1)
+    graft = hat
+    if grafting_type == "adam":
+      graft = hat / (np.sqrt(second / (1 - grafting_beta2**t))
+                     + grafting_epsilon)
+    elif grafting_type in ("adagrad", "rmsprop"):
+      graft = hat / (np.sqrt(second) + grafting_epsilon)
+    hm, gfm = hat.reshape(m, n), graft.reshape(m, n)
+    d = np.zeros((m, n))
+    for k, (r, c) in enumerate(blocks):
+      db = xl[k] @ hm[r, c] @ (xr[k] if two else np.eye(1))
+      if grafting_type != "none":
+        db = db * np.linalg.norm(gfm[r, c]) / (np.linalg.norm(db) + 1e-16)
+      d[r, c] = db
+    d = d.reshape(p.shape)
+    if grafting_type != "none" and t < start:
+      d = graft
+    d = d + weight_decay * p
+    if momentum:
+      buf = momentum * buf + d
+      d = d + momentum * buf if nesterov else buf
+    out.append(-lr * d)
+    p = p + out[-1]
+  return out
+
+
+SHAMPOO_CASES = {
+    "adam grafting, stale roots, momentum, decay": dict(
+        beta1=0.9, beta2=0.99, epsilon=1e-3, momentum=0.5, weight_decay=0.1,
+        precondition_frequency=2),
+    "sums, blocks, adagrad grafting, Nesterov, no bias correction": dict(
+        beta1=0.0, beta2=1.0, epsilon=1e-2, momentum=0.9, nesterov=True,
+        max_preconditioner_dim=2, grafting_type="adagrad",
+        grafting_epsilon=1e-3, use_bias_correction=False),
+    "rmsprop grafting, late start, exponent multiplier": dict(
+        beta1=0.5, beta2=0.9, epsilon=1e-3, grafting_type="rmsprop",
+        grafting_beta2=0.8, start_preconditioning_step=2,
+        exponent_multiplier=0.5, max_preconditioner_dim=3),
+    "sgd grafting, root 2": dict(
+        beta2=0.5, epsilon=1e-2, grafting_type="sgd", exponent_override=2,
+        weight_decay=0.01),
+    "no grafting, zero steps before the first roots": dict(
+        beta2=0.9, epsilon=1e-2, grafting_type="none",
+        precondition_frequency=2),
+    "Newton roots": dict(beta2=0.9, epsilon=1e-2, matrix_power_method="newton",
+                         precondition_frequency=2),
+}
+
+
+@pytest.mark.parametrize("case", SHAMPOO_CASES)
+def test_shampoo_steps_as_by_hand(case):
+  options = SHAMPOO_CASES[case]
+  history, _ = run(shampoo(0.1, **options), 3)
+  tol = dict(rtol=1e-7, atol=1e-10) if "newton" in str(options) else TOL
+  for name in SHAPES:
+    grads = [g[name] for g, _, _ in history]
+    expected = shampoo_by_hand(grads, history[0][1][name], **options)
+    for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
+      np.testing.assert_allclose(updates[name], want, **tol,
+                                 err_msg=f"{name} at step {step + 1}")
+  if options.get("grafting_type") == "none":  # no roots before step 2
+    assert all(np.all(u == 0) for u in history[0][2].values())
+
+
+def test_shampoo_root_two_is_the_inverse_root_of_the_kronecker_product():
+  """Shampoo² on one matrix with β2 = 0: the step is (L ⊗ R)^(-1/2) of the
+  current gradient, L = G Gᵀ + εI and R = Gᵀ G + εI, built by brute force."""
+  eps, lr = 1e-2, 0.1
+  tx = shampoo(lr, beta1=0.0, beta2=0.0, epsilon=eps, exponent_override=2,
+               grafting_type="none")
+  history, _ = run(tx, 2, {"w": (3, 4)})
+  for grads, _, updates in history:
+    g = grads["w"]
+    kron = np.kron(g @ g.T + eps * np.eye(3), g.T @ g + eps * np.eye(4))
+    want = -lr * power(kron, -0.5) @ g.reshape(-1)  # row-major vec
+    np.testing.assert_allclose(updates["w"].reshape(-1), want, **TOL)
+
+
+def test_shampoo_state_holds_sums_and_refreshes_roots_at_the_period():
+  _, state = run(shampoo(0.1, beta2=1.0, precondition_frequency=2,
+                         epsilon=1e-3), 3)
+  w = state.parameters["w"]
+  grads = [tree(s)["w"] for s in (1, 2, 3)]
+  np.testing.assert_allclose(w.left.statistics[0, 0],
+                             sum(g @ g.T for g in grads), **TOL)
+  # The roots are those of step 2's sums: stale at step 3.
+  at_two = sum(g @ g.T for g in grads[:2]) + 1e-3 * np.eye(3)
+  np.testing.assert_allclose(w.left.root[0, 0], power(at_two, -0.25), **TOL)
+  assert int(state.count) == 3
+
+
+# --- settings ----------------------------------------------------------------
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: shampoo(0.1, epsilon=-1.0), "epsilon must be a number > 0"),
+    (lambda: shampoo(0.1, beta2=1.5), r"beta2: must be a number in \[0, 1\]"),
+    (lambda: shampoo(0.1, precondition_frequency=0), "precondition_frequency"),
+    (lambda: shampoo(0.1, grafting_type="adamw"), "grafting_type"),
+    (lambda: shampoo(0.1, precondition_frequency=10,
+                     start_preconditioning_step=5), "below"),
+    (lambda: shampoo(0.1, matrix_power_method="newton",
+                     exponent_multiplier=0.5), "inverse p-th roots"),
+    (lambda: shampoo(0.1, grafting_type="sgd", grafting_beta2=0.9),
+     "ignored"),
+    (lambda: shampoo(0.1, epsilom=1e-6), "did you mean epsilon"),
+    (lambda: shampoo(-0.1), "learning_rate"),
+])
+def test_bad_settings_are_refused_by_name(build, message):
+  with pytest.raises(SettingsError, match=message):
+    build()
+
+
+def test_bad_settings_are_refused_when_composed():
+  with pytest.raises(config.ConfigError, match="epsilon"):
+    config.compose("measure=training", "optimizer=shampoo",
+                   "optimizer.epsilon=-1e-6")
