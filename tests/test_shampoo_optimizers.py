@@ -11,6 +11,7 @@ import pytest
 from curvbench import config
 from curvbench.components import SettingsError
 from curvbench.optimizers.shampoo import shampoo
+from curvbench.optimizers.soap import soap
 
 jax.config.update("jax_enable_x64", True)
 
@@ -214,3 +215,112 @@ def test_bad_settings_are_refused_when_composed():
   with pytest.raises(config.ConfigError, match="epsilon"):
     config.compose("measure=training", "optimizer=shampoo",
                    "optimizer.epsilon=-1e-6")
+
+
+# --- SOAP --------------------------------------------------------------------
+
+def descending_eigenvectors(f):
+  return np.linalg.eigh((f + f.T) / 2)[1][:, ::-1]
+
+
+def soap_by_hand(grads, p0, lr=3e-3, b1=0.95, b2=0.95, shampoo_beta=None,
+                 eps=1e-8, weight_decay=0.01, precondition_frequency=10,
+                 max_precond_dim=10000, precondition_1d=False,
+                 normalize_grads=False, correct_bias=True, eigenbasis="qr"):
+  """The reference SOAP's steps on one parameter; a side without a factor
+  has the identity for its basis."""
+  m, n = matrix(p0.shape)
+  has = [1 < d <= max_precond_dim and (precondition_1d or n > 1)
+         for d in (m, n)]
+  beta = b2 if shampoo_beta is None else shampoo_beta
+  factors = [np.zeros((m, m)), np.zeros((n, n))]
+  bases = [np.eye(m), np.eye(n)]
+  mu, nu, p, out = np.zeros((m, n)), np.zeros((m, n)), p0, []
+  for c, g in enumerate(grads):
+    gm = g.reshape(m, n)
+    new = [gm @ gm.T, gm.T @ gm]
+    if c == 0:
+      factors = [(1 - beta) * f for f in new]
+      bases = [descending_eigenvectors(f) if h else b
+               for f, h, b in zip(factors, has, bases)]
+      out.append(np.zeros_like(p))
+      continue
+    rotated = bases[0].T @ gm @ bases[1]
+    mu = b1 * mu + (1 - b1) * rotated
+    nu = b2 * nu + (1 - b2) * rotated**2
+    d = bases[0] @ (mu / (np.sqrt(nu) + eps)) @ bases[1].T
+    if normalize_grads:
+      d = d / (1e-30 + np.sqrt(np.mean(d**2)))
+    size = lr * np.sqrt(1 - b2**c) / (1 - b1**c) if correct_bias else lr
+    stepped = p - size * d.reshape(p.shape)
+    stepped = stepped - lr * weight_decay * stepped
+    out.append(stepped - p)
+    p = stepped
+    factors = [beta * f + (1 - beta) * x for f, x in zip(factors, new)]
+    if c % precondition_frequency == 0:
+      original = bases[0] @ mu @ bases[1].T
+      for axis in (0, 1):
+        if not has[axis]:
+          continue
+        f, q = factors[axis], bases[axis]
+        if eigenbasis == "eigh":
+          bases[axis] = descending_eigenvectors(f)
+        else:
+          order = np.argsort(-np.diag(q.T @ f @ q), kind="stable")
+          nu = np.take(nu, order, axis=axis)
+          bases[axis] = np.linalg.qr(f @ q[:, order])[0]
+      mu = bases[0].T @ original @ bases[1]
+  return out
+
+
+SOAP_CASES = {
+    "reference defaults, QR refresh at step 2": dict(precondition_frequency=2),
+    "vectors preconditioned, eigh every step, normalized, no bias "
+    "correction": dict(
+        b1=0.8, b2=0.9, shampoo_beta=0.7, precondition_frequency=1,
+        precondition_1d=True, normalize_grads=True, correct_bias=False,
+        eigenbasis="eigh", weight_decay=0.1),
+    "long sides in the standard basis, QR every step": dict(
+        max_precond_dim=3, precondition_frequency=1, b1=0.5, b2=0.99),
+}
+
+
+@pytest.mark.parametrize("case", SOAP_CASES)
+def test_soap_steps_as_by_hand(case):
+  options = SOAP_CASES[case]
+  # A vector of two: its first factor has rank one, so its eigenbasis is
+  # unique up to signs (which no step depends on).
+  shapes = {**SHAPES, "b": (2,)}
+  history, _ = run(soap(0.1, **options), 4, shapes)
+  for name in shapes:
+    grads = [g[name] for g, _, _ in history]
+    expected = soap_by_hand(grads, history[0][1][name], lr=0.1, **options)
+    for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
+      np.testing.assert_allclose(updates[name], want, **TOL,
+                                 err_msg=f"{name} at call {step}")
+  assert all(np.all(u == 0) for u in history[0][2].values())
+
+
+def test_soap_without_momentum_is_adam_in_the_rotating_eigenbasis():
+  """b1 = 0 and a refresh every step: each step is Adam's (optax's, on the
+  gradients rotated into the bases of the call) rotated back."""
+  lr, b2 = 0.1, 0.9
+  tx = soap(lr, b1=0.0, b2=b2, eps=1e-30, weight_decay=0.0,
+            precondition_frequency=1, eigenbasis="eigh")
+  shapes = {"w": (3, 4)}
+  params = jax.tree.map(jnp.asarray, tree(0, shapes))
+  state = tx.init(params)
+  adam = optax.scale_by_adam(b1=0.0, b2=b2, eps=0.0)
+  adam_state = adam.init(params)
+  for call in range(3):
+    grads = jax.tree.map(jnp.asarray, tree(call + 1, shapes))
+    w = state.parameters["w"]
+    left, right = np.asarray(w.left_basis), np.asarray(w.right_basis)
+    updates, state = tx.update(grads, state, params)
+    if call == 0:
+      continue
+    rotated = {"w": left.T @ np.asarray(grads["w"]) @ right}
+    direction, adam_state = adam.update(rotated, adam_state)
+    np.testing.assert_allclose(
+        np.asarray(updates["w"]),
+        -lr * left @ np.asarray(direction["w"]) @ right.T, rtol=1e-9)

@@ -1,0 +1,200 @@
+"""SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using
+Adam"): Adam run in the eigenbasis of Shampoo's factors.
+`soap(learning_rate, **options)` is the optax transformation, following
+the authors' reference implementation (github.com/nikhilvyas/SOAP).
+
+Each parameter is a matrix `G` (`kronecker.matrix_shape`: a conv kernel
+`(kh·kw·c_in, c_out)`; the reference, with its default `merge_dims=False`,
+keeps one factor per axis instead). A side has a factor unless it has
+size 1, is longer than `max_precond_dim`, or belongs to a vector while
+`precondition_1d` is false; such a side keeps the standard basis. At call
+`c` (from 0), with bases `Q_L`, `Q_R` and `β_s = shampoo_beta`:
+
+  c = 0: L = (1 - β_s) G Gᵀ, R = (1 - β_s) Gᵀ G, Q their eigenvectors
+         (largest eigenvalue first); no step: the first gradient only
+         sets the bases, as in the reference
+  c = t ≥ 1:
+    G̃ = Q_Lᵀ G Q_R,  M ← b1 M + (1 - b1) G̃,  V ← b2 V + (1 - b2) G̃²
+    N = Q_L (M / (√V + eps)) Q_Rᵀ  (over its RMS when normalize_grads)
+    w ← w - η_t N,  η_t = lr √(1 - b2^t) / (1 - b1^t) (lr without
+      correct_bias); then w ← w - lr · weight_decay · w
+    L ← β_s L + (1 - β_s) G Gᵀ,  R likewise
+    every precondition_frequency steps, per side: its columns sorted by
+      the estimates diag(Qᵀ L Q), V's axis with them, then Q ← QR(L Q)'s
+      Q (one power-iteration step; eigenbasis=eigh: Q ← eigh(L)), and M
+      rotated into the new bases (M ← Q_L'ᵀ Q_L M Q_Rᵀ Q_R').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from curvbench import training
+from curvbench.components import Flag, Number, OneOf, Whole, setting
+from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
+from curvbench.optimizers.kronecker import (as_matrix, decay_after_step,
+                                            eigenbasis, matrix_shape,
+                                            outer_products, power_qr, rotate,
+                                            unit_rms, unrotate)
+
+BASES = ("qr", "eigh")
+
+
+class ParameterState(NamedTuple):
+  left: jax.Array | None  # L (None: the side keeps the standard basis)
+  right: jax.Array | None  # R
+  left_basis: jax.Array | None  # Q_L
+  right_basis: jax.Array | None  # Q_R
+  mu: jax.Array  # Adam's first moment, in the rotated basis
+  nu: jax.Array  # Adam's second moment, in the rotated basis
+
+
+class SoapState(NamedTuple):
+  count: jax.Array  # calls so far (the first one takes no step)
+  parameters: Any  # a ParameterState per parameter, in the params' tree
+
+
+@OPTIMIZERS.register
+@dataclasses.dataclass
+class SOAP(OptimizerSettings):
+  """`soap(learning_rate, ...)`; defaults the reference implementation's."""
+
+  name: str = "soap"
+  colour = "magenta"
+  learning_rate: float = setting(3e-3, Number(0, low_in=False),
+                                 "the step size")
+  b1: float = setting(0.95, Number(0, 1), "decay of Adam's first moment")
+  b2: float = setting(0.95, Number(0, 1), "decay of Adam's second moment")
+  shampoo_beta: float | None = setting(
+      None, Number(0, 1, null=True), "decay of the factors' averages (null: "
+      "b2)")
+  eps: float = setting(1e-8, Number(0, low_in=False), "added to the root "
+                       "of the second moment")
+  weight_decay: float = setting(0.01, Number(0), "decoupled weight decay, "
+                                "times the learning rate, after the step")
+  precondition_frequency: int = setting(10, Whole(1), "steps between "
+                                        "eigenbasis refreshes")
+  max_precond_dim: int = setting(10000, Whole(1), "longest side given a "
+                                 "factor (longer: the standard basis)")
+  precondition_1d: bool = setting(False, Flag(), "give vectors a factor")
+  normalize_grads: bool = setting(False, Flag(), "scale each parameter's "
+                                  "direction to unit RMS")
+  correct_bias: bool = setting(True, Flag(), "Adam's bias correction")
+  eigenbasis: str = setting("qr", OneOf(BASES), "refresh the bases by one "
+                            "power-iteration step and QR (the paper's), or "
+                            "by an eigendecomposition")
+
+  def transformation(self) -> optax.GradientTransformation:
+    """The optax transformation of these settings."""
+    return _transformation(self)
+
+  def make(self, loss_fn, curvature=None, mesh=None):
+    del curvature, mesh  # runs SPMD on a split batch
+    return training.OptaxTrainer(loss_fn,
+                                 lambda batch, rng: self.transformation())
+
+
+def soap(learning_rate: float, **options) -> optax.GradientTransformation:
+  """SOAP (see the module docstring) as an optax transformation;
+  `options` are the `SOAP` settings (bad ones raise `SettingsError` naming
+  them)."""
+  settings = SOAP.from_values({"learning_rate": learning_rate, **options})
+  return settings.transformation()
+
+
+def _transformation(s: SOAP) -> optax.GradientTransformation:
+  beta = s.b2 if s.shampoo_beta is None else s.shampoo_beta
+
+  def factored(shape) -> tuple[bool, bool]:
+    rows, cols = matrix_shape(shape)
+    vector = cols == 1
+    return tuple(1 < d <= s.max_precond_dim and (s.precondition_1d
+                                                  or not vector)
+                 for d in (rows, cols))
+
+  def init_one(p):
+    (rows, cols), sides = matrix_shape(p.shape), factored(p.shape)
+    square = lambda d, side: jnp.zeros((d, d), p.dtype) if side else None
+    eye = lambda d, side: jnp.eye(d, dtype=p.dtype) if side else None
+    zeros = jnp.zeros((rows, cols), p.dtype)
+    return ParameterState(square(rows, sides[0]), square(cols, sides[1]),
+                          eye(rows, sides[0]), eye(cols, sides[1]), zeros,
+                          zeros)
+
+  def init(params):
+    return SoapState(jnp.zeros([], jnp.int32),
+                     jax.tree.map(init_one, params))
+
+  def step(g, st, p, count):
+    """The update of one parameter and its moments and factors."""
+    first = count == 0
+    t = jnp.maximum(count, 1)
+    gm = as_matrix(g)
+    rotated = rotate(gm, st.left_basis, st.right_basis)
+    mu = s.b1 * st.mu + (1 - s.b1) * rotated
+    nu = s.b2 * st.nu + (1 - s.b2) * rotated * rotated
+    direction = unrotate(mu / (jnp.sqrt(nu) + s.eps), st.left_basis,
+                         st.right_basis)
+    if s.normalize_grads:
+      direction = unit_rms(direction)
+    size = s.learning_rate
+    if s.correct_bias:
+      size = size * jnp.sqrt(1 - s.b2 ** t) / (1 - s.b1 ** t)
+    update = decay_after_step(direction.reshape(g.shape), p, size,
+                              s.learning_rate * s.weight_decay)
+    left, right = outer_products(gm)
+    ema = lambda old, new: None if old is None else (
+        beta * old + (1 - beta) * new)
+    return jnp.where(first, jnp.zeros_like(update), update), st._replace(
+        left=ema(st.left, left), right=ema(st.right, right),
+        mu=jnp.where(first, st.mu, mu), nu=jnp.where(first, st.nu, nu))
+
+  def first_bases(st):
+    basis = lambda f: None if f is None else eigenbasis(f)
+    return st._replace(left_basis=basis(st.left),
+                       right_basis=basis(st.right))
+
+  def refresh(st):
+    """New bases, the moments following them."""
+    mu = unrotate(st.mu, st.left_basis, st.right_basis)
+    nu, bases = st.nu, []
+    for axis, (factor, basis) in enumerate(
+        ((st.left, st.left_basis), (st.right, st.right_basis))):
+      if factor is not None:
+        if s.eigenbasis == "eigh":
+          basis = eigenbasis(factor)
+        else:
+          order = jnp.argsort(-jnp.diagonal(basis.T @ factor @ basis),
+                              stable=True)
+          nu = jnp.take(nu, order, axis=axis)
+          basis = power_qr(factor, basis[:, order])
+      bases.append(basis)
+    return st._replace(left_basis=bases[0], right_basis=bases[1],
+                       mu=rotate(mu, *bases), nu=nu)
+
+  def update(grads, state, params=None):
+    if params is None and s.weight_decay:
+      raise ValueError("soap with weight_decay needs the parameters: call "
+                       "update(grads, state, params).")
+    count = state.count
+    leaves, treedef = jax.tree.flatten(grads)
+    ps = (treedef.flatten_up_to(params) if params is not None
+          else [None] * len(leaves))
+    out = [step(g, st, p, count) for g, st, p in zip(
+        leaves, treedef.flatten_up_to(state.parameters), ps)]
+    states = [st for _, st in out]
+    every = lambda fn: lambda sts: [fn(st) for st in sts]
+    states = jax.lax.cond(
+        count == 0, every(first_bases),
+        lambda sts: jax.lax.cond(count % s.precondition_frequency == 0,
+                                 every(refresh), lambda x: x, sts),
+        states)
+    return (treedef.unflatten([u for u, _ in out]),
+            SoapState(count + 1, treedef.unflatten(states)))
+
+  return optax.GradientTransformation(init, update)
