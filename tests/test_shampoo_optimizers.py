@@ -11,6 +11,7 @@ import pytest
 from curvbench import config
 from curvbench.components import SettingsError
 from curvbench.optimizers.shampoo import shampoo
+from curvbench.optimizers.kl_shampoo import kl_shampoo
 from curvbench.optimizers.soap import soap
 
 jax.config.update("jax_enable_x64", True)
@@ -24,15 +25,16 @@ def tree(seed, shapes=SHAPES):
   return {k: rng.normal(size=s) for k, s in shapes.items()}
 
 
-def run(tx, steps, shapes=SHAPES):
-  """`steps` updates of `tx` on random gradients, the parameters moved by
-  each; returns the gradients, the parameters and the updates, in numpy."""
+def run(tx, steps, shapes=SHAPES, scale=1.0):
+  """`steps` updates of `tx` on random gradients (times `scale`), the
+  parameters moved by each; returns the gradients, the parameters and the
+  updates, in numpy."""
   params = tree(0, shapes)
   state = tx.init(jax.tree.map(jnp.asarray, params))
   update = jax.jit(tx.update)
   history = []
   for step in range(steps):
-    grads = tree(step + 1, shapes)
+    grads = jax.tree.map(lambda g: scale * g, tree(step + 1, shapes))
     updates, state = update(jax.tree.map(jnp.asarray, grads), state,
                                jax.tree.map(jnp.asarray, params))
     updates = jax.tree.map(np.asarray, updates)
@@ -309,14 +311,14 @@ def test_soap_without_momentum_is_adam_in_the_rotating_eigenbasis():
             precondition_frequency=1, eigenbasis="eigh")
   shapes = {"w": (3, 4)}
   params = jax.tree.map(jnp.asarray, tree(0, shapes))
-  state = tx.init(params)
+  state, update = tx.init(params), jax.jit(tx.update)
   adam = optax.scale_by_adam(b1=0.0, b2=b2, eps=0.0)
   adam_state = adam.init(params)
   for call in range(3):
     grads = jax.tree.map(jnp.asarray, tree(call + 1, shapes))
     w = state.parameters["w"]
     left, right = np.asarray(w.left_basis), np.asarray(w.right_basis)
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     if call == 0:
       continue
     rotated = {"w": left.T @ np.asarray(grads["w"]) @ right}
@@ -324,3 +326,119 @@ def test_soap_without_momentum_is_adam_in_the_rotating_eigenbasis():
     np.testing.assert_allclose(
         np.asarray(updates["w"]),
         -lr * left @ np.asarray(direction["w"]) @ right.T, rtol=1e-9)
+
+
+# --- KL-Shampoo --------------------------------------------------------------
+
+def kl_shampoo_by_hand(grads, p0, lr=3e-3, b1=0.9, shampoo_beta=0.98,
+                       eps=1e-8, weight_decay=0.01, precondition_frequency=10,
+                       eigenvalue_init=0.1, clamping=True,
+                       max_clamp_value=4000, max_precond_dim=10000,
+                       precondition_1d=False, normalize_grads=False,
+                       eigenbasis="qr"):
+  """The reference KL-Shampoo's steps on one parameter, keeping λ^(-1/2)
+  (clamped) as the reference does; a side without a factor has the
+  identity for its basis."""
+  m, n = matrix(p0.shape)
+  has = [1 < d <= max_precond_dim and (precondition_1d or n > 1)
+         for d in (m, n)]
+  beta, dims = shampoo_beta, (m, n)
+  bound = [max(10, min(d, max_clamp_value)) for d in dims]
+  factors, bases = [None, None], [np.eye(m), np.eye(n)]
+  roots = [None, None]  # λ^(-1/2) per side
+  avg, p, out = np.zeros((m, n)), p0, []
+  for c, g in enumerate(grads):
+    gm = g.reshape(m, n)
+    if c == 0:
+      factors = [(1 - beta) * gm @ gm.T / n, (1 - beta) * gm.T @ gm / m]
+      bases = [descending_eigenvectors(f) if h else b
+               for f, h, b in zip(factors, has, bases)]
+      roots = [np.full(d, eigenvalue_init**-0.5) for d in dims]
+      out.append(np.zeros_like(p))
+      continue
+    avg = b1 * avg + (1 - b1) * gm
+    x = np.outer(*roots)
+    d = bases[0] @ ((bases[0].T @ avg @ bases[1]) * x / (1 + x * eps)) \
+        @ bases[1].T
+    if normalize_grads:
+      d = d / (1e-30 + np.sqrt(np.mean(d**2)))
+    stepped = p - lr * d.reshape(p.shape)
+    stepped = stepped - lr * weight_decay * stepped
+    out.append(stepped - p)
+    p = stepped
+    inverse = [q @ np.diag(r**2) @ q.T for q, r in zip(bases, roots)]
+    if has[0]:
+      factors[0] = beta * factors[0] + (1 - beta) * gm @ inverse[1] @ gm.T / n
+    if has[1]:
+      factors[1] = beta * factors[1] + (1 - beta) * gm.T @ inverse[0] @ gm / m
+    hat2 = (bases[0].T @ gm @ bases[1]) ** 2
+    diags = [np.mean(hat2 * roots[1][None, :]**2, axis=1),
+             np.mean(hat2 * roots[0][:, None]**2, axis=0)]
+    for k in (0, 1):
+      lam = beta / roots[k]**2 + (1 - beta) * diags[k]
+      roots[k] = lam**-0.5
+      if clamping:
+        roots[k] = np.minimum(roots[k], bound[k])
+    if c % precondition_frequency == 0:
+      for k in (0, 1):
+        if has[k]:
+          bases[k] = (descending_eigenvectors(factors[k])
+                      if eigenbasis == "eigh"
+                      else np.linalg.qr(factors[k] @ bases[k])[0])
+  return out
+
+
+KL_CASES = {
+    "reference defaults, QR refresh at step 2": (
+        dict(precondition_frequency=2), 4, 1.0),
+    "vectors preconditioned, eigh, normalized, damped, unclamped": (
+        dict(b1=0.5, shampoo_beta=0.7, eps=0.1, weight_decay=0.0,
+             precondition_frequency=1, precondition_1d=True,
+             normalize_grads=True, clamping=False, eigenbasis="eigh"), 3,
+        1.0),
+    "long sides in the standard basis, small gradients clamped": (
+        dict(shampoo_beta=0.5, max_precond_dim=3, precondition_frequency=3),
+        6, 1e-3),
+}
+
+
+@pytest.mark.parametrize("case", KL_CASES)
+def test_kl_shampoo_steps_as_by_hand(case):
+  options, calls, scale = KL_CASES[case]
+  shapes = {**SHAPES, "b": (2,)}
+  history, state = run(kl_shampoo(0.1, **options), calls, shapes, scale)
+  for name in shapes:
+    grads = [g[name] for g, _, _ in history]
+    expected = kl_shampoo_by_hand(grads, history[0][1][name], lr=0.1,
+                                  **options)
+    for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
+      np.testing.assert_allclose(updates[name], want, **TOL,
+                                 err_msg=f"{name} at call {step}")
+  if scale < 1:  # the clamp bounds the last estimates
+    lam = np.asarray(state.parameters["w"].left_eigenvalues)
+    np.testing.assert_allclose(lam, 0.01, rtol=1e-12)
+
+
+def test_kl_shampoo_factors_follow_their_update_equation():
+  """S_a ← β S_a + (1-β) G S_b⁻¹ Gᵀ / d_b and S_b ← β S_b + (1-β) Gᵀ S_a⁻¹ G
+  / d_a, each inverse the method's own: Q diag(1/λ) Qᵀ before the step."""
+  beta = 0.9
+  tx = kl_shampoo(0.1, shampoo_beta=beta, precondition_frequency=1)
+  params = jax.tree.map(jnp.asarray, tree(0, {"w": (3, 4)}))
+  state, update = tx.init(params), jax.jit(tx.update)
+  for call in range(3):
+    g = tree(call + 1, {"w": (3, 4)})["w"]
+    old = jax.tree.map(np.asarray, state.parameters["w"])
+    _, state = update({"w": jnp.asarray(g)}, state, params)
+    new = state.parameters["w"]
+    inv_a = old.left_basis @ np.diag(1 / old.left_eigenvalues) \
+        @ old.left_basis.T
+    inv_b = old.right_basis @ np.diag(1 / old.right_eigenvalues) \
+        @ old.right_basis.T
+    np.testing.assert_allclose(
+        new.left, beta * old.left + (1 - beta) * g @ inv_b @ g.T / 4, **TOL)
+    np.testing.assert_allclose(
+        new.right, beta * old.right + (1 - beta) * g.T @ inv_a @ g / 3, **TOL)
+    if call:  # the bases stay orthonormal
+      for q in (new.left_basis, new.right_basis):
+        np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
