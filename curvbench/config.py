@@ -153,6 +153,11 @@ class Canonical(Settings):
   optimizer: str = setting("kfac", OneOf(OPTIMIZERS.names))
   curvature: str = setting("kfac", OneOf(CURVATURES.names))
   mode: str = setting("ggn_exact", OneOf(estimators.ESTIMATION_MODES))
+  train_every_curvature: bool = setting(
+      True, Flag(), "an optimizer that uses a curvature (K-FAC) trains and "
+      "is timed with every swept curvature it accepts; false: with this "
+      "curvature only, so a sweep over approximations for their quality "
+      "compares the optimizers once")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,10 @@ def skip_reason(run: config.RunSettings) -> str | None:
             f"mode={canon.mode} only")
   if trains and not run.optimizer.accepts(curvature):
     return f"optimizer={opt} cannot train with curvature={curvature.name}"
+  if (trains and not canon.train_every_curvature
+      and curvature.name != canon.curvature):
+    return (f"canonical.train_every_curvature=false: optimizer={opt} runs "
+            f"with curvature={canon.curvature} only")
   return None
 
 

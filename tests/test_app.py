@@ -93,11 +93,13 @@ def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
   assert not np.allclose(second.value, first.value, equal_nan=True)
 
 
-def test_spectra_trainer_trains_apart_from_the_optimizer_axis(sweep,
-                                                              tmp_path):
+def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
+    sweep, tmp_path):
   """`measure/spectra/trainer=sgd` trains to the measured steps as
   `optimizer=sgd` does (the same numbers), so a sweep over the optimizer
-  group measures spectra once, with the canonical optimizer's point."""
+  group measures spectra once, with the canonical optimizer's point; with
+  `canonical.train_every_curvature=false`, K-FAC trains with the
+  canonical curvature only."""
   root, _ = sweep
   fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
            "measure/spectra/trainer=sgd", *TINY)
@@ -110,6 +112,10 @@ def test_spectra_trainer_trains_apart_from_the_optimizer_axis(sweep,
   assert set(tables["training"].method) == {"sgd"}
   other = config.load(config.compose(*fixed, "optimizer=adam"))
   assert "does not use the optimizer" in runs.skip_reason(other)
+  ekfac = ("measure=training", "curvature=ekfac", *TINY)
+  assert runs.skip_reason(config.load(config.compose(*ekfac))) is None
+  assert "runs with curvature=kfac only" in runs.skip_reason(config.load(
+      config.compose(*ekfac, "canonical.train_every_curvature=false")))
   with pytest.raises(config.ConfigError, match="null until chosen: give "
                      "measure/spectra/trainer=NAME"):
     config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
