@@ -9,10 +9,11 @@ optimizer and the optax preconditioner, and KFAC-JAX's module names
 from estimators import blocks, curvature, estimation_modes, losses, patches
 from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
-    EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce,
+    EKFAC, Conv2DEKFAC, Conv2DKFACExpand, Conv2DKFACReduce, Conv2DKLShampoo,
     Conv2DOptimalKronecker, Conv2DShampoo, Conv2DShampoo2, Conv2DSOAP,
-    Conv2DTNT, DenseEKFAC, DenseOptimalKronecker, DenseShampoo, DenseShampoo2,
-    DenseSOAP, DenseTNT, EmbeddingDiagonal, EmbeddingEKFAC, EmbeddingFull,
+    Conv2DTNT, DenseEKFAC, DenseKLShampoo, DenseOptimalKronecker,
+    DenseShampoo, DenseShampoo2, DenseSOAP, DenseTNT, EmbeddingDiagonal,
+    EmbeddingEKFAC, EmbeddingFull,
     EmbeddingKFAC, EmbeddingTNT, NaiveTNT, RepeatedDenseKFACExpand,
     RepeatedDenseKFACReduce, CurvatureBlock, Conv2DDiagonal, Conv2DFull,
     Conv2DTwoKroneckerFactored, DenseDiagonal, DenseFull,
@@ -64,9 +65,10 @@ __all__ = [
     "curvature_blocks", "curvature_estimator", "layers_and_loss_tags",
     "loss_functions", "patches_second_moment", "tag_graph_matcher",
     # curvature blocks and their settings
-    "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce",
+    "Conv2DEKFAC", "Conv2DKFACExpand", "Conv2DKFACReduce", "Conv2DKLShampoo",
     "Conv2DOptimalKronecker", "Conv2DShampoo", "Conv2DShampoo2", "Conv2DSOAP",
-    "Conv2DTNT", "DenseEKFAC", "DenseOptimalKronecker", "DenseShampoo",
+    "Conv2DTNT", "DenseEKFAC", "DenseKLShampoo", "DenseOptimalKronecker",
+    "DenseShampoo",
     "DenseShampoo2", "DenseSOAP", "DenseTNT", "EKFAC", "EmbeddingDiagonal",
     "EmbeddingEKFAC", "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT",
     "NaiveTNT",

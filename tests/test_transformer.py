@@ -49,6 +49,7 @@ BLOCKS = {
     "soap": ("DenseSOAP", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
     "optimal_kronecker": ("DenseOptimalKronecker", "EmbeddingKFAC",
                           "ScaleAndShiftDiagonal"),
+    "kl_shampoo": ("DenseKLShampoo", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
 }
 
 

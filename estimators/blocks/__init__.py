@@ -14,6 +14,7 @@ from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
 from estimators.blocks.full import (Conv2DFull, DenseFull, ExplicitFull,
                                     Full, NaiveFull, ScaleAndShiftFull)
 from estimators.blocks.identity import ScaledIdentity
+from estimators.blocks.kl_shampoo import Conv2DKLShampoo, DenseKLShampoo
 from estimators.blocks.optimal_kronecker import (Conv2DOptimalKronecker,
                                                  DenseOptimalKronecker)
 from estimators.blocks.shampoo import (Conv2DShampoo, Conv2DShampoo2,
@@ -32,9 +33,11 @@ from estimators.blocks.weight_sharing import (Conv2DKFACExpand,
 
 __all__ = [
     "Conv2DDiagonal", "Conv2DEKFAC", "Conv2DFull", "Conv2DKFACExpand",
-    "Conv2DKFACReduce", "Conv2DOptimalKronecker", "Conv2DShampoo",
+    "Conv2DKFACReduce", "Conv2DKLShampoo", "Conv2DOptimalKronecker",
+    "Conv2DShampoo",
     "Conv2DShampoo2", "Conv2DSOAP", "Conv2DTNT", "Conv2DTwoKroneckerFactored",
-    "DenseEKFAC", "DenseOptimalKronecker", "DenseShampoo", "DenseShampoo2",
+    "DenseEKFAC", "DenseKLShampoo", "DenseOptimalKronecker", "DenseShampoo",
+    "DenseShampoo2",
     "DenseSOAP", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
     "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT", "NaiveTNT",
     "RepeatedDenseKFACExpand", "RepeatedDenseKFACReduce",

@@ -89,6 +89,14 @@ class ExampleGradients:
     weights = jnp.einsum("bi,ij,bj->b", x, a, x)
     return jnp.einsum("sbo,b,sbp->op", dy, weights, dy) / self.batch_size
 
+  def mean_squared_norm(self) -> jax.Array:
+    """`E_n[||G_n||²_F]`, the trace of the exact block."""
+    if self.inputs is None:
+      return self._mean(lambda m: jnp.sum(jnp.square(m)))
+    x_norms = jnp.sum(jnp.square(self.inputs), axis=1)
+    return jnp.vdot(x_norms, jnp.sum(jnp.square(self.tangents), axis=(0, 2))
+                    ) / self.batch_size
+
   def projected_squares(self, q_l: jax.Array, q_r: jax.Array) -> jax.Array:
     """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(input_size, output_size)`:
     the diagonal of `C` in the basis `q_l ⊗ q_r`."""
@@ -110,6 +118,10 @@ class ExampleGradientsMixin:
   output_size`), else in chunks of examples within that budget (zero-padded
   to whole chunks), formed again for every average.
   """
+
+  def _inputs_identity(self) -> jax.Array:
+    """The identity in the input factor's form, `(input_size, input_size)`."""
+    return jnp.eye(self.input_size(), dtype=self.parameters_dtype)
 
   def _example_gradients(self, data, batch_size) -> ExampleGradients:
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
@@ -233,6 +245,35 @@ class KroneckerSpectrum:
     if eigenvalues:
       updates["eigenvalues"] = s.reshape(-1)
     return updates
+
+
+# --- input factors that may be diagonal --------------------------------------
+#
+# A block's input-side factor is a square matrix, or (an embedding's large
+# vocabulary) its diagonal as a vector. These keep the families' code one
+# for both forms.
+
+def factor_trace(factor: jax.Array) -> jax.Array:
+  """The trace of a factor, a matrix or the vector of its diagonal."""
+  return jnp.trace(factor) if factor.ndim == 2 else jnp.sum(factor)
+
+
+def factor_inverse(factor: jax.Array) -> jax.Array:
+  """The inverse of a positive definite factor, in the factor's form."""
+  return utils.psd_inverse(factor) if factor.ndim == 2 else 1 / factor
+
+
+def factor_apply(factor: jax.Array, v: jax.Array) -> jax.Array:
+  """`factor @ v` for a `(rows, columns)` matrix `v`."""
+  return factor @ v if factor.ndim == 2 else factor[:, None] * v
+
+
+def factor_eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  """`(values, vectors)` of a PSD factor (`safe_psd_eigh`); a diagonal's
+  eigenvectors are the identity, given as None."""
+  if factor.ndim == 2:
+    return utils.safe_psd_eigh(factor)
+  return jnp.maximum(factor, 0), None
 
 
 def _positive_or_one(value):

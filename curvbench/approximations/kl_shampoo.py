@@ -1,0 +1,39 @@
+"""KL-Shampoo (Lin et al., 2025): the Kronecker product `S_a ⊗ S_b` nearest
+each layer's (damped) exact block in KL divergence, by the paper's
+fixed-point iteration on the per-example weight gradients."""
+
+import dataclasses
+import functools
+
+import estimators as kfac
+from curvbench.components import Number, Whole, setting
+from curvbench.approximations import CURVATURES, BlockDiagonal
+
+
+@CURVATURES.register
+@dataclasses.dataclass
+class KLShampoo(BlockDiagonal):
+  """KL-Shampoo blocks for dense (shared over positions too) and conv
+  layers; other tags keep the library's default block."""
+
+  name: str = "kl_shampoo"
+  colour = "maroon"
+  max_iterations: int = setting(
+      100, Whole(1), "the most fixed-point steps per update (1 from the "
+      "previous factors: the paper's moving-average step)")
+  tolerance: float | None = setting(
+      None, Number(0, null=True), "stop once a step moves the unit-norm "
+      "input factor by at most this (Frobenius); null: the square root of "
+      "the parameters' machine epsilon")
+  damping: float = setting(
+      1e-3, Number(0), "the paper's damping κ, as a fraction of the batch "
+      "block's mean eigenvalue (0: undamped, which needs enough examples)")
+
+  @property
+  def blocks(self):
+    # A property, not the usual class constant: the blocks take settings.
+    options = dict(max_iterations=self.max_iterations,
+                   tolerance=self.tolerance, damping=self.damping)
+    dense = functools.partial(kfac.DenseKLShampoo, **options)
+    return {"dense_tag": dense, "repeated_dense_tag": dense,
+            "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options)}
