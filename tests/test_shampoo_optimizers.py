@@ -442,3 +442,25 @@ def test_kl_shampoo_factors_follow_their_update_equation():
     if call:  # the bases stay orthonormal
       for q in (new.left_basis, new.right_basis):
         np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
+
+
+# --- all three ---------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: shampoo(0.1, beta2=0.99, momentum=0.9, weight_decay=0.1),
+    lambda: shampoo(0.1, epsilon=1e-3, matrix_power_method="newton"),
+    lambda: soap(0.1), lambda: kl_shampoo(0.1)],
+    ids=["shampoo", "shampoo_newton", "soap", "kl_shampoo"])
+def test_float32_parameters_keep_float32_state_and_updates(make):
+  """With x64 on, step counts must not promote a float32 state."""
+  tx = make()
+  params = {k: jnp.asarray(v, jnp.float32) for k, v in tree(0).items()}
+  state, update = tx.init(params), jax.jit(tx.update)
+  for step in range(3):
+    grads = {k: jnp.asarray(v, jnp.float32)
+             for k, v in tree(step + 1).items()}
+    updates, state = update(grads, state, params)
+  floats = {x.dtype for x in jax.tree.leaves((updates, state))
+            if jnp.issubdtype(x.dtype, jnp.floating)}
+  assert floats == {jnp.dtype("float32")}
+  assert all(np.isfinite(np.asarray(u)).all() for u in updates.values())

@@ -1,20 +1,19 @@
 """What the Kronecker-factored optimizers (`shampoo`, `soap`, `kl_shampoo`)
-share: each parameter seen as a matrix, the eigenbases of its factors, and
-the per-parameter plumbing of their optax states.
+share: each parameter seen as a matrix, the eigenbases of its factors,
+rotations into them and the references' weight decay.
 
 A parameter is preconditioned as a matrix `G` of shape `(rows, cols)`: its
 size-1 axes dropped and its leading axes merged, so a dense kernel stays
 `(d_in, d_out)`, a conv kernel `(kh, kw, c_in, c_out)` becomes
 `(kh·kw·c_in, c_out)`, an embedding `(vocab, d)` stays, and a vector
-(bias, layer-norm scale) is a column `(d, 1)`. A side of size 1 has no
-factor: its factor would be the scalar `‖G‖²`, which the other side's
-factor and the step size already absorb.
+(bias, layer-norm scale) is a column `(d, 1)`. None of the optimizers
+gives a vector's columns a factor: it would be the scalar `‖g‖²`, which
+the rows' factor and the step size already absorb.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,16 +86,4 @@ def decay_after_step(direction, params, step_size, decay):
   if decay == 0:
     return stepped
   return stepped - decay * (params + stepped)
-
-
-def map_parameters(fn: Callable, grads, states, *rest):
-  """`fn(grad, state, *rest_leaves)` for every parameter; returns the tree
-  of updates and the tree of new states (`states` holds one state per
-  parameter, in the parameters' tree)."""
-  leaves, treedef = jax.tree.flatten(grads)
-  per_state = treedef.flatten_up_to(states)
-  others = [treedef.flatten_up_to(tree) for tree in rest]
-  results = [fn(g, s, *o) for g, s, *o in zip(leaves, per_state, *others)]
-  return (treedef.unflatten([u for u, _ in results]),
-          treedef.unflatten([s for _, s in results]))
 

@@ -240,7 +240,7 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
   def average(old, new, beta):
     return old + new if beta == 1 else beta * old + (1 - beta) * new
 
-  def accumulate(g, state, t):
+  def accumulate(g, state):
     """The factors, grafting statistics and gradient average with `g`."""
     gb = Blocks(g.shape, s.max_preconditioner_dim).split(g)
     gt = jnp.swapaxes(gb, -1, -2)
@@ -264,9 +264,10 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
     """New inverse roots of the factors."""
     blocks = Blocks(shape, s.max_preconditioner_dim)
     root = s.exponent_override or 2 * factors(shape)
+    dtype = state.left.statistics.dtype
     scale = 1.0
     if s.use_bias_correction and s.beta2 < 1:
-      scale = 1 - s.beta2 ** t
+      scale = 1 - s.beta2 ** t.astype(dtype)
 
     def one(factor, side):
       matrix = factor.statistics / scale + blocks.padding(
@@ -289,6 +290,7 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
 
   def direction(g, state, p, t):
     blocks = Blocks(g.shape, s.max_preconditioner_dim)
+    t = t.astype(g.dtype)  # bias corrections in the parameter's dtype
     avg = g
     if state.filtered is not None:
       avg = state.filtered
@@ -324,7 +326,7 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
                        "call update(grads, state, params).")
     t = state.count + 1
     leaves, treedef = jax.tree.flatten(grads)
-    states = [accumulate(g, st, t) for g, st in
+    states = [accumulate(g, st) for g, st in
               zip(leaves, treedef.flatten_up_to(state.parameters))]
     shapes = [g.shape for g in leaves]
     due = ((t % s.precondition_frequency == 0) & (t > start)) | (t == start)

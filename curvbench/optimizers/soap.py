@@ -133,7 +133,7 @@ def _transformation(s: SOAP) -> optax.GradientTransformation:
   def step(g, st, p, count):
     """The update of one parameter and its moments and factors."""
     first = count == 0
-    t = jnp.maximum(count, 1)
+    t = jnp.maximum(count, 1).astype(g.dtype)
     gm = as_matrix(g)
     rotated = rotate(gm, st.left_basis, st.right_basis)
     mu = s.b1 * st.mu + (1 - s.b1) * rotated
