@@ -207,6 +207,13 @@ def test_shampoo_state_holds_sums_and_refreshes_roots_at_the_period():
      "ignored"),
     (lambda: shampoo(0.1, epsilom=1e-6), "did you mean epsilon"),
     (lambda: shampoo(-0.1), "learning_rate"),
+    (lambda: soap(0.1, eps=-1e-8), "eps must be a number > 0"),
+    (lambda: soap(0.1, shampoo_beta=1.0), r"shampoo_beta must be .*\[0, 1\)"),
+    (lambda: soap(0.1, eigenbasis="svd"), "eigenbasis"),
+    (lambda: kl_shampoo(0.1, eigenvalue_init=0.0), "eigenvalue_init"),
+    (lambda: kl_shampoo(0.1, clamping=False, max_clamp_value=100),
+     "max_clamp_value=100 is ignored"),
+    (lambda: kl_shampoo(0.1, betas=(0.9, 0.95)), "no setting 'betas'"),
 ])
 def test_bad_settings_are_refused_by_name(build, message):
   with pytest.raises(SettingsError, match=message):
