@@ -413,7 +413,9 @@ def test_the_approximations_map_dense_and_conv_tags_to_the_families():
   for name, (dense, conv) in expected.items():
     settings = CURVATURES.defaults(name)
     ctors = settings.blocks
-    assert set(ctors) == {"dense_tag", "repeated_dense_tag", "conv2d_tag"}
+    # Embeddings: tests/test_shampoo_embedding.py.
+    assert set(ctors) == {"dense_tag", "repeated_dense_tag", "conv2d_tag",
+                          "embedding_tag"}
     for tag, cls in (("dense_tag", dense), ("repeated_dense_tag", dense),
                      ("conv2d_tag", conv)):
       assert getattr(ctors[tag], "func", ctors[tag]) is cls, (name, tag)

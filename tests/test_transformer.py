@@ -43,13 +43,15 @@ BLOCKS = {
     "diagonal": ("DenseDiagonal", "EmbeddingDiagonal", "ScaleAndShiftDiagonal"),
     "full": ("DenseFull", "EmbeddingFull", "ScaleAndShiftFull"),
     "identity": ("ScaledIdentity",) * 3,
-    # The Shampoo family: embeddings keep the library's K-FAC block.
-    "shampoo": ("DenseShampoo", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
-    "shampoo2": ("DenseShampoo2", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
-    "soap": ("DenseSOAP", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
-    "optimal_kronecker": ("DenseOptimalKronecker", "EmbeddingKFAC",
+    "shampoo": ("DenseShampoo", "EmbeddingShampoo", "ScaleAndShiftDiagonal"),
+    "shampoo2": ("DenseShampoo2", "EmbeddingShampoo2",
+                 "ScaleAndShiftDiagonal"),
+    "soap": ("DenseSOAP", "EmbeddingSOAP", "ScaleAndShiftDiagonal"),
+    "optimal_kronecker": ("DenseOptimalKronecker",
+                          "EmbeddingOptimalKronecker",
                           "ScaleAndShiftDiagonal"),
-    "kl_shampoo": ("DenseKLShampoo", "EmbeddingKFAC", "ScaleAndShiftDiagonal"),
+    "kl_shampoo": ("DenseKLShampoo", "EmbeddingKLShampoo",
+                   "ScaleAndShiftDiagonal"),
 }
 
 

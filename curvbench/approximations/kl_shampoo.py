@@ -8,13 +8,14 @@ import functools
 import estimators as kfac
 from curvbench.components import Number, Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.approximations.shampoo import max_full_vocab_setting
 
 
 @CURVATURES.register
 @dataclasses.dataclass
 class KLShampoo(BlockDiagonal):
-  """KL-Shampoo blocks for dense (shared over positions too) and conv
-  layers; other tags keep the library's default block."""
+  """KL-Shampoo blocks for dense (shared over positions too), conv and
+  embedding layers; other tags keep the library's default block."""
 
   name: str = "kl_shampoo"
   colour = "maroon"
@@ -28,6 +29,7 @@ class KLShampoo(BlockDiagonal):
   damping: float = setting(
       1e-3, Number(0), "the paper's damping κ, as a fraction of the batch "
       "block's mean eigenvalue (0: undamped, which needs enough examples)")
+  max_full_vocab: int = max_full_vocab_setting()
 
   @property
   def blocks(self):
@@ -36,4 +38,7 @@ class KLShampoo(BlockDiagonal):
                    tolerance=self.tolerance, damping=self.damping)
     dense = functools.partial(kfac.DenseKLShampoo, **options)
     return {"dense_tag": dense, "repeated_dense_tag": dense,
-            "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options)}
+            "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options),
+            "embedding_tag": functools.partial(
+                kfac.EmbeddingKLShampoo, max_full_vocab=self.max_full_vocab,
+                **options)}

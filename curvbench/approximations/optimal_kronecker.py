@@ -8,13 +8,14 @@ import functools
 import estimators as kfac
 from curvbench.components import Number, Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.approximations.shampoo import max_full_vocab_setting
 
 
 @CURVATURES.register
 @dataclasses.dataclass
 class OptimalKronecker(BlockDiagonal):
-  """Nearest-Kronecker blocks for dense (shared over positions too) and
-  conv layers; other tags keep the library's default block."""
+  """Nearest-Kronecker blocks for dense (shared over positions too), conv
+  and embedding layers; other tags keep the library's default block."""
 
   name: str = "optimal_kronecker"
   colour = "navy"
@@ -25,6 +26,7 @@ class OptimalKronecker(BlockDiagonal):
       None, Number(0, null=True), "stop once a step moves the unit-norm "
       "input factor by at most this (Frobenius); null: the square root of "
       "the parameters' machine epsilon")
+  max_full_vocab: int = max_full_vocab_setting()
 
   @property
   def blocks(self):
@@ -34,4 +36,7 @@ class OptimalKronecker(BlockDiagonal):
                    tolerance=self.tolerance)
     return {"dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
             "repeated_dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
-            "conv2d_tag": ctor(kfac.Conv2DOptimalKronecker, **options)}
+            "conv2d_tag": ctor(kfac.Conv2DOptimalKronecker, **options),
+            "embedding_tag": ctor(kfac.EmbeddingOptimalKronecker,
+                                  max_full_vocab=self.max_full_vocab,
+                                  **options)}

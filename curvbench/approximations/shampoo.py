@@ -3,20 +3,38 @@ the per-example weight gradients' factors, scaled to the exact block's
 trace."""
 
 import dataclasses
-from typing import ClassVar
+import functools
 
 import estimators as kfac
+from curvbench.components import Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+
+
+def max_full_vocab_setting():
+  """The Shampoo family's embedding setting (each of its approximations
+  declares it)."""
+  return setting(
+      kfac.blocks.MAX_FULL_VOCAB, Whole(0), "embeddings: the largest "
+      "vocabulary whose input-side factor is a full V x V matrix; a larger "
+      "one keeps its diagonal, as Distributed Shampoo does above a size")
 
 
 @CURVATURES.register
 @dataclasses.dataclass
 class Shampoo(BlockDiagonal):
-  """Shampoo blocks for dense (shared over positions too) and conv layers;
-  other tags keep the library's default block."""
+  """Shampoo blocks for dense (shared over positions too), conv and
+  embedding layers; other tags keep the library's default block."""
 
   name: str = "shampoo"
   colour = "teal"
-  blocks: ClassVar = {"dense_tag": kfac.DenseShampoo,
-                      "repeated_dense_tag": kfac.DenseShampoo,
-                      "conv2d_tag": kfac.Conv2DShampoo}
+  max_full_vocab: int = max_full_vocab_setting()
+
+  @property
+  def blocks(self):
+    # A property, not the usual class constant: the embedding block takes
+    # a setting.
+    return {"dense_tag": kfac.DenseShampoo,
+            "repeated_dense_tag": kfac.DenseShampoo,
+            "conv2d_tag": kfac.Conv2DShampoo,
+            "embedding_tag": functools.partial(
+                kfac.EmbeddingShampoo, max_full_vocab=self.max_full_vocab)}

@@ -3,20 +3,29 @@ factors `L = E[G Gᵀ]`, `R = E[Gᵀ G]` of the per-example weight gradients;
 for a weight matrix it is the same matrix as two-factor TNT."""
 
 import dataclasses
-from typing import ClassVar
+import functools
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.approximations.shampoo import max_full_vocab_setting
 
 
 @CURVATURES.register
 @dataclasses.dataclass
 class Shampoo2(BlockDiagonal):
-  """Shampoo² blocks for dense (shared over positions too) and conv layers;
-  other tags keep the library's default block."""
+  """Shampoo² blocks for dense (shared over positions too), conv and
+  embedding layers; other tags keep the library's default block."""
 
   name: str = "shampoo2"
   colour = "slateblue"
-  blocks: ClassVar = {"dense_tag": kfac.DenseShampoo2,
-                      "repeated_dense_tag": kfac.DenseShampoo2,
-                      "conv2d_tag": kfac.Conv2DShampoo2}
+  max_full_vocab: int = max_full_vocab_setting()
+
+  @property
+  def blocks(self):
+    # A property, not the usual class constant: the embedding block takes
+    # a setting.
+    return {"dense_tag": kfac.DenseShampoo2,
+            "repeated_dense_tag": kfac.DenseShampoo2,
+            "conv2d_tag": kfac.Conv2DShampoo2,
+            "embedding_tag": functools.partial(
+                kfac.EmbeddingShampoo2, max_full_vocab=self.max_full_vocab)}

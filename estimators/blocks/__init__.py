@@ -14,12 +14,17 @@ from estimators.blocks.diagonal import (Conv2DDiagonal, DenseDiagonal, Diagonal,
 from estimators.blocks.full import (Conv2DFull, DenseFull, ExplicitFull,
                                     Full, NaiveFull, ScaleAndShiftFull)
 from estimators.blocks.identity import ScaledIdentity
-from estimators.blocks.kl_shampoo import Conv2DKLShampoo, DenseKLShampoo
+from estimators.blocks.example_gradients import (MAX_FULL_VOCAB,
+                                                 EmbeddingFactors)
+from estimators.blocks.kl_shampoo import (Conv2DKLShampoo, DenseKLShampoo,
+                                          EmbeddingKLShampoo)
 from estimators.blocks.optimal_kronecker import (Conv2DOptimalKronecker,
-                                                 DenseOptimalKronecker)
+                                                 DenseOptimalKronecker,
+                                                 EmbeddingOptimalKronecker)
 from estimators.blocks.shampoo import (Conv2DShampoo, Conv2DShampoo2,
                                        Conv2DSOAP, DenseShampoo, DenseShampoo2,
-                                       DenseSOAP)
+                                       DenseSOAP, EmbeddingShampoo,
+                                       EmbeddingShampoo2, EmbeddingSOAP)
 from estimators.blocks.kronecker import (Conv2DTwoKroneckerFactored,
                                          DenseTwoKroneckerFactored,
                                          RepeatedDenseTwoKroneckerFactored,
@@ -39,7 +44,9 @@ __all__ = [
     "DenseEKFAC", "DenseKLShampoo", "DenseOptimalKronecker", "DenseShampoo",
     "DenseShampoo2",
     "DenseSOAP", "DenseTNT", "EKFAC", "EmbeddingDiagonal", "EmbeddingEKFAC",
-    "EmbeddingFull", "EmbeddingKFAC", "EmbeddingTNT", "NaiveTNT",
+    "EmbeddingFactors", "EmbeddingFull", "EmbeddingKFAC", "EmbeddingKLShampoo",
+    "EmbeddingOptimalKronecker", "EmbeddingShampoo", "EmbeddingShampoo2",
+    "EmbeddingSOAP", "EmbeddingTNT", "MAX_FULL_VOCAB", "NaiveTNT",
     "RepeatedDenseKFACExpand", "RepeatedDenseKFACReduce",
     "CurvatureBlock", "DenseDiagonal", "DenseFull", "DenseTwoKroneckerFactored",
     "Diagonal", "ExplicitFull", "Full", "NaiveDiagonal", "NaiveFull",

@@ -39,8 +39,11 @@ import jax
 import jax.numpy as jnp
 
 from estimators.blocks import base
+from estimators.blocks import example_gradients
 from estimators.blocks import shampoo
 from estimators.blocks import tnt
+
+_trace = example_gradients.factor_trace
 
 
 def _unit(factor):
@@ -58,10 +61,13 @@ def _is_number(value):
   return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-class KLShampooMixin(shampoo.KroneckerSpectrum, shampoo.ExampleGradientsMixin):
+class KLShampooMixin(shampoo.KroneckerSpectrum,
+                     example_gradients.ExampleGradientsMixin):
   """`S_a ⊗ S_b`, the KL-nearest Kronecker product (see the module).
 
-  Mixed in before a TNT layer class (or an embedding's Shampoo layer). An
+  Mixed in before a TNT layer class (or `EmbeddingFactors`, whose diagonal
+  input factor restricts `S_a` to diagonals: the first equation's diagonal
+  then gives the optimum over them). An
   update alternates the fixed-point equations on this batch's per-example
   gradients, left factor first, until the unit-Frobenius-norm `S_a` moves by
   at most `tolerance` in one step or after `max_iterations` steps. It starts
@@ -219,7 +225,7 @@ class KLShampooMixin(shampoo.KroneckerSpectrum, shampoo.ExampleGradientsMixin):
     # The target's mean eigenvalue; the iteration runs on the target over
     # it (the fixed point scales with the target), the identity for a zero
     # target, whose estimate is then set to zero.
-    trace = (share * shampoo.factor_trace(old_a) * jnp.trace(old_b)
+    trace = (share * _trace(old_a) * jnp.trace(old_b)
              + new_share * (1 + self._damping) * trace_c)
     scale = trace / size
     nonzero = scale >= jnp.finfo(dtype).tiny
@@ -232,17 +238,17 @@ class KLShampooMixin(shampoo.KroneckerSpectrum, shampoo.ExampleGradientsMixin):
 
     def right(m):  # E_T[Gᵀ m G] / scale
       batch = (mean(grads.right(m))
-               + kappa * shampoo.factor_trace(m) * eye_b)
+               + kappa * _trace(m) * eye_b)
       value = new_share * batch + share * jnp.vdot(old_a, m) * old_b
       return jnp.where(nonzero, value / scale,
-                       shampoo.factor_trace(m) * eye_b)
+                       _trace(m) * eye_b)
 
     b0 = jax.lax.cond(w_old > 0, lambda: old_b, lambda: right(eye_a) / d_a)
 
     def step(carry):
       a_prev, b, _, steps = carry
-      a = left(shampoo.factor_inverse(b)) / d_b
-      b = right(shampoo.factor_inverse(a)) / d_a
+      a = left(example_gradients.factor_inverse(b)) / d_b
+      b = right(example_gradients.factor_inverse(a)) / d_a
       return a, b, jnp.linalg.norm(_unit(a) - _unit(a_prev)), steps + 1
 
     def unfinished(carry):
@@ -254,7 +260,7 @@ class KLShampooMixin(shampoo.KroneckerSpectrum, shampoo.ExampleGradientsMixin):
                            jnp.full([], jnp.inf, dtype),
                            jnp.zeros([], jnp.int32)))
     # Back to the target's units, balanced: tr S_a / d_a = tr S_b / d_b.
-    mean_a = shampoo.factor_trace(a) / d_a
+    mean_a = _trace(a) / d_a
     mean_b = jnp.trace(b) / d_b
     balance = jnp.sqrt(scale * mean_b / jnp.where(mean_a > 0, mean_a, 1))
     kept = jnp.where(nonzero, 1, 0).astype(dtype)
@@ -264,11 +270,11 @@ class KLShampooMixin(shampoo.KroneckerSpectrum, shampoo.ExampleGradientsMixin):
         weight=jnp.asarray(total, dtype), iterations=steps, change=change)
 
   def _kronecker_multiply(self, state, v):
-    return shampoo.factor_apply(state.kl_inputs, v) @ state.kl_outputs
+    return example_gradients.factor_apply(state.kl_inputs, v) @ state.kl_outputs
 
   def _kronecker_spectrum(self, state):
-    a_values, q_a = shampoo.factor_eigh(state.kl_inputs)
-    b_values, q_b = shampoo.factor_eigh(state.kl_outputs)
+    a_values, q_a = example_gradients.factor_eigh(state.kl_inputs)
+    b_values, q_b = example_gradients.factor_eigh(state.kl_outputs)
     return q_a, q_b, jnp.outer(a_values, b_values)
 
 
@@ -282,3 +288,9 @@ class Conv2DKLShampoo(KLShampooMixin, tnt.Conv2DTNT):
   """KL-Shampoo for 2-D convolutions (Lin et al., 2025), from per-example
   kernel gradients in the `(kh, kw, c_in)` row layout (bias last); see
   `KLShampooMixin`."""
+
+
+class EmbeddingKLShampoo(KLShampooMixin, example_gradients.EmbeddingFactors):
+  """KL-Shampoo for an embedding tag (Lin et al., 2025), from the table's
+  sparse per-example gradients; above `max_full_vocab` tokens the
+  KL-nearest `diag(s_a) ⊗ S_b` (see `example_gradients.EmbeddingFactors`)."""

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from estimators import utils
 from estimators.blocks import base
+from estimators.blocks import example_gradients
 from estimators.blocks import kronecker
 from estimators.blocks import shampoo
 from estimators.blocks import tnt
@@ -41,10 +41,13 @@ def _normalized(matrix):
 
 
 class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
-                            shampoo.ExampleGradientsMixin):
+                            example_gradients.ExampleGradientsMixin):
   """`σ A ⊗ B`, the Frobenius-nearest Kronecker product to the exact block.
 
-  Mixed in before a TNT layer class. Each update runs the power iteration
+  Mixed in before a TNT layer class (or `EmbeddingFactors`, whose diagonal
+  input factor restricts `A` to diagonals: the left step keeps the
+  diagonal of `E[G B Gᵀ]`, which gives the nearest `σ diag(a) ⊗ B`). Each
+  update runs the power iteration
   (module docstring) on the batch's per-example gradients, started from
   Shampoo²'s factors (`B₀ ∝ R`, and `A₀ ∝ L` for zero iterations), until
   the unit-norm `A` moves by at most `tolerance` (Frobenius) in one step or
@@ -141,12 +144,12 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     factors = super()._init(rng, exact_powers, approx_powers,
                             cache_eigenvalues)
     dtype = self.parameters_dtype
-    i, o = self.input_size(), self.output_size()
+    o = self.output_size()
     zero = jnp.zeros([], dtype)
     return OptimalKroneckerMixin.State(
         cache={}, inputs_factor=factors.inputs_factor,
         outputs_factor=factors.outputs_factor,
-        kronecker_inputs=jnp.zeros((i, i), dtype),
+        kronecker_inputs=jnp.zeros_like(self._inputs_identity()),
         kronecker_outputs=jnp.zeros((o, o), dtype), kronecker_scale=zero,
         kronecker_weight=zero, iterations=jnp.zeros([], jnp.int32),
         change=zero)
@@ -179,7 +182,7 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     mean = ((lambda x: x) if pmap_axis_name is None else
             (lambda x: jax.lax.pmean(x, pmap_axis_name)))
     dtype = self.parameters_dtype
-    eye_in = jnp.eye(self.input_size(), dtype=dtype)
+    eye_in = self._inputs_identity()
     eye_out = jnp.eye(self.output_size(), dtype=dtype)
     old = state
     state = self._fold_statistics(
@@ -229,12 +232,12 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
         iterations=steps, change=change)
 
   def _kronecker_multiply(self, state, v):
-    return (state.kronecker_scale * state.kronecker_inputs @ v
-            @ state.kronecker_outputs)
+    return (state.kronecker_scale * example_gradients.factor_apply(
+        state.kronecker_inputs, v) @ state.kronecker_outputs)
 
   def _kronecker_spectrum(self, state):
-    a_values, q_a = utils.safe_psd_eigh(state.kronecker_inputs)
-    b_values, q_b = utils.safe_psd_eigh(state.kronecker_outputs)
+    a_values, q_a = example_gradients.factor_eigh(state.kronecker_inputs)
+    b_values, q_b = example_gradients.factor_eigh(state.kronecker_outputs)
     return q_a, q_b, state.kronecker_scale * jnp.outer(a_values, b_values)
 
 
@@ -248,3 +251,11 @@ class Conv2DOptimalKronecker(OptimalKroneckerMixin, tnt.Conv2DTNT):
   """The nearest Kronecker product to a 2-D convolution's exact block (Van
   Loan and Pitsianis, 1993), from per-example kernel gradients; see
   `OptimalKroneckerMixin`."""
+
+
+class EmbeddingOptimalKronecker(OptimalKroneckerMixin,
+                                example_gradients.EmbeddingFactors):
+  """The nearest Kronecker product to an embedding tag's exact block (Van
+  Loan and Pitsianis, 1993), from the table's sparse per-example
+  gradients; above `max_full_vocab` tokens the nearest `σ diag(a) ⊗ B`
+  (see `example_gradients.EmbeddingFactors`)."""

@@ -21,14 +21,18 @@ block is `C = (1/B) Σ_n vec(G_n) vec(G_n)ᵀ` with row-major `vec`, so that
   matrix to `C` that is diagonal in that basis. It is EKFAC with Shampoo's
   factors in place of K-FAC's, and keeps EKFAC's cadence.
 
-The Frobenius-nearest Kronecker product to `C` (Van Loan and Pitsianis) is
-in `estimators.blocks.optimal_kronecker`.
+Each family has a block for dense and repeated dense tags, one for 2-D
+convolutions and one for embedding lookups, whose gradients are sparse and
+whose input factor is kept whole only up to a vocabulary size
+(`example_gradients.EmbeddingFactors`). The Frobenius-nearest Kronecker
+product to `C` (Van Loan and Pitsianis) is in
+`estimators.blocks.optimal_kronecker`, the KL-nearest one (KL-Shampoo) in
+`estimators.blocks.kl_shampoo`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,116 +40,8 @@ import jax.numpy as jnp
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import eigenbasis
-from estimators.blocks import layers
+from estimators.blocks import example_gradients
 from estimators.blocks import tnt
-
-
-@dataclasses.dataclass(frozen=True)
-class ExampleGradients:
-  """A batch's gradients `G_n`, `(input_size, output_size)` each, for the
-  averages `E_n[...] = (1/batch_size) Σ_n [...]` the blocks need.
-
-  One of three forms: `matrices` `(N, input_size, output_size)` holds them;
-  or `chunk_matrices(*chunk)` forms them for each chunk of `chunks` (arrays
-  with a leading chunk axis), anew for every average; or (a dense tag
-  without extra axes) they are the outer products `G_sb = x̃_b dy_sbᵀ` of
-  `inputs` `(B, input_size)` and `tangents` `(S, B, output_size)`, never
-  formed.
-  """
-
-  batch_size: base.Numeric
-  matrices: jax.Array | None = None
-  chunks: tuple[jax.Array, ...] | None = None
-  chunk_matrices: Callable[..., jax.Array] | None = None
-  inputs: jax.Array | None = None
-  tangents: jax.Array | None = None
-
-  def _mean(self, fn):
-    """`(1/batch_size) Σ fn(m)` over the explicit gradients `m`, where `fn`
-    sums over its argument's leading axis."""
-    if self.chunks is None:
-      return fn(self.matrices) / self.batch_size
-    add = lambda chunk: fn(self.chunk_matrices(*chunk))
-    first = jax.tree_util.tree_map(lambda a: a[0], self.chunks)
-    shape = jax.eval_shape(add, first)
-    zeros = jnp.zeros(shape.shape, shape.dtype)
-    total, _ = jax.lax.scan(lambda t, c: (t + add(c), None), zeros,
-                            self.chunks)
-    return total / self.batch_size
-
-  def left(self, b: jax.Array) -> jax.Array:
-    """`E_n[G_n b G_nᵀ]`, `(input_size, input_size)`; `L` for `b = I`."""
-    if self.inputs is None:
-      return self._mean(lambda m: jnp.einsum("nio,njo->ij", m @ b, m))
-    dy = self.tangents
-    weights = jnp.einsum("sbo,op,sbp->b", dy, b, dy)
-    return (self.inputs * weights[:, None]).T @ self.inputs / self.batch_size
-
-  def right(self, a: jax.Array) -> jax.Array:
-    """`E_n[G_nᵀ a G_n]`, `(output_size, output_size)`; `R` for `a = I`."""
-    if self.inputs is None:
-      return self._mean(lambda m: jnp.einsum("nio,nip->op", m, a @ m))
-    x, dy = self.inputs, self.tangents
-    weights = jnp.einsum("bi,ij,bj->b", x, a, x)
-    return jnp.einsum("sbo,b,sbp->op", dy, weights, dy) / self.batch_size
-
-  def mean_squared_norm(self) -> jax.Array:
-    """`E_n[||G_n||²_F]`, the trace of the exact block."""
-    if self.inputs is None:
-      return self._mean(lambda m: jnp.sum(jnp.square(m)))
-    x_norms = jnp.sum(jnp.square(self.inputs), axis=1)
-    return jnp.vdot(x_norms, jnp.sum(jnp.square(self.tangents), axis=(0, 2))
-                    ) / self.batch_size
-
-  def projected_squares(self, q_l: jax.Array, q_r: jax.Array) -> jax.Array:
-    """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(input_size, output_size)`:
-    the diagonal of `C` in the basis `q_l ⊗ q_r`."""
-    if self.inputs is None:
-      return self._mean(lambda m: jnp.sum(jnp.square(
-          jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)), axis=0))
-    # A rank-one gradient projects to the outer product of the projections.
-    px = jnp.square(self.inputs @ q_l)
-    pg = jnp.sum(jnp.square(self.tangents @ q_r), axis=0)
-    return px.T @ pg / self.batch_size
-
-
-class ExampleGradientsMixin:
-  """Gives a dense or conv Kronecker block its batch's `ExampleGradients`.
-
-  Dense tags without extra axes keep the rank-one form. Repeated dense and
-  conv tags form every example's gradient: all at once when they have at
-  most `get_max_parallel_elements()` elements (`S * B * input_size *
-  output_size`), else in chunks of examples within that budget (zero-padded
-  to whole chunks), formed again for every average.
-  """
-
-  def _inputs_identity(self) -> jax.Array:
-    """The identity in the input factor's form, `(input_size, input_size)`."""
-    return jnp.eye(self.input_size(), dtype=self.parameters_dtype)
-
-  def _example_gradients(self, data, batch_size) -> ExampleGradients:
-    (x,), (dy,) = data["inputs"], data["outputs_tangent"]
-    if isinstance(self, layers.DenseMixin) and x.ndim == 2:
-      return ExampleGradients(batch_size, tangents=dy,
-                              inputs=self._rows((x,), (dy,))[0])
-
-    def matrices(xc, dyc):
-      grads = self._per_example_gradients(
-          dict(data, inputs=(xc,), outputs_tangent=(dyc,)))
-      return jax.vmap(self._to_matrix)(grads)
-
-    samples, batch = dy.shape[:2]
-    per_example = samples * self.input_size() * self.output_size()
-    chunk = max(1, min(batch, base.get_max_parallel_elements() // per_example))
-    if chunk >= batch:
-      return ExampleGradients(batch_size, matrices=matrices(x, dy))
-    pad = -batch % chunk  # zero examples have zero gradients
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    dy = jnp.pad(dy, [(0, 0), (0, pad)] + [(0, 0)] * (dy.ndim - 2))
-    chunks = (x.reshape((-1, chunk) + x.shape[1:]),
-              jnp.swapaxes(dy.reshape((samples, -1, chunk) + dy.shape[2:]),
-                           0, 1))
-    return ExampleGradients(batch_size, chunks=chunks, chunk_matrices=matrices)
 
 
 class AssembledOuterSum:
@@ -182,14 +78,16 @@ class KroneckerSpectrum:
   """Mixin for a block `(Q_L ⊗ Q_R) diag(vec s) (Q_L ⊗ Q_R)ᵀ`.
 
   A family gives `_kronecker_spectrum(state) -> (Q_L, Q_R, s)` (orthogonal
-  `Q_L`, `Q_R` and the `(input_size, output_size)` eigenvalues `s`), and
+  `Q_L`, `Q_R` and the `(input_size, output_size)` eigenvalues `s`; `Q_L`
+  None for the identity, an embedding's diagonal input factor), and
   may give a cheaper `_kronecker_multiply(state, V)` for the product. Any
   scale is inside `s`, so `state_dependent_scale` is 1. Exact and
   approximate powers are one computation (the damping adds to `s`).
 
-  Cache: "inputs_eigenvectors", "outputs_eigenvectors" and "spectrum",
-  shared by all powers, and per power the identity weight it was cached
-  with; "eigenvalues" (`s`, flattened) when asked.
+  Cache: "inputs_eigenvectors" (none for the identity),
+  "outputs_eigenvectors" and "spectrum", shared by all powers, and per
+  power the identity weight it was cached with; "eigenvalues" (`s`,
+  flattened) when asked.
   """
 
   def state_dependent_scale(self, state):
@@ -206,14 +104,14 @@ class KroneckerSpectrum:
   def _kronecker_multiply(self, state, v):
     """The block times the `(input_size, output_size)` matrix `v`."""
     q_l, q_r, s = self._kronecker_spectrum(state)
-    return utils.kronecker_eigen_multiply(q_l, q_r, s, v)
+    return example_gradients.eigen_multiply(q_l, q_r, s, v)
 
   def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
                                   exact_power, use_cached):
     v = self._to_matrix(vector)
     if use_cached:
       cache = state.cache
-      q_l, q_r, s = (cache["inputs_eigenvectors"],
+      q_l, q_r, s = (cache.get("inputs_eigenvectors"),
                      cache["outputs_eigenvectors"], cache["spectrum"])
       identity_weight = cache[base.cache_key(power, exact=exact_power)]
     elif power == 1:
@@ -224,7 +122,8 @@ class KroneckerSpectrum:
     grid = s + identity_weight
     if power != 1:
       grid = jnp.power(grid, power)
-    return self._from_matrix(utils.kronecker_eigen_multiply(q_l, q_r, grid, v))
+    return self._from_matrix(
+        example_gradients.eigen_multiply(q_l, q_r, grid, v))
 
   def _eigenvalues_unscaled(self, state):
     return self._kronecker_spectrum(state)[2].reshape(-1)
@@ -239,41 +138,13 @@ class KroneckerSpectrum:
     updates = {}
     if keys:
       weight = jnp.asarray(identity_weight, self.parameters_dtype)
-      updates.update(inputs_eigenvectors=q_l, outputs_eigenvectors=q_r,
-                     spectrum=s)
+      if q_l is not None:
+        updates["inputs_eigenvectors"] = q_l
+      updates.update(outputs_eigenvectors=q_r, spectrum=s)
       updates.update({key: weight for key, _ in keys})
     if eigenvalues:
       updates["eigenvalues"] = s.reshape(-1)
     return updates
-
-
-# --- input factors that may be diagonal --------------------------------------
-#
-# A block's input-side factor is a square matrix, or (an embedding's large
-# vocabulary) its diagonal as a vector. These keep the families' code one
-# for both forms.
-
-def factor_trace(factor: jax.Array) -> jax.Array:
-  """The trace of a factor, a matrix or the vector of its diagonal."""
-  return jnp.trace(factor) if factor.ndim == 2 else jnp.sum(factor)
-
-
-def factor_inverse(factor: jax.Array) -> jax.Array:
-  """The inverse of a positive definite factor, in the factor's form."""
-  return utils.psd_inverse(factor) if factor.ndim == 2 else 1 / factor
-
-
-def factor_apply(factor: jax.Array, v: jax.Array) -> jax.Array:
-  """`factor @ v` for a `(rows, columns)` matrix `v`."""
-  return factor @ v if factor.ndim == 2 else factor[:, None] * v
-
-
-def factor_eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-  """`(values, vectors)` of a PSD factor (`safe_psd_eigh`); a diagonal's
-  eigenvectors are the identity, given as None."""
-  if factor.ndim == 2:
-    return utils.safe_psd_eigh(factor)
-  return jnp.maximum(factor, 0), None
 
 
 def _positive_or_one(value):
@@ -303,13 +174,38 @@ class Conv2DShampoo2(tnt.Conv2DTNT):
   layout (bias last); `Conv2DTNT`, under the name of the family."""
 
 
+class Shampoo2Spectrum(KroneckerSpectrum):
+  """`L ⊗ R / tr L` through the eigendecompositions of `L` (a matrix or a
+  diagonal) and `R`: exact and approximate powers alike, where TNT's blocks
+  split the damping between the factors for approximate ones."""
+
+  def _kronecker_multiply(self, state, v):
+    left = state.inputs_factor.value
+    return (example_gradients.factor_apply(left, v) @ state.outputs_factor.value
+            / _positive_or_one(example_gradients.factor_trace(left)))
+
+  def _kronecker_spectrum(self, state):
+    left = state.inputs_factor.value
+    l_values, q_l = example_gradients.factor_eigh(left)
+    r_values, q_r = utils.safe_psd_eigh(state.outputs_factor.value)
+    return q_l, q_r, jnp.outer(l_values, r_values) / _positive_or_one(
+        example_gradients.factor_trace(left))
+
+
+class EmbeddingShampoo2(Shampoo2Spectrum, example_gradients.EmbeddingFactors):
+  """Shampoo² for an embedding tag (Morwani et al., ICLR 2025): `L ⊗ R /
+  tr L` over the table's per-example gradients, `L` whole up to
+  `max_full_vocab` tokens, else its diagonal, which makes it
+  `EmbeddingTNT`'s block (see `example_gradients.EmbeddingFactors`)."""
+
+
 # --- Shampoo ------------------------------------------------------------------
 
 def _root_of_spectrum(values):
-  """`sqrt(values)` of a PSD factor's ascending eigenvalues, with those
-  under round-off (`n eps` times the largest) taken as zero: the root would
-  turn them into spurious eigenvalues of order `sqrt(eps)`."""
-  cutoff = len(values) * jnp.finfo(values.dtype).eps * values[-1]
+  """`sqrt(values)` of a PSD factor's eigenvalues, with those under
+  round-off (`n eps` times the largest) taken as zero: the root would turn
+  them into spurious eigenvalues of order `sqrt(eps)`."""
+  cutoff = len(values) * jnp.finfo(values.dtype).eps * jnp.max(values)
   return jnp.sqrt(jnp.where(values > cutoff, values, 0))
 
 
@@ -319,7 +215,7 @@ class ShampooSpectrum(KroneckerSpectrum):
   of `L` and `R`, its eigenvalues `c sqrt(λ_L) sqrt(λ_R)`."""
 
   def _kronecker_spectrum(self, state):
-    l_values, q_l = utils.safe_psd_eigh(state.inputs_factor.value)
+    l_values, q_l = example_gradients.factor_eigh(state.inputs_factor.value)
     r_values, q_r = utils.safe_psd_eigh(state.outputs_factor.value)
     l_roots, r_roots = _root_of_spectrum(l_values), _root_of_spectrum(r_values)
     scale = jnp.sum(l_values) / _positive_or_one(
@@ -340,6 +236,12 @@ class DenseShampoo(ShampooSpectrum, AssembledOuterSum, tnt.DenseTNT):
 class Conv2DShampoo(ShampooSpectrum, tnt.Conv2DTNT):
   """Shampoo for 2-D convolutions (Gupta et al., ICML 2018): `c (L ⊗
   R)^(1/2)` from per-example kernel gradients, as `DenseShampoo`."""
+
+
+class EmbeddingShampoo(ShampooSpectrum, example_gradients.EmbeddingFactors):
+  """Shampoo for an embedding tag (Gupta et al., ICML 2018): `c (L ⊗
+  R)^(1/2)`, trace-matched, `L` whole or its diagonal as in
+  `EmbeddingShampoo2`."""
 
 
 # --- SOAP ---------------------------------------------------------------------
@@ -366,8 +268,8 @@ class SOAPScalings:
         f"{type(self).__name__} fits its scalings to per-example gradients.")
 
 
-class DenseSOAP(SOAPScalings, ExampleGradientsMixin, AssembledOuterSum,
-                eigenbasis.EKFAC, tnt.DenseTNT):
+class DenseSOAP(SOAPScalings, example_gradients.ExampleGradientsMixin,
+                AssembledOuterSum, eigenbasis.EKFAC, tnt.DenseTNT):
   """SOAP's curvature for dense and repeated dense tags (Vyas et al., 2024):
   `(Q_L ⊗ Q_R) diag(vec D) (Q_L ⊗ Q_R)ᵀ`, `Q_L`, `Q_R` the eigenvectors of
   Shampoo's `L` and `R` and `D = E_n[(Q_Lᵀ G_n Q_R)²]` (George et al.'s
@@ -379,7 +281,44 @@ class DenseSOAP(SOAPScalings, ExampleGradientsMixin, AssembledOuterSum,
   """
 
 
-class Conv2DSOAP(SOAPScalings, ExampleGradientsMixin, eigenbasis.EKFAC,
-                 tnt.Conv2DTNT):
+class Conv2DSOAP(SOAPScalings, example_gradients.ExampleGradientsMixin,
+                 eigenbasis.EKFAC, tnt.Conv2DTNT):
   """SOAP's curvature for 2-D convolutions (Vyas et al., 2024): as
   `DenseSOAP`, from per-example kernel gradients."""
+
+
+class EmbeddingSOAP(SOAPScalings, eigenbasis.EKFAC,
+                    example_gradients.EmbeddingFactors):
+  """SOAP's curvature for an embedding tag (Vyas et al., 2024): as
+  `DenseSOAP` over the table's per-example gradients, with `L` whole up to
+  `max_full_vocab` tokens. Above, `L` is its diagonal, whose eigenbasis is
+  the identity: the block is `(I ⊗ Q_R) diag(vec D) (I ⊗ Q_R)ᵀ` with
+  `D = E_n[(G_n Q_R)²]` `(V, D)` (the state's `inputs_basis` is None), as
+  `EmbeddingEKFAC` with Shampoo's `R` for K-FAC's output factor."""
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    # Not EKFAC's `_init`: its identity basis would be V x V.
+    factors = example_gradients.EmbeddingFactors._init(
+        self, rng, exact_powers, approx_powers, cache_eigenvalues)
+    dtype = self.parameters_dtype
+    d = self.output_size()
+    return eigenbasis.EKFAC.State(
+        cache={}, inputs_factor=factors.inputs_factor,
+        outputs_factor=factors.outputs_factor,
+        inputs_basis=(jnp.eye(self.vocab_size, dtype=dtype)
+                      if self.full_inputs_factor else None),
+        outputs_basis=jnp.eye(d, dtype=dtype),
+        scalings=utils.WeightedMovingAverage.zeros((self.vocab_size, d),
+                                                   dtype))
+
+  def _factor_bases(self, state):
+    return (example_gradients.factor_eigh(state.inputs_factor.value)[1],
+            utils.safe_psd_eigh(state.outputs_factor.value)[1])
+
+  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
+                                  exact_power, use_cached):
+    grid = eigenbasis.damped_scalings(self, state, identity_weight, power,
+                                      exact_power, use_cached)
+    return self._from_matrix(example_gradients.eigen_multiply(
+        state.inputs_basis, state.outputs_basis, grid,
+        self._to_matrix(vector)))
