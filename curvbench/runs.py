@@ -31,6 +31,10 @@ def skip_reason(run: config.RunSettings) -> str | None:
   """Why this sweep point repeats another one (None when it does not)."""
   canon, measurement = run.canonical, run.measure.chosen
   kind, opt = measurement.name, run.optimizer.name
+  problem = run.problem.label or run.problem.name
+  if measurement.problems and problem not in measurement.problems:
+    return (f"measure.{kind}.problems={measurement.problems} leaves out "
+            f"problem={problem}")
   trains = measurement.uses_optimizer(run)
   if not trains and opt != canon.optimizer:
     return (f"this {kind} run does not use the optimizer; it runs with "

@@ -99,7 +99,8 @@ def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
   `optimizer=sgd` does (the same numbers), so a sweep over the optimizer
   group measures spectra once, with the canonical optimizer's point; with
   `canonical.train_every_curvature=false`, K-FAC trains with the
-  canonical curvature only."""
+  canonical curvature only; `measure.training.problems` trains on those
+  problems only."""
   root, _ = sweep
   fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
            "measure/spectra/trainer=sgd", *TINY)
@@ -116,6 +117,16 @@ def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
   assert runs.skip_reason(config.load(config.compose(*ekfac))) is None
   assert "runs with curvature=kfac only" in runs.skip_reason(config.load(
       config.compose(*ekfac, "canonical.train_every_curvature=false")))
+  only = config.load(config.compose(
+      *ekfac, "measure.training.problems=[mlp,convnet]"))
+  assert only.problem.name == "mlp" and runs.skip_reason(only) is None
+  elsewhere = config.load(config.compose(
+      *ekfac, "measure.training.problems=[convnet]"))
+  assert runs.skip_reason(elsewhere) == (
+      "measure.training.problems=['convnet'] leaves out problem=mlp")
+  with pytest.raises(config.ConfigError, match="Unknown measure.training."
+                     "problems 'convnt'"):
+    config.compose("measure.training.problems=[convnt]", *TINY)
   with pytest.raises(config.ConfigError, match="null until chosen: give "
                      "measure/spectra/trainer=NAME"):
     config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
