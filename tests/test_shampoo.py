@@ -16,7 +16,8 @@ from estimators import tags
 from estimators import utils
 from estimators.blocks import (get_max_parallel_elements,
                                set_max_parallel_elements)
-from estimators.blocks import kronecker, optimal_kronecker, shampoo, stacked
+from estimators.blocks import (eigenbasis, kronecker, optimal_kronecker,
+                               shampoo, stacked)
 from tests.groundtruth import numpy_psd_power, random_normal
 from tests.test_blocks import (conv_case, conv_layer, dense_layer, make_case,
                                random_vector)
@@ -293,6 +294,54 @@ def test_soap_is_the_best_diagonal_in_shampoos_eigenbasis(name):
         size=len(d)))) @ q.T
   for f, other in others.items():
     assert error <= np.linalg.norm(c - other) * (1 + 1e-12), f
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["conv in chunks"])
+def test_soap_forms_the_gradients_once_for_the_same_estimate(name):
+  """An update forms the per-example gradients of repeated dense and conv
+  tags once, where EKFAC's update forms them for the factors and again for
+  the scalings, and gives the same state: a first update, a refresh, and
+  a moving-average update (in chunks of two examples too, where a first
+  update forms them again for the scalings in its new basis)."""
+  case, _, _, which = CASES[name.split()[0]]
+  eqn, data, _ = case()
+  block = FAMILIES["soap"][which](eqn, "layer")
+  batch = data["inputs"][0].shape[0]
+  (dy,) = data["outputs_tangent"]
+  second = dict(data, outputs_tangent=(2 * dy[:, ::-1],))
+  formed = []
+  hook = block._per_example_gradients  # counted while the update is traced
+  block._per_example_gradients = lambda d: (formed.append(1), hook(d))[1]
+
+  def run(update, data, second):
+    state = update(block, block.init(None, None, None, False), data, 0.,
+                   1., batch, None)
+    state = block.update_cache(state, DAMPING, None, None, False)
+    state = update(block, state, second, 0.5, 1., batch, None)
+    # What the bases' signs do not change.
+    return (state.inputs_factor, state.outputs_factor, state.scalings,
+            block.to_dense_matrix(state))
+
+  old = get_max_parallel_elements()
+  if name.endswith("chunks"):
+    set_max_parallel_elements(
+        2 * 2 * block.input_size() * block.output_size())
+  try:
+    states = {}
+    for key, update in (
+        ("once", type(block).update_curvature_matrix_estimate),
+        ("twice", eigenbasis.EKFAC.update_curvature_matrix_estimate)):
+      formed.clear()
+      states[key] = jax.jit(functools.partial(run, update))(data, second)
+      if name in ("repeated", "conv"):  # traced once per formation
+        assert len(formed) == {"once": 2, "twice": 4}[key], (key, formed)
+  finally:
+    set_max_parallel_elements(old)
+  for got, want in zip(jax.tree_util.tree_leaves(states["once"]),
+                       jax.tree_util.tree_leaves(states["twice"]),
+                       strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-9,
+                               atol=1e-12 * np.abs(want).max())
 
 
 # --- products -----------------------------------------------------------------

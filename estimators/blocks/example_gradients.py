@@ -87,16 +87,19 @@ class ExampleGradients:
 
   def _mean(self, fn):
     """`(1/batch_size) Σ fn(m)` over the explicit gradients `m`, where `fn`
-    sums over its argument's leading axis."""
+    sums over its argument's leading axis (into an array or a tuple of
+    them, all from one pass over the chunks)."""
+    tree = jax.tree_util
     if self.chunks is None:
-      return fn(self.matrices) / self.batch_size
+      return tree.tree_map(lambda t: t / self.batch_size, fn(self.matrices))
     add = lambda chunk: fn(self.chunk_matrices(*chunk))
-    first = jax.tree_util.tree_map(lambda a: a[0], self.chunks)
-    shape = jax.eval_shape(add, first)
-    zeros = jnp.zeros(shape.shape, shape.dtype)
-    total, _ = jax.lax.scan(lambda t, c: (t + add(c), None), zeros,
-                            self.chunks)
-    return total / self.batch_size
+    first = tree.tree_map(lambda a: a[0], self.chunks)
+    zeros = tree.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(add, first))
+    total, _ = jax.lax.scan(
+        lambda t, c: (tree.tree_map(jnp.add, t, add(c)), None), zeros,
+        self.chunks)
+    return tree.tree_map(lambda t: t / self.batch_size, total)
 
   def left(self, b: jax.Array) -> jax.Array:
     """`E_n[G_n b G_nᵀ]`, `(input_size, input_size)`; `L` for `b = I`."""
@@ -126,12 +129,30 @@ class ExampleGradients:
     """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(input_size, output_size)`:
     the diagonal of `C` in the basis `q_l ⊗ q_r`."""
     if self.inputs is None:
-      return self._mean(lambda m: jnp.sum(jnp.square(
-          jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)), axis=0))
+      return self._mean(lambda m: _squares(q_l, m, q_r))
     # A rank-one gradient projects to the outer product of the projections.
     px = jnp.square(self.inputs @ q_l)
     pg = jnp.sum(jnp.square(self.tangents @ q_r), axis=0)
     return px.T @ pg / self.batch_size
+
+  def shampoo_moments(self, q_l: jax.Array, q_r: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(L, R, E_n[(q_lᵀ G_n q_r)²])`, `L = E[G Gᵀ]`, `R = E[Gᵀ G]`, with
+    the gradients formed once: in one pass over the chunks when they are
+    formed chunk by chunk."""
+    if self.chunks is None:  # held, or never formed: one average at a time
+      return (self.left(jnp.eye(q_r.shape[0], dtype=q_r.dtype)),
+              self.right(jnp.eye(q_l.shape[0], dtype=q_l.dtype)),
+              self.projected_squares(q_l, q_r))
+    return self._mean(lambda m: (jnp.einsum("nio,njo->ij", m, m),
+                                 jnp.einsum("nio,nip->op", m, m),
+                                 _squares(q_l, m, q_r)))
+
+
+def _squares(q_l, m, q_r):
+  """`Σ_n (q_lᵀ m_n q_r)²` (elementwise) over the leading axis of `m`."""
+  return jnp.sum(jnp.square(jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)),
+                 axis=0)
 
 
 class ExampleGradientsMixin:
@@ -258,6 +279,16 @@ class EmbeddingGradients:
     total, _ = jax.lax.scan(add, jnp.zeros((vocab, d), projected.dtype),
                             (tokens, projected))
     return total / self.batch_size
+
+  def shampoo_moments(self, q_l: jax.Array | None, q_r: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(L, R, E_n[(q_lᵀ G_n q_r)²])` from the rows held, `L` (or its
+    diagonal) as `left`."""
+    eye = jnp.eye(q_r.shape[0], dtype=q_r.dtype)
+    identity = (jnp.ones(self.vocab_size, q_r.dtype) if self.diagonal
+                else jnp.eye(self.vocab_size, dtype=q_r.dtype))
+    return (self.left(eye), self.right(identity),
+            self.projected_squares(q_l, q_r))
 
 
 class EmbeddingFactors(ExampleGradientsMixin, embedding.EmbeddingMixin,

@@ -32,6 +32,7 @@ product to `C` (Van Loan and Pitsianis) is in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -255,11 +256,62 @@ class SOAPScalings:
   the block `(Q_L ⊗ Q_R) diag(vec D) (Q_L ⊗ Q_R)ᵀ`, with scale 1.
   """
 
+  estimation_data_has_sample_axis = True
+
   def state_dependent_scale(self, state):
     del state
     return 1
 
+  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
+                                       ema_new, batch_size, pmap_axis_name):
+    """Folds this batch into `L`, `R` and the scalings with EKFAC's cadence
+    (`eigenbasis.EKFAC.update_curvature_matrix_estimate`), forming the
+    per-example gradients once for all three. Formed chunk by chunk, they
+    are formed again only for a block's first update, whose scalings are in
+    the basis of the factors it has just folded in.
+
+    Args:
+      state: the block state.
+      estimation_data: the layer's arrays, as for
+        `CurvatureBlock.update_curvature_matrix_estimate`.
+      ema_old: the factor on the old estimates.
+      ema_new: the weight of this batch's estimates.
+      batch_size: the number of examples the statistics average over.
+      pmap_axis_name: when not None, the statistics are averaged over this
+        axis before they are folded in.
+
+    Returns:
+      The state with the new estimate; the cache is left as it is.
+
+    Raises:
+      ValueError: if the data lacks arrays or has shapes that do not fit.
+    """
+    self._check_estimation_data(estimation_data, batch_size)
+    mean = ((lambda x: x) if pmap_axis_name is None else
+            (lambda x: jax.lax.pmean(x, pmap_axis_name)))
+    grads = self._example_gradients(estimation_data, batch_size)
+    fresh = state.inputs_factor.weight == 0
+    left, right, squares = mean(grads.shampoo_moments(state.inputs_basis,
+                                                      state.outputs_basis))
+    state = self._fold_statistics(state, (left, right), ema_old, ema_new)
+    # Only the taken branches run: later updates cost no eigensolve and no
+    # second pass.
+    u_a, u_g = jax.lax.cond(
+        fresh, self._factor_bases,
+        lambda s: (s.inputs_basis, s.outputs_basis), state)
+    squares = jax.lax.cond(
+        fresh, lambda: mean(grads.projected_squares(u_a, u_g)),
+        lambda: squares)
+    old = state.scalings
+    # Weight 0 after a refresh: the kept value is from the old basis.
+    ema_old = jnp.where(old.weight == 0, 0, ema_old)
+    return dataclasses.replace(
+        state, inputs_basis=u_a, outputs_basis=u_g,
+        scalings=old.update(squares, ema_old, ema_new))
+
   def _batch_scalings(self, estimation_data, batch_size, u_a, u_g):
+    # EKFAC's hook for a batch's scalings in a basis; the update above
+    # takes them from the moments instead.
     return self._example_gradients(
         estimation_data, batch_size).projected_squares(u_a, u_g)
 
