@@ -233,6 +233,11 @@ class RunSettings(Settings):
     for name in measurements.MEASUREMENTS:
       yield from getattr(self.measure, name).run_disagreements(
           self, f"measure.{name}")
+      for problem in getattr(self.measure, name).problems:
+        if problem not in options("problem"):
+          yield (f"Unknown measure.{name}.problems {problem!r}"
+                 f"{_nearest(problem, options('problem'))}; choose among "
+                 f"{', '.join(options('problem'))}.")
     yield from self.measure.chosen.batch_disagreements(self)
     if self.curvature.per_example_alone and self.problem.couples_examples:
       yield (f"curvature={self.curvature.name} forms each example's gradient "

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from curvbench.components import (ListOf, OneOf, Registry, Settings, Whole,
-                                  setting)
+from curvbench.components import (ListOf, OneOf, Registry, Settings, Text,
+                                  Whole, setting)
 from curvbench import devices
 from curvbench.sections import Section
 
@@ -77,11 +77,6 @@ class Outcome:
     return out
 
 
-def _problem_names() -> list[str]:
-  from curvbench import config  # config imports this module
-  return config.options("problem")
-
-
 @dataclasses.dataclass
 class Measurement(Settings, abc.ABC):
   """What every measurement declares; see the module docstring."""
@@ -99,8 +94,8 @@ class Measurement(Settings, abc.ABC):
   precision: str = setting("float32", OneOf(PRECISIONS),
                            "the floating-point precision it runs in")
   problems: list[str] = setting(
-      [], ListOf(OneOf(_problem_names)), "in a sweep over problems, the "
-      "ones it runs on (empty: every one); the others are left out")
+      [], ListOf(Text()), "in a sweep over problems, the ones it runs on "
+      "(empty: every one); the others are left out")
 
   @classmethod
   def what(cls) -> str:

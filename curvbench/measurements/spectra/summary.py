@@ -226,6 +226,8 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   holds 0), and each one's gap over the claim's floor; a line per claim
   counting the verdicts. Cells where both score alike (the same block
   for both) are left out: they cannot bear on the claim."""
+  if "curvature" not in q:  # records that do not say which approximation
+    return [], None
   frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
   names = set(frob.curvature.dropna())
   rows, lines = [], []
