@@ -46,6 +46,7 @@ from curvbench import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import (as_matrix, decay_after_step,
+                                            per_parameter_update,
                                             eigenbasis, matrix_shape,
                                             power_qr, rotate, unit_rms,
                                             unrotate)
@@ -204,25 +205,7 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
     return lambda st: st._replace(left_basis=new(st.left, st.left_basis),
                                   right_basis=new(st.right, st.right_basis))
 
-  def update(grads, state, params=None):
-    if params is None and s.weight_decay:
-      raise ValueError("kl_shampoo with weight_decay needs the parameters: "
-                       "call update(grads, state, params).")
-    count = state.count
-    leaves, treedef = jax.tree.flatten(grads)
-    ps = (treedef.flatten_up_to(params) if params is not None
-          else [None] * len(leaves))
-    out = [step(g, st, p, count) for g, st, p in zip(
-        leaves, treedef.flatten_up_to(state.parameters), ps)]
-    states = [st for _, st in out]
-    every = lambda fn: lambda sts: [fn(st) for st in sts]
-    states = jax.lax.cond(
-        count == 0, every(bases(fresh=True)),
-        lambda sts: jax.lax.cond(count % s.precondition_frequency == 0,
-                                 every(bases(fresh=False)), lambda x: x,
-                                 sts),
-        states)
-    return (treedef.unflatten([u for u, _ in out]),
-            KLShampooState(count + 1, treedef.unflatten(states)))
-
+  update = per_parameter_update(
+      "kl_shampoo", s.weight_decay, s.precondition_frequency, step,
+      bases(fresh=True), bases(fresh=False), KLShampooState)
   return optax.GradientTransformation(init, update)

@@ -38,6 +38,7 @@ from curvbench import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import (as_matrix, decay_after_step,
+                                            per_parameter_update,
                                             eigenbasis, matrix_shape,
                                             outer_products, power_qr, rotate,
                                             unit_rms, unrotate)
@@ -177,24 +178,7 @@ def _transformation(s: SOAP) -> optax.GradientTransformation:
     return st._replace(left_basis=bases[0], right_basis=bases[1],
                        mu=rotate(mu, *bases), nu=nu)
 
-  def update(grads, state, params=None):
-    if params is None and s.weight_decay:
-      raise ValueError("soap with weight_decay needs the parameters: call "
-                       "update(grads, state, params).")
-    count = state.count
-    leaves, treedef = jax.tree.flatten(grads)
-    ps = (treedef.flatten_up_to(params) if params is not None
-          else [None] * len(leaves))
-    out = [step(g, st, p, count) for g, st, p in zip(
-        leaves, treedef.flatten_up_to(state.parameters), ps)]
-    states = [st for _, st in out]
-    every = lambda fn: lambda sts: [fn(st) for st in sts]
-    states = jax.lax.cond(
-        count == 0, every(first_bases),
-        lambda sts: jax.lax.cond(count % s.precondition_frequency == 0,
-                                 every(refresh), lambda x: x, sts),
-        states)
-    return (treedef.unflatten([u for u, _ in out]),
-            SoapState(count + 1, treedef.unflatten(states)))
-
+  update = per_parameter_update(
+      "soap", s.weight_decay, s.precondition_frequency, step,
+      first_bases, refresh, SoapState)
   return optax.GradientTransformation(init, update)
