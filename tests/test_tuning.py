@@ -3,6 +3,7 @@
 import numpy as np
 import pandas as pd
 import pytest
+from hydra.errors import HydraException
 
 from curvbench import tuning
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
@@ -69,3 +70,29 @@ def test_the_sweeper_expands_each_optimizers_grid_for_training_only():
   with pytest.raises(ValueError, match="optimizer.learning_rate is both"):
     tuning_sweeper.expand([jobs[0] + ["optimizer.learning_rate=1"]], grid,
                           "kfac", "training")
+
+
+def test_the_sweeper_runs_the_union_of_its_sweeps():
+  """Each sweep's product, with the common params and the command line
+  (which wins) added; a point two sweeps share runs once."""
+  params = {"seed": "0,1"}
+  sweeps = [{"measure": "spectra", "curvature": "kfac,ekfac"},
+            {"measure": "training", "optimizer": "adam,sgd"},
+            {"measure": "spectra", "curvature": "kfac"}]
+  jobs = tuning_sweeper.union(params, sweeps, ["problem=mlp"])
+  assert sorted(map(sorted, jobs)) == sorted(map(sorted, [
+      [f"seed={s}", "problem=mlp", "measure=spectra", f"curvature={c}"]
+      for s in (0, 1) for c in ("kfac", "ekfac")] + [
+      [f"seed={s}", "problem=mlp", "measure=training", f"optimizer={o}"]
+      for s in (0, 1) for o in ("adam", "sgd")]))
+  assert len(jobs) == 8
+  only = tuning_sweeper.union(params, sweeps[:1], ["seed=3"])
+  assert sorted(map(sorted, only)) == [
+      sorted(["seed=3", "measure=spectra", f"curvature={c}"])
+      for c in ("ekfac", "kfac")]
+  assert tuning_sweeper.union(params, None, ["a=1,2"]) == [
+      ["seed=0", "a=1"], ["seed=0", "a=2"], ["seed=1", "a=1"],
+      ["seed=1", "a=2"]]
+  for bad in ([], [["measure=spectra"]]):
+    with pytest.raises(HydraException, match="hydra.sweeper.sweeps is"):
+      tuning_sweeper.union(params, bad, [])

@@ -20,6 +20,7 @@ class TuningSweeperConf:
       "hydra_plugins.curvbench_sweeper.tuning_sweeper.TuningSweeper")
   max_batch_size: Any = None
   params: Any = None
+  sweeps: Any = None  # a list of `params`-like mappings: their union
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="tuning",

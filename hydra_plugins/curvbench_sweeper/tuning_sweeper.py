@@ -3,7 +3,10 @@ points that repeat another, and adds each optimizer's tuning grid to the
 runs of the tuning protocol.
 
 Like Hydra's basic sweeper it runs the cartesian product of the swept
-values (`a=1,2 b=x,y`, and `hydra.sweeper.params`); it is written on
+values (`a=1,2 b=x,y`, and `hydra.sweeper.params`), or, where an
+experiment measures different things over different axes, the union of
+the products of `hydra.sweeper.sweeps` (a list of such mappings, each
+with `params` and the command line's values added); it is written on
 Hydra's public plugin API (`Sweeper`, `OverridesParser`, the launcher from
 `Plugins`). A grid that differs per optimizer (learning rates for Adam,
 learning rates and momenta for SGD, none for K-FAC) is not a product, so
@@ -42,7 +45,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, devices, measurements, records, runs
 
@@ -76,6 +79,29 @@ def product(overrides: list[str]) -> list[list[str]]:
           f"{key}: the curvbench sweeper takes lists of values (a=1,2) and "
           "choice(...)/range(...), not intervals.")
   return [list(job) for job in itertools.product(*choices.values())]
+
+
+def union(params: dict, sweeps: list | None,
+          arguments: list[str]) -> list[list[str]]:
+  """The jobs of a sweep: the product of `params` and the command line's
+  `arguments`, or, with `sweeps` (a list of mappings), the union of the
+  products of each with `params` and `arguments` added (the command line
+  wins where both give a key), a point listed twice run once."""
+  def items(mapping):
+    return [f"{k}={v}" for k, v in mapping.items()]
+
+  if sweeps is None:
+    return product(items(params) + list(arguments))
+  if not sweeps or not all(isinstance(s, dict) for s in sweeps):
+    raise HydraException(
+        "hydra.sweeper.sweeps is a non-empty list of mappings of swept "
+        f"values (e.g. [{{measure: spectra, curvature: 'kfac,ekfac'}}]), "
+        f"not {sweeps!r}.")
+  jobs = {}
+  for sweep in sweeps:
+    for job in product(items(params) + items(sweep) + list(arguments)):
+      jobs.setdefault(tuple(sorted(job)), job)
+  return list(jobs.values())
 
 
 def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
@@ -218,10 +244,13 @@ class TuningSweeper(Sweeper):
   optimizer's `tuning.grid` expanded and the points that repeat another
   left out."""
 
-  def __init__(self, max_batch_size=None, params=None):
+  def __init__(self, max_batch_size=None, params=None, sweeps=None):
     super().__init__()
     self.max_batch_size = max_batch_size
     self.params = dict(params or {})
+    self.sweeps = (None if sweeps is None
+                   else OmegaConf.to_container(sweeps, resolve=True)
+                   if isinstance(sweeps, (DictConfig, ListConfig)) else sweeps)
     self.hydra_context = self.config = self.launcher = None
 
   def setup(self, *, hydra_context, task_function, config) -> None:
@@ -244,8 +273,7 @@ class TuningSweeper(Sweeper):
     except OSError as e:  # e.g. a folder that may not be listed
       raise SystemExit(f"curvbench: cannot use {sweep_dir} "
                        f"({e.strerror or e}): {fix}") from None
-    jobs = product([f"{k}={v}" for k, v in self.params.items()]
-                   + list(arguments))
+    jobs = union(self.params, self.sweeps, arguments)
     grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
     jobs = self.planned(expand(jobs, grid, self.config.optimizer.name,
                                self.config.measure.kind))

@@ -186,22 +186,32 @@ def dense_exact(loss_fn, matrix, params, data, rng, costs,
 
 
 def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
-                     examples_interact):
-  """`(dense matrix, (eigenvalues, eigenvectors))` of the exact `matrix`,
-  from the `store` where another run computed it from the same content."""
+                     examples_interact, parts=()):
+  """`(dense matrix, (eigenvalues, eigenvectors), {part: its eigh})` of the
+  exact `matrix` and of its diagonal sub-matrices over `parts` (`(name,
+  indices)`: layer blocks, block types), from the `store` where another
+  run computed them from the same content: they are the same whatever
+  approximation a run compares with them."""
   def compute():
     dense = dense_exact(loss_fn, matrix, params, data, rng, costs,
                          examples_interact)
     values, vectors = _eigh(costs, f"exact {matrix}", dense)
-    return dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,
-                eigenvectors=vectors)
+    found = dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,
+                 eigenvectors=vectors)
+    for i, (name, idx) in enumerate(parts):
+      found[f"values{i}"], found[f"vectors{i}"] = _eigh(
+          costs, f"exact {matrix} {name}", dense[np.ix_(idx, idx)])
+    return found
 
   start = time.perf_counter()
-  found, shared = store.get(dict(key or {}, matrix=matrix), compute)
+  found, shared = store.get(dict(key or {}, matrix=matrix, parts=[
+      (name, content_hash(idx)) for name, idx in parts]), compute)
   if shared:
     costs.record(f"exact {matrix} (read from the reference store)",
                  time.perf_counter() - start)
-  return found["matrix"], (found["eigenvalues"], found["eigenvectors"])
+  return found["matrix"], (found["eigenvalues"], found["eigenvectors"]), {
+      name: (found[f"values{i}"], found[f"vectors{i}"])
+      for i, (name, _) in enumerate(parts)}
 
 
 # From this size on, a dense eigendecomposition runs LAPACK on every core.
@@ -344,10 +354,16 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
     key = dict(key or {}, params=content_hash(params),
                data=content_hash(data.chunks, data.rest),
                precision=cfg.precision)
-  exact, exact_eighs = {}, {}
+  blocks = curvatures.layer_blocks(loss_fn, params, data.first)
+  roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
+  types = role_indices(blocks, roles) if cfg.per_block_type else {}
+  parts = ([(f"block {name}", idx) for name, idx in blocks]
+           + [(f"block type {role}", idx) for role, idx in types.items()])
+  exact, exact_eighs, part_eighs = {}, {}, {}
   for m in references:
-    exact[m], exact_eighs[m] = _exact_reference(
-        loss_fn, m, params, data, rng, costs, store, key, examples_interact)
+    exact[m], exact_eighs[m], part_eighs[m] = _exact_reference(
+        loss_fn, m, params, data, rng, costs, store, key, examples_interact,
+        parts)
   tables = {name: [] for name in TABLES}
   for m, matrix in exact.items():
     values = exact_eighs[m][0]
@@ -361,7 +377,6 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
       k, p, d, cfg.num_samples), params, data, rng)
   approx = costs.call("approx dense", lambda s: _symmetric(
       curvature.to_dense(s)), state)
-  blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   block_eighs = {name: _eigh(costs, f"approx block {name}",
                              approx[np.ix_(idx, idx)])
                  for name, idx in blocks}
@@ -395,32 +410,36 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
                                                         rhos),
         k, floor(cfg, exact_eighs[m][0]), approx_eigh, exact_eighs[m]))
 
-  def restricted(idx, what, a_eigh=None):
-    """The quality of the sub-matrices over parameters `idx` against each
+  def quality_of(level, name, idx, what, a_eigh):
+    """Quality rows of the sub-matrices over parameters `idx` against each
     reference, with the damped natural gradients of the sub-matrices
-    (`a_eigh`: the approximation's sub-matrix decomposed, where known)."""
+    (`a_eigh`: the approximation's sub-matrix decomposed)."""
     a = approx[np.ix_(idx, idx)]
-    a_eigh = a_eigh or _eigh(costs, f"approx {what}", a)
     a_dirs = _relative_solves(a_eigh, g[idx], rhos)
-    out = {}
     for m in compared:
-      e = exact[m][np.ix_(idx, idx)]
-      e_eigh = _eigh(costs, f"exact {m} {what}", e)
-      out[m] = dense_metrics(a, e, a_dirs, _relative_solves(e_eigh, g[idx],
-                                                            rhos),
-                             k, floor(cfg, exact_eighs[m][0]), a_eigh, e_eigh)
-    return out
-
-  def quality_of(level, name, idx, what, a_eigh=None):
-    for m, values in restricted(idx, what, a_eigh).items():
+      e_eigh = part_eighs[m][what]
+      values = dense_metrics(
+          a, exact[m][np.ix_(idx, idx)], a_dirs,
+          _relative_solves(e_eigh, g[idx], rhos), k,
+          floor(cfg, exact_eighs[m][0]), a_eigh, e_eigh)
       tables["quality"] += _quality_rows(m, level, name, values)
 
   for name, idx in blocks:
     quality_of("layer", name, idx, f"block {name}", block_eighs[name])
-  if cfg.per_block_type:
-    roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
-    for role, idx in role_indices(blocks, roles).items():
-      quality_of("role", role, idx, f"block type {role}")
+  for role, idx in types.items():
+    # Within a block type, a block-diagonal approximation decomposes from
+    # its layers' decompositions too.
+    start = time.perf_counter()
+    sub = approx[np.ix_(idx, idx)]
+    a_eigh = joined_eigh(sub, [(name, np.searchsorted(idx, i))
+                               for name, i in blocks
+                               if roles[name] == role], block_eighs)
+    if a_eigh is None:
+      a_eigh = _eigh(costs, f"approx block type {role}", sub)
+    else:
+      costs.record(f"eigh approx block type {role} (from its blocks)",
+                   time.perf_counter() - start)
+    quality_of("role", role, idx, f"block type {role}", a_eigh)
 
   reference, exact_eigh = exact[curvature.matrix], exact_eighs[curvature.matrix]
   units = heatmap_units(blocks, cfg.heatmap_blocks, cfg.heatmap_units)
