@@ -96,6 +96,7 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(
        f"compilation_cache={tmp_path / 'jax_cache'}",
        "problem=mlp", "measure=spectra,training", "seed=0,1",
        "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
+       "curvature.mode=ggn_exact",
        "optimizer=kfac,adam,shampoo", "measure.spectra.steps=[0,2]",
        "measure.spectra.references=[ggn]", "measure.training.budget_s=1",
        "measure.training.problems=[mlp]",

@@ -386,6 +386,11 @@ def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
   assert dense.gap_mean == pytest.approx(0.1)
   assert dense.than_gap_mean == pytest.approx(0.4025)
   assert dense.n == 4
+  # Against a matrix the mode does not estimate, the cells do not count.
+  crossed = [dict(r, reference="empirical_fisher",
+                  value=1 - r["value"]) for r in rows]
+  [again], _ = summary.claims(pd.DataFrame(rows + crossed))
+  assert again == line
   # Without the other approximation measured, no claim is checked.
   alone = pd.DataFrame([r for r in rows if r["curvature"] != "diagonal"])
   assert summary.claims(alone) == ([], None)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from curvbench import stats
+from estimators import estimation_modes
 from curvbench.approximations import CURVATURES
 from curvbench.measurements.spectra.compute import SAME
 from curvbench.sections import Table, number, spread, wide
@@ -224,11 +225,17 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   the paired interval of the difference of their relative Frobenius
   errors, a verdict (holds, does not hold, not settled where the interval
   holds 0), and each one's gap over the claim's floor; a line per claim
-  counting the verdicts. Cells where both score alike (the same block
-  for both) are left out: they cannot bear on the claim."""
+  counting the verdicts. Cells against a reference other than the matrix
+  the estimation mode estimates, and cells where both score alike (the
+  same block for both), are left out: they cannot bear on the claim."""
   if "curvature" not in q:  # records that do not say which approximation
     return [], None
   frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
+  # A claim is about the matrix an approximation estimates (its estimation
+  # mode's): a cell against another reference does not bear on it.
+  estimated = frob["mode"].map(
+      lambda m: m if pd.isna(m) else estimation_modes.matrix_type(m))
+  frob = frob[estimated.isna() | (estimated == frob.reference)]
   names = set(frob.curvature.dropna())
   rows, lines = [], []
   for name in sorted(names & set(CURVATURES.names())):
