@@ -54,6 +54,25 @@ def factor_eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array | None]:
   return jnp.maximum(factor, 0), None
 
 
+def device_mean(pmap_axis_name: str | None):
+  """The average over the devices that share a batch (`pmap_axis_name`;
+  None: one device, the identity)."""
+  if pmap_axis_name is None:
+    return lambda x: x
+  return lambda x: jax.lax.pmean(x, pmap_axis_name)
+
+
+def moving_shares(weight, ema_old, ema_new) -> tuple[jax.Array, ...]:
+  """`(old, new, total)`: the shares of the old estimate (of total weight
+  `weight`, scaled by `ema_old`) and of this batch's (weight `ema_new`) in
+  their weighted average, and the average's weight; the old one's share
+  is 0 while it has no weight."""
+  w_old = ema_old * weight
+  total = w_old + ema_new
+  old = w_old / jnp.where(total > 0, total, jnp.ones_like(total))
+  return old, 1 - old, total
+
+
 def eigen_multiply(q_l: jax.Array | None, q_r: jax.Array, grid: jax.Array,
                    v: jax.Array) -> jax.Array:
   """`(q_l ⊗ q_r) diag(vec grid) (q_l ⊗ q_r)ᵀ vec(v)`, `q_l` None for the

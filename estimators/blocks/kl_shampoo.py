@@ -208,18 +208,15 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
     """
     self._check_estimation_data(estimation_data, batch_size)
     grads = self._example_gradients(estimation_data, batch_size)
-    mean = ((lambda x: x) if pmap_axis_name is None else
-            (lambda x: jax.lax.pmean(x, pmap_axis_name)))
+    mean = example_gradients.device_mean(pmap_axis_name)
     dtype = self.parameters_dtype
     eye_a = self._inputs_identity()
     eye_b = jnp.eye(self.output_size(), dtype=dtype)
     d_a, d_b = self.input_size(), self.output_size()
     size = d_a * d_b
     old_a, old_b = state.kl_inputs, state.kl_outputs
-    w_old = ema_old * state.weight
-    total = w_old + ema_new
-    share = w_old / jnp.where(total > 0, total, jnp.ones_like(total))
-    new_share = 1 - share
+    share, new_share, total = example_gradients.moving_shares(
+        state.weight, ema_old, ema_new)
     trace_c = mean(grads.mean_squared_norm())
     kappa = self._damping * trace_c / size
     # The target's mean eigenvalue; the iteration runs on the target over
@@ -243,7 +240,7 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
       return jnp.where(nonzero, value / scale,
                        _trace(m) * eye_b)
 
-    b0 = jax.lax.cond(w_old > 0, lambda: old_b, lambda: right(eye_a) / d_a)
+    b0 = jax.lax.cond(share > 0, lambda: old_b, lambda: right(eye_a) / d_a)
 
     def step(carry):
       a_prev, b, _, steps = carry

@@ -179,8 +179,7 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     """
     self._check_estimation_data(estimation_data, batch_size)
     grads = self._example_gradients(estimation_data, batch_size)
-    mean = ((lambda x: x) if pmap_axis_name is None else
-            (lambda x: jax.lax.pmean(x, pmap_axis_name)))
+    mean = example_gradients.device_mean(pmap_axis_name)
     dtype = self.parameters_dtype
     eye_in = self._inputs_identity()
     eye_out = jnp.eye(self.output_size(), dtype=dtype)
@@ -189,11 +188,9 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
         state, (mean(grads.left(eye_out)), mean(grads.right(eye_in))),
         ema_old, ema_new)
     # The target: (w_old σ A ⊗ B + ema_new C_batch) / (w_old + ema_new).
-    w_old = ema_old * old.kronecker_weight
-    total = w_old + ema_new
-    share = w_old / jnp.where(total > 0, total, jnp.ones_like(total))
+    share, new_share, total = example_gradients.moving_shares(
+        old.kronecker_weight, ema_old, ema_new)
     old_term = share * old.kronecker_scale
-    new_share = 1 - share
 
     def left(b):
       return (new_share * mean(grads.left(b))

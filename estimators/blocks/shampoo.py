@@ -287,8 +287,7 @@ class SOAPScalings:
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
     self._check_estimation_data(estimation_data, batch_size)
-    mean = ((lambda x: x) if pmap_axis_name is None else
-            (lambda x: jax.lax.pmean(x, pmap_axis_name)))
+    mean = example_gradients.device_mean(pmap_axis_name)
     grads = self._example_gradients(estimation_data, batch_size)
     fresh = state.inputs_factor.weight == 0
     left, right, squares = mean(grads.shampoo_moments(state.inputs_basis,
