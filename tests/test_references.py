@@ -104,7 +104,8 @@ def test_content_hash_tells_apart_values_shapes_and_dtypes():
 def test_two_approximations_share_the_exact_reference_and_agree(tiny,
                                                                tmp_path):
   """The second approximation reads the GGN the first computed, with the
-  decompositions of its layer blocks and block types, and its records
+  decompositions of its layer blocks and block types, and the mean
+  gradient, and its records
   equal those computed without the store; other parameters make another
   entry."""
   p, params, batch = tiny
@@ -121,9 +122,10 @@ def test_two_approximations_share_the_exact_reference_and_agree(tiny,
   assert "exact ggn" in phases and "eigh exact ggn" in phases
   assert any(phase.startswith("eigh exact ggn block") for phase in phases)
   shared, phases = measure("diagonal")
-  assert not any(phase.startswith(("exact ggn", "eigh exact"))
+  assert not any(phase.startswith(("exact ggn", "eigh exact", "mean grad"))
                  for phase in phases - {
-                     "exact ggn (read from the reference store)"})
+                     "exact ggn (read from the reference store)",
+                     "mean gradient (read from the reference store)"})
   assert "exact ggn (read from the reference store)" in phases
   alone, _ = measure("diagonal", with_store=ReferenceStore(None))
   for table in ("spectra", "quality", "statistics"):
@@ -132,4 +134,4 @@ def test_two_approximations_share_the_exact_reference_and_agree(tiny,
   moved = jax.tree.map(lambda x: x * 1.01, params)
   _, phases = measure("diagonal", at=moved)
   assert "exact ggn" in phases
-  assert len(list((tmp_path / "refs").glob("*.npz"))) == 2
+  assert len(list((tmp_path / "refs").glob("*.npz"))) == 4  # ggn, gradient

@@ -214,6 +214,24 @@ def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
       for i, (name, _) in enumerate(parts)}
 
 
+def _shared_mean_gradient(loss_fn, params, data, costs, store, key):
+  """The mean gradient over `data`, a pytree like `params`, from the
+  `store` where another run at the same point computed it."""
+  def compute():
+    grads = costs.call("mean gradient", functools.partial(
+        _mean_gradient, loss_fn), params, data)
+    return dict(gradient=np.asarray(jax.flatten_util.ravel_pytree(grads)[0]))
+
+  start = time.perf_counter()
+  found, shared = store.get(dict(key or {}, quantity="mean gradient"),
+                            compute)
+  if shared:
+    costs.record("mean gradient (read from the reference store)",
+                 time.perf_counter() - start)
+  return jax.flatten_util.ravel_pytree(params)[1](
+      jnp.asarray(found["gradient"]))
+
+
 # From this size on, a dense eigendecomposition runs LAPACK on every core.
 MANY_CORES = 512
 
@@ -395,8 +413,7 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
                                       **spectrum_statistics(approx_eigs, cfg)))
 
   damping, k, rhos = cfg.damping, cfg.top_k, cfg.relative_dampings
-  grads = costs.call("mean gradient", functools.partial(_mean_gradient,
-                                                       loss_fn), params, data)
+  grads = _shared_mean_gradient(loss_fn, params, data, costs, store, key)
   g = _flat(grads)
   # The approximation's own damped inverse, as its optimizer applies it.
   approx_scale = scale(approx_eigs)
