@@ -132,6 +132,38 @@ def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
     config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
 
 
+def test_a_sweeps_approximations_share_one_training_trajectory(
+    tmp_path, monkeypatch):
+  """In a sweep folder, spectra runs that train the same way (a fixed
+  trainer) train once: the second reads the first's trajectory, and
+  measures what it measures when it trains itself."""
+  from curvbench import training
+  calls = []
+  real = training.run
+  monkeypatch.setattr(training, "run",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  sweep = tmp_path / "sweep"
+  sweep.mkdir()
+  (sweep / records.SWEEP_MARKER).touch()
+  fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
+           "measure/spectra/trainer=sgd", *TINY)
+  for curvature in ("kfac", "diagonal"):
+    assert runs.run(config.compose(*fixed, f"curvature={curvature}"),
+                    sweep / curvature) == "complete"
+  assert len(calls) == 1
+  assert runs.run(config.compose(*fixed, "curvature=diagonal"),
+                  tmp_path / "alone") == "complete"
+  assert len(calls) == 2
+  shared = records.RunDir(sweep / "diagonal").tables()
+  alone = records.RunDir(tmp_path / "alone").tables()
+  columns = ["step", "reference", "block", "metric", "value"]
+  pd.testing.assert_frame_equal(shared["quality"][columns],
+                                alone["quality"][columns])
+  columns = ["step", "batch_loss", "train_loss"]
+  pd.testing.assert_frame_equal(shared["training"][columns],
+                                alone["training"][columns])
+
+
 def test_bad_measurement_points_are_refused_by_name(sweep, tmp_path):
   root, _ = sweep
   with pytest.raises(ValueError, match=r"measure.spectra.steps: .*step 9, "

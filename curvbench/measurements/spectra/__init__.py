@@ -5,6 +5,7 @@ several samples of that data (`samples`); the computation is `compute`,
 the figures `figures`, the report's tables `summary`."""
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from curvbench.components import (Choice, Flag, ListOf, Number, OneOf,
                                   Parsed, Text, Whole, setting)
@@ -22,7 +24,7 @@ from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.spectra import compute, figures, summary
 from curvbench.measurements.training import save_checkpoint
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.references import ReferenceStore
+from curvbench.references import ReferenceStore, content_hash
 from curvbench.sections import Section
 
 POSITIVE = Number(0, low_in=False)
@@ -231,14 +233,34 @@ class Spectra(Measurement):
       at(0, ctx.params)
     else:
       optimizer = self.trainer or ctx.run.optimizer
-      trainer = optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh)
       # Training stops at the last step measured.
       until = dataclasses.replace(ctx.run.measure.training,
                                   num_steps=steps[-1], budget_s=None)
-      rows = training.run(ctx.problem, trainer, ctx.params, until,
-                          jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
-                          progress=ctx.run.progress, at_steps=steps,
-                          on_step=at, mesh=ctx.mesh)
+
+      def train(on_step):
+        return training.run(
+            ctx.problem, optimizer.make(ctx.problem.loss_fn, ctx.curvature,
+                                        ctx.mesh), ctx.params, until,
+            jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
+            progress=ctx.run.progress, at_steps=steps, on_step=on_step,
+            mesh=ctx.mesh)
+
+      if store.keeps and self.method == "dense":
+        # The sweep's other approximations trained the same way read the
+        # trajectory instead of training again.
+        trajectory = dict(
+            key, trainer=dataclasses.asdict(optimizer),
+            curvature=(dataclasses.asdict(ctx.run.curvature)
+                       if optimizer.uses_curvature else None),
+            training=dataclasses.asdict(until), steps=steps,
+            start=content_hash(ctx.params, ctx.rng),
+            data_seed=ctx.run.data_seed, devices=ctx.run.devices)
+        rows, points = shared_training(store, trajectory, train,
+                                       ctx.params, ctx.problem, dtype)
+        for step, (point, model_state) in points.items():
+          at(step, point, model_state)
+      else:
+        rows = train(at)
       # The loss curve is the optimizer's, labelled as a training run's.
       method = optimizer.label(ctx.curvature)
       tables["training"] = [dict(row, method=method) for row in rows]
@@ -322,6 +344,31 @@ def completed(tables: dict) -> dict:
   return out
 
 
+def shared_training(store, key, train, params, problem, dtype):
+  """`(rows, {step: (params, model state)})` of `train(on_step)` (a
+  `training.run` that calls `on_step` at the measured steps), from the
+  `store` where another run trained from the same content (`key`)."""
+  def compute():
+    points = {}
+    rows = train(lambda step, point, model_state: points.update(
+        {step: (point, model_state)}))
+    scalar = lambda x: x.item()  # numpy and JAX scalars
+    found = dict(rows=np.array(json.dumps(rows, default=scalar)),
+                 steps=np.array(sorted(points), np.int64))
+    for step, (point, model_state) in points.items():
+      found[f"params{step}"] = np.asarray(ravel_pytree(point)[0])
+      found[f"state{step}"] = np.asarray(ravel_pytree(model_state)[0])
+    return found
+
+  found, _ = store.get(dict(key, quantity="training trajectory"), compute)
+  unravel_params = ravel_pytree(params)[1]
+  unravel_state = ravel_pytree(problem.init_model_state(dtype))[1]
+  points = {int(step): (unravel_params(jnp.asarray(found[f"params{step}"])),
+                        unravel_state(jnp.asarray(found[f"state{step}"])))
+            for step in found["steps"]}
+  return json.loads(str(found["rows"])), points
+
+
 def checkpoint_params(path, steps, problem, params) -> dict:
   """`{step: params}` from a checkpoint file, or from a run directory's
   checkpoints at `steps`, checked against the problem's `params`."""
@@ -352,4 +399,4 @@ def checkpoint_params(path, steps, problem, params) -> dict:
   return out
 
 
-__all__ = ["Spectra", "checkpoint_params", "completed"]
+__all__ = ["Spectra", "checkpoint_params", "completed", "shared_training"]

@@ -233,8 +233,9 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
   # A claim is about the matrix an approximation estimates (its estimation
   # mode's): a cell against another reference does not bear on it.
-  estimated = frob["mode"].map(
-      lambda m: m if pd.isna(m) else estimation_modes.matrix_type(m))
+  estimated = frob["mode"].map(  # a mode named after its matrix: itself
+      lambda m: estimation_modes.matrix_type(m)
+      if m in estimation_modes.ESTIMATION_MODES else m)
   frob = frob[estimated.isna() | (estimated == frob.reference)]
   names = set(frob.curvature.dropna())
   rows, lines = [], []
