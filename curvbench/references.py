@@ -3,7 +3,10 @@
 A sweep over approximations measures each of them against the same exact
 GGN, Fisher or Hessian at the same points. The `ReferenceStore` of a sweep
 folder (`<sweep>/.references`) keeps each dense reference with its
-eigendecomposition, so only the first run computes them.
+eigendecompositions (of the whole and of its layer blocks and block
+types), and what else every approximation at a point needs alike (the
+mean gradient, the parameters a fixed trainer reaches), so only the first
+run computes them.
 
 An entry's key is the content it was computed from, not the config that led
 there: a hash of the parameters and the examples (their bytes), the

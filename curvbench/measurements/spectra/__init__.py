@@ -123,9 +123,10 @@ class Spectra(Measurement):
                                  "larger than this")
   share_references: bool = setting(
       True, Flag(), "dense method in a sweep: keep each exact reference "
-      "(matrix and eigendecomposition) in the sweep folder's .references, "
-      "keyed by the parameters, examples, problem and code it was computed "
-      "from, so the sweep's other runs at the same point read it instead")
+      "(matrix, eigendecompositions of the whole, its blocks and block "
+      "types), the mean gradient and the training trajectory in the sweep "
+      "folder's .references, keyed by the content they were computed "
+      "from, so the sweep's other runs at the same point read them instead")
 
   def trains(self) -> bool:
     """Whether it trains to its steps (rather than starting from the
