@@ -70,11 +70,13 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
                                version_base=None):
       cfg = compose("config", overrides=[f"+experiment={name}"],
                     return_hydra_config=True)
-    assert cfg.name == name and cfg.hydra.sweeper.params
-    # Its first sweep point is allowed.
-    config.compose(f"+experiment={name}", *(
-        f"{key}={str(values).split(',')[0]}"
-        for key, values in cfg.hydra.sweeper.params.items()))
+    sweeper = cfg.hydra.sweeper
+    assert cfg.name == name and (sweeper.params or sweeper.get("sweeps"))
+    # The first point of each of its sweeps is allowed.
+    for part in sweeper.get("sweeps") or [{}]:
+      config.compose(f"+experiment={name}", *(
+          f"{key}={str(values).split(',')[0]}"
+          for key, values in {**(sweeper.params or {}), **part}.items()))
 
 
 def test_python_api_and_command_line_build_the_same_objects(capsys):

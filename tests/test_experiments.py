@@ -68,17 +68,19 @@ def test_presets_sample_enough_to_compare(preset):
   that budgets seconds evaluates on a time grid of ten points or more."""
   cfg = config.compose(f"+experiment={preset}", with_hydra=True,
                        check=False)
-  params = dict(cfg.hydra.sweeper.params or {})
-  measures = _sweep_values(params, "measure", cfg.measure.kind)
-  curvatures = _sweep_values(params, "curvature", cfg.curvature.name)
-  seeds = _sweep_values(params, "seed", cfg.seed)
-  spectra = cfg.measure.spectra
-  if "spectra" in measures and len(curvatures) > 1:
-    assert len(seeds) >= 3, preset
-    assert spectra.samples >= 3 or spectra.data == "train", preset
-  if "training" in measures and cfg.measure.training.budget_s is not None:
-    assert cfg.measure.training.time_grid >= 10, preset
-    assert len(seeds) >= 3, preset
+  sweeper = cfg.hydra.sweeper
+  for part in sweeper.get("sweeps") or [{}]:  # each sweep of a union
+    params = {**(sweeper.params or {}), **part}
+    measures = _sweep_values(params, "measure", cfg.measure.kind)
+    curvatures = _sweep_values(params, "curvature", cfg.curvature.name)
+    seeds = _sweep_values(params, "seed", cfg.seed)
+    spectra = cfg.measure.spectra
+    if "spectra" in measures and len(curvatures) > 1:
+      assert len(seeds) >= 3, preset
+      assert spectra.samples >= 3 or spectra.data == "train", preset
+    if "training" in measures and cfg.measure.training.budget_s is not None:
+      assert cfg.measure.training.time_grid >= 10, preset
+      assert len(seeds) >= 3, preset
 
 
 @pytest.mark.slow
