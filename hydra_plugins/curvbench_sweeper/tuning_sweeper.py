@@ -45,7 +45,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, devices, measurements, records, runs
 
@@ -248,9 +248,8 @@ class TuningSweeper(Sweeper):
     super().__init__()
     self.max_batch_size = max_batch_size
     self.params = dict(params or {})
-    self.sweeps = (None if sweeps is None
-                   else OmegaConf.to_container(sweeps, resolve=True)
-                   if isinstance(sweeps, (DictConfig, ListConfig)) else sweeps)
+    self.sweeps = (OmegaConf.to_container(sweeps, resolve=True)
+                   if OmegaConf.is_config(sweeps) else sweeps)
     self.hydra_context = self.config = self.launcher = None
 
   def setup(self, *, hydra_context, task_function, config) -> None:

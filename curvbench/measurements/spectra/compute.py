@@ -185,6 +185,17 @@ def dense_exact(loss_fn, matrix, params, data, rng, costs,
       exact.to_dense(exact.estimate(k, p, d))), params, data, rng)
 
 
+def _stored(store, key, compute, costs, what):
+  """`store.get(key, compute)`'s arrays; reading them is recorded in
+  `costs` as phase `<what> (read from the reference store)`."""
+  start = time.perf_counter()
+  found, shared = store.get(key, compute)
+  if shared:
+    costs.record(f"{what} (read from the reference store)",
+                 time.perf_counter() - start)
+  return found
+
+
 def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
                      examples_interact, parts=()):
   """`(dense matrix, (eigenvalues, eigenvectors), {part: its eigh})` of the
@@ -203,12 +214,9 @@ def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
           costs, f"exact {matrix} {name}", dense[np.ix_(idx, idx)])
     return found
 
-  start = time.perf_counter()
-  found, shared = store.get(dict(key or {}, matrix=matrix, parts=[
-      (name, content_hash(idx)) for name, idx in parts]), compute)
-  if shared:
-    costs.record(f"exact {matrix} (read from the reference store)",
-                 time.perf_counter() - start)
+  found = _stored(store, dict(key or {}, matrix=matrix, parts=[
+      (name, content_hash(idx)) for name, idx in parts]), compute, costs,
+                  f"exact {matrix}")
   return found["matrix"], (found["eigenvalues"], found["eigenvectors"]), {
       name: (found[f"values{i}"], found[f"vectors{i}"])
       for i, (name, _) in enumerate(parts)}
@@ -222,12 +230,8 @@ def _shared_mean_gradient(loss_fn, params, data, costs, store, key):
         _mean_gradient, loss_fn), params, data)
     return dict(gradient=np.asarray(jax.flatten_util.ravel_pytree(grads)[0]))
 
-  start = time.perf_counter()
-  found, shared = store.get(dict(key or {}, quantity="mean gradient"),
-                            compute)
-  if shared:
-    costs.record("mean gradient (read from the reference store)",
-                 time.perf_counter() - start)
+  found = _stored(store, dict(key or {}, quantity="mean gradient"), compute,
+                  costs, "mean gradient")
   return jax.flatten_util.ravel_pytree(params)[1](
       jnp.asarray(found["gradient"]))
 
@@ -282,6 +286,18 @@ def joined_eigh(approx, blocks, eighs):
     start += len(idx)
   order = np.argsort(values, kind="stable")
   return values[order], vectors[:, order]
+
+
+def _blockwise_eigh(costs, what, matrix, blocks, eighs):
+  """`matrix`'s eigendecomposition, joined from its diagonal `blocks`'
+  (`joined_eigh`) where it is block-diagonal over them (phase `eigh <what>
+  (from its blocks)`), else computed (phase `eigh <what>`)."""
+  start = time.perf_counter()
+  found = joined_eigh(matrix, blocks, eighs)
+  if found is None:
+    return _eigh(costs, what, matrix)
+  costs.record(f"eigh {what} (from its blocks)", time.perf_counter() - start)
+  return found
 
 
 def dense_metrics(approx, exact, approx_dirs, exact_dirs, k, floor,
@@ -398,13 +414,8 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   block_eighs = {name: _eigh(costs, f"approx block {name}",
                              approx[np.ix_(idx, idx)])
                  for name, idx in blocks}
-  start = time.perf_counter()
   approx = np.asarray(approx, np.float64)
-  approx_eigh = joined_eigh(approx, blocks, block_eighs)
-  if approx_eigh is None:
-    approx_eigh = _eigh(costs, "approx", approx)
-  else:
-    costs.record("eigh approx (from its blocks)", time.perf_counter() - start)
+  approx_eigh = _blockwise_eigh(costs, "approx", approx, blocks, block_eighs)
   approx_eigs = approx_eigh[0]
   tables["spectra"] += _spectrum_rows("approx", curvature.label, approx_eigs,
                                       reference=curvature.matrix)
@@ -444,18 +455,10 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   for name, idx in blocks:
     quality_of("layer", name, idx, f"block {name}", block_eighs[name])
   for role, idx in types.items():
-    # Within a block type, a block-diagonal approximation decomposes from
-    # its layers' decompositions too.
-    start = time.perf_counter()
-    sub = approx[np.ix_(idx, idx)]
-    a_eigh = joined_eigh(sub, [(name, np.searchsorted(idx, i))
-                               for name, i in blocks
-                               if roles[name] == role], block_eighs)
-    if a_eigh is None:
-      a_eigh = _eigh(costs, f"approx block type {role}", sub)
-    else:
-      costs.record(f"eigh approx block type {role} (from its blocks)",
-                   time.perf_counter() - start)
+    a_eigh = _blockwise_eigh(
+        costs, f"approx block type {role}", approx[np.ix_(idx, idx)],
+        [(name, np.searchsorted(idx, i)) for name, i in blocks
+         if roles[name] == role], block_eighs)
     quality_of("role", role, idx, f"block type {role}", a_eigh)
 
   reference, exact_eigh = exact[curvature.matrix], exact_eighs[curvature.matrix]
