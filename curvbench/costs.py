@@ -29,6 +29,21 @@ def program_bytes(compiled: jax.stages.Compiled) -> float:
                + memory.temp_size_in_bytes)
 
 
+def flops(compiled: jax.stages.Compiled) -> float:
+  """XLA's count of the floating-point operations one call of a compiled
+  program does (NaN where the backend gives no cost analysis): the
+  arithmetic a timing can be held against, whatever the machine's speed.
+  Library calls XLA does not compile itself (LAPACK's eigendecompositions
+  and factorizations on the CPU) count as none."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 - backends without the analysis raise
+    return float("nan")
+  if isinstance(analysis, list):  # older jax: one dict per device program
+    analysis = analysis[0] if analysis else None
+  return float((analysis or {}).get("flops", float("nan")))
+
+
 def device_peak_bytes(used: Sequence[jax.Device] | None = None) -> float:
   """The most bytes any of the `used` devices (default: those the run
   measures on, `devices.in_use()`) has held since the process started (NaN

@@ -50,7 +50,8 @@ class OptaxTrainer:
     return tx.init(params)
 
   def compiled_programs(self, params, opt_state, batch, rng) -> list:
-    """The step's program, compiled (after a step: the one it ran)."""
+    """The step's program, compiled (after a step: the one it ran); its
+    cycle is one step."""
     return [self.step.lower(params, opt_state, batch, rng).compile()]
 
 

@@ -54,6 +54,8 @@ def test_quick_run_writes_a_report_whose_figures_are_the_records(
   figures = rec["figures"]
   assert figures["kfac_step/adam_step"]["mlp"] == pytest.approx(
       timing.loc["optimizer_step", "ratio_to_baseline"])
+  assert figures["kfac_step/adam_step_flops"]["mlp"] == pytest.approx(
+      timing.loc["optimizer_step", "flop_ratio_to_baseline"])
   assert figures["refresh/gradient"]["mlp"] == pytest.approx(
       timing.loc["cache_update", "ratio_to_grad_step"])
   [spectra_run] = records.find_runs(out / "runs" / "spectra")

@@ -3,10 +3,11 @@ argument shapes, XLA's memory figure."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvbench.costs import Costs, device_peak_bytes
+from curvbench.costs import Costs, device_peak_bytes, flops
 
 
 def test_costs_compile_once_per_phase_and_record_each_call():
@@ -64,3 +65,9 @@ def test_device_peak_is_the_highest_of_the_devices_used():
   assert math.isnan(device_peak_bytes(
       [_Device({"peak_bytes_in_use": 5}), _Device(None)]))
   assert math.isnan(device_peak_bytes())  # the CPU keeps none
+
+
+def test_flops_are_xlas_count_of_the_program():
+  a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+  matmul = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+  assert flops(matmul) == 2 * 8 * 16 * 4

@@ -116,4 +116,5 @@ def test_kfac_memory_programs_compile_without_unknown_cpu_options(
   rng = jax.random.PRNGKey(0)
   state = trainer.init(params, batch, rng)
   programs = trainer.compiled_programs(params, state, batch, rng)
-  assert len(programs) == len(trainer.kinds)
+  assert len(programs) == trainer.cycle
+  assert len({id(x) for x in programs}) == len(trainer.kinds)

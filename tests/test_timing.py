@@ -30,9 +30,9 @@ class Counted:
     self.program_bytes = None
 
   def compiled_programs(self, *args):
-    programs = self.trainer.compiled_programs(*args)
-    self.program_bytes = [costs.program_bytes(p) for p in programs]
-    return programs
+    self.programs = self.trainer.compiled_programs(*args)
+    self.program_bytes = [costs.program_bytes(p) for p in self.programs]
+    return self.programs
 
   def init(self, params, batch, rng):
     return self.trainer.init(params, batch, rng)
@@ -139,12 +139,21 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
   # (refresh or not, damping adaptation or not), and holds the curvature.
   check_memory(df)
   kfac_bytes = trainers["kfac"].program_bytes
-  assert len(kfac_bytes) == 4
+  assert len(kfac_bytes) == cycle  # a program per step of the cycle,
+  assert len({id(p) for p in trainers["kfac"].programs}) == 4  # 4 kinds
   assert df.program_bytes["optimizer_step"] == max(kfac_bytes)
   assert df.program_bytes["baseline_step"] == trainers[
       "adam"].program_bytes[0]
   assert df.program_bytes["optimizer_step"] > df.program_bytes[
       "baseline_step"]
+  # XLA's flops: the step's the mean over its cycle's programs; every
+  # ratio the phase's count over the baseline step's.
+  assert (df.flops > 0).all()
+  assert df.flops["optimizer_step"] == pytest.approx(np.mean(
+      [costs.flops(p) for p in trainers["kfac"].programs]))
+  np.testing.assert_allclose(df.flop_ratio_to_baseline,
+                             df.flops / df.flops["baseline_step"])
+  assert df.flops["optimizer_step"] > df.flops["grad_step"]
 
 
 def test_first_order_optimizer_has_no_curvature_phases(tiny):

@@ -7,6 +7,9 @@ Every figure is a cost where lower is better:
 - `kfac_step/adam_step`: a K-FAC optimizer step (refresh and damping
   updates in their cadence) over an Adam step, interleaved on the same
   parameters and batch (the timing measurement's `optimizer_step` row).
+- `kfac_step/adam_step_flops`: the same ratio in XLA's operation counts
+  (`costs.flops`; the step's averaged over its cycle): the arithmetic the
+  time ratio can be held against, and a figure no load moves.
 - `refresh/gradient`: K-FAC's inverse refresh (`cache_update`) over a
   gradient step on the same batch.
 - `dataset_ggn_product/gradient`: one exact GGN-vector product over the
@@ -38,6 +41,7 @@ TOLERANCE = 0.25  # a figure more than this much worse is named
 
 FIGURES = {  # name: what the README calls it
     "kfac_step/adam_step": "K-FAC step / Adam step",
+    "kfac_step/adam_step_flops": "the same in XLA flops",
     "refresh/gradient": "K-FAC refresh / gradient step",
     "dataset_ggn_product/gradient": "GGN-vector product / gradient, "
                                     "training split",
@@ -72,6 +76,9 @@ def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
 
   for _, row in rows(timing, "optimizer_step").iterrows():
     out["kfac_step/adam_step"][row.problem] = float(row.ratio_to_baseline)
+    flops = row.get("flop_ratio_to_baseline", math.nan)
+    if not math.isnan(flops):
+      out["kfac_step/adam_step_flops"][row.problem] = float(flops)
   for _, row in rows(timing, "cache_update").iterrows():
     out["refresh/gradient"][row.problem] = float(row.ratio_to_grad_step)
   for _, row in rows(products, "dataset ggn product").iterrows():

@@ -132,7 +132,8 @@ def _steps(timing: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(dict(
       kfac_step_ms=1e3 * steps.median_s, adam_step_ms=1e3 * adam.median_s,
       ratio=steps.ratio_to_baseline, q25=steps.ratio_q25,
-      q75=steps.ratio_q75, kfac_compile_s=steps.compile_s,
+      q75=steps.ratio_q75, flop_ratio=steps.get("flop_ratio_to_baseline"),
+      kfac_compile_s=steps.compile_s,
       adam_compile_s=adam.compile_s, repeats=steps.repeats)).reset_index()
 
 
@@ -255,7 +256,8 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
 
 TITLES = dict(
     figures="Figures (the performance record's; lower is better)",
-    steps="K-FAC step / Adam step (interleaved, same parameters and batch)",
+    steps="K-FAC step / Adam step (interleaved, same parameters and batch; "
+          "flop_ratio: the same in XLA's operation counts)",
     phases="Per-phase costs (median run, cold compile; memory: XLA's "
            "program figure and the device's peak since the run started, "
            "NaN on the CPU)",

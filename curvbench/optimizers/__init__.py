@@ -4,8 +4,9 @@ the trainer it makes.
 
 A trainer has `init(params, batch, rng)`, `step(params, state, batch, rng)
 -> (params, state, loss)`, `cycle` (steps after which its kinds of step
-recur) and `compiled_programs(params, state, batch, rng)` (the programs its
-steps run, for their memory figures); it may have `failure(state) -> str |
+recur) and `compiled_programs(params, state, batch, rng)` (the compiled
+program of each of the `cycle` steps, in order, for their memory and flop
+figures); it may have `failure(state) -> str |
 None`, which says, once the loss is no longer finite, whether the state
 shows a fault of its settings rather than divergence (a run then stops with
 that error instead of recording a diverged run). All optimizers see the same initial

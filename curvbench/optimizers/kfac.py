@@ -226,9 +226,9 @@ class KFACTrainer:
              if settings.use_adaptive_damping else None)
     self.cycle = math.lcm(refresh, adapt or 1)
     # (refreshes the inverses, adapts the damping) of each kind of step.
-    self.kinds = sorted({(s % refresh == 0,
-                          adapt is not None and s % adapt == 0)
-                         for s in range(self.cycle)})
+    self._kind = lambda s: (s % refresh == 0,
+                            adapt is not None and s % adapt == 0)
+    self.kinds = sorted({self._kind(s) for s in range(self.cycle)})
     self.curvature = curvature
     self.step_kwargs = settings.step_kwargs()
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -267,7 +267,8 @@ class KFACTrainer:
     return self.opt.init(params, rng, batch), 0
 
   def compiled_programs(self, params, opt_state, batch, rng) -> list:
-    """A program per kind of step (`kinds`), compiled for its memory figure.
+    """The program of each step of a cycle, in order (each kind of step,
+    `kinds`, compiled once), for their memory and flop figures.
 
     The step's own programs are internal to `estimators.Optimizer`, so these
     are compiled again from `Optimizer.uncompiled_step` (under `jax.pmap`
@@ -296,7 +297,8 @@ class KFACTrainer:
                            devices=list(self.mesh.devices.flat))
       return program.lower(params, state, rng, batch, hyper).compile(options)
 
-    return [compiled(refresh, adapt) for refresh, adapt in self.kinds]
+    programs = {kind: compiled(*kind) for kind in self.kinds}
+    return [programs[self._kind(s)] for s in range(self.cycle)]
 
   def step(self, params, opt_state, batch, rng):
     state, count = opt_state

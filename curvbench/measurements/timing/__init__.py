@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 import pandas as pd
 
 from curvbench.components import Choice, ListOf, Number, OneOf, Whole, setting
@@ -107,7 +108,9 @@ class Timing(Measurement):
     found.tables += [
         Table("step_ratio", "Optimizer step / baseline step: the median "
               "[quartiles] of the ratios paired round by round, pooled over "
-              "runs; step ms the same over its seconds; compile s the "
+              "runs; step ms the same over its seconds; × baseline "
+              "flops the ratio of XLA's operation counts (a time ratio far "
+              "above it is overhead, not arithmetic); compile s the "
               "median over runs; others' CPU the largest share other "
               "processes took in a run", steps, view=step_view(steps)),
         Table("timing", "Every phase / the baseline step: median "
@@ -130,11 +133,14 @@ def phase_ratios(rows: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
   """Per problem, device kind, label and phase: the median, `q25` and
   `q75` of the paired ratios to the baseline of every timed round of every
   run, the same of the seconds (`seconds_median`, ...), the median compile
-  seconds over runs, `n` runs, `samples` rounds in all, the baseline, and
-  the largest share of the CPUs other processes took in a run."""
+  seconds and XLA flop ratio to the baseline (`flop_ratio`) over runs,
+  `n` runs, `samples` rounds in all, the baseline, and the largest share
+  of the CPUs other processes took in a run."""
+  if "flop_ratio_to_baseline" not in rows:  # recorded before flop counts
+    rows = rows.assign(flop_ratio_to_baseline=float("nan"))
   labelled = samples.merge(
       rows[["run_id", "phase", "device_kind", "baseline", "compile_s",
-            "others_cpu_share", "contended"]],
+            "others_cpu_share", "contended", "flop_ratio_to_baseline"]],
       on=["run_id", "phase"], how="left", suffixes=("", "_row"))
   labelled = labelled.drop(columns=[c for c in labelled
                                     if c.endswith("_row")])
@@ -149,6 +155,7 @@ def phase_ratios(rows: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
         median=median, q25=q25, q75=q75, seconds_median=s_median,
         seconds_q25=s_q25, seconds_q75=s_q75,
         compile_s=per_run.compile_s.first().median(),
+        flop_ratio=per_run.flop_ratio_to_baseline.first().median(),
         n=group.run_id.nunique(), samples=len(group),
         others_cpu_share=per_run.others_cpu_share.first().max(),
         contended=int(per_run.contended.first().astype(bool).sum())))
@@ -164,6 +171,7 @@ def step_view(steps: pd.DataFrame) -> pd.DataFrame:
           steps["median"], steps.q25, steps.q75)],
       "step ms": [spread(1e3 * m, 1e3 * lo, 1e3 * hi) for m, lo, hi in zip(
           steps.seconds_median, steps.seconds_q25, steps.seconds_q75)],
+      "× baseline flops": steps.flop_ratio.round(2),
       "compile s": steps.compile_s.round(2),
       "runs × rounds": [f"{n} × {s // max(n, 1)}"
                         for n, s in zip(steps.n, steps.samples)],
@@ -177,9 +185,11 @@ def finding(steps: pd.DataFrame) -> str:
   for step in steps.sort_values("median", ascending=False).itertuples():
     flag = (f", contended in {step.contended} of {step.n} runs"
             if step.contended else "")
+    flops = ("" if np.isnan(step.flop_ratio)
+             else f", {step.flop_ratio:.3g}x in XLA's flop count")
     parts.append(f"{step.label} {spread(step.median, step.q25, step.q75)} "
                  f"({step.n} runs x {step.samples // max(step.n, 1)} "
-                 f"rounds{flag})")
+                 f"rounds{flag}){flops}")
   return (f"{first.problem} ({first.device_kind}), one optimizer step in "
           f"{first.baseline} steps, median [quartiles] of the paired rounds: "
           + "; ".join(parts) + ".")

@@ -37,6 +37,12 @@ those paired ratios and `ratio_q25`, `ratio_q75` their quartiles (the
 same samples). The samples themselves are the `timing_samples` table. The
 machine's load over the timed rounds (`load.Monitor`) is in every row.
 
+Every row records XLA's count of the phase's floating-point operations
+(`flops`, per call or per step averaged over a cycle; `costs.flops`) and
+its ratio to the baseline's (`flop_ratio_to_baseline`): a time ratio well
+above the flop ratio points at overhead to find, one at or below it at the
+algorithm's own cost.
+
 Every row also records memory (`costs.memory_columns`): `program_bytes`,
 XLA's figure (arguments + outputs + temporaries) for the phase's compiled
 program, for a step the largest of the programs its kinds of step run;
@@ -93,6 +99,7 @@ class Call:
     self.first_call_s = time.perf_counter() - start
     self.steps = 1
     self.programs = [self.compiled]
+    self.flops = costs.flops(self.compiled)
 
   def sample(self) -> float:
     start = time.perf_counter()
@@ -106,7 +113,8 @@ class Stepper:
   Building it compiles every kind of step (`compile_s`) and runs the first
   step (K-FAC's burn-in) off the clock; params and state then carry on
   from sample to sample, each step with its own key. `programs` are the
-  step's compiled programs, for their memory.
+  compiled programs of a cycle's steps, for their memory, and `flops` XLA's
+  count per step, averaged over the cycle.
   """
 
   first_call_s = float("nan")
@@ -120,6 +128,7 @@ class Stepper:
     jax.block_until_ready((params, state, loss))
     self.params, self.state, self.count = params, state, 1
     self.programs = trainer.compiled_programs(params, state, batch, rng)
+    self.flops = float(np.mean([costs.flops(p) for p in self.programs]))
 
   def sample(self) -> float:
     """Seconds per step, averaged over one sample of `steps` steps."""
@@ -260,7 +269,8 @@ def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
     `timing`: a row per phase with `phase`, `compile_s`, `first_call_s`,
     `steps_per_sample`, `median_s`, `min_s`, `q25_s`, `q75_s`, `repeats`,
     the memory columns, `baseline` (its label), `ratio_to_baseline`,
-    `ratio_q25`, `ratio_q75`, `ratio_to_grad_step` and the load columns
+    `ratio_q25`, `ratio_q75`, `ratio_to_grad_step`, `flops`,
+    `flop_ratio_to_baseline` and the load columns
     (`load.Load.columns`); `timing_samples`: a row per phase and timed
     round with `repeat`, `seconds` and `ratio_to_baseline`.
 
@@ -295,6 +305,7 @@ def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
   samples, measured = rounds(timed, settings.warmup, settings.repeats,
                              progress)
   base = np.asarray(samples[BASELINE_PHASE])
+  base_flops = timed[BASELINE_PHASE].flops
   grad = np.asarray(samples["grad_step"])
   loaded = measured.columns(settings.busy_share)
   rows, sample_rows = [], []
@@ -308,7 +319,9 @@ def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
         **statistics(seconds), **costs.memory_columns(*timer.programs),
         baseline=settings.baseline.label(None), ratio_to_baseline=median,
         ratio_q25=q25, ratio_q75=q75,
-        ratio_to_grad_step=stats.quartiles(seconds / grad)[0], **loaded))
+        ratio_to_grad_step=stats.quartiles(seconds / grad)[0],
+        flops=timer.flops, flop_ratio_to_baseline=timer.flops / base_flops,
+        **loaded))
     sample_rows += [dict(phase=phase, repeat=i, seconds=float(s),
                          ratio_to_baseline=float(r))
                     for i, (s, r) in enumerate(zip(seconds, ratios))]
