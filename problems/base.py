@@ -319,6 +319,9 @@ class ProblemSettings(Component, abc.ABC):
   # `(part of a layer's name, role)` for layers whose tag does not say
   # their role, e.g. `("attention", "attention")` (see `Problem`).
   layer_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+  # Whether the defaults are sized for an accelerator (paper-size models):
+  # the CPU benchmark of record leaves such a problem out.
+  accelerator_sized: ClassVar[bool] = False
 
   def not_images(self, data: DatasetSettings, prefix: str) -> str | None:
     """Why `data` does not fit a model of images (H, W, C), or None."""

@@ -198,6 +198,11 @@ def test_interleaved_rounds_give_the_ratio_of_the_two_calls():
   assert 0.7 < same["ratio"] < 1.4
 
 
+def _cells(header: str, line: str) -> dict:
+  names = [c.strip() for c in header.strip("|").split("|")]
+  return dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
+
+
 def _has_parent_commit() -> bool:
   try:
     against.resolve("HEAD~1")
@@ -211,18 +216,20 @@ def _has_parent_commit() -> bool:
                     reason="needs git and the commit before HEAD")
 def test_side_by_side_against_the_previous_commit():
   result = _bench("against", "HEAD~1", "--quick", "--rounds", "3",
-                  "--benchmarks", "kfac_update,dataset_gradient")
+                  "--benchmarks", "kfac_update,dataset_gradient,kfac_step_mlp")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   lines = result.stdout.splitlines()
+  names = ("kfac_update", "dataset_gradient", "kfac_step_mlp")
   rows = {line.split("|")[1].strip(): line for line in lines
-          if line.startswith("| kfac_update") or
-          line.startswith("| dataset_gradient")}
-  assert set(rows) == {"kfac_update", "dataset_gradient"}
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
+          if line.startswith(tuple(f"| {n} " for n in names))}
+  assert set(rows) == set(names)
+  [header] = [line for line in lines if line.startswith("| benchmark ")]
   for line in rows.values():
-    cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+    cells = _cells(header, line)
     assert 0 < float(cells["ratio"]) < 100 and cells["ref"].startswith("HEAD~1")
     assert np.isfinite(float(cells["max_rel_diff"]))
+  # Each version builds the problem itself: the same model and data.
+  assert float(_cells(header, rows["kfac_step_mlp"])["max_rel_diff"]) < 1e-5
   source = lines[-1].split("imported from ")[1]
   assert "curvbench-against-" in source and str(ROOT) not in source
 

@@ -1,15 +1,16 @@
 """Side by side: the working tree against an earlier commit, in one process.
 
 A slowdown and a loaded machine look alike when two versions are timed
-apart. Here the earlier commit's `estimators` and `curvbench` packages are
-extracted (`git archive`) into a temporary folder and imported from there,
+apart. Here the earlier commit's `estimators`, `curvbench` and `problems`
+packages are extracted (`git archive`) into a temporary folder and imported from there,
 under their own names, while the working tree's modules are set aside in
 `sys.modules`; then the working tree's are put back. Each version's modules
 keep references to their own siblings, so both run in the same process.
 
 Each benchmark builds its work from one version's modules (its own loss
 registration, blocks and optimizer, or its own `Data.mean`) on the same
-arrays, compiles it and runs it once off the clock; then rounds time one
+arrays (`kfac_step_<problem>`: each version's own build of a problem at
+its defaults, so a changed model or dataset shows in `max_rel_diff`), compiles it and runs it once off the clock; then rounds time one
 call of each version, the order flipping every round, so that load on the
 machine hits both alike. The ratio is the median over rounds of the
 working tree's time over the earlier commit's (> 1: the working tree is
@@ -37,36 +38,40 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
+from curvbench.bench import record
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("estimators", "curvbench")  # what a version is made of
+PACKAGES = ("estimators", "curvbench", "problems")  # what a version is
 PERIOD = 5  # K-FAC steps per round: one inverse refresh each
 
 
 @dataclasses.dataclass(frozen=True)
 class Version:
-  """One version of the code: a name, its `estimators` package and its
-  `curvbench.data` module."""
+  """One version of the code: a name, its `estimators` and `problems`
+  packages and its `curvbench.data` module."""
 
   name: str
   estimators: ModuleType
   data: ModuleType
+  problems: ModuleType
 
 
 @dataclasses.dataclass(frozen=True)
 class Size:
   """The benchmarks' sizes: the dense network's layer widths and batch; the
   convnet's examples per chunk and chunks; the least seconds of one round
-  (`interleaved`)."""
+  (`interleaved`); the problems' batch size (None: each one's default)."""
 
   widths: tuple[int, ...]
   batch: int
   chunk: int
   chunks: int
   round_s: float
+  problem_batch: int | None = None
 
 
 SIZES = dict(full=Size((100, 50, 50, 50, 10), 128, 128, 4, round_s=0.05),
-             quick=Size((12, 8, 4), 16, 8, 2, round_s=0.0))
+             quick=Size((12, 8, 4), 16, 8, 2, round_s=0.0, problem_batch=8))
 
 
 def _git(*args) -> bytes:
@@ -110,6 +115,12 @@ def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
   importlib.invalidate_caches()
   try:
     modules = {n: importlib.import_module(n) for n in names}
+    # Registries import their components' modules when first asked: here,
+    # while the extracted tree is the one on the path.
+    for module in modules.values():
+      for registry in ("PROBLEMS", "DATASETS"):
+        if hasattr(module, registry):
+          getattr(module, registry).names()
   finally:
     sys.path.remove(str(root))
     for name in ours():
@@ -128,15 +139,17 @@ def load(ref: str, folder: Path) -> Version:
   tar = _git("archive", "--format=tar", commit, "--", *PACKAGES)
   with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
     archive.extractall(folder, filter="data")
-  modules = _import_from(folder, ("estimators", "curvbench.data"))
+  modules = _import_from(folder, ("estimators", "curvbench.data",
+                                   "problems"))
   return Version(f"{ref} ({commit[:10]})", modules["estimators"],
-                 modules["curvbench.data"])
+                 modules["curvbench.data"], modules["problems"])
 
 
 def working_tree() -> Version:
   from curvbench import data
   import estimators
-  return Version("working tree", estimators, data)
+  import problems
+  return Version("working tree", estimators, data, problems)
 
 
 # --- the benchmarks: each builds, from one version, a call that does one
@@ -169,16 +182,15 @@ def _mlp(kfac, size: Size):
   return loss_fn, params, (x, y)
 
 
-def kfac_step(version: Version, size: Size) -> Callable:
-  """`PERIOD` steps of the K-FAC optimizer (adaptive learning rate,
-  momentum and damping; one inverse refresh)."""
-  kfac = version.estimators
-  loss_fn, params, batch = _mlp(kfac, size)
+def _kfac_steps(kfac, loss_fn, params, batch, **options) -> Callable:
+  """`PERIOD` steps of the version's K-FAC optimizer (adaptive learning
+  rate, momentum and damping; one inverse refresh) from `params`, carried
+  on from call to call."""
   opt = kfac.Optimizer(
       jax.value_and_grad(loss_fn), l2_reg=0.0,
       use_adaptive_learning_rate=True, use_adaptive_momentum=True,
       use_adaptive_damping=True, initial_damping=1.0, num_burnin_steps=0,
-      inverse_update_period=PERIOD)
+      inverse_update_period=PERIOD, **options)
   rng = jax.random.PRNGKey(0)
   carry = [params, opt.init(params, rng, batch), 0]
 
@@ -191,6 +203,31 @@ def kfac_step(version: Version, size: Size) -> Callable:
     return p
 
   return run
+
+
+def kfac_step(version: Version, size: Size) -> Callable:
+  """`PERIOD` K-FAC steps on a tanh MLP (`_mlp`)."""
+  return _kfac_steps(version.estimators, *_mlp(version.estimators, size))
+
+
+def problem_kfac_step(name: str) -> Callable:
+  """The benchmark `kfac_step_<name>`: `PERIOD` K-FAC steps on problem
+  `name` at its defaults as the version builds it (its model, registered
+  loss and first batch; float32), in the estimation mode of the harness's
+  `curvature=kfac` (the record's `kfac_step/adam_step`)."""
+
+  def benchmark(version: Version, size: Size) -> Callable:
+    settings = {"name": name}
+    if size.problem_batch is not None:
+      settings["batch_size"] = size.problem_batch
+    problem = version.problems.make(settings)
+    params = problem.init_params(jax.random.PRNGKey(0), np.float32)
+    return _kfac_steps(version.estimators, problem.loss_fn, params,
+                       problem.fixed_batch(), estimation_mode="ggn_exact")
+
+  benchmark.__name__ = f"kfac_step_{name}"
+  benchmark.__doc__ = f"K-FAC steps on the {name} problem."
+  return benchmark
 
 
 def _estimator(version: Version, size: Size, block_ctors: dict):
@@ -262,7 +299,7 @@ def dataset_gradient(version: Version, size: Size) -> Callable:
 
 BENCHMARKS = {fn.__name__: fn for fn in (
     kfac_step, kfac_update, kfac_refresh, ekfac_update, ekfac_refresh,
-    dataset_gradient)}
+    dataset_gradient, *map(problem_kfac_step, record.cpu_problems()))}
 
 
 # --- timing --------------------------------------------------------------

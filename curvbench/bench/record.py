@@ -51,6 +51,15 @@ START = "<!-- performance-record:start (python -m curvbench.bench readme) -->"
 END = "<!-- performance-record:end -->"
 
 
+def cpu_problems() -> tuple[str, ...]:
+  """The problems the benchmark times and the record keeps figures of:
+  every registered problem but those whose defaults are sized for an
+  accelerator (`ProblemSettings.accelerator_sized`)."""
+  import problems  # the registry imports every problem module
+  return tuple(n for n in problems.PROBLEMS.names()
+               if not problems.PROBLEMS.get(n).accelerator_sized)
+
+
 def device_key(device_kind: str, platform: str, cpu_count: int) -> str:
   """The record's file name (no suffix) for a device: its kind in lower
   case with runs of other characters as '-'; on the CPU, where the kind

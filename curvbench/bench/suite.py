@@ -34,7 +34,6 @@ from pathlib import Path
 
 import pandas as pd
 
-import problems
 from curvbench import records
 from curvbench.bench import against, products, record
 from curvbench.report import to_markdown
@@ -57,7 +56,7 @@ class Plan:
 
 def plans() -> dict[str, Plan]:
   return dict(
-      full=Plan(problems.PROBLEMS.names(),
+      full=Plan(record.cpu_problems(),
                 ("measure.timing.repeats=30", "measure.timing.warmup=2"),
                 ("seed=0,1,2",), product_rounds=10, against_rounds=15),
       quick=Plan((SPECTRA_PROBLEM,),
