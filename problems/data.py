@@ -30,7 +30,7 @@ from problems.datafiles import (SPLIT_KEYS, DataFileError, arrays_sha256,
 
 __all__ = ["DataFileError", "Dataset", "SPLIT_KEYS", "arrays_sha256",
            "cache_dir", "cached", "data_dir", "find_file", "fingerprint",
-           "finished", "shuffle_split", "subset"]
+           "finished", "generated", "shuffle_split", "subset"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,23 @@ def shuffle_split(x, y, num_test: int, seed: int) -> dict:
   test, train = order[:num_test], order[num_test:]
   return dict(x_train=x[train], y_train=y[train], x_test=x[test],
               y_test=y[test])
+
+
+# Examples a generator makes per seed (`generated`); changing it changes
+# every generated dataset that uses it.
+CHUNK = 1024
+
+
+def generated(count: int, make: Callable, seed: int, stream: int) -> tuple:
+  """The first `count` examples of a generated stream, as a tuple of
+  arrays: each chunk of `CHUNK` examples is made by `make(rng, n)` with its
+  own seed `(seed, stream, chunk)`, which draws a whole chunk's numbers and
+  returns its first `n` examples; so the first N examples are the same
+  whatever `count` is (a run on fewer examples sees a prefix)."""
+  parts = [make(np.random.default_rng([seed, stream, c]),
+                min(CHUNK, count - c * CHUNK))
+           for c in range(-(-count // CHUNK))]
+  return tuple(np.concatenate(p) for p in zip(*parts))
 
 
 def subset(arrays: dict, num_train: int | None, num_test: int | None,

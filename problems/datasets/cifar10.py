@@ -1,7 +1,9 @@
 """CIFAR-10, read from `cifar10.npz`, the binary-version batches, or the
 python-version batches in a directory (never downloaded). The python
 version is unpickled admitting numpy arrays and plain values only, so a
-file in the data folder cannot run code."""
+file in the data folder cannot run code. With `when_missing=synthetic`,
+no files found means generated images of CIFAR-10's shape
+(`synthetic_images`), which the source, and so the run's identity, says."""
 
 import dataclasses
 import io
@@ -10,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from curvbench.components import Text, setting
+from curvbench.components import OneOf, Text, setting
 from problems import data
 from problems.datafiles import (SPLIT_KEYS, DataFileError, check_splits,
                                 leading_lengths, read_npz)
-from problems.datasets import DATASETS, DatasetSettings
+from problems.datasets import DATASETS, DatasetSettings, synthetic_images
 
 SHAPES = ((32, 32, 3),)
 TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
@@ -50,12 +52,32 @@ class CIFAR10(DatasetSettings):
   data_dir: str | None = setting(None, Text(null=True),
                                  "the directory of the files (null: "
                                  "$CURVBENCH_DATA)")
+  when_missing: str = setting(
+      "error", OneOf(("error", "synthetic")), "no CIFAR-10 files found: "
+      "stop with an error saying where to put them, or use synthetic "
+      "images of CIFAR-10's shape (the data's source says which)")
 
   def input_shape(self):
     return (32, 32, 3)
 
   def source(self):
-    return "CIFAR-10"
+    if self._stand_in() is None:
+      return "CIFAR-10"
+    return (f"synthetic images of CIFAR-10's shape (no CIFAR-10 files "
+            f"found), {synthetic_images.source()}")
+
+  def _stand_in(self) -> synthetic_images.SyntheticImages | None:
+    """The synthetic images used instead, where `when_missing=synthetic`
+    and no CIFAR-10 files are found (damaged ones still raise)."""
+    if self.when_missing != "synthetic":
+      return None
+    try:
+      self._found()
+    except FileNotFoundError:
+      return synthetic_images.SyntheticImages(
+          num_train=self.num_train or 50000, num_test=self.num_test or 10000,
+          size=32, channels=3, num_classes=10)
+    return None
 
   def _found(self) -> tuple[Path, str, list[Path]]:
     """The folder, the form the files there take and the files to read."""
@@ -69,7 +91,16 @@ class CIFAR10(DatasetSettings):
                             for n in TRAIN + TEST]
     raise FileNotFoundError(f"No CIFAR-10 files in {root}. {layout(root)}")
 
+  def fingerprint(self):
+    stand_in = self._stand_in()
+    if stand_in is None:
+      return super().fingerprint()
+    # What the images are is the generator's settings, all of them.
+    return data.fingerprint(self.source(), dataclasses.asdict(stand_in))
+
   def available(self):
+    if self._stand_in() is not None:
+      return (50000, 10000)  # CIFAR-10's split sizes
     try:
       _, form, files = self._found()
     except FileNotFoundError:
@@ -91,6 +122,8 @@ class CIFAR10(DatasetSettings):
       return []
 
   def load(self):
+    if (stand_in := self._stand_in()) is not None:
+      return dataclasses.replace(stand_in.load(), name="cifar10")
     root, form, files = self._found()
     if form == "npz":
       source = files[0]
