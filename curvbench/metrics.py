@@ -16,6 +16,27 @@ def relative_frobenius(approx: np.ndarray, exact: np.ndarray) -> float:
   return float(np.linalg.norm(approx - exact) / np.linalg.norm(exact))
 
 
+def jackknife_stderr(statistic, num: int) -> float:
+  """The jackknife standard error of a statistic of `num` independent
+  samples (probes, say).
+
+  Args:
+    statistic: `statistic(keep)`, its value over the samples where the
+      boolean array `keep` (length `num`) is True.
+    num: the number of samples.
+
+  Returns:
+    `sqrt((num - 1) / num * sum_i (t_i - mean t)^2)` over the `num`
+    leave-one-out values `t_i`; nan for one sample.
+  """
+  if num < 2:
+    return float("nan")
+  left_out = np.array([statistic(np.arange(num) != i) for i in range(num)],
+                      np.float64)
+  return float(np.sqrt((num - 1) / num * np.sum(
+      (left_out - left_out.mean()) ** 2)))
+
+
 def log_spectrum(values, floor: float) -> np.ndarray:
   """`log10(max(value, floor))`: zero and negative eigenvalues sit at the floor."""
   return np.log10(np.maximum(np.asarray(values, np.float64), floor))

@@ -208,14 +208,15 @@ def test_slq_moments_converge_to_the_exact_trace_moments():
 
 def test_relative_frobenius_is_zero_for_identical_operators():
   a = jnp.asarray(_spd(N, seed=4))
-  value = mf.relative_frobenius(_first_of_pair, _second_of_pair, _like(),
-                                PROBES, jax.random.PRNGKey(0), a, a)
-  assert float(value) == 0.0
+  value, stderr = mf.relative_frobenius(_first_of_pair, _second_of_pair,
+                                        _like(), PROBES, jax.random.PRNGKey(0),
+                                        a, a)
+  assert float(value) == 0.0 and float(stderr) == 0.0
 
 
 def test_relative_frobenius_converges_to_the_exact_ratio():
   exact, approx, probes = _spd(N, seed=5), _spd(N, seed=6), 10000
-  estimate = mf.relative_frobenius(
+  estimate, _ = mf.relative_frobenius(
       _first_of_pair, _second_of_pair, _like(), probes, jax.random.PRNGKey(6),
       jnp.asarray(approx), jnp.asarray(exact))
   diff = approx - exact
@@ -250,9 +251,9 @@ def test_equals_the_hand_written_reference(iters):
   np.testing.assert_allclose(nodes, ref_nodes, rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(weights, ref_weights, atol=1e-12)
 
-  value = mf.relative_frobenius(_first_of_pair, _second_of_pair, _like(),
-                                probes, key, jnp.asarray(approx),
-                                jnp.asarray(exact))
+  value, _ = mf.relative_frobenius(_first_of_pair, _second_of_pair, _like(),
+                                   probes, key, jnp.asarray(approx),
+                                   jnp.asarray(exact))
   ref = ref_relative_frobenius(flat(approx), flat(exact), N, probes, key,
                                jnp.float64)
   assert float(value) == pytest.approx(ref, rel=1e-12)
@@ -388,3 +389,171 @@ def test_xtrace_names_too_many_probes():
 def test_bad_counts_are_named(call, name):
   with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
     call()
+
+
+# --- standard errors of the relative errors, and the probes a precision needs
+
+REPEATS = 200  # independent estimates behind each calibration check
+
+
+def _pair(n, seed, off_diagonal=0.3):
+  """`(approx, exact)`: a random symmetric `exact` and `approx` off it by a
+  random symmetric error (`off_diagonal` of it off the diagonal)."""
+  rng = np.random.default_rng(seed)
+  exact = np.diag(rng.uniform(1, 3, n)) + 0.1 * _symmetric(n, seed + 1)
+  error = np.diag(rng.normal(0, 0.5, n)) + off_diagonal * 0.1 * _symmetric(
+      n, seed + 2)
+  return exact + error, exact
+
+
+def _repeated(fn, num):
+  """`fn(key)` over `num` independent keys, stacked (one compilation)."""
+  return jax.vmap(fn)(jax.random.split(jax.random.PRNGKey(2024), num))
+
+
+def _frobenius(approx, exact, probes, **kwargs):
+  return lambda key: mf.relative_frobenius(
+      _first_of_pair, _second_of_pair, _like(), probes, key,
+      jnp.asarray(approx), jnp.asarray(exact), **kwargs)
+
+
+def _check_calibrated(estimates, stderrs, truth, tol=0.25):
+  """The reported standard errors match the estimates' spread, and the
+  truth lies within 3 of them in at least 95 % of the repeats."""
+  estimates, stderrs = np.asarray(estimates), np.asarray(stderrs)
+  spread = np.std(estimates, ddof=1)
+  assert np.mean(stderrs) == pytest.approx(spread, rel=tol)
+  assert np.mean(np.abs(estimates - truth) <= 3 * stderrs) >= 0.95
+  # The bias is small beside the error (and the check not vacuous).
+  assert abs(np.mean(estimates) - truth) < 0.25 * np.mean(stderrs)
+  assert np.mean(stderrs) < 0.2 * truth
+
+
+def test_relative_frobenius_error_is_the_delta_method_of_the_ratio():
+  """The standard error is the delta method's for sqrt(mean n / mean d),
+  covariance of the paired n and d included, with sample (co)variances."""
+  approx, exact = _pair(N, seed=20)
+  probes, key = 20, jax.random.PRNGKey(3)
+  estimate, stderr = _frobenius(approx, exact, probes)(key)
+  v = _rows(mf.rademacher_sampler(_like(), probes)(key))
+  n = np.sum((v @ (approx - exact)) ** 2, axis=1)  # symmetric: (A - E) v
+  d = np.sum((v @ exact) ** 2, axis=1)
+  big_n, big_d = n.mean(), d.mean()
+  ratio = np.sqrt(big_n / big_d)
+  cov = np.cov(n, d, ddof=1)
+  expected = ratio / 2 * np.sqrt(
+      cov[0, 0] / (probes * big_n ** 2) + cov[1, 1] / (probes * big_d ** 2)
+      - 2 * cov[0, 1] / (probes * big_n * big_d))
+  assert float(estimate) == pytest.approx(ratio, rel=1e-12)
+  assert float(stderr) == pytest.approx(expected, rel=1e-10)
+  assert float(stderr) > 0.01 * ratio
+  # A multiple of the exact operator has n = 0.09 d probe by probe: the
+  # covariance cancels the variances, and the error vanishes.
+  estimate, stderr = _frobenius(1.3 * exact, exact, probes)(key)
+  assert float(estimate) == pytest.approx(0.3, rel=1e-12)
+  assert abs(float(stderr)) < 1e-12
+  _, one = _frobenius(approx, exact, 1)(key)
+  assert np.isnan(one)
+
+
+def test_relative_frobenius_error_matches_the_spread_over_keys():
+  approx, exact = _pair(N, seed=21)
+  truth = np.linalg.norm(approx - exact) / np.linalg.norm(exact)
+  estimates, stderrs = _repeated(_frobenius(approx, exact, 20), REPEATS)
+  _check_calibrated(estimates, stderrs, truth)
+
+
+def _first_of_flat_pair(v, a, e):
+  return a @ v
+
+
+def _second_of_flat_pair(v, a, e):
+  return e @ v
+
+
+def _diagonal_error(approx, exact, probes, **kwargs):
+  return lambda key: mf.relative_diagonal_error(
+      _first_of_flat_pair, _second_of_flat_pair, jnp.zeros(len(exact)), probes,
+      key, jnp.asarray(approx), jnp.asarray(exact), **kwargs)
+
+
+def test_relative_diagonal_error_matches_the_spread_over_keys():
+  """Unbiased squared norms: the estimate centres on the exact diagonal
+  error, where the norm of the mean diagonal reads higher by about its
+  standard error (off-diagonal mass is noise in every entry)."""
+  approx, exact = _pair(30, seed=22, off_diagonal=6.0)
+  truth = (np.linalg.norm(np.diag(approx - exact))
+           / np.linalg.norm(np.diag(exact)))
+  estimates, stderrs = _repeated(_diagonal_error(approx, exact, 50), REPEATS)
+  _check_calibrated(estimates, stderrs, truth)
+  diagonal = lambda m: _repeated(lambda key: mf.stochastic_diagonal(
+      _flat_matvec, jnp.zeros(30), 50, key, jnp.asarray(m))[0], REPEATS)
+  naive = (np.linalg.norm(diagonal(approx - exact), axis=1)
+           / np.linalg.norm(diagonal(exact), axis=1))
+  assert np.mean(naive) - truth > 0.5 * np.mean(stderrs)
+
+
+def test_relative_diagonal_error_over_groups_of_cells():
+  """Each group (a union of cells) gets the estimate of its entries alone,
+  from the same probes: the documented formula, by hand."""
+  approx, exact = _pair(9, seed=23, off_diagonal=3.0)
+  probes, key = 12, jax.random.PRNGKey(5)
+  cells = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2])
+  groups = np.array([[1, 1, 1], [1, 0, 0], [0, 1, 1], [0, 0, 1]])
+  estimates, stderrs = _diagonal_error(approx, exact, probes, cells=cells,
+                                       groups=groups)(key)
+  v = _rows(mf.rademacher_sampler(jnp.zeros(9), probes)(key))
+  x, y = v * (v @ (approx - exact)), v * (v @ exact)
+  for g, row in enumerate(groups):
+    s = row[cells] == 1
+    xs, ys = x[:, s], y[:, s]
+    xb, yb = xs.mean(0), ys.mean(0)
+    num = xb @ xb - np.sum(np.var(xs, axis=0, ddof=1)) / probes
+    den = yb @ yb - np.sum(np.var(ys, axis=0, ddof=1)) / probes
+    z = 2 / den * (xs @ xb - num / den * (ys @ yb))
+    se2 = np.std(z, ddof=1) / np.sqrt(probes)
+    ratio = np.sqrt(max(num / den, 0))
+    assert float(estimates[g]) == pytest.approx(ratio, rel=1e-10)
+    assert float(stderrs[g]) == pytest.approx(
+        np.sqrt(ratio ** 2 + se2) - ratio, rel=1e-8)
+  same, _ = _diagonal_error(approx, approx, probes, cells=cells,
+                            groups=groups)(key)
+  np.testing.assert_array_equal(same, 0.0)
+
+
+def test_probes_needed_reaches_the_stated_precision():
+  """20 probes report an error; the probes_needed for 2 % bring the
+  spread of the estimate over keys to about 2 % of it."""
+  approx, exact = _pair(N, seed=24, off_diagonal=3.0)
+  truth = np.linalg.norm(approx - exact) / np.linalg.norm(exact)
+  estimate, stderr = _frobenius(approx, exact, 20)(jax.random.PRNGKey(8))
+  assert stderr > 0.02 * estimate  # 20 probes are not enough
+  needed = int(mf.probes_needed(estimate, stderr, 20, 0.02))
+  assert 40 < needed < 2000
+  estimates, stderrs = _repeated(_frobenius(approx, exact, needed), REPEATS)
+  assert np.std(estimates, ddof=1) / truth == pytest.approx(0.02, rel=0.25)
+  assert np.mean(stderrs / estimates) == pytest.approx(0.02, rel=0.25)
+
+
+def test_probes_needed_at_the_edges():
+  assert mf.probes_needed(0.5, 0.05, 20, 0.05) == 80  # 20 * (0.05 / 0.025)^2
+  assert mf.probes_needed(0.5, 0.01, 20, 0.05) == 4
+  assert mf.probes_needed(-2.0, 0.1, 10, 0.05) == 10  # by magnitude
+  assert mf.probes_needed(0.3, 0.0, 20, 0.05) == 1  # exact
+  assert mf.probes_needed(0.0, 0.1, 20, 0.05) == float("inf")
+  assert np.isnan(mf.probes_needed(0.3, float("nan"), 1, 0.05))
+
+
+def test_batched_probes_give_the_same_estimates():
+  approx, exact = _pair(N, seed=25)
+  key = jax.random.PRNGKey(9)
+  for fn in (_frobenius, lambda a, e, p, **kw: _diagonal_error(a, e, p, **kw)):
+    whole = fn(approx, exact, 7)(key)
+    batched = fn(approx, exact, 7, batch_size=3)(key)
+    np.testing.assert_allclose(batched, whole, rtol=1e-12)
+  nodes, weights = mf.slq_density(_tree_matvec, _like(), 6, 5, key,
+                                  jnp.asarray(exact))
+  batched = mf.slq_density(_tree_matvec, _like(), 6, 5, key,
+                           jnp.asarray(exact), batch_size=2)
+  np.testing.assert_allclose(batched[0], nodes, rtol=1e-12)
+  np.testing.assert_allclose(batched[1], weights, rtol=1e-12, atol=1e-15)

@@ -105,6 +105,15 @@ class Spectra(Measurement):
   frobenius_probes: int = setting(8, COUNT, "probes of Frobenius errors")
   trace_probes: int = setting(30, COUNT, "Hutchinson and XTrace probes")
   diagonal_probes: int = setting(30, COUNT, "stochastic-diagonal probes")
+  target_precision: float = setting(
+      0.05, POSITIVE, "lanczos method: the relative standard error its "
+      "probe-estimated quality metrics are to reach (0.05: 5 % of the "
+      "value); each such quality row records its stderr and "
+      "probes_needed, the probes that would reach it")
+  probe_batch: int | None = setting(
+      None, Whole(1, null=True), "lanczos method: probes the SLQ, "
+      "Frobenius and diagonal-error estimates evaluate at once (null: all "
+      "of them); fewer bound the memory at that many probes' vectors")
   per_block: bool = setting(True, Flag(), "lanczos method: quality per layer "
                             "block too")
   # On by default: a handful of types, each costing no more than a layer

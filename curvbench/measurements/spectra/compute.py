@@ -20,13 +20,20 @@ batches or the training split), and returns five tables:
   (K-FAC-reduce's trace is half the GGN's on some layers) are compared at
   the same effective damping. A reference that equals an earlier one (the
   Fisher and the GGN of the registered losses) gets no quality rows of
-  its own: the `references` table says why.
+  its own: the `references` table says why. A metric the matrix-free
+  method estimates from random probes (relative Frobenius and diagonal
+  errors, the SLQ spectral distances) carries its standard error
+  (`stderr`) and the probes that would bring that error to
+  `target_precision` of its value (`probes_needed`); other metrics have
+  NaN there (the dense method's are exact, Lanczos' and CG's no probe
+  estimates).
 - `statistics`: trace, condition number, outliers, negative mass, ... of
   each exact matrix and of the approximation (`stderr` 0 where exact).
 - `heatmaps`: the exact and approximate matrix and damped inverse over a
   few subsampled units of a few layers (as in Martens & Grosse 2015, Fig. 2).
 - `references`: the relative Frobenius distance between each pair of
-  exact matrices measured (`matrix` against `reference`).
+  exact matrices measured (`matrix` against `reference`; its standard
+  error `relative_frobenius_stderr` where it is a probe estimate).
 
 Two methods:
 
@@ -88,14 +95,22 @@ def _spectrum_rows(source, matrix, values, weights=None, reference=None):
           for i, (v, w) in enumerate(zip(values, weights))]
 
 
-def _quality_rows(reference, level, block, values: dict):
+def _quality_rows(reference, level, block, values: dict,
+                  errors: dict | None = None, precision: float = np.nan):
   """Rows of `values`, `{metric: value}` or `{(metric, rho): value}` for
-  metrics taken at a relative damping."""
-  rows = []
+  metrics taken at a relative damping; `errors`, `{metric: (standard
+  error, probes)}` of the probe estimates among them, fills their
+  `stderr` and `probes_needed` (for a relative standard error of
+  `precision`: `matrix_free.probes_needed`), NaN for the others."""
+  rows, errors = [], errors or {}
   for key, v in values.items():
     metric, rho = key if isinstance(key, tuple) else (key, np.nan)
+    stderr, probes = errors.get(key, (np.nan, None))
+    needed = (np.nan if probes is None else matrix_free.probes_needed(
+        v, stderr, probes, precision))
     rows.append(dict(reference=reference, level=level, block=block,
-                     metric=metric, relative_damping=rho, value=float(v)))
+                     metric=metric, relative_damping=rho, value=float(v),
+                     stderr=float(stderr), probes_needed=needed))
   return rows
 
 
@@ -513,18 +528,56 @@ def _estimators(of, cfg) -> dict:
   (for the exact curvatures, one forward pass for all its products)."""
   k, iters = cfg.top_k, cfg.lanczos_iters
   probes, traces = cfg.slq_probes, cfg.trace_probes
-  diagonals = cfg.diagonal_probes
   return dict(
       density=lambda s, m, key: matrix_free.slq_density(
-          _masked, m, iters, probes, key, of.operator(s), m),
+          _masked, m, iters, probes, key, of.operator(s), m,
+          batch_size=cfg.probe_batch),
       top=lambda s, m, key: matrix_free.top_k_eigenpairs(
           _masked, m, k, iters, key, of.operator(s), m),
       trace=lambda s, m, key: matrix_free.hutchinson_trace(
           _masked, m, traces, key, of.operator(s), m),
       xtrace=lambda s, m, key: matrix_free.xtrace(
-          _masked, m, traces, key, of.operator(s), m),
-      diagonal=lambda s, m, key: matrix_free.stochastic_diagonal(
-          _masked, m, diagonals, key, of.operator(s), m))
+          _masked, m, traces, key, of.operator(s), m))
+
+
+def _cells(params, blocks, groups: dict) -> tuple[np.ndarray, np.ndarray]:
+  """`(cells, membership)` for `matrix_free.relative_diagonal_error`: each
+  parameter's cell (its layer block's position in `blocks`, the layers
+  being disjoint; one cell more for parameters in none) and a row per
+  group of `groups` (`{key: layer block names}`, None: every parameter)
+  marking its cells."""
+  size = curvatures.num_params(params)
+  cells = np.full(size, len(blocks), np.int32)
+  for c, (_, idx) in enumerate(blocks):
+    cells[idx] = c
+  position = {name: c for c, (name, _) in enumerate(blocks)}
+  membership = np.zeros((len(groups), len(blocks) + 1))
+  for g, names in enumerate(groups.values()):
+    if names is None:
+      membership[g] = 1
+    else:
+      membership[g, [position[n] for n in names]] = 1
+  return cells, membership
+
+
+def _slq_distances(approx, exact, floor_, num_probes: int) -> tuple:
+  """`({metric: value}, {metric: (jackknife standard error, probes)})` of
+  the spectral distances between two SLQ densities (`(nodes, weights)`,
+  probe by probe as `matrix_free.slq_density` gives them) drawn with the
+  same probes: the error of leaving out each probe from both."""
+  per_probe = [np.asarray(x, np.float64).reshape(num_probes, -1)
+               for x in (*approx, *exact)]
+  metrics_of = dict(
+      spectral_distance=lambda an, aw, en, ew: metrics.spectral_distance(
+          an, en, aw, ew),
+      log_wasserstein=lambda an, aw, en, ew: metrics.log_wasserstein(
+          an, en, floor_, aw, ew))
+  values, errors = {}, {}
+  for name, fn in metrics_of.items():
+    of = lambda keep, fn=fn: fn(*(x[keep].ravel() for x in per_probe))
+    values[name] = of(np.ones(num_probes, bool))
+    errors[name] = (metrics.jackknife_stderr(of, num_probes), num_probes)
+  return values, errors
 
 
 def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
@@ -576,25 +629,29 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
         dict(trace=hutch[1], trace_xtrace=xtr[1]))
 
   def frobenius(of, against, mask, block=""):
-    """The relative Frobenius distance of `of` to `against` over `mask`."""
+    """The relative Frobenius distance of `of` to `against` over `mask`
+    and its standard error."""
     first, second = operators[of], operators[against]
 
     def fn(a, e, m, key):
       return matrix_free.relative_frobenius(
           lambda v, a, e, m: _masked(v, a, m),
           lambda v, a, e, m: _masked(v, e, m), m, cfg.frobenius_probes, key,
-          first.operator(a), second.operator(e), m)
+          first.operator(a), second.operator(e), m,
+          batch_size=cfg.probe_batch)
     what = "frobenius" if of == label else f"frobenius {of}"
-    return float(costs.call(" ".join(filter(None, (what, against, block))),
-                            fn, states[of], states[against], mask, keys[2]))
+    value, stderr = costs.call(" ".join(filter(None, (what, against, block))),
+                               fn, states[of], states[against], mask, keys[2])
+    return float(value), float(stderr)
 
   same = max(SAME, 100 * float(np.finfo(np.dtype(cfg.precision)).eps))
   compared = []
   for i, m in enumerate(references):
     distances = {o: frobenius(m, o, ones) for o in references[:i]}
-    tables["references"] += [dict(matrix=m, reference=o, relative_frobenius=d)
-                             for o, d in distances.items()]
-    if all(distances[o] > same for o in compared):
+    tables["references"] += [dict(matrix=m, reference=o, relative_frobenius=d,
+                                  relative_frobenius_stderr=se)
+                             for o, (d, se) in distances.items()]
+    if all(distances[o][0] > same for o in compared):
       compared.append(m)
 
   grads = mean_gradient(loss_fn, params, data)
@@ -602,29 +659,60 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
   approx_dirs = {rho: _flat(jax.jit(lambda s, g, d: curvature.precondition(
       curvature.refresh(s, d), g, d))(states[label], grads,
                                       rho * top_of[label])) for rho in rhos}
-  diagonal = {name: _flat(run(name, "diagonal", keys[3])[0])
-              for name in [label, *compared]}
+  blocks, types = [], {}
+  if cfg.per_block or cfg.per_block_type:
+    blocks = curvatures.layer_blocks(loss_fn, params, data.first)
+  if cfg.per_block_type:
+    roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
+    types = role_indices(blocks, roles)
+  # The diagonal errors of every level from one set of probes per
+  # reference, over the layer blocks as cells.
+  groups = {("network", "all"): None}
+  groups.update({("layer", name): [name] for name, _ in blocks}
+                if cfg.per_block else {})
+  groups.update({("role", role): [n for n, _ in blocks if roles[n] == role]
+                 for role in types})
+  cells, membership = _cells(params, blocks, groups)
+
+  def diagonal_errors(m):
+    """`{group: (value, standard error)}` of the approximation's diagonal
+    against reference `m`'s."""
+    def fn(a, e, c, g, key):
+      return matrix_free.relative_diagonal_error(
+          lambda v, a, e: a(v), lambda v, a, e: e(v), ones,
+          cfg.diagonal_probes, key, curvature.operator(a),
+          operators[m].operator(e), cells=c, groups=g,
+          batch_size=cfg.probe_batch)
+    found = costs.call(f"diagonal error {m}", fn, states[label], states[m],
+                       cells, membership, keys[3])
+    return {key: (float(v), float(se)) for key, v, se in
+            zip(groups, *(np.asarray(x, np.float64) for x in found))}
+
+  target = cfg.target_precision
   ap_nodes, ap_w, ap_top, ap_vecs = spectra_of[label]
+  diagonal = {}
   for m in compared:
     ex_nodes, ex_w, ex_top, ex_vecs = spectra_of[m]
+    diagonal[m] = diagonal_errors(m)
+    frob, diag = frobenius(label, m, ones), diagonal[m]["network", "all"]
+    distances, errors = _slq_distances((ap_nodes, ap_w), (ex_nodes, ex_w),
+                                       floor(cfg, ex_top), cfg.slq_probes)
     values = dict(
-        relative_frobenius=frobenius(label, m, ones),
-        spectral_distance=metrics.spectral_distance(ap_nodes, ex_nodes, ap_w,
-                                                    ex_w),
-        log_wasserstein=metrics.log_wasserstein(
-            ap_nodes, ex_nodes, floor(cfg, ex_top), ap_w, ex_w),
+        relative_frobenius=frob[0], **distances,
         top_k_overlap=metrics.subspace_overlap(_columns(ap_vecs),
                                                _columns(ex_vecs)),
         top_eigenvalue_ratio=ap_top[0] / ex_top[0],
-        diagonal_relative_error=metrics.relative_frobenius(diagonal[label],
-                                                           diagonal[m]))
+        diagonal_relative_error=diag[0])
+    errors.update(relative_frobenius=(frob[1], cfg.frobenius_probes),
+                  diagonal_relative_error=(diag[1], cfg.diagonal_probes))
     for rho in rhos:
       direction = costs.call(
           f"exact {m} direction", lambda s, g, d, of=operators[m]:
           of.precondition(s, g, d), states[m], grads, rho * top_of[m])
       values["natural_gradient_cosine", rho] = metrics.cosine(
           approx_dirs[rho], _flat(direction))
-    tables["quality"] += _quality_rows(m, "network", "all", values)
+    tables["quality"] += _quality_rows(m, "network", "all", values, errors,
+                                       target)
 
   def restricted(level, name, idx, what):
     """The quality of both matrices restricted to parameters `idx`, against
@@ -633,23 +721,23 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
     ap_b, ap_bv = run(label, "top", keys[1], mask, what)
     for m in compared:
       ex_b, ex_bv = run(m, "top", keys[1], mask, what)
-      tables["quality"] += _quality_rows(m, level, name, dict(
-          relative_frobenius=frobenius(label, m, mask, what),
+      frob, diag = frobenius(label, m, mask, what), diagonal[m][level, name]
+      values = dict(
+          relative_frobenius=frob[0],
           top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
                                                  _columns(ex_bv)[idx]),
           top_eigenvalue_ratio=ap_b[0] / ex_b[0],
-          diagonal_relative_error=metrics.relative_frobenius(
-              diagonal[label][idx], diagonal[m][idx])))
+          diagonal_relative_error=diag[0])
+      errors = dict(relative_frobenius=(frob[1], cfg.frobenius_probes),
+                    diagonal_relative_error=(diag[1], cfg.diagonal_probes))
+      tables["quality"] += _quality_rows(m, level, name, values, errors,
+                                         target)
 
-  if cfg.per_block or cfg.per_block_type:
-    blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   if cfg.per_block:
     for name, idx in blocks:
       restricted("layer", name, idx, name)
-  if cfg.per_block_type:
-    roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
-    for role, idx in role_indices(blocks, roles).items():
-      restricted("role", role, idx, f"block type {role}")
+  for role, idx in types.items():
+    restricted("role", role, idx, f"block type {role}")
   return tables
 
 

@@ -87,9 +87,20 @@ def _summarise(df: pd.DataFrame, index: list[str], value: str = "value"
 
 def quality(q: pd.DataFrame) -> pd.DataFrame:
   """Every quality metric over its samples (`_summarise`), its relative
-  damping in its name; layer and block-type rows say whether every
-  method scores the same there (`same_in_every_method`)."""
-  out = _summarise(named(q), [c for c in INDEX if c != "relative_damping"])
+  damping in its name; a probe estimate's (matrix-free method) `stderr`,
+  the median over the samples of one sample's standard error, and
+  `probes_needed`, the most any sample asked for (NaN for the others);
+  layer and block-type rows say whether every method scores the same
+  there (`same_in_every_method`)."""
+  index = [c for c in INDEX if c != "relative_damping"]
+  rows = named(q)
+  out = _summarise(rows, index)
+  # Records from before the probe errors lack their columns.
+  groups = rows.assign(**{c: pd.to_numeric(rows.get(c, np.nan))
+                          for c in ("stderr", "probes_needed")}).groupby(
+                              index, dropna=False, sort=True)
+  out["stderr"] = groups.stderr.median().to_numpy()
+  out["probes_needed"] = groups.probes_needed.max().to_numpy()
   shared = _shared(q)
   out["same_in_every_method"] = [
       (p, lvl, b) in shared for p, lvl, b in zip(out.problem, out.level,
@@ -108,9 +119,23 @@ def quality_table(name: str, title: str, part: pd.DataFrame,
     index.remove("step")
   rank = {m: i for i, m in enumerate(metric_order(part.metric))}
   part = part.iloc[np.argsort([rank[m] for m in part.metric], kind="stable")]
+  stderr = part.get("stderr", pd.Series(np.nan, part.index))
+  errors = ""
+  if np.isfinite(stderr).any():
+    # A probe estimate's cell ends in its standard error; text as the
+    # centre and no ends make `wide` show the cell as it is.
+    part = part.assign(_cell=[
+        spread(c, lo, hi) + (f" ±{number(se, 2)}" if np.isfinite(se) else "")
+        for c, lo, hi, se in zip(part["median"], part.q25, part.q75, stderr)],
+                       _none=np.nan)
+    errors = ("; ± a matrix-free probe estimate's standard error (median "
+              "over the samples)")
+  view = (wide(part, index, "metric", centre="_cell", low="_none",
+               high="_none") if errors else wide(part, index, "metric"))
   return Table(name, f"{title}: median [quartiles] over the samples "
-               "(seeds x data draws; n per row)", part.drop(columns="level"),
-               view=wide(part, index, "metric"), detail=detail)
+               f"(seeds x data draws; n per row){errors}",
+               part.drop(columns=["level", "_cell", "_none"],
+                         errors="ignore"), view=view, detail=detail)
 
 
 def _shared(q: pd.DataFrame) -> set[tuple]:
