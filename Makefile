@@ -58,12 +58,14 @@ bench: $(STAMP)
 	$(PY) -m curvbench.bench run --compare $(BENCH_ARGS)
 
 # The same on an accelerator, in one command: first the CUDA build of jax
-# where nvidia-smi sees a GPU and jax runs on the CPU.
+# where nvidia-smi sees a GPU and jax runs on the CPU; then cost against model
+# size at the accelerator's sizes (`python -m curvbench.bench scaling`).
 bench-accelerator: $(STAMP)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
 	  && [ "$$($(PY) -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; \
 	then $(MAKE) cuda; fi
 	$(PY) -m curvbench.bench run --compare $(BENCH_ARGS)
+	$(PY) -m curvbench.bench scaling $(if $(BENCH_OUT),--out $(BENCH_OUT)-scaling)
 
 # An earlier commit against the working tree, side by side in one process.
 bench-against: $(STAMP)

@@ -34,7 +34,9 @@ def flops(compiled: jax.stages.Compiled) -> float:
   program does (NaN where the backend gives no cost analysis): the
   arithmetic a timing can be held against, whatever the machine's speed.
   Library calls XLA does not compile itself (LAPACK's eigendecompositions
-  and factorizations on the CPU) count as none."""
+  and factorizations on the CPU) count as none, and a loop's body counts
+  once whatever its trip count: meaningful for loop-free programs such as
+  a training step on one batch."""
   try:
     analysis = compiled.cost_analysis()
   except Exception:  # noqa: BLE001 - backends without the analysis raise

@@ -1,16 +1,19 @@
 """The command line of `python -m curvbench.bench`: `run` (the benchmark
 and its report), `compare` (a report against a record), `against` (the
-side-by-side check) and `readme` (the table from the records)."""
+side-by-side check), `scaling` (cost against model size) and `readme` (the
+table from the records)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from curvbench.bench import against, record, suite
+from curvbench import provenance
+from curvbench.bench import against, record, scaling, suite
 from curvbench.report import to_markdown
 
 
@@ -63,6 +66,28 @@ def _against(args) -> int:
                           args.rounds, tuple(args.benchmarks.split(",")))
   print(to_markdown(table.drop(columns=["ref_source"])))
   print(f"\n{args.ref} imported from {table.ref_source.iloc[0]}")
+  return 0
+
+
+def _scaling(args) -> int:
+  out = args.out or (record.ROOT / "reports" / "bench"
+                     / time.strftime("%Y-%m-%d_%H-%M-%S_scaling"))
+  families = tuple(args.families.split(",")) if args.families else None
+  table = scaling.write(Path(out), args.scale, args.repeats, families)
+  if args.save_record:
+    env = provenance.environment()
+    code = env.get("code", {})
+    key = record.device_key(env.get("device_kind", "unknown"),
+                            env.get("platform", "unknown"),
+                            len(os.sched_getaffinity(0)))
+    path = record.save_scaling(key, dict(
+        exponents=scaling.by_family(table), scale=args.scale or
+        scaling.default_scale(), commit=code.get("commit"),
+        dirty=code.get("dirty"),
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        command=shlex.join(["python", "-m", "curvbench.bench",
+                            *sys.argv[1:]])), args.records)
+    print(f"scaling exponents written into {path}")
   return 0
 
 
@@ -124,6 +149,22 @@ def main(argv=None) -> int:
   p.add_argument("--benchmarks", default=",".join(against.BENCHMARKS),
                  help="comma-separated (default: all)")
   p.set_defaults(fn=_against)
+
+  p = sub.add_parser("scaling", help="time and memory of the K-FAC step, "
+                     "a GGN-vector product, Lanczos and a trace at four "
+                     "sizes of each family; their growth exponents")
+  p.add_argument("--scale", choices=scaling.SCALES,
+                 help="the sizes (default: cpu on the CPU, else accelerator)")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--families", help="comma-separated (default: all of "
+                 f"{', '.join(f.name for f in scaling.FAMILIES)})")
+  p.add_argument("--out", type=Path, help="a new folder for the report "
+                 "(default reports/bench/<date>_scaling)")
+  p.add_argument("--save-record", action="store_true",
+                 help="write the exponents into this device kind's record")
+  p.add_argument("--records", type=Path, default=record.RECORD_DIR,
+                 help="the records' folder (default %(default)s)")
+  p.set_defaults(fn=_scaling)
 
   p = sub.add_parser("readme", help="regenerate the README's performance "
                      "table from benchmarks/record/")

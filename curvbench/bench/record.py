@@ -19,7 +19,10 @@ Every figure is a cost where lower is better:
   `eigh exact ggn` phases, float64), the median over the spectra runs
   (each times them once).
 
-A record also keeps the side-by-side ratios (`curvbench.bench.against`)
+A record also keeps the growth exponents of cost in parameters
+(`scaling`: per family and kind of work, time and memory with their
+standard errors, and what made them; `python -m curvbench.bench scaling
+--save-record`), not compared, and the side-by-side ratios (`curvbench.bench.against`)
 of the run that made it, where one was run.
 """
 
@@ -108,9 +111,33 @@ def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
 
 
 def save(record: dict, folder: Path = RECORD_DIR) -> Path:
-  """Writes `record` as `folder/<record['key']>.json`; returns the path."""
+  """Writes `record` as `folder/<record['key']>.json`, keeping the growth
+  exponents (`scaling`) of the file it replaces unless it has its own;
+  returns the path."""
   folder.mkdir(parents=True, exist_ok=True)
   path = folder / f"{record['key']}.json"
+  if path.exists() and "scaling" not in record:
+    kept = json.loads(path.read_text()).get("scaling")
+    record = record if kept is None else dict(record, scaling=kept)
+  path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+  return path
+
+
+def save_scaling(key: str, scaling: dict, folder: Path = RECORD_DIR) -> Path:
+  """Puts `scaling` (the exponents, `curvbench.bench.scaling.by_family`,
+  with what made them) into the record `folder/<key>.json`.
+
+  Raises:
+    FileNotFoundError: when the device kind has no record yet.
+  """
+  path = Path(folder) / f"{key}.json"
+  if not path.exists():
+    raise FileNotFoundError(
+        f"no performance record {path} for this device kind: run `python -m "
+        "curvbench.bench run --save-record` first, then save the scaling "
+        "exponents into it.")
+  record = json.loads(path.read_text())
+  record["scaling"] = scaling
   path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
   return path
 
