@@ -216,8 +216,9 @@ def test_text_data_and_the_missing_file_error(tmp_path, monkeypatch):
   assert settings.fingerprint() != before  # the file's sha256 is its identity
   for given in (None, str(tmp_path / "missing.txt")):
     with pytest.raises(FileNotFoundError,
-                       match=r"problem\.data\.path.*UTF-8 text file.*set "
-                             r"problem\.data\.path=/path/to/file\.txt"):
+                       match=r"problem\.data\.path.*plain text file.*set "
+                             r"problem\.data\.path=/path/to/file\.txt.*"
+                             r"when_missing=synthetic"):
       DATASETS.load(dict(name="text", path=given), "problem.data").load()
 
 
