@@ -67,10 +67,18 @@ class DatasetSettings(Component, abc.ABC):
     they cannot be found: then `load` says what is missing)."""
     return []
 
+  def stand_in(self) -> "DatasetSettings | None":
+    """The generated data used instead of files that are missing, where
+    the settings ask for it (`when_missing=synthetic`); None otherwise."""
+    return None
+
   def fingerprint(self) -> str:
     """What identifies the examples: the source, the settings (less where
     files are kept) and the sha256 of the files read; part of a run's
     identity, so a run on other data is never taken for this one."""
+    stand_in = self.stand_in()
+    if stand_in is not None:  # the examples are the generator's settings
+      return data.fingerprint(self.source(), dataclasses.asdict(stand_in))
     spec = {k: v for k, v in dataclasses.asdict(self).items()
             if k not in ("cache", "data_dir")}
     return data.fingerprint(self.source(), spec, self.files())

@@ -61,12 +61,12 @@ class CIFAR10(DatasetSettings):
     return (32, 32, 3)
 
   def source(self):
-    if self._stand_in() is None:
+    if self.stand_in() is None:
       return "CIFAR-10"
     return (f"synthetic images of CIFAR-10's shape (no CIFAR-10 files "
             f"found), {synthetic_images.source()}")
 
-  def _stand_in(self) -> synthetic_images.SyntheticImages | None:
+  def stand_in(self) -> synthetic_images.SyntheticImages | None:
     """The synthetic images used instead, where `when_missing=synthetic`
     and no CIFAR-10 files are found (damaged ones still raise)."""
     if self.when_missing != "synthetic":
@@ -91,15 +91,8 @@ class CIFAR10(DatasetSettings):
                             for n in TRAIN + TEST]
     raise FileNotFoundError(f"No CIFAR-10 files in {root}. {layout(root)}")
 
-  def fingerprint(self):
-    stand_in = self._stand_in()
-    if stand_in is None:
-      return super().fingerprint()
-    # What the images are is the generator's settings, all of them.
-    return data.fingerprint(self.source(), dataclasses.asdict(stand_in))
-
   def available(self):
-    if self._stand_in() is not None:
+    if self.stand_in() is not None:
       return (50000, 10000)  # CIFAR-10's split sizes
     try:
       _, form, files = self._found()
@@ -122,7 +115,7 @@ class CIFAR10(DatasetSettings):
       return []
 
   def load(self):
-    if (stand_in := self._stand_in()) is not None:
+    if (stand_in := self.stand_in()) is not None:
       return dataclasses.replace(stand_in.load(), name="cifar10")
     root, form, files = self._found()
     if form == "npz":

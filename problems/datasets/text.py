@@ -112,7 +112,7 @@ class TextFile(DatasetSettings):
       "an error saying what to supply, or use synthetic Markov-chain tokens "
       "(markov_tokens, vocabulary 256; the data's source says which)")
 
-  def _stand_in(self) -> markov_tokens.MarkovTokens | None:
+  def stand_in(self) -> markov_tokens.MarkovTokens | None:
     """The generated tokens used instead, where `when_missing=synthetic`
     and there is no file."""
     if self.when_missing != "synthetic" or _missing(self.path) is None:
@@ -123,22 +123,16 @@ class TextFile(DatasetSettings):
         num_test=self.num_test or defaults.num_test, seq_len=self.seq_len)
 
   def source(self):
-    if self._stand_in() is not None:
+    if (stand_in := self.stand_in()) is not None:
       return (f"synthetic Markov-chain tokens (no text file found), "
-              f"{self._stand_in().source()}")
+              f"{stand_in.source()}")
     return f"{'character' if self.level == 'char' else 'byte'}-level text"
-
-  def fingerprint(self):
-    stand_in = self._stand_in()
-    if stand_in is None:
-      return super().fingerprint()
-    return data.fingerprint(self.source(), dataclasses.asdict(stand_in))
 
   def files(self):
     return [] if _missing(self.path) else [_where(self.path)]
 
   def available(self):
-    if (stand_in := self._stand_in()) is not None:
+    if (stand_in := self.stand_in()) is not None:
       return stand_in.available()
     if not self.files():
       return None
@@ -150,7 +144,7 @@ class TextFile(DatasetSettings):
     return (self.seq_len,)
 
   def load(self):
-    if (stand_in := self._stand_in()) is not None:
+    if (stand_in := self.stand_in()) is not None:
       return dataclasses.replace(stand_in.load(), name="text")
     ids, vocab = token_ids(self.path, self.level)
     arrays = windows(ids, self.seq_len, self.test_fraction)
