@@ -52,12 +52,13 @@ def relative_error(ours, theirs) -> float:
   return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
 
 
-def check(what: str, error: float, tolerance: float):
+def check(what: str, error: float, tolerance: float,
+          peer: str = "curvlinops"):
   """Prints `error`; stops the comparison if it exceeds `tolerance`."""
   print(f"  {what}: relative error {error:.1e} (tolerance {tolerance:.0e})")
   if not error <= tolerance:
     raise SystemExit(
-        f"{what}: ours and curvlinops disagree (relative error {error:.1e} > "
+        f"{what}: ours and {peer} disagree (relative error {error:.1e} > "
         f"{tolerance:.0e}); the timings would not compare the same work, so "
         "none were taken.")
 
@@ -99,14 +100,16 @@ def _commit() -> str:
                                    "--untracked-files=no") else "")
 
 
-def describe_machine(rounds: int):
-  """Prints where and with what the timings ran."""
+def describe_machine(rounds: int, peers=("curvlinops-for-pytorch",)):
+  """Prints where and with what the timings ran; `peers`: the distributions
+  whose versions to name."""
   blas = [(c.internal_api, os.path.basename(c.filepath), c.num_threads)
           for c in threadpoolctl.ThreadpoolController().lib_controllers]
+  versions = ", ".join(f"{p} {metadata.version(p)}" for p in peers)
   print(f"{os.cpu_count()}-core CPU ({platform.machine()}), commit "
         f"{_commit()}; jax {jax.__version__} on {jax.devices()[0].platform}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"curvlinops {metadata.version('curvlinops-for-pytorch')}; "
+        f"{versions}; "
         f"{rounds} interleaved rounds, compile and warm-up excluded")
   print(f"  thread pools: {blas}")
 
