@@ -293,6 +293,32 @@ def test_quality_against_every_reference_and_identical_ones_said_once(tiny):
   assert pairs[("hessian", "ggn")] > 1e-3
 
 
+def test_matrix_free_measures_a_reference_equal_to_an_earlier_one_once(tiny):
+  """Matrix-free, the Fisher of softmax cross-entropy (the GGN) gets no
+  products of its own: its spectrum and statistics rows repeat the GGN's,
+  and the Hessian, a different matrix, is measured."""
+  p, params, batch = tiny
+  costs = Costs()
+  tables = spectra.measure(p.loss_fn, make(tiny, "kfac"), params, batch,
+                           spec(method="lanczos", references=["fisher",
+                                                              "hessian"],
+                                per_block=False, per_block_type=False),
+                           jax.random.PRNGKey(1), costs)
+  phases = {r["phase"] for r in costs.rows}
+  assert {"exact ggn density", "exact hessian density"} <= phases
+  assert not any(ph.startswith("exact fisher") for ph in phases)
+  rows = pd.DataFrame(tables["spectra"] + tables["statistics"])
+  exact = rows[rows.source.str.startswith("exact")]
+  ggn, fisher = (exact[exact.matrix == m].drop(columns=["matrix",
+                                                        "reference"],
+                                               errors="ignore")
+                 for m in ("ggn", "fisher"))
+  assert len(fisher) > 0
+  pd.testing.assert_frame_equal(ggn.reset_index(drop=True),
+                                fisher.reset_index(drop=True))
+  assert set(pd.DataFrame(tables["quality"]).reference) == {"ggn", "hessian"}
+
+
 def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
   """Block-diagonal K-FAC's eigendecomposition is assembled from its
   layer blocks' (the same spectrum, eigenvectors of the same matrix);

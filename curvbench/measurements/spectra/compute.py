@@ -607,27 +607,6 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
     phase = " ".join(filter(None, (source, kind, block)))
     return costs.call(phase, estimators[name][kind], states[name], mask, key)
 
-  spectra_of, top_of = {}, {}
-  for name in operators:
-    source = "approx" if name == label else "exact"
-    nodes, weights = run(name, "density", keys[0])
-    top, vectors = run(name, "top", keys[1])
-    spectra_of[name] = (nodes, weights, top, vectors)
-    top_of[name] = scale(top)
-    tables["spectra"] += _spectrum_rows(source, name, nodes, weights,
-                                        reference=curvature.matrix
-                                        if name == label else name)
-    tables["spectra"] += [dict(source=f"{source}_top_k", matrix=name,
-                               reference=curvature.matrix if name == label
-                               else name, index=i, eigenvalue=float(v),
-                               weight=np.nan)
-                          for i, v in enumerate(np.asarray(top))]
-    hutch, xtr = run(name, "trace", keys[4]), run(name, "xtrace", keys[5])
-    tables["statistics"] += _statistic_rows(
-        source, name, dict(trace=hutch[0], trace_xtrace=xtr[0],
-                           **spectrum_statistics(nodes, cfg, weights, top)),
-        dict(trace=hutch[1], trace_xtrace=xtr[1]))
-
   def frobenius(of, against, mask, block=""):
     """The relative Frobenius distance of `of` to `against` over `mask`
     and its standard error."""
@@ -644,15 +623,45 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
                                fn, states[of], states[against], mask, keys[2])
     return float(value), float(stderr)
 
+  # A reference equal to an earlier one (the Fisher of a softmax cross-
+  # entropy is its GGN) is measured once: its rows repeat its twin's.
   same = max(SAME, 100 * float(np.finfo(np.dtype(cfg.precision)).eps))
-  compared = []
+  compared, twin = [], {}
   for i, m in enumerate(references):
     distances = {o: frobenius(m, o, ones) for o in references[:i]}
     tables["references"] += [dict(matrix=m, reference=o, relative_frobenius=d,
                                   relative_frobenius_stderr=se)
                              for o, (d, se) in distances.items()]
-    if all(distances[o][0] > same for o in compared):
+    equal = [o for o in compared if distances[o][0] <= same]
+    if equal:
+      twin[m] = equal[0]
+    else:
       compared.append(m)
+
+  spectra_of, top_of, traces_of = {}, {}, {}
+  for name in operators:
+    if name in twin:
+      spectra_of[name] = spectra_of[twin[name]]
+      traces_of[name] = traces_of[twin[name]]
+    else:
+      spectra_of[name] = (*run(name, "density", keys[0]),
+                          *run(name, "top", keys[1]))
+      traces_of[name] = (run(name, "trace", keys[4]),
+                         run(name, "xtrace", keys[5]))
+    nodes, weights, top, _ = spectra_of[name]
+    (hutch, xtr), top_of[name] = traces_of[name], scale(top)
+    source = "approx" if name == label else "exact"
+    reference = curvature.matrix if name == label else name
+    tables["spectra"] += _spectrum_rows(source, name, nodes, weights,
+                                        reference=reference)
+    tables["spectra"] += [dict(source=f"{source}_top_k", matrix=name,
+                               reference=reference, index=i,
+                               eigenvalue=float(v), weight=np.nan)
+                          for i, v in enumerate(np.asarray(top))]
+    tables["statistics"] += _statistic_rows(
+        source, name, dict(trace=hutch[0], trace_xtrace=xtr[0],
+                           **spectrum_statistics(nodes, cfg, weights, top)),
+        dict(trace=hutch[1], trace_xtrace=xtr[1]))
 
   grads = mean_gradient(loss_fn, params, data)
   rhos = cfg.relative_dampings
