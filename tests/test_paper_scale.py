@@ -12,5 +12,8 @@ def test_one_setting_sizes_the_experiment():
     sizes[size] = {str(part["problem"]) for part in cfg.hydra.sweeper.sweeps}
     assert cfg.curvature.mode == cfg.canonical.mode == "fisher_gradients"
     assert cfg.measure.spectra.method == "lanczos"
+    if size == "cpu":  # the size's values win over the experiment's
+      assert list(cfg.measure.spectra.references) == ["ggn"]
+      assert cfg.measure.spectra.lanczos_iters == 20
   assert sizes["accelerator"] == {"resnet18", "gpt"}
   assert sizes["cpu"] == {"resnet18_tiny", "gpt", "resnet18_tiny,gpt"}
