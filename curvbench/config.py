@@ -187,6 +187,13 @@ def folder_name(value) -> None:
         "reports/<name>/.")
 
 
+def _gallery_entry(name) -> None:
+  from curvbench import gallery  # its entries import the measurements
+  if name not in gallery.entries():
+    raise ValueError(f"repro={name!r} is no gallery entry; the entries are "
+                     f"{', '.join(gallery.entries())}.")
+
+
 @dataclasses.dataclass
 class RunSettings(Settings):
   """One run: a problem, a curvature, an optimizer and a measurement (each
@@ -217,6 +224,10 @@ class RunSettings(Settings):
   compilation_cache: str | None = setting(
       "reports/.jax_cache", Text(null=True), "where the command keeps JAX's "
       "compiled programs (null: no cache; safe to delete)")
+  repro: str | None = setting(
+      None, Parsed(_gallery_entry, "a gallery entry's name", null=True),
+      "the gallery entry this run reproduces (+experiment=repro_NAME and "
+      "+experiment=gallery set it; curvbench report judges its claims)")
   tuning: Tuning = dataclasses.field(default_factory=Tuning)
   canonical: Canonical = dataclasses.field(default_factory=Canonical)
   problem: Any = setting(None, Choice(PROBLEMS), "problem=NAME")
@@ -280,6 +291,9 @@ def options(group: str) -> list[str]:
   if group.startswith("measure/") and nested is not None:
     names += nested.registry.names()
   names += [p.stem for p in (CONF_DIR / group).glob("*.yaml")]
+  if group == "experiment":
+    from curvbench import gallery
+    names += gallery.experiments()
   return sorted(set(names))
 
 
@@ -313,6 +327,10 @@ def store() -> None:
       node.defaults = ["_self_", *({group: choice.default}
                                    for group, choice in nested.items())]
     cs.store(group="measure", name=name, node=node, provider="curvbench")
+  from curvbench import gallery
+  for name, node in gallery.experiments().items():
+    cs.store(group="experiment", name=name, node=node, package="_global_",
+             provider="curvbench")
 
 
 def measure_groups() -> dict[str, Choice]:

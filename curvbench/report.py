@@ -30,9 +30,10 @@ import pandas as pd
 
 from curvbench import html_page, plots, records, stats, sweep
 from curvbench.approximations import CURVATURES
+from curvbench.gallery import page as gallery_page
 from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.sections import Section, Table
+from curvbench.sections import Section, Table, to_markdown
 
 # In a report folder: it is curvbench's (see `records.claim`).
 REPORT_MARKER = ".curvbench-report"
@@ -72,17 +73,18 @@ def colour_map(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
   return plots.colours(names, declared)
 
 
-def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
-  """A GitHub markdown table (no extra dependency)."""
-  def cell(v):
-    if isinstance(v, float):
-      return "" if pd.isna(v) else f"{v:.{digits}g}"
-    return "" if v is None else str(v).replace("|", "\\|")
-  head = "| " + " | ".join(map(str, df.columns)) + " |"
-  rule = "|" + "|".join("---" for _ in df.columns) + "|"
-  rows = ["| " + " | ".join(cell(v) for v in row) + " |"
-          for row in df.itertuples(index=False)]
-  return "\n".join([head, rule, *rows])
+def gallery_section(judged) -> Section:
+  """The verdicts of the gallery entries these runs reproduce."""
+  verdicts = pd.DataFrame([
+      dict(entry=j.entry.name, claim=c.statement, verdict=v.outcome,
+           evidence=v.evidence) for j in judged for c, v in j.verdicts])
+  return Section(
+      "Gallery", "Do the published findings these runs reproduce hold?",
+      findings=gallery_page.findings(judged),
+      tables=[Table("gallery", "Each claim's verdict, computed from the "
+                    "records", verdicts)],
+      notes=["gallery.md and gallery.html: each entry's paper, claims, what "
+             "differs from the paper, runs and figure."])
 
 
 def runs_section(runs: pd.DataFrame) -> Section:
@@ -142,6 +144,9 @@ def write(root, out=None) -> dict:
       section = MEASUREMENTS.get(name)().section(report, out / "figures")
       if section is not None:
         sections.append(section)
+  judged = gallery_page.judge(done, tables)
+  if judged:
+    sections.append(gallery_section(judged))
   sections.append(runs_section(loaded.runs))
   notes = sweep.mixed_inputs(done)
   if notes:
@@ -168,6 +173,11 @@ def write(root, out=None) -> dict:
     written["figures"] += section.figures
   written["tables"] += _write_pages(root, out, sections, checked,
                                     _provenance_line(tables, loaded.runs))
+  if judged:
+    with plots.style():
+      pages = gallery_page.write(root, out, judged)
+    written["tables"] += pages[:2]
+    written["figures"] += pages[2:]
   return written
 
 

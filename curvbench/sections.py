@@ -91,4 +91,17 @@ def wide(data: pd.DataFrame, index: list[str], column: str,
   return view.reset_index()
 
 
-__all__ = ["Section", "Table", "number", "spread", "wide"]
+def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
+  """A GitHub markdown table (no extra dependency)."""
+  def cell(v):
+    if isinstance(v, float):
+      return "" if pd.isna(v) else f"{v:.{digits}g}"
+    return "" if v is None else str(v).replace("|", "\\|")
+  head = "| " + " | ".join(map(str, df.columns)) + " |"
+  rule = "|" + "|".join("---" for _ in df.columns) + "|"
+  rows = ["| " + " | ".join(cell(v) for v in row) + " |"
+          for row in df.itertuples(index=False)]
+  return "\n".join([head, rule, *rows])
+
+
+__all__ = ["Section", "Table", "number", "spread", "to_markdown", "wide"]

@@ -20,6 +20,7 @@ import problems
 from curvbench import app, approximations, config, measurements, runs
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
+from hydra_plugins.curvbench_sweeper import tuning_sweeper
 
 GROUPS = ("problem", "problem/data", "curvature", "optimizer", "measure")
 
@@ -74,9 +75,8 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
     assert cfg.name == name and (sweeper.params or sweeper.get("sweeps"))
     # The first point of each of its sweeps is allowed.
     for part in sweeper.get("sweeps") or [{}]:
-      config.compose(f"+experiment={name}", *(
-          f"{key}={str(values).split(',')[0]}"
-          for key, values in {**(sweeper.params or {}), **part}.items()))
+      config.compose(f"+experiment={name}", *tuning_sweeper.union(
+          config.plain(sweeper.params or {}), [config.plain(part)], [])[0])
 
 
 def test_python_api_and_command_line_build_the_same_objects(capsys):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from curvbench import provenance
 from curvbench.bench import against, record, scaling, suite
-from curvbench.report import to_markdown
+from curvbench.sections import to_markdown
 
 
 def _record_path(key: str, folder: Path) -> Path:

@@ -50,7 +50,7 @@ import problems
 from curvbench import (approximations, config, costs, curvatures, data,
                        matrix_free, optimizers, provenance)
 from curvbench.measurements.timing import clock, load
-from curvbench.report import to_markdown
+from curvbench.sections import to_markdown
 
 LANCZOS_K = 20
 LANCZOS_ITERS = 40

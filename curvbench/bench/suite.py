@@ -36,7 +36,7 @@ import pandas as pd
 
 from curvbench import records
 from curvbench.bench import against, products, record
-from curvbench.report import to_markdown
+from curvbench.sections import to_markdown
 
 SPECTRA_PROBLEM = "mlp"  # the README's MLP, at the config's defaults
 

@@ -1,0 +1,183 @@
+"""The gallery: every entry's claims judged from records built to hold and
+not to hold, and every entry run at its tiny size, its verdicts computed
+from the records the runs wrote."""
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from curvbench import config, gallery, runs, sweep
+from curvbench.gallery import FAILS, HOLDS, UNSETTLED, Evidence
+from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
+from curvbench.gallery import george2018_ekfac as george
+from curvbench.gallery import page
+from curvbench.gallery import sagun2017_outliers as sagun
+from hydra_plugins.curvbench_sweeper import tuning_sweeper
+
+SEEDS = (0, 1, 2)
+
+
+def evidence(done=None, **tables) -> Evidence:
+  return Evidence(pd.DataFrame() if done is None else done, tables)
+
+
+def verdict(entry, claim: int, found: Evidence) -> str:
+  return entry.ENTRY.claims[claim].judge(found).outcome
+
+
+# --- George et al. (EKFAC) ----------------------------------------------------
+
+def quality(ekfac_over_kfac):
+  """Per-block errors, EKFAC's `ekfac_over_kfac(seed, step, block)` times
+  K-FAC's."""
+  rows = []
+  for seed, step, block in itertools.product(SEEDS, (0, 10), ("l1", "l2")):
+    kfac = 0.5 + 0.1 * seed
+    for name, value in (("kfac", kfac), ("ekfac", kfac * ekfac_over_kfac(
+        seed, step, block))):
+      rows.append(dict(curvature=name, metric="relative_frobenius",
+                       level="layer", seed=seed, step=step, sample=0,
+                       reference="ggn", block=block, value=value))
+  return pd.DataFrame(rows)
+
+
+def test_ekfac_closer_holds_only_where_every_block_is():
+  assert verdict(george, 0, evidence(
+      quality=quality(lambda *_: 0.8))) == HOLDS
+  assert verdict(george, 0, evidence(
+      quality=quality(lambda *_: 1.0))) == HOLDS  # equal is at most
+  found = george.ENTRY.claims[0].judge(evidence(quality=quality(
+      lambda seed, step, block: 1.2 if (seed, block) == (1, "l2") else 0.8)))
+  assert found.outcome == FAILS
+  assert "2 of 12" in found.evidence and "seed 1, step 10, l2" in (
+      found.evidence)
+
+
+def training(losses: dict[str, list[float]], budget=4.0):
+  """Training rows: each method's run per seed ends at `budget` on the
+  time grid with the given training loss."""
+  rows, done = [], []
+  for name, values in losses.items():
+    for seed, loss in enumerate(values):
+      run_id = f"{name}{seed}"
+      done.append({"run_id": run_id, "config:seed": seed,
+                   "config:measure.training.budget_s": budget})
+      for step, at, value in ((0, np.nan, 3.0), (9, budget, loss)):
+        rows.append(dict(measure="training", curvature=name, run_id=run_id,
+                         seed=seed, step=step, wall_s=at if step else 0.0,
+                         time_point_s=at, train_loss=value, diverged=False))
+  return pd.DataFrame(done), pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("ekfac,outcome", [
+    ([1.0, 1.1, 0.9], HOLDS), ([3.0, 3.1, 2.9], FAILS),
+    ([2.0, 1.0, 3.0], UNSETTLED)])
+def test_ekfac_faster_follows_the_interval_of_the_difference(ekfac,
+                                                             outcome):
+  done, rows = training({"kfac": [2.0, 2.1, 1.9], "ekfac": ekfac})
+  assert verdict(george, 1, evidence(done, training=rows)) == outcome
+
+
+# --- Eschenhagen et al. (K-FAC-reduce) -----------------------------------------
+
+def timing(medians: dict[str, list[float]]):
+  return pd.DataFrame([dict(curvature=name, phase="curvature_update",
+                            median_s=m, repeats=10, others_cpu_share=0.0,
+                            device_kind="cpu", run_id=f"{name}{i}")
+                       for name, values in medians.items()
+                       for i, m in enumerate(values)])
+
+
+def test_reduce_cheaper_follows_the_timings():
+  expand = [1.0, 1.05, 0.95]
+  assert verdict(eschenhagen, 0, evidence(timing=timing(
+      {"kfac": expand, "kfac_reduce": [0.5, 0.52, 0.48]}))) == HOLDS
+  assert verdict(eschenhagen, 0, evidence(timing=timing(
+      {"kfac": expand, "kfac_reduce": [2.0, 2.1, 1.9]}))) == FAILS
+
+
+@pytest.mark.parametrize("reduce,outcome", [
+    ([2.0, 2.01, 1.99], HOLDS), ([3.0, 3.01, 2.99], FAILS),
+    ([2.0, 2.4, 1.6], UNSETTLED)])
+def test_same_progress_is_an_equivalence_within_the_margin(reduce, outcome):
+  _, rows = training({"kfac": [2.0, 2.01, 1.99], "kfac_reduce": reduce})
+  assert verdict(eschenhagen, 1, evidence(training=rows)) == outcome
+
+
+# --- Sagun et al. / Papyan (outliers) ----------------------------------------
+
+def spectra(top: list[float], bulk: int = 300):
+  """A trained GGN's eigenvalues per seed: `top`, then a bulk decaying
+  from 1e-3 to 1e-6."""
+  values = np.concatenate([top, np.geomspace(1e-3, 1e-6, bulk)])
+  return pd.DataFrame([dict(source="exact", matrix="ggn", step=step,
+                            seed=seed, eigenvalue=v)
+                       for seed in SEEDS for step in (0, 100)
+                       for v in values])
+
+
+def test_outliers_counted_at_the_gap():
+  ten = list(np.geomspace(1.0, 0.1, sagun.CLASSES))
+  assert verdict(sagun, 0, evidence(spectra=spectra(ten))) == HOLDS
+  assert verdict(sagun, 0, evidence(spectra=spectra(ten[:3]))) == FAILS
+  # no gap of two anywhere: no outliers
+  smooth = pd.DataFrame([dict(source="exact", matrix="ggn", step=0, seed=s,
+                              eigenvalue=v) for s in SEEDS
+                         for v in np.geomspace(1.0, 1e-3, 100)])
+  assert verdict(sagun, 0, evidence(spectra=smooth)) == FAILS
+
+
+def test_bulk_near_zero():
+  assert verdict(sagun, 1, evidence(spectra=spectra([1.0, 0.5]))) == HOLDS
+  flat = spectra([1.0], bulk=0).assign(eigenvalue=1.0)
+  flat = pd.concat([flat] * 50)
+  assert verdict(sagun, 1, evidence(spectra=flat)) == FAILS
+
+
+def test_missing_records_leave_a_claim_not_settled():
+  for entry in gallery.entries().values():
+    for claim in entry.claims:
+      found = claim.judge(evidence())
+      assert found.outcome == UNSETTLED and "lack" in found.evidence
+
+
+# --- the entries as presets, and run ------------------------------------------
+
+def jobs(entry, size):
+  return tuning_sweeper.union({}, entry.parts(size), [])
+
+
+def test_every_entry_composes_at_every_size_and_the_gallery_has_them_all():
+  found = gallery.experiments()
+  gallery_parts = found["gallery"]["hydra"]["sweeper"]["sweeps"]
+  for name, entry in gallery.entries().items():
+    assert {p["repro"] for p in entry.parts()} == {name}
+    assert [p for p in gallery_parts if p["repro"] == name] == entry.parts()
+    for size in entry.sweeps:
+      for job in jobs(entry, size):
+        config.compose(*job)  # checked: every key and value valid
+  cfg = config.compose("+experiment=repro_sagun2017_outliers",
+                       with_hydra=True, check=False)
+  assert cfg.name == "repro_sagun2017_outliers"
+  assert cfg.hydra.sweeper.sweeps[0].repro == "sagun2017_outliers"
+  with pytest.raises(config.ConfigError, match="no gallery entry"):
+    config.compose("repro=nobody")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(gallery.entries()))
+def test_each_entry_at_its_tiny_size_is_judged_from_its_records(tmp_path,
+                                                                name):
+  entry = gallery.entries()[name]
+  for i, job in enumerate(jobs(entry, "tiny")):
+    runs.run(config.compose(*job, "compilation_cache=null"), tmp_path / str(i))
+  loaded = sweep.load_sweep(tmp_path)
+  judged = page.judge(sweep.settings(loaded.runs), loaded.tables)
+  assert [j.entry.name for j in judged] == [name]
+  for claim, found in judged[0].verdicts:
+    assert "lack" not in found.evidence, (claim.statement, found.evidence)
+  text = page.write(tmp_path, tmp_path / "report", judged)[0].read_text()
+  assert entry.title in text
+  assert all(found.outcome in text for _, found in judged[0].verdicts)
