@@ -12,6 +12,7 @@ from curvbench import config, gallery, runs, sweep
 from curvbench.gallery import FAILS, HOLDS, UNSETTLED, Evidence
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
 from curvbench.gallery import george2018_ekfac as george
+from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
 from curvbench.gallery import page
 from curvbench.gallery import sagun2017_outliers as sagun
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
@@ -134,6 +135,34 @@ def test_bulk_near_zero():
   flat = spectra([1.0], bulk=0).assign(eigenvalue=1.0)
   flat = pd.concat([flat] * 50)
   assert verdict(sagun, 1, evidence(spectra=flat)) == FAILS
+
+
+# --- Ghorbani et al. (batch norm) --------------------------------------------
+
+def hessians(isolated: dict[str, float]):
+  """Per normalisation and seed, a trained Hessian whose top eigenvalue is
+  `isolated[norm]` (times a little noise) above a smooth rest."""
+  done, rows = [], []
+  rest = np.geomspace(1.0, 1e-3, 40)
+  for norm, top in isolated.items():
+    for seed in SEEDS:
+      run_id = f"{norm}{seed}"
+      done.append({"run_id": run_id, "config:problem.norm": norm,
+                   "config:seed": seed})
+      values = np.concatenate([[top * (1 + 0.05 * seed)], rest])
+      rows += [dict(source="exact", matrix="hessian", step=step, sample=0,
+                    seed=seed, run_id=run_id, eigenvalue=v)
+               for step in (0, 200) for v in values]
+  return pd.DataFrame(done), pd.DataFrame(rows)
+
+
+def test_batch_norm_claim_compares_the_isolation_of_the_top():
+  done, rows = hessians({"batch": 2.0, "none": 100.0})
+  assert verdict(ghorbani, 0, evidence(done, spectra=rows)) == HOLDS
+  done, rows = hessians({"batch": 100.0, "none": 2.0})
+  assert verdict(ghorbani, 0, evidence(done, spectra=rows)) == FAILS
+  assert ghorbani.isolation(np.geomspace(1.0, 1e-3, 40)) == pytest.approx(
+      1 / np.geomspace(1.0, 1e-3, 40)[ghorbani.RANK - 1])
 
 
 def test_missing_records_leave_a_claim_not_settled():
