@@ -33,14 +33,14 @@ def cheaper_update(evidence: Evidence) -> Verdict:
   verdict = lower(medians["kfac_reduce"], medians["kfac"],
                   "median seconds per curvature update",
                   ("K-FAC-reduce", "K-FAC-expand"))
-  load = timing.others_cpu_share.max() if "others_cpu_share" in timing \
-      else np.nan
   ratio = np.mean(medians["kfac_reduce"]) / np.mean(medians["kfac"])
-  return Verdict(verdict.outcome, verdict.evidence + (
-      f" (reduce / expand {ratio:.2f})"
-      f"; {int(timing.repeats.min())} timed repeats per run, others' CPU "
-      f"share at most {load:.0%} while timed, on {timing.device_kind.iloc[0]}"
-      if np.isfinite(load) else ""))
+  text = (f"{verdict.evidence} (reduce / expand {ratio:.2f}); "
+          f"{int(timing.repeats.min())} timed repeats per run on "
+          f"{timing.device_kind.iloc[0]}")
+  if "others_cpu_share" in timing:
+    text += (f", others' CPU share at most "
+             f"{timing.others_cpu_share.max():.0%} while timed")
+  return Verdict(verdict.outcome, text)
 
 
 def same_progress(evidence: Evidence) -> Verdict:
@@ -56,7 +56,7 @@ def same_progress(evidence: Evidence) -> Verdict:
       f"final training loss after {int(last.step.max())} steps, "
       f"K-FAC-reduce minus K-FAC-expand over {len(final['kfac'])} seeds:",
       diff) + f"; the margin is +-{margin:.3g} ({MARGIN:.0%} of expand's)"
-  mean, low, high = diff
+  _, low, high = diff
   if not np.isfinite([low, high]).all():
     return Verdict(UNSETTLED, text)
   if -margin <= low and high <= margin:
