@@ -13,6 +13,7 @@ from curvbench.gallery import FAILS, HOLDS, UNSETTLED, Evidence
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
 from curvbench.gallery import george2018_ekfac as george
 from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
+from curvbench.gallery import morwani2025_shampoo2 as morwani
 from curvbench.gallery import page
 from curvbench.gallery import sagun2017_outliers as sagun
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
@@ -163,6 +164,37 @@ def test_batch_norm_claim_compares_the_isolation_of_the_top():
   assert verdict(ghorbani, 0, evidence(done, spectra=rows)) == FAILS
   assert ghorbani.isolation(np.geomspace(1.0, 1e-3, 40)) == pytest.approx(
       1 / np.geomspace(1.0, 1e-3, 40)[ghorbani.RANK - 1])
+
+
+# --- Morwani et al. (Shampoo²) ------------------------------------------------
+
+def kronecker_quality(errors: dict[str, float]):
+  """Relative Frobenius errors per approximation (`errors`, times a
+  little per-sample noise), whole network and two layers."""
+  rows = []
+  rng = np.random.default_rng(0)
+  for seed, sample, level, block in itertools.product(
+      SEEDS, (0, 1), ("network", "layer", "layer"), ("all", "l1", "l2")):
+    if (level == "network") != (block == "all"):
+      continue
+    noise = 1 + 0.01 * rng.normal()
+    rows += [dict(problem="mlp", mode="ggn_exact", reference="ggn",
+                  level=level, block=block, step=0, seed=seed,
+                  sample=sample, data="batch", curvature=name,
+                  metric="relative_frobenius", value=value * noise)
+             for name, value in errors.items()]
+  return pd.DataFrame(rows).drop_duplicates()
+
+
+def test_shampoo2_claims_follow_the_errors():
+  near = kronecker_quality({"shampoo": 0.9, "shampoo2": 0.3,
+                            "optimal_kronecker": 0.25})
+  assert verdict(morwani, 0, evidence(quality=near)) == HOLDS
+  assert verdict(morwani, 1, evidence(quality=near)) == HOLDS
+  far = kronecker_quality({"shampoo": 0.3, "shampoo2": 0.9,
+                           "optimal_kronecker": 0.5})
+  assert verdict(morwani, 0, evidence(quality=far)) == FAILS
+  assert verdict(morwani, 1, evidence(quality=far)) == FAILS
 
 
 def test_missing_records_leave_a_claim_not_settled():
