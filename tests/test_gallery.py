@@ -10,6 +10,7 @@ import pytest
 
 from curvbench import config, gallery, runs, sweep
 from curvbench.gallery import FAILS, HOLDS, UNSETTLED, Evidence
+from curvbench.gallery import cohen2021_edge_of_stability as cohen
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
 from curvbench.gallery import george2018_ekfac as george
 from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
@@ -195,6 +196,40 @@ def test_shampoo2_claims_follow_the_errors():
                            "optimal_kronecker": 0.5})
   assert verdict(morwani, 0, evidence(quality=far)) == FAILS
   assert verdict(morwani, 1, evidence(quality=far)) == FAILS
+
+
+# --- Cohen et al. (edge of stability) ----------------------------------------
+
+def sharpness_runs(curve):
+  """Full-batch runs at step sizes 0.2 and 0.5, two seeds each: the
+  sharpness at each step is `curve(eta, step)`."""
+  done, rows = [], []
+  for eta, seed in itertools.product((0.2, 0.5), (0, 1)):
+    run_id = f"{eta}-{seed}"
+    done.append({"run_id": run_id, cohen.RATE: eta, "config:seed": seed})
+    rows += [dict(source="exact", matrix="hessian",
+                  statistic="max_eigenvalue", run_id=run_id, seed=seed,
+                  step=step, value=curve(eta, step))
+             for step in cohen.STEPS]
+  return pd.DataFrame(done), pd.DataFrame(rows)
+
+
+def test_edge_of_stability_claims_follow_the_sharpness():
+  # Rises from 2 to 2/eta by step 100 and hovers there.
+  hovering = sharpness_runs(lambda eta, step: 2 + (2 / eta - 2) * min(
+      step / 100, 1))
+  found = evidence(*hovering[:1], statistics=hovering[1])
+  assert [verdict(cohen, i, found) for i in range(3)] == [HOLDS] * 3
+  # Flat below 2/eta: neither sharpens nor reaches it.
+  flat = sharpness_runs(lambda eta, step: 2.0)
+  found = evidence(*flat[:1], statistics=flat[1])
+  assert [verdict(cohen, i, found) for i in range(3)] == [FAILS, FAILS,
+                                                          HOLDS]
+  # Settled at twice 2/eta late in training.
+  above = sharpness_runs(lambda eta, step: 2 + (4 / eta - 2) * min(
+      step / 100, 1))
+  found = evidence(*above[:1], statistics=above[1])
+  assert verdict(cohen, 2, found) == FAILS
 
 
 def test_missing_records_leave_a_claim_not_settled():
