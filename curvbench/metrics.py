@@ -67,6 +67,15 @@ def subspace_overlap(u: np.ndarray, v: np.ndarray) -> float:
   return float(np.linalg.norm(u[:, :k].T @ v[:, :k]) ** 2 / k)
 
 
+def share_in_span(vectors: np.ndarray, g: np.ndarray) -> float:
+  """The share of `g`'s squared norm in the span of the orthonormal
+  columns of `vectors`: `||Vᵀ g||^2 / ||g||^2` (Gur-Ari, Roberts & Dyer
+  2018 measure the gradient's in the top Hessian eigenvectors')."""
+  g = np.asarray(g, np.float64)
+  projected = np.asarray(vectors, np.float64).T @ g
+  return float(projected @ projected / (g @ g))
+
+
 def density(values, weights, grid, bandwidth: float) -> np.ndarray:
   """A Gaussian-smoothed density of weighted samples on `grid`."""
   values, weights = np.asarray(values, np.float64), np.asarray(weights)

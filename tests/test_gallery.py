@@ -14,6 +14,7 @@ from curvbench.gallery import cohen2021_edge_of_stability as cohen
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
 from curvbench.gallery import george2018_ekfac as george
 from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
+from curvbench.gallery import gurari2018_tiny_subspace as gurari
 from curvbench.gallery import morwani2025_shampoo2 as morwani
 from curvbench.gallery import page
 from curvbench.gallery import sagun2017_outliers as sagun
@@ -230,6 +231,19 @@ def test_edge_of_stability_claims_follow_the_sharpness():
       step / 100, 1))
   found = evidence(*above[:1], statistics=above[1])
   assert verdict(cohen, 2, found) == FAILS
+
+
+# --- Gur-Ari et al. (tiny subspace) -------------------------------------------
+
+def test_tiny_subspace_claim_reads_the_late_shares():
+  def shares(late):
+    return pd.DataFrame([
+        dict(source="exact", matrix="hessian",
+             statistic=gurari.GRADIENT_SHARE, seed=seed, step=step,
+             value=0.3 if step < gurari.SETTLED else late)
+        for seed in SEEDS for step in gurari.STEPS])
+  assert verdict(gurari, 0, evidence(statistics=shares(0.95))) == HOLDS
+  assert verdict(gurari, 0, evidence(statistics=shares(0.5))) == FAILS
 
 
 def test_missing_records_leave_a_claim_not_settled():

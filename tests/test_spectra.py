@@ -319,6 +319,29 @@ def test_matrix_free_measures_a_reference_equal_to_an_earlier_one_once(tiny):
   assert set(pd.DataFrame(tables["quality"]).reference) == {"ggn", "hessian"}
 
 
+def test_gradient_share_in_the_top_eigenvectors_against_brute_force(tiny):
+  """Dense and matrix-free alike: the share of the mean gradient's squared
+  norm in the span of each exact matrix's top k eigenvectors."""
+  p, params, batch = tiny
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  loss = lambda w: p.loss_fn(unravel(w), batch)
+  hessian = np.asarray(jax.hessian(loss)(flat), np.float64)
+  g = np.asarray(jax.grad(loss)(flat), np.float64)
+  values, vectors = np.linalg.eigh(hessian)
+  top = vectors[:, np.argsort(values)[::-1][:3]]
+  expected = np.sum((top.T @ g) ** 2) / (g @ g)
+  assert 0 < expected < 1
+  for method, tolerance in (("dense", 1e-9), ("lanczos", 1e-6)):
+    tables = spectra.measure(p.loss_fn, make(tiny, "kfac"), params, batch,
+                             spec(method=method, references=["hessian"],
+                                  per_block=False, per_block_type=False),
+                             jax.random.PRNGKey(1))
+    share = {r["matrix"]: r["value"] for r in tables["statistics"]
+             if r["statistic"] == spectra.GRADIENT_SHARE}
+    assert share["hessian"] == pytest.approx(expected, rel=tolerance), method
+    assert 0 < share["ggn"] <= 1
+
+
 def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
   """Block-diagonal K-FAC's eigendecomposition is assembled from its
   layer blocks' (the same spectrum, eigenvectors of the same matrix);

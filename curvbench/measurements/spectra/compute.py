@@ -67,6 +67,9 @@ TABLES = ("spectra", "quality", "statistics", "heatmaps", "references")
 # same matrix (round-off of float64 products; matrix-free estimates
 # of equal operators give exactly 0).
 SAME = 1e-9
+# The statistic of each exact matrix: the share of the mean gradient's
+# squared norm in the span of its top_k eigenvectors.
+GRADIENT_SHARE = "gradient_in_top_k"
 
 
 def _flat(tree) -> np.ndarray:
@@ -441,6 +444,10 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   damping, k, rhos = cfg.damping, cfg.top_k, cfg.relative_dampings
   grads = _shared_mean_gradient(loss_fn, params, data, costs, store, key)
   g = _flat(grads)
+  for m, (values, vectors) in exact_eighs.items():
+    top = vectors[:, np.argsort(values)[::-1][:k]]
+    tables["statistics"] += _statistic_rows(
+        "exact", m, {GRADIENT_SHARE: metrics.share_in_span(top, g)})
   # The approximation's own damped inverse, as its optimizer applies it.
   approx_scale = scale(approx_eigs)
   approx_dirs = {rho: _flat(costs.call(
@@ -664,6 +671,12 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
         dict(trace=hutch[1], trace_xtrace=xtr[1]))
 
   grads = mean_gradient(loss_fn, params, data)
+  for name in references:
+    found = spectra_of[name][2]
+    tables["statistics"] += _statistic_rows("exact", name, {
+        GRADIENT_SHARE: metrics.share_in_span(
+            _columns(spectra_of[name][3])[:, np.isfinite(found)],
+            _flat(grads))})
   rhos = cfg.relative_dampings
   approx_dirs = {rho: _flat(jax.jit(lambda s, g, d: curvature.precondition(
       curvature.refresh(s, d), g, d))(states[label], grads,
