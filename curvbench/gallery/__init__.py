@@ -179,6 +179,14 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   return df
 
 
+def by(found: Mapping, names, what: str) -> list:
+  """`found[name]` for each of `names`; `MissingRecords` (naming `what`)
+  where one is absent."""
+  if any(name not in found for name in names):
+    raise MissingRecords(what)
+  return [found[name] for name in names]
+
+
 def all_hold(checks: list[tuple[str, bool]], what: str) -> Verdict:
   """Holds where every one of `checks` (`(label, passed)`) passes, does
   not hold otherwise, naming those that fail out of how many."""
@@ -223,5 +231,6 @@ def mean_interval(text: str, diff: tuple[float, float, float]) -> str:
 
 __all__ = ["CPU", "Claim", "Entry", "Evidence", "FAILS", "HOLDS",
            "MissingRecords", "OUTCOMES", "UNSETTLED", "Verdict", "all_hold",
+           "by",
            "entries", "evidence", "experiments", "lower", "mean_interval",
            "rows"]

@@ -6,7 +6,6 @@ the number of classes, and stays there as that subspace changes.
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from curvbench import plots
