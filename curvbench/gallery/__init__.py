@@ -187,14 +187,17 @@ def by(found: Mapping, names, what: str) -> list:
   return [found[name] for name in names]
 
 
-def all_hold(checks: list[tuple[str, bool]], what: str) -> Verdict:
+def all_hold(checks: list[tuple[str, bool]], what: str,
+             listed: bool = False) -> Verdict:
   """Holds where every one of `checks` (`(label, passed)`) passes, does
-  not hold otherwise, naming those that fail out of how many."""
+  not hold otherwise, naming those that fail out of how many; `listed`:
+  where all pass, name each one (its label carrying its figure)."""
   failed = [label for label, ok in checks if not ok]
   if not checks:
     raise MissingRecords(what)
   if not failed:
-    return Verdict(HOLDS, f"{what}: all {len(checks)} hold")
+    return Verdict(HOLDS, f"{what}: all {len(checks)} hold" + (
+        ": " + "; ".join(label for label, _ in checks) if listed else ""))
   shown = "; ".join(failed[:4]) + ("; ..." if len(failed) > 4 else "")
   return Verdict(FAILS, f"{what}: {len(failed)} of {len(checks)} do not "
                  f"({shown})")

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from curvbench import plots
-from curvbench.gallery import (HOLDS, Claim, Entry, Evidence,
-                               MissingRecords, Verdict, all_hold, rows)
+from curvbench.gallery import (Claim, Entry, Evidence, MissingRecords,
+                               Verdict, all_hold, rows)
 
 RATE = "config:measure.spectra.trainer.learning_rate"
 STEPS = [0, 25, 50, 100, 200, 350, 500]
@@ -53,9 +53,8 @@ def reaches_two_over_eta(evidence: Evidence) -> Verdict:
   checks = [(f"eta {eta:g}, seed {seed}: largest {s.max():.3g} = "
              f"{s.max() * eta / 2:.2f} x 2/eta", s.max() >= REACHED * 2 / eta)
             for eta, seed, _, s in _per_run(evidence)]
-  return _listed(all_hold(checks, f"the largest sharpness at least "
-                          f"{REACHED:g} x 2/eta, per step size and seed"),
-                 checks)
+  return all_hold(checks, f"the largest sharpness at least {REACHED:g} x "
+                  "2/eta, per step size and seed", listed=True)
 
 
 def not_above(evidence: Evidence) -> Verdict:
@@ -64,18 +63,9 @@ def not_above(evidence: Evidence) -> Verdict:
     late = np.median(s[steps >= steps.max() / 2])
     checks.append((f"eta {eta:g}, seed {seed}: {late * eta / 2:.2f} x 2/eta",
                    late <= ABOVE * 2 / eta))
-  return _listed(all_hold(checks, "the median sharpness over the second "
-                          f"half of training at most {ABOVE:g} x 2/eta, per "
-                          "step size and seed"), checks)
-
-
-def _listed(verdict: Verdict, checks) -> Verdict:
-  """`verdict` with every check's figure (a failing one names only the
-  failures)."""
-  if verdict.outcome != HOLDS:
-    return verdict
-  return Verdict(verdict.outcome, verdict.evidence + ": " + "; ".join(
-      label for label, _ in checks))
+  return all_hold(checks, "the median sharpness over the second half of "
+                  f"training at most {ABOVE:g} x 2/eta, per step size and "
+                  "seed", listed=True)
 
 
 def draw(evidence: Evidence, folder: Path) -> list[Path]:

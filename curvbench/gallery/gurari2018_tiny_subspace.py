@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from curvbench import plots
-from curvbench.gallery import (HOLDS, Claim, Entry, Evidence, Verdict,
-                               all_hold, rows)
+from curvbench.gallery import (Claim, Entry, Evidence, Verdict, all_hold,
+                               rows)
 from curvbench.measurements.spectra.compute import GRADIENT_SHARE
 
 CLASSES = 10  # digits
@@ -38,12 +38,8 @@ def mostly_in_top_subspace(evidence: Evidence) -> Verdict:
                    f">= {SETTLED} (at step 0: "
                    f"{run[run.step == 0].value.iloc[0]:.3f})",
                    late.median() >= MOSTLY))
-  verdict = all_hold(checks, f"the median share from step {SETTLED} on at "
-                     f"least {MOSTLY:g}, per seed")
-  if verdict.outcome != HOLDS:
-    return verdict
-  return Verdict(verdict.outcome, verdict.evidence + ": " + "; ".join(
-      label for label, _ in checks))
+  return all_hold(checks, f"the median share from step {SETTLED} on at "
+                  f"least {MOSTLY:g}, per seed", listed=True)
 
 
 def draw(evidence: Evidence, folder: Path) -> list[Path]:

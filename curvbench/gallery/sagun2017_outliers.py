@@ -56,10 +56,8 @@ def bulk_near_zero(evidence: Evidence) -> Verdict:
     share = float(np.mean(values < BULK * values[0]))
     checks.append((f"seed {seed}: {share:.1%} of the eigenvalues below "
                    f"{BULK:g} of the largest", share >= 0.9))
-  verdict = all_hold(checks, f"at least 90 % of the eigenvalues below "
-                     f"{BULK:g} of the largest, per seed")
-  return Verdict(verdict.outcome, verdict.evidence + "; " + "; ".join(
-      label for label, _ in checks))
+  return all_hold(checks, f"at least 90 % of the eigenvalues below "
+                  f"{BULK:g} of the largest, per seed", listed=True)
 
 
 def draw(evidence: Evidence, folder: Path) -> list[Path]:
