@@ -73,20 +73,6 @@ def colour_map(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
   return plots.colours(names, declared)
 
 
-def gallery_section(judged) -> Section:
-  """The verdicts of the gallery entries these runs reproduce."""
-  verdicts = pd.DataFrame([
-      dict(entry=j.entry.name, claim=c.statement, verdict=v.outcome,
-           evidence=v.evidence) for j in judged for c, v in j.verdicts])
-  return Section(
-      "Gallery", "Do the published findings these runs reproduce hold?",
-      findings=gallery_page.findings(judged),
-      tables=[Table("gallery", "Each claim's verdict, computed from the "
-                    "records", verdicts)],
-      notes=["gallery.md and gallery.html: each entry's paper, claims, what "
-             "differs from the paper, runs and figure."])
-
-
 def runs_section(runs: pd.DataFrame) -> Section:
   """The runs: how many of each status, and those not in the results."""
   counts = runs.groupby("status").run_dir.count().rename("runs").reset_index()
@@ -146,7 +132,7 @@ def write(root, out=None) -> dict:
         sections.append(section)
   judged = gallery_page.judge(done, tables)
   if judged:
-    sections.append(gallery_section(judged))
+    sections.append(gallery_page.section(judged))
   sections.append(runs_section(loaded.runs))
   notes = sweep.mixed_inputs(done)
   if notes:

@@ -21,7 +21,6 @@ import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,8 +92,9 @@ class Entry:
   figures and tables), `differs` (how these runs differ from the
   paper's), `sweeps` (per size, the sweep's parts: mappings of overrides,
   comma lists swept, as `hydra.sweeper.sweeps` takes them; every entry has
-  a `cpu` size), `claims`, and `draw(evidence, folder) -> [paths]`, its
-  own figure where the measurements' figures do not show the finding."""
+  a `cpu` size), `claims`, and `draw(evidence, ax)`, which plots its own
+  figure on one panel where the measurements' figures do not show the
+  finding (the page adds the legend and saves it)."""
   name: str
   title: str
   paper: str
@@ -102,7 +102,7 @@ class Entry:
   differs: tuple[str, ...]
   sweeps: Mapping[str, list[dict[str, Any]]]
   claims: tuple[Claim, ...]
-  draw: Callable[[Evidence, Path], list[Path]] | None = None
+  draw: Callable[[Evidence, Any], None] | None = None
 
   def __post_init__(self):
     if CPU not in self.sweeps:
@@ -179,6 +179,20 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   return df
 
 
+def trained_eigenvalues(evidence: Evidence, matrix: str,
+                        per: str = "run_id") -> dict:
+  """Exact `matrix`'s eigenvalues (descending) at the last measured step,
+  on the first data draw where a run measured several, per value of
+  column `per` (a run, or a seed)."""
+  spectra = rows(evidence, "spectra", f"the trained {matrix}'s eigenvalues",
+                 source="exact", matrix=matrix)
+  last = spectra[spectra.step == spectra.step.max()]
+  if "sample" in last:
+    last = last[last["sample"] == last["sample"].min()]
+  return {key: np.sort(s.eigenvalue.to_numpy())[::-1]
+          for key, s in last.groupby(per)}
+
+
 def by(found: Mapping, names, what: str) -> list:
   """`found[name]` for each of `names`; `MissingRecords` (naming `what`)
   where one is absent."""
@@ -234,6 +248,6 @@ def mean_interval(text: str, diff: tuple[float, float, float]) -> str:
 
 __all__ = ["CPU", "Claim", "Entry", "Evidence", "FAILS", "HOLDS",
            "MissingRecords", "OUTCOMES", "UNSETTLED", "Verdict", "all_hold",
-           "by",
+           "by", "trained_eigenvalues",
            "entries", "evidence", "experiments", "lower", "mean_interval",
            "rows"]

@@ -6,8 +6,6 @@ eigenvalue of the training loss's Hessian) rises during training
 quadratic model allows GD to be stable at, and it does not settle above.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
@@ -68,10 +66,9 @@ def not_above(evidence: Evidence) -> Verdict:
                   "seed", listed=True)
 
 
-def draw(evidence: Evidence, folder: Path) -> list[Path]:
+def draw(evidence: Evidence, ax) -> None:
   """Sharpness against step, a colour per step size (a line per seed),
   each with its 2/η dashed."""
-  fig, (ax,) = plots.grid(1, width=5.2, height=3.6)
   colours = dict(zip(sorted({eta for eta, *_ in _per_run(evidence)}),
                      plots.colours([f"{i}" for i in range(9)]).values()))
   for eta, seed, steps, s in _per_run(evidence):
@@ -82,8 +79,6 @@ def draw(evidence: Evidence, folder: Path) -> list[Path]:
   ax.set(xlabel="step (full-batch gradient descent)",
          ylabel="sharpness (top Hessian eigenvalue)",
          title="Sharpness along training; dashed: 2/eta")
-  ax.legend(fontsize=8)
-  return plots.save(fig, folder / "gallery_cohen2021_edge_of_stability")
 
 
 GD = {"problem": "mlp", "problem.batch_size": 1500, "measure": "spectra",

@@ -7,12 +7,9 @@ all in that basis, so never farther than K-FAC's own; and its optimizer
 trains deep autoencoders faster than K-FAC's.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
-from curvbench import plots
 from curvbench.gallery import (Claim, Entry, Evidence, MissingRecords,
                                Verdict, all_hold, by, lower, rows)
 from curvbench.measurements.training import comparison
@@ -67,11 +64,10 @@ def faster_at_equal_time(evidence: Evidence) -> Verdict:
                ("EKFAC", "K-FAC"))
 
 
-def draw(evidence: Evidence, folder: Path) -> list[Path]:
+def draw(evidence: Evidence, ax) -> None:
   """EKFAC's error against K-FAC's, one point per block, step and seed:
   every point on or below the diagonal is the claim."""
   errors = _errors(evidence).reset_index()
-  fig, (ax,) = plots.grid(1, width=4.5, height=4.2)
   for step, at in errors.groupby("step"):
     ax.scatter(at.kfac, at.ekfac, s=14, label=f"step {step}")
   top = float(np.nanmax(errors[["kfac", "ekfac"]].to_numpy()))
@@ -79,8 +75,6 @@ def draw(evidence: Evidence, folder: Path) -> list[Path]:
   ax.set(xlabel="K-FAC relative Frobenius error",
          ylabel="EKFAC relative Frobenius error",
          title="Per layer block, against the exact GGN")
-  ax.legend(fontsize=8)
-  return plots.save(fig, folder / "gallery_george2018_ekfac")
 
 
 ENTRY = Entry(

@@ -5,13 +5,10 @@ from the rest of its spectrum; with batch normalisation (in training
 mode) they are gone.
 """
 
-from pathlib import Path
-
 import numpy as np
 
-from curvbench import plots
-from curvbench.gallery import (Claim, Entry, Evidence, MissingRecords,
-                               Verdict, lower, rows)
+from curvbench.gallery import (Claim, Entry, Evidence, Verdict, by, lower,
+                               trained_eigenvalues)
 
 STEPS = 200
 # The isolation of the top of the spectrum: the largest eigenvalue over
@@ -22,15 +19,12 @@ RANK = 10
 def _tops(evidence: Evidence) -> dict[str, dict[int, np.ndarray]]:
   """Per normalisation and seed, the Hessian's eigenvalues (descending)
   after training, on the first measured batch."""
-  spectra = rows(evidence, "spectra", "the trained Hessian's eigenvalues",
-                 source="exact", matrix="hessian")
-  spectra = spectra[(spectra.step == spectra.step.max())
-                    & (spectra["sample"] == 0)]
-  norms = evidence.done.set_index("run_id")["config:problem.norm"]
+  found = trained_eigenvalues(evidence, "hessian")
+  runs = evidence.done.set_index("run_id")
   out = {}
-  for run_id, s in spectra.groupby("run_id"):
-    out.setdefault(norms[run_id], {})[int(s.seed.iloc[0])] = np.sort(
-        s.eigenvalue.to_numpy())[::-1]
+  for run_id, values in found.items():
+    norm, seed = runs.loc[run_id, ["config:problem.norm", "config:seed"]]
+    out.setdefault(norm, {})[int(seed)] = values
   return out
 
 
@@ -39,11 +33,10 @@ def isolation(values: np.ndarray) -> float:
 
 
 def batch_norm_removes_outliers(evidence: Evidence) -> Verdict:
-  tops = _tops(evidence)
-  if not {"batch", "none"} <= set(tops):
-    raise MissingRecords("runs with and without batch norm")
-  logs = {norm: np.log10([isolation(v) for v in tops[norm].values()])
-          for norm in ("batch", "none")}
+  norms = ("batch", "none")
+  logs = dict(zip(norms, (np.log10([isolation(v) for v in top.values()])
+                          for top in by(_tops(evidence), norms, "runs with "
+                                        "and without batch norm"))))
   verdict = lower(logs["batch"], logs["none"],
                   f"log10 of the top eigenvalue over the {RANK}th",
                   ("batch norm", "no normalisation"))
@@ -54,10 +47,9 @@ def batch_norm_removes_outliers(evidence: Evidence) -> Verdict:
       f"{ratios['none']}"))
 
 
-def draw(evidence: Evidence, folder: Path) -> list[Path]:
+def draw(evidence: Evidence, ax) -> None:
   """The top 30 Hessian eigenvalues after training, with and without
   batch norm, one line per seed."""
-  fig, (ax,) = plots.grid(1, width=5.0, height=3.6)
   for norm, style in (("batch", "-"), ("none", "--")):
     for seed, values in _tops(evidence).get(norm, {}).items():
       top = values[:30]
@@ -67,8 +59,6 @@ def draw(evidence: Evidence, folder: Path) -> list[Path]:
                   f"seed {seed}")
   ax.set(xlabel="rank", ylabel="eigenvalue",
          title=f"Trained Hessian, top 30 (after {STEPS} steps)")
-  ax.legend(fontsize=7)
-  return plots.save(fig, folder / "gallery_ghorbani2019_batch_norm")
 
 
 SPECTRA = {"problem": "resnet_small", "problem.norm": "batch,none",

@@ -4,11 +4,8 @@ gradient lies mostly in the span of the Hessian's top k eigenvectors, k
 the number of classes, and stays there as that subspace changes.
 """
 
-from pathlib import Path
-
 import pandas as pd
 
-from curvbench import plots
 from curvbench.gallery import (Claim, Entry, Evidence, Verdict, all_hold,
                                rows)
 from curvbench.measurements.spectra.compute import GRADIENT_SHARE
@@ -42,17 +39,14 @@ def mostly_in_top_subspace(evidence: Evidence) -> Verdict:
                   f"least {MOSTLY:g}, per seed", listed=True)
 
 
-def draw(evidence: Evidence, folder: Path) -> list[Path]:
+def draw(evidence: Evidence, ax) -> None:
   """The gradient's share in the top-C Hessian eigenspace along training,
   a line per seed."""
-  fig, (ax,) = plots.grid(1, width=5.0, height=3.4)
   for seed, run in shares(evidence).groupby("seed"):
     ax.plot(run.step, run.value, marker="o", ms=3, label=f"seed {seed}")
   ax.axhline(MOSTLY, color="0.5", ls="--", lw=1)
   ax.set(xlabel="step", ylabel=f"share of |g|^2 in the top {CLASSES}",
          ylim=(0, 1.02), title="The gradient in the top Hessian eigenspace")
-  ax.legend(fontsize=8)
-  return plots.save(fig, folder / "gallery_gurari2018_tiny_subspace")
 
 
 SGD = {"problem": "mlp", "measure": "spectra", "curvature": "diagonal",

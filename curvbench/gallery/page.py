@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from curvbench import html_page, plots, records
-from curvbench.sections import to_markdown
+from curvbench.sections import Section, Table, to_markdown
 from curvbench.gallery import Claim, Entry, Evidence, Verdict, entries
 from curvbench.gallery import evidence as evidence_of
 
@@ -35,6 +35,20 @@ def judge(done: pd.DataFrame, tables: dict[str, pd.DataFrame]
       out.append(Judged(entry, found, [(c, c.judge(found))
                                        for c in entry.claims]))
   return out
+
+
+def section(judged: list[Judged]) -> Section:
+  """The verdicts of the gallery entries these runs reproduce."""
+  verdicts = pd.DataFrame([
+      dict(entry=j.entry.name, claim=c.statement, verdict=v.outcome,
+           evidence=v.evidence) for j in judged for c, v in j.verdicts])
+  return Section(
+      "Gallery", "Do the published findings these runs reproduce hold?",
+      findings=findings(judged),
+      tables=[Table("gallery", "Each claim's verdict, computed from the "
+                    "records", verdicts)],
+      notes=["gallery.md and gallery.html: each entry's paper, claims, what "
+             "differs from the paper, runs and figure."])
 
 
 def findings(judged: list[Judged]) -> list[str]:
@@ -80,6 +94,14 @@ def _runs_line(root: Path, found: Evidence) -> str:
           f"{minutes:.1f} min of runs.")
 
 
+def _figure(judged: Judged, folder: Path) -> list[Path]:
+  """The entry's own figure, one panel, as `gallery_<name>` PNG and PDF."""
+  fig, (ax,) = plots.grid(1, width=5.0, height=3.6)
+  judged.entry.draw(judged.evidence, ax)
+  ax.legend(fontsize=7)
+  return plots.save(fig, folder / f"gallery_{judged.entry.name}")
+
+
 def _counts(judged: list[Judged]) -> str:
   outcomes = [v.outcome for j in judged for _, v in j.verdicts]
   return ", ".join(f"{outcomes.count(o)} {o}" for o in dict.fromkeys(
@@ -103,7 +125,7 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
       table = pd.DataFrame([dict(claim=c.statement, paper=c.figure,
                                  verdict=v.outcome, evidence=v.evidence)
                             for c, v in j.verdicts])
-      figures = e.draw(j.evidence, out / "figures") if e.draw else []
+      figures = _figure(j, out / "figures") if e.draw else []
       written += figures
       pngs = [p for p in figures if p.suffix == ".png"]
       runs = _runs_line(root, j.evidence)

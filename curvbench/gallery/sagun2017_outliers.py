@@ -5,14 +5,12 @@ Spectra" (JMLR): after training, the spectrum of a C-class classifier's
 GGN is a bulk near zero and about C outliers, set apart by a gap.
 """
 
-from pathlib import Path
-
 import numpy as np
 
-from curvbench import metrics, plots
+from curvbench import metrics
 from curvbench.gallery import (FAILS, HOLDS, UNSETTLED, Claim, Entry,
-                               Evidence, MissingRecords, Verdict, all_hold,
-                               rows)
+                               Evidence, Verdict, all_hold,
+                               trained_eigenvalues)
 
 CLASSES = 10  # digits
 STEPS = 1000
@@ -21,25 +19,14 @@ WIDTH = 32
 BULK = 1e-2
 
 
-def _final_spectra(evidence: Evidence):
-  """Per seed, the exact GGN's eigenvalues after training, descending."""
-  spectra = rows(evidence, "spectra", "the trained GGN's eigenvalues",
-                 source="exact", matrix="ggn")
-  spectra = spectra[spectra.step == spectra.step.max()]
-  return {seed: np.sort(s.eigenvalue.to_numpy())[::-1]
-          for seed, s in spectra.groupby("seed")}
-
-
 def about_c_outliers(evidence: Evidence) -> Verdict:
   found = {}
-  for seed, values in _final_spectra(evidence).items():
+  for seed, values in trained_eigenvalues(evidence, "ggn", per="seed").items():
     top = values[:2 * CLASSES + 1]
     ratios = top[:-1] / top[1:]
     widest = int(np.argmax(ratios))
     found[seed] = (metrics.num_outliers(values, 2 * CLASSES), widest + 1,
                    ratios[widest])
-  if not found:
-    raise MissingRecords("the trained GGN's eigenvalues")
   near = [abs(c - CLASSES) <= 1 for c, _, _ in found.values()]
   text = (f"outliers (above the widest gap among the top {2 * CLASSES + 1} "
           "eigenvalues where its ratio is at least 2) per seed: " + "; ".join(
@@ -52,7 +39,7 @@ def about_c_outliers(evidence: Evidence) -> Verdict:
 
 def bulk_near_zero(evidence: Evidence) -> Verdict:
   checks = []
-  for seed, values in _final_spectra(evidence).items():
+  for seed, values in trained_eigenvalues(evidence, "ggn", per="seed").items():
     share = float(np.mean(values < BULK * values[0]))
     checks.append((f"seed {seed}: {share:.1%} of the eigenvalues below "
                    f"{BULK:g} of the largest", share >= 0.9))
@@ -60,19 +47,16 @@ def bulk_near_zero(evidence: Evidence) -> Verdict:
                   f"{BULK:g} of the largest, per seed", listed=True)
 
 
-def draw(evidence: Evidence, folder: Path) -> list[Path]:
+def draw(evidence: Evidence, ax) -> None:
   """The top of the trained GGN's spectrum, one line per seed, with C
   marked: the outliers are the points left of the drop."""
-  fig, (ax,) = plots.grid(1, width=5.0, height=3.6)
-  for seed, values in _final_spectra(evidence).items():
+  for seed, values in trained_eigenvalues(evidence, "ggn", per="seed").items():
     top = values[:3 * CLASSES]
     ax.semilogy(np.arange(1, top.size + 1), top, marker="o", ms=3,
                 label=f"seed {seed}")
   ax.axvline(CLASSES + 0.5, color="0.5", ls="--", lw=1)
   ax.set(xlabel="rank", ylabel="eigenvalue",
          title=f"Trained GGN, top {3 * CLASSES} (C = {CLASSES} dashed)")
-  ax.legend(fontsize=8)
-  return plots.save(fig, folder / "gallery_sagun2017_outliers")
 
 
 ENTRY = Entry(

@@ -671,12 +671,12 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
         dict(trace=hutch[1], trace_xtrace=xtr[1]))
 
   grads = mean_gradient(loss_fn, params, data)
+  g = _flat(grads)
   for name in references:
-    found = spectra_of[name][2]
+    _, _, top, vectors = spectra_of[name]
     tables["statistics"] += _statistic_rows("exact", name, {
         GRADIENT_SHARE: metrics.share_in_span(
-            _columns(spectra_of[name][3])[:, np.isfinite(found)],
-            _flat(grads))})
+            _columns(vectors)[:, np.isfinite(top)], g)})
   rhos = cfg.relative_dampings
   approx_dirs = {rho: _flat(jax.jit(lambda s, g, d: curvature.precondition(
       curvature.refresh(s, d), g, d))(states[label], grads,
