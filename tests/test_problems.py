@@ -113,6 +113,7 @@ def test_ink_curves_passes_through_its_points():
 
 def test_real_data_missing_says_which_files(tmp_path, monkeypatch):
   monkeypatch.delenv("CURVBENCH_DATA", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no fetched copies
   with pytest.raises(FileNotFoundError, match="data_dir"):
     mnist()
   with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):

