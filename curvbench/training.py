@@ -10,6 +10,7 @@ the trainer's edges so that callers still see ordinary parameters.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -146,6 +147,30 @@ def time_grid(cfg) -> list[float]:
           for k in range(1, cfg.time_grid + 1)]
 
 
+def batch_schedule(first: int, total: int, growth_steps: int | None,
+                   ladder: float) -> Callable[[int], int]:
+  """The batch size of update k (from 1): `first` throughout without
+  `growth_steps`; else Martens & Grosse's (2015, sec. 13) exponential
+  growth m_k = min(first * e^((k - 1) / b), total), b such that update
+  `growth_steps` takes all `total` examples, each size rounded down to a
+  rung first * ladder^j (or `total`), so that a few programs are compiled.
+  """
+  if growth_steps is None or first >= total:
+    return lambda k: first
+  rungs = [first * ladder ** j for j in range(
+      int(np.floor(np.log(total / first) / np.log(ladder))) + 1)]
+  rungs = sorted({int(r) for r in rungs if r < total} | {total})
+  rate = np.log(total / first) / max(growth_steps - 1, 1)
+
+  def size(k: int) -> int:
+    if k >= growth_steps:
+      return total
+    wanted = first * np.exp(rate * (k - 1)) * (1 + 1e-12)  # round-off
+    return max(r for r in rungs if r <= wanted)
+
+  return size
+
+
 def run(problem, optimizer, params, cfg, rng, data_seed: int,
         progress: bool = True, at_steps=(), on_step: Callable | None = None,
         mesh: Mesh | None = None) -> list[dict]:
@@ -168,6 +193,15 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   seconds whatever its step time. Each step then waits for its result, so
   that the clock is read when the step is done.
 
+  With `cfg.batch_growth_steps` the batch grows along `batch_schedule`
+  (rows gain `batch_size`, the size of update s), every size's programs
+  compiled before the clock starts. With `cfg.average_decay` ξ the run
+  keeps, on the clock, the running average of its iterates (ξ times the
+  average plus 1 - ξ times the new iterate) and evaluates both: columns
+  `*_iterate` and `*_average`, and the usual columns hold the lower of the
+  two, as Martens & Grosse (2015, sec. 13) report (a model's state is the
+  iterate's).
+
   A non-finite loss ends the run; its last row has `diverged` true.
   `on_step(step, params, model_state)` is called, off the clock, after
   each of `at_steps` steps. With a `mesh` (the optimizer's), every batch
@@ -188,7 +222,10 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   grid = time_grid(cfg)
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
-  batches = problem.batches(seed=data_seed, dtype=dtype)
+  size_of = batch_schedule(problem.batch_size, len(problem.data.x_train),
+                           cfg.batch_growth_steps, cfg.batch_ladder)
+  batches = problem.batches(seed=data_seed, dtype=dtype, sizes=map(
+      size_of, itertools.count(1)))
   evaluate = evaluator(problem, cfg, dtype)
   if mesh is None:
     place = lambda batch: batch
@@ -197,28 +234,53 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
     params = devices.replicate(params, mesh)
   first = place(next(batches))
   opt_state = optimizer.init(params, first, rng)
-  compile_s = compile_steps(optimizer, params, opt_state, first, rng)
+  # One batch of every size the schedule reaches, so that every program
+  # is compiled before the clock starts.
+  growth = min(num_steps, cfg.batch_growth_steps or 1)
+  later = sorted({size_of(k) for k in range(1, growth + 1)} - {size_of(1)})
+  warm = [first] + [place(next(problem.batches(
+      batch_size=size, seed=data_seed, dtype=dtype))) for size in later]
+  compile_s = sum(compile_steps(optimizer, params, opt_state, batch, rng)
+                  for batch in warm)
   model_state = problem.init_model_state(dtype)
+  start_compile = time.perf_counter()
   if problem.has_state:
-    start_compile = time.perf_counter()
     advance = jax.jit(problem.next_model_state)
-    jax.block_until_ready(advance(params, model_state, first[0]))  # compiled
-    compile_s += time.perf_counter() - start_compile
+    for batch in warm:
+      jax.block_until_ready(advance(params, model_state, batch[0]))
+  decay = cfg.average_decay
+  if decay is not None:
+    average = jax.jit(lambda mean, new: jax.tree.map(
+        lambda m, p: decay * m + (1 - decay) * p, mean, new))
+    jax.block_until_ready(average(params, params))
+  compile_s += time.perf_counter() - start_compile
+  mean = params  # the iterates' running average (with average_decay)
   if 0 in at_steps:
     on_step(0, params, model_state)
 
-  def row(step, params, model_state, wall_s, batch_loss, scores,
-          time_point_s=np.nan):
+  def scores_of(params, mean, model_state):
+    own = evaluate(params, model_state)
+    if decay is None:
+      return own
+    averaged = evaluate(mean, model_state)
+    # The lower of the two, as Martens & Grosse (2015, sec. 13) report.
+    return {**{k: float(np.minimum(v, averaged[k])) for k, v in own.items()},
+            **{f"{k}_iterate": v for k, v in own.items()},
+            **{f"{k}_average": v for k, v in averaged.items()}}
+
+  def row(step, wall_s, batch_loss, scores, time_point_s=np.nan):
     checked = [v for v in (batch_loss, scores.get("train_loss"))
                if v is not None]
     return dict(step=step, wall_s=wall_s, compile_s=compile_s,
                 batch_loss=batch_loss, **scores, time_point_s=time_point_s,
-                diverged=not np.all(np.isfinite(checked)))
+                diverged=not np.all(np.isfinite(checked)),
+                **({} if cfg.batch_growth_steps is None
+                   else dict(batch_size=size_of(max(step, 1)))))
 
-  start_scores = evaluate(params, model_state)
-  rows = [row(0, params, model_state, 0.0, None, start_scores,
-              0.0 if grid else np.nan)]
-  held = (0, params, model_state, 0.0, start_scores)  # the last step done
+  start_scores = scores_of(params, mean, model_state)
+  rows = [row(0, 0.0, None, start_scores, 0.0 if grid else np.nan)]
+  # The last step done: (step, params, mean, model state, seconds, scores).
+  held = (0, params, mean, model_state, 0.0, start_scores)
   elapsed, batch, next_point = 0.0, first, 0
   for step in tqdm(range(1, num_steps + 1), desc="training",
                    disable=not progress, leave=False):
@@ -227,26 +289,27 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
     if problem.has_state:
       model_state = advance(params, model_state, batch[0])
     params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
+    if decay is not None:
+      mean = average(mean, params)
     logged = step % log_every == 0 or step == num_steps
     if logged or budget is not None:
-      loss = float(loss)  # waits for the step
+      loss = float(jax.block_until_ready((mean, loss))[1])  # waits for both
     elapsed += time.perf_counter() - start
     # Grid points this step ran past: the parameters held there are the
     # previous step's.
     while next_point < len(grid) and elapsed >= grid[next_point]:
-      done, kept, kept_state, wall, scores = held
+      done, kept, kept_mean, kept_state, wall, scores = held
       if scores is None:
-        scores = evaluate(kept, kept_state)
-        held = (done, kept, kept_state, wall, scores)
-      rows.append(row(done, kept, kept_state, wall, None, scores,
-                      grid[next_point]))
+        scores = scores_of(kept, kept_mean, kept_state)
+        held = (done, kept, kept_mean, kept_state, wall, scores)
+      rows.append(row(done, wall, None, scores, grid[next_point]))
       next_point += 1
     last = step == num_steps or (budget is not None and elapsed >= budget)
     if logged or last:
       evaluated = step % eval_every == 0 or last
-      scores = evaluate(params, model_state) if evaluated else {}
-      rows.append(row(step, params, model_state, elapsed, loss, scores))
-      held = (step, params, model_state, elapsed,
+      scores = scores_of(params, mean, model_state) if evaluated else {}
+      rows.append(row(step, elapsed, loss, scores))
+      held = (step, params, mean, model_state, elapsed,
               scores if evaluated else None)
       if last and step < num_steps:  # the time budget is spent
         missed = sorted(s for s in at_steps if s > step)
@@ -267,7 +330,7 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
               "learning rate or raise the damping.")
         break
     else:
-      held = (step, params, model_state, elapsed, None)
+      held = (step, params, mean, model_state, elapsed, None)
     if step in at_steps:
       on_step(step, params, model_state)
     batch = place(next(batches))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -256,23 +257,37 @@ class Problem:
 
   def batches(self, split: str = "train", batch_size: int | None = None,
               seed: int | None = None, epochs: int | None = None,
-              dtype=np.float32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+              dtype=np.float32, sizes: Iterator[int] | None = None
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Batches `(inputs, targets)`, reshuffled each epoch; the last partial
-    batch of an epoch is dropped. Endless when `epochs` is None."""
+    batch of an epoch is dropped. Endless when `epochs` is None.
+
+    With `sizes`, each batch takes its size from that iterator in turn (a
+    batch schedule), drawn from the epoch's order where the last one ended;
+    a batch that no longer fits the epoch starts the next.
+    """
     x, y = self._split(split)
-    size = batch_size or self.batch_size
-    if size > len(x):
-      raise ValueError(f"A batch of {size} does not fit the {len(x)} {split} "
-                       "examples; lower the batch size or raise the data size.")
+    fixed = batch_size or self.batch_size
+    sizes = itertools.repeat(fixed) if sizes is None else sizes
     seed = self.seed if seed is None else seed
-    epoch = 0
-    while epochs is None or epoch < epochs:
-      order = np.random.default_rng([seed, epoch]).permutation(len(x))
-      for start in range(0, len(x) - size + 1, size):
-        idx = order[start:start + size]
-        xb = x[idx].astype(dtype)
-        yield xb, self.targets(xb, y[idx])
-      epoch += 1
+    if epochs == 0:
+      return
+    epoch, start = 0, 0
+    order = np.random.default_rng([seed, epoch]).permutation(len(x))
+    for size in sizes:
+      if size > len(x):
+        raise ValueError(f"A batch of {size} does not fit the {len(x)} "
+                         f"{split} examples; lower the batch size or raise "
+                         "the data size.")
+      if start + size > len(x):
+        epoch, start = epoch + 1, 0
+        if epochs is not None and epoch >= epochs:
+          return
+        order = np.random.default_rng([seed, epoch]).permutation(len(x))
+      idx = order[start:start + size]
+      start += size
+      xb = x[idx].astype(dtype)
+      yield xb, self.targets(xb, y[idx])
 
   def fixed_batch(self, size: int | None = None, split: str = "train",
                   dtype=np.float32, seed: int | None = None):

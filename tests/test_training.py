@@ -1,6 +1,8 @@
 """Training runs, and the preconditioned-SGD transformation against its
 definition."""
 
+import dataclasses
+
 import jax
 import jax.flatten_util
 import numpy as np
@@ -108,3 +110,99 @@ def test_measurement_steps_lists_and_log_spacing():
                         ("every:5", "log:N"), (["a"], "list of integers")]:
     with pytest.raises(ValueError, match=message):
       training.measurement_steps(spec, 200)
+
+
+def test_batch_schedule_grows_exponentially_to_the_whole_set_on_rungs():
+  """m_k = min(m_1 e^((k-1)/b), N) with m_500 = N (Martens & Grosse 2015,
+  sec. 13), rounded down to m_1 2^j or N."""
+  first, total, steps = 1000, 20000, 500
+  size = training.batch_schedule(first, total, steps, 2.0)
+  b = (steps - 1) / np.log(total / first)
+  rungs = [1000, 2000, 4000, 8000, 16000, 20000]
+  for k in range(1, 700):
+    wanted = min(first * np.exp((k - 1) / b), total)
+    assert size(k) == max(r for r in rungs if r <= wanted * (1 + 1e-9)), k
+  assert size(1) == first and size(steps - 1) < total == size(steps)
+  assert {size(k) for k in range(1, 700)} == set(rungs)
+  assert training.batch_schedule(first, total, None, 2.0)(10**6) == first
+  assert training.batch_schedule(total, total, steps, 2.0)(1) == total
+
+
+class Shrinking:
+  """A trainer whose step multiplies the parameters by 0.9 and records its
+  batch sizes (the warm-up steps first)."""
+
+  cycle = 1
+
+  def __init__(self):
+    self.sizes = []
+
+  def init(self, params, batch, rng):
+    return ()
+
+  def step(self, params, state, batch, rng):
+    self.sizes.append(len(batch[0]))
+    return jax.tree.map(lambda p: 0.9 * p, params), state, np.float64(1.0)
+
+
+def test_training_grows_the_batch_and_compiles_every_size_first(tiny):
+  p, params, _ = tiny
+  cfg = dataclasses.replace(STEPS, batch_growth_steps=8, eval_every=100)
+  trainer = Shrinking()
+  rows = pd.DataFrame(training.run(p, trainer, params, cfg,
+                                   jax.random.PRNGKey(0), data_seed=0,
+                                   progress=False))
+  size = training.batch_schedule(p.batch_size, len(p.data.x_train), 8, 2.0)
+  schedule = [size(k) for k in range(1, cfg.num_steps + 1)]
+  assert len(set(schedule)) > 2 and schedule[-1] == len(p.data.x_train)
+  warm = 2 * len(set(schedule))  # cycle + 1 steps per size, off the clock
+  assert sorted(set(trainer.sizes[:warm])) == sorted(set(schedule))
+  assert trainer.sizes[warm:] == schedule
+  assert list(rows.batch_size[1:]) == schedule
+  assert "batch_size" not in pd.DataFrame(training.run(
+      p, Shrinking(), params, STEPS, jax.random.PRNGKey(0), data_seed=0,
+      progress=False))
+
+
+def test_training_averages_the_iterates_and_reports_the_lower_error(tiny):
+  p, params, _ = tiny
+  decay = 0.7
+  cfg = dataclasses.replace(STEPS, average_decay=decay)
+  rows = pd.DataFrame(training.run(p, Shrinking(), params, cfg,
+                                   jax.random.PRNGKey(0), data_seed=0,
+                                   progress=False)).set_index("step")
+  mean = params
+  for k in range(1, cfg.num_steps + 1):  # iterate k is 0.9^k params
+    mean = jax.tree.map(lambda m, q: decay * m + (1 - decay) * 0.9 ** k * q,
+                        mean, params)
+  evaluate = training.evaluator(p, cfg, np.float64)
+  last = rows.loc[cfg.num_steps]
+  expected = evaluate(mean, None)
+  iterate = evaluate(jax.tree.map(lambda q: 0.9 ** cfg.num_steps * q,
+                                  params), None)
+  for key in ("train_loss", "test_loss", "train_error", "test_error"):
+    np.testing.assert_allclose(last[f"{key}_average"], expected[key],
+                               rtol=1e-10)
+    np.testing.assert_allclose(last[f"{key}_iterate"], iterate[key],
+                               rtol=1e-10)
+    assert last[key] == min(expected[key], iterate[key])
+  assert last.train_loss_average != last.train_loss_iterate  # both seen
+
+
+def test_batches_take_their_sizes_from_a_schedule(tiny):
+  p = tiny[0]
+  n, third = len(p.data.x_train), len(p.data.x_train) // 3
+  fixed = list(p.batches(batch_size=third, seed=1, epochs=2))
+  scheduled = list(p.batches(seed=1, epochs=2, sizes=iter([third] * 99)))
+  assert len(fixed) == len(scheduled) == 6
+  for (x, y), (u, v) in zip(fixed, scheduled):
+    np.testing.assert_array_equal(x, u)
+    np.testing.assert_array_equal(y, v)
+  # A batch that no longer fits starts the next epoch: here the third.
+  sizes = [2, 3, n - 4, 2]
+  got = list(p.batches(seed=1, epochs=1, sizes=iter(sizes)))
+  assert [len(x) for x, _ in got] == [2, 3]
+  got = list(p.batches(seed=1, epochs=2, sizes=iter(sizes)))
+  assert [len(x) for x, _ in got] == sizes  # the last two in epoch 2
+  with pytest.raises(ValueError, match="does not fit"):
+    next(p.batches(sizes=iter([n + 1])))

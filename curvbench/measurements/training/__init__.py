@@ -56,6 +56,19 @@ class Training(Measurement):
       20, Whole(0), "with budget_s: evaluations at this many evenly spaced "
       "seconds of the budget, of the parameters held then (what equal-time "
       "comparisons read; 0: none)")
+  batch_growth_steps: int | None = setting(
+      None, Whole(2, null=True), "grow the batch exponentially from "
+      "problem.batch_size to the whole training set, reached at this step "
+      "(Martens & Grosse 2015, sec. 13; null: a fixed batch)")
+  batch_ladder: float = setting(
+      2.0, Number(1, low_in=False), "with batch_growth_steps: each batch "
+      "size is rounded down to problem.batch_size times a power of this "
+      "(or the whole set), so that few step programs are compiled")
+  average_decay: float | None = setting(
+      None, Number(0, 1, null=True), "also evaluate the "
+      "running average of the iterates, ξ times itself plus 1 - ξ times "
+      "each new one (kept on the clock), and report the lower error of the "
+      "two (Martens & Grosse 2015 use 0.99; null: the iterates only)")
   log_every: int = setting(1, Whole(1), "steps between rows")
   eval_every: int = setting(20, Whole(1), "steps between evaluations of "
                             "loss and error")
@@ -94,10 +107,14 @@ class Training(Measurement):
                "(null: all of them).")
 
   def ignored(self):
+    out = {}
     if self.budget_s is None:
-      return {"time_grid": "without measure.training.budget_s there are no "
-                           "seconds to lay a grid over"}
-    return {}
+      out["time_grid"] = ("without measure.training.budget_s there are no "
+                          "seconds to lay a grid over")
+    if self.batch_growth_steps is None:
+      out["batch_ladder"] = ("without measure.training.batch_growth_steps "
+                             "the batch does not grow")
+    return out
 
   def measure(self, ctx):
     steps = training.measurement_steps(self.checkpoint_steps, self.num_steps)
