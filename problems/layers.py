@@ -5,6 +5,9 @@ automatic registration lands in `estimators`, set `HAND_REGISTRATION = False`
 (or delete the `tag_*` calls) and the models stay otherwise unchanged.
 """
 
+import math
+import numbers
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -30,16 +33,53 @@ def tag_scale_and_shift(y, x, scale, shift):
   return kfac.register_scale_and_shift(y, x, scale, shift)
 
 
-class Dense(hk.Module):
-  """`y = x @ w + b` with `x: (batch, d_in)`, weights N(0, 1 / d_in)."""
+class SparseInit:
+  """Sparse initialization (Martens, 2010, "Deep learning via Hessian-free
+  optimization", ICML; the K-FAC paper's autoencoders use it too).
 
-  def __init__(self, size: int, name=None):
+  Each unit (a column of a `(d_in, d_out)` weight; for more axes, all but the
+  last are its inputs) is connected to `connections` inputs picked uniformly
+  at random without replacement, independently per unit, or to all of them
+  where there are fewer; those weights are drawn from N(0, stddev^2) and the
+  rest are zero. A unit's total input then does not shrink as the fan-in
+  grows, and units share fewer inputs, so they start less correlated.
+  """
+
+  def __init__(self, connections: int = 15, stddev: float = 1.0):
+    if isinstance(connections, bool) or not (
+        isinstance(connections, numbers.Integral) and connections >= 1):
+      raise ValueError(f"SparseInit(connections={connections!r}): give a "
+                       "whole number of incoming weights per unit, >= 1.")
+    self.connections, self.stddev = connections, stddev
+
+  def __call__(self, shape, dtype):
+    if len(shape) < 2:
+      raise ValueError(f"SparseInit needs a weight of shape (inputs..., "
+                       f"units), got shape {tuple(shape)}; initialise biases "
+                       "with zeros.")
+    fan_in, units = math.prod(shape[:-1]), shape[-1]
+    pick, draw = jax.random.split(hk.next_rng_key())
+    # Rank uniform noise down each column; the `connections` lowest ranks
+    # are a uniform draw without replacement, exactly that many per unit.
+    noise = jax.random.uniform(pick, (fan_in, units))
+    ranks = jnp.argsort(jnp.argsort(noise, axis=0), axis=0)
+    mask = ranks < self.connections
+    w = self.stddev * jax.random.normal(draw, (fan_in, units), dtype)
+    return jnp.where(mask, w, jnp.zeros((), dtype)).reshape(shape)
+
+
+class Dense(hk.Module):
+  """`y = x @ w + b` with `x: (batch, d_in)`; weights from `w_init` (a Haiku
+  initializer; default N(0, 1 / d_in)), biases zero."""
+
+  def __init__(self, size: int, name=None, w_init=None):
     super().__init__(name=name)
     self.size = size
+    self.w_init = w_init
 
   def __call__(self, x):
     d_in = x.shape[-1]
-    init = hk.initializers.RandomNormal(d_in ** -0.5)
+    init = self.w_init or hk.initializers.RandomNormal(d_in ** -0.5)
     w = hk.get_parameter("w", (d_in, self.size), x.dtype, init)
     b = hk.get_parameter("b", (self.size,), x.dtype, jnp.zeros)
     return tag_dense(x @ w + b, x, w, b)

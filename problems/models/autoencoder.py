@@ -27,19 +27,39 @@ class Autoencoder(ProblemSettings):
                             "nonlinearity of every layer but the code")
   loss: str = setting("sigmoid_cross_entropy", OneOf(tuple(LOSSES)),
                       "the reconstruction loss")
+  init: str = setting(
+      "gaussian", OneOf(("gaussian", "sparse")),
+      "weight initialisation of every layer: gaussian draws each weight from "
+      "N(0, 1/fan_in); sparse (Martens 2010, as in the K-FAC paper) gives "
+      "each unit sparse_connections N(0, 1) incoming weights at random "
+      "inputs and zeros elsewhere; biases start at zero either way")
+  sparse_connections: int = setting(
+      15, Whole(1), "non-zero incoming weights per unit with init=sparse "
+      "(all inputs where a layer has fewer)")
+
+  def ignored(self):
+    if self.init == "gaussian":
+      return {"sparse_connections": "init=gaussian draws every weight "
+                                    "(init=sparse uses it)"}
+    return {}
 
   def build(self, data):
     act = layers.activation(self.activation)
     out_dim = math.prod(data.input_shape)
+    w_init = (layers.SparseInit(self.sparse_connections)
+              if self.init == "sparse" else None)
+
+    def dense(size, name):
+      return layers.Dense(size, name=name, w_init=w_init)
 
     def model(x):
       h = x.reshape(x.shape[0], -1)
       for i, size in enumerate(self.encoder):
-        h = act(layers.Dense(size, name=f"enc_{i}")(h))
-      h = layers.Dense(self.code, name="code")(h)  # linear code layer
+        h = act(dense(size, f"enc_{i}")(h))
+      h = dense(self.code, "code")(h)  # linear code layer
       for i, size in enumerate(reversed(self.encoder)):
-        h = act(layers.Dense(size, name=f"dec_{i}")(h))
-      return layers.Dense(out_dim, name="logits")(h)
+        h = act(dense(size, f"dec_{i}")(h))
+      return dense(out_dim, "logits")(h)
 
     return Problem.from_model(model, data, self, task="reconstruction",
                               loss_name=self.loss)
