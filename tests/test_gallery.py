@@ -13,6 +13,7 @@ from curvbench.gallery import FAILS, HOLDS, UNSETTLED, Evidence
 from curvbench.gallery import cohen2021_edge_of_stability as cohen
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
 from curvbench.gallery import george2018_ekfac as george
+from curvbench.gallery import martens2015_kfac as martens
 from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
 from curvbench.gallery import gurari2018_tiny_subspace as gurari
 from curvbench.gallery import morwani2025_shampoo2 as morwani
@@ -82,6 +83,53 @@ def test_ekfac_faster_follows_the_interval_of_the_difference(ekfac,
                                                              outcome):
   done, rows = training({"kfac": [2.0, 2.1, 1.9], "ekfac": ekfac})
   assert verdict(george, 1, evidence(done, training=rows)) == outcome
+
+
+# --- Martens & Grosse (K-FAC) ------------------------------------------------
+
+def tuned_training(errors: dict, budget=10.0):
+  """Training records of `{(problem, optimizer, learning rate): errors per
+  seed}`, each run at its error on the last point of its time grid."""
+  rows, done = [], []
+  for (problem, name, rate), values in errors.items():
+    for seed, error in enumerate(values):
+      run_id = f"{problem}-{name}-{rate}-{seed}"
+      done.append({"run_id": run_id, "problem": problem,
+                   "config:optimizer.name": name,
+                   "config:optimizer.learning_rate": rate,
+                   "config:seed": seed,
+                   "config:measure.training.budget_s": budget})
+      for step, at, value in ((0, 0.0, 50.0), (40, budget, error)):
+        rows.append(dict(measure="training", run_id=run_id, problem=problem,
+                         step=step, wall_s=at, time_point_s=at,
+                         train_error=value, diverged=False))
+  return evidence(pd.DataFrame(done), training=pd.DataFrame(rows))
+
+
+def test_kfac_paper_claims_compare_each_optimizers_best_setting():
+  found = tuned_training({
+      ("curves", "kfac", None): [3.0, 3.1, 2.9],
+      ("curves", "sgd", 0.01): [5.0, 5.2, 4.9],  # the baseline's best
+      ("curves", "sgd", 0.03): [1.0, 9.0, 30.0],  # lower once, worse mean
+      ("curves", "adam", 0.001): [2.0, 2.1, 1.9]})
+  chosen = martens.chosen(found)
+  assert set(chosen[chosen.optimizer == "sgd"].setting) == {"learning_rate=0.01"}
+  assert verdict(martens, 0, found) == HOLDS  # below SGD's 5
+  beaten = martens.ENTRY.claims[1].judge(found)
+  assert beaten.outcome == FAILS and "curves" in beaten.evidence
+
+
+def test_kfac_paper_claims_hold_only_on_every_problem():
+  both = {("curves", "kfac", None): [3.0, 3.1, 2.9],
+          ("curves", "sgd", 0.01): [5.0, 5.2, 4.9]}
+  assert verdict(martens, 0, tuned_training({
+      **both, ("mnist", "kfac", None): [3.0, 3.1, 2.9],
+      ("mnist", "sgd", 0.01): [2.0, 2.1, 1.9]})) == FAILS
+  assert verdict(martens, 0, tuned_training({
+      **both, ("mnist", "kfac", None): [3.0, 1.0, 5.0],
+      ("mnist", "sgd", 0.01): [3.0, 3.1, 2.9]})) == UNSETTLED
+  assert verdict(martens, 0, tuned_training({
+      **both, ("mnist", "kfac", None): [3.0, 3.1, 2.9]})) == UNSETTLED
 
 
 # --- Eschenhagen et al. (K-FAC-reduce) -----------------------------------------
