@@ -1,5 +1,5 @@
 """`python -m curvbench ...` is the `curvbench` command."""
 
-from curvbench.app import cli
+from curvbench.cli import main
 
-cli()
+main()

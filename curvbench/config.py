@@ -39,19 +39,12 @@ from curvbench.components import (Check, Choice, Component, Flag, ListOf,
                                   Number, OneOf, Parsed, Settings,
                                   SettingsError, Text, Whole, setting)
 from curvbench import devices, measurements, plugins, tuning
+from curvbench.conf_dir import CONF_DIR
 from curvbench.approximations import CURVATURES
 from curvbench.optimizers import OPTIMIZERS
 from problems import DATASETS, PROBLEMS
 
 
-def _conf_dir() -> Path:
-  installed = Path(__file__).resolve().parent / "conf"
-  if installed.is_dir():  # a wheel or a non-editable install
-    return installed
-  return Path(__file__).resolve().parent.parent / "conf"  # a source checkout
-
-
-CONF_DIR = _conf_dir()
 # The ConfigStore name of `RunSettings`, first in conf/config.yaml.
 RUN_SCHEMA = "curvbench"
 
