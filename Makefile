@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test browser bench bench-accelerator bench-against cuda clean-venv
+.PHONY: run test lint browser bench bench-accelerator bench-against cuda clean-venv
 
 # Quiet (-qq): errors only; a machine's pip configuration may name package
 # folders it lacks, which pip would otherwise report on every install.
@@ -24,9 +24,13 @@ run: $(STAMP)
 # Tests check values, not speed: XLA's CPU code generation at its lowest
 # optimisation level compiles about a fifth faster (runs and benchmarks keep
 # the default).
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  $(PY) -m pytest -n 2 --benchmark-disable -q
+
+# The linter's rules are in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # Debian's chromium, for the tests that open generated HTML pages in a headless
 # browser; installed only where we are root with apt-get, else those tests skip.

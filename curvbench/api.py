@@ -153,7 +153,7 @@ class Results:
 
 def _task(task, loss):
   if task is None:
-    task = next((t for t, l in DEFAULT_LOSS.items() if l == loss),
+    task = next((t for t, name in DEFAULT_LOSS.items() if name == loss),
                 "classification")
   if task not in problems.TASKS:
     raise ValueError(f"Unknown task {task!r}; choose one of "

@@ -22,7 +22,6 @@ import hashlib
 import re
 import uuid
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose

@@ -19,6 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.browser import chromium_page  # noqa: E402, F401 (a fixture)
+
 TINY_PROBLEM = ("problem.width=3", "problem.depth=1", "problem.batch_size=8")
 
 

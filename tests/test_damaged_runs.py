@@ -125,7 +125,7 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
   page = (tmp_path / "out" / "report.html").read_text()
   listed = pd.read_csv(tmp_path / "out" / "not_in_results.csv")
   for name, (status, words) in EXPECTED.items():
-    line = next(l for l in section.splitlines() if f"| {name} |" in l)
+    line = next(row for row in section.splitlines() if f"| {name} |" in row)
     assert f"| {status} |" in line and words in line, line
     assert name in page
     assert words in listed[listed.run_dir == name].reason.item()

@@ -805,7 +805,7 @@ def test_layer_stack_full_blocks_equal_the_exact_ggn_blocks():
             "ws": 2 + np.arange(gt.STACK)[:, None, None] + np.zeros((1, 3, 3)),
             "bs": 2 + np.arange(gt.STACK)[:, None] + np.zeros((1, 3))}
   owner = jax.flatten_util.ravel_pytree(jax.tree.map(
-      lambda p, l: np.broadcast_to(l, np.shape(p)).astype(float), params,
+      lambda p, label: np.broadcast_to(label, np.shape(p)).astype(float), params,
       labels))[0]
   np.testing.assert_allclose(estimate, ggn * (owner[:, None] == owner),
                              rtol=1e-8, atol=1e-10)

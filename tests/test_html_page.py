@@ -12,7 +12,6 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from curvbench import html_page  # noqa: E402
-from tests.browser import chromium_page  # noqa: E402, F401 (a fixture)
 
 SCRIPT = "<script>alert(1)</script>"
 

@@ -307,19 +307,19 @@ def test_extra_axes_act_as_independent_slices(case):
   losses_2d[1] = losses_2d[1].copy_with_different_inputs(
       tuple(-x for x in losses_2d[1].parameter_dependants))
   stack = lambda xs: None if xs[0] is None else jnp.stack(xs, 1)
-  kwargs = {n: stack([getattr(l, n) for l in losses_2d])
+  kwargs = {n: stack([getattr(part, n) for part in losses_2d])
             for n in ("targets", "mask") + losses_2d[0].dependant_names
             if hasattr(losses_2d[0], n)}
   if case == "normal":
     kwargs["variance"] = losses_2d[0].variance
   loss = type(losses_2d[0])(**kwargs, weight=2.5)
   np.testing.assert_allclose(loss.evaluate(),
-                             sum(l.evaluate() for l in losses_2d))
+                             sum(part.evaluate() for part in losses_2d))
   v = (_normal(5, jnp.shape(loss.parameter_dependants[0])),)
   np.testing.assert_allclose(
       loss.multiply_fisher(v)[0],
-      stack([l.multiply_fisher((v[0][:, i],))[0]
-             for i, l in enumerate(losses_2d)]))
+      stack([part.multiply_fisher((v[0][:, i],))[0]
+             for i, part in enumerate(losses_2d)]))
   got = loss.multiply_fisher_factor_replicated_one_hot((1, 2))[0]
   np.testing.assert_allclose(got[:, 0], 0.0)
   np.testing.assert_allclose(
@@ -462,13 +462,13 @@ def test_methods_work_under_jit(case):
   loss = make_loss(case, 0.3)
   inner = _normal(4, loss.fisher_factor_inner_shape)
   def everything(dependants, independants, vector, inner, rng):
-    l = type(loss)(**dict(zip(loss.dependant_names, dependants)),
-                   **dict(zip(loss.independant_names, independants)))
-    return (l.evaluate(), l.grad_of_evaluate(None, "sqrt"),
-            l.multiply_fisher(vector), l.multiply_ggn_factor(inner),
-            l.multiply_fisher_factor_transpose(vector),
-            l.multiply_ggn_factor_replicated_one_hot((1,)),
-            l.grad_of_evaluate_on_sample(rng, "regular"))
+    rebuilt = type(loss)(**dict(zip(loss.dependant_names, dependants)),
+                         **dict(zip(loss.independant_names, independants)))
+    return (rebuilt.evaluate(), rebuilt.grad_of_evaluate(None, "sqrt"),
+            rebuilt.multiply_fisher(vector), rebuilt.multiply_ggn_factor(inner),
+            rebuilt.multiply_fisher_factor_transpose(vector),
+            rebuilt.multiply_ggn_factor_replicated_one_hot((1,)),
+            rebuilt.grad_of_evaluate_on_sample(rng, "regular"))
   args = (loss.parameter_dependants, loss.parameter_independants,
           loss.parameter_dependants, inner, jax.random.PRNGKey(3))
   for a, b in zip(jax.tree.leaves(jax.jit(everything)(*args)),

@@ -5,7 +5,6 @@ import pytest
 
 from curvbench import config, plots, report, runs, sweep
 from curvbench.measurements.timing import memory
-from tests.browser import chromium_page  # noqa: F401 (a fixture)
 from tests.conftest import TINY
 
 
@@ -151,7 +150,7 @@ def test_runs_not_in_the_results_are_listed_with_reasons(designed, tmp_path,
                       ("spectra_fails", "params.safetensors"),
                       ("killed", "no completion marker"),
                       ("spectra_adam", "does not use the optimizer")):
-    line = next(l for l in section.splitlines() if name in l)
+    line = next(row for row in section.splitlines() if name in row)
     assert words in line, line
 
   page = chromium_page.open(tmp_path / "report.html")

@@ -15,7 +15,6 @@ seeds (`curvbench.tuning`), and the chosen settings are compared at
 equal time.
 """
 
-import numpy as np
 import pandas as pd
 
 from curvbench import tuning
@@ -194,7 +193,7 @@ ENTRY = Entry(
         "K-FAC is our estimators.Optimizer: block-diagonal (the paper "
         "also has a block-tridiagonal inverse), adaptive learning rate, "
         "momentum and damping, the sampled Fisher; its batch sizes round "
-        f"down to m_1 times powers of two so that few programs compile; "
+        "down to m_1 times powers of two so that few programs compile; "
         "the baselines train on a fixed batch of m_1;",
         "no L2 term (the paper adds 1e-5/2 |θ|² to every objective), and "
         "Adam is not in the paper.",

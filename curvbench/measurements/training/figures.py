@@ -132,8 +132,8 @@ def sensitivity(table: pd.DataFrame, out: Path,
         if diverged:
           ax.plot(diverged, [np.nanmax(ys) if np.isfinite(ys).any() else 1]
                   * len(diverged), "x", color=colour[method], ms=8)
-      xs = np.concatenate([l.get_xdata() for l in ax.lines] or [[]])
-      ys = np.concatenate([l.get_ydata() for l in ax.lines] or [[]])
+      xs = np.concatenate([line.get_xdata() for line in ax.lines] or [[]])
+      ys = np.concatenate([line.get_ydata() for line in ax.lines] or [[]])
       plots.log_if_decades(ax, xs, "x", decades=1)
       plots.log_if_decades(ax, ys, "y", decades=1)
       ax.set(xlabel=key, ylabel=p.metric.iloc[0], title=problem)
@@ -149,6 +149,6 @@ def tuned_curves(train: pd.DataFrame, tuning: pd.DataFrame) -> pd.DataFrame:
   chosen = {(p, f"{m} ({s})" if s else str(m))
             for p, m, s in zip(best.problem, best.method, best.setting)}
   tuned = set(zip(tuning.problem, tuning.method))
-  keep = [(p, m) not in tuned or (p, l) in chosen
-          for p, m, l in zip(train.problem, train.method, train.label)]
+  keep = [(p, m) not in tuned or (p, label) in chosen
+          for p, m, label in zip(train.problem, train.method, train.label)]
   return train[keep]
