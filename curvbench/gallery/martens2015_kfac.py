@@ -58,15 +58,20 @@ SIZES = {
             "adam": {"learning_rate": [1e-3]},
         }),
 }
-# What each optimizer always uses: the paper's Nesterov baseline, and
-# K-FAC on the sampled Fisher.
-FIXED = {
-    "kfac": {"curvature.mode": "fisher_gradients"},
-    "sgd": {"optimizer.nesterov": True,
-            "optimizer.momentum_schedule": "sutskever2013"},
-    "adam": {},
-}
-NAMES = {"kfac": "K-FAC", "sgd": "SGD-Nesterov", "adam": "Adam"}
+# The optimizer whose claim this is, and how the page names each.
+CLAIMED = "kfac"
+NAMES = {CLAIMED: "K-FAC", "sgd": "SGD-Nesterov", "adam": "Adam"}
+
+
+def fixed(spec: dict) -> dict[str, dict]:
+  """What each optimizer always uses at a size: K-FAC on the sampled
+  Fisher with its growing batch, the paper's Nesterov baseline."""
+  return {CLAIMED: {"curvature.mode": "fisher_gradients",
+                    "measure.training.batch_growth_steps":
+                        spec["growth_steps"]},
+          "sgd": {"optimizer.nesterov": True,
+                  "optimizer.momentum_schedule": "sutskever2013"},
+          "adam": {}}
 
 
 def sweep(size: str) -> list[dict]:
@@ -79,9 +84,7 @@ def sweep(size: str) -> list[dict]:
            "measure.training.average_decay": AVERAGE_DECAY,
            "measure.training.eval_every": 25,
            "measure.training.train_eval_size": "null",
-           **FIXED[name],
-           **({"measure.training.batch_growth_steps": spec["growth_steps"]}
-              if name == "kfac" else {}),
+           **fixed(spec)[name],
            **{f"optimizer.{key}": ",".join(str(v) for v in values)
               for key, values in grid.items()}}
           for problem in spec["problems"]
@@ -141,10 +144,10 @@ def beats(other: str):
   def check(evidence: Evidence) -> Verdict:
     verdicts = {}
     for problem, found in _at_equal_time(evidence).items():
-      if "kfac" not in found or other not in found:
+      if CLAIMED not in found or other not in found:
         raise MissingRecords(f"K-FAC's and {NAMES[other]}'s runs on "
                              f"{problem}")
-      (own, errors), (theirs, others) = found["kfac"], found[other]
+      (own, errors), (theirs, others) = found[CLAIMED], found[other]
       verdict = lower(errors, others, "training error at equal time",
                       ("K-FAC", NAMES[other]))
       verdicts[problem] = Verdict(verdict.outcome, (
