@@ -78,9 +78,10 @@ def _registered(tree: ast.Module) -> dict[str, str]:
              if isinstance(node, ast.ClassDef)}
   found = {}
   for node in classes.values():
-    if any(isinstance(d, ast.Attribute) and d.attr == "register"
-           for d in node.decorator_list) and _name_field(node):
-      found[_name_field(node)] = _first_line(ast.get_docstring(node))
+    name = _name_field(node)
+    if name and any(isinstance(d, ast.Attribute) and d.attr == "register"
+                    for d in node.decorator_list):
+      found[name] = _first_line(ast.get_docstring(node))
   for node in ast.walk(tree):
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "register" and node.args

