@@ -102,7 +102,8 @@ def tuned_training(errors: dict, budget=10.0):
       for step, at, value in ((0, 0.0, 50.0), (40, budget, error)):
         rows.append(dict(measure="training", run_id=run_id, problem=problem,
                          step=step, wall_s=at, time_point_s=at,
-                         train_error=value, diverged=False))
+                         train_error=value, diverged=False,
+                         others_cpu_share=0.01 * seed))
   return evidence(pd.DataFrame(done), training=pd.DataFrame(rows))
 
 
@@ -114,7 +115,11 @@ def test_kfac_paper_claims_compare_each_optimizers_best_setting():
       ("curves", "adam", 0.001): [2.0, 2.1, 1.9]})
   chosen = martens.chosen(found)
   assert set(chosen[chosen.optimizer == "sgd"].setting) == {"learning_rate=0.01"}
-  assert verdict(martens, 0, found) == HOLDS  # below SGD's 5
+  judged = martens.ENTRY.claims[0].judge(found)
+  assert judged.outcome == HOLDS  # below SGD's 5
+  assert judged.evidence.startswith("at 10 s of training")
+  assert judged.evidence.endswith("others' CPU share at most 2% while "
+                                  "training")
   beaten = martens.ENTRY.claims[1].judge(found)
   assert beaten.outcome == FAILS and "curves" in beaten.evidence
 

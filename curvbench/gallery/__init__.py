@@ -236,6 +236,15 @@ def lower(a, b, what: str, names: tuple[str, str]) -> Verdict:
   return Verdict(outcome, text)
 
 
+def load_note(rows: pd.DataFrame, what: str) -> str:
+  """', others' CPU share at most X% while `what`' from the rows'
+  `others_cpu_share` (the machine's load while they were timed); '' where
+  they have none."""
+  if "others_cpu_share" not in rows or rows.others_cpu_share.isna().all():
+    return ""
+  return f", others' CPU share at most {rows.others_cpu_share.max():.0%} while {what}"
+
+
 def mean_interval(text: str, diff: tuple[float, float, float]) -> str:
   """`text` with `diff` (mean, low, high) as 'mean [low, high]'."""
   mean, low, high = diff
@@ -249,5 +258,6 @@ def mean_interval(text: str, diff: tuple[float, float, float]) -> str:
 __all__ = ["CPU", "Claim", "Entry", "Evidence", "FAILS", "HOLDS",
            "MissingRecords", "OUTCOMES", "UNSETTLED", "Verdict", "all_hold",
            "by", "trained_eigenvalues",
-           "entries", "evidence", "experiments", "lower", "mean_interval",
+           "entries", "evidence", "experiments", "load_note", "lower",
+           "mean_interval",
            "rows"]

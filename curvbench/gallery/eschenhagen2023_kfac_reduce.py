@@ -11,8 +11,8 @@ import numpy as np
 
 from curvbench import stats
 from curvbench.gallery import (FAILS, HOLDS, UNSETTLED, Claim, Entry,
-                               Evidence, Verdict, by, lower, mean_interval,
-                               rows)
+                               Evidence, Verdict, by, load_note, lower,
+                               mean_interval, rows)
 
 NUM_STEPS = 100
 # "About the same progress": the mean training loss within this fraction
@@ -36,10 +36,7 @@ def cheaper_update(evidence: Evidence) -> Verdict:
   ratio = np.mean(reduce) / np.mean(expand)
   text = (f"{verdict.evidence} (reduce / expand {ratio:.2f}); "
           f"{int(timing.repeats.min())} timed repeats per run on "
-          f"{timing.device_kind.iloc[0]}")
-  if "others_cpu_share" in timing:
-    text += (f", others' CPU share at most "
-             f"{timing.others_cpu_share.max():.0%} while timed")
+          f"{timing.device_kind.iloc[0]}" + load_note(timing, "timed"))
   return Verdict(verdict.outcome, text)
 
 

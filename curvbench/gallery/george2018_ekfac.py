@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from curvbench.gallery import (Claim, Entry, Evidence, MissingRecords,
-                               Verdict, all_hold, by, lower, rows)
+                               Verdict, all_hold, by, load_note, lower, rows)
 from curvbench.measurements.training import comparison
 
 STEPS = [0, 25, 100]
@@ -60,8 +60,10 @@ def faster_at_equal_time(evidence: Evidence) -> Verdict:
                                   at_time=float(budget)).value_at_time
         for name, r in train.groupby("curvature")}
   kfac, ekfac = by(at, COMPARED, "training runs of K-FAC and of EKFAC")
-  return lower(ekfac, kfac, "training loss at equal time",
-               ("EKFAC", "K-FAC"))
+  verdict = lower(ekfac, kfac, f"training loss at equal time ({budget:g} s)",
+                  ("EKFAC", "K-FAC"))
+  return Verdict(verdict.outcome,
+                 verdict.evidence + load_note(train, "training"))
 
 
 def draw(evidence: Evidence, ax) -> None:

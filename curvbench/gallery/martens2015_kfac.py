@@ -19,7 +19,8 @@ import pandas as pd
 
 from curvbench import tuning
 from curvbench.gallery import (FAILS, HOLDS, UNSETTLED, Claim, Entry,
-                               Evidence, MissingRecords, Verdict, lower, rows)
+                               Evidence, MissingRecords, Verdict, load_note,
+                               lower, rows)
 from curvbench.measurements.training import comparison
 
 # The paper's iterate averaging.
@@ -148,8 +149,14 @@ def beats(other: str):
     outcomes = {v.outcome for v in verdicts.values()}
     outcome = (FAILS if FAILS in outcomes else HOLDS if outcomes == {HOLDS}
                else UNSETTLED)
-    return Verdict(outcome, "; ".join(f"{p}: {v.outcome}, {v.evidence}"
-                                      for p, v in verdicts.items()))
+    (budget,) = evidence.setting("measure.training.budget_s")
+    train = rows(evidence, "training", "the training runs",
+                 measure="training")
+    return Verdict(outcome, f"at {budget:g} s of training (compilation "
+                   "excluded): " + "; ".join(
+                       f"{p}: {v.outcome}, {v.evidence}"
+                       for p, v in verdicts.items())
+                   + load_note(train, "training"))
 
   return check
 

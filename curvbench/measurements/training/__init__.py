@@ -16,6 +16,7 @@ import pandas as pd
 from curvbench.components import Number, Parsed, Whole, setting
 from curvbench import checkpoints, provenance, stats, training, tuning
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
+from curvbench.measurements.timing import load
 from curvbench.measurements.training import comparison, figures
 from curvbench.sections import Section, Table, spread, wide
 
@@ -120,11 +121,14 @@ class Training(Measurement):
     steps = training.measurement_steps(self.checkpoint_steps, self.num_steps)
     optimizer = ctx.run.optimizer.make(ctx.problem.loss_fn, ctx.curvature,
                                        ctx.mesh)
-    rows = training.run(ctx.problem, optimizer, ctx.params, self, ctx.rng,
-                        ctx.run.data_seed, progress=ctx.run.progress,
-                        at_steps=steps,
-                        on_step=functools.partial(save_checkpoint, ctx),
-                        mesh=ctx.mesh)
+    with load.Monitor(min_seconds=0.0) as monitor:
+      rows = training.run(ctx.problem, optimizer, ctx.params, self, ctx.rng,
+                          ctx.run.data_seed, progress=ctx.run.progress,
+                          at_steps=steps,
+                          on_step=functools.partial(save_checkpoint, ctx),
+                          mesh=ctx.mesh)
+    for row in rows:  # the load its seconds were read under
+      row["others_cpu_share"] = monitor.load.others_share
     end = rows[-1]
     if end["diverged"]:
       return Outcome(dict(training=rows), "diverged", step=end["step"],
