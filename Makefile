@@ -28,9 +28,11 @@ test: $(STAMP) browser lint
 	XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  $(PY) -m pytest -n 2 --benchmark-disable -q
 
-# The linter's rules are in pyproject.toml ([tool.ruff]).
+# The linter's rules and the formatter's style are in pyproject.toml
+# ([tool.ruff]); `ruff format .` applies the style.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Debian's chromium, for the tests that open generated HTML pages in a headless
 # browser; installed only where we are root with apt-get, else those tests skip.

@@ -23,5 +23,6 @@ _API = ("Data", "Model", "Results", "measure", "register_model")
 def __getattr__(name):
   if name in _API:
     from curvbench import api  # noqa: PLC0415
+
     return getattr(api, name)
   raise AttributeError(f"module 'curvbench' has no attribute {name!r}")

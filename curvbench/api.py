@@ -45,9 +45,11 @@ from hydra_plugins.curvbench_sweeper import tuning_sweeper
 from problems import data as datasets
 
 # The loss of each task where none is given.
-DEFAULT_LOSS = {"classification": "softmax_cross_entropy",
-                "regression": "squared_error",
-                "reconstruction": "sigmoid_cross_entropy"}
+DEFAULT_LOSS = {
+  "classification": "softmax_cross_entropy",
+  "regression": "squared_error",
+  "reconstruction": "sigmoid_cross_entropy",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,11 @@ class Model:
 
   def __post_init__(self):
     if (self.init is None) == (self.params is None):
-      raise ValueError("Model needs exactly one of init= (a function of a "
-                       "key and inputs giving parameters) and params= "
-                       "(fixed parameters).")
+      raise ValueError(
+        "Model needs exactly one of init= (a function of a "
+        "key and inputs giving parameters) and params= "
+        "(fixed parameters)."
+      )
 
   def network(self) -> problems.Network:
     if self.init is not None:
@@ -79,12 +83,16 @@ class Model:
     of a run's identity."""
     net = self.network()
     jaxpr = jax.make_jaxpr(lambda rng, x: self.apply(net.init(rng, x), x))(
-        jax.random.PRNGKey(0), inputs)
+      jax.random.PRNGKey(0), inputs
+    )
     text = str(jaxpr)
     if self.params is not None:
       text += datasets.arrays_sha256(
-          {str(i): np.asarray(leaf)
-           for i, leaf in enumerate(jax.tree.leaves(self.params))})
+        {
+          str(i): np.asarray(leaf)
+          for i, leaf in enumerate(jax.tree.leaves(self.params))
+        }
+      )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -105,29 +113,33 @@ class Data:
   def dataset(self, name: str, task: str) -> datasets.Dataset:
     x, y = np.asarray(self.x_train), self._targets(self.y_train, task)
     if len(x) != len(y):
-      raise ValueError(f"Data: {len(x)} training inputs but {len(y)} "
-                       "targets; give one target per example.")
+      raise ValueError(
+        f"Data: {len(x)} training inputs but {len(y)} "
+        "targets; give one target per example."
+      )
     if self.x_test is None:
       cut = len(x) - max(1, int(round(self.test_fraction * len(x))))
       if cut < 1:
-        raise ValueError(f"Data: {len(x)} training examples leave none to "
-                         "train on once a test split is held out; give "
-                         "more, or x_test and y_test.")
+        raise ValueError(
+          f"Data: {len(x)} training examples leave none to "
+          "train on once a test split is held out; give "
+          "more, or x_test and y_test."
+        )
       x, xt, y, yt = x[:cut], x[cut:], y[:cut], y[cut:]
     else:
       xt, yt = np.asarray(self.x_test), self._targets(self.y_test, task)
     if not np.issubdtype(x.dtype, np.integer):
       x, xt = x.astype(np.float32), xt.astype(np.float32)
-    classes = int(max(y.max(), yt.max())) + 1 if task == "classification" \
-        else 0
+    classes = int(max(y.max(), yt.max())) + 1 if task == "classification" else 0
     return datasets.Dataset(name, x, y, xt, yt, classes)
 
   def _targets(self, y, task):
     if task == "reconstruction":
       return np.zeros(len(self.x_train if y is None else y), np.int32)
     if y is None:
-      raise ValueError(f"Data: a {task} task needs targets (y_train, and "
-                       "y_test with x_test).")
+      raise ValueError(
+        f"Data: a {task} task needs targets (y_train, and y_test with x_test)."
+      )
     y = np.asarray(y)
     if task == "classification":
       return y.astype(np.int32)
@@ -153,11 +165,13 @@ class Results:
 
 def _task(task, loss):
   if task is None:
-    task = next((t for t, name in DEFAULT_LOSS.items() if name == loss),
-                "classification")
+    task = next(
+      (t for t, name in DEFAULT_LOSS.items() if name == loss), "classification"
+    )
   if task not in problems.TASKS:
-    raise ValueError(f"Unknown task {task!r}; choose one of "
-                     f"{', '.join(problems.TASKS)}.")
+    raise ValueError(
+      f"Unknown task {task!r}; choose one of {', '.join(problems.TASKS)}."
+    )
   loss = loss or DEFAULT_LOSS[task]
   problems.base.loss(loss)  # refuses an unknown one, naming the others
   return task, loss
@@ -172,8 +186,14 @@ def _register(registry, cls, name: str):
   return registry.register(cls, name=name)
 
 
-def register_model(name: str, model: Model, examples: Data, *,
-                   task: str | None = None, loss: str | None = None) -> str:
+def register_model(
+  name: str,
+  model: Model,
+  examples: Data,
+  *,
+  task: str | None = None,
+  loss: str | None = None,
+) -> str:
   """Registers `model` on `examples` as problem `name` (its data as dataset
   `name_data`), so that `problem=name` chooses it; returns the name."""
   task, loss = _task(task, loss)
@@ -196,29 +216,41 @@ def register_model(name: str, model: Model, examples: Data, *,
       return "arrays given from Python"
 
     def fingerprint(self):
-      return datasets.fingerprint(self.source(), dataclasses.asdict(self)) \
-          + ":" + datasets.arrays_sha256(dict(
-              x_train=dataset.x_train, y_train=dataset.y_train,
-              x_test=dataset.x_test, y_test=dataset.y_test))[:12]
+      return (
+        datasets.fingerprint(self.source(), dataclasses.asdict(self))
+        + ":"
+        + datasets.arrays_sha256(
+          dict(
+            x_train=dataset.x_train,
+            y_train=dataset.y_train,
+            x_test=dataset.x_test,
+            y_test=dataset.y_test,
+          )
+        )[:12]
+      )
 
     def load(self):
       return dataclasses.replace(
-          dataset, x_train=dataset.x_train[:self.num_train],
-          y_train=dataset.y_train[:self.num_train],
-          x_test=dataset.x_test[:self.num_test],
-          y_test=dataset.y_test[:self.num_test])
+        dataset,
+        x_train=dataset.x_train[: self.num_train],
+        y_train=dataset.y_train[: self.num_train],
+        x_test=dataset.x_test[: self.num_test],
+        y_test=dataset.y_test[: self.num_test],
+      )
 
   @dataclasses.dataclass
   class YourProblem(problems.ProblemSettings):
     from_python: ClassVar[bool] = True
     default_data: ClassVar[str] = f"{name}_data"
     sequence_model: ClassVar[bool] = sequences
-    batch_size: int = setting(min(64, len(dataset.x_train)), Whole(1),
-                              "training batch size")
+    batch_size: int = setting(
+      min(64, len(dataset.x_train)), Whole(1), "training batch size"
+    )
 
     def build(self, data):
       return problems.Problem.from_functions(
-          model.network(), data, self, task=task, loss_name=loss)
+        model.network(), data, self, task=task, loss_name=loss
+      )
 
     @classmethod
     @functools.cache
@@ -235,20 +267,30 @@ def register_model(name: str, model: Model, examples: Data, *,
 def _override_dirname(job: list[str], excluded) -> str:
   """The run folder's name, as the command line's sweep names it: its
   overrides, sorted, less those Hydra's `override_dirname` leaves out."""
-  kept = sorted(o.lstrip("+") for o in job
-                if o.partition("=")[0].lstrip("+") not in excluded)
+  kept = sorted(
+    o.lstrip("+")
+    for o in job
+    if o.partition("=")[0].lstrip("+") not in excluded
+  )
   return config.run_dir_name(",".join(kept))
 
 
-def measure(model: Model | str, data: Data | None = None, *,
-            loss: str | None = None, task: str | None = None,
-            approximations: Sequence[str] = ("kfac",),
-            measurements: Sequence[str] = ("spectra",),
-            optimizers: Sequence[str] = ("kfac",),
-            seeds: Sequence[int] = (0,), name: str | None = None,
-            out: str | Path | None = None, batch_size: int | None = None,
-            settings: Sequence[str] = (),
-            plugins: Sequence[str] = ()) -> Results:
+def measure(
+  model: Model | str,
+  data: Data | None = None,
+  *,
+  loss: str | None = None,
+  task: str | None = None,
+  approximations: Sequence[str] = ("kfac",),
+  measurements: Sequence[str] = ("spectra",),
+  optimizers: Sequence[str] = ("kfac",),
+  seeds: Sequence[int] = (0,),
+  name: str | None = None,
+  out: str | Path | None = None,
+  batch_size: int | None = None,
+  settings: Sequence[str] = (),
+  plugins: Sequence[str] = (),
+) -> Results:
   """Measures `model` (a `Model` on `data`, or the name of a registered
   problem) with each of `approximations` (curvature names), `measurements`
   and `optimizers` (where a measurement trains), once per seed, into `out`
@@ -269,20 +311,27 @@ def measure(model: Model | str, data: Data | None = None, *,
   name = name or (model if isinstance(model, str) else "my_model")
   if isinstance(model, Model):
     if data is None:
-      raise ValueError("measure(Model(...)) needs data=Data(...): the "
-                       "examples the model is measured on.")
+      raise ValueError(
+        "measure(Model(...)) needs data=Data(...): the "
+        "examples the model is measured on."
+      )
     problem = register_model(name, model, data, task=task, loss=loss)
   elif isinstance(model, str):
     problem = model
   else:
-    raise TypeError(f"model must be a curvbench.Model or the name of a "
-                    f"registered problem, not {type(model).__name__}.")
+    raise TypeError(
+      f"model must be a curvbench.Model or the name of a "
+      f"registered problem, not {type(model).__name__}."
+    )
   out = Path(out or Path("reports") / name)
-  swept = [f"problem={problem}", f"name={name}",
-           f"curvature={','.join(approximations)}",
-           f"measure={','.join(measurements)}",
-           f"optimizer={','.join(optimizers)}",
-           f"seed={','.join(str(s) for s in seeds)}"]
+  swept = [
+    f"problem={problem}",
+    f"name={name}",
+    f"curvature={','.join(approximations)}",
+    f"measure={','.join(measurements)}",
+    f"optimizer={','.join(optimizers)}",
+    f"seed={','.join(str(s) for s in seeds)}",
+  ]
   if batch_size is not None:
     swept.append(f"problem.batch_size={batch_size}")
   if plugins:
@@ -291,13 +340,19 @@ def measure(model: Model | str, data: Data | None = None, *,
   base = config.compose(*jobs[0], check=False, with_hydra=True)
   excluded = set(base.hydra.job.config.override_dirname.exclude_keys)
   jobs = tuning_sweeper.expand(
-      jobs, config.plain(base.tuning.grid), base.optimizer.name,
-      base.measure.kind)
-  claim = functools.partial(records.claim, out, records.SWEEP_MARKER,
-                            "a sweep directory (give another with out=)")
+    jobs, config.plain(base.tuning.grid), base.optimizer.name, base.measure.kind
+  )
+  claim = functools.partial(
+    records.claim,
+    out,
+    records.SWEEP_MARKER,
+    "a sweep directory (give another with out=)",
+  )
   claim(check_only=True)
-  points = [(config.compose(*job), out / _override_dirname(job, excluded))
-            for job in jobs]  # every point checked before any runs
+  points = [
+    (config.compose(*job), out / _override_dirname(job, excluded))
+    for job in jobs
+  ]  # every point checked before any runs
   for cfg, run_dir in points:
     runs.refuse(cfg, run_dir)
   claim()

@@ -26,9 +26,23 @@ from hydra_plugins.curvbench_sweeper import tuning_sweeper
 # Hydra's options that take a value, and those after which the command does
 # something other than run (help, completion, another config tree).
 _VALUED = ("--cfg", "-c", "--package", "-p", "--info", "-i")
-_NOT_A_RUN = ("-h", "--help", "--hydra-help", "--version", "-i", "--info",
-              "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
-              "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+_NOT_A_RUN = (
+  "-h",
+  "--help",
+  "--hydra-help",
+  "--version",
+  "-i",
+  "--info",
+  "-sc",
+  "--shell-completion",
+  "-cp",
+  "--config-path",
+  "-cn",
+  "--config-name",
+  "-cd",
+  "--config-dir",
+  "--experimental-rerun",
+)
 
 
 def check_command_line(argv: list[str]) -> None:
@@ -66,8 +80,9 @@ def use_compilation_cache(path: str | None) -> None:
   compilation, so this is for the `curvbench` command, before any run."""
   if path is None:
     return
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.abspath(os.path.expanduser(path)))
+  jax.config.update(
+    "jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path))
+  )
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
@@ -77,8 +92,9 @@ def _hydra_main():
   config.register_resolvers()
   config.store()
 
-  @hydra.main(version_base=None, config_path=str(config.CONF_DIR),
-              config_name="config")
+  @hydra.main(
+    version_base=None, config_path=str(config.CONF_DIR), config_name="config"
+  )
   def main(cfg):
     try:
       plugins.load(cfg.plugins)  # a launcher's own process imports them too
@@ -98,8 +114,10 @@ def _hydra_main():
         raise SystemExit(f"curvbench: {out_dir}: {e}") from None
       error = Path(out_dir) / records.ERROR
       if error.is_file():
-        raise SystemExit(f"curvbench: {out_dir}: {type(e).__name__}: {e} "
-                         f"(its traceback is in {error})") from None
+        raise SystemExit(
+          f"curvbench: {out_dir}: {type(e).__name__}: {e} "
+          f"(its traceback is in {error})"
+        ) from None
       raise
 
   return main()
@@ -111,8 +129,11 @@ def cli(argv=None):
   if argv and argv[0] == "report":
     return report.main(argv[1:])
   if not argv:
-    print("curvbench: no arguments, so running the default benchmark "
-          "(-m +experiment=quick) and then its report.", flush=True)
+    print(
+      "curvbench: no arguments, so running the default benchmark "
+      "(-m +experiment=quick) and then its report.",
+      flush=True,
+    )
     sys.argv = [sys.argv[0], "-m", "+experiment=quick"]
     try:
       _hydra_main()

@@ -54,23 +54,26 @@ def _leaves(params) -> dict:
     for key, value in node.items():
       if not isinstance(key, str) or not key or SEP in key:
         raise ValueError(
-            f"parameter key {key!r} under {SEP.join(prefix) or 'the root'!r} "
-            f"cannot be stored: keys must be non-empty strings without "
-            f"{SEP!r}, which separates nesting levels in the file (haiku "
-            f"names nested modules 'outer/~/inner'; give the layers their "
-            f"own top-level names, as problems/ does)")
+          f"parameter key {key!r} under {SEP.join(prefix) or 'the root'!r} "
+          f"cannot be stored: keys must be non-empty strings without "
+          f"{SEP!r}, which separates nesting levels in the file (haiku "
+          f"names nested modules 'outer/~/inner'; give the layers their "
+          f"own top-level names, as problems/ does)"
+        )
       if isinstance(value, Mapping):
         visit(value, prefix + [key])
       elif hasattr(value, "shape") and hasattr(value, "dtype"):
         flat[SEP.join(prefix + [key])] = value
       else:
         raise ValueError(
-            f"parameter {SEP.join(prefix + [key])!r} is a "
-            f"{type(value).__name__}, not an array or a dict of arrays")
+          f"parameter {SEP.join(prefix + [key])!r} is a "
+          f"{type(value).__name__}, not an array or a dict of arrays"
+        )
 
   if not isinstance(params, Mapping):
-    raise ValueError(f"params must be a (nested) dict of arrays, got a "
-                     f"{type(params).__name__}")
+    raise ValueError(
+      f"params must be a (nested) dict of arrays, got a {type(params).__name__}"
+    )
   visit(params, [])
   return flat
 
@@ -85,8 +88,9 @@ def flatten(params) -> dict[str, np.ndarray]:
     A flat dict from "/"-joined key paths to contiguous numpy arrays.
   """
   # np.asarray pulls jax arrays to the host; safetensors needs C order.
-  return {k: np.ascontiguousarray(np.asarray(v))
-          for k, v in _leaves(params).items()}
+  return {
+    k: np.ascontiguousarray(np.asarray(v)) for k, v in _leaves(params).items()
+  }
 
 
 def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
@@ -101,8 +105,15 @@ def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
   return params
 
 
-def save(path, params, *, step: int, problem: str,
-         metadata: dict | None = None, model_state=None) -> Path:
+def save(
+  path,
+  params,
+  *,
+  step: int,
+  problem: str,
+  metadata: dict | None = None,
+  model_state=None,
+) -> Path:
   """Writes `params` to a safetensors file atomically.
 
   Args:
@@ -118,16 +129,24 @@ def save(path, params, *, step: int, problem: str,
     The path written.
   """
   if MODEL_STATE in params:
-    raise ValueError(f"parameter key {MODEL_STATE!r} is where checkpoints "
-                     "keep the model state; rename that module.")
-  flat = flatten({**params, MODEL_STATE: model_state} if model_state
-                 else params)
+    raise ValueError(
+      f"parameter key {MODEL_STATE!r} is where checkpoints "
+      "keep the model state; rename that module."
+    )
+  flat = flatten(
+    {**params, MODEL_STATE: model_state} if model_state else params
+  )
   # safetensors metadata is str -> str, so anything richer goes in as JSON.
-  header = {"format": FORMAT, "step": str(int(step)), "problem": str(problem),
-            "curvbench": json.dumps(metadata or {}, sort_keys=True,
-                                    default=str)}
-  return atomic_write(Path(path), lambda tmp: safetensors.numpy.save_file(
-      flat, tmp, metadata=header))
+  header = {
+    "format": FORMAT,
+    "step": str(int(step)),
+    "problem": str(problem),
+    "curvbench": json.dumps(metadata or {}, sort_keys=True, default=str),
+  }
+  return atomic_write(
+    Path(path),
+    lambda tmp: safetensors.numpy.save_file(flat, tmp, metadata=header),
+  )
 
 
 def load(path) -> tuple[dict, dict]:
@@ -150,17 +169,22 @@ def load(path) -> tuple[dict, dict]:
       flat = {key: f.get_tensor(key) for key in f.keys()}
   except safetensors.SafetensorError as e:
     raise ValueError(
-        f"{path} is not a safetensors file (expected an 8-byte header length, "
-        f"a JSON header and raw tensors, as curvbench.checkpoints.save "
-        f"writes): {e}") from e
+      f"{path} is not a safetensors file (expected an 8-byte header length, "
+      f"a JSON header and raw tensors, as curvbench.checkpoints.save "
+      f"writes): {e}"
+    ) from e
   if header.get("format") != FORMAT:
     raise ValueError(
-        f"{path} is a safetensors file without curvbench metadata (expected "
-        f"format={FORMAT!r}, got {header.get('format')!r}); save parameters "
-        f"with curvbench.checkpoints.save")
+      f"{path} is a safetensors file without curvbench metadata (expected "
+      f"format={FORMAT!r}, got {header.get('format')!r}); save parameters "
+      f"with curvbench.checkpoints.save"
+    )
   try:
-    info = {"step": int(header["step"]), "problem": header["problem"],
-            "metadata": json.loads(header.get("curvbench", "{}"))}
+    info = {
+      "step": int(header["step"]),
+      "problem": header["problem"],
+      "metadata": json.loads(header.get("curvbench", "{}")),
+    }
   except (KeyError, ValueError) as e:
     raise ValueError(f"{path} has damaged curvbench metadata: {e!r}") from e
   params = unflatten(flat)
@@ -168,8 +192,9 @@ def load(path) -> tuple[dict, dict]:
   return params, info
 
 
-def check_matches(params, reference_params, *, path, problem=None,
-                  expected_problem=None) -> None:
+def check_matches(
+  params, reference_params, *, path, problem=None, expected_problem=None
+) -> None:
   """Raises ValueError unless loaded params fit the problem being measured.
 
   Args:
@@ -181,11 +206,15 @@ def check_matches(params, reference_params, *, path, problem=None,
 
   Dtypes may differ; the caller casts. Tree structure and shapes may not.
   """
-  if (problem is not None and expected_problem is not None
-      and problem != expected_problem):
+  if (
+    problem is not None
+    and expected_problem is not None
+    and problem != expected_problem
+  ):
     raise ValueError(
-        f"checkpoint {path} was saved for problem {problem!r}, but the "
-        f"measurement is on problem {expected_problem!r}")
+      f"checkpoint {path} was saved for problem {problem!r}, but the "
+      f"measurement is on problem {expected_problem!r}"
+    )
   # Shapes only: no need to copy the reference arrays off the device.
   got = {k: tuple(v.shape) for k, v in _leaves(params).items()}
   want = {k: tuple(v.shape) for k, v in _leaves(reference_params).items()}
@@ -193,20 +222,29 @@ def check_matches(params, reference_params, *, path, problem=None,
   extra = sorted(set(got) - set(want))
   if missing or extra:
     raise ValueError(
-        f"checkpoint {path} has a different parameter tree than the problem: "
-        f"missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
-  bad = [f"{k}: checkpoint {got[k]} vs problem {want[k]}"
-         for k in want if got[k] != want[k]]
+      f"checkpoint {path} has a different parameter tree than the problem: "
+      f"missing {missing or 'nothing'}, unexpected {extra or 'nothing'}"
+    )
+  bad = [
+    f"{k}: checkpoint {got[k]} vs problem {want[k]}"
+    for k in want
+    if got[k] != want[k]
+  ]
   if bad:
-    raise ValueError(f"checkpoint {path} has parameters of the wrong shape: "
-                     + "; ".join(bad))
-  nonfinite = [k for k, v in _leaves(params).items()
-               if not np.all(np.isfinite(np.asarray(v)))]
+    raise ValueError(
+      f"checkpoint {path} has parameters of the wrong shape: " + "; ".join(bad)
+    )
+  nonfinite = [
+    k
+    for k, v in _leaves(params).items()
+    if not np.all(np.isfinite(np.asarray(v)))
+  ]
   if nonfinite:
     raise ValueError(
-        f"checkpoint {path} holds non-finite values (NaN or inf) in "
-        f"{', '.join(nonfinite)}: there is no curvature to measure there "
-        "(its training diverged, or the file was damaged).")
+      f"checkpoint {path} holds non-finite values (NaN or inf) in "
+      f"{', '.join(nonfinite)}: there is no curvature to measure there "
+      "(its training diverged, or the file was damaged)."
+    )
 
 
 def steps_in(directory) -> dict[int, Path]:

@@ -17,13 +17,13 @@ HELP_FLAGS = ("-h", "--help")
 # package of modules (each registering classes with a `name`), the preset
 # folder of `conf/` beside them, or both.
 GROUPS = {
-    "problem": (("problems", "models"), "problem"),
-    "problem/data": (("problems", "datasets"), None),
-    "curvature": (("curvbench", "approximations"), None),
-    "optimizer": (("curvbench", "optimizers"), None),
-    "measure": (("curvbench", "measurements"), None),
-    "launcher": (None, "launcher"),
-    "experiment": (None, "experiment"),
+  "problem": (("problems", "models"), "problem"),
+  "problem/data": (("problems", "datasets"), None),
+  "curvature": (("curvbench", "approximations"), None),
+  "optimizer": (("curvbench", "optimizers"), None),
+  "measure": (("curvbench", "measurements"), None),
+  "launcher": (None, "launcher"),
+  "experiment": (None, "experiment"),
 }
 USAGE = """\
 curvbench: curvature approximations of neural networks (K-FAC and its
@@ -47,7 +47,7 @@ def _first_line(text: str | None) -> str:
     return ""
   flat = " ".join(text.split())
   end = flat.find(". ")
-  return flat if end < 0 else flat[:end + 1]
+  return flat if end < 0 else flat[: end + 1]
 
 
 def _package_dir(parts: tuple[str, str]) -> Path | None:
@@ -61,12 +61,19 @@ def _package_dir(parts: tuple[str, str]) -> Path | None:
 def _name_field(node: ast.ClassDef) -> str | None:
   """The string a class body gives `name`, if any."""
   for item in node.body:
-    target = (item.target if isinstance(item, ast.AnnAssign)
-              else item.targets[0] if isinstance(item, ast.Assign)
-              and len(item.targets) == 1 else None)
-    if (isinstance(target, ast.Name) and target.id == "name"
-        and isinstance(item.value, ast.Constant)
-        and isinstance(item.value.value, str)):
+    target = (
+      item.target
+      if isinstance(item, ast.AnnAssign)
+      else item.targets[0]
+      if isinstance(item, ast.Assign) and len(item.targets) == 1
+      else None
+    )
+    if (
+      isinstance(target, ast.Name)
+      and target.id == "name"
+      and isinstance(item.value, ast.Constant)
+      and isinstance(item.value.value, str)
+    ):
       return item.value.value
   return None
 
@@ -74,27 +81,40 @@ def _name_field(node: ast.ClassDef) -> str | None:
 def _registered(tree: ast.Module) -> dict[str, str]:
   """`{name: first docstring line}` of each class a registry's `register`
   takes, as a decorator or called (`register(Cls, name=..., **values)`)."""
-  classes = {node.name: node for node in ast.walk(tree)
-             if isinstance(node, ast.ClassDef)}
+  classes = {
+    node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+  }
   found = {}
   for node in classes.values():
     name = _name_field(node)
-    if name and any(isinstance(d, ast.Attribute) and d.attr == "register"
-                    for d in node.decorator_list):
+    if name and any(
+      isinstance(d, ast.Attribute) and d.attr == "register"
+      for d in node.decorator_list
+    ):
       found[name] = _first_line(ast.get_docstring(node))
   for node in ast.walk(tree):
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "register" and node.args
-            and isinstance(node.args[0], ast.Name)
-            and node.args[0].id in classes):
+    if not (
+      isinstance(node, ast.Call)
+      and isinstance(node.func, ast.Attribute)
+      and node.func.attr == "register"
+      and node.args
+      and isinstance(node.args[0], ast.Name)
+      and node.args[0].id in classes
+    ):
       continue
     cls = classes[node.args[0].id]
     values = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     name = values.pop("name", None) or _name_field(cls)
     if name:
-      found[name] = " ".join(filter(None, (
-          _first_line(ast.get_docstring(cls)),
-          ", ".join(f"{k}={v}" for k, v in values.items()))))
+      found[name] = " ".join(
+        filter(
+          None,
+          (
+            _first_line(ast.get_docstring(cls)),
+            ", ".join(f"{k}={v}" for k, v in values.items()),
+          ),
+        )
+      )
   return found
 
 
@@ -102,7 +122,9 @@ def _components(folder: Path) -> dict[str, str]:
   """The registered components of the modules (and subpackages) in
   `folder`."""
   out = {}
-  for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*/__init__.py")):
+  for path in sorted(folder.glob("*.py")) + sorted(
+    folder.glob("*/__init__.py")
+  ):
     out.update(_registered(ast.parse(path.read_text(), str(path))))
   return out
 
@@ -111,9 +133,11 @@ def _presets(folder: Path) -> dict[str, str]:
   """Each preset's first comment line (after a `# @package` line)."""
   out = {}
   for path in sorted(folder.glob("*.yaml")):
-    comments = [line.lstrip("# ").rstrip() for line in
-                path.read_text().splitlines() if line.startswith("#")
-                and not line.startswith("# @package")]
+    comments = [
+      line.lstrip("# ").rstrip()
+      for line in path.read_text().splitlines()
+      if line.startswith("#") and not line.startswith("# @package")
+    ]
     out[path.stem] = _first_line(" ".join(comments[:3]))
   return out
 
@@ -121,31 +145,37 @@ def _presets(folder: Path) -> dict[str, str]:
 def _gallery() -> dict[str, str]:
   """`repro_NAME` of each gallery entry (its CPU size) and its title."""
   folder = _package_dir(("curvbench", "gallery"))
-  out = {"gallery": "every gallery entry at its CPU size (the other sizes, "
-                    "repro_NAME_SIZE: curvbench --help experiment)"}
+  out = {
+    "gallery": "every gallery entry at its CPU size (the other sizes, "
+    "repro_NAME_SIZE: curvbench --help experiment)"
+  }
   for path in sorted(folder.glob("*.py")):
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
       if isinstance(node, ast.Call) and getattr(node.func, "id", "") == (
-          "Entry"):
+        "Entry"
+      ):
         kw = {k.arg: k.value for k in node.keywords}
         if isinstance(kw.get("name"), ast.Constant):
           title = kw.get("title")
           out[f"repro_{kw['name'].value}"] = (
-              ast.literal_eval(title) if title is not None else "")
+            ast.literal_eval(title) if title is not None else ""
+          )
   return out
 
 
 def options() -> dict[str, dict[str, str]]:
   """`{group: {option: one line}}`, read off the sources and presets."""
   from curvbench.conf_dir import CONF_DIR as conf  # noqa: PLC0415
+
   out = {}
   for group, (package, presets) in GROUPS.items():
     found = {}
     if package is not None:
       found.update(_components(_package_dir(package)))
     if presets is not None:
-      found.update({k: v for k, v in _presets(conf / presets).items()
-                    if k not in found})
+      found.update(
+        {k: v for k, v in _presets(conf / presets).items() if k not in found}
+      )
     if group == "experiment":
       found.update(_gallery())
     out[group] = dict(sorted(found.items()))
@@ -161,10 +191,13 @@ def usage() -> str:
     lines.append(f"\n{group}:")
     for name, text in opts.items():
       line = f"  {name:<{width}}  {text}".rstrip()
-      lines.append(line if len(line) <= columns
-                   else line[:columns - 3].rstrip() + "...")
-  lines.append("\nComponents from plugins (plugins=[...]) are not listed "
-               "here; `curvbench --help GROUP plugins=[...]` lists them.")
+      lines.append(
+        line if len(line) <= columns else line[: columns - 3].rstrip() + "..."
+      )
+  lines.append(
+    "\nComponents from plugins (plugins=[...]) are not listed "
+    "here; `curvbench --help GROUP plugins=[...]` lists them."
+  )
   return "\n".join(lines)
 
 
@@ -188,8 +221,10 @@ def _settings(cls, prefix: str = "") -> list[str]:
     check = field.metadata.get("check")
     if check is None:
       continue
-    lines.append(f"    {prefix}{field.name} = {_default(field)!r}  "
-                 f"[{check.describe()}]\n        {field.metadata['doc']}")
+    lines.append(
+      f"    {prefix}{field.name} = {_default(field)!r}  "
+      f"[{check.describe()}]\n        {field.metadata['doc']}"
+    )
   return lines
 
 
@@ -197,14 +232,18 @@ def group_help(group: str, overrides=()) -> str:
   """Every option of `group` with each of its settings (plugins named in
   `overrides` loaded first)."""
   from curvbench import config, plugins  # noqa: PLC0415 - imports JAX
+
   plugins.load(config.plugins_of(overrides))
   names = config.options(group)
   if not names:
-    raise SystemExit(f"curvbench: no config group {group!r}; the groups: "
-                     f"{', '.join(GROUPS)}.")
+    raise SystemExit(
+      f"curvbench: no config group {group!r}; the groups: {', '.join(GROUPS)}."
+    )
   registries = [r for r in config.REGISTRIES if r.group == group]
-  lines = [f"{group}: choose with {group}=OPTION; set with "
-           f"{group.split('/')[0]}.KEY=VALUE"]
+  lines = [
+    f"{group}: choose with {group}=OPTION; set with "
+    f"{group.split('/')[0]}.KEY=VALUE"
+  ]
   for name in names:
     registered = [r.get(name) for r in registries if name in r.names()]
     if registered:
@@ -212,10 +251,12 @@ def group_help(group: str, overrides=()) -> str:
       lines.append(f"\n{name}: {_first_line(cls.__doc__)}")
       lines += _settings(cls)
     else:
-      lines.append(f"\n{name}: a preset, conf/{group}/{name}.yaml (or "
-                   "built in); `curvbench --cfg job "
-                   f"{'+' if group == 'experiment' else ''}{group}={name}` "
-                   "prints what it sets")
+      lines.append(
+        f"\n{name}: a preset, conf/{group}/{name}.yaml (or "
+        "built in); `curvbench --cfg job "
+        f"{'+' if group == 'experiment' else ''}{group}={name}` "
+        "prints what it sets"
+      )
   return "\n".join(lines)
 
 
@@ -229,4 +270,5 @@ def main(argv: list[str] | None = None):
       print(group_help(argv[1], argv[2:]))
     return None
   from curvbench import app  # noqa: PLC0415 - imports JAX
+
   return app.cli(argv)

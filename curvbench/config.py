@@ -34,9 +34,21 @@ from omegaconf.errors import OmegaConfBaseException
 
 import estimators
 import hydra_plugins.curvbench_sweeper  # noqa: F401  (hydra/sweeper/tuning)
-from curvbench.components import (Check, Choice, Component, Flag, ListOf,
-                                  Number, OneOf, Parsed, Settings,
-                                  SettingsError, Text, Whole, setting)
+from curvbench.components import (
+  Check,
+  Choice,
+  Component,
+  Flag,
+  ListOf,
+  Number,
+  OneOf,
+  Parsed,
+  Settings,
+  SettingsError,
+  Text,
+  Whole,
+  setting,
+)
 from curvbench import devices, measurements, plugins, tuning
 from curvbench.conf_dir import CONF_DIR
 from curvbench.approximations import CURVATURES
@@ -54,6 +66,7 @@ SEED = Whole(0, 2**32 - 1)
 
 # --- the tuning grid ---------------------------------------------------------
 
+
 def _flat(grid: Mapping, prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, values in grid.items():
@@ -70,8 +83,10 @@ def _with(values: dict, dotted_key: str, value) -> dict:
   if not rest:
     return dict(values, **{head: value})
   inner = values.get(head)
-  return dict(values, **{head: _with(
-      inner if isinstance(inner, dict) else {}, rest, value)})
+  return dict(
+    values,
+    **{head: _with(inner if isinstance(inner, dict) else {}, rest, value)},
+  )
 
 
 def grid_points(grid: Mapping) -> dict[str, dict[str, list]]:
@@ -93,30 +108,37 @@ class Grid(Check):
 
   def complaints(self, key: str, value) -> Iterator[str]:
     if not isinstance(value, Mapping):
-      yield (f"{key}={value!r} must be a mapping "
-             "{optimizer: {key: [values]}}.")
+      yield (
+        f"{key}={value!r} must be a mapping {{optimizer: {{key: [values]}}}}."
+      )
       return
     for name, points in value.items():
       where = f"{key}.{name}"
       if name not in OPTIMIZERS or not isinstance(points, Mapping):
-        yield (f"{where}={points!r}: the grid's keys are optimizer names "
-               f"({', '.join(OPTIMIZERS)}), each mapping that optimizer's "
-               "settings to lists of values.")
+        yield (
+          f"{where}={points!r}: the grid's keys are optimizer names "
+          f"({', '.join(OPTIMIZERS)}), each mapping that optimizer's "
+          "settings to lists of values."
+        )
         continue
       defaults = dataclasses.asdict(OPTIMIZERS.defaults(name))
       for point, values in _flat(points).items():
         if not isinstance(values, (list, tuple)) or not values:
-          yield (f"{where}.{point} must be a non-empty list of values, got "
-                 f"{values!r}.")
+          yield (
+            f"{where}.{point} must be a non-empty list of values, got "
+            f"{values!r}."
+          )
           continue
         for v in values:  # each value as the optimizer's settings hold it
-          message = next(OPTIMIZERS.refusals(_with(defaults, point, v), where),
-                         None)
+          message = next(
+            OPTIMIZERS.refusals(_with(defaults, point, v), where), None
+          )
           if message is not None:
             yield message
 
 
 # --- the run's own settings ---------------------------------------------------
+
 
 @dataclasses.dataclass
 class Tuning(Settings):
@@ -125,14 +147,21 @@ class Tuning(Settings):
   `metric` (mean over seeds) for each optimizer."""
 
   grid: dict[str, Any] = setting(
-      {}, Grid(), "e.g. {adam: {learning_rate: [1.0e-4, 1.0e-3]}}")
-  metric: str = setting("final_train_error", OneOf(tuple(tuning.METRICS)),
-                        "what the best setting minimises")
+    {}, Grid(), "e.g. {adam: {learning_rate: [1.0e-4, 1.0e-3]}}"
+  )
+  metric: str = setting(
+    "final_train_error",
+    OneOf(tuple(tuning.METRICS)),
+    "what the best setting minimises",
+  )
   claim: str | None = setting(
-      None, OneOf(OPTIMIZERS.names, null=True), "an optimizer claimed to "
-      "reach a lower training error than every other one in the same time "
-      "(as Martens & Grosse claim of K-FAC): the report says whether these "
-      "runs bear it out")
+    None,
+    OneOf(OPTIMIZERS.names, null=True),
+    "an optimizer claimed to "
+    "reach a lower training error than every other one in the same time "
+    "(as Martens & Grosse claim of K-FAC): the report says whether these "
+    "runs bear it out",
+  )
 
 
 @dataclasses.dataclass
@@ -146,10 +175,13 @@ class Canonical(Settings):
   curvature: str = setting("kfac", OneOf(CURVATURES.names))
   mode: str = setting("ggn_exact", OneOf(estimators.ESTIMATION_MODES))
   train_every_curvature: bool = setting(
-      True, Flag(), "an optimizer that uses a curvature (K-FAC) trains and "
-      "is timed with every swept curvature it accepts; false: with this "
-      "curvature only, so a sweep over approximations for their quality "
-      "compares the optimizers once")
+    True,
+    Flag(),
+    "an optimizer that uses a curvature (K-FAC) trains and "
+    "is timed with every swept curvature it accepts; false: with this "
+    "curvature only, so a sweep over approximations for their quality "
+    "compares the optimizers once",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,19 +203,29 @@ class MeasureSection(Check):
 
 def folder_name(value) -> None:
   """Raises unless `value` names one folder (a sweep's, under reports/)."""
-  if (not isinstance(value, str) or not value.strip() or value in (".", "..")
-      or "/" in value or "\\" in value or "\0" in value):
+  if (
+    not isinstance(value, str)
+    or not value.strip()
+    or value in (".", "..")
+    or "/" in value
+    or "\\" in value
+    or "\0" in value
+  ):
     raise ValueError(
-        f"name={value!r} is not allowed: name must be a non-empty folder "
-        "name (no '/', not '.' or '..'): the sweep's runs go under "
-        "reports/<name>/.")
+      f"name={value!r} is not allowed: name must be a non-empty folder "
+      "name (no '/', not '.' or '..'): the sweep's runs go under "
+      "reports/<name>/."
+    )
 
 
 def _gallery_entry(name) -> None:
   from curvbench import gallery  # its entries import the measurements
+
   if name not in gallery.entries():
-    raise ValueError(f"repro={name!r} is no gallery entry; the entries are "
-                     f"{', '.join(gallery.entries())}.")
+    raise ValueError(
+      f"repro={name!r} is no gallery entry; the entries are "
+      f"{', '.join(gallery.entries())}."
+    )
 
 
 @dataclasses.dataclass
@@ -191,35 +233,56 @@ class RunSettings(Settings):
   """One run: a problem, a curvature, an optimizer and a measurement (each
   chosen by its config group), and how the run goes."""
 
-  name: str = setting("default", Parsed(folder_name, "a folder name"),
-                      "sweep name: its runs go under reports/<name>/")
-  device: str = setting("auto", OneOf(devices.PLATFORMS), "auto (JAX's "
-                        "default backend), cpu, gpu or tpu: fails clearly "
-                        "where that platform is absent")
-  devices: int = setting(1, Parsed(devices.check_count, "a whole number >= 1"),
-                         "local devices of that platform each batch is "
-                         "split across (data parallel)")
+  name: str = setting(
+    "default",
+    Parsed(folder_name, "a folder name"),
+    "sweep name: its runs go under reports/<name>/",
+  )
+  device: str = setting(
+    "auto",
+    OneOf(devices.PLATFORMS),
+    "auto (JAX's "
+    "default backend), cpu, gpu or tpu: fails clearly "
+    "where that platform is absent",
+  )
+  devices: int = setting(
+    1,
+    Parsed(devices.check_count, "a whole number >= 1"),
+    "local devices of that platform each batch is split across (data parallel)",
+  )
   seed: int = setting(0, SEED, "the repetition: sweep seed=0,1,2 for three")
   init_seed: int = setting("${seed}", SEED, "parameter initialisation")
   data_seed: int = setting("${seed}", SEED, "the order of the batches")
   force: bool = setting(False, Flag(), "redo a run even if it finished")
   progress: bool = setting(True, Flag(), "progress bars and lines")
   continue_on_error: bool = setting(
-      False, Flag(), "a failing run records ERROR.json, the sweep goes on")
+    False, Flag(), "a failing run records ERROR.json, the sweep goes on"
+  )
   lock_wait_s: float = setting(
-      0.0, Number(0, finite=False), "seconds to wait for a run directory "
-      "another process holds (inf: until free), then skip the run")
+    0.0,
+    Number(0, finite=False),
+    "seconds to wait for a run directory "
+    "another process holds (inf: until free), then skip the run",
+  )
   plugins: list[str] = setting(
-      [], ListOf(Text()), "modules or .py files declaring components of "
-      "your own, imported before the config is composed (give it on the "
-      "command line: plugins=[my_lab.models,./my_model.py])")
+    [],
+    ListOf(Text()),
+    "modules or .py files declaring components of "
+    "your own, imported before the config is composed (give it on the "
+    "command line: plugins=[my_lab.models,./my_model.py])",
+  )
   compilation_cache: str | None = setting(
-      "reports/.jax_cache", Text(null=True), "where the command keeps JAX's "
-      "compiled programs (null: no cache; safe to delete)")
+    "reports/.jax_cache",
+    Text(null=True),
+    "where the command keeps JAX's "
+    "compiled programs (null: no cache; safe to delete)",
+  )
   repro: str | None = setting(
-      None, Parsed(_gallery_entry, "a gallery entry's name", null=True),
-      "the gallery entry this run reproduces (+experiment=repro_NAME and "
-      "+experiment=gallery set it; curvbench report judges its claims)")
+    None,
+    Parsed(_gallery_entry, "a gallery entry's name", null=True),
+    "the gallery entry this run reproduces (+experiment=repro_NAME and "
+    "+experiment=gallery set it; curvbench report judges its claims)",
+  )
   tuning: Tuning = dataclasses.field(default_factory=Tuning)
   canonical: Canonical = dataclasses.field(default_factory=Canonical)
   problem: Any = setting(None, Choice(PROBLEMS), "problem=NAME")
@@ -235,30 +298,38 @@ class RunSettings(Settings):
     yield from super().disagreements(prefix)
     for name in measurements.MEASUREMENTS:
       yield from getattr(self.measure, name).run_disagreements(
-          self, f"measure.{name}")
+        self, f"measure.{name}"
+      )
       for problem in getattr(self.measure, name).problems:
         if problem not in options("problem"):
-          yield (f"Unknown measure.{name}.problems {problem!r}"
-                 f"{_nearest(problem, options('problem'))}; choose among "
-                 f"{', '.join(options('problem'))}.")
+          yield (
+            f"Unknown measure.{name}.problems {problem!r}"
+            f"{_nearest(problem, options('problem'))}; choose among "
+            f"{', '.join(options('problem'))}."
+          )
     yield from self.measure.chosen.batch_disagreements(self)
     if self.curvature.per_example_alone and self.problem.couples_examples:
-      yield (f"curvature={self.curvature.name} forms each example's gradient "
-             f"from that example alone, but problem {self.problem.name!r} "
-             "normalises over the batch (batch norm), so an example's "
-             "gradient depends on the rest of its batch: use "
-             "curvature=implicit_exact (products through the whole batch), "
-             "or a normalisation per example (problem.norm=group or layer).")
+      yield (
+        f"curvature={self.curvature.name} forms each example's gradient "
+        f"from that example alone, but problem {self.problem.name!r} "
+        "normalises over the batch (batch norm), so an example's "
+        "gradient depends on the rest of its batch: use "
+        "curvature=implicit_exact (products through the whole batch), "
+        "or a normalisation per example (problem.norm=group or layer)."
+      )
     if self.devices > 1 and self.problem.couples_examples:
-      yield (f"devices={self.devices} splits each batch over devices, and "
-             f"problem {self.problem.name!r} normalises over the batch "
-             "(batch norm): K-FAC's steps and the curvature phases would "
-             "normalise each device's part by its own statistics, the other "
-             "steps by the whole batch's; use devices=1, or a normalisation "
-             "per example (problem.norm=group or layer).")
+      yield (
+        f"devices={self.devices} splits each batch over devices, and "
+        f"problem {self.problem.name!r} normalises over the batch "
+        "(batch norm): K-FAC's steps and the curvature phases would "
+        "normalise each device's part by its own statistics, the other "
+        "steps by the whole batch's; use devices=1, or a normalisation "
+        "per example (problem.norm=group or layer)."
+      )
 
 
 # --- the ConfigStore ----------------------------------------------------------
+
 
 def _problem_node(name: str) -> DictConfig:
   """The problem's settings with a defaults list that picks its dataset
@@ -270,8 +341,13 @@ def _problem_node(name: str) -> DictConfig:
 
 
 # The registries whose components the config groups choose from.
-REGISTRIES = (PROBLEMS, DATASETS, CURVATURES, OPTIMIZERS,
-              measurements.MEASUREMENTS)
+REGISTRIES = (
+  PROBLEMS,
+  DATASETS,
+  CURVATURES,
+  OPTIMIZERS,
+  measurements.MEASUREMENTS,
+)
 _stored = []  # the registered names when `store` last ran
 
 
@@ -285,6 +361,7 @@ def options(group: str) -> list[str]:
   names += [p.stem for p in (CONF_DIR / group).glob("*.yaml")]
   if group == "experiment":
     from curvbench import gallery
+
     names += gallery.experiments()
   return sorted(set(names))
 
@@ -301,28 +378,45 @@ def store() -> None:
   cs = ConfigStore.instance()
   cs.store(name=RUN_SCHEMA, node=RunSettings, provider="curvbench")
   for name in PROBLEMS:
-    cs.store(group="problem", name=name, node=_problem_node(name),
-             provider="curvbench")
+    cs.store(
+      group="problem", name=name, node=_problem_node(name), provider="curvbench"
+    )
   for registry in (DATASETS, CURVATURES, OPTIMIZERS):
     for name in registry:
-      cs.store(group=registry.group, name=name, node=registry.defaults(name),
-               provider="curvbench")
+      cs.store(
+        group=registry.group,
+        name=name,
+        node=registry.defaults(name),
+        provider="curvbench",
+      )
   nested = measure_groups()
   for group, choice in nested.items():
     for name in choice.registry:
-      cs.store(group=f"measure/{group}", name=name,
-               node=choice.registry.defaults(name), provider="curvbench")
+      cs.store(
+        group=f"measure/{group}",
+        name=name,
+        node=choice.registry.defaults(name),
+        provider="curvbench",
+      )
   section = measurements.schema()
   for name in measurements.MEASUREMENTS:
     node = OmegaConf.structured(section(kind=name))
     with open_dict(node):
-      node.defaults = ["_self_", *({group: choice.default}
-                                   for group, choice in nested.items())]
+      node.defaults = [
+        "_self_",
+        *({group: choice.default} for group, choice in nested.items()),
+      ]
     cs.store(group="measure", name=name, node=node, provider="curvbench")
   from curvbench import gallery
+
   for name, node in gallery.experiments().items():
-    cs.store(group="experiment", name=name, node=node, package="_global_",
-             provider="curvbench")
+    cs.store(
+      group="experiment",
+      name=name,
+      node=node,
+      package="_global_",
+      provider="curvbench",
+    )
 
 
 def measure_groups() -> dict[str, Choice]:
@@ -330,13 +424,16 @@ def measure_groups() -> dict[str, Choice]:
   `Choice` settings (e.g. `timing/baseline`, chosen by
   `measure/timing/baseline=NAME`; one without a default component is
   null until chosen), by group path."""
-  return {f"{name}/{f.name}": f.metadata["check"]
-          for name in measurements.MEASUREMENTS
-          for f in dataclasses.fields(measurements.MEASUREMENTS.get(name))
-          if isinstance(f.metadata.get("check"), Choice)}
+  return {
+    f"{name}/{f.name}": f.metadata["check"]
+    for name in measurements.MEASUREMENTS
+    for f in dataclasses.fields(measurements.MEASUREMENTS.get(name))
+    if isinstance(f.metadata.get("check"), Choice)
+  }
 
 
 # --- checking a config --------------------------------------------------------
+
 
 def plain(node) -> dict:
   """A config (section) as a plain dict, interpolations resolved."""
@@ -352,9 +449,13 @@ def run_values(cfg) -> dict:
   plain dict."""
   if not isinstance(cfg, DictConfig):
     return {k: v for k, v in cfg.items() if k != "hydra"}
-  return {k: OmegaConf.to_container(cfg[k], resolve=True)
-          if OmegaConf.is_config(cfg[k]) else cfg[k]
-          for k in cfg if k != "hydra"}
+  return {
+    k: OmegaConf.to_container(cfg[k], resolve=True)
+    if OmegaConf.is_config(cfg[k])
+    else cfg[k]
+    for k in cfg
+    if k != "hydra"
+  }
 
 
 def refusals(cfg) -> Iterator[str]:
@@ -367,21 +468,30 @@ def refusals(cfg) -> Iterator[str]:
   if isinstance(cfg, DictConfig):
     for group in _groups():
       chosen = OmegaConf.get_type(cfg, group) if group in cfg else None
-      if (isinstance(chosen, type) and issubclass(chosen, Component)
-          and values[group].get("name") not in chosen.registered_names):
+      if (
+        isinstance(chosen, type)
+        and issubclass(chosen, Component)
+        and values[group].get("name") not in chosen.registered_names
+      ):
         yield from chosen.refusals(values[group], group)
         return
     for path in measure_groups():
       key = "measure." + path.replace("/", ".")
       node = OmegaConf.select(cfg, key)
-      chosen = OmegaConf.get_type(node) if isinstance(node, DictConfig) \
-          else None
+      chosen = (
+        OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+      )
       name = node.get("name") if isinstance(node, DictConfig) else None
-      if (isinstance(chosen, type) and issubclass(chosen, Component)
-          and name not in chosen.registered_names):
-        yield (f"{key}.name={name!r} is not allowed: these are the settings "
-               f"of {chosen.what()}; choose another by its config group "
-               f"(measure/{path}={name}), not by {key}.name.")
+      if (
+        isinstance(chosen, type)
+        and issubclass(chosen, Component)
+        and name not in chosen.registered_names
+      ):
+        yield (
+          f"{key}.name={name!r} is not allowed: these are the settings "
+          f"of {chosen.what()}; choose another by its config group "
+          f"(measure/{path}={name}), not by {key}.name."
+        )
         return
   yield from RunSettings.refusals(values)
 
@@ -389,8 +499,9 @@ def refusals(cfg) -> Iterator[str]:
 def _choosers() -> set[str]:
   """The config groups that choose a component (`problem`,
   `measure/timing/baseline`, ...)."""
-  return {r.group for r in REGISTRIES} | {f"measure/{g}"
-                                          for g in measure_groups()}
+  return {r.group for r in REGISTRIES} | {
+    f"measure/{g}" for g in measure_groups()
+  }
 
 
 def _nearest(name: str, names) -> str:
@@ -399,9 +510,11 @@ def _nearest(name: str, names) -> str:
 
 
 def _groups() -> dict:
-  return {f.name: f.metadata["check"].registry
-          for f in dataclasses.fields(RunSettings)
-          if isinstance(f.metadata.get("check"), Choice)}
+  return {
+    f.name: f.metadata["check"].registry
+    for f in dataclasses.fields(RunSettings)
+    if isinstance(f.metadata.get("check"), Choice)
+  }
 
 
 def validate(cfg) -> None:
@@ -425,47 +538,63 @@ def explain(error: Exception, overrides=()) -> str:
   cause = error.__cause__
   where = getattr(cause, "object_type", None)
   key = getattr(cause, "key", None)
-  if not (isinstance(cause, OmegaConfBaseException) and isinstance(where, type)
-          and issubclass(where, Settings) and isinstance(key, str)):
+  if not (
+    isinstance(cause, OmegaConfBaseException)
+    and isinstance(where, type)
+    and issubclass(where, Settings)
+    and isinstance(key, str)
+  ):
     missing = re.search(r"Could not find '([\w/]+)/([^']+)'", str(error))
     if missing and missing[1] in _choosers():
-      return (f"Unknown {missing[1]} {missing[2]!r}"
-              f"{_nearest(missing[2], options(missing[1]))}; choose one of "
-              f"{', '.join(options(missing[1]))}, or declare your own in a "
-              "module named by plugins=[...].")
-    unchosen = re.search(r"Could not override 'measure\.(\w+)\.(\w+)\.",
-                         str(error))
+      return (
+        f"Unknown {missing[1]} {missing[2]!r}"
+        f"{_nearest(missing[2], options(missing[1]))}; choose one of "
+        f"{', '.join(options(missing[1]))}, or declare your own in a "
+        "module named by plugins=[...]."
+      )
+    unchosen = re.search(
+      r"Could not override 'measure\.(\w+)\.(\w+)\.", str(error)
+    )
     path = unchosen and f"{unchosen[1]}/{unchosen[2]}"
     if path in measure_groups() and measure_groups()[path].default is None:
-      return (f"measure.{unchosen[1]}.{unchosen[2]} is null until chosen: "
-              f"give measure/{path}=NAME before its settings (one of "
-              f"{', '.join(options('measure/' + path))}).")
+      return (
+        f"measure.{unchosen[1]}.{unchosen[2]} is null until chosen: "
+        f"give measure/{path}=NAME before its settings (one of "
+        f"{', '.join(options('measure/' + path))})."
+      )
     # Hydra's own words, less its search path (not the user's concern).
     text = f"{error}{f': {cause}' if cause else ''}"
     return text.split("\nConfig search path")[0].strip()
   full = cause.full_key or key
-  prefix = full[:-len(key)].rstrip(".")
+  prefix = full[: -len(key)].rstrip(".")
   field = {f.name: f for f in dataclasses.fields(where)}.get(key)
   if field is None:
-    given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2]
-             for o in overrides}
-    return (where.unknown(key, prefix, given[full]) if full in given
-            else where.unknown(key, prefix))
+    given = {
+      o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in overrides
+    }
+    return (
+      where.unknown(key, prefix, given[full])
+      if full in given
+      else where.unknown(key, prefix)
+    )
   check = field.metadata.get("check")
-  allowed = (check.describe() if check is not None
-             else f"a {getattr(field.type, '__name__', field.type)}")
-  return (f"{full}={cause.value!r} is not allowed: {full} must be "
-          f"{allowed}.")
+  allowed = (
+    check.describe()
+    if check is not None
+    else f"a {getattr(field.type, '__name__', field.type)}"
+  )
+  return f"{full}={cause.value!r} is not allowed: {full} must be {allowed}."
 
 
 # --- composing ----------------------------------------------------------------
+
 
 def run_dir_name(override_dirname: str, limit: int = 120) -> str:
   """A sweep run's directory name: its overrides, hashed when too long."""
   if len(override_dirname) <= limit:
     return override_dirname or "default"
   digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:12]
-  return f"{override_dirname[:limit - 14]}..{digest}"
+  return f"{override_dirname[: limit - 14]}..{digest}"
 
 
 def register_resolvers() -> None:
@@ -478,7 +607,8 @@ def register_resolvers() -> None:
     # Cached per config, as Hydra's `now` is, so that every read of the
     # run directory gives the same name.
     OmegaConf.register_new_resolver(
-        "curvbench_token", lambda: uuid.uuid4().hex[:6], use_cache=True)
+      "curvbench_token", lambda: uuid.uuid4().hex[:6], use_cache=True
+    )
 
 
 def coerced_flags(cfg, overrides) -> Iterator[str]:
@@ -490,8 +620,9 @@ def coerced_flags(cfg, overrides) -> Iterator[str]:
       continue
     key = override.get_key_element().lstrip("+~")
     value = override.value()
-    if (isinstance(OmegaConf.select(cfg, key, default=None), bool)
-        and not isinstance(value, bool)):
+    if isinstance(
+      OmegaConf.select(cfg, key, default=None), bool
+    ) and not isinstance(value, bool):
       yield f"{key}={value!r} is not allowed: {key} must be true or false."
 
 
@@ -503,15 +634,18 @@ def plugins_of(overrides) -> list[str]:
     if override.get_key_element().lstrip("+~") != "plugins":
       continue
     if override.is_sweep_override():
-      raise ConfigError("plugins cannot be swept: give one list, "
-                        "plugins=[a,b], for every run of the sweep.")
+      raise ConfigError(
+        "plugins cannot be swept: give one list, "
+        "plugins=[a,b], for every run of the sweep."
+      )
     value = override.value()
     found += [str(v) for v in (value if isinstance(value, list) else [value])]
   return found
 
 
-def compose(*overrides: str, check: bool = True,
-            with_hydra: bool = False) -> DictConfig:
+def compose(
+  *overrides: str, check: bool = True, with_hydra: bool = False
+) -> DictConfig:
   """The config of `curvbench OVERRIDES...`, e.g.
   `compose("problem=convnet", "curvature=diagonal", "seed=1")`; checked
   (`validate`) unless `check` is False; with Hydra's own node (`hydra`:
@@ -526,8 +660,9 @@ def compose(*overrides: str, check: bool = True,
   store()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     try:
-      cfg = hydra_compose("config", overrides=list(overrides),
-                          return_hydra_config=with_hydra)
+      cfg = hydra_compose(
+        "config", overrides=list(overrides), return_hydra_config=with_hydra
+      )
     except ConfigCompositionException as e:
       raise ConfigError(explain(e, overrides)) from e
   for message in coerced_flags(cfg, overrides):

@@ -25,8 +25,11 @@ def program_bytes(compiled: jax.stages.Compiled) -> float:
   memory = compiled.memory_analysis()
   if memory is None:
     return float("nan")
-  return float(memory.argument_size_in_bytes + memory.output_size_in_bytes
-               + memory.temp_size_in_bytes)
+  return float(
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
 
 
 def flops(compiled: jax.stages.Compiled) -> float:
@@ -50,8 +53,10 @@ def device_peak_bytes(used: Sequence[jax.Device] | None = None) -> float:
   """The most bytes any of the `used` devices (default: those the run
   measures on, `devices.in_use()`) has held since the process started (NaN
   where the runtime keeps no statistics, as on the CPU)."""
-  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", math.nan)
-           for d in (devices.in_use() if used is None else used)]
+  peaks = [
+    (d.memory_stats() or {}).get("peak_bytes_in_use", math.nan)
+    for d in (devices.in_use() if used is None else used)
+  ]
   return math.nan if any(map(math.isnan, peaks)) else float(max(peaks))
 
 
@@ -70,8 +75,11 @@ def memory_columns(*compiled: jax.stages.Compiled) -> dict:
   """`program_bytes` (the largest of the programs), `device_peak_bytes`
   (now) and `memory_source`: the memory columns of a record row."""
   peak = device_peak_bytes()
-  return dict(program_bytes=max(map(program_bytes, compiled)),
-              device_peak_bytes=peak, memory_source=_source(peak))
+  return dict(
+    program_bytes=max(map(program_bytes, compiled)),
+    device_peak_bytes=peak,
+    memory_source=_source(peak),
+  )
 
 
 def without_passthrough(fn: Callable) -> Callable:
@@ -85,16 +93,18 @@ def without_passthrough(fn: Callable) -> Callable:
 
   def computed(*args, **kwargs):
     inputs = {id(x) for x in jax.tree.leaves((args, kwargs))}
-    return [x for x in jax.tree.leaves(fn(*args, **kwargs))
-            if id(x) not in inputs]
+    return [
+      x for x in jax.tree.leaves(fn(*args, **kwargs)) if id(x) not in inputs
+    ]
 
   return computed
 
 
 def _signature(args) -> tuple:
   leaves, tree = jax.tree.flatten(args)
-  return tree, tuple((jax.numpy.shape(x), jax.numpy.result_type(x))
-                     for x in leaves)
+  return tree, tuple(
+    (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in leaves
+  )
 
 
 class Costs:
@@ -114,8 +124,12 @@ class Costs:
 
   SLOW_S = 5.0
 
-  def __init__(self, log: Callable[[str], None] | None = None,
-               programs: dict | None = None, **columns):
+  def __init__(
+    self,
+    log: Callable[[str], None] | None = None,
+    programs: dict | None = None,
+    **columns,
+  ):
     self.columns = columns
     self.rows: list[dict] = []
     self.log = log
@@ -126,10 +140,17 @@ class Costs:
 
   def record(self, phase: str, run_s: float) -> None:
     """A row for work done outside `call` (no program, no memory figure)."""
-    self.rows.append(dict(self.columns, phase=phase, compile_s=0.0,
-                          run_s=run_s, program_bytes=math.nan,
-                          device_peak_bytes=math.nan,
-                          memory_source=memory_source()))
+    self.rows.append(
+      dict(
+        self.columns,
+        phase=phase,
+        compile_s=0.0,
+        run_s=run_s,
+        program_bytes=math.nan,
+        device_peak_bytes=math.nan,
+        memory_source=memory_source(),
+      )
+    )
 
   def call(self, phase: str, fn: Callable, *args):
     """`jax.jit(fn)(*args)`, timed; `args` are arrays or pytrees of them."""
@@ -143,12 +164,17 @@ class Costs:
     out = jax.block_until_ready(compiled(*args))
     run_s = time.perf_counter() - start
     memory = memory_columns(compiled)
-    self.rows.append(dict(self.columns, phase=phase, compile_s=compile_s,
-                          run_s=run_s, **memory))
+    self.rows.append(
+      dict(
+        self.columns, phase=phase, compile_s=compile_s, run_s=run_s, **memory
+      )
+    )
     if self.log and compile_s + run_s >= self.SLOW_S:
-      self.log(f"[curvbench] {self._where()}: {phase}: {run_s:.1f} s "
-               f"(compile {compile_s:.1f} s, "
-               f"{memory['program_bytes'] / 2 ** 30:.2f} GiB)")
+      self.log(
+        f"[curvbench] {self._where()}: {phase}: {run_s:.1f} s "
+        f"(compile {compile_s:.1f} s, "
+        f"{memory['program_bytes'] / 2**30:.2f} GiB)"
+      )
     return out
 
   def summary(self, rows: list[dict] | None = None) -> None:
@@ -158,8 +184,12 @@ class Costs:
       return
     run = sum(r["run_s"] for r in rows)
     compile_ = sum(r["compile_s"] for r in rows)
-    largest = max((r["program_bytes"] for r in rows
-                   if not math.isnan(r["program_bytes"])), default=math.nan)
-    self.log(f"[curvbench] {self._where()}: {len(rows)} phases, "
-             f"{run:.1f} s (compile {compile_:.1f} s), largest program "
-             f"{largest / 2 ** 30:.2f} GiB")
+    largest = max(
+      (r["program_bytes"] for r in rows if not math.isnan(r["program_bytes"])),
+      default=math.nan,
+    )
+    self.log(
+      f"[curvbench] {self._where()}: {len(rows)} phases, "
+      f"{run:.1f} s (compile {compile_:.1f} s), largest program "
+      f"{largest / 2**30:.2f} GiB"
+    )

@@ -32,10 +32,11 @@ from estimators import estimation_modes, graph_matcher
 EXACT_MATRICES = (*estimation_modes.EXACT_MODE_OF_MATRIX, "hessian")
 # The products of the matrix-free exact curvature, by matrix name.
 IMPLICIT_PRODUCTS = {
-    "ggn": kfac.ImplicitExactCurvature.multiply_ggn,
-    "fisher": kfac.ImplicitExactCurvature.multiply_fisher,
-    "empirical_fisher": kfac.ImplicitExactCurvature.multiply_empirical_fisher,
-    "hessian": kfac.ImplicitExactCurvature.multiply_hessian}
+  "ggn": kfac.ImplicitExactCurvature.multiply_ggn,
+  "fisher": kfac.ImplicitExactCurvature.multiply_fisher,
+  "empirical_fisher": kfac.ImplicitExactCurvature.multiply_empirical_fisher,
+  "hessian": kfac.ImplicitExactCurvature.multiply_hessian,
+}
 
 
 def num_params(params) -> int:
@@ -46,12 +47,13 @@ def _traced(loss_fn: Callable, params, batch) -> kfac.BlockDiagonalCurvature:
   """A block-diagonal estimator of `loss_fn` with its blocks built."""
   estimator = kfac.BlockDiagonalCurvature(loss_fn)
   # Tracing builds the blocks; eval_shape spares allocating their state.
-  jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0),
-                                        (params, batch)))
+  jax.eval_shape(lambda: estimator.init(jax.random.PRNGKey(0), (params, batch)))
   return estimator
 
 
-def layer_blocks(loss_fn: Callable, params, batch) -> list[tuple[str, np.ndarray]]:
+def layer_blocks(
+  loss_fn: Callable, params, batch
+) -> list[tuple[str, np.ndarray]]:
   """The network's layer blocks: for each tagged layer, its name (the
   modules its parameters belong to, e.g. 'dense_0') and the `ravel_pytree`
   indices of its parameters; the blocks of block-diagonal K-FAC, whatever
@@ -59,16 +61,21 @@ def layer_blocks(loss_fn: Callable, params, batch) -> list[tuple[str, np.ndarray
   estimator = _traced(loss_fn, params, batch)
   leaves = jax.tree.leaves(params)
   starts = np.cumsum([0, *(int(np.size(x)) for x in leaves)])
-  return [(name, np.concatenate([np.arange(starts[i], starts[i + 1])
-                                 for i in mine]))
-          for name, mine in _block_leaves(estimator, params)]
+  return [
+    (name, np.concatenate([np.arange(starts[i], starts[i + 1]) for i in mine]))
+    for name, mine in _block_leaves(estimator, params)
+  ]
 
 
 # A layer block's type ("role") by its layer tag, where the problem's
 # `layer_roles` do not name it; layers of other tags are "other".
-TAG_ROLES = {kfac.tags.conv2d: "conv", kfac.tags.embedding: "embedding",
-             kfac.tags.scale_and_shift: "norm", kfac.tags.dense: "dense",
-             kfac.tags.repeated_dense: "dense"}
+TAG_ROLES = {
+  kfac.tags.conv2d: "conv",
+  kfac.tags.embedding: "embedding",
+  kfac.tags.scale_and_shift: "norm",
+  kfac.tags.dense: "dense",
+  kfac.tags.repeated_dense: "dense",
+}
 OTHER_ROLE = "other"
 
 
@@ -78,27 +85,36 @@ def block_role(name: str, tag, layer_roles=()) -> str:
   a problem's `layer_roles` whose part is in `name`, else the tag's
   (`TAG_ROLES`), else "other"."""
   for pair in layer_roles:
-    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-        or not all(isinstance(x, str) and x for x in pair)):
+    if (
+      not isinstance(pair, (tuple, list))
+      or len(pair) != 2
+      or not all(isinstance(x, str) and x for x in pair)
+    ):
       raise ValueError(
-          f"layer_roles entry {pair!r} is not a (part of a layer's name, "
-          "role) pair of non-empty strings: declare e.g. "
-          "(('attention', 'attention'), ('mlp', 'mlp')).")
+        f"layer_roles entry {pair!r} is not a (part of a layer's name, "
+        "role) pair of non-empty strings: declare e.g. "
+        "(('attention', 'attention'), ('mlp', 'mlp'))."
+      )
     if pair[1] == "all":
       raise ValueError(
-          "layer_roles names a role 'all', which quality records keep for "
-          "the whole network: call it something else.")
+        "layer_roles names a role 'all', which quality records keep for "
+        "the whole network: call it something else."
+      )
   part_role = next((role for part, role in layer_roles if part in name), None)
   return part_role or TAG_ROLES.get(tag, OTHER_ROLE)
 
 
-def block_roles(loss_fn: Callable, params, batch,
-                layer_roles=()) -> dict[str, str]:
+def block_roles(
+  loss_fn: Callable, params, batch, layer_roles=()
+) -> dict[str, str]:
   """`{name: role}` for each of `layer_blocks`' blocks (`block_role`)."""
   estimator = _traced(loss_fn, params, batch)
-  return {name: block_role(name, block.layer_tag_primitive, layer_roles)
-          for (name, _), block in zip(_block_leaves(estimator, params),
-                                      estimator.blocks)}
+  return {
+    name: block_role(name, block.layer_tag_primitive, layer_roles)
+    for (name, _), block in zip(
+      _block_leaves(estimator, params), estimator.blocks
+    )
+  }
 
 
 def _block_leaves(estimator, params) -> list[tuple[str, list[int]]]:
@@ -110,21 +126,27 @@ def _block_leaves(estimator, params) -> list[tuple[str, list[int]]]:
   for index in range(len(estimator.blocks)):
     mine = [i for i, b in enumerate(which) if b == index]
     modules = dict.fromkeys(
-        str(getattr(paths[i][0], "key", paths[i][0])) for i in mine)
+      str(getattr(paths[i][0], "key", paths[i][0])) for i in mine
+    )
     out.append(("+".join(modules), mine))
   return out
 
 
-def check_dense_fits(num: int, itemsize: int, max_gib: float, what: str,
-                     hint: str = "use curvature=implicit_exact "
-                     "(matrix-free)") -> None:
+def check_dense_fits(
+  num: int,
+  itemsize: int,
+  max_gib: float,
+  what: str,
+  hint: str = "use curvature=implicit_exact (matrix-free)",
+) -> None:
   """Raises a clear error when a dense `num` x `num` matrix is too large."""
-  gib = num ** 2 * itemsize / 2 ** 30
+  gib = num**2 * itemsize / 2**30
   if gib > max_gib:
     raise MemoryError(
-        f"{what} needs a dense {num} x {num} matrix ({gib:.2f} GiB), over the "
-        f"limit of {max_gib} GiB: {hint}, or raise max_dense_gib if the "
-        "memory is there.")
+      f"{what} needs a dense {num} x {num} matrix ({gib:.2f} GiB), over the "
+      f"limit of {max_gib} GiB: {hint}, or raise max_dense_gib if the "
+      "memory is there."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +244,9 @@ class Curvature(abc.ABC):
     estimators keep weighted averages), so the result is the mean over
     examples; sampled modes average `num_samples` draws per chunk.
     """
-    return self.accumulate(self.init(rng, params, data.first), rng, params,
-                           data, num_samples)
+    return self.accumulate(
+      self.init(rng, params, data.first), rng, params, data, num_samples
+    )
 
   def accumulate(self, state, rng, params, data: Data, num_samples: int = 1):
     """`state` averaged with the estimate over `data`; see `estimate`."""
@@ -236,8 +259,10 @@ class Curvature(abc.ABC):
     def scan(state, rng, params, data):
       keys = jax.random.split(rng, (data.num_chunks + 1, num_samples))
       state, _ = jax.lax.scan(
-          lambda s, xs: (add(s, xs[0], xs[1], data.chunk_size), None), state,
-          (data.chunks, keys[:-1]))
+        lambda s, xs: (add(s, xs[0], xs[1], data.chunk_size), None),
+        state,
+        (data.chunks, keys[:-1]),
+      )
       if data.rest is not None:
         state = add(state, data.rest, keys[-1], data.rest_size)
       return state
@@ -259,31 +284,53 @@ class _Estimator(Curvature):
   takes_axis_name = True
 
   def init(self, rng, params, batch):
-    return self.estimator.init(rng, (params, batch), exact_powers_to_cache=-1,
-                               approx_powers_to_cache=None,
-                               cache_eigenvalues=False)
+    return self.estimator.init(
+      rng,
+      (params, batch),
+      exact_powers_to_cache=-1,
+      approx_powers_to_cache=None,
+      cache_eigenvalues=False,
+    )
 
-  def update(self, state, params, batch, rng, ema_old=0.0, ema_new=1.0,
-             axis_name=None):
+  def update(
+    self, state, params, batch, rng, ema_old=0.0, ema_new=1.0, axis_name=None
+  ):
     size = jax.tree.leaves(batch)[0].shape[0]  # this device's, under an axis
     return self.estimator.update_curvature_matrix_estimate(
-        state, ema_old, ema_new, size, rng, (params, batch),
-        pmap_axis_name=axis_name, estimation_mode=self.mode)
+      state,
+      ema_old,
+      ema_new,
+      size,
+      rng,
+      (params, batch),
+      pmap_axis_name=axis_name,
+      estimation_mode=self.mode,
+    )
 
   def refresh(self, state, damping, axis_name=None):
-    return self.estimator.update_cache(state, damping, exact_powers=-1,
-                                       approx_powers=None, eigenvalues=False,
-                                       pmap_axis_name=axis_name)
+    return self.estimator.update_cache(
+      state,
+      damping,
+      exact_powers=-1,
+      approx_powers=None,
+      eigenvalues=False,
+      pmap_axis_name=axis_name,
+    )
 
   def multiply(self, state, vector):
-    return self.estimator.multiply(state, vector, identity_weight=0.0,
-                                   exact_power=True, use_cached=False)
+    return self.estimator.multiply(
+      state, vector, identity_weight=0.0, exact_power=True, use_cached=False
+    )
 
   def precondition(self, state, vector, damping, axis_name=None):
-    return self.estimator.multiply_inverse(state, vector,
-                                           identity_weight=damping,
-                                           exact_power=True, use_cached=True,
-                                           pmap_axis_name=axis_name)
+    return self.estimator.multiply_inverse(
+      state,
+      vector,
+      identity_weight=damping,
+      exact_power=True,
+      use_cached=True,
+      pmap_axis_name=axis_name,
+    )
 
   def eigenvalues(self, state):
     return self.estimator.eigenvalues(state)
@@ -329,15 +376,27 @@ class BlockDiagonal(_Estimator):
     (the row's class is then the block the family gives a generic tag)."""
     estimator = self.estimator
     args = jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype),
-        estimator.jaxpr.in_vars)
-    sources = [r["source"] for r in graph_matcher.registration_report(
-        estimator.func, args, estimator.params_index)]
+      lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype),
+      estimator.jaxpr.in_vars,
+    )
+    sources = [
+      r["source"]
+      for r in graph_matcher.registration_report(
+        estimator.func, args, estimator.params_index
+      )
+    ]
     which = jax.tree.leaves(estimator.params_block_index)
-    return [dict(block=b.name, block_class=type(b).__name__, dim=int(b.dim),
-                 source="; ".join(dict.fromkeys(
-                     s for s, w in zip(sources, which) if w == index)))
-            for index, b in enumerate(estimator.blocks)]
+    return [
+      dict(
+        block=b.name,
+        block_class=type(b).__name__,
+        dim=int(b.dim),
+        source="; ".join(
+          dict.fromkeys(s for s, w in zip(sources, which) if w == index)
+        ),
+      )
+      for index, b in enumerate(estimator.blocks)
+    ]
 
   def init(self, rng, params, batch):
     self.check_state_fits(rng, params, batch)
@@ -359,34 +418,41 @@ class BlockDiagonal(_Estimator):
     shapes = jax.eval_shape(self.empty_state, rng, params, batch)
     blocks = self.estimator.blocks
     names = [name for name, _ in _block_leaves(self.estimator, params)]
-    parts = [(f"block {name!r} ({_describe(b)})", _nbytes(s)) for name, b, s
-             in zip(names, blocks, shapes.blocks_states)]
-    parts += [(f"the coupling of blocks {names[i]!r} and {names[j]!r}",
-               _nbytes(s)) for (i, j), s in
-              zip(getattr(self.estimator, "links", ()),
-                  getattr(shapes, "links", ()))]
-    total = sum(size for _, size in parts) / 2 ** 30
+    parts = [
+      (f"block {name!r} ({_describe(b)})", _nbytes(s))
+      for name, b, s in zip(names, blocks, shapes.blocks_states)
+    ]
+    parts += [
+      (f"the coupling of blocks {names[i]!r} and {names[j]!r}", _nbytes(s))
+      for (i, j), s in zip(
+        getattr(self.estimator, "links", ()), getattr(shapes, "links", ())
+      )
+    ]
+    total = sum(size for _, size in parts) / 2**30
     if total <= self.max_state_gib:
       return
     what, size = max(parts, key=lambda part: part[1])
     raise MemoryError(
-        f"The state of curvature {self.label} (block_type="
-        f"{self.block_type}) needs {total:.3g} GiB, over "
-        f"curvature.max_state_gib={self.max_state_gib}; the largest part is "
-        f"{what}: {size / 2 ** 30:.3g} GiB. Choose a cheaper curvature "
-        f"({self.smaller}), or raise curvature.max_state_gib if the memory "
-        "is there.")
+      f"The state of curvature {self.label} (block_type="
+      f"{self.block_type}) needs {total:.3g} GiB, over "
+      f"curvature.max_state_gib={self.max_state_gib}; the largest part is "
+      f"{what}: {size / 2**30:.3g} GiB. Choose a cheaper curvature "
+      f"({self.smaller}), or raise curvature.max_state_gib if the memory "
+      "is there."
+    )
 
   def estimate(self, rng, params, data, num_samples=1):
     state = super().estimate(rng, params, data, num_samples)
-    if not any(block.statistics_in_cached_basis
-               for block in self.estimator.blocks):
+    if not any(
+      block.statistics_in_cached_basis for block in self.estimator.blocks
+    ):
       return state
     # The basis of the whole-data factors, then the statistics in it (the
     # factors' mean is unchanged by averaging the same data in again).
     state = self.estimator.update_cache(state, 0.0)
-    return self.accumulate(state, jax.random.fold_in(rng, 1), params, data,
-                           num_samples)
+    return self.accumulate(
+      state, jax.random.fold_in(rng, 1), params, data, num_samples
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,13 +461,17 @@ class ExplicitExact(_Estimator):
 
   def init(self, rng, params, batch):
     itemsize = jnp.result_type(*jax.tree.leaves(params)).itemsize
-    check_dense_fits(num_params(params), itemsize, self.max_dense_gib,
-                     "explicit_exact")
+    check_dense_fits(
+      num_params(params), itemsize, self.max_dense_gib, "explicit_exact"
+    )
     return super().init(rng, params, batch)
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["residuals"], meta_fields=["linear", "sources"])
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["residuals"],
+  meta_fields=["linear", "sources"],
+)
 @dataclasses.dataclass(frozen=True)
 class _Linearized:
   """One batch's product `v -> C v` with its forward pass done: the arrays
@@ -424,8 +494,9 @@ class _Linearized:
     _, linear = jax.linearize(multiply, jax.tree.map(jnp.zeros_like, params))
     leaves, structure = jax.tree.flatten(linear)
     known = {id(x): ("batch", i) for i, x in enumerate(jax.tree.leaves(batch))}
-    known.update((id(x), ("params", i))
-                 for i, x in enumerate(jax.tree.leaves(params)))
+    known.update(
+      (id(x), ("params", i)) for i, x in enumerate(jax.tree.leaves(params))
+    )
     residuals, sources = [], []
     for leaf in leaves:
       if id(leaf) not in known:
@@ -435,10 +506,14 @@ class _Linearized:
     return cls(tuple(residuals), structure, tuple(sources))
 
   def __call__(self, params, batch, vector):
-    given = dict(params=jax.tree.leaves(params),
-                 batch=jax.tree.leaves(batch), residuals=self.residuals)
-    linear = jax.tree.unflatten(self.linear,
-                                [given[k][i] for k, i in self.sources])
+    given = dict(
+      params=jax.tree.leaves(params),
+      batch=jax.tree.leaves(batch),
+      residuals=self.residuals,
+    )
+    linear = jax.tree.unflatten(
+      self.linear, [given[k][i] for k, i in self.sources]
+    )
     return linear(vector)
 
 
@@ -465,11 +540,16 @@ class ImplicitExact(Curvature):
   def of_matrix(cls, matrix: str, loss_fn: Callable, **common):
     if matrix not in IMPLICIT_PRODUCTS:
       raise ValueError(
-          f"The matrix-free exact curvature multiplies by one of "
-          f"{', '.join(IMPLICIT_PRODUCTS)}, not {matrix!r}.")
+        f"The matrix-free exact curvature multiplies by one of "
+        f"{', '.join(IMPLICIT_PRODUCTS)}, not {matrix!r}."
+      )
     mode = estimation_modes.EXACT_MODE_OF_MATRIX.get(matrix, matrix)
-    return cls(mode=mode, matrix=matrix,
-               implicit=kfac.ImplicitExactCurvature(loss_fn), **common)
+    return cls(
+      mode=mode,
+      matrix=matrix,
+      implicit=kfac.ImplicitExactCurvature(loss_fn),
+      **common,
+    )
 
   def init(self, rng, params, batch):
     del rng
@@ -488,8 +568,9 @@ class ImplicitExact(Curvature):
     return state
 
   def _product(self, params, batch):
-    return functools.partial(IMPLICIT_PRODUCTS[self.matrix], self.implicit,
-                             (params, batch))
+    return functools.partial(
+      IMPLICIT_PRODUCTS[self.matrix], self.implicit, (params, batch)
+    )
 
   def multiply(self, state, vector):
     params, data = state
@@ -506,17 +587,21 @@ class ImplicitExact(Curvature):
     all of `data` at once; use `multiply` where that does not fit.
     """
     params, data = state
-    linearize = lambda p, batch: _Linearized.of(self._product(p, batch), p,
-                                                batch)
+    linearize = lambda p, batch: _Linearized.of(
+      self._product(p, batch), p, batch
+    )
     # Params as the carry, so that the body sees them as they are and keeps
     # no copy per chunk.
-    _, chunks = jax.lax.scan(lambda p, batch: (p, linearize(p, batch)),
-                             params, data.chunks)
-    rest = (None if data.rest is None
-            else (data.rest, linearize(params, data.rest)))
+    _, chunks = jax.lax.scan(
+      lambda p, batch: (p, linearize(p, batch)), params, data.chunks
+    )
+    rest = (
+      None if data.rest is None else (data.rest, linearize(params, data.rest))
+    )
     # Each chunk's batch leads its pytree, so the mean weighs it by its size.
-    return jax.tree_util.Partial(_linearized_mean, params,
-                                 Data((data.chunks, chunks), rest))
+    return jax.tree_util.Partial(
+      _linearized_mean, params, Data((data.chunks, chunks), rest)
+    )
 
   def precondition(self, state, vector, damping):
     flat, unravel = jax.flatten_util.ravel_pytree(vector)
@@ -526,8 +611,9 @@ class ImplicitExact(Curvature):
       y = jax.flatten_util.ravel_pytree(operator(unravel(x)))[0]
       return y + damping * x
 
-    solution, _ = jax.scipy.sparse.linalg.cg(matvec, flat,
-                                             maxiter=self.cg_iters)
+    solution, _ = jax.scipy.sparse.linalg.cg(
+      matvec, flat, maxiter=self.cg_iters
+    )
     return unravel(solution)
 
   def eigenvalues(self, state):
@@ -535,9 +621,13 @@ class ImplicitExact(Curvature):
 
   def to_dense(self, state):
     flat, unravel = jax.flatten_util.ravel_pytree(state[0])
-    check_dense_fits(flat.size, flat.dtype.itemsize, self.max_dense_gib,
-                     f"A dense export of the exact {self.matrix}",
-                     "use measure.spectra.method=lanczos (matrix-free)")
+    check_dense_fits(
+      flat.size,
+      flat.dtype.itemsize,
+      self.max_dense_gib,
+      f"A dense export of the exact {self.matrix}",
+      "use measure.spectra.method=lanczos (matrix-free)",
+    )
 
     def column(e):
       return jax.flatten_util.ravel_pytree(self.multiply(state, unravel(e)))[0]
@@ -558,23 +648,36 @@ class ImplicitExact(Curvature):
 DENSE_FROM_PRODUCTS = ("ggn", "fisher", "hessian")
 
 
-def exact(matrix: str, loss_fn: Callable, *, matrix_free: bool,
-          max_dense_gib: float = np.inf, cg_iters: int = 100) -> Curvature:
+def exact(
+  matrix: str,
+  loss_fn: Callable,
+  *,
+  matrix_free: bool,
+  max_dense_gib: float = np.inf,
+  cg_iters: int = 100,
+) -> Curvature:
   """The exact `matrix` (one of `EXACT_MATRICES`) as a `Curvature`.
 
   Dense (`matrix_free=False`) where an estimation mode gives the matrix, else
   through matrix-vector products.
   """
   if matrix not in EXACT_MATRICES:
-    raise ValueError(f"Unknown exact matrix {matrix!r}; choose from "
-                     f"{', '.join(EXACT_MATRICES)}.")
+    raise ValueError(
+      f"Unknown exact matrix {matrix!r}; choose from "
+      f"{', '.join(EXACT_MATRICES)}."
+    )
   common = dict(name="exact", cg_iters=cg_iters, max_dense_gib=max_dense_gib)
   if matrix_free or matrix not in estimation_modes.EXACT_MODE_OF_MATRIX:
     return ImplicitExact.of_matrix(matrix, loss_fn, **common)
   mode = estimation_modes.exact_mode(matrix)
-  return ExplicitExact(mode=mode, matrix=matrix, estimator=
-                       kfac.ExplicitExactCurvature(
-                           loss_fn, default_estimation_mode=mode), **common)
+  return ExplicitExact(
+    mode=mode,
+    matrix=matrix,
+    estimator=kfac.ExplicitExactCurvature(
+      loss_fn, default_estimation_mode=mode
+    ),
+    **common,
+  )
 
 
 def estimate(curvature: Curvature, rng, params, data, num_samples: int = 1):

@@ -84,8 +84,7 @@ class Data:
     whole = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), self.chunks)
     if self.rest is None:
       return whole
-    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), whole,
-                        self.rest)
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), whole, self.rest)
 
   def split(self, mesh: Mesh, setting: str) -> Data:
     """The examples spread over the mesh's devices (`devices.split`): each
@@ -97,9 +96,11 @@ class Data:
     """
     rest = self.rest
     if rest is not None:
-      rest = (devices.split(rest, mesh, setting)
-              if self.rest_size % mesh.size == 0
-              else devices.replicate(rest, mesh))
+      rest = (
+        devices.split(rest, mesh, setting)
+        if self.rest_size % mesh.size == 0
+        else devices.replicate(rest, mesh)
+      )
     return Data(devices.split(self.chunks, mesh, setting, axis=1), rest)
 
   def mean(self, fn: Callable[[Batch], Any]) -> Any:
@@ -111,26 +112,33 @@ class Data:
     Returns:
       A pytree like `fn`'s output: the mean over every example.
     """
+
     def add(total, chunk):
       return jax.tree.map(jnp.add, total, fn(chunk)), None
 
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(fn, self.first))
+    zeros = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, self.first)
+    )
     total, _ = jax.lax.scan(add, zeros, self.chunks)
     if self.rest is None:
       return jax.tree.map(lambda t: t / self.num_chunks, total)
     full = self.num_chunks * self.chunk_size
     return jax.tree.map(
-        lambda t, r: (t * self.chunk_size + r * self.rest_size)
-        / (full + self.rest_size), total, fn(self.rest))
+      lambda t, r: (t * self.chunk_size + r * self.rest_size)
+      / (full + self.rest_size),
+      total,
+      fn(self.rest),
+    )
 
 
 def _canonical(ndim: int) -> jax.lax.ConvDimensionNumbers:
   """Batch first, features last; kernel `(spatial..., in, out)`."""
   spatial = tuple(range(1, ndim - 1))
   return jax.lax.ConvDimensionNumbers(
-      (0, ndim - 1) + spatial, (ndim - 1, ndim - 2) + tuple(range(ndim - 2)),
-      (0, ndim - 1) + spatial)
+    (0, ndim - 1) + spatial,
+    (ndim - 1, ndim - 2) + tuple(range(ndim - 2)),
+    (0, ndim - 1) + spatial,
+  )
 
 
 def canonical_cpu_convolutions() -> bool:
@@ -150,8 +158,10 @@ def canonical_cpu_convolutions() -> bool:
   """
   conv = jax.lax.conv_general_dilated_p
   try:  # jax's rule, to lower the canonical convolution itself
-    entry = (mlir._platform_specific_lowerings["cpu"].get(conv)
-             or mlir._lowerings[conv])
+    entry = (
+      mlir._platform_specific_lowerings["cpu"].get(conv)
+      or mlir._lowerings[conv]
+    )
   except (AttributeError, KeyError, TypeError):
     return False
   default = getattr(entry, "rule", entry)
@@ -160,21 +170,29 @@ def canonical_cpu_convolutions() -> bool:
 
   def rule(ctx, lhs, rhs, *, dimension_numbers, **params):
     canonical = _canonical(len(dimension_numbers.lhs_spec))
-    if (dimension_numbers == canonical or params["feature_group_count"] != 1
-        or params["batch_group_count"] != 1
-        or params.get("out_sharding") is not None):
-      return default(ctx, lhs, rhs, dimension_numbers=dimension_numbers,
-                     **params)
+    if (
+      dimension_numbers == canonical
+      or params["feature_group_count"] != 1
+      or params["batch_group_count"] != 1
+      or params.get("out_sharding") is not None
+    ):
+      return default(
+        ctx, lhs, rhs, dimension_numbers=dimension_numbers, **params
+      )
     lhs_spec, rhs_spec, out_spec = dimension_numbers
     out_order = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
 
     def transposed(x, kernel):
       y = conv.bind(
-          jax.lax.transpose(x, (lhs_spec[0],) + tuple(lhs_spec[2:])
-                            + (lhs_spec[1],)),
-          jax.lax.transpose(kernel, tuple(rhs_spec[2:])
-                            + (rhs_spec[1], rhs_spec[0])),
-          dimension_numbers=canonical, **params)
+        jax.lax.transpose(
+          x, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],)
+        ),
+        jax.lax.transpose(
+          kernel, tuple(rhs_spec[2:]) + (rhs_spec[1], rhs_spec[0])
+        ),
+        dimension_numbers=canonical,
+        **params,
+      )
       return jax.lax.transpose(y, tuple(np.argsort(out_order)))
 
     return mlir.lower_fun(transposed, multiple_results=False)(ctx, lhs, rhs)
@@ -195,16 +213,24 @@ def parse_scope(scope: str) -> tuple[str, int | None]:
   match = SCOPE.match(str(scope))
   if not match:
     raise ValueError(
-        f"measure.spectra.data={scope!r} is not a data scope: use 'batch' "
-        "(one batch), 'batches:N' (the first N batches, N >= 1) or 'train' "
-        "(the whole training split).")
-  return match.group(1).split(":")[0], (int(match.group(2)) if match.group(2)
-                                        else None)
+      f"measure.spectra.data={scope!r} is not a data scope: use 'batch' "
+      "(one batch), 'batches:N' (the first N batches, N >= 1) or 'train' "
+      "(the whole training split)."
+    )
+  return match.group(1).split(":")[0], (
+    int(match.group(2)) if match.group(2) else None
+  )
 
 
-def select(problem, scope: str, batch_size: int | None = None,
-           chunk_size: int | None = None, dtype=np.float32,
-           seed: int | None = None, sample: int = 0) -> Data:
+def select(
+  problem,
+  scope: str,
+  batch_size: int | None = None,
+  chunk_size: int | None = None,
+  dtype=np.float32,
+  seed: int | None = None,
+  sample: int = 0,
+) -> Data:
   """The examples of `scope` from `problem`, on the device.
 
   Args:
@@ -226,23 +252,29 @@ def select(problem, scope: str, batch_size: int | None = None,
   if kind == "train":
     x, y = problem.data.x_train, problem.data.y_train
     if len(x) == 0:
-      raise ValueError(f"measure.spectra.data=train, but problem "
-                       f"{problem.name!r} has no training examples; use "
-                       "'batch' or give the problem a training split.")
+      raise ValueError(
+        f"measure.spectra.data=train, but problem "
+        f"{problem.name!r} has no training examples; use "
+        "'batch' or give the problem a training split."
+      )
     size = min(chunk_size or batch_size or problem.batch_size, len(x))
     full = len(x) // size * size
     inputs = x.astype(dtype)
     targets = problem.targets(inputs, y)
     stack = lambda a: jnp.asarray(a[:full].reshape(-1, size, *a.shape[1:]))
-    rest = ((jnp.asarray(inputs[full:]), jnp.asarray(targets[full:]))
-            if full < len(x) else None)
+    rest = (
+      (jnp.asarray(inputs[full:]), jnp.asarray(targets[full:]))
+      if full < len(x)
+      else None
+    )
     return Data((stack(inputs), stack(targets)), rest)
   size = batch_size or problem.batch_size
   if (count or 1) * size > len(problem.data.x_train):
     raise ValueError(
-        f"measure.spectra.data={scope!r} asks for {count} batches of {size}, "
-        f"more than the {len(problem.data.x_train)} training examples; use "
-        "'train' for the whole split.")
+      f"measure.spectra.data={scope!r} asks for {count} batches of {size}, "
+      f"more than the {len(problem.data.x_train)} training examples; use "
+      "'train' for the whole split."
+    )
   batches = problem.batches(batch_size=size, seed=seed, dtype=dtype)
   for _ in range(sample * (count or 1)):
     next(batches)

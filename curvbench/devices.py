@@ -35,11 +35,11 @@ logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 AXIS = "data"  # the mesh axis batches are split along
 _INSTALL = {
-    "gpu": "install the CUDA build of jax (`make cuda`, or `pip install -c "
-           "constraints.txt -e '.[cuda]'`) and check that `nvidia-smi` sees "
-           "the GPU",
-    "tpu": "install jax with TPU support (`pip install 'jax[tpu]'`) on a TPU "
-           "host",
+  "gpu": "install the CUDA build of jax (`make cuda`, or `pip install -c "
+  "constraints.txt -e '.[cuda]'`) and check that `nvidia-smi` sees "
+  "the GPU",
+  "tpu": "install jax with TPU support (`pip install 'jax[tpu]'`) on a TPU "
+  "host",
 }
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # The devices of the innermost `use` block (None outside one).
@@ -53,8 +53,9 @@ def select(platform: str) -> jax.Device:
     ValueError: for an unknown platform, or one JAX cannot find here.
   """
   if platform not in PLATFORMS:
-    raise ValueError(f"Unknown device {platform!r}; choose one of "
-                     f"{', '.join(PLATFORMS)}.")
+    raise ValueError(
+      f"Unknown device {platform!r}; choose one of {', '.join(PLATFORMS)}."
+    )
   if platform == "auto":
     return jax.devices()[0]
   try:
@@ -62,18 +63,24 @@ def select(platform: str) -> jax.Device:
   except RuntimeError:
     found = sorted({d.platform for d in jax.devices()})
     raise ValueError(
-        f"device={platform}, but JAX finds no {platform.upper()} here (it "
-        f"finds: {', '.join(found)}). To use one, {_INSTALL[platform]}; or "
-        "run with device=auto (the default backend) or device=cpu.") from None
+      f"device={platform}, but JAX finds no {platform.upper()} here (it "
+      f"finds: {', '.join(found)}). To use one, {_INSTALL[platform]}; or "
+      "run with device=auto (the default backend) or device=cpu."
+    ) from None
 
 
 def check_count(count) -> int:
   """`count` as an int, or a ValueError naming the `devices` setting."""
-  if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or (
-      count < 1):
-    raise ValueError(f"devices={count!r} must be a positive integer: the "
-                     "number of local devices a run splits its batches "
-                     "across (1: one device).")
+  if (
+    isinstance(count, bool)
+    or not isinstance(count, (int, np.integer))
+    or (count < 1)
+  ):
+    raise ValueError(
+      f"devices={count!r} must be a positive integer: the "
+      "number of local devices a run splits its batches "
+      "across (1: one device)."
+    )
   return int(count)
 
 
@@ -106,18 +113,23 @@ def local(platform: str, count: int = 1) -> list[jax.Device]:
     return found[:count]
   kind = first.platform.upper()
   if first.platform == "cpu":
-    fix = (f"JAX makes one CPU device unless asked before it starts: start "
-           f"the process with XLA_FLAGS={_HOST_DEVICES_FLAG}={count} (a "
-           f"`curvbench` run asks by itself when it is the process's first "
-           f"run; a sweep with several device counts in one process needs "
-           f"the flag for the largest)")
+    fix = (
+      f"JAX makes one CPU device unless asked before it starts: start "
+      f"the process with XLA_FLAGS={_HOST_DEVICES_FLAG}={count} (a "
+      f"`curvbench` run asks by itself when it is the process's first "
+      f"run; a sweep with several device counts in one process needs "
+      f"the flag for the largest)"
+    )
   else:
-    fix = (f"make more {kind}s visible to this process (e.g. "
-           f"CUDA_VISIBLE_DEVICES on NVIDIA GPUs)")
+    fix = (
+      f"make more {kind}s visible to this process (e.g. "
+      f"CUDA_VISIBLE_DEVICES on NVIDIA GPUs)"
+    )
   raise ValueError(
-      f"devices={count}, but JAX finds {len(found)} local {kind} "
-      f"device{'s' if len(found) != 1 else ''} here ({found[0].device_kind}"
-      f"). Lower devices= to at most {len(found)}, or {fix}.")
+    f"devices={count}, but JAX finds {len(found)} local {kind} "
+    f"device{'s' if len(found) != 1 else ''} here ({found[0].device_kind}"
+    f"). Lower devices= to at most {len(found)}, or {fix}."
+  )
 
 
 def mesh(platform: str, count: int = 1) -> Mesh:
@@ -155,21 +167,27 @@ def describe(device: jax.Device, count: int | None = None) -> dict:
   of the enclosing `use` block, else 1), and the runtime's version string
   (on GPUs, the CUDA and driver versions JAX reports)."""
   used = len(in_use()) if count is None else check_count(count)
-  return dict(device_kind=device.device_kind, platform=device.platform,
-              num_devices=len(jax.local_devices(backend=device.platform)),
-              devices_used=used,
-              platform_version=str(device.client.platform_version))
+  return dict(
+    device_kind=device.device_kind,
+    platform=device.platform,
+    num_devices=len(jax.local_devices(backend=device.platform)),
+    devices_used=used,
+    platform_version=str(device.client.platform_version),
+  )
 
 
 # --- placing data on a mesh --------------------------------------------------
+
 
 def split_complaint(size: int, count: int, setting: str) -> str | None:
   """Why `size` examples (set by `setting`) do not split evenly over
   `count` devices; None when they do."""
   if size % count:
-    return (f"{setting}={size} does not split evenly across devices="
-            f"{count}: set {setting} to a multiple of {count}, or change "
-            "devices=.")
+    return (
+      f"{setting}={size} does not split evenly across devices="
+      f"{count}: set {setting} to a multiple of {count}, or change "
+      "devices=."
+    )
   return None
 
 
@@ -198,8 +216,9 @@ def replicate(tree, mesh: Mesh):
   return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def per_device(fn: Callable, mesh: Mesh, split_args: Sequence[int] = ()
-               ) -> Callable:
+def per_device(
+  fn: Callable, mesh: Mesh, split_args: Sequence[int] = ()
+) -> Callable:
   """`fn` run on every device of the mesh by `jax.shard_map`.
 
   The arguments at positions `split_args` are split along their leading
@@ -210,32 +229,42 @@ def per_device(fn: Callable, mesh: Mesh, split_args: Sequence[int] = ()
   """
 
   def wrapped(*args):
-    specs = tuple(P(AXIS) if i in split_args else P()
-                  for i in range(len(args)))
+    specs = tuple(P(AXIS) if i in split_args else P() for i in range(len(args)))
     # The result's equality across devices is fn's promise, not something
     # shard_map's type check can see through the estimators' collectives.
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(),
-                         check_vma=False)(*args)
+    return jax.shard_map(
+      fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False
+    )(*args)
 
   return wrapped
 
 
 # --- jax.pmap's layout: a leading device axis ---------------------------------
 
+
 @functools.cache
 def _layout_programs(mesh: Mesh) -> dict[str, Callable]:
   add_axis = lambda tree: jax.tree.map(lambda x: x[None], tree)
   shard = functools.partial(jax.shard_map, mesh=mesh)
   return dict(
-      stack=jax.jit(shard(add_axis, in_specs=P(), out_specs=P(AXIS))),
-      stack_split=jax.jit(shard(add_axis, in_specs=P(AXIS),
-                                out_specs=P(AXIS))),
-      keys=jax.jit(shard(
-          lambda key: jax.random.fold_in(key, jax.lax.axis_index(AXIS))[None],
-          in_specs=P(), out_specs=P(AXIS))),
-      unstack=jax.jit(shard(lambda tree: jax.tree.map(lambda x: x[0], tree),
-                            in_specs=P(AXIS), out_specs=P(),
-                            check_vma=False)))
+    stack=jax.jit(shard(add_axis, in_specs=P(), out_specs=P(AXIS))),
+    stack_split=jax.jit(shard(add_axis, in_specs=P(AXIS), out_specs=P(AXIS))),
+    keys=jax.jit(
+      shard(
+        lambda key: jax.random.fold_in(key, jax.lax.axis_index(AXIS))[None],
+        in_specs=P(),
+        out_specs=P(AXIS),
+      )
+    ),
+    unstack=jax.jit(
+      shard(
+        lambda tree: jax.tree.map(lambda x: x[0], tree),
+        in_specs=P(AXIS),
+        out_specs=P(),
+        check_vma=False,
+      )
+    ),
+  )
 
 
 def stack(tree, mesh: Mesh):

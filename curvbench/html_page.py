@@ -35,31 +35,38 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @dataclasses.dataclass(frozen=True)
 class Heading:
   """A section heading (level 2 to 6; the page title is level 1)."""
+
   text: str
   level: int = 2
 
   def __post_init__(self):
     if not isinstance(self.level, int) or not 2 <= self.level <= 6:
-      raise ValueError(f"Heading level must be an integer from 2 to 6 (the "
-                       f"page title is level 1), got {self.level!r} for "
-                       f"heading {self.text!r}")
+      raise ValueError(
+        f"Heading level must be an integer from 2 to 6 (the "
+        f"page title is level 1), got {self.level!r} for "
+        f"heading {self.text!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Paragraph:
   """A paragraph of plain text (escaped, never read as HTML)."""
+
   text: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Bullets:
   """A bulleted list of plain-text items."""
+
   items: tuple[str, ...]
 
   def __post_init__(self):
     if isinstance(self.items, str):
-      raise ValueError(f"Bullets takes a list of items, got the string "
-                       f"{self.items!r}: wrap it in a list")
+      raise ValueError(
+        f"Bullets takes a list of items, got the string "
+        f"{self.items!r}: wrap it in a list"
+      )
     object.__setattr__(self, "items", tuple(self.items))
 
 
@@ -67,18 +74,21 @@ class Bullets:
 class Table:
   """A DataFrame shown as a sortable table; a non-default index is shown as
   leading columns."""
+
   df: pd.DataFrame
   caption: str = ""
 
   def __post_init__(self):
     if not isinstance(self.df, pd.DataFrame):
-      raise ValueError(f"Table needs a pandas DataFrame, got "
-                       f"{type(self.df).__name__}")
+      raise ValueError(
+        f"Table needs a pandas DataFrame, got {type(self.df).__name__}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
   """A PNG file, embedded into the page."""
+
   png_path: str | Path
   caption: str = ""
 
@@ -86,16 +96,23 @@ class Figure:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Details:
   """Blocks collapsed behind `summary`, shown when it is clicked."""
+
   summary: str
   blocks: tuple
 
   def __post_init__(self):
     inner = tuple(self.blocks)
-    bad = [b for b in inner if isinstance(b, (Heading, Details))
-           or not isinstance(b, (Paragraph, Bullets, Table, Figure))]
+    bad = [
+      b
+      for b in inner
+      if isinstance(b, (Heading, Details))
+      or not isinstance(b, (Paragraph, Bullets, Table, Figure))
+    ]
     if bad:
-      raise ValueError(f"Details holds paragraphs, bullets, tables and "
-                       f"figures, got a {type(bad[0]).__name__}")
+      raise ValueError(
+        f"Details holds paragraphs, bullets, tables and "
+        f"figures, got a {type(bad[0]).__name__}"
+      )
     object.__setattr__(self, "blocks", inner)
 
 
@@ -106,8 +123,9 @@ def write(path: str | Path, title: str, blocks: list[Block]) -> Path:
   """Writes the page atomically to `path` and returns `path`."""
   path = Path(path)
   text = render(title, blocks)
-  return atomic_write(path, lambda tmp: Path(tmp).write_text(
-      text, encoding="utf-8"))
+  return atomic_write(
+    path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+  )
 
 
 def render(title: str, blocks: list[Block]) -> str:
@@ -137,8 +155,9 @@ def _anchors(blocks) -> dict[int, str]:
 def _block(block, anchor) -> dict:
   """What the template draws of a block (its text escaped there)."""
   if isinstance(block, Heading):
-    return dict(kind="heading", text=block.text, level=block.level,
-                anchor=anchor)
+    return dict(
+      kind="heading", text=block.text, level=block.level, anchor=anchor
+    )
   if isinstance(block, Paragraph):
     return dict(kind="paragraph", text=block.text)
   if isinstance(block, Bullets):
@@ -148,11 +167,16 @@ def _block(block, anchor) -> dict:
   if isinstance(block, Figure):
     return _figure(block)
   if isinstance(block, Details):
-    return dict(kind="details", summary=block.summary,
-                blocks=[_block(inner, None) for inner in block.blocks])
-  raise ValueError(f"cannot put a {type(block).__name__} on the page: blocks "
-                   f"must be Heading, Paragraph, Bullets, Table, Figure or "
-                   f"Details")
+    return dict(
+      kind="details",
+      summary=block.summary,
+      blocks=[_block(inner, None) for inner in block.blocks],
+    )
+  raise ValueError(
+    f"cannot put a {type(block).__name__} on the page: blocks "
+    f"must be Heading, Paragraph, Bullets, Table, Figure or "
+    f"Details"
+  )
 
 
 def _figure(figure: Figure) -> dict:
@@ -161,25 +185,40 @@ def _figure(figure: Figure) -> dict:
     raise ValueError(f"figure file {str(path)!r} does not exist")
   data = path.read_bytes()
   if not data.startswith(PNG_SIGNATURE):
-    raise ValueError(f"figure file {str(path)!r} is not a PNG (its first "
-                     f"bytes are not the PNG signature); save it as PNG")
+    raise ValueError(
+      f"figure file {str(path)!r} is not a PNG (its first "
+      f"bytes are not the PNG signature); save it as PNG"
+    )
   uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-  return dict(kind="figure", uri=uri, alt=figure.caption or path.stem,
-              caption=figure.caption)
+  return dict(
+    kind="figure",
+    uri=uri,
+    alt=figure.caption or path.stem,
+    caption=figure.caption,
+  )
 
 
 def _table(table: Table) -> dict:
   df = table.df
   if not isinstance(df.index, pd.RangeIndex) or any(df.index.names):
     df = df.reset_index()
-  names = [" / ".join(map(str, c)) if isinstance(c, tuple) else str(c)
-           for c in df.columns]
-  rows = [[_cell(v) for v in row]
-          for row in df.itertuples(index=False, name=None)]
-  numeric = [all(r[j] is None or r[j]["value"] is not None for r in rows)
-             for j in range(len(names))]
-  return dict(kind="table", caption=table.caption,
-              header=list(zip(names, numeric)), rows=rows)
+  names = [
+    " / ".join(map(str, c)) if isinstance(c, tuple) else str(c)
+    for c in df.columns
+  ]
+  rows = [
+    [_cell(v) for v in row] for row in df.itertuples(index=False, name=None)
+  ]
+  numeric = [
+    all(r[j] is None or r[j]["value"] is not None for r in rows)
+    for j in range(len(names))
+  ]
+  return dict(
+    kind="table",
+    caption=table.caption,
+    header=list(zip(names, numeric)),
+    rows=rows,
+  )
 
 
 def _cell(value) -> dict | None:
@@ -188,7 +227,8 @@ def _cell(value) -> dict | None:
   if value is None or value is pd.NA or value is pd.NaT:
     return None
   if isinstance(value, numbers.Real) and not isinstance(
-      value, numbers.Integral):
+    value, numbers.Integral
+  ):
     x = float(value)
     if math.isnan(x):
       return None
@@ -203,6 +243,9 @@ def _cell(value) -> dict | None:
 
 # Autoescaped: every text the page shows is escaped, never read as HTML.
 _TEMPLATE = jinja2.Environment(
-    loader=jinja2.PackageLoader("curvbench", "templates"),
-    autoescape=True, trim_blocks=True, lstrip_blocks=True,
-    undefined=jinja2.StrictUndefined).get_template("page.html")
+  loader=jinja2.PackageLoader("curvbench", "templates"),
+  autoescape=True,
+  trim_blocks=True,
+  lstrip_blocks=True,
+  undefined=jinja2.StrictUndefined,
+).get_template("page.html")

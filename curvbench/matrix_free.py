@@ -44,23 +44,26 @@ def _check_positive(**counts: int) -> None:
       raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def _one_probe(make_sampler: Callable, like: PyTree
-               ) -> Callable[[jax.Array], PyTree]:
+def _one_probe(
+  make_sampler: Callable, like: PyTree
+) -> Callable[[jax.Array], PyTree]:
   """matfree's `make_sampler(like, num=1)` without its leading axis."""
   one = make_sampler(like, num=1)
   return lambda k: jax.tree.map(lambda x: x[0], one(k))
 
 
-def _one_key_per_probe(make_sampler: Callable, like: PyTree, num: int
-                       ) -> Callable[[jax.Array], PyTree]:
+def _one_key_per_probe(
+  make_sampler: Callable, like: PyTree, num: int
+) -> Callable[[jax.Array], PyTree]:
   """matfree's `make_sampler(like, num=1)`, drawn once per key of
   `jax.random.split(key, num)`, stacked on a leading axis."""
   one = _one_probe(make_sampler, like)
   return lambda key: jax.vmap(one)(jax.random.split(key, num))
 
 
-def _per_probe(fn: Callable, key: jax.Array, num: int,
-               batch_size: int | None) -> PyTree:
+def _per_probe(
+  fn: Callable, key: jax.Array, num: int, batch_size: int | None
+) -> PyTree:
   """`fn(k)` for each key `k` of `jax.random.split(key, num)`, stacked:
   all at once (`batch_size` None) or `batch_size` at a time
   (`jax.lax.map`), which bounds the memory of `fn`'s intermediates."""
@@ -75,8 +78,7 @@ def _sq_norm(tree: PyTree) -> jax.Array:
   return sum(jnp.vdot(x, x) for x in jax.tree.leaves(tree))
 
 
-def probes_needed(estimate, stderr, num_probes: int, precision: float
-                  ) -> float:
+def probes_needed(estimate, stderr, num_probes: int, precision: float) -> float:
   """The probes that would bring a probe estimate's standard error to
   `precision` times its magnitude.
 
@@ -104,8 +106,9 @@ def probes_needed(estimate, stderr, num_probes: int, precision: float
     return 1.0
   if estimate == 0:
     return float("inf")
-  return float(max(1, math.ceil(num_probes * (stderr / (precision * estimate))
-                                ** 2)))
+  return float(
+    max(1, math.ceil(num_probes * (stderr / (precision * estimate)) ** 2))
+  )
 
 
 def rademacher_sampler(like: PyTree, num: int) -> Callable[[jax.Array], PyTree]:
@@ -144,18 +147,26 @@ def _ritz(matvec: Matvec, v: PyTree, iters: int, *params: PyTree):
   valid = jnp.concatenate([jnp.ones(1, bool), jnp.cumprod(off).astype(bool)])
   kept = jnp.where(valid[:, None] & valid[None, :], t, 0)
   # Below every kept Ritz value (Gershgorin), so the cut rows sort first.
-  lowest = jnp.min(jnp.where(valid, 2 * jnp.diagonal(kept)
-                             - jnp.sum(jnp.abs(kept), axis=1), jnp.inf))
+  lowest = jnp.min(
+    jnp.where(
+      valid, 2 * jnp.diagonal(kept) - jnp.sum(jnp.abs(kept), axis=1), jnp.inf
+    )
+  )
   kept = kept + jnp.diag(jnp.where(valid, 0, lowest - scale - 1))
   values, vectors = jnp.linalg.eigh(kept)
-  found = jnp.sum(jnp.where(valid[:, None], vectors ** 2, 0), axis=0) > 0.5
+  found = jnp.sum(jnp.where(valid[:, None], vectors**2, 0), axis=0) > 0.5
   return values, vectors, basis, found
 
 
 @functools.partial(jax.jit, static_argnames=("matvec", "k", "iters"))
-def top_k_eigenpairs(matvec: Matvec, like: PyTree, k: int, iters: int,
-                     key: jax.Array, *params: PyTree
-                     ) -> tuple[jax.Array, PyTree]:
+def top_k_eigenpairs(
+  matvec: Matvec,
+  like: PyTree,
+  k: int,
+  iters: int,
+  key: jax.Array,
+  *params: PyTree,
+) -> tuple[jax.Array, PyTree]:
   """Largest `k` Ritz pairs of a symmetric operator by Lanczos.
 
   Args:
@@ -172,19 +183,25 @@ def top_k_eigenpairs(matvec: Matvec, like: PyTree, k: int, iters: int,
   """
   _check_positive(k=k, iters=iters)
   iters = min(max(iters, k), _dim(like))
-  v0 = jax.tree.map(lambda x: x[0],
-                    stochtrace.sampler_normal(like, num=1)(key))
+  v0 = jax.tree.map(lambda x: x[0], stochtrace.sampler_normal(like, num=1)(key))
   values, vectors, basis, found = _ritz(matvec, v0, iters, *params)
   top = vectors[:, ::-1][:, :k]
   ritz = jax.tree.map(lambda q: jnp.tensordot(top.T, q, axes=1), basis)
   return jnp.where(found[::-1][:k], values[::-1][:k], jnp.nan), ritz
 
 
-@functools.partial(jax.jit, static_argnames=("matvec", "iters", "num_probes",
-                                             "batch_size"))
-def slq_density(matvec: Matvec, like: PyTree, iters: int, num_probes: int,
-                key: jax.Array, *params: PyTree, batch_size: int | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(
+  jax.jit, static_argnames=("matvec", "iters", "num_probes", "batch_size")
+)
+def slq_density(
+  matvec: Matvec,
+  like: PyTree,
+  iters: int,
+  num_probes: int,
+  key: jax.Array,
+  *params: PyTree,
+  batch_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """A spectral density by stochastic Lanczos quadrature (SLQ).
 
   Args:
@@ -215,8 +232,9 @@ def slq_density(matvec: Matvec, like: PyTree, iters: int, num_probes: int,
     return nodes, jnp.where(found, vecs[0] ** 2, 0)
 
   probe = _one_probe(stochtrace.sampler_signs, like)
-  nodes, weights = _per_probe(lambda k: gauss_rule(probe(k)), key,
-                              num_probes, batch_size)
+  nodes, weights = _per_probe(
+    lambda k: gauss_rule(probe(k)), key, num_probes, batch_size
+  )
   return nodes.ravel(), weights.ravel() / num_probes
 
 
@@ -226,11 +244,12 @@ def _standard_error(samples: jax.Array) -> jax.Array:
   num = samples.shape[0]
   if num < 2:
     return jnp.full(samples.shape[1:], jnp.nan, samples.dtype)
-  return jnp.std(samples, axis=0, ddof=1) / num ** 0.5
+  return jnp.std(samples, axis=0, ddof=1) / num**0.5
 
 
-def sqrt_ratio_of_means(num: jax.Array, den: jax.Array
-                        ) -> tuple[jax.Array, jax.Array]:
+def sqrt_ratio_of_means(
+  num: jax.Array, den: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """`R = sqrt(mean(num) / mean(den))` over `m` paired samples (the leading
   axis) and its standard error by the delta method.
 
@@ -257,12 +276,18 @@ def sqrt_ratio_of_means(num: jax.Array, den: jax.Array
   return ratio, _standard_error(z)
 
 
-@functools.partial(jax.jit, static_argnames=("approx", "exact", "num_probes",
-                                             "batch_size"))
-def relative_frobenius(approx: Matvec, exact: Matvec, like: PyTree,
-                       num_probes: int, key: jax.Array, *params: PyTree,
-                       batch_size: int | None = None
-                       ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(
+  jax.jit, static_argnames=("approx", "exact", "num_probes", "batch_size")
+)
+def relative_frobenius(
+  approx: Matvec,
+  exact: Matvec,
+  like: PyTree,
+  num_probes: int,
+  key: jax.Array,
+  *params: PyTree,
+  batch_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Hutchinson estimate of `||A - E||_F / ||E||_F` from matvecs.
 
   Each Rademacher probe `v` gives `n = ||(A - E) v||^2` and
@@ -293,21 +318,28 @@ def relative_frobenius(approx: Matvec, exact: Matvec, like: PyTree,
   def squared_norms(k):
     v = probe(k)
     ev = exact(v, *params)
-    return _sq_norm(jax.tree.map(jnp.subtract, approx(v, *params), ev)), \
-        _sq_norm(ev)
+    return _sq_norm(
+      jax.tree.map(jnp.subtract, approx(v, *params), ev)
+    ), _sq_norm(ev)
 
   num, den = _per_probe(squared_norms, key, num_probes, batch_size)
   return sqrt_ratio_of_means(num, den)
 
 
-@functools.partial(jax.jit, static_argnames=("approx", "exact", "num_probes",
-                                             "batch_size"))
-def relative_diagonal_error(approx: Matvec, exact: Matvec, like: PyTree,
-                            num_probes: int, key: jax.Array, *params: PyTree,
-                            cells: jax.Array | None = None,
-                            groups: jax.Array | None = None,
-                            batch_size: int | None = None
-                            ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(
+  jax.jit, static_argnames=("approx", "exact", "num_probes", "batch_size")
+)
+def relative_diagonal_error(
+  approx: Matvec,
+  exact: Matvec,
+  like: PyTree,
+  num_probes: int,
+  key: jax.Array,
+  *params: PyTree,
+  cells: jax.Array | None = None,
+  groups: jax.Array | None = None,
+  batch_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """`||diag(A - E)||_2 / ||diag(E)||_2` from stochastic diagonals, over
   groups of parameters.
 
@@ -370,9 +402,12 @@ def relative_diagonal_error(approx: Matvec, exact: Matvec, like: PyTree,
     """The unbiased squared norm over each group, and each probe's first-
     order term `s̄ . s_i` over each group."""
     mean = jnp.mean(s, axis=0)
-    noise = (jnp.sum((s - mean) ** 2, axis=0) / (m * (m - 1)) if m > 1
-             else jnp.zeros_like(mean))
-    norm = groups @ by_cell(mean ** 2 - noise)
+    noise = (
+      jnp.sum((s - mean) ** 2, axis=0) / (m * (m - 1))
+      if m > 1
+      else jnp.zeros_like(mean)
+    )
+    norm = groups @ by_cell(mean**2 - noise)
     return norm, by_cell(s * mean) @ groups.T
 
   num, num_terms = squared_norm(x)
@@ -380,7 +415,7 @@ def relative_diagonal_error(approx: Matvec, exact: Matvec, like: PyTree,
   ratio2 = num / den
   se2 = _standard_error(2 / den * (num_terms - ratio2 * den_terms))
   estimate = jnp.sqrt(jnp.maximum(ratio2, 0))
-  stderr = jnp.sqrt(estimate ** 2 + se2) - estimate
+  stderr = jnp.sqrt(estimate**2 + se2) - estimate
   return (estimate[0], stderr[0]) if single else (estimate, stderr)
 
 
@@ -392,9 +427,9 @@ def _unbiased_sem(sem: PyTree, num: int) -> PyTree:
 
 
 @functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
-def hutchinson_trace(matvec: Matvec, like: PyTree, num_probes: int,
-                     key: jax.Array, *params: PyTree
-                     ) -> tuple[jax.Array, jax.Array]:
+def hutchinson_trace(
+  matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array, *params: PyTree
+) -> tuple[jax.Array, jax.Array]:
   """Hutchinson's estimate of `trace(A)`: the mean of `vᵀ A v` over probes.
 
   Args:
@@ -414,15 +449,16 @@ def hutchinson_trace(matvec: Matvec, like: PyTree, num_probes: int,
   """
   _check_positive(num_probes=num_probes)
   estimate = stochtrace.estimator_monte_carlo_mean_and_sem(
-      stochtrace.monte_carlo_trace(),
-      sampler=rademacher_sampler(like, num_probes))
+    stochtrace.monte_carlo_trace(), sampler=rademacher_sampler(like, num_probes)
+  )
   mean, sem = estimate(matvec, key, *params)
   return mean, _unbiased_sem(sem, num_probes)
 
 
 @functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
-def xtrace(matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array,
-           *params: PyTree) -> tuple[jax.Array, jax.Array]:
+def xtrace(
+  matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array, *params: PyTree
+) -> tuple[jax.Array, jax.Array]:
   """The XTrace estimate of `trace(A)` (matfree's leave-one-out integrand).
 
   XTrace (Epperly, Tropp & Webber 2024, "XTrace: making the most of every
@@ -456,19 +492,22 @@ def xtrace(matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array,
   """
   _check_positive(num_probes=num_probes)
   if num_probes > _dim(like):
-    raise ValueError(f"xtrace needs num_probes <= the operator's dimension "
-                     f"{_dim(like)}, got {num_probes}; use fewer probes.")
+    raise ValueError(
+      f"xtrace needs num_probes <= the operator's dimension "
+      f"{_dim(like)}, got {num_probes}; use fewer probes."
+    )
   estimate = stochtrace.estimator_leave_one_out_mean_and_sem(
-      stochtrace.leave_one_out_xtrace(),
-      sampler=_one_key_per_probe(stochtrace.sampler_sphere, like, num_probes))
+    stochtrace.leave_one_out_xtrace(),
+    sampler=_one_key_per_probe(stochtrace.sampler_sphere, like, num_probes),
+  )
   mean, sem = estimate(matvec, key, *params)
   return mean, _unbiased_sem(sem, num_probes)
 
 
 @functools.partial(jax.jit, static_argnames=("matvec", "num_probes"))
-def stochastic_diagonal(matvec: Matvec, like: PyTree, num_probes: int,
-                        key: jax.Array, *params: PyTree
-                        ) -> tuple[PyTree, PyTree]:
+def stochastic_diagonal(
+  matvec: Matvec, like: PyTree, num_probes: int, key: jax.Array, *params: PyTree
+) -> tuple[PyTree, PyTree]:
   """The diagonal of `A` as the mean of `v ⊙ (A v)` over Rademacher probes.
 
   The estimator of Bekas, Kokiopoulou & Saad (2007, "An estimator for the
@@ -491,7 +530,8 @@ def stochastic_diagonal(matvec: Matvec, like: PyTree, num_probes: int,
   """
   _check_positive(num_probes=num_probes)
   estimate = stochtrace.estimator_monte_carlo_mean_and_sem(
-      stochtrace.monte_carlo_diagonal(),
-      sampler=rademacher_sampler(like, num_probes))
+    stochtrace.monte_carlo_diagonal(),
+    sampler=rademacher_sampler(like, num_probes),
+  )
   mean, sem = estimate(matvec, key, *params)
   return mean, _unbiased_sem(sem, num_probes)

@@ -31,10 +31,12 @@ def jackknife_stderr(statistic, num: int) -> float:
   """
   if num < 2:
     return float("nan")
-  left_out = np.array([statistic(np.arange(num) != i) for i in range(num)],
-                      np.float64)
-  return float(np.sqrt((num - 1) / num * np.sum(
-      (left_out - left_out.mean()) ** 2)))
+  left_out = np.array(
+    [statistic(np.arange(num) != i) for i in range(num)], np.float64
+  )
+  return float(
+    np.sqrt((num - 1) / num * np.sum((left_out - left_out.mean()) ** 2))
+  )
 
 
 def log_spectrum(values, floor: float) -> np.ndarray:
@@ -42,12 +44,18 @@ def log_spectrum(values, floor: float) -> np.ndarray:
   return np.log10(np.maximum(np.asarray(values, np.float64), floor))
 
 
-def log_wasserstein(approx, exact, floor: float, approx_weights=None,
-                    exact_weights=None) -> float:
+def log_wasserstein(
+  approx, exact, floor: float, approx_weights=None, exact_weights=None
+) -> float:
   """1-Wasserstein distance between the log10-spectra (in decades)."""
-  return float(wasserstein_distance(log_spectrum(approx, floor),
-                                    log_spectrum(exact, floor),
-                                    approx_weights, exact_weights))
+  return float(
+    wasserstein_distance(
+      log_spectrum(approx, floor),
+      log_spectrum(exact, floor),
+      approx_weights,
+      exact_weights,
+    )
+  )
 
 
 def cosine(u, v) -> float:
@@ -80,11 +88,12 @@ def density(values, weights, grid, bandwidth: float) -> np.ndarray:
   """A Gaussian-smoothed density of weighted samples on `grid`."""
   values, weights = np.asarray(values, np.float64), np.asarray(weights)
   z = (np.asarray(grid)[:, None] - values[None, :]) / bandwidth
-  kernel = np.exp(-0.5 * z ** 2) / (bandwidth * np.sqrt(2 * np.pi))
+  kernel = np.exp(-0.5 * z**2) / (bandwidth * np.sqrt(2 * np.pi))
   return kernel @ (weights / weights.sum())
 
 
 # --- signed spectra (a Hessian's eigenvalues may be negative) ---------------
+
 
 def _weights(values: np.ndarray, weights) -> np.ndarray:
   if weights is None:
@@ -93,8 +102,9 @@ def _weights(values: np.ndarray, weights) -> np.ndarray:
   return weights / weights.sum()
 
 
-def spectral_distance(approx, exact, approx_weights=None,
-                      exact_weights=None) -> float:
+def spectral_distance(
+  approx, exact, approx_weights=None, exact_weights=None
+) -> float:
   """1-Wasserstein distance between signed spectra, over the exact width.
 
   Unlike `log_wasserstein`, negative eigenvalues keep their place. Dividing
@@ -159,7 +169,7 @@ def num_outliers(values, k: int, min_gap: float = 2.0) -> int:
     The number of outliers, between 0 and `k`.
   """
   values = np.asarray(values, np.float64)
-  top = np.sort(values[values > 0])[::-1][:k + 1]
+  top = np.sort(values[values > 0])[::-1][: k + 1]
   if top.size < 2:
     return 0
   ratios = top[:-1] / top[1:]

@@ -43,8 +43,9 @@ def save(fig, path: Path) -> list[Path]:
 
 def _constrained(fig) -> layout_engine.ConstrainedLayoutEngine:
   """`fig`'s constrained layout engine, set where it has none."""
-  if not isinstance(fig.get_layout_engine(),
-                    layout_engine.ConstrainedLayoutEngine):
+  if not isinstance(
+    fig.get_layout_engine(), layout_engine.ConstrainedLayoutEngine
+  ):
     fig.set_layout_engine("constrained")
   return fig.get_layout_engine()
 
@@ -53,8 +54,14 @@ def grid(n, width=4.0, height=3.0, cols=3, **kw):
   """A figure of `n` panels in rows of `cols`; its panels, flat."""
   cols = min(cols, n)
   rows = -(-n // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows),
-                           squeeze=False, layout="constrained", **kw)
+  fig, axes = plt.subplots(
+    rows,
+    cols,
+    figsize=(width * cols, height * rows),
+    squeeze=False,
+    layout="constrained",
+    **kw,
+  )
   for ax in axes.flat[n:]:
     ax.set_visible(False)
   return fig, axes.flat
@@ -81,8 +88,11 @@ def title(what: str, rows: pd.DataFrame) -> str:
     parts.append(f"on {listed(rows, 'data')}")
   if "step" in rows and rows.step.notna().any():
     steps = sorted({int(s) for s in rows.step.dropna()})
-    parts.append(f"at step {steps[0]}" if len(steps) == 1
-                 else f"over steps {steps[0]}-{steps[-1]}")
+    parts.append(
+      f"at step {steps[0]}"
+      if len(steps) == 1
+      else f"over steps {steps[0]}-{steps[-1]}"
+    )
   return " ".join(parts)
 
 
@@ -103,15 +113,27 @@ def legend_below(fig, ax, handles=None, labels=None, title=None):
     handles, labels = _figure_handles(fig)
   if not handles:
     return None
-  kw = {"loc": "upper center", "bbox_transform": fig.transFigure,
-        "bbox_to_anchor": (0.5, 0), "fontsize": LEGEND_FONTSIZE,
-        "frameon": False}
+  kw = {
+    "loc": "upper center",
+    "bbox_transform": fig.transFigure,
+    "bbox_to_anchor": (0.5, 0),
+    "fontsize": LEGEND_FONTSIZE,
+    "frameon": False,
+  }
   renderer = fig.canvas.get_renderer()
-  column = ax.legend(handles, labels, ncol=1, **kw).get_window_extent(
-      renderer).width / fig.dpi
+  column = (
+    ax.legend(handles, labels, ncol=1, **kw).get_window_extent(renderer).width
+    / fig.dpi
+  )
   ncol = int(np.clip(0.95 * fig.get_figwidth() // column, 1, len(handles)))
-  legend = ax.legend(handles, labels, ncol=ncol, title=title,
-                     title_fontsize=LEGEND_FONTSIZE, **kw)
+  legend = ax.legend(
+    handles,
+    labels,
+    ncol=ncol,
+    title=title,
+    title_fontsize=LEGEND_FONTSIZE,
+    **kw,
+  )
   legend.set_in_layout(False)
   height = legend.get_window_extent(renderer).height / fig.dpi + 0.1
   fig.set_figheight(fig.get_figheight() + height)
@@ -136,7 +158,8 @@ def finite(df: pd.DataFrame, *columns: str) -> pd.DataFrame:
   df = df.copy()
   for col in columns:
     df[col] = pd.to_numeric(df[col], errors="coerce").replace(
-        [np.inf, -np.inf], np.nan)
+      [np.inf, -np.inf], np.nan
+    )
   return df
 
 
@@ -155,8 +178,11 @@ def series(df: pd.DataFrame) -> pd.Series:
   method = df["method"].astype(str)
   if "label" not in df:
     return method
-  return df["label"].where(df["label"].notna() & (df["label"] != ""),
-                           method).astype(str)
+  return (
+    df["label"]
+    .where(df["label"].notna() & (df["label"] != ""), method)
+    .astype(str)
+  )
 
 
 # --- one colour per method ----------------------------------------------------
@@ -177,15 +203,17 @@ def variant(label: str) -> str:
   method, _, setting = str(label).partition(" (")
   inner = re.search(r"\[(.+)\]", method)
   return (inner.group(1) if inner else method) + (
-      f" ({setting}" if setting else "")
+    f" ({setting}" if setting else ""
+  )
 
 
 def _hues() -> list[str]:
   """Distinct hues: tab10's, then tab20's lighter ones (greys left out:
   the exact matrices are drawn in grey)."""
   tab20 = [colors.to_hex(c) for c in plt.get_cmap("tab20").colors]
-  return [c for c in tab20[0::2] + tab20[1::2]
-          if len(set(colors.to_rgb(c))) > 1]
+  return [
+    c for c in tab20[0::2] + tab20[1::2] if len(set(colors.to_rgb(c))) > 1
+  ]
 
 
 def shade(colour: str, i: int, n: int) -> str:
@@ -217,8 +245,9 @@ def colours(labels, fixed: dict[str, str] | None = None) -> dict[str, str]:
   return out
 
 
-def series_colours(df: pd.DataFrame, colour: dict[str, str] | None,
-                   column: str = "series") -> dict[str, str]:
+def series_colours(
+  df: pd.DataFrame, colour: dict[str, str] | None, column: str = "series"
+) -> dict[str, str]:
   """A colour for each value of `df[column]`: the report's (`colour`),
   else one from `colours` over these values alone."""
   names = set(df[column].astype(str)) if len(df) else set()
@@ -234,7 +263,7 @@ def log_if_decades(ax, values, axis="y", decades=2):
   `decades` decades or more."""
   v = np.asarray(values, np.float64)
   v = v[np.isfinite(v)]
-  if v.size and v.min() > 0 and v.max() >= 10.0 ** decades * v.min():
+  if v.size and v.min() > 0 and v.max() >= 10.0**decades * v.min():
     (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
 
 
@@ -262,9 +291,15 @@ def band(ax, x, lo, hi, colour):
   ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
 
 
-STYLE = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
-         "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8,
-         "figure.dpi": 120}
+STYLE = {
+  "font.size": 10,
+  "axes.titlesize": 10,
+  "axes.labelsize": 10,
+  "xtick.labelsize": 8,
+  "ytick.labelsize": 8,
+  "legend.fontsize": 8,
+  "figure.dpi": 120,
+}
 
 
 def style():

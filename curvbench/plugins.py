@@ -76,8 +76,10 @@ def load(names: Iterable[str] | str | None) -> list:
   if isinstance(names, str):
     names = [names]
   load_installed()
-  return [_import(f"plugin {name!r}", functools.partial(_module, str(name)))
-          for name in names]
+  return [
+    _import(f"plugin {name!r}", functools.partial(_module, str(name)))
+    for name in names
+  ]
 
 
 def _import(what: str, importer):
@@ -86,8 +88,9 @@ def _import(what: str, importer):
   except PluginError:
     raise
   except Exception as e:  # noqa: BLE001 - any import failure, named
-    raise PluginError(f"{what} failed to import: {type(e).__name__}: {e}"
-                      ) from e
+    raise PluginError(
+      f"{what} failed to import: {type(e).__name__}: {e}"
+    ) from e
 
 
 def _module(name: str):
@@ -95,8 +98,10 @@ def _module(name: str):
     return importlib.import_module(name)
   path = Path(name).expanduser().resolve()
   if not path.is_file():
-    raise FileNotFoundError(f"no file {path}: give a module name "
-                            "(my_lab.models) or the path of a .py file")
+    raise FileNotFoundError(
+      f"no file {path}: give a module name "
+      "(my_lab.models) or the path of a .py file"
+    )
   # One module per file, whatever path names it: a file loaded twice would
   # register its components twice.
   module_name = f"curvbench_plugin_{_digest(str(path))[:12]}_{path.stem}"
@@ -131,8 +136,11 @@ def source(cls: type) -> str | None:
     return None
   folders = getattr(sys.modules.get(top), "__path__", None)
   if folders:  # a package: all of it (a component may import its helpers)
-    texts = [f"{f.relative_to(d)}\n{f.read_text()}" for d in folders
-             for f in sorted(Path(d).rglob("*.py"))]
+    texts = [
+      f"{f.relative_to(d)}\n{f.read_text()}"
+      for d in folders
+      for f in sorted(Path(d).rglob("*.py"))
+    ]
   elif getattr(module, "__file__", None):
     texts = [Path(module.__file__).read_text()]
   else:  # defined in a notebook: its class's own code

@@ -34,11 +34,27 @@ from omegaconf import DictConfig, OmegaConf
 import problems
 from curvbench import devices, plugins
 
-NOT_IDENTITY = ("name", "force", "progress", "continue_on_error", "canonical",
-                "tuning", "lock_wait_s", "compilation_cache")
+NOT_IDENTITY = (
+  "name",
+  "force",
+  "progress",
+  "continue_on_error",
+  "canonical",
+  "tuning",
+  "lock_wait_s",
+  "compilation_cache",
+)
 SEED_KEYS = ("seed", "init_seed", "data_seed")
-LIBRARIES = ("jax", "jaxlib", "dm-haiku", "optax", "numpy", "pandas",
-             "hydra-core", "matfree")
+LIBRARIES = (
+  "jax",
+  "jaxlib",
+  "dm-haiku",
+  "optax",
+  "numpy",
+  "pandas",
+  "hydra-core",
+  "matfree",
+)
 
 
 def flatten(node, prefix: str = "") -> dict:
@@ -59,8 +75,9 @@ def flatten(node, prefix: str = "") -> dict:
 
 def identity_config(cfg) -> dict:
   """The flattened config keys that make up a run's identity."""
-  return {k: v for k, v in flatten(cfg).items()
-          if k.split(".")[0] not in NOT_IDENTITY}
+  return {
+    k: v for k, v in flatten(cfg).items() if k.split(".")[0] not in NOT_IDENTITY
+  }
 
 
 def inputs(cfg) -> dict:
@@ -70,9 +87,11 @@ def inputs(cfg) -> dict:
   section = cfg["problem"]["data"]
   if isinstance(section, DictConfig):
     section = OmegaConf.to_container(section, resolve=True)
-  return dict(code=code_version()["code"],
-              dataset=problems.DATASETS.load(section).fingerprint(),
-              plugins=plugin_code(cfg))
+  return dict(
+    code=code_version()["code"],
+    dataset=problems.DATASETS.load(section).fingerprint(),
+    plugins=plugin_code(cfg),
+  )
 
 
 def _components(settings) -> Iterator[type]:
@@ -91,9 +110,14 @@ def plugin_code(cfg) -> str | None:
   """A hash of the code of the run's components declared outside curvbench
   (`plugins.source`); None where every one is curvbench's own."""
   from curvbench import config  # noqa: PLC0415  (config imports the registries)
-  sources = sorted({f"{c.__module__}.{c.__qualname__}={code}"
-                    for c in _components(config.load(cfg))
-                    if (code := plugins.source(c)) is not None})
+
+  sources = sorted(
+    {
+      f"{c.__module__}.{c.__qualname__}={code}"
+      for c in _components(config.load(cfg))
+      if (code := plugins.source(c)) is not None
+    }
+  )
   if not sources:
     return None
   return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
@@ -102,15 +126,15 @@ def plugin_code(cfg) -> str | None:
 def run_id(cfg) -> str:
   """A 12-hex-digit hash of the resolved config's identity keys, the code
   and the data (`inputs`)."""
-  text = json.dumps(dict(identity_config(cfg), **inputs(cfg)),
-                    sort_keys=True, default=str)
+  text = json.dumps(
+    dict(identity_config(cfg), **inputs(cfg)), sort_keys=True, default=str
+  )
   return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def differences(old: dict, new: dict, limit: int = 5) -> str:
   """`key: old -> new` for the first `limit` keys that differ."""
-  keys = sorted(k for k in old.keys() | new.keys()
-                if old.get(k) != new.get(k))
+  keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
   parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:limit]]
   if len(keys) > limit:
     parts.append(f"and {len(keys) - limit} more")
@@ -127,8 +151,14 @@ def code_version() -> dict:
   root = Path(__file__).resolve().parent.parent
 
   def git(*args):
-    return subprocess.run(["git", *args], cwd=root, capture_output=True,
-                          text=True, check=True, timeout=30).stdout
+    return subprocess.run(
+      ["git", *args],
+      cwd=root,
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=30,
+    ).stdout
 
   try:
     commit = git("rev-parse", "HEAD").strip()
@@ -161,18 +191,28 @@ def device(platform_name: str = "auto", count: int = 1) -> dict:
 
 def environment(platform_name: str = "auto", count: int = 1) -> dict:
   """The machine and software of a run, for its `environment.json`."""
-  return dict(device(platform_name, count), python=platform.python_version(),
-              host=platform.node(), versions=versions(), code=code_version(),
-              argv=list(sys.argv))
+  return dict(
+    device(platform_name, count),
+    python=platform.python_version(),
+    host=platform.node(),
+    versions=versions(),
+    code=code_version(),
+    argv=list(sys.argv),
+  )
 
 
 def columns(cfg, precision: str) -> dict:
   """The provenance columns every record row of the run carries."""
   code = code_version()
   return dict(
-      run_id=run_id(cfg), **inputs(cfg), init_seed=int(cfg.init_seed),
-      data_seed=int(cfg.data_seed), precision=precision,
-      **device(cfg.device, int(cfg.devices)),
-      versions=" ".join(f"{k}={v}" for k, v in versions().items()),
-      commit=code["commit"], dirty=code["dirty"],
-      timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    run_id=run_id(cfg),
+    **inputs(cfg),
+    init_seed=int(cfg.init_seed),
+    data_seed=int(cfg.data_seed),
+    precision=precision,
+    **device(cfg.device, int(cfg.devices)),
+    versions=" ".join(f"{k}={v}" for k, v in versions().items()),
+    commit=code["commit"],
+    dirty=code["dirty"],
+    timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  )

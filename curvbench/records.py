@@ -49,9 +49,16 @@ RESERVE = ".ERROR.json.reserve"  # space kept for it while the run runs
 RESERVE_BYTES = 32 * 1024  # the end of a traceback, where it names the error
 # Files of runs written before `OWNED` existed, which the harness took as its
 # own when it found them beside a completion marker.
-LEGACY = ("DONE.json", "ERROR.json", "metadata.json", "environment.json",
-          "registration.json", "config.yaml", "*.parquet",
-          "checkpoints/params_step*.safetensors")
+LEGACY = (
+  "DONE.json",
+  "ERROR.json",
+  "metadata.json",
+  "environment.json",
+  "registration.json",
+  "config.yaml",
+  "*.parquet",
+  "checkpoints/params_step*.safetensors",
+)
 
 
 class DamagedRun(ValueError):
@@ -108,22 +115,28 @@ def check_writable(folder, fix: str) -> None:
   absolute = Path(os.path.abspath(folder))
   # The nearest folder that exists (os.path.exists, unlike Path.exists,
   # answers False where a parent may not be searched).
-  existing = next(p for p in (absolute, *absolute.parents)
-                  if os.path.exists(p))
+  existing = next(p for p in (absolute, *absolute.parents) if os.path.exists(p))
   if not existing.is_dir():
     code = errno.ENOTDIR
   else:
     disk = os.statvfs(existing)
     free = disk.f_bfree if os.geteuid() == 0 else disk.f_bavail
-    code = (errno.EROFS if disk.f_flag & os.ST_RDONLY else
-            errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else
-            # f_blocks 0: a file system that does not count its blocks
-            errno.ENOSPC if disk.f_blocks and not free else None)
+    code = (
+      errno.EROFS
+      if disk.f_flag & os.ST_RDONLY
+      else errno.EACCES
+      if not os.access(existing, os.W_OK | os.X_OK)
+      # f_blocks 0: a file system that does not count its blocks
+      else errno.ENOSPC
+      if disk.f_blocks and not free
+      else None
+    )
   if code == errno.ENOSPC:
     fix = f"free some space there, or {fix}"
   if code is not None:
     raise UnwritableFolder(
-        f"cannot write to {folder} ({os.strerror(code)}): {fix}")
+      f"cannot write to {folder} ({os.strerror(code)}): {fix}"
+    )
 
 
 def tidy(rows, **columns) -> pd.DataFrame:
@@ -137,8 +150,9 @@ def tidy(rows, **columns) -> pd.DataFrame:
 
 def _unreadable(path: Path, error: Exception) -> str:
   lines = str(error).strip().splitlines()
-  return (f"{path.name} is unreadable "
-          f"({lines[0] if lines else type(error).__name__})")
+  return (
+    f"{path.name} is unreadable ({lines[0] if lines else type(error).__name__})"
+  )
 
 
 class RunDir:
@@ -169,8 +183,13 @@ class RunDir:
     except FileNotFoundError:
       if not any((self.path / n).exists() for n in (MARKER, ERROR)):
         return []
-      return sorted({str(p.relative_to(self.path)) for pattern in LEGACY
-                     for p in self.path.glob(pattern)})
+      return sorted(
+        {
+          str(p.relative_to(self.path))
+          for pattern in LEGACY
+          for p in self.path.glob(pattern)
+        }
+      )
     except (OSError, ValueError):
       return []  # damaged: nothing is taken as the harness's
     return [n for n in listed if isinstance(n, str)]
@@ -181,9 +200,14 @@ class RunDir:
     if not self.path.is_dir():
       return []
     ours = {Path(n).parts[0] for n in self.written()} | {OWNED, LOCK}
-    return sorted(p.name for p in self.path.iterdir()
-                  if p.name not in ours and p.name != ".hydra"
-                  and p.suffix != ".log" and not _temporary(p))
+    return sorted(
+      p.name
+      for p in self.path.iterdir()
+      if p.name not in ours
+      and p.name != ".hydra"
+      and p.suffix != ".log"
+      and not _temporary(p)
+    )
 
   def check_ours(self) -> None:
     """Raises `ForeignFolder` when this folder holds files the harness did
@@ -192,10 +216,11 @@ class RunDir:
     if found:
       shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
       raise ForeignFolder(
-          f"{self.path} holds files curvbench did not write ({shown}), so "
-          "it is not a run directory and nothing is written there. Choose "
-          "another folder (hydra.run.dir=..., or hydra.sweep.dir=... for a "
-          "sweep) or move those files away.")
+        f"{self.path} holds files curvbench did not write ({shown}), so "
+        "it is not a run directory and nothing is written there. Choose "
+        "another folder (hydra.run.dir=..., or hydra.sweep.dir=... for a "
+        "sweep) or move those files away."
+      )
 
   def own(self, relative: str) -> Path:
     """Records `relative` (a path in this directory) as the harness's,
@@ -210,13 +235,15 @@ class RunDir:
   # --- writing ---------------------------------------------------------------
 
   def write_table(self, name: str, df: pd.DataFrame) -> Path:
-    return atomic_write(self.own(f"{name}.parquet"),
-                        lambda tmp: df.to_parquet(tmp, index=False))
+    return atomic_write(
+      self.own(f"{name}.parquet"), lambda tmp: df.to_parquet(tmp, index=False)
+    )
 
   def write_json(self, name: str, obj) -> Path:
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
-    return atomic_write(self.own(name),
-                        lambda tmp: Path(tmp).write_text(text + "\n"))
+    return atomic_write(
+      self.own(name), lambda tmp: Path(tmp).write_text(text + "\n")
+    )
 
   def write_text(self, name: str, text: str) -> Path:
     return atomic_write(self.own(name), lambda tmp: Path(tmp).write_text(text))
@@ -227,10 +254,13 @@ class RunDir:
     `mark_done` removes them. Both the reserve and `ERROR.json` are
     recorded as the harness's now: recording them later needs space."""
     self.own(ERROR)
-    note = (b'{"reserved": "space curvbench keeps for this run\'s error '
-            b'record, in case the disk fills"}')
-    return atomic_write(self.own(RESERVE), lambda tmp: Path(tmp).write_bytes(
-        note.ljust(size)))  # real bytes: a sparse file would hold no blocks
+    note = (
+      b'{"reserved": "space curvbench keeps for this run\'s error '
+      b'record, in case the disk fills"}'
+    )
+    return atomic_write(
+      self.own(RESERVE), lambda tmp: Path(tmp).write_bytes(note.ljust(size))
+    )  # real bytes: a sparse file would hold no blocks
 
   def write_error(self, record: dict) -> Path | None:
     """Writes `record` (the traceback, the run's identity) as `ERROR.json`;
@@ -287,17 +317,30 @@ class RunDir:
     (self.path / OWNED).unlink(missing_ok=True)
 
   def table_names(self) -> list[str]:
-    return sorted(Path(n).stem for n in self.written()
-                  if n.endswith(".parquet") and "/" not in n)
+    return sorted(
+      Path(n).stem
+      for n in self.written()
+      if n.endswith(".parquet") and "/" not in n
+    )
 
   def mark_done(self, status: str = "complete", **info) -> Path:
     """Writes the completion marker, listing the tables and the sha256 of
     every file written so far; call it after every other file."""
-    files = {n: file_sha256(self.path / n) for n in self.written()
-             if n not in (MARKER, RESERVE) and (self.path / n).is_file()}
-    marker = self.write_json(MARKER, dict(status=status, finished=time.time(),
-                                          tables=self.table_names(),
-                                          files=files, **info))
+    files = {
+      n: file_sha256(self.path / n)
+      for n in self.written()
+      if n not in (MARKER, RESERVE) and (self.path / n).is_file()
+    }
+    marker = self.write_json(
+      MARKER,
+      dict(
+        status=status,
+        finished=time.time(),
+        tables=self.table_names(),
+        files=files,
+        **info,
+      ),
+    )
     (self.path / RESERVE).unlink(missing_ok=True)  # no error to record now
     return marker
 
@@ -311,15 +354,20 @@ class RunDir:
       marker = json.loads(path.read_text())
     except (OSError, ValueError) as e:
       raise DamagedRun(f"{path}: {_unreadable(path, e)}") from e
-    if not isinstance(marker, dict) or not isinstance(marker.get("status"),
-                                                      str):
+    if not isinstance(marker, dict) or not isinstance(
+      marker.get("status"), str
+    ):
       raise DamagedRun(f"{path} is not a completion marker (no status)")
     tables, files = marker.get("tables", []), marker.get("files", {})
-    if not (isinstance(tables, list) and all(isinstance(t, str)
-                                             for t in tables)
-            and isinstance(files, dict)):
-      raise DamagedRun(f"{path} is not a completion marker (its tables or "
-                       "files are not lists of names)")
+    if not (
+      isinstance(tables, list)
+      and all(isinstance(t, str) for t in tables)
+      and isinstance(files, dict)
+    ):
+      raise DamagedRun(
+        f"{path} is not a completion marker (its tables or "
+        "files are not lists of names)"
+      )
     return marker
 
   def damage(self) -> str | None:
@@ -330,22 +378,37 @@ class RunDir:
       marker = self.marker() or {}
     except DamagedRun as e:
       return str(e).removeprefix(f"{self.path / MARKER}: ")
-    missing = [name for name in marker.get("tables", [])
-               if not (self.path / f"{name}.parquet").exists()]
+    missing = [
+      name
+      for name in marker.get("tables", [])
+      if not (self.path / f"{name}.parquet").exists()
+    ]
     if missing:
-      return (f"tables {', '.join(missing)} listed in {MARKER} are missing")
+      return f"tables {', '.join(missing)} listed in {MARKER} are missing"
     digests = marker.get("files")
     if digests is None:  # a marker from before checksums, or none yet
-      return next(filter(None, map(_unreadable_record, sorted(
-          self.path / n for n in self.written()
-          if n not in (MARKER, ERROR, RESERVE)))), None)  # not records
+      return next(
+        filter(
+          None,
+          map(
+            _unreadable_record,
+            sorted(
+              self.path / n
+              for n in self.written()
+              if n not in (MARKER, ERROR, RESERVE)
+            ),
+          ),
+        ),
+        None,
+      )  # not records
     for name, digest in digests.items():
       path = self.path / name
       if not path.is_file():
         return f"{name}, written by the run, is missing"
       if file_sha256(path) != digest:
         return _unreadable_record(path) or (
-            f"{name} changed since the run wrote it (its sha256 differs)")
+          f"{name} changed since the run wrote it (its sha256 differs)"
+        )
     return None
 
   def tables(self) -> dict[str, pd.DataFrame]:
@@ -384,18 +447,23 @@ class RunDir:
         if time.monotonic() >= deadline:
           holder = self.lock_holder() or {}
           raise RunLocked(
-              f"{self.path} is already being run by process "
-              f"{holder.get('pid', '?')} on {holder.get('host', '?')} "
-              f"(since {holder.get('since', '?')}); wait for it to finish "
-              "or stop that process.", holder) from None
+            f"{self.path} is already being run by process "
+            f"{holder.get('pid', '?')} on {holder.get('host', '?')} "
+            f"(since {holder.get('since', '?')}); wait for it to finish "
+            "or stop that process.",
+            holder,
+          ) from None
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         continue
       if _same_file(fd, path):
         break
       os.close(fd)  # the file we locked was removed by its last holder
     try:
-      info = dict(pid=os.getpid(), host=socket.gethostname(),
-                  since=time.strftime("%Y-%m-%d %H:%M:%S"))
+      info = dict(
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        since=time.strftime("%Y-%m-%d %H:%M:%S"),
+      )
       os.ftruncate(fd, 0)
       os.write(fd, json.dumps(info).encode())
       yield info
@@ -454,8 +522,10 @@ def _held(path: Path) -> bool | None:
   # major and minor in hex.
   device = f"{os.major(stat_.st_dev):02x}:{os.minor(stat_.st_dev):02x}"
   wanted = f"{device}:{stat_.st_ino}"
-  return any(len(fields) > 5 and fields[5] == wanted
-             for fields in map(str.split, listed.splitlines()))
+  return any(
+    len(fields) > 5 and fields[5] == wanted
+    for fields in map(str.split, listed.splitlines())
+  )
 
 
 def _fitted(record: dict, size: int) -> bytes:
@@ -465,8 +535,9 @@ def _fitted(record: dict, size: int) -> bytes:
   trace, cut = str(record.get("traceback", "")), 0
   while True:
     shown = "[...]" + trace[cut:] if cut else trace
-    data = json.dumps(dict(record, traceback=shown), indent=2,
-                      sort_keys=True, default=str).encode()
+    data = json.dumps(
+      dict(record, traceback=shown), indent=2, sort_keys=True, default=str
+    ).encode()
     if len(data) <= size or cut >= len(trace):
       return data
     cut += len(data) - size + len("[...]")
@@ -498,8 +569,13 @@ def _same_file(fd: int, path: Path) -> bool:
     return False
 
 
-def claim(folder, marker: str, what: str, legacy=lambda path: False,
-          check_only: bool = False) -> Path:
+def claim(
+  folder,
+  marker: str,
+  what: str,
+  legacy=lambda path: False,
+  check_only: bool = False,
+) -> Path:
   """Takes `folder` for the harness (a sweep's or a report's), writing its
   `marker` there (unless `check_only`), unless it holds files the harness
   did not write: an empty or new folder, one with the marker, or one
@@ -513,9 +589,10 @@ def claim(folder, marker: str, what: str, legacy=lambda path: False,
   if found and marker not in found and not legacy(folder):
     shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
     raise ForeignFolder(
-        f"{folder} holds files curvbench did not write ({shown}), so it is "
-        f"not {what} and nothing is written there. Choose another folder or "
-        "move those files away.")
+      f"{folder} holds files curvbench did not write ({shown}), so it is "
+      f"not {what} and nothing is written there. Choose another folder or "
+      "move those files away."
+    )
   if not check_only:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / marker).touch()

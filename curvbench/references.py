@@ -39,7 +39,7 @@ from curvbench import provenance, records
 
 MARKER = ".curvbench-references"  # the store folder is curvbench's
 FOLDER = ".references"
-KEEP_BYTES = 2 * 2 ** 30
+KEEP_BYTES = 2 * 2**30
 
 
 def content_hash(*trees) -> str:
@@ -73,16 +73,21 @@ class ReferenceStore:
     """Whether entries are kept (else every `get` computes)."""
     return self.folder is not None
 
-  def get(self, key: dict, compute: Callable[[], dict[str, np.ndarray]]
-          ) -> tuple[dict[str, np.ndarray], bool]:
+  def get(
+    self, key: dict, compute: Callable[[], dict[str, np.ndarray]]
+  ) -> tuple[dict[str, np.ndarray], bool]:
     """`(arrays, shared)`: the entry for `key`, read from the store where an
     earlier run wrote it (`shared` True), else `compute()`d and stored."""
     if not self.keeps:
       return compute(), False
-    text = json.dumps(dict(key, code=provenance.code_version()["code"]),
-                      sort_keys=True, default=str)
-    path = self.folder / (hashlib.sha256(text.encode()).hexdigest()[:24]
-                          + ".npz")
+    text = json.dumps(
+      dict(key, code=provenance.code_version()["code"]),
+      sort_keys=True,
+      default=str,
+    )
+    path = self.folder / (
+      hashlib.sha256(text.encode()).hexdigest()[:24] + ".npz"
+    )
     found = self._read(path, text)
     if found is not None:
       return found, True

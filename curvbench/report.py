@@ -45,6 +45,7 @@ class Report:
   `runs`, the complete and diverged ones with their setting and label
   (`done`), the merged tables with those labels, and one colour per label
   and method for every figure (`colour`)."""
+
   root: Path
   runs: pd.DataFrame
   done: pd.DataFrame
@@ -67,9 +68,12 @@ def colour_map(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
     for column in ("label", "method"):
       if column in df:
         names.update(str(v) for v in df[column].dropna().unique())
-  declared = {name: registry.get(name).colour
-              for registry in (CURVATURES, OPTIMIZERS) for name in registry
-              if registry.get(name).colour is not None}
+  declared = {
+    name: registry.get(name).colour
+    for registry in (CURVATURES, OPTIMIZERS)
+    for name in registry
+    if registry.get(name).colour is not None
+  }
   return plots.colours(names, declared)
 
 
@@ -80,12 +84,16 @@ def runs_section(runs: pd.DataFrame) -> Section:
   found.tables.append(Table("run_counts", "Runs by status", counts))
   missing = sweep.not_in_results(runs)
   if not missing.empty:
-    found.tables.append(Table("not_in_results", "Runs not in the results, "
-                              "with why", missing))
+    found.tables.append(
+      Table("not_in_results", "Runs not in the results, with why", missing)
+    )
     found.findings.append(
-        f"{len(missing)} run folders are not in the results: "
-        + ", ".join(f"{n} {s}" for s, n in missing.groupby("status").runs
-                    .sum().items()) + " (see Runs).")
+      f"{len(missing)} run folders are not in the results: "
+      + ", ".join(
+        f"{n} {s}" for s, n in missing.groupby("status").runs.sum().items()
+      )
+      + " (see Runs)."
+    )
   return found
 
 
@@ -99,8 +107,10 @@ def self_check(sections: list[Section], done: pd.DataFrame) -> list[str]:
       found += stats.inconsistencies(table.name, table.data)
       if seeds > 1 and "n" in table.data and section.title != "Runs":
         ones = table.data[pd.to_numeric(table.data.n, errors="coerce") == 1]
-        found += [f"{table.name} row {i}: n=1 although the sweep ran "
-                  f"{seeds} seeds" for i in ones.index]
+        found += [
+          f"{table.name} row {i}: n=1 although the sweep ran {seeds} seeds"
+          for i in ones.index
+        ]
   return found
 
 
@@ -112,17 +122,26 @@ def write(root, out=None) -> dict:
   root = Path(root)
   out = Path(out) if out else root / "report"
   if not root.is_dir():
-    raise FileNotFoundError(f"No sweep directory at {root}: give the folder "
-                            "of a sweep (e.g. reports/quick).")
+    raise FileNotFoundError(
+      f"No sweep directory at {root}: give the folder "
+      "of a sweep (e.g. reports/quick)."
+    )
   loaded = sweep.load_sweep(root)
   if loaded.runs.empty:
-    raise FileNotFoundError(f"No runs under {root}: run a sweep first "
-                            "(curvbench -m +experiment=quick).")
+    raise FileNotFoundError(
+      f"No runs under {root}: run a sweep first "
+      "(curvbench -m +experiment=quick)."
+    )
   done = sweep.settings(loaded.runs)
-  tables = {name: sweep.with_labels(df, done)
-            for name, df in loaded.tables.items()}
-  records.claim(out, REPORT_MARKER, "a report folder (give another with "
-                "--out)", legacy=lambda folder: (folder / "report.md").exists())
+  tables = {
+    name: sweep.with_labels(df, done) for name, df in loaded.tables.items()
+  }
+  records.claim(
+    out,
+    REPORT_MARKER,
+    "a report folder (give another with --out)",
+    legacy=lambda folder: (folder / "report.md").exists(),
+  )
   report = Report(root, loaded.runs, done, tables, colour_map(tables))
   sections = []
   with plots.style():
@@ -139,11 +158,16 @@ def write(root, out=None) -> dict:
     sections[-1].notes += notes
   checked = self_check(sections, done)
 
-  written = {"tables": [], "figures": [], "self_check": checked,
-             "not_in_results": {
-                 status: int(n) for status, n in
-                 loaded.runs.status.value_counts().items()
-                 if status in sweep.NOT_IN_RESULTS}}
+  written = {
+    "tables": [],
+    "figures": [],
+    "self_check": checked,
+    "not_in_results": {
+      status: int(n)
+      for status, n in loaded.runs.status.value_counts().items()
+      if status in sweep.NOT_IN_RESULTS
+    },
+  }
 
   def save_csv(name, df):
     path = out / f"{name}.csv"
@@ -157,8 +181,9 @@ def write(root, out=None) -> dict:
     for table in section.tables:
       save_csv(table.name, table.data)
     written["figures"] += section.figures
-  written["tables"] += _write_pages(root, out, sections, checked,
-                                    _provenance_line(tables, loaded.runs))
+  written["tables"] += _write_pages(
+    root, out, sections, checked, _provenance_line(tables, loaded.runs)
+  )
   if judged:
     with plots.style():
       pages = gallery_page.write(root, out, judged)
@@ -177,19 +202,27 @@ def _provenance_line(tables, runs: pd.DataFrame) -> str:
     if "dirty" in df and df.dirty.fillna(False).astype(bool).any():
       found["commit"].add("uncommitted changes")
   counts = runs.status.value_counts()
-  return (f"Devices: {', '.join(sorted(found['device_kind'])) or 'unknown'}."
-          f" Code: {', '.join(sorted(found['commit'])) or 'unknown'}. Runs: "
-          + ", ".join(f"{n} {status}" for status, n in counts.items()) + ".")
+  return (
+    f"Devices: {', '.join(sorted(found['device_kind'])) or 'unknown'}."
+    f" Code: {', '.join(sorted(found['commit'])) or 'unknown'}. Runs: "
+    + ", ".join(f"{n} {status}" for status, n in counts.items())
+    + "."
+  )
 
 
 def _check_line(checked: list[str]) -> str:
   if not checked:
-    return ("Self-check: every median lies within its quartiles and every "
-            "mean within its interval, and no figure rests on one sample "
-            "where the sweep ran several seeds.")
-  return (f"Self-check: {len(checked)} figures are inconsistent (this is a "
-          "defect of curvbench; please report it): "
-          + "; ".join(checked[:5]) + ("; ..." if len(checked) > 5 else ""))
+    return (
+      "Self-check: every median lies within its quartiles and every "
+      "mean within its interval, and no figure rests on one sample "
+      "where the sweep ran several seeds."
+    )
+  return (
+    f"Self-check: {len(checked)} figures are inconsistent (this is a "
+    "defect of curvbench; please report it): "
+    + "; ".join(checked[:5])
+    + ("; ..." if len(checked) > 5 else "")
+  )
 
 
 def _write_pages(root, out, sections, checked, header) -> list[Path]:
@@ -199,10 +232,16 @@ def _write_pages(root, out, sections, checked, header) -> list[Path]:
   blocks = [html_page.Paragraph(header), html_page.Heading("Summary")]
   for section in sections:
     if section.findings:
-      lines += [f"**{section.title}**: {section.question}", "",
-                *[f"- {f}" for f in section.findings], ""]
-      blocks += [html_page.Paragraph(f"{section.title}: {section.question}"),
-                 html_page.Bullets(section.findings)]
+      lines += [
+        f"**{section.title}**: {section.question}",
+        "",
+        *[f"- {f}" for f in section.findings],
+        "",
+      ]
+      blocks += [
+        html_page.Paragraph(f"{section.title}: {section.question}"),
+        html_page.Bullets(section.findings),
+      ]
   lines += [_check_line(checked), ""]
   blocks.append(html_page.Paragraph(_check_line(checked)))
   for section in sections:
@@ -211,36 +250,50 @@ def _write_pages(root, out, sections, checked, header) -> list[Path]:
     details = [t for t in section.tables if t.detail]
     for table in section.tables:
       if not table.detail:
-        lines += [f"{table.title} ([{table.name}.csv]({table.name}.csv)):",
-                  "", to_markdown(table.shown), ""]
+        lines += [
+          f"{table.title} ([{table.name}.csv]({table.name}.csv)):",
+          "",
+          to_markdown(table.shown),
+          "",
+        ]
         blocks.append(html_page.Table(table.shown, caption=table.title))
     pngs = [p for p in section.figures if p.suffix == ".png"]
     lines += [f"![{p.stem}](figures/{p.name})" for p in pngs]
     lines += [""] if pngs else []
     blocks += [html_page.Figure(p, caption=p.stem) for p in pngs]
     if details:
-      lines += ["More tables: " + "; ".join(
+      lines += [
+        "More tables: "
+        + "; ".join(
           f"[{t.name}.csv]({t.name}.csv) ({t.title.split(':')[0]})"
-          for t in details) + ".", ""]
-      blocks += [html_page.Details(t.title, [html_page.Table(t.shown)])
-                 for t in details]
+          for t in details
+        )
+        + ".",
+        "",
+      ]
+      blocks += [
+        html_page.Details(t.title, [html_page.Table(t.shown)]) for t in details
+      ]
     if section.notes:
       lines += ["Notes:", "", *[f"- {n}" for n in section.notes], ""]
       blocks += [html_page.Bullets(section.notes)]
   md = out / "report.md"
-  records.atomic_write(md, lambda tmp: Path(tmp).write_text(
-      "\n".join(lines) + "\n"))
-  page = html_page.write(out / "report.html", f"curvbench report: {root}",
-                         blocks)
+  records.atomic_write(
+    md, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n")
+  )
+  page = html_page.write(
+    out / "report.html", f"curvbench report: {root}", blocks
+  )
   return [md, page]
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      prog="curvbench report",
-      description="Merge a sweep's runs into a report: a summary of "
-      "findings with their intervals, then each measurement's tables and "
-      "figures.")
+    prog="curvbench report",
+    description="Merge a sweep's runs into a report: a summary of "
+    "findings with their intervals, then each measurement's tables and "
+    "figures.",
+  )
   parser.add_argument("dir", help="a sweep directory, e.g. reports/quick")
   parser.add_argument("--out", help="output directory (default DIR/report)")
   args = parser.parse_args(argv)
@@ -250,17 +303,22 @@ def main(argv=None) -> int:
   except (FileNotFoundError, records.ForeignFolder) as e:
     raise SystemExit(f"curvbench report: {e}") from None
   except OSError as e:  # a read-only or full disk
-    raise SystemExit(f"curvbench report: cannot write the report to {out} "
-                     f"({e.strerror or e}); give another folder with --out."
-                     ) from None
-  print(f"[curvbench] wrote {len(written['tables'])} tables and "
-        f"{len(written['figures'])} figures under {out}; start with "
-        f"{out / 'report.md'}")
+    raise SystemExit(
+      f"curvbench report: cannot write the report to {out} "
+      f"({e.strerror or e}); give another folder with --out."
+    ) from None
+  print(
+    f"[curvbench] wrote {len(written['tables'])} tables and "
+    f"{len(written['figures'])} figures under {out}; start with "
+    f"{out / 'report.md'}"
+  )
   missing = written["not_in_results"]
   if missing:
-    print("[curvbench] not in the results: " + ", ".join(
-        f"{n} {status}" for status, n in missing.items())
-          + f" (see 'Runs' in {out / 'report.md'})")
+    print(
+      "[curvbench] not in the results: "
+      + ", ".join(f"{n} {status}" for status, n in missing.items())
+      + f" (see 'Runs' in {out / 'report.md'})"
+    )
   if written["self_check"]:
     print(f"[curvbench] {_check_line(written['self_check'])}")
   return 0

@@ -33,27 +33,40 @@ def skip_reason(run: config.RunSettings) -> str | None:
   kind, opt = measurement.name, run.optimizer.name
   problem = run.problem.label or run.problem.name
   if measurement.problems and problem not in measurement.problems:
-    return (f"measure.{kind}.problems={measurement.problems} leaves out "
-            f"problem={problem}")
+    return (
+      f"measure.{kind}.problems={measurement.problems} leaves out "
+      f"problem={problem}"
+    )
   trains = measurement.uses_optimizer(run)
   if not trains and opt != canon.optimizer:
-    return (f"this {kind} run does not use the optimizer; it runs with "
-            f"optimizer={canon.optimizer} only")
+    return (
+      f"this {kind} run does not use the optimizer; it runs with "
+      f"optimizer={canon.optimizer} only"
+    )
   curvature = run.curvature
   if not measurement.uses_curvature(run):
     if curvature.name != canon.curvature or curvature.mode != canon.mode:
-      return (f"optimizer={opt} does not use the curvature; it runs with "
-              f"curvature={canon.curvature}, mode={canon.mode} only")
+      return (
+        f"optimizer={opt} does not use the curvature; it runs with "
+        f"curvature={canon.curvature}, mode={canon.mode} only"
+      )
     return None
   if not curvature.uses_estimation_mode and curvature.mode != canon.mode:
-    return (f"{curvature.name} ignores curvature.mode; it runs with "
-            f"mode={canon.mode} only")
+    return (
+      f"{curvature.name} ignores curvature.mode; it runs with "
+      f"mode={canon.mode} only"
+    )
   if trains and not run.optimizer.accepts(curvature):
     return f"optimizer={opt} cannot train with curvature={curvature.name}"
-  if (trains and not canon.train_every_curvature
-      and curvature.name != canon.curvature):
-    return (f"canonical.train_every_curvature=false: optimizer={opt} runs "
-            f"with curvature={canon.curvature} only")
+  if (
+    trains
+    and not canon.train_every_curvature
+    and curvature.name != canon.curvature
+  ):
+    return (
+      f"canonical.train_every_curvature=false: optimizer={opt} runs "
+      f"with curvature={canon.curvature} only"
+    )
   return None
 
 
@@ -61,23 +74,26 @@ def _identity(run: config.RunSettings, curvature) -> dict:
   """The columns that say what a run measured."""
   measurement = run.measure.chosen
   uses = measurement.uses_curvature(run)
-  return dict(problem=run.problem.label or run.problem.name,
-              measure=measurement.name,
-              method=measurement.method_label(run, curvature),
-              curvature=curvature.name if uses else None,
-              estimator=type(curvature).__name__ if uses else None,
-              block_type=getattr(curvature, "block_type", None) if uses
-              else None,
-              mode=curvature.mode if uses else None,
-              optimizer=(run.optimizer.name
-                         if measurement.uses_optimizer(run) else None),
-              seed=run.seed)
+  return dict(
+    problem=run.problem.label or run.problem.name,
+    measure=measurement.name,
+    method=measurement.method_label(run, curvature),
+    curvature=curvature.name if uses else None,
+    estimator=type(curvature).__name__ if uses else None,
+    block_type=getattr(curvature, "block_type", None) if uses else None,
+    mode=curvature.mode if uses else None,
+    optimizer=(run.optimizer.name if measurement.uses_optimizer(run) else None),
+    seed=run.seed,
+  )
 
 
 def registration(problem, curvature, params, batch, rng) -> dict:
   """Which tag each parameter gets, and the curvature blocks built from them."""
-  report = dict(parameters=graph_matcher.registration_report(
-      problem.loss_fn, (params, batch)))
+  report = dict(
+    parameters=graph_matcher.registration_report(
+      problem.loss_fn, (params, batch)
+    )
+  )
   if curvature is not None:
     curvature.init(rng, params, batch)  # traces the model
     report["blocks"] = curvature.registration()
@@ -124,28 +140,47 @@ def measure(cfg, run_dir) -> dict:
   run = config.load(cfg)
   measurement = run.measure.chosen
   float64 = measurement.precision == "float64"
-  with (devices.use(run.device, run.devices), jax.enable_x64(float64),
-        quiet_logging(), released()):
+  with (
+    devices.use(run.device, run.devices),
+    jax.enable_x64(float64),
+    quiet_logging(),
+    released(),
+  ):
     dtype = np.float64 if float64 else np.float32
     problem = problems.make(run.problem)
     curvature = run.curvature.make(problem.loss_fn)
     rng = jax.random.PRNGKey(run.seed)
     params = problem.init_params(jax.random.PRNGKey(run.init_seed), dtype)
-    batch = problem.fixed_batch(run.measure.batch_size, dtype=dtype,
-                                seed=run.data_seed)
+    batch = problem.fixed_batch(
+      run.measure.batch_size, dtype=dtype, seed=run.data_seed
+    )
     ident = _identity(run, curvature)
     run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
-    run_dir.write_json("environment.json", provenance.environment(
-        run.device, run.devices))
-    run_dir.write_json("registration.json", registration(
-        problem, curvature if ident["curvature"] else None, params, batch,
-        rng))
-    ident.update(provenance.columns(cfg, measurement.precision),
-                 run=run_dir.path.name, num_params=problem.num_params,
-                 batch_size=len(batch[0]))
-    ctx = Context(problem=problem, curvature=curvature, params=params,
-                  batch=batch, run=run, rng=jax.random.fold_in(rng, 1),
-                  run_dir=run_dir, mesh=devices.mesh(run.device, run.devices))
+    run_dir.write_json(
+      "environment.json", provenance.environment(run.device, run.devices)
+    )
+    run_dir.write_json(
+      "registration.json",
+      registration(
+        problem, curvature if ident["curvature"] else None, params, batch, rng
+      ),
+    )
+    ident.update(
+      provenance.columns(cfg, measurement.precision),
+      run=run_dir.path.name,
+      num_params=problem.num_params,
+      batch_size=len(batch[0]),
+    )
+    ctx = Context(
+      problem=problem,
+      curvature=curvature,
+      params=params,
+      batch=batch,
+      run=run,
+      rng=jax.random.fold_in(rng, 1),
+      run_dir=run_dir,
+      mesh=devices.mesh(run.device, run.devices),
+    )
     outcome = measurement.measure(ctx)
     for name, rows in outcome.tables.items():
       run_dir.write_table(name, records.tidy(rows, **ident))
@@ -159,14 +194,19 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)
-  for key, what in (("code", "code"), ("dataset", "data"),
-                    ("plugins", "plugin code")):
+  for key, what in (
+    ("code", "code"),
+    ("dataset", "data"),
+    ("plugins", "plugin code"),
+  ):
     if marker.get(key) != now[key]:
-      return (f"it was measured with {what} {marker.get(key)}, this is "
-              f"{now[key]}")
+      return (
+        f"it was measured with {what} {marker.get(key)}, this is {now[key]}"
+      )
   try:
-    old = provenance.identity_config(OmegaConf.load(run_dir.path /
-                                                    "config.yaml"))
+    old = provenance.identity_config(
+      OmegaConf.load(run_dir.path / "config.yaml")
+    )
   except Exception:  # noqa: BLE001 - missing or damaged: nothing to compare
     return "its config differs (its config.yaml cannot be read)"
   changed = provenance.differences(old, provenance.identity_config(cfg))
@@ -178,8 +218,7 @@ def cached(cfg, out_dir) -> bool:
   records intact: what `run` answers 'cached' for without measuring
   (never with force=true). The sweeper asks it before launching."""
   run_dir = records.RunDir(out_dir)
-  return (not cfg.force and run_dir.done
-          and stale_reason(run_dir, cfg) is None)
+  return not cfg.force and run_dir.done and stale_reason(run_dir, cfg) is None
 
 
 def identity(cfg) -> dict:
@@ -195,8 +234,10 @@ def start(run_dir: records.RunDir, cfg, ident: dict) -> None:
   run_dir.clear()
   run_dir.reserve()
   run_dir.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-  run_dir.write_table("config", pd.DataFrame(
-      [dict(run_id=ident["run_id"], **provenance.flatten(cfg))]))
+  run_dir.write_table(
+    "config",
+    pd.DataFrame([dict(run_id=ident["run_id"], **provenance.flatten(cfg))]),
+  )
 
 
 def record_skip(cfg, out_dir) -> str | None:
@@ -234,15 +275,19 @@ def refuse(cfg, out_dir) -> None:
   the folder it would clear."""
   run = config.load(cfg)
   records.RunDir(out_dir).check_ours()
-  records.check_writable(out_dir, "choose another folder (hydra.run.dir=..., "
-                         "or hydra.sweep.dir=... for a sweep)")
+  records.check_writable(
+    out_dir,
+    "choose another folder (hydra.run.dir=..., "
+    "or hydra.sweep.dir=... for a sweep)",
+  )
   folder = Path(out_dir).resolve()
   for key, path in run.measure.chosen.inputs(run).items():
     if Path(path).expanduser().resolve().is_relative_to(folder):
       raise config.ConfigError(
-          f"{key}={path} lies inside the run's own folder {out_dir}, which "
-          "the run clears before it starts: measure it from a run in "
-          "another folder (hydra.run.dir=...).")
+        f"{key}={path} lies inside the run's own folder {out_dir}, which "
+        "the run clears before it starts: measure it from a run in "
+        "another folder (hydra.run.dir=...)."
+      )
 
 
 def run(cfg, out_dir) -> str:
@@ -273,13 +318,17 @@ def _run_locked(cfg, run_dir: records.RunDir) -> str:
   if run_dir.done and not cfg.force:
     stale = stale_reason(run_dir, cfg)
     if stale is None:
-      print(f"[curvbench] {run_dir.path}: finished earlier with this config, "
-            "code and data, skipping (force=true redoes it).")
+      print(
+        f"[curvbench] {run_dir.path}: finished earlier with this config, "
+        "code and data, skipping (force=true redoes it)."
+      )
       return "cached"
     print(f"[curvbench] {run_dir.path}: redoing it, {stale}.")
   elif run_dir.has_marker and not cfg.force:
-    print(f"[curvbench] {run_dir.path}: redoing it, its records are "
-          f"damaged ({run_dir.damage()}).")
+    print(
+      f"[curvbench] {run_dir.path}: redoing it, its records are "
+      f"damaged ({run_dir.damage()})."
+    )
   reason = skip_reason(config.load(cfg))
   if reason:
     _mark_skipped(run_dir, cfg, reason)

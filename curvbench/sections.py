@@ -24,6 +24,7 @@ class Table:
   """A summary table: `name` (its CSV's stem), `title` (what it shows and
   over which samples), `data` (written as CSV), `view` (what the pages
   show; default `data`) and whether it is a `detail`."""
+
   name: str
   title: str
   data: pd.DataFrame
@@ -38,6 +39,7 @@ class Table:
 @dataclasses.dataclass
 class Section:
   """One measurement's part of the report."""
+
   title: str
   question: str
   findings: list[str] = dataclasses.field(default_factory=list)
@@ -51,7 +53,7 @@ def number(value, digits: int = 3) -> str:
   if value is None or (isinstance(value, float) and math.isnan(value)):
     return ""
   if isinstance(value, float):
-    if 10 ** digits <= abs(value) < 1e6:  # a count of steps, say: whole
+    if 10**digits <= abs(value) < 1e6:  # a count of steps, say: whole
       return f"{value:.0f}"
     return f"{value:.{digits}g}"
   return str(value)
@@ -69,38 +71,58 @@ def spread(centre, low, high, digits: int = 3) -> str:
   return f"{text} [{ends[0]}, {ends[1]}]"
 
 
-def wide(data: pd.DataFrame, index: list[str], column: str,
-         centre: str = "median", low: str = "q25", high: str = "q75",
-         count: str | None = "n", digits: int = 3) -> pd.DataFrame:
+def wide(
+  data: pd.DataFrame,
+  index: list[str],
+  column: str,
+  centre: str = "median",
+  low: str = "q25",
+  high: str = "q75",
+  count: str | None = "n",
+  digits: int = 3,
+) -> pd.DataFrame:
   """`data` pivoted: a row per `index`, a column per value of `column`,
   each cell `centre [low, high]`; with `count`, a last column `n` (the
   range of counts where they differ between cells)."""
   if data.empty:
     return data
-  cells = data.assign(_cell=[spread(c, lo, hi, digits) for c, lo, hi in zip(
-      data[centre], data[low], data[high])])
+  cells = data.assign(
+    _cell=[
+      spread(c, lo, hi, digits)
+      for c, lo, hi in zip(data[centre], data[low], data[high])
+    ]
+  )
   grouped = cells.groupby([*index, column], dropna=False, sort=False)
   view = grouped["_cell"].first().unstack(column).fillna("")
   view = view[[c for c in dict.fromkeys(data[column]) if c in view]]
   view.columns = [str(c) for c in view.columns]
   if count is not None:
-    counts = data.groupby(index, dropna=False, sort=False)[count].agg(
-        ["min", "max"]).reindex(view.index)
-    view["n"] = [str(lo) if lo == hi else f"{lo}-{hi}"
-                 for lo, hi in zip(counts["min"], counts["max"])]
+    counts = (
+      data.groupby(index, dropna=False, sort=False)[count]
+      .agg(["min", "max"])
+      .reindex(view.index)
+    )
+    view["n"] = [
+      str(lo) if lo == hi else f"{lo}-{hi}"
+      for lo, hi in zip(counts["min"], counts["max"])
+    ]
   return view.reset_index()
 
 
 def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
   """A GitHub markdown table (no extra dependency)."""
+
   def cell(v):
     if isinstance(v, float):
       return "" if pd.isna(v) else f"{v:.{digits}g}"
     return "" if v is None else str(v).replace("|", "\\|")
+
   head = "| " + " | ".join(map(str, df.columns)) + " |"
   rule = "|" + "|".join("---" for _ in df.columns) + "|"
-  rows = ["| " + " | ".join(cell(v) for v in row) + " |"
-          for row in df.itertuples(index=False)]
+  rows = [
+    "| " + " | ".join(cell(v) for v in row) + " |"
+    for row in df.itertuples(index=False)
+  ]
   return "\n".join([head, rule, *rows])
 
 

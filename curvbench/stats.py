@@ -36,23 +36,30 @@ def quartiles(values) -> tuple[float, float, float]:
   return (float(median), float(q25), float(q75))
 
 
-def over_runs(df: pd.DataFrame, index, quantity: str, value: str
-              ) -> pd.DataFrame:
+def over_runs(
+  df: pd.DataFrame, index, quantity: str, value: str
+) -> pd.DataFrame:
   """Per `index` and `quantity` (a column naming what `value` holds): the
   `median` of `value` over runs, its quartiles `q25` and `q75` over the
   same runs (equal to the median for one run) and the number of runs `n`.
   A run with several rows for one quantity counts once, by its median."""
   index = list(index)
-  per_run = df.groupby([*index, quantity, "run_id"], dropna=False)[
-      value].median().dropna()
+  per_run = (
+    df.groupby([*index, quantity, "run_id"], dropna=False)[value]
+    .median()
+    .dropna()
+  )
   g = per_run.groupby(level=[*index, quantity], dropna=False)
-  return pd.DataFrame(dict(
-      median=g.median(), q25=g.quantile(0.25), q75=g.quantile(0.75),
-      n=g.size())).reset_index()
+  return pd.DataFrame(
+    dict(
+      median=g.median(), q25=g.quantile(0.25), q75=g.quantile(0.75), n=g.size()
+    )
+  ).reset_index()
 
 
-def interval(values, level: float = LEVEL, seed: int = 0
-             ) -> tuple[float, float, float]:
+def interval(
+  values, level: float = LEVEL, seed: int = 0
+) -> tuple[float, float, float]:
   """`(mean, low, high)`: the mean of `values` and the percentile
   bootstrap interval of the mean; infinite values (diverged runs) make the
   mean infinite. NaN where there are no values, and the interval NaN for
@@ -67,15 +74,17 @@ def interval(values, level: float = LEVEL, seed: int = 0
   if values.size == 1:
     return (mean, np.nan, np.nan)
   draws = np.random.default_rng(seed).choice(values, (ROUNDS, values.size))
-  low, high = np.quantile(draws.mean(axis=1), [(1 - level) / 2,
-                                               (1 + level) / 2])
+  low, high = np.quantile(
+    draws.mean(axis=1), [(1 - level) / 2, (1 + level) / 2]
+  )
   # The mean is the centre of its bootstrap distribution; round-off in the
   # resampled means must not put it outside.
   return (mean, min(float(low), mean), max(float(high), mean))
 
 
-def difference(a, b, level: float = LEVEL, seed: int = 0
-               ) -> tuple[float, float, float]:
+def difference(
+  a, b, level: float = LEVEL, seed: int = 0
+) -> tuple[float, float, float]:
   """`(mean(a) - mean(b), low, high)`, the interval from resampling each
   group's samples independently."""
   a, b = (np.asarray(x, np.float64) for x in (a, b))
@@ -92,23 +101,27 @@ def difference(a, b, level: float = LEVEL, seed: int = 0
   # report that states one comparison both ways gives one interval.
   rng = np.random.default_rng(seed)
   means = {}
-  for name, values in sorted((("a", a), ("b", b)), key=lambda item: (
-      item[1].size, tuple(np.sort(item[1])))):
+  for name, values in sorted(
+    (("a", a), ("b", b)),
+    key=lambda item: (item[1].size, tuple(np.sort(item[1]))),
+  ):
     means[name] = rng.choice(values, (ROUNDS, values.size)).mean(axis=1)
   diffs = means["a"] - means["b"]
   low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
   return (mean, min(float(low), mean), max(float(high), mean))
 
 
-def paired_difference(a, b, level: float = LEVEL, seed: int = 0
-                      ) -> tuple[float, float, float]:
+def paired_difference(
+  a, b, level: float = LEVEL, seed: int = 0
+) -> tuple[float, float, float]:
   """`(mean(a - b), low, high)` for paired samples (`a[i]` and `b[i]`
   measured on the same seed and batch): the pairs resampled together, so
   what the pair shares (the batch's own difficulty) cancels."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   if a.shape != b.shape:
-    raise ValueError(f"paired samples need as many of each, got {a.size} "
-                     f"and {b.size}")
+    raise ValueError(
+      f"paired samples need as many of each, got {a.size} and {b.size}"
+    )
   return interval(a - b, level, seed)
 
 
@@ -122,20 +135,32 @@ def ordering(diff: tuple[float, float, float]) -> str:
   return "lower" if high < 0 else "higher" if low > 0 else "tied"
 
 
-def verdict(best: str, other: str, diff: tuple[float, float, float],
-            what: str, samples: str = "seeds") -> str:
+def verdict(
+  best: str,
+  other: str,
+  diff: tuple[float, float, float],
+  what: str,
+  samples: str = "seeds",
+) -> str:
   """Words for `diff`, the interval of `mean(best) - mean(other)` of
   `what`, measured over `samples`."""
   mean, low, high = diff
   if not np.isfinite(mean):
     return f"{best} vs {other}: cannot compare ({what} not finite)"
   if np.isnan([low, high]).any():
-    return (f"{best} vs {other}: {what} difference {mean:.3g}, no interval "
-            f"(one sample); measure more {samples} to tell them apart")
-  words = {"lower": f"lower than {other}", "higher": f"higher than {other}",
-           "tied": f"not told apart from {other}"}[ordering(diff)]
-  return (f"{best} {words}: {what} difference {mean:.3g} "
-          f"[{low:.3g}, {high:.3g}] (95 % bootstrap interval over {samples})")
+    return (
+      f"{best} vs {other}: {what} difference {mean:.3g}, no interval "
+      f"(one sample); measure more {samples} to tell them apart"
+    )
+  words = {
+    "lower": f"lower than {other}",
+    "higher": f"higher than {other}",
+    "tied": f"not told apart from {other}",
+  }[ordering(diff)]
+  return (
+    f"{best} {words}: {what} difference {mean:.3g} "
+    f"[{low:.3g}, {high:.3g}] (95 % bootstrap interval over {samples})"
+  )
 
 
 # --- checking a summary table -------------------------------------------------
@@ -152,30 +177,45 @@ def _groups(columns) -> list[tuple[str, str, str]]:
   for centre, low, high in SPREADS:
     for column in columns:
       if column == centre or column.endswith(f"_{centre}"):
-        prefix = column[:-len(centre)]
+        prefix = column[: -len(centre)]
         if f"{prefix}{low}" in columns and f"{prefix}{high}" in columns:
           found.append((column, f"{prefix}{low}", f"{prefix}{high}"))
   return found
 
 
-def inconsistencies(name: str, df: pd.DataFrame, rtol: float = 1e-9
-                    ) -> list[str]:
+def inconsistencies(
+  name: str, df: pd.DataFrame, rtol: float = 1e-9
+) -> list[str]:
   """Rows of the summary table `name` whose centre lies outside its own
   spread: a median outside its quartiles, a mean outside its interval
   (with a relative tolerance for round-off). Empty when there are none."""
   found = []
   for centre, low, high in _groups(list(df.columns)):
-    c, lo, hi = (pd.to_numeric(df[k], errors="coerce").to_numpy(np.float64)
-                 for k in (centre, low, high))
+    c, lo, hi = (
+      pd.to_numeric(df[k], errors="coerce").to_numpy(np.float64)
+      for k in (centre, low, high)
+    )
     slack = rtol * np.maximum(np.abs(c), 1e-300)
     with np.errstate(invalid="ignore"):
       bad = (c < lo - slack) | (c > hi + slack) | (lo > hi + slack)
     for i in np.flatnonzero(bad & np.isfinite(c)):
-      found.append(f"{name} row {i}: {centre}={c[i]:.6g} outside "
-                   f"[{low}={lo[i]:.6g}, {high}={hi[i]:.6g}]")
+      found.append(
+        f"{name} row {i}: {centre}={c[i]:.6g} outside "
+        f"[{low}={lo[i]:.6g}, {high}={hi[i]:.6g}]"
+      )
   return found
 
 
-__all__ = ["LEVEL", "ROUNDS", "SPREADS", "difference", "inconsistencies",
-           "interval", "ordering", "over_runs", "paired_difference",
-           "quartiles", "verdict"]
+__all__ = [
+  "LEVEL",
+  "ROUNDS",
+  "SPREADS",
+  "difference",
+  "inconsistencies",
+  "interval",
+  "ordering",
+  "over_runs",
+  "paired_difference",
+  "quartiles",
+  "verdict",
+]

@@ -34,11 +34,17 @@ from curvbench.measurements import MEASUREMENTS
 
 # Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
 # the run, which may have been stopped before writing a record of its own).
-RUN_FILES = (records.MARKER, records.OWNED, records.ERROR, "config.yaml",
-             "metadata.json", "*.parquet", ".hydra/config.yaml")
+RUN_FILES = (
+  records.MARKER,
+  records.OWNED,
+  records.ERROR,
+  "config.yaml",
+  "metadata.json",
+  "*.parquet",
+  ".hydra/config.yaml",
+)
 # What `not_in_results` lists, one row per run; skipped runs are grouped.
-NOT_IN_RESULTS = ("error", "diverged", "damaged", "killed", "running",
-                  "linked")
+NOT_IN_RESULTS = ("error", "diverged", "damaged", "killed", "running", "linked")
 # How far below a symbolic link's target a run is looked for (`_run_dirs`).
 LINK_DEPTH = 3
 # What a run is, before its settings: rows with the same values here and the
@@ -52,6 +58,7 @@ INPUTS = ("code", "dataset", "plugins")
 @dataclasses.dataclass
 class Sweep:
   """A sweep's runs (one row per run directory) and its merged tables."""
+
   root: Path
   runs: pd.DataFrame
   tables: dict[str, pd.DataFrame]
@@ -60,12 +67,17 @@ class Sweep:
 def _run_config(run: records.RunDir) -> dict:
   """The run's flattened config from the first of its config records that
   can be read (`{}` when none can)."""
-  readers = ((run.path / "config.parquet",
-              lambda p: pd.read_parquet(p).iloc[0].to_dict()),
-             (run.path / "config.yaml",
-              lambda p: provenance.flatten(OmegaConf.load(p))),
-             (run.path / ".hydra" / "config.yaml",
-              lambda p: provenance.flatten(OmegaConf.load(p))))
+  readers = (
+    (
+      run.path / "config.parquet",
+      lambda p: pd.read_parquet(p).iloc[0].to_dict(),
+    ),
+    (run.path / "config.yaml", lambda p: provenance.flatten(OmegaConf.load(p))),
+    (
+      run.path / ".hydra" / "config.yaml",
+      lambda p: provenance.flatten(OmegaConf.load(p)),
+    ),
+  )
   for path, read in readers:
     if path.exists():
       try:
@@ -105,25 +117,49 @@ def _status(run: records.RunDir) -> tuple[str, str, dict | None]:
   # the run runs or after it was killed.
   reserve = run.path / records.RESERVE
   if reserve.is_file() and reserve.stat().st_size == 0:
-    return "error", ("the run failed and could not record why: the disk "
-                     "filled (No space left on device)"), None
+    return (
+      "error",
+      (
+        "the run failed and could not record why: the disk "
+        "filled (No space left on device)"
+      ),
+      None,
+    )
   trace = _json_field(reserve, "traceback") if reserve.is_file() else None
   if isinstance(trace, str):
     lines = trace.strip().splitlines()
     return "error", lines[-1] if lines else "see its error reserve", None
   holder = run.running()
   if holder is not None:
-    return "running", (f"no completion marker yet: running in process "
-                       f"{holder.get('pid')} on {holder.get('host')} since "
-                       f"{holder.get('since')}"), None
-  return "killed", ("no completion marker: the run was stopped before it "
-                    "finished; a rerun of the sweep redoes it"), None
+    return (
+      "running",
+      (
+        f"no completion marker yet: running in process "
+        f"{holder.get('pid')} on {holder.get('host')} since "
+        f"{holder.get('since')}"
+      ),
+      None,
+    )
+  return (
+    "killed",
+    (
+      "no completion marker: the run was stopped before it "
+      "finished; a rerun of the sweep redoes it"
+    ),
+    None,
+  )
 
 
 def _is_run_dir(folder: Path, names: list[str]) -> bool:
   """Whether `folder`, holding files `names`, is a run directory."""
-  return any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES
-             for name in names) or (folder / ".hydra" / "config.yaml").is_file()
+  return (
+    any(
+      fnmatch.fnmatchcase(name, pattern)
+      for pattern in RUN_FILES
+      for name in names
+    )
+    or (folder / ".hydra" / "config.yaml").is_file()
+  )
 
 
 def _walk(root: Path, depth: int | None = None):
@@ -154,20 +190,27 @@ def _run_dirs(root: Path) -> tuple[list[Path], list[tuple[Path, Path]]]:
         continue
       # Looked into a few levels down only: a run lies a level or two
       # below its sweep, and a link may lead to a whole disk.
-      if any(_is_run_dir(path, names)
-             for path, _, names in _walk(target, depth=LINK_DEPTH)):
+      if any(
+        _is_run_dir(path, names)
+        for path, _, names in _walk(target, depth=LINK_DEPTH)
+      ):
         links.append((link, target))
   return sorted(found), sorted(links)
 
 
 def _linked(root: Path, link: Path, target: Path) -> dict:
   """The row of a link to run directories outside the sweep."""
-  return dict(run_dir=str(link.relative_to(root)), run_id=None,
-              status="linked", reason=(
-                  "reached through a symbolic link "
-                  f"({link.relative_to(root)} -> {target}); "
-                  "runs are read where they lie: report the sweep of "
-                  f"{target}, or copy the run here"))
+  return dict(
+    run_dir=str(link.relative_to(root)),
+    run_id=None,
+    status="linked",
+    reason=(
+      "reached through a symbolic link "
+      f"({link.relative_to(root)} -> {target}); "
+      "runs are read where they lie: report the sweep of "
+      f"{target}, or copy the run here"
+    ),
+  )
 
 
 def load_sweep(root) -> Sweep:
@@ -186,16 +229,24 @@ def load_sweep(root) -> Sweep:
     try:
       plugins.load(json.loads(cfg.get("plugins") or "[]"))
     except plugins.PluginError as e:  # the rest of the report still stands
-      print(f"[curvbench] {path}: {e}; the tables only its measurement "
-            "declares are left out.", flush=True)
+      print(
+        f"[curvbench] {path}: {e}; the tables only its measurement "
+        "declares are left out.",
+        flush=True,
+      )
     run_dir = str(path.relative_to(root))
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
-    row = dict(run_dir=run_dir, run_id=run_id, status=status, reason=reason,
-               # A problem's name in the records: its label, else its kind.
-               problem=cfg.get("problem.label") or cfg.get("problem.name"),
-               measure=cfg.get("measure.kind"),
-               **{key: (marker or {}).get(key) for key in INPUTS}, **{
-                   f"config:{k}": v for k, v in cfg.items()})
+    row = dict(
+      run_dir=run_dir,
+      run_id=run_id,
+      status=status,
+      reason=reason,
+      # A problem's name in the records: its label, else its kind.
+      problem=cfg.get("problem.label") or cfg.get("problem.name"),
+      measure=cfg.get("measure.kind"),
+      **{key: (marker or {}).get(key) for key in INPUTS},
+      **{f"config:{k}": v for k, v in cfg.items()},
+    )
     run_tables = {}
     if status in ("complete", "diverged"):
       try:
@@ -213,8 +264,11 @@ def load_sweep(root) -> Sweep:
     runs.append(row)
   runs += [_linked(root, link, target) for link, target in links]
   declared = {t for name in MEASUREMENTS for t in MEASUREMENTS.get(name).tables}
-  tables = {name: pd.concat(dfs, ignore_index=True)
-            for name, dfs in parts.items() if name in declared}
+  tables = {
+    name: pd.concat(dfs, ignore_index=True)
+    for name, dfs in parts.items()
+    if name in declared
+  }
   return Sweep(root, pd.DataFrame(runs), tables)
 
 
@@ -224,8 +278,10 @@ def _short_names(keys: list[str]) -> dict[str, str]:
   for key in keys:
     parts = key.split(".")
     depth = 1
-    while depth < len(parts) and sum(
-        k.split(".")[-depth:] == parts[-depth:] for k in keys) > 1:
+    while (
+      depth < len(parts)
+      and sum(k.split(".")[-depth:] == parts[-depth:] for k in keys) > 1
+    ):
       depth += 1
     names[key] = ".".join(parts[-depth:])
   return names
@@ -248,26 +304,36 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   done = runs[runs.status.isin(["complete", "diverged"])].copy()
   if done.empty:
     return done.assign(setting="", label="", trained_setting="")
-  keys = {c: c.removeprefix("config:") for c in done.columns
-          if c.startswith("config:")}
-  candidates = [c for c, key in keys.items()
-                if key.split(".")[0] not in provenance.NOT_IDENTITY
-                and key not in provenance.SEED_KEYS]
+  keys = {
+    c: c.removeprefix("config:")
+    for c in done.columns
+    if c.startswith("config:")
+  }
+  candidates = [
+    c
+    for c, key in keys.items()
+    if key.split(".")[0] not in provenance.NOT_IDENTITY
+    and key not in provenance.SEED_KEYS
+  ]
   candidates += [c for c in ("device_kind", *INPUTS) if c in done]
   done["setting"], done["trained_setting"] = "", ""
   for _, group in done.groupby(list(GROUP), dropna=False):
-    varying = [c for c in candidates
-               if group[c].astype(str).nunique(dropna=False) > 1]
+    varying = [
+      c for c in candidates if group[c].astype(str).nunique(dropna=False) > 1
+    ]
     keys = [c.removeprefix("config:") for c in varying]
     short = _short_names(keys)
     for index, run in group.iterrows():
-      items = [(k, f"{short[k]}={_value(run[c])}")
-               for k, c in zip(keys, varying)]
+      items = [
+        (k, f"{short[k]}={_value(run[c])}") for k, c in zip(keys, varying)
+      ]
       done.at[index, "setting"] = ", ".join(text for _, text in items)
       done.at[index, "trained_setting"] = ", ".join(
-          text for k, text in items if not k.startswith(MEASURED))
-  done["label"] = [f"{m} ({s})" if s else str(m)
-                   for m, s in zip(done.method, done.setting)]
+        text for k, text in items if not k.startswith(MEASURED)
+      )
+  done["label"] = [
+    f"{m} ({s})" if s else str(m) for m, s in zip(done.method, done.setting)
+  ]
   return done
 
 
@@ -276,18 +342,22 @@ def mixed_inputs(done: pd.DataFrame) -> list[str]:
   one problem mix (their runs carry `code=`, `dataset=` or `plugins=` in
   their setting)."""
   notes = []
-  for key, what in (("code", "code versions"), ("dataset", "datasets"),
-                    ("plugins", "versions of plugin code")):
+  for key, what in (
+    ("code", "code versions"),
+    ("dataset", "datasets"),
+    ("plugins", "versions of plugin code"),
+  ):
     if key not in done:
       continue
     for problem, runs in done.groupby("problem"):
       versions = sorted(runs[key].dropna().astype(str).unique())
       if len(versions) > 1:
         notes.append(
-            f"The {problem} runs come from {len(versions)} {what} "
-            f"({', '.join(versions)}); runs that differ in them are kept "
-            f"apart ({key}= in their setting), never taken for seeds of one "
-            "another.")
+          f"The {problem} runs come from {len(versions)} {what} "
+          f"({', '.join(versions)}); runs that differ in them are kept "
+          f"apart ({key}= in their setting), never taken for seeds of one "
+          "another."
+        )
   return notes
 
 
@@ -295,16 +365,21 @@ def with_labels(df: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame:
   """`df` with each row's setting and label: its run's, or where the row
   records another method than its run (the optimizer's curve along a
   spectra run), that method with the run's trained setting."""
-  labels = done[["run_id", "method", "setting", "label",
-                 "trained_setting"]].drop_duplicates("run_id").rename(
-                     columns={"method": "run_method"})
+  labels = (
+    done[["run_id", "method", "setting", "label", "trained_setting"]]
+    .drop_duplicates("run_id")
+    .rename(columns={"method": "run_method"})
+  )
   out = df.drop(columns=["setting", "label"], errors="ignore").merge(
-      labels, on="run_id", how="left")
+    labels, on="run_id", how="left"
+  )
   if "method" in out:
     other = out.method.notna() & (out.method != out.run_method)
     out.loc[other, "setting"] = out.trained_setting[other]
-    out.loc[other, "label"] = [f"{m} ({s})" if s else str(m) for m, s in
-                               zip(out.method[other], out.setting[other])]
+    out.loc[other, "label"] = [
+      f"{m} ({s})" if s else str(m)
+      for m, s in zip(out.method[other], out.setting[other])
+    ]
   return out.drop(columns=["run_method", "trained_setting"])
 
 
@@ -312,13 +387,19 @@ def not_in_results(runs: pd.DataFrame) -> pd.DataFrame:
   """Runs whose records are missing or partial, with the reason; skipped
   runs are counted per reason."""
   shown = runs[runs.status.isin(NOT_IN_RESULTS)]
-  rows = [dict(status=r.status, runs=1, run_dir=r.run_dir, reason=r.reason)
-          for r in shown.itertuples()]
+  rows = [
+    dict(status=r.status, runs=1, run_dir=r.run_dir, reason=r.reason)
+    for r in shown.itertuples()
+  ]
   skipped = runs[runs.status == "skipped"]
   for reason, group in skipped.groupby("reason"):
     dirs = sorted(group.run_dir)
-    rows.append(dict(status="skipped", runs=len(dirs),
-                     run_dir=", ".join(dirs[:3]) + (", ..." if len(dirs) > 3
-                                                    else ""),
-                     reason=reason))
+    rows.append(
+      dict(
+        status="skipped",
+        runs=len(dirs),
+        run_dir=", ".join(dirs[:3]) + (", ..." if len(dirs) > 3 else ""),
+        reason=reason,
+      )
+    )
   return pd.DataFrame(rows, columns=["status", "runs", "run_dir", "reason"])

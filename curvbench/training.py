@@ -43,8 +43,9 @@ class OptaxTrainer:
 
     def step(params, opt_state, batch, rng):
       loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params, batch=batch,
-                                     rng=rng)
+      updates, opt_state = tx.update(
+        grads, opt_state, params, batch=batch, rng=rng
+      )
       return optax.apply_updates(params, updates), opt_state, loss
 
     self.step = jax.jit(step)
@@ -66,8 +67,9 @@ def compile_steps(optimizer, params, opt_state, batch, rng) -> float:
   start = time.perf_counter()
   state = opt_state
   for step in range(optimizer.cycle + 1):
-    params, state, loss = optimizer.step(params, state, batch,
-                                         jax.random.fold_in(rng, step))
+    params, state, loss = optimizer.step(
+      params, state, batch, jax.random.fold_in(rng, step)
+    )
   jax.block_until_ready((params, loss))
   return time.perf_counter() - start
 
@@ -86,15 +88,21 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
   if isinstance(spec, str):
     kind, _, count = spec.partition(":")
     if kind != "log" or not count.isdigit() or int(count) < 2:
-      raise ValueError(f"steps={spec!r}: give a list of steps or 'log:N' "
-                       "(N >= 2 log-spaced steps from 0 to num_steps).")
-    spec = [0, *(int(s) for s in np.geomspace(1, num_steps,
-                                              int(count) - 1).round())]
+      raise ValueError(
+        f"steps={spec!r}: give a list of steps or 'log:N' "
+        "(N >= 2 log-spaced steps from 0 to num_steps)."
+      )
+    spec = [
+      0,
+      *(int(s) for s in np.geomspace(1, num_steps, int(count) - 1).round()),
+    ]
   if not isinstance(spec, (list, tuple)) or not all(
-      isinstance(s, (int, np.integer)) and not isinstance(s, bool)
-      for s in spec):
-    raise ValueError(f"steps={spec!r} must be a list of integers (whole "
-                     "numbers of training steps).")
+    isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in spec
+  ):
+    raise ValueError(
+      f"steps={spec!r} must be a list of integers (whole "
+      "numbers of training steps)."
+    )
   steps = sorted({int(s) for s in spec})
   if not steps:
     return []
@@ -102,9 +110,10 @@ def measurement_steps(spec, num_steps: int) -> list[int]:
     raise ValueError(f"steps={spec!r} must be non-negative integers.")
   if steps[-1] > num_steps:
     raise ValueError(
-        f"steps has step {steps[-1]}, beyond the training run's length "
-        f"(measure.training.num_steps={num_steps}): raise num_steps or drop "
-        "the step.")
+      f"steps has step {steps[-1]}, beyond the training run's length "
+      f"(measure.training.num_steps={num_steps}): raise num_steps or drop "
+      "the step."
+    )
   return steps
 
 
@@ -113,19 +122,23 @@ def evaluator(problem, cfg, dtype) -> Callable:
   test_error}` on fixed examples: the first `train_eval_size` of the
   training split and the first `eval_size` of the test split (None: all of
   a split); a model with state in evaluation mode (`Problem.outputs`)."""
-  splits = {split: problem.evaluation_batch(getattr(cfg, key), dtype,
-                                            split=split)
-            for split, key in (("train", "train_eval_size"),
-                               ("test", "eval_size"))}
+  splits = {
+    split: problem.evaluation_batch(getattr(cfg, key), dtype, split=split)
+    for split, key in (("train", "train_eval_size"), ("test", "eval_size"))
+  }
   for split, (x, _) in splits.items():
     if len(x) == 0:
-      raise ValueError(f"Problem {problem.name!r} has no {split} examples to "
-                       "evaluate the training run on.")
+      raise ValueError(
+        f"Problem {problem.name!r} has no {split} examples to "
+        "evaluate the training run on."
+      )
 
   @jax.jit
   def losses(params, model_state, batch):
-    return (problem.evaluation_loss(params, batch, model_state),
-            problem.error(params, batch, model_state))
+    return (
+      problem.evaluation_loss(params, batch, model_state),
+      problem.error(params, batch, model_state),
+    )
 
   def evaluate(params, model_state):
     out = {}
@@ -143,12 +156,12 @@ def time_grid(cfg) -> list[float]:
   `cfg.budget_s` (none without a budget)."""
   if cfg.budget_s is None or not cfg.time_grid:
     return []
-  return [cfg.budget_s * k / cfg.time_grid
-          for k in range(1, cfg.time_grid + 1)]
+  return [cfg.budget_s * k / cfg.time_grid for k in range(1, cfg.time_grid + 1)]
 
 
-def batch_schedule(first: int, total: int, growth_steps: int | None,
-                   ladder: float) -> Callable[[int], int]:
+def batch_schedule(
+  first: int, total: int, growth_steps: int | None, ladder: float
+) -> Callable[[int], int]:
   """The batch size of update k (from 1): `first` throughout without
   `growth_steps`; else Martens & Grosse's (2015, sec. 13) exponential
   growth m_k = min(first * e^((k - 1) / b), total), b such that update
@@ -157,8 +170,10 @@ def batch_schedule(first: int, total: int, growth_steps: int | None,
   """
   if growth_steps is None or first >= total:
     return lambda k: first
-  rungs = [first * ladder ** j for j in range(
-      int(np.floor(np.log(total / first) / np.log(ladder))) + 1)]
+  rungs = [
+    first * ladder**j
+    for j in range(int(np.floor(np.log(total / first) / np.log(ladder))) + 1)
+  ]
   rungs = sorted({int(r) for r in rungs if r < total} | {total})
   rate = np.log(total / first) / max(growth_steps - 1, 1)
 
@@ -171,9 +186,18 @@ def batch_schedule(first: int, total: int, growth_steps: int | None,
   return size
 
 
-def run(problem, optimizer, params, cfg, rng, data_seed: int,
-        progress: bool = True, at_steps=(), on_step: Callable | None = None,
-        mesh: Mesh | None = None) -> list[dict]:
+def run(
+  problem,
+  optimizer,
+  params,
+  cfg,
+  rng,
+  data_seed: int,
+  progress: bool = True,
+  at_steps=(),
+  on_step: Callable | None = None,
+  mesh: Mesh | None = None,
+) -> list[dict]:
   """Trains for `cfg.num_steps` steps, or until `cfg.budget_s` seconds of
   training are spent (`cfg`: the training measurement's settings); one row
   per logged step, and one per point of the time grid.
@@ -216,16 +240,24 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   Raises:
     FloatingPointError: when the run diverges before a step of `at_steps`.
   """
-  num_steps, log_every, eval_every = (cfg.num_steps, cfg.log_every,
-                                      cfg.eval_every)
+  num_steps, log_every, eval_every = (
+    cfg.num_steps,
+    cfg.log_every,
+    cfg.eval_every,
+  )
   budget = cfg.budget_s
   grid = time_grid(cfg)
   at_steps = set(at_steps)
   dtype = jax.tree.leaves(params)[0].dtype
-  size_of = batch_schedule(problem.batch_size, len(problem.data.x_train),
-                           cfg.batch_growth_steps, cfg.batch_ladder)
-  batches = problem.batches(seed=data_seed, dtype=dtype, sizes=map(
-      size_of, itertools.count(1)))
+  size_of = batch_schedule(
+    problem.batch_size,
+    len(problem.data.x_train),
+    cfg.batch_growth_steps,
+    cfg.batch_ladder,
+  )
+  batches = problem.batches(
+    seed=data_seed, dtype=dtype, sizes=map(size_of, itertools.count(1))
+  )
   evaluate = evaluator(problem, cfg, dtype)
   if mesh is None:
     place = lambda batch: batch
@@ -238,10 +270,13 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
   # is compiled before the clock starts.
   growth = min(num_steps, cfg.batch_growth_steps or 1)
   later = sorted({size_of(k) for k in range(1, growth + 1)} - {size_of(1)})
-  warm = [first] + [place(next(problem.batches(
-      batch_size=size, seed=data_seed, dtype=dtype))) for size in later]
-  compile_s = sum(compile_steps(optimizer, params, opt_state, batch, rng)
-                  for batch in warm)
+  warm = [first] + [
+    place(next(problem.batches(batch_size=size, seed=data_seed, dtype=dtype)))
+    for size in later
+  ]
+  compile_s = sum(
+    compile_steps(optimizer, params, opt_state, batch, rng) for batch in warm
+  )
   model_state = problem.init_model_state(dtype)
   start_compile = time.perf_counter()
   if problem.has_state:
@@ -250,8 +285,11 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
       jax.block_until_ready(advance(params, model_state, batch[0]))
   decay = cfg.average_decay
   if decay is not None:
-    average = jax.jit(lambda mean, new: jax.tree.map(
-        lambda m, p: decay * m + (1 - decay) * p, mean, new))
+    average = jax.jit(
+      lambda mean, new: jax.tree.map(
+        lambda m, p: decay * m + (1 - decay) * p, mean, new
+      )
+    )
     jax.block_until_ready(average(params, params))
   compile_s += time.perf_counter() - start_compile
   mean = params  # the iterates' running average (with average_decay)
@@ -264,26 +302,39 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
       return own
     averaged = evaluate(mean, model_state)
     # The lower of the two, as Martens & Grosse (2015, sec. 13) report.
-    return {**{k: float(np.minimum(v, averaged[k])) for k, v in own.items()},
-            **{f"{k}_iterate": v for k, v in own.items()},
-            **{f"{k}_average": v for k, v in averaged.items()}}
+    return {
+      **{k: float(np.minimum(v, averaged[k])) for k, v in own.items()},
+      **{f"{k}_iterate": v for k, v in own.items()},
+      **{f"{k}_average": v for k, v in averaged.items()},
+    }
 
   def row(step, wall_s, batch_loss, scores, time_point_s=np.nan):
-    checked = [v for v in (batch_loss, scores.get("train_loss"))
-               if v is not None]
-    return dict(step=step, wall_s=wall_s, compile_s=compile_s,
-                batch_loss=batch_loss, **scores, time_point_s=time_point_s,
-                diverged=not np.all(np.isfinite(checked)),
-                **({} if cfg.batch_growth_steps is None
-                   else dict(batch_size=size_of(max(step, 1)))))
+    checked = [
+      v for v in (batch_loss, scores.get("train_loss")) if v is not None
+    ]
+    return dict(
+      step=step,
+      wall_s=wall_s,
+      compile_s=compile_s,
+      batch_loss=batch_loss,
+      **scores,
+      time_point_s=time_point_s,
+      diverged=not np.all(np.isfinite(checked)),
+      **(
+        {}
+        if cfg.batch_growth_steps is None
+        else dict(batch_size=size_of(max(step, 1)))
+      ),
+    )
 
   start_scores = scores_of(params, mean, model_state)
   rows = [row(0, 0.0, None, start_scores, 0.0 if grid else np.nan)]
   # The last step done: (step, params, mean, model state, seconds, scores).
   held = (0, params, mean, model_state, 0.0, start_scores)
   elapsed, batch, next_point = 0.0, first, 0
-  for step in tqdm(range(1, num_steps + 1), desc="training",
-                   disable=not progress, leave=False):
+  for step in tqdm(
+    range(1, num_steps + 1), desc="training", disable=not progress, leave=False
+  ):
     start = time.perf_counter()
     key = jax.random.fold_in(rng, step)
     if problem.has_state:
@@ -309,14 +360,21 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
       evaluated = step % eval_every == 0 or last
       scores = scores_of(params, mean, model_state) if evaluated else {}
       rows.append(row(step, elapsed, loss, scores))
-      held = (step, params, mean, model_state, elapsed,
-              scores if evaluated else None)
+      held = (
+        step,
+        params,
+        mean,
+        model_state,
+        elapsed,
+        scores if evaluated else None,
+      )
       if last and step < num_steps:  # the time budget is spent
         missed = sorted(s for s in at_steps if s > step)
         if missed:
           raise ValueError(
-              f"measure.training.budget_s={budget} ran out at step {step}, "
-              f"before the steps {missed} to measure at: raise the budget.")
+            f"measure.training.budget_s={budget} ran out at step {step}, "
+            f"before the steps {missed} to measure at: raise the budget."
+          )
         break
       if rows[-1]["diverged"]:
         failure = getattr(optimizer, "failure", lambda state: None)(opt_state)
@@ -325,9 +383,10 @@ def run(problem, optimizer, params, cfg, rng, data_seed: int,
         missed = sorted(s for s in at_steps if s >= step)
         if missed:
           raise FloatingPointError(
-              f"The training loss is not finite at step {step}, so there are "
-              f"no parameters to measure at steps {missed}: lower the "
-              "learning rate or raise the damping.")
+            f"The training loss is not finite at step {step}, so there are "
+            f"no parameters to measure at steps {missed}: lower the "
+            "learning rate or raise the damping."
+          )
         break
     else:
       held = (step, params, mean, model_state, elapsed, None)

@@ -14,12 +14,12 @@ import pandas as pd
 
 # metric name -> (training-table column, which step of a run counts)
 METRICS = {
-    "final_train_error": ("train_error", "last"),
-    "final_train_loss": ("train_loss", "last"),
-    "final_test_error": ("test_error", "last"),
-    "final_test_loss": ("test_loss", "last"),
-    "best_test_error": ("test_error", "min"),
-    "best_test_loss": ("test_loss", "min"),
+  "final_train_error": ("train_error", "last"),
+  "final_train_loss": ("train_loss", "last"),
+  "final_test_error": ("test_error", "last"),
+  "final_test_loss": ("test_loss", "last"),
+  "best_test_error": ("test_error", "min"),
+  "best_test_loss": ("test_loss", "min"),
 }
 
 
@@ -32,8 +32,9 @@ def run_scores(training: pd.DataFrame, metric: str) -> pd.Series:
     metric: a key of `METRICS`.
   """
   if metric not in METRICS:
-    raise ValueError(f"Unknown tuning.metric {metric!r}; choose one of "
-                     f"{', '.join(METRICS)}.")
+    raise ValueError(
+      f"Unknown tuning.metric {metric!r}; choose one of {', '.join(METRICS)}."
+    )
   column, how = METRICS[metric]
   rows = training.sort_values("step")
   scores = {}
@@ -46,8 +47,9 @@ def run_scores(training: pd.DataFrame, metric: str) -> pd.Series:
   return pd.Series(scores, name=metric, dtype=float)
 
 
-def select(runs: pd.DataFrame, scores: pd.Series, by: list[str],
-           setting: str = "setting") -> pd.DataFrame:
+def select(
+  runs: pd.DataFrame, scores: pd.Series, by: list[str], setting: str = "setting"
+) -> pd.DataFrame:
   """The score of every setting (mean over seeds) and the best per group.
 
   Args:
@@ -63,10 +65,17 @@ def select(runs: pd.DataFrame, scores: pd.Series, by: list[str],
     first setting in sorted order).
   """
   joined = runs[["run_id", *by, setting]].merge(
-      scores.rename("score"), left_on="run_id", right_index=True)
-  table = joined.groupby([*by, setting], dropna=False).agg(
-      score=("score", "mean"), seeds=("run_id", "nunique"),
-      diverged=("score", lambda s: int(np.isinf(s).sum()))).reset_index()
+    scores.rename("score"), left_on="run_id", right_index=True
+  )
+  table = (
+    joined.groupby([*by, setting], dropna=False)
+    .agg(
+      score=("score", "mean"),
+      seeds=("run_id", "nunique"),
+      diverged=("score", lambda s: int(np.isinf(s).sum())),
+    )
+    .reset_index()
+  )
   table = table.sort_values([*by, "score", setting], kind="stable")
   table["best"] = ~table.duplicated(by, keep="first")
   return table.reset_index(drop=True)

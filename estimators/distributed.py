@@ -58,7 +58,7 @@ def refresh_cost(state: Any) -> float:
   """An estimate of the flops of refreshing a block from its state: cubic in
   each square matrix it holds, linear in everything else."""
   size = sum(int(np.size(x)) for x in jax.tree.leaves(state))
-  return float(size + sum(count * n ** 3 for n, count in square_sides(state)))
+  return float(size + sum(count * n**3 for n, count in square_sides(state)))
 
 
 def product_cost(state: Any, dim: int) -> float:
@@ -70,10 +70,12 @@ def product_cost(state: Any, dim: int) -> float:
 
 
 def _bool_safe_psum(leaves, axis_name):
-  summed = jax.lax.psum([x.astype(jnp.int32) if x.dtype == bool else x
-                         for x in leaves], axis_name)
-  return [s.astype(bool) if x.dtype == bool else s
-          for s, x in zip(summed, leaves)]
+  summed = jax.lax.psum(
+    [x.astype(jnp.int32) if x.dtype == bool else x for x in leaves], axis_name
+  )
+  return [
+    s.astype(bool) if x.dtype == bool else s for s, x in zip(summed, leaves)
+  ]
 
 
 def _passthrough(fn: Callable, arg: Any):
@@ -91,8 +93,12 @@ def _passthrough(fn: Callable, arg: Any):
   return shapes, found[0]
 
 
-def run_on_owners(fns: Sequence[Callable], args: Sequence[Any],
-                  owners: Sequence[int], axis_name: str) -> list:
+def run_on_owners(
+  fns: Sequence[Callable],
+  args: Sequence[Any],
+  owners: Sequence[int],
+  axis_name: str,
+) -> list:
   """`[fn(arg) for fn, arg in zip(fns, args)]`, each computed on one device.
 
   Must run inside `pmap` or `shard_map` over `axis_name`, with `args` equal
@@ -123,13 +129,20 @@ def run_on_owners(fns: Sequence[Callable], args: Sequence[Any],
           leaves = jax.tree.leaves(fn(arg))
           computed.append([x for x, n in zip(leaves, new) if n])
         else:
-          computed.append([jnp.zeros(x.shape, x.dtype) for x, n in
-                           zip(jax.tree.leaves(shapes), new) if n])
+          computed.append(
+            [
+              jnp.zeros(x.shape, x.dtype)
+              for x, n in zip(jax.tree.leaves(shapes), new)
+              if n
+            ]
+          )
       return computed
+
     return compute
 
-  computed = jax.lax.switch(jax.lax.axis_index(axis_name),
-                            [branch(d) for d in range(num_devices)])
+  computed = jax.lax.switch(
+    jax.lax.axis_index(axis_name), [branch(d) for d in range(num_devices)]
+  )
   summed = iter(_bool_safe_psum(jax.tree.leaves(computed), axis_name))
   results = []
   for arg, (shapes, sources) in zip(args, plans):
@@ -139,8 +152,12 @@ def run_on_owners(fns: Sequence[Callable], args: Sequence[Any],
   return results
 
 
-def map_blocks(fns: Sequence[Callable], args: Sequence[Any],
-               costs: Sequence[float], axis_name: str | None) -> list:
+def map_blocks(
+  fns: Sequence[Callable],
+  args: Sequence[Any],
+  costs: Sequence[float],
+  axis_name: str | None,
+) -> list:
   """`[fn(arg) ...]`, shared among the devices of `axis_name` by cost.
 
   Without an axis, on a single device, or for fewer than two pieces, every

@@ -27,12 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 
 ESTIMATION_MODES = (
-    "fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
-    "fisher_exact", "ggn_curvature_prop", "ggn_exact",
+  "fisher_gradients",
+  "fisher_empirical",
+  "fisher_curvature_prop",
+  "fisher_exact",
+  "ggn_curvature_prop",
+  "ggn_exact",
 )
 # The matrices a mode can estimate, each with the mode that gives it exactly.
-EXACT_MODE_OF_MATRIX = {"ggn": "ggn_exact", "fisher": "fisher_exact",
-                        "empirical_fisher": "fisher_empirical"}
+EXACT_MODE_OF_MATRIX = {
+  "ggn": "ggn_exact",
+  "fisher": "fisher_exact",
+  "empirical_fisher": "fisher_empirical",
+}
 
 
 def check_estimation_mode(mode: str) -> str:
@@ -48,8 +55,10 @@ def check_estimation_mode(mode: str) -> str:
     ValueError: for a name not in `ESTIMATION_MODES`.
   """
   if mode not in ESTIMATION_MODES:
-    raise ValueError(f"Unknown estimation mode {mode!r}; choose one of "
-                     f"{', '.join(ESTIMATION_MODES)}.")
+    raise ValueError(
+      f"Unknown estimation mode {mode!r}; choose one of "
+      f"{', '.join(ESTIMATION_MODES)}."
+    )
   return mode
 
 
@@ -84,8 +93,10 @@ def exact_mode(matrix: str) -> str:
     ValueError: for any other matrix name.
   """
   if matrix not in EXACT_MODE_OF_MATRIX:
-    raise ValueError(f"No estimation mode computes {matrix!r}; choose one of "
-                     f"{', '.join(EXACT_MODE_OF_MATRIX)}.")
+    raise ValueError(
+      f"No estimation mode computes {matrix!r}; choose one of "
+      f"{', '.join(EXACT_MODE_OF_MATRIX)}."
+    )
   return EXACT_MODE_OF_MATRIX[matrix]
 
 
@@ -101,9 +112,10 @@ def _one_loss_tangents(loss, mode, rng):
   if mode == "fisher_empirical":
     if loss.targets is None:
       raise ValueError(
-          f"estimation_mode='fisher_empirical' needs the data targets, but a "
-          f"{type(loss).__name__} was registered without them: pass "
-          "targets= to its register_* call.")
+        f"estimation_mode='fisher_empirical' needs the data targets, but a "
+        f"{type(loss).__name__} was registered without them: pass "
+        "targets= to its register_* call."
+      )
     return tuple(g[None] for g in loss.grad_of_evaluate(None, "regular"))
   kind = mode.split("_")[0]
   multiply_factor, inner_shape = _factor_products(loss, kind)
@@ -119,8 +131,9 @@ def _one_loss_tangents(loss, mode, rng):
   return tuple(jax.vmap(multiply_factor)(one_hots))
 
 
-def loss_tangents(losses: Sequence[Any], mode: str,
-                  rng: jax.Array) -> tuple[tuple[jax.Array, ...], ...]:
+def loss_tangents(
+  losses: Sequence[Any], mode: str, rng: jax.Array
+) -> tuple[tuple[jax.Array, ...], ...]:
   """The loss-input tangents to backpropagate for one estimation mode.
 
   Args:
@@ -138,14 +151,17 @@ def loss_tangents(losses: Sequence[Any], mode: str,
   """
   check_estimation_mode(mode)
   rngs = jax.random.split(rng, len(losses))
-  per_loss = [_one_loss_tangents(loss, mode, r) for loss, r in zip(losses, rngs)]
+  per_loss = [
+    _one_loss_tangents(loss, mode, r) for loss, r in zip(losses, rngs)
+  ]
   if not mode.endswith("exact") or len(losses) == 1:
     return tuple(per_loss)
   sizes = [t[0].shape[0] for t in per_loss]
   total, out, offset = sum(sizes), [], 0
   for tangents, size in zip(per_loss, sizes):
     pad = ((offset, total - offset - size),)
-    out.append(tuple(jnp.pad(t, pad + ((0, 0),) * (t.ndim - 1))
-                     for t in tangents))
+    out.append(
+      tuple(jnp.pad(t, pad + ((0, 0),) * (t.ndim - 1)) for t in tangents)
+    )
     offset += size
   return tuple(out)

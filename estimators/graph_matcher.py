@@ -76,15 +76,30 @@ class GraphMatcherComparator:
   may have their two operands matched in either order.
   """
 
-  ignored_params: frozenset[str] = frozenset({
-      "precision", "preferred_element_type", "accumulation_type",
-      "out_sharding", "sharding"})
+  ignored_params: frozenset[str] = frozenset(
+    {
+      "precision",
+      "preferred_element_type",
+      "accumulation_type",
+      "out_sharding",
+      "sharding",
+    }
+  )
   params_free_primitives: frozenset[str] = frozenset({"conv_general_dilated"})
-  layout_primitives: frozenset[str] = frozenset({
-      "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-      "convert_element_type", "copy", "copy_p"})
-  commutative_primitives: frozenset[str] = frozenset({
-      "add", "add_any", "mul", "max", "min"})
+  layout_primitives: frozenset[str] = frozenset(
+    {
+      "broadcast_in_dim",
+      "reshape",
+      "squeeze",
+      "expand_dims",
+      "convert_element_type",
+      "copy",
+      "copy_p",
+    }
+  )
+  commutative_primitives: frozenset[str] = frozenset(
+    {"add", "add_any", "mul", "max", "min"}
+  )
 
   def is_layout(self, eqn: Any) -> bool:
     """Whether the matcher looks through this equation.
@@ -106,8 +121,9 @@ class GraphMatcherComparator:
     Returns:
       True for a binary equation of a commutative primitive.
     """
-    return (eqn.primitive.name in self.commutative_primitives
-            and len(eqn.invars) == 2)
+    return (
+      eqn.primitive.name in self.commutative_primitives and len(eqn.invars) == 2
+    )
 
   def equivalent(self, pattern_eqn: Any, graph_eqn: Any) -> bool:
     """Whether a pattern equation and a model equation do the same thing.
@@ -121,21 +137,26 @@ class GraphMatcherComparator:
     """
     name = pattern_eqn.primitive.name
     if name == "iota" == graph_eqn.primitive.name:  # as `dot_general`
-      return (_iota_axis(graph_eqn) == _iota_axis(pattern_eqn)
-              and jnp.issubdtype(graph_eqn.params["dtype"], jnp.integer)
-              == jnp.issubdtype(pattern_eqn.params["dtype"], jnp.integer))
+      return _iota_axis(graph_eqn) == _iota_axis(
+        pattern_eqn
+      ) and jnp.issubdtype(
+        graph_eqn.params["dtype"], jnp.integer
+      ) == jnp.issubdtype(pattern_eqn.params["dtype"], jnp.integer)
     if name == "gather" == graph_eqn.primitive.name:
       return _gather_form(graph_eqn) == _gather_form(pattern_eqn)
     if name == "transpose" == graph_eqn.primitive.name:
       return _transpose_form(graph_eqn) == _transpose_form(pattern_eqn)
-    if (name != graph_eqn.primitive.name
-        or len(pattern_eqn.invars) != len(graph_eqn.invars)
-        or len(pattern_eqn.outvars) != len(graph_eqn.outvars)):
+    if (
+      name != graph_eqn.primitive.name
+      or len(pattern_eqn.invars) != len(graph_eqn.invars)
+      or len(pattern_eqn.outvars) != len(graph_eqn.outvars)
+    ):
       return False
     if name in self.params_free_primitives:
       return True
-    for key in (set(pattern_eqn.params) | set(graph_eqn.params)
-                ) - self.ignored_params:
+    for key in (
+      set(pattern_eqn.params) | set(graph_eqn.params)
+    ) - self.ignored_params:
       a, b = pattern_eqn.params.get(key), graph_eqn.params.get(key)
       if name == "dot_general" and key == "dimension_numbers":
         a, b = _dot_form(pattern_eqn), _dot_form(graph_eqn)
@@ -151,8 +172,10 @@ class GraphMatcherComparator:
 def _dot_axes_from_end(eqn):
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = (v.aval.ndim for v in eqn.invars)
-  return tuple(tuple(a - n for a in axes)
-               for axes, n in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+  return tuple(
+    tuple(a - n for a in axes)
+    for axes, n in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs))
+  )
 
 
 def _dot_form(eqn):
@@ -162,8 +185,13 @@ def _dot_form(eqn):
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs = eqn.invars[0].aval.ndim
   k = len(lc)
-  if (k and not lb and not rb and tuple(lc) == tuple(range(lhs - k, lhs))
-      and tuple(rc) == tuple(range(k))):
+  if (
+    k
+    and not lb
+    and not rb
+    and tuple(lc) == tuple(range(lhs - k, lhs))
+    and tuple(rc) == tuple(range(k))
+  ):
     return "trailing_leading"
   return _dot_axes_from_end(eqn)
 
@@ -188,12 +216,18 @@ def _gather_form(eqn):
   axis, whether the slice spans it (else its size)."""
   dn, operand = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
   out_ndim = eqn.outvars[0].aval.ndim
-  sizes = tuple("all" if s == n else s
-                for s, n in zip(eqn.params["slice_sizes"], operand))
-  return (tuple(a - out_ndim for a in dn.offset_dims),
-          tuple(dn.collapsed_slice_dims), tuple(dn.start_index_map),
-          tuple(dn.operand_batching_dims),
-          tuple(dn.start_indices_batching_dims), len(operand), sizes)
+  sizes = tuple(
+    "all" if s == n else s for s, n in zip(eqn.params["slice_sizes"], operand)
+  )
+  return (
+    tuple(a - out_ndim for a in dn.offset_dims),
+    tuple(dn.collapsed_slice_dims),
+    tuple(dn.start_index_map),
+    tuple(dn.operand_batching_dims),
+    tuple(dn.start_indices_batching_dims),
+    len(operand),
+    sizes,
+  )
 
 
 def _call_body(eqn):
@@ -243,8 +277,9 @@ class _Graph:
       if body is None:
         node = _Node(eqn, path, ins, [(ctx, v) for v in eqn.outvars])
         self.node_at[path] = len(self.nodes)
-        self.producer.update((k, (len(self.nodes), i))
-                             for i, k in enumerate(node.outputs))
+        self.producer.update(
+          (k, (len(self.nodes), i)) for i, k in enumerate(node.outputs)
+        )
         self.nodes.append(node)
         if eqn.primitive.name == "scan":
           closed = eqn.params["jaxpr"]
@@ -253,11 +288,12 @@ class _Graph:
         continue
       sub, sub_consts = body
       # custom_jvp/custom_vjp calls pass their consts as leading operands.
-      self._flatten(sub, sub_consts, path, ins[len(ins) - len(sub.invars):])
+      self._flatten(sub, sub_consts, path, ins[len(ins) - len(sub.invars) :])
       outs = [self.canon(path, v) for v in sub.outvars]
       self.alias.update(((ctx, v), k) for v, k in zip(eqn.outvars, outs))
       self.call_outputs[path] = frozenset(
-          k for k in outs if not isinstance(k, Literal))
+        k for k in outs if not isinstance(k, Literal)
+      )
 
   def back_through_layout(self, key, rules, stop=()):
     """(key reached, layout nodes crossed) walking back from `key` over
@@ -278,8 +314,9 @@ class _Graph:
       node = self.nodes[stack.pop()]
       keys = list(node.inputs)
       if node.path in self.scan_body:
-        keys += [self.canon(node.path, v)
-                 for v in self.scan_body[node.path].outvars]
+        keys += [
+          self.canon(node.path, v) for v in self.scan_body[node.path].outvars
+        ]
       for k in keys:
         prod = None if isinstance(k, Literal) else self.producer.get(k)
         if prod is not None and prod[0] not in seen:
@@ -351,14 +388,18 @@ class GraphPattern:
     n = len(ins)
 
     def flat(*leaves):
-      return self.compute_func(jax.tree.unflatten(in_tree, leaves[:n]),
-                               jax.tree.unflatten(p_tree, leaves[n:]))
+      return self.compute_func(
+        jax.tree.unflatten(in_tree, leaves[:n]),
+        jax.tree.unflatten(p_tree, leaves[n:]),
+      )
 
     try:
       closed, out = jax.make_jaxpr(flat, return_shape=True)(*ins, *ps)
     except Exception as e:  # pylint: disable=broad-except
-      raise fail("its compute_func could not be traced on its example_args "
-                 f"({type(e).__name__}: {e}).") from e
+      raise fail(
+        "its compute_func could not be traced on its example_args "
+        f"({type(e).__name__}: {e})."
+      ) from e
     if len(jax.tree.leaves(out)) != 1:
       raise fail("compute_func must return one array, the layer's output.")
     g = _Graph(closed.jaxpr, closed.consts)
@@ -369,10 +410,15 @@ class GraphPattern:
     if isinstance(key, Literal) or key not in g.producer:
       raise fail("compute_func computes nothing from its arguments.")
     g.root = g.producer[key]
-    used = {k for i in g.ancestors([g.root[0]]) for k in g.nodes[i].inputs
-            if not isinstance(k, Literal)}
-    unused = [f"{kind} {pos}" for k, (kind, pos) in g.roles.items()
-              if k not in used]
+    used = {
+      k
+      for i in g.ancestors([g.root[0]])
+      for k in g.nodes[i].inputs
+      if not isinstance(k, Literal)
+    }
+    unused = [
+      f"{kind} {pos}" for k, (kind, pos) in g.roles.items() if k not in used
+    ]
     if unused:
       raise fail(f"compute_func does not use its {', '.join(unused)}.")
     g.broadcasts = _broadcasts(_shape(key), [_shape(k) for k in g.invars[n:]])
@@ -404,8 +450,9 @@ def dense_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   return y + b[0] if b else y
 
 
-def dense_transposed_layer(x: jax.Array,
-                           params: Sequence[jax.Array]) -> jax.Array:
+def dense_transposed_layer(
+  x: jax.Array, params: Sequence[jax.Array]
+) -> jax.Array:
   """A dense layer on an output-major weight, `x @ w.T (+ b)`, written as
   one `dot_general` over the last axes of both (`jnp.einsum("bi,oi->bo")`).
 
@@ -421,8 +468,9 @@ def dense_transposed_layer(x: jax.Array,
   return y + b[0] if b else y
 
 
-def dense_weight_first_layer(x: jax.Array,
-                             params: Sequence[jax.Array]) -> jax.Array:
+def dense_weight_first_layer(
+  x: jax.Array, params: Sequence[jax.Array]
+) -> jax.Array:
   """`w @ x (+ b)` on every example, as `jax.vmap` computes it for a batch
   (Equinox's `Linear`): the output-major weight times the inputs, then the
   output axis moved last.
@@ -454,8 +502,9 @@ def embedding_layer(ids: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
   return jnp.matmul(jax.nn.one_hot(ids, w.shape[0], dtype=w.dtype), w)
 
 
-def embedding_gather_layer(indices: jax.Array,
-                           params: Sequence[jax.Array]) -> jax.Array:
+def embedding_gather_layer(
+  indices: jax.Array, params: Sequence[jax.Array]
+) -> jax.Array:
   """An embedding lookup as the `gather` that `table[ids]` and
   `jnp.take(table, ids, axis=0)` make (after wrapping negative ids).
 
@@ -467,15 +516,23 @@ def embedding_gather_layer(indices: jax.Array,
     The table's rows at the ids, `ids.shape + (d_out,)`.
   """
   (w,) = params
-  rows = lax.GatherDimensionNumbers(offset_dims=(indices.ndim - 1,),
-                                    collapsed_slice_dims=(0,),
-                                    start_index_map=(0,))
-  return lax.gather(w, indices, rows, slice_sizes=(1, w.shape[1]),
-                    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  rows = lax.GatherDimensionNumbers(
+    offset_dims=(indices.ndim - 1,),
+    collapsed_slice_dims=(0,),
+    start_index_map=(0,),
+  )
+  return lax.gather(
+    w,
+    indices,
+    rows,
+    slice_sizes=(1, w.shape[1]),
+    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
 
 
-def embedding_row_gather_layer(indices: jax.Array,
-                               params: Sequence[jax.Array]) -> jax.Array:
+def embedding_row_gather_layer(
+  indices: jax.Array, params: Sequence[jax.Array]
+) -> jax.Array:
   """An embedding lookup as the `gather` that `jax.vmap(lambda i: table[i])`
   makes (Equinox's `Embedding`): a `(1, d_out)` slice at each `(id, 0)`.
 
@@ -491,11 +548,16 @@ def embedding_row_gather_layer(indices: jax.Array,
   """
   (w,) = params
   n = indices.ndim - 1
-  rows = lax.GatherDimensionNumbers(offset_dims=(n, n + 1),
-                                    collapsed_slice_dims=(),
-                                    start_index_map=(0, 1))
-  return lax.gather(w, indices, rows, slice_sizes=(1, w.shape[1]),
-                    mode=lax.GatherScatterMode.CLIP)
+  rows = lax.GatherDimensionNumbers(
+    offset_dims=(n, n + 1), collapsed_slice_dims=(), start_index_map=(0, 1)
+  )
+  return lax.gather(
+    w,
+    indices,
+    rows,
+    slice_sizes=(1, w.shape[1]),
+    mode=lax.GatherScatterMode.CLIP,
+  )
 
 
 def _first_column(ins):
@@ -519,13 +581,15 @@ def conv2d_layer(x: jax.Array, params: Sequence[jax.Array]) -> jax.Array:
     The layer's output.
   """
   w, *b = params
-  y = lax.conv_general_dilated(x, w, (1, 1), "VALID",
-                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = lax.conv_general_dilated(
+    x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return y + b[0] if b else y
 
 
-def scale_and_shift_layer(x: jax.Array, params: Sequence[jax.Array],
-                          has_scale: bool, has_shift: bool) -> jax.Array:
+def scale_and_shift_layer(
+  x: jax.Array, params: Sequence[jax.Array], has_scale: bool, has_shift: bool
+) -> jax.Array:
   """`x * scale + shift`, with either term left out.
 
   Args:
@@ -543,9 +607,9 @@ def scale_and_shift_layer(x: jax.Array, params: Sequence[jax.Array],
   return x + params.pop(0) if has_shift else x
 
 
-def normalization_layer(inputs: Sequence[jax.Array],
-                        params: Sequence[jax.Array],
-                        has_shift: bool) -> jax.Array:
+def normalization_layer(
+  inputs: Sequence[jax.Array], params: Sequence[jax.Array], has_shift: bool
+) -> jax.Array:
   """The affine end of Haiku's LayerNorm/BatchNorm.
 
   Args:
@@ -562,8 +626,15 @@ def normalization_layer(inputs: Sequence[jax.Array],
   return y + params[1] if has_shift else y
 
 
-_CONV_META = ("window_strides", "padding", "dimension_numbers", "lhs_dilation",
-              "rhs_dilation", "feature_group_count", "batch_group_count")
+_CONV_META = (
+  "window_strides",
+  "padding",
+  "dimension_numbers",
+  "lhs_dilation",
+  "rhs_dilation",
+  "feature_group_count",
+  "batch_group_count",
+)
 
 
 def _conv2d_extractor(eqns):
@@ -595,65 +666,108 @@ def _default_patterns():
   def ss(name, has_scale, has_shift, broadcast):
     inputs = x if broadcast else s
     return GraphPattern(
-        f"{name}_broadcast_{int(broadcast)}", tags.scale_and_shift,
-        functools.partial(scale_and_shift_layer, has_scale=has_scale,
-                          has_shift=has_shift),
-        flags(has_scale=has_scale, has_shift=has_shift),
-        [inputs, [s] * (has_scale + has_shift)])
+      f"{name}_broadcast_{int(broadcast)}",
+      tags.scale_and_shift,
+      functools.partial(
+        scale_and_shift_layer, has_scale=has_scale, has_shift=has_shift
+      ),
+      flags(has_scale=has_scale, has_shift=has_shift),
+      [inputs, [s] * (has_scale + has_shift)],
+    )
 
   def norm(name, has_shift, broadcast):
     inputs = norm_in if broadcast else [s, s]
     return GraphPattern(
-        f"{name}_broadcast_{int(broadcast)}", tags.scale_and_shift,
-        functools.partial(normalization_layer, has_shift=has_shift),
-        flags(has_scale=True, has_shift=has_shift),
-        [inputs, [s] * (1 + has_shift)],
-        in_values_preprocessor=lambda ins: [ins[0] * ins[1]])  # normalized
+      f"{name}_broadcast_{int(broadcast)}",
+      tags.scale_and_shift,
+      functools.partial(normalization_layer, has_shift=has_shift),
+      flags(has_scale=True, has_shift=has_shift),
+      [inputs, [s] * (1 + has_shift)],
+      in_values_preprocessor=lambda ins: [ins[0] * ins[1]],
+    )  # normalized
 
-  dense = functools.partial(GraphPattern, tag_primitive=tags.dense,
-                            compute_func=dense_layer,
-                            parameters_extractor_func=lambda eqns: {})
+  dense = functools.partial(
+    GraphPattern,
+    tag_primitive=tags.dense,
+    compute_func=dense_layer,
+    parameters_extractor_func=lambda eqns: {},
+  )
   transposed = functools.partial(
-      GraphPattern, tag_primitive=tags.dense,
-      parameters_extractor_func=lambda eqns: {"transposed_weight": True})
+    GraphPattern,
+    tag_primitive=tags.dense,
+    parameters_extractor_func=lambda eqns: {"transposed_weight": True},
+  )
   w_t, b_t = z((3, 5)), z((3,))
-  conv = functools.partial(GraphPattern, tag_primitive=tags.conv2d,
-                           compute_func=conv2d_layer,
-                           parameters_extractor_func=_conv2d_extractor)
+  conv = functools.partial(
+    GraphPattern,
+    tag_primitive=tags.conv2d,
+    compute_func=conv2d_layer,
+    parameters_extractor_func=_conv2d_extractor,
+  )
   embedding = GraphPattern(
-      "embedding", tags.embedding, embedding_layer, lambda eqns: {},
-      [z((2,), np.int32), [z((5, 3))]], in_values_preprocessor=_squeeze_last,
-      precedence=1)  # before the dense patterns, which match its matmul
+    "embedding",
+    tags.embedding,
+    embedding_layer,
+    lambda eqns: {},
+    [z((2,), np.int32), [z((5, 3))]],
+    in_values_preprocessor=_squeeze_last,
+    precedence=1,
+  )  # before the dense patterns, which match its matmul
   # `table[ids]` and `jnp.take`: the gather's indices are the ids (negative
   # ones already wrapped) with a trailing unit axis, as in the one-hot. The
   # same precedence, so layers are numbered alike whichever is written.
   gather = GraphPattern(
-      "embedding_gather", tags.embedding, embedding_gather_layer,
-      lambda eqns: {}, [z((2, 1), np.int32), [z((5, 3))]],
-      in_values_preprocessor=_squeeze_last, precedence=1)
+    "embedding_gather",
+    tags.embedding,
+    embedding_gather_layer,
+    lambda eqns: {},
+    [z((2, 1), np.int32), [z((5, 3))]],
+    in_values_preprocessor=_squeeze_last,
+    precedence=1,
+  )
   rows = GraphPattern(
-      "embedding_row_gather", tags.embedding, embedding_row_gather_layer,
-      lambda eqns: {}, [z((2, 2), np.int32), [z((5, 3))]],
-      in_values_preprocessor=_first_column, precedence=1)
-  return (dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
-          dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
-          transposed("dense_transposed_with_bias", compute_func=
-                     dense_transposed_layer, example_args=[x, [w_t, b_t]]),
-          transposed("dense_transposed_no_bias", compute_func=
-                     dense_transposed_layer, example_args=[x, [w_t]]),
-          transposed("dense_weight_first_with_bias", compute_func=
-                     dense_weight_first_layer, example_args=[x, [w_t, b_t]]),
-          transposed("dense_weight_first_no_bias", compute_func=
-                     dense_weight_first_layer, example_args=[x, [w_t]]),
-          conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
-          conv("conv2d_no_bias", example_args=[img, [kernel]]),
-          *(ss("scale_and_shift", True, True, b) for b in (True, False)),
-          *(norm("normalization_haiku", True, b) for b in (True, False)),
-          *(norm("normalization_haiku_scale_only", False, b)
-            for b in (True, False)),
-          *(ss("scale_only", True, False, b) for b in (True, False)),
-          *(ss("shift_only", False, True, b) for b in (True, False)),
-          embedding, gather, rows)
+    "embedding_row_gather",
+    tags.embedding,
+    embedding_row_gather_layer,
+    lambda eqns: {},
+    [z((2, 2), np.int32), [z((5, 3))]],
+    in_values_preprocessor=_first_column,
+    precedence=1,
+  )
+  return (
+    dense("dense_with_bias", example_args=[x, [z((5, 3)), z((3,))]]),
+    dense("dense_no_bias", example_args=[x, [z((5, 3))]]),
+    transposed(
+      "dense_transposed_with_bias",
+      compute_func=dense_transposed_layer,
+      example_args=[x, [w_t, b_t]],
+    ),
+    transposed(
+      "dense_transposed_no_bias",
+      compute_func=dense_transposed_layer,
+      example_args=[x, [w_t]],
+    ),
+    transposed(
+      "dense_weight_first_with_bias",
+      compute_func=dense_weight_first_layer,
+      example_args=[x, [w_t, b_t]],
+    ),
+    transposed(
+      "dense_weight_first_no_bias",
+      compute_func=dense_weight_first_layer,
+      example_args=[x, [w_t]],
+    ),
+    conv("conv2d_with_bias", example_args=[img, [kernel, kb]]),
+    conv("conv2d_no_bias", example_args=[img, [kernel]]),
+    *(ss("scale_and_shift", True, True, b) for b in (True, False)),
+    *(norm("normalization_haiku", True, b) for b in (True, False)),
+    *(norm("normalization_haiku_scale_only", False, b) for b in (True, False)),
+    *(ss("scale_only", True, False, b) for b in (True, False)),
+    *(ss("shift_only", False, True, b) for b in (True, False)),
+    embedding,
+    gather,
+    rows,
+  )
 
 
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
@@ -662,16 +776,23 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = _default_patterns()
 @dataclasses.dataclass
 class _State:
   """A partial match: pattern keys and nodes bound to model keys and nodes."""
+
   keys: dict = dataclasses.field(default_factory=dict)
   nodes: dict = dataclasses.field(default_factory=dict)
-  inputs: dict = dataclasses.field(default_factory=dict)   # position -> key
-  params: dict = dataclasses.field(default_factory=dict)   # position -> leaf
-  chains: list = dataclasses.field(default_factory=list)   # (position, nodes)
-  layout: list = dataclasses.field(default_factory=list)   # nodes looked past
+  inputs: dict = dataclasses.field(default_factory=dict)  # position -> key
+  params: dict = dataclasses.field(default_factory=dict)  # position -> leaf
+  chains: list = dataclasses.field(default_factory=list)  # (position, nodes)
+  layout: list = dataclasses.field(default_factory=list)  # nodes looked past
 
   def copy(self):
-    return _State(dict(self.keys), dict(self.nodes), dict(self.inputs),
-                  dict(self.params), list(self.chains), list(self.layout))
+    return _State(
+      dict(self.keys),
+      dict(self.nodes),
+      dict(self.inputs),
+      dict(self.params),
+      list(self.chains),
+      list(self.layout),
+    )
 
 
 class _Matcher:
@@ -683,18 +804,27 @@ class _Matcher:
 
   def match_at(self, node) -> _State | None:
     p = self.p
-    st = self._unify(p.nodes[p.root[0]].outputs[p.root[1]],
-                     self.g.nodes[node].outputs[p.root[1]], _State())
-    if (st is None or len(st.inputs) != p.num_inputs
-        or len(set(st.params.values())) != p.num_params):
+    st = self._unify(
+      p.nodes[p.root[0]].outputs[p.root[1]],
+      self.g.nodes[node].outputs[p.root[1]],
+      _State(),
+    )
+    if (
+      st is None
+      or len(st.inputs) != p.num_inputs
+      or len(set(st.params.values())) != p.num_params
+    ):
       return None
     return st
 
   def _unify(self, pk, gk, st):
     """Extends `st` so that pattern key `pk` stands for model key `gk`."""
     if isinstance(pk, Literal) or isinstance(gk, Literal):
-      same = (isinstance(pk, Literal) and isinstance(gk, Literal)
-              and np.array_equal(pk.val, gk.val))
+      same = (
+        isinstance(pk, Literal)
+        and isinstance(gk, Literal)
+        and np.array_equal(pk.val, gk.val)
+      )
       return st if same else None
     if pk in st.keys:
       return st if st.keys[pk] == gk else None
@@ -722,8 +852,11 @@ class _Matcher:
     if isinstance(gk, Literal):
       return None
     gi, gout = self.g.producer.get(gk, (None, None))
-    if (gi not in self.free or gout != out
-        or not self.rules.equivalent(pnode.eqn, self.g.nodes[gi].eqn)):
+    if (
+      gi not in self.free
+      or gout != out
+      or not self.rules.equivalent(pnode.eqn, self.g.nodes[gi].eqn)
+    ):
       return None
     if pi in st.nodes:
       return st if st.nodes[pi] == gi else None
@@ -774,24 +907,36 @@ def _param_axes(graph, chain, shape):
 def _check_tag(tag, y, xs, ps, uses, meta):
   """The tag to bind for a match, or None when the shapes (of output, inputs
   and parameters; `uses[i]` is `_param_axes` of parameter i) do not fit it."""
+
   def unchanged(i):  # a weight used as it is stored
-    return uses[i] is not None and uses[i][1] == ps[i] and all(
-        a == u for a, u in uses[i][0].items())
+    return (
+      uses[i] is not None
+      and uses[i][1] == ps[i]
+      and all(a == u for a, u in uses[i][0].items())
+    )
 
   def aligned_right(i, ndim):  # broadcast against the trailing axes
-    return uses[i] is not None and len(uses[i][1]) == ndim and all(
-        u == ndim - len(ps[i]) + a for a, u in uses[i][0].items())
+    return (
+      uses[i] is not None
+      and len(uses[i][1]) == ndim
+      and all(u == ndim - len(ps[i]) + a for a, u in uses[i][0].items())
+    )
 
   if tag in (tags.dense, tags.repeated_dense):
-    if (len(xs) != 1 or len(ps) not in (1, 2) or len(ps[0]) < 2
-        or not unchanged(0)):
+    if (
+      len(xs) != 1
+      or len(ps) not in (1, 2)
+      or len(ps[0]) < 2
+      or not unchanged(0)
+    ):
       return None
     (x,), w = xs, ps[0]
     k = _dense_input_axes(len(y), len(x), len(w), meta)
     if k is None:
       return None
-    ins, outs = ((w[1:], w[:1]) if meta.get("transposed_weight")
-                 else (w[:k], w[k:]))
+    ins, outs = (
+      (w[1:], w[:1]) if meta.get("transposed_weight") else (w[:k], w[k:])
+    )
     if len(x) <= k or x[-k:] != ins or y != x[:-k] + outs:
       return None
     if len(ps) == 2 and (ps[1] != outs or not aligned_right(1, len(y))):
@@ -807,9 +952,14 @@ def _check_tag(tag, y, xs, ps, uses, meta):
     return tag if fits and len(xs[0]) >= 1 else None
   if tag is tags.conv2d:
     dn = meta.get("dimension_numbers")
-    if (len(xs) != 1 or len(ps) not in (1, 2) or len(xs[0]) != 4
-        or len(ps[0]) != 4 or not unchanged(0)
-        or meta.get("batch_group_count", 1) != 1):
+    if (
+      len(xs) != 1
+      or len(ps) not in (1, 2)
+      or len(xs[0]) != 4
+      or len(ps[0]) != 4
+      or not unchanged(0)
+      or meta.get("batch_group_count", 1) != 1
+    ):
       return None
     if isinstance(dn, lax.ConvDimensionNumbers):
       if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
@@ -817,9 +967,11 @@ def _check_tag(tag, y, xs, ps, uses, meta):
       # A bias of one entry per output channel, e.g. (C,) or Equinox's
       # (C, 1, 1), added along the outputs' channel axis.
       if len(ps) == 2 and (
-          _drop_units(ps[1]) != _drop_units((ps[0][dn.rhs_spec[0]],))
-          or uses[1] is None or len(uses[1][1]) != 4
-          or any(u != dn.out_spec[1] for u in uses[1][0].values())):
+        _drop_units(ps[1]) != _drop_units((ps[0][dn.rhs_spec[0]],))
+        or uses[1] is None
+        or len(uses[1][1]) != 4
+        or any(u != dn.out_spec[1] for u in uses[1][0].values())
+      ):
         return None
     return tag
   if tag is tags.scale_and_shift:
@@ -828,9 +980,12 @@ def _check_tag(tag, y, xs, ps, uses, meta):
       return None
     for i, p in enumerate(ps):
       lead = len(p) - len(y) + 1  # these axes would meet the batch axis
-      if (np.prod(p) == 1  # a scalar (e.g. a temperature) stays generic
-          or not aligned_right(i, len(y))
-          or lead > 0 and np.prod(p[:lead]) != 1):
+      if (
+        np.prod(p) == 1  # a scalar (e.g. a temperature) stays generic
+        or not aligned_right(i, len(y))
+        or lead > 0
+        and np.prod(p[:lead]) != 1
+      ):
         return None
   return tag
 
@@ -860,11 +1015,13 @@ def _bind_tag(tag, meta, y, xs, ps):
   if tag in (tags.dense, tags.repeated_dense):
     (x,) = xs
     k = _dense_input_axes(y.ndim, x.ndim, ps[0].ndim, meta)
-    lead = x.shape[:x.ndim - k]
-    register = (tags.register_dense if tag is tags.dense
-                else tags.register_repeated_dense)
-    out = register(y.reshape(lead + (-1,)), x.reshape(lead + (-1,)), *ps,
-                   **meta)
+    lead = x.shape[: x.ndim - k]
+    register = (
+      tags.register_dense if tag is tags.dense else tags.register_repeated_dense
+    )
+    out = register(
+      y.reshape(lead + (-1,)), x.reshape(lead + (-1,)), *ps, **meta
+    )
     return out.reshape(y.shape)
   if tag is tags.embedding:
     (ids,), (table,) = xs, ps
@@ -881,44 +1038,58 @@ def _bind_tag(tag, meta, y, xs, ps):
 
 
 _Match = collections.namedtuple(
-    "_Match", "pattern tag out_key in_keys leaves nodes meta")
+  "_Match", "pattern tag out_key in_keys leaves nodes meta"
+)
 
 
 class _Registration:
   """Where every tag goes, for one shape signature of the arguments."""
 
-  def __init__(self, func, func_args, params_index, register_only_generic,
-               compute_only_loss_tags, patterns_to_skip,
-               allow_multiple_registrations, graph_matcher_rules,
-               graph_patterns):
+  def __init__(
+    self,
+    func,
+    func_args,
+    params_index,
+    register_only_generic,
+    compute_only_loss_tags,
+    patterns_to_skip,
+    allow_multiple_registrations,
+    graph_matcher_rules,
+    graph_patterns,
+  ):
     func_args = tuple(func_args)
     if not 0 <= params_index < len(func_args):
-      raise TracingError(f"params_index={params_index} but the function "
-                         f"takes {len(func_args)} arguments.")
+      raise TracingError(
+        f"params_index={params_index} but the function "
+        f"takes {len(func_args)} arguments."
+      )
     flat_args, in_tree = jax.tree.flatten(func_args)
     closed, out_shape = jax.make_jaxpr(
-        lambda *flat: func(*jax.tree.unflatten(in_tree, flat)),
-        return_shape=True)(*jaxpr_utils.shape_dtype_structs(flat_args))
+      lambda *flat: func(*jax.tree.unflatten(in_tree, flat)), return_shape=True
+    )(*jaxpr_utils.shape_dtype_structs(flat_args))
     self.out_tree = jax.tree.structure(out_shape)
     self.only_loss = compute_only_loss_tags
     g = self.graph = _Graph(closed.jaxpr, closed.consts)
     start = sum(len(jax.tree.leaves(a)) for a in func_args[:params_index])
     paths = jax.tree_util.tree_flatten_with_path(func_args[params_index])[0]
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths]
-    leaves = g.invars[start:start + len(paths)]
+    leaves = g.invars[start : start + len(paths)]
     self.leaf_index = {k: i for i, k in enumerate(leaves)}
     # A slice of a stacked leaf inside a scan body stands for that leaf.
     self.slices = g.stacked_slices(self.leaf_index)
-    self.leaf_index.update((k, self.leaf_index[leaf])
-                           for k, (leaf, _, _) in self.slices.items())
+    self.leaf_index.update(
+      (k, self.leaf_index[leaf]) for k, (leaf, _, _) in self.slices.items()
+    )
 
-    self.loss_nodes = [i for i, n in enumerate(g.nodes)
-                       if tags.is_loss_tag_eqn(n.eqn)]
+    self.loss_nodes = [
+      i for i, n in enumerate(g.nodes) if tags.is_loss_tag_eqn(n.eqn)
+    ]
     if not self.loss_nodes:
       raise TracingError(
-          "auto_register_tags: the model function registers no loss. Call e.g."
-          " estimators.register_softmax_cross_entropy_loss(logits, targets) on "
-          "the model's output (outside of any scan/while/cond).")
+        "auto_register_tags: the model function registers no loss. Call e.g."
+        " estimators.register_softmax_cross_entropy_loss(logits, targets) on "
+        "the model's output (outside of any scan/while/cond)."
+      )
     manual = [i for i, n in enumerate(g.nodes) if tags.is_layer_tag_eqn(n.eqn)]
     self.relevant = g.ancestors(self.loss_nodes + manual)
     self.consumers = {}
@@ -934,49 +1105,67 @@ class _Registration:
     # leaf index -> a pattern whose computation it fits but whose shapes not
     self.misfits = {}
     self.rules = graph_matcher_rules
-    self._claim_manual(manual,
-                       allow_multiple=allow_multiple_registrations)
+    self._claim_manual(manual, allow_multiple=allow_multiple_registrations)
     if not register_only_generic:
       patterns = [p for p in graph_patterns if p.name not in patterns_to_skip]
       free = self.relevant - set(manual)
       for pattern in sorted(patterns, key=lambda p: -p.precedence):
-        self._find(pattern, graph_matcher_rules, free,
-                   allow_multiple=allow_multiple_registrations)
+        self._find(
+          pattern,
+          graph_matcher_rules,
+          free,
+          allow_multiple=allow_multiple_registrations,
+        )
     self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
     for k in self.generic:
       self._own([k], tags.generic.name, self._why_generic(k))
     self.inline = self._calls_to_inline(manual)
     self.needed = {k for i in self.relevant for k in g.nodes[i].outputs}
-    self.report = [dict(path=self.paths[i], tag=self.owner[i][0],
-                        shape=_shape(k), source=self.owner[i][1],
-                        layer=self.owner[i][2], stacked=self.owner[i][3])
-                   for i, k in enumerate(leaves)]
-    logger.info("Graph parameter registrations:\n%s", "\n".join(
+    self.report = [
+      dict(
+        path=self.paths[i],
+        tag=self.owner[i][0],
+        shape=_shape(k),
+        source=self.owner[i][1],
+        layer=self.owner[i][2],
+        stacked=self.owner[i][3],
+      )
+      for i, k in enumerate(leaves)
+    ]
+    logger.info(
+      "Graph parameter registrations:\n%s",
+      "\n".join(
         f"  {r['path']} -> {r['tag']} ({r['source']}, layer {r['layer']}"
         + (f", stacked x{r['stacked']})" if r["stacked"] else ")")
-        for r in self.report))
+        for r in self.report
+      ),
+    )
 
   def _own(self, keys, tag_name, source):
     """Gives the leaves behind `keys` (leaves or their scanned slices) a tag."""
     layer = len({o[2] for o in self.owner.values()})
-    stack = max((self.slices[k][2] for k in keys if k in self.slices),
-                default=None)
-    self.owner.update((self.leaf_index[k], (tag_name, source, layer, stack))
-                      for k in keys)
+    stack = max(
+      (self.slices[k][2] for k in keys if k in self.slices), default=None
+    )
+    self.owner.update(
+      (self.leaf_index[k], (tag_name, source, layer, stack)) for k in keys
+    )
 
   def _claim_manual(self, manual, allow_multiple):
     for n in manual:
       eqn = self.graph.nodes[n].eqn
       params = eqn.primitive.split_operands(self.graph.nodes[n].inputs)[2]
       keys = [k for k in params if k in self.leaf_index]
-      taken = [self.leaf_index[k] for k in keys
-               if self.leaf_index[k] in self.owner]
+      taken = [
+        self.leaf_index[k] for k in keys if self.leaf_index[k] in self.owner
+      ]
       if taken and not allow_multiple:
         raise TracingError(
-            f"Parameter {self.paths[taken[0]]} is registered in two layer tags"
-            f" ({self.owner[taken[0]][0]} and {eqn.primitive.name}). Register "
-            "each parameter once, or pass allow_multiple_registrations=True to "
-            "keep only its first registration.")
+          f"Parameter {self.paths[taken[0]]} is registered in two layer tags"
+          f" ({self.owner[taken[0]][0]} and {eqn.primitive.name}). Register "
+          "each parameter once, or pass allow_multiple_registrations=True to "
+          "keep only its first registration."
+        )
       if taken:
         self.dropped.add(n)  # evaluated as an identity
       else:
@@ -991,11 +1180,16 @@ class _Registration:
       if n not in free or g.nodes[n].eqn.primitive.name != root_name:
         continue
       st = matcher.match_at(n)
-      if st is None or any(self.leaf_index[k] in self.owner
-                           for k in st.params.values()):
+      if st is None or any(
+        self.leaf_index[k] in self.owner for k in st.params.values()
+      ):
         continue
-      m = self._checked_match(pattern, g.nodes[n].outputs[p.root[1]], st,
-                              allow_multiple=allow_multiple)
+      m = self._checked_match(
+        pattern,
+        g.nodes[n].outputs[p.root[1]],
+        st,
+        allow_multiple=allow_multiple,
+      )
       if m is not None:
         self.matches[n] = m
         free -= m.nodes
@@ -1012,13 +1206,22 @@ class _Registration:
     in_keys = [st.inputs[i] for i in range(p.num_inputs)]
     if inner & set(in_keys):
       return None
-    meta = dict(pattern.parameters_extractor_func(
-        [g.nodes[st.nodes[i]].eqn for i in sorted(st.nodes)]))
+    meta = dict(
+      pattern.parameters_extractor_func(
+        [g.nodes[st.nodes[i]].eqn for i in sorted(st.nodes)]
+      )
+    )
     xs = [_shape(k) for k in in_keys]
     if pattern.in_values_preprocessor is not None:
-      xs = [tuple(o.shape) for o in jax.tree.leaves(jax.eval_shape(
-          pattern.in_values_preprocessor,
-          [jax.ShapeDtypeStruct(_shape(k), k[1].aval.dtype) for k in in_keys]))]
+      xs = [
+        tuple(o.shape)
+        for o in jax.tree.leaves(
+          jax.eval_shape(
+            pattern.in_values_preprocessor,
+            [jax.ShapeDtypeStruct(_shape(k), k[1].aval.dtype) for k in in_keys],
+          )
+        )
+      ]
     ps = [_shape(k) for k in leaves]
     uses = [None] * len(ps)
     for pos, chain in st.chains:
@@ -1026,21 +1229,33 @@ class _Registration:
     tag = _check_tag(pattern.tag_primitive, _shape(out_key), xs, ps, uses, meta)
     if tag is None:
       for k in leaves:  # kept to say why the parameter stays generic
-        self.misfits.setdefault(self.leaf_index[k], (
+        self.misfits.setdefault(
+          self.leaf_index[k],
+          (
             f"{pattern.name} fits its computation but not its shapes (output "
             f"{_shape(out_key)}, inputs {', '.join(map(str, xs))}, "
-            f"parameters {', '.join(map(str, ps))})"))
-    if tag is None or (tag is tags.scale_and_shift and _broadcasts(
-        _shape(out_key), ps) != p.broadcasts):
+            f"parameters {', '.join(map(str, ps))})"
+          ),
+        )
+    if tag is None or (
+      tag is tags.scale_and_shift
+      and _broadcasts(_shape(out_key), ps) != p.broadcasts
+    ):
       return None
     match = _Match(pattern, tag, out_key, in_keys, leaves, nodes, meta)
     # Parameters something else uses too (a stacked leaf: outside its scan)
     # leave the match unclaimed; it is kept for the report, once per layer
     # (a smaller pattern on the same layer adds nothing).
-    shared = [k for k in leaves if (
-        k in self.slices and self.consumers.get(self.slices[k][0], set())
-        != {self.slices[k][1]}
-        or not allow_multiple and not self.consumers.get(k, set()) <= nodes)]
+    shared = [
+      k
+      for k in leaves
+      if (
+        k in self.slices
+        and self.consumers.get(self.slices[k][0], set()) != {self.slices[k][1]}
+        or not allow_multiple
+        and not self.consumers.get(k, set()) <= nodes
+      )
+    ]
     for k in shared:
       found = self.sharing.setdefault(self.leaf_index[k], [])
       if not any(m.nodes & nodes for m in found):
@@ -1050,11 +1265,16 @@ class _Registration:
   def _why_generic(self, leaf):
     uses = self._uses(leaf)
     if len(uses) > 1:
-      return (f"shared by {len(uses)} layers: {', '.join(uses[:-1])} and "
-              f"{uses[-1]}")
-    users = sorted({self.graph.nodes[n].eqn.primitive.name
-                    for n in self.consumers.get(leaf, ())
-                    if any(jaxpr_utils.sub_jaxprs(self.graph.nodes[n].eqn))})
+      return (
+        f"shared by {len(uses)} layers: {', '.join(uses[:-1])} and {uses[-1]}"
+      )
+    users = sorted(
+      {
+        self.graph.nodes[n].eqn.primitive.name
+        for n in self.consumers.get(leaf, ())
+        if any(jaxpr_utils.sub_jaxprs(self.graph.nodes[n].eqn))
+      }
+    )
     if users:
       return f"unmatched: used inside {', '.join(users)}"
     if leaf not in self.consumers:
@@ -1074,11 +1294,16 @@ class _Registration:
     found = self.sharing.get(self.leaf_index[leaf], [])
     uses = []
     for m in found:
-      others = [self.paths[self.leaf_index[k]] for k in m.leaves
-                if self.leaf_index[k] != self.leaf_index[leaf]]
-      uses.append(m.pattern.name + (f" with {', '.join(others)}"
-                                    if others else "")
-                  + f" (output {_shape(m.out_key)})")
+      others = [
+        self.paths[self.leaf_index[k]]
+        for k in m.leaves
+        if self.leaf_index[k] != self.leaf_index[leaf]
+      ]
+      uses.append(
+        m.pattern.name
+        + (f" with {', '.join(others)}" if others else "")
+        + f" (output {_shape(m.out_key)})"
+      )
     stack = [(leaf, False)]
     while stack:
       key, transposed = stack.pop()
@@ -1087,10 +1312,15 @@ class _Registration:
         name = node.eqn.primitive.name
         if self.rules.is_layout(node.eqn) or name == "transpose":
           stack.append((node.outputs[0], transposed or name == "transpose"))
-        elif not any(g.nodes[i].path[:len(node.path)] == node.path
-                     for m in found for i in m.nodes):  # not a match's
-          uses.append(f"{name}{' of its transpose' if transposed else ''} "
-                      f"(output {_shape(node.outputs[0])})")
+        elif not any(
+          g.nodes[i].path[: len(node.path)] == node.path
+          for m in found
+          for i in m.nodes
+        ):  # not a match's
+          uses.append(
+            f"{name}{' of its transpose' if transposed else ''} "
+            f"(output {_shape(node.outputs[0])})"
+          )
     return uses
 
   def _calls_to_inline(self, manual):
@@ -1121,10 +1351,13 @@ class _Registration:
       tags.register_generic(env[k])
     self._run(g.jaxpr, (), env)
     if self.only_loss:
-      return tuple(tuple(env[k] for k in g.nodes[n].outputs)
-                   for n in self.loss_nodes)
-    return jax.tree.unflatten(self.out_tree, [
-        k.val if isinstance(k, Literal) else env[k] for k in g.outvars])
+      return tuple(
+        tuple(env[k] for k in g.nodes[n].outputs) for n in self.loss_nodes
+      )
+    return jax.tree.unflatten(
+      self.out_tree,
+      [k.val if isinstance(k, Literal) else env[k] for k in g.outvars],
+    )
 
   def _run(self, jaxpr, ctx, env):
     g = self.graph
@@ -1134,11 +1367,16 @@ class _Registration:
         self._run(_call_body(eqn)[0], path, env)
         continue
       n = g.node_at.get(path)
-      if self.only_loss and (n not in self.relevant if n is not None else
-                             self.needed.isdisjoint(g.call_outputs[path])):
+      if self.only_loss and (
+        n not in self.relevant
+        if n is not None
+        else self.needed.isdisjoint(g.call_outputs[path])
+      ):
         continue
-      invals = [k.val if isinstance(k, Literal) else env[k]
-                for k in (g.canon(ctx, v) for v in eqn.invars)]
+      invals = [
+        k.val if isinstance(k, Literal) else env[k]
+        for k in (g.canon(ctx, v) for v in eqn.invars)
+      ]
       if n in self.dropped:  # a repeated registration: evaluate as identity
         outs, _, params = eqn.primitive.split_operands(invals)
         outvals = list(outs) if eqn.primitive.num_outputs else list(params)
@@ -1155,19 +1393,23 @@ class _Registration:
         xs = [env[k] for k in m.in_keys]
         if m.pattern.in_values_preprocessor is not None:
           xs = list(m.pattern.in_values_preprocessor(xs))
-        env[m.out_key] = _bind_tag(m.tag, m.meta, env[m.out_key], xs,
-                                   [env[k] for k in m.leaves])
+        env[m.out_key] = _bind_tag(
+          m.tag, m.meta, env[m.out_key], xs, [env[k] for k in m.leaves]
+        )
 
   def _run_scan(self, eqn, path, invals, env):
     g, body = self.graph, self.graph.scan_body[path]
 
     def body_fn(consts, carry, xs, _):
-      env.update((g.canon(path, v), x)
-                 for v, x in zip(body.invars, consts + carry + xs))
+      env.update(
+        (g.canon(path, v), x) for v, x in zip(body.invars, consts + carry + xs)
+      )
       self._run(body, path, env)
-      outs = [k.val if isinstance(k, Literal) else env[k]
-              for k in (g.canon(path, v) for v in body.outvars)]
-      return outs[:len(carry)], outs[len(carry):], None
+      outs = [
+        k.val if isinstance(k, Literal) else env[k]
+        for k in (g.canon(path, v) for v in body.outvars)
+      ]
+      return outs[: len(carry)], outs[len(carry) :], None
 
     return jaxpr_utils.rebind_scan(eqn, invals, body_fn)[0]
 
@@ -1198,8 +1440,9 @@ class TaggedFunction:
     leaves, tree = jax.tree.flatten(tuple(func_args))
     key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in self._cache:
-      self._cache[key] = _Registration(self.func, func_args, self.params_index,
-                                       **self._options)
+      self._cache[key] = _Registration(
+        self.func, func_args, self.params_index, **self._options
+      )
     return self._cache[key]
 
   def __call__(self, *func_args: Any) -> Any:
@@ -1235,9 +1478,11 @@ class TaggedFunction:
     return [dict(r) for r in self._registration(func_args).report]
 
 
-def matcher_options(auto_register_kwargs: Mapping[str, Any] | None = None,
-                    register_only_generic: bool = False,
-                    patterns_to_skip: Sequence[str] = ()) -> dict[str, Any]:
+def matcher_options(
+  auto_register_kwargs: Mapping[str, Any] | None = None,
+  register_only_generic: bool = False,
+  patterns_to_skip: Sequence[str] = (),
+) -> dict[str, Any]:
   """The keyword arguments of `auto_register_tags` that an optimizer's
   separate `register_only_generic` and `patterns_to_skip` arguments and its
   `auto_register_kwargs` add up to."""
@@ -1250,8 +1495,9 @@ def matcher_options(auto_register_kwargs: Mapping[str, Any] | None = None,
 
 
 def check_patterns_to_skip(
-    patterns_to_skip: Sequence[str],
-    graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS) -> None:
+  patterns_to_skip: Sequence[str],
+  graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
+) -> None:
   """Checks that every name to skip is the name of a pattern in use.
 
   Args:
@@ -1262,27 +1508,30 @@ def check_patterns_to_skip(
     ValueError: naming the unknown names and listing the valid ones.
   """
   if isinstance(patterns_to_skip, str):
-    raise ValueError("patterns_to_skip must be a sequence of pattern names, "
-                     f"got the string {patterns_to_skip!r}; write "
-                     f"({patterns_to_skip!r},).")
+    raise ValueError(
+      "patterns_to_skip must be a sequence of pattern names, "
+      f"got the string {patterns_to_skip!r}; write "
+      f"({patterns_to_skip!r},)."
+    )
   valid = [p.name for p in graph_patterns]
   unknown = [n for n in patterns_to_skip if n not in valid]
   if unknown:
     raise ValueError(
-        f"patterns_to_skip names unknown graph patterns {unknown}; the "
-        f"patterns in use are {sorted(set(valid))}.")
+      f"patterns_to_skip names unknown graph patterns {unknown}; the "
+      f"patterns in use are {sorted(set(valid))}."
+    )
 
 
 def auto_register_tags(
-    func: Callable,
-    func_args: Sequence[Any],
-    params_index: int = 0,
-    register_only_generic: bool = False,
-    compute_only_loss_tags: bool = True,
-    patterns_to_skip: Sequence[str] = (),
-    allow_multiple_registrations: bool = False,
-    graph_matcher_rules: GraphMatcherComparator = GraphMatcherComparator(),
-    graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
+  func: Callable,
+  func_args: Sequence[Any],
+  params_index: int = 0,
+  register_only_generic: bool = False,
+  compute_only_loss_tags: bool = True,
+  patterns_to_skip: Sequence[str] = (),
+  allow_multiple_registrations: bool = False,
+  graph_matcher_rules: GraphMatcherComparator = GraphMatcherComparator(),
+  graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
 ) -> TaggedFunction:
   """Finds the layers of `func` and returns it with layer tags bound.
 
@@ -1315,19 +1564,25 @@ def auto_register_tags(
   """
   check_patterns_to_skip(patterns_to_skip, graph_patterns)
   tagged = TaggedFunction(
-      func, params_index, register_only_generic=register_only_generic,
-      compute_only_loss_tags=compute_only_loss_tags,
-      patterns_to_skip=frozenset(patterns_to_skip),
-      allow_multiple_registrations=allow_multiple_registrations,
-      graph_matcher_rules=graph_matcher_rules,
-      graph_patterns=tuple(graph_patterns))
+    func,
+    params_index,
+    register_only_generic=register_only_generic,
+    compute_only_loss_tags=compute_only_loss_tags,
+    patterns_to_skip=frozenset(patterns_to_skip),
+    allow_multiple_registrations=allow_multiple_registrations,
+    graph_matcher_rules=graph_matcher_rules,
+    graph_patterns=tuple(graph_patterns),
+  )
   tagged._registration(func_args)  # pylint: disable=protected-access
   return tagged
 
 
-def registration_report(func: Callable, func_args: Sequence[Any],
-                        params_index: int = 0,
-                        **auto_register_kwargs: Any) -> list[dict[str, Any]]:
+def registration_report(
+  func: Callable,
+  func_args: Sequence[Any],
+  params_index: int = 0,
+  **auto_register_kwargs: Any,
+) -> list[dict[str, Any]]:
   """Which tag each parameter of a model gets.
 
   Args:
@@ -1339,5 +1594,6 @@ def registration_report(func: Callable, func_args: Sequence[Any],
   Returns:
     The list of `TaggedFunction.registrations`.
   """
-  return auto_register_tags(func, func_args, params_index,
-                            **auto_register_kwargs).registrations(*func_args)
+  return auto_register_tags(
+    func, func_args, params_index, **auto_register_kwargs
+  ).registrations(*func_args)

@@ -17,10 +17,20 @@ from jax.extend import core as jex_core
 
 # Call-like primitives whose one body can be evaluated in place of the call,
 # so that tags inside it show up as if written at the top level.
-INLINABLE_PRIMITIVES: frozenset[str] = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-})
+INLINABLE_PRIMITIVES: frozenset[str] = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "remat",
+    "remat2",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+  }
+)
 
 
 class TracingError(ValueError):
@@ -56,12 +66,19 @@ def scan_parts(eqn: Any, values: Sequence[Any]) -> tuple[Sequence[Any], ...]:
     `(consts, initial carry, scanned inputs)`, three slices of `values`.
   """
   n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-  return (values[:n_consts], values[n_consts:n_consts + n_carry],
-          values[n_consts + n_carry:])
+  return (
+    values[:n_consts],
+    values[n_consts : n_consts + n_carry],
+    values[n_consts + n_carry :],
+  )
 
 
-def rebind_scan(eqn: Any, invals: Sequence[Any], body_fn: Callable[..., Any],
-                extra: Any = None) -> tuple[list[Any], Any]:
+def rebind_scan(
+  eqn: Any,
+  invals: Sequence[Any],
+  body_fn: Callable[..., Any],
+  extra: Any = None,
+) -> tuple[list[Any], Any]:
   """Runs a scan equation again, with a body given as a Python function.
 
   Length, direction and unrolling are those of `eqn`.
@@ -86,8 +103,13 @@ def rebind_scan(eqn: Any, invals: Sequence[Any], body_fn: Callable[..., Any],
     return new_carry, (ys, extra_ys)
 
   carry, (ys, extra_ys) = jax.lax.scan(
-      step, init, (xs, extra), length=eqn.params["length"],
-      reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    step,
+    init,
+    (xs, extra),
+    length=eqn.params["length"],
+    reverse=eqn.params["reverse"],
+    unroll=eqn.params["unroll"],
+  )
   return list(carry) + list(ys), extra_ys
 
 
@@ -102,8 +124,9 @@ def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     The list of its results (a one-item list for single-result primitives).
   """
   with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals,
-                             **eqn.primitive.get_bind_params(eqn.params))
+    out = eqn.primitive.bind(
+      *invals, **eqn.primitive.get_bind_params(eqn.params)
+    )
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -117,4 +140,5 @@ def shape_dtype_structs(tree: Any) -> Any:
     The same tree with each leaf replaced by a `jax.ShapeDtypeStruct`.
   """
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree
+  )

@@ -40,8 +40,10 @@ def _coefficient(weight, coefficient_mode: str):
     return jnp.sqrt(weight)
   if coefficient_mode == "off":
     return 1.0
-  raise ValueError(f"Unknown coefficient_mode {coefficient_mode!r}; use one of "
-                   f"{COEFFICIENT_MODES}.")
+  raise ValueError(
+    f"Unknown coefficient_mode {coefficient_mode!r}; use one of "
+    f"{COEFFICIENT_MODES}."
+  )
 
 
 def _sum_over_non_batch_axes(x: Array) -> Array:
@@ -61,8 +63,10 @@ def _input(name: str, doc: str) -> property:
 
 def _check_shape(owner: str, name: str, value, expected: Shape, fix: str):
   if value is not None and jnp.shape(value) != tuple(expected):
-    raise ValueError(f"{owner}: {name} has shape {jnp.shape(value)} but "
-                     f"{tuple(expected)} is needed; {fix}.")
+    raise ValueError(
+      f"{owner}: {name} has shape {jnp.shape(value)} but "
+      f"{tuple(expected)} is needed; {fix}."
+    )
 
 
 class LossFunction:
@@ -115,7 +119,8 @@ class LossFunction:
     return jnp.result_type(self.parameter_dependants[0])
 
   def copy_with_different_inputs(
-      self, parameter_dependants: Sequence[Array]) -> LossFunction:
+    self, parameter_dependants: Sequence[Array]
+  ) -> LossFunction:
     """The same loss (targets, weight, ...) on other parameter dependants.
 
     Args:
@@ -130,15 +135,17 @@ class LossFunction:
     """
     if len(parameter_dependants) != self.num_parameter_dependants:
       raise ValueError(
-          f"{type(self).__name__} takes {self.num_parameter_dependants} "
-          f"parameter-dependent input(s) {self.dependant_names}, got "
-          f"{len(parameter_dependants)}.")
+        f"{type(self).__name__} takes {self.num_parameter_dependants} "
+        f"parameter-dependent input(s) {self.dependant_names}, got "
+        f"{len(parameter_dependants)}."
+      )
     kwargs = {n: getattr(self, n) for n in self.independant_names}
     kwargs.update(zip(self.dependant_names, parameter_dependants))
     return type(self)(**kwargs)
 
-  def evaluate(self, targets: Array | None = None,
-               coefficient_mode: str = "regular") -> Array:
+  def evaluate(
+    self, targets: Array | None = None, coefficient_mode: str = "regular"
+  ) -> Array:
     """Per-example loss values, neither summed nor averaged over the batch.
 
     Args:
@@ -157,16 +164,18 @@ class LossFunction:
       targets = self.targets
     if targets is None:
       raise ValueError(
-          f"{type(self).__name__}.evaluate needs targets: pass them to "
-          "evaluate() or to the loss (e.g. the register_* function's targets).")
+        f"{type(self).__name__}.evaluate needs targets: pass them to "
+        "evaluate() or to the loss (e.g. the register_* function's targets)."
+      )
     return coefficient * self._evaluate(targets)
 
   def _evaluate(self, targets: Array) -> Array:
     """Unweighted per-example loss values."""
     raise NotImplementedError
 
-  def grad_of_evaluate(self, targets: Array | None,
-                       coefficient_mode: str) -> tuple[Array, ...]:
+  def grad_of_evaluate(
+    self, targets: Array | None, coefficient_mode: str
+  ) -> tuple[Array, ...]:
     """The gradient of the summed loss w.r.t. the parameter dependants.
 
     Args:
@@ -177,9 +186,11 @@ class LossFunction:
       The gradient of `sum(evaluate(targets, coefficient_mode))`, one array
       per parameter dependant, shaped like it.
     """
+
     def total(inputs):
       loss = self.copy_with_different_inputs(inputs)
       return jnp.sum(loss.evaluate(targets, coefficient_mode))
+
     return tuple(jax.grad(total)(tuple(self.parameter_dependants)))
 
   # The public products check their argument, call an unweighted hook and
@@ -190,15 +201,24 @@ class LossFunction:
 
   def _check_vector(self, vector, hook) -> tuple[Array, ...]:
     if not isinstance(vector, (tuple, list)):
-      raise ValueError(f"{self._name(hook)}: pass a tuple with one array per "
-                       f"parameter dependant {self.dependant_names}, got "
-                       f"{type(vector).__name__}.")
+      raise ValueError(
+        f"{self._name(hook)}: pass a tuple with one array per "
+        f"parameter dependant {self.dependant_names}, got "
+        f"{type(vector).__name__}."
+      )
     if len(vector) != self.num_parameter_dependants:
-      raise ValueError(f"{self._name(hook)}: got {len(vector)} arrays for the "
-                       f"parameter dependants {self.dependant_names}.")
+      raise ValueError(
+        f"{self._name(hook)}: got {len(vector)} arrays for the "
+        f"parameter dependants {self.dependant_names}."
+      )
     for n, v, x in zip(self.dependant_names, vector, self.parameter_dependants):
-      _check_shape(self._name(hook), f"the vector for {n!r}", v, jnp.shape(x),
-                   "vectors must have the shapes of the loss inputs")
+      _check_shape(
+        self._name(hook),
+        f"the vector for {n!r}",
+        v,
+        jnp.shape(x),
+        "vectors must have the shapes of the loss inputs",
+      )
     return tuple(vector)
 
   def _matrix_product(self, hook, vector) -> tuple[Array, ...]:
@@ -206,8 +226,13 @@ class LossFunction:
     return tuple(self.weight * r for r in hook(vector))
 
   def _factor_product(self, hook, vector, inner_shape) -> tuple[Array, ...]:
-    _check_shape(self._name(hook), "the vector", vector, inner_shape,
-                 "use the factor's inner shape")
+    _check_shape(
+      self._name(hook),
+      "the vector",
+      vector,
+      inner_shape,
+      "use the factor's inner shape",
+    )
     return tuple(jnp.sqrt(self.weight) * r for r in hook(vector))
 
   def _factor_transpose_product(self, hook, vector) -> Array:
@@ -217,9 +242,10 @@ class LossFunction:
     index = tuple(index)
     if len(index) != len(inner_shape) - 1:
       raise ValueError(
-          f"{self._name(hook)}: the index {index} needs {len(inner_shape) - 1} "
-          "entries, one per non-batch axis of the factor's inner shape "
-          f"{tuple(inner_shape)}.")
+        f"{self._name(hook)}: the index {index} needs {len(inner_shape) - 1} "
+        "entries, one per non-batch axis of the factor's inner shape "
+        f"{tuple(inner_shape)}."
+      )
     return tuple(jnp.sqrt(self.weight) * r for r in hook(index))
 
   def multiply_ggn(self, vector: Sequence[Array]) -> tuple[Array, ...]:
@@ -242,8 +268,9 @@ class LossFunction:
     Returns:
       The product, one array per parameter dependant, shaped like it.
     """
-    return self._factor_product(self.multiply_ggn_factor_unweighted, vector,
-                                self.ggn_factor_inner_shape)
+    return self._factor_product(
+      self.multiply_ggn_factor_unweighted, vector, self.ggn_factor_inner_shape
+    )
 
   def multiply_ggn_factor_transpose(self, vector: Sequence[Array]) -> Array:
     """`sqrt(weight) * Bᵀ @ vector`, with the `B` of `multiply_ggn_factor`.
@@ -255,10 +282,12 @@ class LossFunction:
       An array of shape `ggn_factor_inner_shape`.
     """
     return self._factor_transpose_product(
-        self.multiply_ggn_factor_transpose_unweighted, vector)
+      self.multiply_ggn_factor_transpose_unweighted, vector
+    )
 
   def multiply_ggn_factor_replicated_one_hot(
-      self, index: Sequence[int]) -> tuple[Array, ...]:
+    self, index: Sequence[int]
+  ) -> tuple[Array, ...]:
     """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example.
 
     Args:
@@ -269,11 +298,14 @@ class LossFunction:
       The product, one array per parameter dependant, shaped like it.
     """
     return self._one_hot_product(
-        self.multiply_ggn_factor_replicated_one_hot_unweighted, index,
-        self.ggn_factor_inner_shape)
+      self.multiply_ggn_factor_replicated_one_hot_unweighted,
+      index,
+      self.ggn_factor_inner_shape,
+    )
 
   def multiply_ggn_unweighted(
-      self, vector: Sequence[Array]) -> tuple[Array, ...]:
+    self, vector: Sequence[Array]
+  ) -> tuple[Array, ...]:
     """`multiply_ggn` without the weight and the argument checks."""
     raise NotImplementedError
 
@@ -282,12 +314,14 @@ class LossFunction:
     raise NotImplementedError
 
   def multiply_ggn_factor_transpose_unweighted(
-      self, vector: Sequence[Array]) -> Array:
+    self, vector: Sequence[Array]
+  ) -> Array:
     """`multiply_ggn_factor_transpose` without the weight and the checks."""
     raise NotImplementedError
 
   def multiply_ggn_factor_replicated_one_hot_unweighted(
-      self, index: Sequence[int]) -> tuple[Array, ...]:
+    self, index: Sequence[int]
+  ) -> tuple[Array, ...]:
     """`multiply_ggn_factor_replicated_one_hot` without the weight."""
     e = _replicated_one_hot(index, self.ggn_factor_inner_shape, self.dtype)
     return self.multiply_ggn_factor_unweighted(e)
@@ -337,8 +371,11 @@ class NegativeLogProbLoss(LossFunction):
     Returns:
       The product, one array per parameter, shaped like it.
     """
-    return self._factor_product(self.multiply_fisher_factor_unweighted, vector,
-                                self.fisher_factor_inner_shape)
+    return self._factor_product(
+      self.multiply_fisher_factor_unweighted,
+      vector,
+      self.fisher_factor_inner_shape,
+    )
 
   def multiply_fisher_factor_transpose(self, vector: Sequence[Array]) -> Array:
     """`sqrt(weight) * Bᵀ @ vector`, with the `B` of `multiply_fisher_factor`.
@@ -350,10 +387,12 @@ class NegativeLogProbLoss(LossFunction):
       An array of shape `fisher_factor_inner_shape`.
     """
     return self._factor_transpose_product(
-        self.multiply_fisher_factor_transpose_unweighted, vector)
+      self.multiply_fisher_factor_transpose_unweighted, vector
+    )
 
   def multiply_fisher_factor_replicated_one_hot(
-      self, index: Sequence[int]) -> tuple[Array, ...]:
+    self, index: Sequence[int]
+  ) -> tuple[Array, ...]:
     """`sqrt(weight) * B @ e`, `e` one-hot at `index` in every example.
 
     Args:
@@ -364,26 +403,32 @@ class NegativeLogProbLoss(LossFunction):
       The product, one array per parameter, shaped like it.
     """
     return self._one_hot_product(
-        self.multiply_fisher_factor_replicated_one_hot_unweighted, index,
-        self.fisher_factor_inner_shape)
+      self.multiply_fisher_factor_replicated_one_hot_unweighted,
+      index,
+      self.fisher_factor_inner_shape,
+    )
 
   def multiply_fisher_unweighted(
-      self, vector: Sequence[Array]) -> tuple[Array, ...]:
+    self, vector: Sequence[Array]
+  ) -> tuple[Array, ...]:
     """`multiply_fisher` without the weight and the argument checks."""
     raise NotImplementedError
 
   def multiply_fisher_factor_unweighted(
-      self, vector: Array) -> tuple[Array, ...]:
+    self, vector: Array
+  ) -> tuple[Array, ...]:
     """`multiply_fisher_factor` without the weight and the argument checks."""
     raise NotImplementedError
 
   def multiply_fisher_factor_transpose_unweighted(
-      self, vector: Sequence[Array]) -> Array:
+    self, vector: Sequence[Array]
+  ) -> Array:
     """`multiply_fisher_factor_transpose` without the weight and the checks."""
     raise NotImplementedError
 
   def multiply_fisher_factor_replicated_one_hot_unweighted(
-      self, index: Sequence[int]) -> tuple[Array, ...]:
+    self, index: Sequence[int]
+  ) -> tuple[Array, ...]:
     """`multiply_fisher_factor_replicated_one_hot` without the weight."""
     e = _replicated_one_hot(index, self.fisher_factor_inner_shape, self.dtype)
     return self.multiply_fisher_factor_unweighted(e)
@@ -420,8 +465,9 @@ class NegativeLogProbLoss(LossFunction):
     """
     raise NotImplementedError
 
-  def grad_of_evaluate_on_sample(self, rng: Array,
-                                 coefficient_mode: str) -> tuple[Array, ...]:
+  def grad_of_evaluate_on_sample(
+    self, rng: Array, coefficient_mode: str
+  ) -> tuple[Array, ...]:
     """`grad_of_evaluate` at targets sampled from the model (held constant).
 
     Args:
@@ -471,8 +517,13 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("mean",)
   independant_names = ("targets", "variance", "weight")
 
-  def __init__(self, mean: Array, targets: Array | None = None,
-               variance: Numeric = 0.5, weight: Numeric = 1.0):
+  def __init__(
+    self,
+    mean: Array,
+    targets: Array | None = None,
+    variance: Numeric = 0.5,
+    weight: Numeric = 1.0,
+  ):
     """Builds the loss.
 
     Args:
@@ -483,12 +534,19 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     """
     super().__init__(weight)
     owner = type(self).__name__
-    _check_shape(owner, "targets", targets, jnp.shape(mean),
-                 "targets must have the mean's shape")
+    _check_shape(
+      owner,
+      "targets",
+      targets,
+      jnp.shape(mean),
+      "targets must have the mean's shape",
+    )
     if jnp.ndim(variance) and jnp.shape(variance) != jnp.shape(mean):
-      raise ValueError(f"{owner}: the variance must be a scalar (or have the "
-                       f"mean's shape {jnp.shape(mean)}), got shape "
-                       f"{jnp.shape(variance)}.")
+      raise ValueError(
+        f"{owner}: the variance must be a scalar (or have the "
+        f"mean's shape {jnp.shape(mean)}), got shape "
+        f"{jnp.shape(variance)}."
+      )
     self._inputs.update(mean=mean, targets=targets, variance=variance)
 
   mean = _input("mean", "The mean of the normal distribution.")
@@ -525,8 +583,13 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("mean", "variance")
   independant_names = ("targets", "weight")
 
-  def __init__(self, mean: Array, variance: Array,
-               targets: Array | None = None, weight: Numeric = 1.0):
+  def __init__(
+    self,
+    mean: Array,
+    variance: Array,
+    targets: Array | None = None,
+    weight: Numeric = 1.0,
+  ):
     """Builds the loss.
 
     Args:
@@ -537,10 +600,20 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     """
     super().__init__(weight)
     owner = type(self).__name__
-    _check_shape(owner, "variance", variance, jnp.shape(mean),
-                 "give one variance per mean entry")
-    _check_shape(owner, "targets", targets, jnp.shape(mean),
-                 "targets must have the mean's shape")
+    _check_shape(
+      owner,
+      "variance",
+      variance,
+      jnp.shape(mean),
+      "give one variance per mean entry",
+    )
+    _check_shape(
+      owner,
+      "targets",
+      targets,
+      jnp.shape(mean),
+      "targets must have the mean's shape",
+    )
     self._inputs.update(mean=mean, variance=variance, targets=targets)
 
   mean = _input("mean", "The mean of the normal distribution.")
@@ -550,7 +623,8 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   def dist(self) -> distrax.MultivariateNormalDiag:
     """`N(mean, diag(variance))` over the last axis."""
     return distrax.MultivariateNormalDiag(
-        loc=self.mean, scale_diag=jnp.sqrt(self.variance))
+      loc=self.mean, scale_diag=jnp.sqrt(self.variance)
+    )
 
   @property
   def fisher_factor_inner_shape(self) -> Shape:
@@ -563,13 +637,20 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
   def multiply_fisher_factor_unweighted(self, vector):
     u_mean, u_var = jnp.split(vector, 2, axis=-1)
-    return (u_mean / jnp.sqrt(self.variance),
-            u_var / (jnp.sqrt(2.0) * self.variance))
+    return (
+      u_mean / jnp.sqrt(self.variance),
+      u_var / (jnp.sqrt(2.0) * self.variance),
+    )
 
   def multiply_fisher_factor_transpose_unweighted(self, vector):
     v_mean, v_var = vector
-    return jnp.concatenate([v_mean / jnp.sqrt(self.variance),
-                            v_var / (jnp.sqrt(2.0) * self.variance)], axis=-1)
+    return jnp.concatenate(
+      [
+        v_mean / jnp.sqrt(self.variance),
+        v_var / (jnp.sqrt(2.0) * self.variance),
+      ],
+      axis=-1,
+    )
 
 
 class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
@@ -582,8 +663,9 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("logits",)
   independant_names = ("targets", "weight")
 
-  def __init__(self, logits: Array, targets: Array | None = None,
-               weight: Numeric = 1.0):
+  def __init__(
+    self, logits: Array, targets: Array | None = None, weight: Numeric = 1.0
+  ):
     """Builds the loss.
 
     Args:
@@ -592,8 +674,13 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
       weight: a scalar multiplying the loss.
     """
     super().__init__(weight)
-    _check_shape(type(self).__name__, "targets", targets, jnp.shape(logits),
-                 "targets must have the logits' shape")
+    _check_shape(
+      type(self).__name__,
+      "targets",
+      targets,
+      jnp.shape(logits),
+      "targets must have the logits' shape",
+    )
     self._inputs.update(logits=logits, targets=targets)
 
   logits = _input("logits", "The log-odds of the Bernoulli variables.")
@@ -643,8 +730,13 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   dependant_names = ("logits",)
   independant_names = ("targets", "mask", "weight")
 
-  def __init__(self, logits: Array, targets: Array | None = None,
-               mask: Array | None = None, weight: Numeric = 1.0):
+  def __init__(
+    self,
+    logits: Array,
+    targets: Array | None = None,
+    mask: Array | None = None,
+    weight: Numeric = 1.0,
+  ):
     """Builds the loss.
 
     Args:
@@ -659,8 +751,13 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     if jnp.ndim(logits) < 1:
       raise ValueError(f"{owner}: logits need a class axis (the last one).")
     self._check_targets(owner, logits, targets)
-    _check_shape(owner, "mask", mask, jnp.shape(logits)[:-1],
-                 "give one 0/1 value per example, shape logits.shape[:-1]")
+    _check_shape(
+      owner,
+      "mask",
+      mask,
+      jnp.shape(logits)[:-1],
+      "give one 0/1 value per example, shape logits.shape[:-1]",
+    )
     self._inputs.update(logits=logits, targets=targets, mask=mask)
 
   logits = _input("logits", "Unnormalised log-probabilities of the classes.")
@@ -670,11 +767,18 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     if targets is None:
       return
     if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
-      raise ValueError(f"{owner}: targets must be integer class indices, got "
-                       f"dtype {jnp.result_type(targets)}; for one-hot targets "
-                       "use OneHotCategoricalLogitsNegativeLogProbLoss.")
-    _check_shape(owner, "targets", targets, jnp.shape(logits)[:-1],
-                 "give one class index per example, shape logits.shape[:-1]")
+      raise ValueError(
+        f"{owner}: targets must be integer class indices, got "
+        f"dtype {jnp.result_type(targets)}; for one-hot targets "
+        "use OneHotCategoricalLogitsNegativeLogProbLoss."
+      )
+    _check_shape(
+      owner,
+      "targets",
+      targets,
+      jnp.shape(logits)[:-1],
+      "give one class index per example, shape logits.shape[:-1]",
+    )
 
   @property
   def dist(self) -> distrax.Categorical:
@@ -710,12 +814,18 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
 
 class OneHotCategoricalLogitsNegativeLogProbLoss(
-    CategoricalLogitsNegativeLogProbLoss):
+  CategoricalLogitsNegativeLogProbLoss
+):
   """As `CategoricalLogitsNegativeLogProbLoss`, with one-hot targets/samples."""
 
   def _check_targets(self, owner, logits, targets):
-    _check_shape(owner, "targets", targets, jnp.shape(logits),
-                 "one-hot targets must have the logits' shape")
+    _check_shape(
+      owner,
+      "targets",
+      targets,
+      jnp.shape(logits),
+      "one-hot targets must have the logits' shape",
+    )
 
   @property
   def dist(self) -> distrax.OneHotCategorical:
@@ -724,32 +834,45 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(
 
   def sample(self, rng):
     classes = _sample_classes(rng, self.logits)
-    return jax.nn.one_hot(classes, self.logits.shape[-1],
-                          dtype=self.logits.dtype)
+    return jax.nn.one_hot(
+      classes, self.logits.shape[-1], dtype=self.logits.dtype
+    )
 
 
 def _tag_for(cls) -> LossTag:
-  return LossTag(cls, parameter_dependants=cls.dependant_names,
-                 parameter_independants=cls.independant_names)
+  return LossTag(
+    cls,
+    parameter_dependants=cls.dependant_names,
+    parameter_independants=cls.independant_names,
+  )
 
 
 # pylint: disable=invalid-name
 NormalMeanNegativeLogProbLoss_tag = _tag_for(NormalMeanNegativeLogProbLoss)
 NormalMeanVarianceNegativeLogProbLoss_tag = _tag_for(
-    NormalMeanVarianceNegativeLogProbLoss)
+  NormalMeanVarianceNegativeLogProbLoss
+)
 MultiBernoulliNegativeLogProbLoss_tag = _tag_for(
-    MultiBernoulliNegativeLogProbLoss)
+  MultiBernoulliNegativeLogProbLoss
+)
 CategoricalLogitsNegativeLogProbLoss_tag = _tag_for(
-    CategoricalLogitsNegativeLogProbLoss)
+  CategoricalLogitsNegativeLogProbLoss
+)
 OneHotCategoricalLogitsNegativeLogProbLoss_tag = _tag_for(
-    OneHotCategoricalLogitsNegativeLogProbLoss)
+  OneHotCategoricalLogitsNegativeLogProbLoss
+)
 # pylint: enable=invalid-name
 
 _BERNOULLI_RANK = (1, "logits need a leading batch axis")
-_CATEGORICAL_RANK = (2, "logits need a batch axis and a class axis, e.g. "
-                     "shape (batch, num_classes)")
-_NORMAL_RANK = (2, "it needs a batch axis and a feature axis; reshape a "
-                "(batch,) array with x[:, None]")
+_CATEGORICAL_RANK = (
+  2,
+  "logits need a batch axis and a class axis, e.g. shape (batch, num_classes)",
+)
+_NORMAL_RANK = (
+  2,
+  "it needs a batch axis and a feature axis; reshape a "
+  "(batch,) array with x[:, None]",
+)
 
 
 def _register(fn: str, tag: LossTag, rank_rule, **kwargs):
@@ -757,11 +880,14 @@ def _register(fn: str, tag: LossTag, rank_rule, **kwargs):
   name = tag.parameter_dependants_names[0]
   first, (min_ndim, hint) = kwargs[name], rank_rule
   if jnp.ndim(first) < min_ndim:
-    raise ValueError(f"{fn}: {name} of shape {jnp.shape(first)} is not "
-                     f"supported; {hint}.")
+    raise ValueError(
+      f"{fn}: {name} of shape {jnp.shape(first)} is not supported; {hint}."
+    )
   if jnp.ndim(kwargs["weight"]) != 0:
-    raise ValueError(f"{fn}: the weight must be a scalar, got shape "
-                     f"{jnp.shape(kwargs['weight'])}.")
+    raise ValueError(
+      f"{fn}: the weight must be a scalar, got shape "
+      f"{jnp.shape(kwargs['weight'])}."
+    )
   for key in ("weight", "variance"):  # Python numbers take the input's dtype.
     if isinstance(kwargs.get(key), (int, float)):
       kwargs[key] = jnp.asarray(kwargs[key], jnp.result_type(first))
@@ -769,9 +895,9 @@ def _register(fn: str, tag: LossTag, rank_rule, **kwargs):
   return tag.bind_loss(**kwargs)[0]
 
 
-def register_sigmoid_cross_entropy_loss(logits: Array,
-                                        targets: Array | None = None,
-                                        weight: Numeric = 1.0) -> Array:
+def register_sigmoid_cross_entropy_loss(
+  logits: Array, targets: Array | None = None, weight: Numeric = 1.0
+) -> Array:
   """Marks a sigmoid cross-entropy loss on `logits` in a model function.
 
   It behaves as `register_multi_bernoulli_predictive_distribution`.
@@ -789,14 +915,19 @@ def register_sigmoid_cross_entropy_loss(logits: Array,
     ValueError: for logits without a batch axis, a non-scalar weight or
       targets of another shape.
   """
-  return _register("register_sigmoid_cross_entropy_loss",
-                   MultiBernoulliNegativeLogProbLoss_tag, _BERNOULLI_RANK,
-                   logits=logits, targets=targets, weight=weight)
+  return _register(
+    "register_sigmoid_cross_entropy_loss",
+    MultiBernoulliNegativeLogProbLoss_tag,
+    _BERNOULLI_RANK,
+    logits=logits,
+    targets=targets,
+    weight=weight,
+  )
 
 
 def register_multi_bernoulli_predictive_distribution(
-    logits: Array, targets: Array | None = None,
-    weight: Numeric = 1.0) -> Array:
+  logits: Array, targets: Array | None = None, weight: Numeric = 1.0
+) -> Array:
   """Marks independent Bernoulli outputs with log-odds `logits`.
 
   Args:
@@ -812,15 +943,22 @@ def register_multi_bernoulli_predictive_distribution(
   Raises:
     ValueError: as for `register_sigmoid_cross_entropy_loss`.
   """
-  return _register("register_multi_bernoulli_predictive_distribution",
-                   MultiBernoulliNegativeLogProbLoss_tag, _BERNOULLI_RANK,
-                   logits=logits, targets=targets, weight=weight)
+  return _register(
+    "register_multi_bernoulli_predictive_distribution",
+    MultiBernoulliNegativeLogProbLoss_tag,
+    _BERNOULLI_RANK,
+    logits=logits,
+    targets=targets,
+    weight=weight,
+  )
 
 
-def register_softmax_cross_entropy_loss(logits: Array,
-                                        targets: Array | None = None,
-                                        mask: Array | None = None,
-                                        weight: Numeric = 1.0) -> Array:
+def register_softmax_cross_entropy_loss(
+  logits: Array,
+  targets: Array | None = None,
+  mask: Array | None = None,
+  weight: Numeric = 1.0,
+) -> Array:
   """Marks a softmax cross-entropy loss on `logits` in a model function.
 
   Args:
@@ -838,14 +976,23 @@ def register_softmax_cross_entropy_loss(logits: Array,
     ValueError: for logits without batch and class axes, a non-scalar
       weight, or targets or a mask of the wrong shape or dtype.
   """
-  return _register("register_softmax_cross_entropy_loss",
-                   CategoricalLogitsNegativeLogProbLoss_tag, _CATEGORICAL_RANK,
-                   logits=logits, targets=targets, mask=mask, weight=weight)
+  return _register(
+    "register_softmax_cross_entropy_loss",
+    CategoricalLogitsNegativeLogProbLoss_tag,
+    _CATEGORICAL_RANK,
+    logits=logits,
+    targets=targets,
+    mask=mask,
+    weight=weight,
+  )
 
 
 def register_categorical_predictive_distribution(
-    logits: Array, targets: Array | None = None, mask: Array | None = None,
-    weight: Numeric = 1.0) -> Array:
+  logits: Array,
+  targets: Array | None = None,
+  mask: Array | None = None,
+  weight: Numeric = 1.0,
+) -> Array:
   """Marks a categorical output distribution with `logits`.
 
   Args:
@@ -863,14 +1010,20 @@ def register_categorical_predictive_distribution(
   Raises:
     ValueError: as for `register_softmax_cross_entropy_loss`.
   """
-  return _register("register_categorical_predictive_distribution",
-                   CategoricalLogitsNegativeLogProbLoss_tag, _CATEGORICAL_RANK,
-                   logits=logits, targets=targets, mask=mask, weight=weight)
+  return _register(
+    "register_categorical_predictive_distribution",
+    CategoricalLogitsNegativeLogProbLoss_tag,
+    _CATEGORICAL_RANK,
+    logits=logits,
+    targets=targets,
+    mask=mask,
+    weight=weight,
+  )
 
 
-def register_squared_error_loss(prediction: Array,
-                                targets: Array | None = None,
-                                weight: Numeric = 1.0) -> Array:
+def register_squared_error_loss(
+  prediction: Array, targets: Array | None = None, weight: Numeric = 1.0
+) -> Array:
   """Marks the loss `weight * ||targets - prediction||^2` per example.
 
   It is a normal distribution around `prediction` with variance 0.5, so its
@@ -890,16 +1043,23 @@ def register_squared_error_loss(prediction: Array,
     ValueError: for a prediction without batch and feature axes, a
       non-scalar weight or targets of another shape.
   """
-  return _register("register_squared_error_loss",
-                   NormalMeanNegativeLogProbLoss_tag, _NORMAL_RANK,
-                   mean=prediction, targets=targets, variance=0.5,
-                   weight=weight)
+  return _register(
+    "register_squared_error_loss",
+    NormalMeanNegativeLogProbLoss_tag,
+    _NORMAL_RANK,
+    mean=prediction,
+    targets=targets,
+    variance=0.5,
+    weight=weight,
+  )
 
 
-def register_normal_predictive_distribution(mean: Array,
-                                            targets: Array | None = None,
-                                            variance: Numeric = 0.5,
-                                            weight: Numeric = 1.0) -> Array:
+def register_normal_predictive_distribution(
+  mean: Array,
+  targets: Array | None = None,
+  variance: Numeric = 0.5,
+  weight: Numeric = 1.0,
+) -> Array:
   """Marks a normal output distribution `N(mean, variance * I)`.
 
   The loss is `weight / (2 variance) * ||targets - mean||^2` up to a constant
@@ -919,7 +1079,12 @@ def register_normal_predictive_distribution(mean: Array,
   Raises:
     ValueError: as for `register_squared_error_loss`.
   """
-  return _register("register_normal_predictive_distribution",
-                   NormalMeanNegativeLogProbLoss_tag, _NORMAL_RANK,
-                   mean=mean, targets=targets, variance=variance,
-                   weight=weight)
+  return _register(
+    "register_normal_predictive_distribution",
+    NormalMeanNegativeLogProbLoss_tag,
+    _NORMAL_RANK,
+    mean=mean,
+    targets=targets,
+    variance=variance,
+    weight=weight,
+  )

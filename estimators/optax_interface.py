@@ -29,8 +29,11 @@ import jax.numpy as jnp
 import optax
 
 from estimators import graph_matcher, utils
-from estimators.curvature import (BlockDiagonalCurvature, CurvatureBlockCtor,
-                                  default_batch_size_extractor)
+from estimators.curvature import (
+  BlockDiagonalCurvature,
+  CurvatureBlockCtor,
+  default_batch_size_extractor,
+)
 
 Schedule = Callable[[jax.Array], utils.Numeric]
 
@@ -44,6 +47,7 @@ class OptaxPreconditionState(NamedTuple):
     estimator_state: the `BlockDiagonalCurvature` state (estimate and
       cached inverse).
   """
+
   count: jax.Array
   estimator_state: Any
 
@@ -52,30 +56,29 @@ class OptaxPreconditioner:
   """A K-FAC preconditioner for optax; see the module docstring."""
 
   def __init__(
-      self,
-      value_func: Callable[..., Any],
-      l2_reg: utils.Numeric = 0.0,
-      damping: utils.Numeric | None = None,
-      damping_schedule: Schedule | None = None,
-      norm_constraint: utils.Numeric | None = None,
-      estimation_mode: str = "fisher_gradients",
-      curvature_ema: utils.Numeric = 0.95,
-      curvature_update_period: int = 1,
-      inverse_update_period: int = 5,
-      use_exact_inverses: bool = False,
-      use_sqrt_inv: bool = False,
-      register_only_generic: bool = False,
-      patterns_to_skip: Sequence[str] = (),
-      auto_register_kwargs: Mapping[str, Any] | None = None,
-      layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
-      pmap_axis_name: str = "kfac_axis",
-      batch_size_extractor: Callable[[Any], int] = (
-          default_batch_size_extractor),
-      distributed_inverses: bool = True,
-      distributed_precon_apply: bool = True,
-      num_samples: int = 1,
-      should_vmap_samples: bool = False,
-      norm_to_scale_identity_weight_per_block: str | None = None,
+    self,
+    value_func: Callable[..., Any],
+    l2_reg: utils.Numeric = 0.0,
+    damping: utils.Numeric | None = None,
+    damping_schedule: Schedule | None = None,
+    norm_constraint: utils.Numeric | None = None,
+    estimation_mode: str = "fisher_gradients",
+    curvature_ema: utils.Numeric = 0.95,
+    curvature_update_period: int = 1,
+    inverse_update_period: int = 5,
+    use_exact_inverses: bool = False,
+    use_sqrt_inv: bool = False,
+    register_only_generic: bool = False,
+    patterns_to_skip: Sequence[str] = (),
+    auto_register_kwargs: Mapping[str, Any] | None = None,
+    layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
+    pmap_axis_name: str = "kfac_axis",
+    batch_size_extractor: Callable[[Any], int] = (default_batch_size_extractor),
+    distributed_inverses: bool = True,
+    distributed_precon_apply: bool = True,
+    num_samples: int = 1,
+    should_vmap_samples: bool = False,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ):
     """Builds the curvature estimator of `value_func`.
 
@@ -120,22 +123,28 @@ class OptaxPreconditioner:
         EMA factor outside [0, 1] or an option this library lacks.
     """
     if (damping is None) == (damping_schedule is None):
-      raise ValueError("OptaxPreconditioner needs exactly one of damping or "
-                       "damping_schedule.")
-    for name, period in (("curvature_update_period", curvature_update_period),
-                         ("inverse_update_period", inverse_update_period)):
+      raise ValueError(
+        "OptaxPreconditioner needs exactly one of damping or damping_schedule."
+      )
+    for name, period in (
+      ("curvature_update_period", curvature_update_period),
+      ("inverse_update_period", inverse_update_period),
+    ):
       if not isinstance(period, int) or period < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {period!r}.")
     if not 0.0 <= curvature_ema <= 1.0:
       raise ValueError(
-          f"curvature_ema must lie in [0, 1], got {curvature_ema}.")
+        f"curvature_ema must lie in [0, 1], got {curvature_ema}."
+      )
     if num_samples != 1:
-      raise ValueError("OptaxPreconditioner supports num_samples=1 only, got "
-                       f"{num_samples}.")
+      raise ValueError(
+        f"OptaxPreconditioner supports num_samples=1 only, got {num_samples}."
+      )
     if norm_to_scale_identity_weight_per_block is not None:
       raise ValueError(
-          "norm_to_scale_identity_weight_per_block is not supported; leave it "
-          "None (one damping for every block).")
+        "norm_to_scale_identity_weight_per_block is not supported; leave it "
+        "None (one damping for every block)."
+      )
     del should_vmap_samples  # one sample: nothing to vectorise
     self._l2_reg = l2_reg
     self._norm_constraint = norm_constraint
@@ -150,13 +159,17 @@ class OptaxPreconditioner:
     self._batch_size_extractor = batch_size_extractor
 
     auto_kwargs = graph_matcher.matcher_options(
-        auto_register_kwargs, register_only_generic, patterns_to_skip)
+      auto_register_kwargs, register_only_generic, patterns_to_skip
+    )
     self._estimator = BlockDiagonalCurvature(
-        value_func, params_index=0,
-        default_estimation_mode=estimation_mode,
-        layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-        distributed_multiplies=distributed_precon_apply,
-        distributed_cache_updates=distributed_inverses, **auto_kwargs)
+      value_func,
+      params_index=0,
+      default_estimation_mode=estimation_mode,
+      layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+      distributed_multiplies=distributed_precon_apply,
+      distributed_cache_updates=distributed_inverses,
+      **auto_kwargs,
+    )
 
   @property
   def estimator(self) -> BlockDiagonalCurvature:
@@ -173,8 +186,7 @@ class OptaxPreconditioner:
     """The fixed damping, or None with a damping schedule."""
     return self._damping
 
-  def get_identity_weight(self, state: OptaxPreconditionState
-                          ) -> utils.Numeric:
+  def get_identity_weight(self, state: OptaxPreconditionState) -> utils.Numeric:
     """The weight `λ + l2_reg` of the identity added to the curvature.
 
     Args:
@@ -183,12 +195,16 @@ class OptaxPreconditioner:
     Returns:
       A scalar.
     """
-    damping = (self._damping if self._damping_schedule is None
-               else self._damping_schedule(state.count))
+    damping = (
+      self._damping
+      if self._damping_schedule is None
+      else self._damping_schedule(state.count)
+    )
     return damping + self._l2_reg
 
-  def should_update_estimator_curvature(self, state: OptaxPreconditionState
-                                        ) -> jax.Array | bool:
+  def should_update_estimator_curvature(
+    self, state: OptaxPreconditionState
+  ) -> jax.Array | bool:
     """Whether this step folds its batch into the estimate.
 
     Args:
@@ -199,8 +215,9 @@ class OptaxPreconditioner:
     """
     return _is_due(state.count, self._curvature_update_period)
 
-  def should_update_inverse_cache(self, state: OptaxPreconditionState
-                                  ) -> jax.Array | bool:
+  def should_update_inverse_cache(
+    self, state: OptaxPreconditionState
+  ) -> jax.Array | bool:
     """Whether this step refreshes the cached inverse.
 
     Args:
@@ -213,15 +230,16 @@ class OptaxPreconditioner:
 
   def _powers(self) -> tuple[Any, Any]:
     """(exact, approximate) powers to cache."""
-    return ((self._power, None) if self._use_exact_inverses
-            else (None, self._power))
+    return (
+      (self._power, None) if self._use_exact_inverses else (None, self._power)
+    )
 
   def _axis(self) -> str | None:
-    return (self._pmap_axis_name if utils.in_pmap(self._pmap_axis_name)
-            else None)
+    return self._pmap_axis_name if utils.in_pmap(self._pmap_axis_name) else None
 
-  def init(self, func_args: utils.FuncArgs,
-           rng: jax.Array) -> OptaxPreconditionState:
+  def init(
+    self, func_args: utils.FuncArgs, rng: jax.Array
+  ) -> OptaxPreconditionState:
     """The initial state: an empty estimate, count 0.
 
     Args:
@@ -234,14 +252,22 @@ class OptaxPreconditioner:
     """
     exact, approx = self._powers()
     estimator_state = self._estimator.init(
-        rng, func_args, exact_powers_to_cache=exact,
-        approx_powers_to_cache=approx, cache_eigenvalues=False)
-    return OptaxPreconditionState(count=jnp.zeros([], jnp.int32),
-                                  estimator_state=estimator_state)
+      rng,
+      func_args,
+      exact_powers_to_cache=exact,
+      approx_powers_to_cache=approx,
+      cache_eigenvalues=False,
+    )
+    return OptaxPreconditionState(
+      count=jnp.zeros([], jnp.int32), estimator_state=estimator_state
+    )
 
-  def maybe_update(self, state: OptaxPreconditionState,
-                   func_args: utils.FuncArgs,
-                   rng: jax.Array) -> OptaxPreconditionState:
+  def maybe_update(
+    self,
+    state: OptaxPreconditionState,
+    func_args: utils.FuncArgs,
+    rng: jax.Array,
+  ) -> OptaxPreconditionState:
     """Updates the estimate and then the cached inverse, when due.
 
     Args:
@@ -256,8 +282,12 @@ class OptaxPreconditioner:
     return self.maybe_update_inverse_cache(state)
 
   def maybe_update_estimator_curvature(
-      self, state: OptaxPreconditionState, func_args: utils.FuncArgs,
-      rng: jax.Array, decay_old_ema: bool = True) -> OptaxPreconditionState:
+    self,
+    state: OptaxPreconditionState,
+    func_args: utils.FuncArgs,
+    rng: jax.Array,
+    decay_old_ema: bool = True,
+  ) -> OptaxPreconditionState:
     """Folds this batch into the estimate on steps divisible by the period.
 
     Args:
@@ -275,15 +305,21 @@ class OptaxPreconditioner:
 
     def update(estimator_state):
       return self._estimator.update_curvature_matrix_estimate(
-          estimator_state, ema_old, 1.0, batch_size, rng, func_args,
-          self._axis())
+        estimator_state, ema_old, 1.0, batch_size, rng, func_args, self._axis()
+      )
 
-    return OptaxPreconditionState(state.count, _maybe(
-        self.should_update_estimator_curvature(state), update,
-        state.estimator_state))
+    return OptaxPreconditionState(
+      state.count,
+      _maybe(
+        self.should_update_estimator_curvature(state),
+        update,
+        state.estimator_state,
+      ),
+    )
 
-  def maybe_update_inverse_cache(self, state: OptaxPreconditionState
-                                 ) -> OptaxPreconditionState:
+  def maybe_update_inverse_cache(
+    self, state: OptaxPreconditionState
+  ) -> OptaxPreconditionState:
     """Refreshes the cached inverse on steps divisible by the period.
 
     Args:
@@ -297,15 +333,24 @@ class OptaxPreconditioner:
 
     def refresh(estimator_state):
       return self._estimator.update_cache(
-          estimator_state, weight, exact_powers=exact, approx_powers=approx,
-          eigenvalues=False, pmap_axis_name=self._axis())
+        estimator_state,
+        weight,
+        exact_powers=exact,
+        approx_powers=approx,
+        eigenvalues=False,
+        pmap_axis_name=self._axis(),
+      )
 
-    return OptaxPreconditionState(state.count, _maybe(
-        self.should_update_inverse_cache(state), refresh,
-        state.estimator_state))
+    return OptaxPreconditionState(
+      state.count,
+      _maybe(
+        self.should_update_inverse_cache(state), refresh, state.estimator_state
+      ),
+    )
 
-  def increment_count(self, state: OptaxPreconditionState
-                      ) -> OptaxPreconditionState:
+  def increment_count(
+    self, state: OptaxPreconditionState
+  ) -> OptaxPreconditionState:
     """Advances the step count; call it once per step, after the update.
 
     Args:
@@ -314,11 +359,13 @@ class OptaxPreconditioner:
     Returns:
       The state with `count + 1`.
     """
-    return OptaxPreconditionState(optax.safe_int32_increment(state.count),
-                                  state.estimator_state)
+    return OptaxPreconditionState(
+      optax.safe_int32_increment(state.count), state.estimator_state
+    )
 
-  def apply(self, updates: utils.Params,
-            state: OptaxPreconditionState) -> utils.Params:
+  def apply(
+    self, updates: utils.Params, state: OptaxPreconditionState
+  ) -> utils.Params:
     """Preconditions with the cached inverse: `(C + λI)^-1 updates`.
 
     With `use_sqrt_inv` the power is -1/2. The `λ` is the one of the last
@@ -333,17 +380,24 @@ class OptaxPreconditioner:
       The preconditioned pytree.
     """
     result = self._estimator.multiply_matpower(
-        state.estimator_state, updates, self.get_identity_weight(state),
-        self._power, exact_power=self._use_exact_inverses, use_cached=True,
-        pmap_axis_name=self._axis())
+      state.estimator_state,
+      updates,
+      self.get_identity_weight(state),
+      self._power,
+      exact_power=self._use_exact_inverses,
+      use_cached=True,
+      pmap_axis_name=self._axis(),
+    )
     if self._norm_constraint is None:
       return result
     sq_norm = utils.inner_product(result, updates)
-    return utils.scalar_mul(result, jnp.minimum(
-        1.0, jnp.sqrt(self._norm_constraint / sq_norm)))
+    return utils.scalar_mul(
+      result, jnp.minimum(1.0, jnp.sqrt(self._norm_constraint / sq_norm))
+    )
 
-  def multiply_curvature(self, updates: utils.Params,
-                         state: OptaxPreconditionState) -> utils.Params:
+  def multiply_curvature(
+    self, updates: utils.Params, state: OptaxPreconditionState
+  ) -> utils.Params:
     """`(C + λI) updates`, with the current (not cached) estimate.
 
     Args:
@@ -354,11 +408,16 @@ class OptaxPreconditioner:
       The product, shaped like the parameters.
     """
     return self._estimator.multiply(
-        state.estimator_state, updates, self.get_identity_weight(state),
-        exact_power=True, use_cached=False, pmap_axis_name=self._axis())
+      state.estimator_state,
+      updates,
+      self.get_identity_weight(state),
+      exact_power=True,
+      use_cached=False,
+      pmap_axis_name=self._axis(),
+    )
 
   def as_gradient_transform(
-      self, use_inverse: bool = True
+    self, use_inverse: bool = True
   ) -> optax.GradientTransformationExtraArgs:
     """This preconditioner as an optax transformation.
 
@@ -371,18 +430,21 @@ class OptaxPreconditioner:
     Returns:
       The transformation.
     """
+
     def init_fn(params):
       del params
       return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, precond_state=None,
-                  **extra_args):
+    def update_fn(
+      updates, state, params=None, *, precond_state=None, **extra_args
+    ):
       del params, extra_args
       if not isinstance(precond_state, OptaxPreconditionState):
         raise ValueError(
-            "The K-FAC transformation needs the preconditioner state: call "
-            "update(grads, opt_state, params, precond_state=state) with the "
-            "state from OptaxPreconditioner.init/maybe_update.")
+          "The K-FAC transformation needs the preconditioner state: call "
+          "update(grads, opt_state, params, precond_state=state) with the "
+          "state from OptaxPreconditioner.init/maybe_update."
+        )
       if use_inverse:
         return self.apply(updates, precond_state), state
       return self.multiply_curvature(updates, precond_state), state
@@ -396,8 +458,9 @@ def _is_due(count: jax.Array, period: int) -> jax.Array | bool:
   return True if period == 1 else count % period == 0
 
 
-def _maybe(condition: jax.Array | bool, fn: Callable[[Any], Any],
-           value: Any) -> Any:
+def _maybe(
+  condition: jax.Array | bool, fn: Callable[[Any], Any], value: Any
+) -> Any:
   """`fn(value)` where `condition` holds, else `value`."""
   if condition is True:  # every step: no conditional in the program
     return fn(value)

@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimators import (curvature, estimation_modes, graph_matcher, tracer,
-                        utils)
+from estimators import curvature, estimation_modes, graph_matcher, tracer, utils
 from estimators.utils import staging
 from estimators.utils.types import Batch, FuncState, Numeric, Params
 
@@ -40,6 +39,7 @@ class OptimizerState:
     data_seen: how many examples the steps have used, over all devices.
     step_counter: the number of steps taken (burn-in not counted).
   """
+
   velocities: Params
   estimator_state: Any
   damping: jax.Array
@@ -68,7 +68,8 @@ def _solve_2x2(matrix, rhs):
   """Cramer's rule: a LAPACK solve would cost more than the whole 2x2 model."""
   (a, b), (c, d) = matrix
   return jnp.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - c * rhs[0]]) / (
-      a * d - b * c)
+    a * d - b * c
+  )
 
 
 class Optimizer:
@@ -84,45 +85,55 @@ class Optimizer:
   State = OptimizerState
 
   def __init__(
-      self, value_and_grad_func: Callable, l2_reg: Numeric,
-      value_func_has_aux: bool = False, value_func_has_state: bool = False,
-      value_func_has_rng: bool = False,
-      use_adaptive_learning_rate: bool = False,
-      learning_rate_schedule: Schedule | None = None,
-      use_adaptive_momentum: bool = False,
-      momentum_schedule: Schedule | None = None,
-      use_adaptive_damping: bool = False,
-      damping_schedule: Schedule | None = None,
-      initial_damping: Numeric | None = None, min_damping: Numeric = 1e-8,
-      max_damping: Numeric = math.inf,
-      include_damping_in_quad_change: bool = False,
-      damping_adaptation_interval: int = 5,
-      damping_adaptation_decay: Numeric = 0.9,
-      damping_lower_threshold: Numeric = 0.25,
-      damping_upper_threshold: Numeric = 0.75,
-      always_use_exact_qmodel_for_damping_adjustment: bool = False,
-      norm_constraint: Numeric | None = None, num_burnin_steps: int = 10,
-      estimation_mode: str = "fisher_gradients",
-      curvature_ema: Numeric = 0.95, inverse_update_period: int = 5,
-      use_exact_inverses: bool = False,
-      batch_process_func: Callable[[Batch], Batch] | None = None,
-      register_only_generic: bool = False,
-      patterns_to_skip: Sequence[str] = (),
-      auto_register_kwargs: dict[str, Any] | None = None,
-      layer_tag_to_block_ctor: dict[str, curvature.CurvatureBlockCtor]
-      | None = None,
-      multi_device: bool = False, debug: bool = False,
-      batch_size_extractor: Callable[[Batch], int]
-      = curvature.default_batch_size_extractor,
-      pmap_axis_name: str = "kfac_axis",
-      forbid_setting_attributes_after_finalize: bool = True,
-      modifiable_attribute_exceptions: Sequence[str] = (),
-      include_norms_in_stats: bool = False,
-      include_per_param_norms_in_stats: bool = False,
-      distributed_precon_apply: bool = True,
-      distributed_inverses: bool = True,
-      estimator_ctor: Callable[..., curvature.BlockDiagonalCurvature]
-      = curvature.BlockDiagonalCurvature):
+    self,
+    value_and_grad_func: Callable,
+    l2_reg: Numeric,
+    value_func_has_aux: bool = False,
+    value_func_has_state: bool = False,
+    value_func_has_rng: bool = False,
+    use_adaptive_learning_rate: bool = False,
+    learning_rate_schedule: Schedule | None = None,
+    use_adaptive_momentum: bool = False,
+    momentum_schedule: Schedule | None = None,
+    use_adaptive_damping: bool = False,
+    damping_schedule: Schedule | None = None,
+    initial_damping: Numeric | None = None,
+    min_damping: Numeric = 1e-8,
+    max_damping: Numeric = math.inf,
+    include_damping_in_quad_change: bool = False,
+    damping_adaptation_interval: int = 5,
+    damping_adaptation_decay: Numeric = 0.9,
+    damping_lower_threshold: Numeric = 0.25,
+    damping_upper_threshold: Numeric = 0.75,
+    always_use_exact_qmodel_for_damping_adjustment: bool = False,
+    norm_constraint: Numeric | None = None,
+    num_burnin_steps: int = 10,
+    estimation_mode: str = "fisher_gradients",
+    curvature_ema: Numeric = 0.95,
+    inverse_update_period: int = 5,
+    use_exact_inverses: bool = False,
+    batch_process_func: Callable[[Batch], Batch] | None = None,
+    register_only_generic: bool = False,
+    patterns_to_skip: Sequence[str] = (),
+    auto_register_kwargs: dict[str, Any] | None = None,
+    layer_tag_to_block_ctor: dict[str, curvature.CurvatureBlockCtor]
+    | None = None,
+    multi_device: bool = False,
+    debug: bool = False,
+    batch_size_extractor: Callable[
+      [Batch], int
+    ] = curvature.default_batch_size_extractor,
+    pmap_axis_name: str = "kfac_axis",
+    forbid_setting_attributes_after_finalize: bool = True,
+    modifiable_attribute_exceptions: Sequence[str] = (),
+    include_norms_in_stats: bool = False,
+    include_per_param_norms_in_stats: bool = False,
+    distributed_precon_apply: bool = True,
+    distributed_inverses: bool = True,
+    estimator_ctor: Callable[
+      ..., curvature.BlockDiagonalCurvature
+    ] = curvature.BlockDiagonalCurvature,
+  ):
     """Checks the settings and prepares the compiled step.
 
     Args:
@@ -204,23 +215,31 @@ class Optimizer:
         adaptive rule and a schedule for one hyperparameter).
     """
     if use_adaptive_learning_rate and learning_rate_schedule is not None:
-      raise ValueError("Pass either use_adaptive_learning_rate=True or a "
-                       "learning_rate_schedule, not both.")
+      raise ValueError(
+        "Pass either use_adaptive_learning_rate=True or a "
+        "learning_rate_schedule, not both."
+      )
     if use_adaptive_momentum and momentum_schedule is not None:
-      raise ValueError("Pass either use_adaptive_momentum=True or a "
-                       "momentum_schedule, not both.")
+      raise ValueError(
+        "Pass either use_adaptive_momentum=True or a "
+        "momentum_schedule, not both."
+      )
     if use_adaptive_damping and damping_schedule is not None:
-      raise ValueError("Pass either use_adaptive_damping=True or a "
-                       "damping_schedule, not both.")
+      raise ValueError(
+        "Pass either use_adaptive_damping=True or a damping_schedule, not both."
+      )
     if use_adaptive_damping and initial_damping is None:
       raise ValueError("use_adaptive_damping=True needs initial_damping.")
     if norm_constraint is not None and use_adaptive_learning_rate:
-      raise ValueError("norm_constraint cannot be combined with "
-                       "use_adaptive_learning_rate=True: the adaptive rule "
-                       "already sets the step length.")
+      raise ValueError(
+        "norm_constraint cannot be combined with "
+        "use_adaptive_learning_rate=True: the adaptive rule "
+        "already sets the step length."
+      )
     if not 0 < damping_lower_threshold < damping_upper_threshold:
-      raise ValueError("Need 0 < damping_lower_threshold < "
-                       "damping_upper_threshold.")
+      raise ValueError(
+        "Need 0 < damping_lower_threshold < damping_upper_threshold."
+      )
     estimation_modes.check_estimation_mode(estimation_mode)
     self._value_and_grad_func = value_and_grad_func
     self._l2_reg = l2_reg
@@ -237,10 +256,13 @@ class Optimizer:
     self._include_damping_in_quad_change = include_damping_in_quad_change
     self._damping_interval = damping_adaptation_interval
     self._damping_decay = damping_adaptation_decay
-    self._damping_lower, self._damping_upper = (damping_lower_threshold,
-                                                damping_upper_threshold)
+    self._damping_lower, self._damping_upper = (
+      damping_lower_threshold,
+      damping_upper_threshold,
+    )
     self._exact_qmodel_for_damping = (
-        always_use_exact_qmodel_for_damping_adjustment)
+      always_use_exact_qmodel_for_damping_adjustment
+    )
     self._norm_constraint = norm_constraint
     self._num_burnin_steps = num_burnin_steps
     self._estimation_mode = estimation_mode
@@ -258,21 +280,26 @@ class Optimizer:
     self.distributed_inverses = distributed_inverses
 
     auto_kwargs = graph_matcher.matcher_options(
-        auto_register_kwargs, register_only_generic, patterns_to_skip)
+      auto_register_kwargs, register_only_generic, patterns_to_skip
+    )
     self._value_func = self._make_value_func()
     self._estimator = estimator_ctor(
-        self._value_func, params_index=0,
-        default_estimation_mode=estimation_mode,
-        layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-        distributed_multiplies=distributed_precon_apply,
-        distributed_cache_updates=distributed_inverses, **auto_kwargs)
+      self._value_func,
+      params_index=0,
+      default_estimation_mode=estimation_mode,
+      layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+      distributed_multiplies=distributed_precon_apply,
+      distributed_cache_updates=distributed_inverses,
+      **auto_kwargs,
+    )
     self._linearized = tracer.loss_tags_linearize(self._value_func)
     # Whether a step refreshes the inverses or adapts the damping is known on
     # the host, so each combination is its own program: a `lax.cond` would
     # copy the whole estimator state through its untaken branch.
     self._compiled_step = self._stage(self._step, static_argnums=(8, 9))
     self._compiled_refresh_step = self._stage(
-        self._step, static_argnums=(8, 9), cpu_options=_REFRESH_CPU_OPTIONS)
+      self._step, static_argnums=(8, 9), cpu_options=_REFRESH_CPU_OPTIONS
+    )
     self._compiled_init = self._stage(self._init, static_argnums=())
     self._compiled_burnin = self._stage(self._burnin_step, static_argnums=())
     # The counter array the last step returned and its value: a state passed
@@ -283,11 +310,15 @@ class Optimizer:
     self._forbid_setting = forbid_setting_attributes_after_finalize
 
   def __setattr__(self, name, value):
-    if getattr(self, "_finalized", False) and getattr(
-        self, "_forbid_setting", False) and name not in getattr(
-            self, "_modifiable", ()):
-      raise AttributeError(f"Cannot set {name!r} after the optimizer has been "
-                           "initialised (its step is already compiled).")
+    if (
+      getattr(self, "_finalized", False)
+      and getattr(self, "_forbid_setting", False)
+      and name not in getattr(self, "_modifiable", ())
+    ):
+      raise AttributeError(
+        f"Cannot set {name!r} after the optimizer has been "
+        "initialised (its step is already compiled)."
+      )
     super().__setattr__(name, value)
 
   # --- properties --------------------------------------------------------
@@ -310,15 +341,14 @@ class Optimizer:
   @property
   def damping_decay_factor(self) -> Numeric:
     """The factor one adaptation multiplies or divides the damping by."""
-    return self._damping_decay ** self._damping_interval
+    return self._damping_decay**self._damping_interval
 
   # --- plumbing ----------------------------------------------------------
 
   def _stage(self, fn, static_argnums, cpu_options=None):
     if self._debug:
       return fn
-    return staging.stage(fn, static_argnums, self._pmap_axis_name,
-                         cpu_options)
+    return staging.stage(fn, static_argnums, self._pmap_axis_name, cpu_options)
 
   def _split_outputs(self, out):
     """(loss, func_state, aux) from the value function's first output."""
@@ -334,6 +364,7 @@ class Optimizer:
     def value_func(*args):
       out, _ = self._value_and_grad_func(*args)
       return self._split_outputs(out)[0]
+
     return value_func
 
   def _func_args(self, params, func_state, rng, batch):
@@ -356,9 +387,13 @@ class Optimizer:
   # --- public API ----------------------------------------------------------
 
   def verify_args_and_get_step_counter(
-      self, step_counter: jax.Array, learning_rate: Numeric | None = None,
-      momentum: Numeric | None = None, damping: Numeric | None = None,
-      global_step_int: int | None = None) -> int:
+    self,
+    step_counter: jax.Array,
+    learning_rate: Numeric | None = None,
+    momentum: Numeric | None = None,
+    damping: Numeric | None = None,
+    global_step_int: int | None = None,
+  ) -> int:
     """Checks the hyperparameters given to `step` against the settings.
 
     Each of learning rate, momentum and damping must be given exactly when
@@ -379,19 +414,25 @@ class Optimizer:
       ValueError: for a missing or superfluous hyperparameter.
     """
     for name, adaptive, schedule, value in (
-        ("learning_rate", self._adaptive_lr, self._lr_schedule, learning_rate),
-        ("momentum", self._adaptive_momentum, self._momentum_schedule,
-         momentum),
-        ("damping", self._adaptive_damping, self._damping_schedule, damping)):
+      ("learning_rate", self._adaptive_lr, self._lr_schedule, learning_rate),
+      ("momentum", self._adaptive_momentum, self._momentum_schedule, momentum),
+      ("damping", self._adaptive_damping, self._damping_schedule, damping),
+    ):
       if adaptive and value is not None:
-        raise ValueError(f"{name} was passed to step() but the optimizer "
-                         f"adapts it (use_adaptive_{name}=True); drop it.")
+        raise ValueError(
+          f"{name} was passed to step() but the optimizer "
+          f"adapts it (use_adaptive_{name}=True); drop it."
+        )
       if schedule is not None and value is not None:
-        raise ValueError(f"{name} was passed to step() but a {name}_schedule "
-                         "was given to the constructor; use one of them.")
+        raise ValueError(
+          f"{name} was passed to step() but a {name}_schedule "
+          "was given to the constructor; use one of them."
+        )
       if not adaptive and schedule is None and value is None:
-        raise ValueError(f"step() needs {name}=...: the optimizer was built "
-                         f"without use_adaptive_{name} or a {name}_schedule.")
+        raise ValueError(
+          f"step() needs {name}=...: the optimizer was built "
+          f"without use_adaptive_{name} or a {name}_schedule."
+        )
     if global_step_int is not None:
       return int(global_step_int)
     return self._read_step(step_counter)
@@ -455,8 +496,10 @@ class Optimizer:
     return gram[:n, :n], gram[:n, n]
 
   def compute_exact_quad_model(
-      self, vectors: Sequence[Params], grads: Params,
-      func_args: Sequence[Any] | None = None
+    self,
+    vectors: Sequence[Params],
+    grads: Params,
+    func_args: Sequence[Any] | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The terms of the quadratic model with the exact curvature `C`.
 
@@ -482,17 +525,21 @@ class Optimizer:
     # Pushing the vectors one at a time keeps them apart: stacking them for a
     # vmap would copy every parameter twice.
     tangents = [jvp(v) for v in vectors]
-    multiplies = [loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
-                  for loss in losses]
-    products = [[multiply(tuple(t)) for multiply, t in zip(multiplies, ts)]
-                for ts in tangents]
+    multiplies = [
+      loss.multiply_ggn if kind == "ggn" else loss.multiply_fisher
+      for loss in losses
+    ]
+    products = [
+      [multiply(tuple(t)) for multiply, t in zip(multiplies, ts)]
+      for ts in tangents
+    ]
     matrix = utils.gram_matrix(tangents, products)
     batch_size = self._batch_size(func_args[-1])
     matrix = self._mean(matrix.astype(state_dtype(vectors)) / batch_size)
     return (matrix, *self._gram_and_linear(vectors, grads))
 
   def compute_approx_quad_model(
-      self, state: OptimizerState, vectors: Sequence[Params], grads: Params
+    self, state: OptimizerState, vectors: Sequence[Params], grads: Params
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The terms of `compute_exact_quad_model` with `C` the estimate.
 
@@ -505,14 +552,29 @@ class Optimizer:
     Returns:
       `(vᵢᵀ C vⱼ, vᵢᵀ vⱼ, gᵀ vᵢ)`.
     """
-    products = [self._estimator.multiply(
-        state.estimator_state, v, 0.0, exact_power=True, use_cached=False,
-        pmap_axis_name=self._pmap_axis_name) for v in vectors]
-    return (utils.gram_matrix(vectors, products),
-            *self._gram_and_linear(vectors, grads))
+    products = [
+      self._estimator.multiply(
+        state.estimator_state,
+        v,
+        0.0,
+        exact_power=True,
+        use_cached=False,
+        pmap_axis_name=self._pmap_axis_name,
+      )
+      for v in vectors
+    ]
+    return (
+      utils.gram_matrix(vectors, products),
+      *self._gram_and_linear(vectors, grads),
+    )
 
-  def init(self, params: Params, rng: jax.Array, batch: Batch,
-           func_state: FuncState = None) -> OptimizerState:
+  def init(
+    self,
+    params: Params,
+    rng: jax.Array,
+    batch: Batch,
+    func_state: FuncState = None,
+  ) -> OptimizerState:
     """The initial state; the model is traced and the blocks built here.
 
     Args:
@@ -539,27 +601,40 @@ class Optimizer:
     estimator_state = self._estimator.init(rng, func_args, exact, approx)
     damping = self._initial_damping if self._adaptive_damping else 0.0
     return OptimizerState(
-        velocities=jax.tree.map(jnp.zeros_like, params),
-        estimator_state=estimator_state,
-        damping=jnp.asarray(damping, state_dtype(params)),
-        data_seen=jnp.zeros((), jnp.int32),
-        step_counter=jnp.zeros((), jnp.int32))
+      velocities=jax.tree.map(jnp.zeros_like, params),
+      estimator_state=estimator_state,
+      damping=jnp.asarray(damping, state_dtype(params)),
+      data_seen=jnp.zeros((), jnp.int32),
+      step_counter=jnp.zeros((), jnp.int32),
+    )
 
   def _burnin_step(self, params, state, rng, batch, func_state):
     func_args = self._func_args(params, func_state, rng, batch)
     estimator_state = self._estimator.update_curvature_matrix_estimate(
-        state.estimator_state, 1.0, 1.0, self._batch_size(batch), rng,
-        func_args, self._pmap_axis_name)
+      state.estimator_state,
+      1.0,
+      1.0,
+      self._batch_size(batch),
+      rng,
+      func_args,
+      self._pmap_axis_name,
+    )
     if self._has_state:  # the function's own state moves on, as in a step
       out, _ = self._value_and_grad_func(*func_args)
       func_state = self._split_outputs(out)[1]
-    return dataclasses.replace(state, estimator_state=estimator_state), \
-        func_state
+    return dataclasses.replace(
+      state, estimator_state=estimator_state
+    ), func_state
 
-  def burnin(self, num_steps: int, params: Params, state: OptimizerState,
-             rng: jax.Array, data_iterator: Iterator[Batch],
-             func_state: FuncState = None
-             ) -> tuple[OptimizerState, FuncState]:
+  def burnin(
+    self,
+    num_steps: int,
+    params: Params,
+    state: OptimizerState,
+    rng: jax.Array,
+    data_iterator: Iterator[Batch],
+    func_state: FuncState = None,
+  ) -> tuple[OptimizerState, FuncState]:
     """Accumulates curvature estimates without changing the parameters.
 
     Each batch is added to the estimate with equal weight; the step counter
@@ -578,22 +653,31 @@ class Optimizer:
     Returns:
       The new state and `func_state`.
     """
-    split = jax.vmap(jax.random.split) if self._multi_device else (
-        jax.random.split)
+    split = (
+      jax.vmap(jax.random.split) if self._multi_device else (jax.random.split)
+    )
     for _ in range(num_steps):
       keys = split(rng)
       rng, key = (keys[:, 0], keys[:, 1]) if self._multi_device else keys
       batch = self._batch_process_func(next(data_iterator))
-      state, func_state = self._compiled_burnin(params, state, key, batch,
-                                                func_state)
+      state, func_state = self._compiled_burnin(
+        params, state, key, batch, func_state
+      )
     return state, func_state
 
-  def step(self, params: Params, state: OptimizerState, rng: jax.Array,
-           data_iterator: Iterator[Batch] | None = None,
-           batch: Batch | None = None, func_state: FuncState = None,
-           learning_rate: Numeric | None = None,
-           momentum: Numeric | None = None, damping: Numeric | None = None,
-           global_step_int: int | None = None) -> tuple[Any, ...]:
+  def step(
+    self,
+    params: Params,
+    state: OptimizerState,
+    rng: jax.Array,
+    data_iterator: Iterator[Batch] | None = None,
+    batch: Batch | None = None,
+    func_state: FuncState = None,
+    learning_rate: Numeric | None = None,
+    momentum: Numeric | None = None,
+    damping: Numeric | None = None,
+    global_step_int: int | None = None,
+  ) -> tuple[Any, ...]:
     """One compiled optimizer step (preceded by burn-in on the first).
 
     The step folds the batch into the curvature estimate, refreshes the
@@ -629,38 +713,59 @@ class Optimizer:
     if (data_iterator is None) == (batch is None):
       raise ValueError("Pass exactly one of data_iterator and batch to step().")
     step = self.verify_args_and_get_step_counter(
-        state.step_counter, learning_rate, momentum, damping, global_step_int)
+      state.step_counter, learning_rate, momentum, damping, global_step_int
+    )
     counter = state.step_counter
     # Waiting for the device counter would stall the pipeline, so an unknown
     # one is compared only when it is already computed (always at step 0).
     verified = global_step_int is None or (
-        self._known_step(counter) is not None or global_step_int == 0
-        or self._debug or counter.is_ready())
+      self._known_step(counter) is not None
+      or global_step_int == 0
+      or self._debug
+      or counter.is_ready()
+    )
     if global_step_int is not None and verified:
       actual = self._read_step(counter)
       if actual != global_step_int:
-        raise ValueError(f"global_step_int={global_step_int} but the "
-                         f"optimizer state is at step {actual}.")
+        raise ValueError(
+          f"global_step_int={global_step_int} but the "
+          f"optimizer state is at step {actual}."
+        )
     if step == 0 and self._num_burnin_steps > 0:
-      burnin_data = data_iterator if data_iterator is not None else iter(
-          [batch] * self._num_burnin_steps)
-      state, func_state = self.burnin(self._num_burnin_steps, params, state,
-                                      rng, burnin_data, func_state)
+      burnin_data = (
+        data_iterator
+        if data_iterator is not None
+        else iter([batch] * self._num_burnin_steps)
+      )
+      state, func_state = self.burnin(
+        self._num_burnin_steps, params, state, rng, burnin_data, func_state
+      )
     if batch is None:
       batch = next(data_iterator)
     batch = self._batch_process_func(batch)
     dtype = state.damping.dtype
     num_devices = state.damping.shape[0] if self._multi_device else 1
-    hyper = [self._hyper(value, schedule, step, dtype, num_devices)
-             for value, schedule in ((learning_rate, self._lr_schedule),
-                                     (momentum, self._momentum_schedule),
-                                     (damping, self._damping_schedule))]
+    hyper = [
+      self._hyper(value, schedule, step, dtype, num_devices)
+      for value, schedule in (
+        (learning_rate, self._lr_schedule),
+        (momentum, self._momentum_schedule),
+        (damping, self._damping_schedule),
+      )
+    ]
     refresh = self._is_refresh_step(step)
     compiled = self._compiled_refresh_step if refresh else self._compiled_step
     # The two flags are positional: they are the static arguments 8 and 9.
     params, state, func_state, stats = compiled(
-        params, state, rng, batch, func_state, *hyper, refresh,
-        self._is_damping_step(step))
+      params,
+      state,
+      rng,
+      batch,
+      func_state,
+      *hyper,
+      refresh,
+      self._is_damping_step(step),
+    )
     self._last_counter[:] = [state.step_counter, step + 1 if verified else None]
     if self._has_state:
       return params, state, func_state, stats
@@ -680,11 +785,18 @@ class Optimizer:
   # --- the staged step ----------------------------------------------------
 
   def uncompiled_step(
-      self, params: Params, state: OptimizerState, rng: jax.Array,
-      batch: Batch, func_state: FuncState = None,
-      learning_rate: Numeric | None = None, momentum: Numeric | None = None,
-      damping: Numeric | None = None, *, refresh_cache: bool,
-      update_damping: bool
+    self,
+    params: Params,
+    state: OptimizerState,
+    rng: jax.Array,
+    batch: Batch,
+    func_state: FuncState = None,
+    learning_rate: Numeric | None = None,
+    momentum: Numeric | None = None,
+    damping: Numeric | None = None,
+    *,
+    refresh_cache: bool,
+    update_damping: bool,
   ) -> tuple[Params, OptimizerState, FuncState, dict[str, Any]]:
     """The function `step` compiles, as a pure traceable function.
 
@@ -711,76 +823,129 @@ class Optimizer:
     Returns:
       `(params, state, func_state, stats)`, as `step` computes them.
     """
-    return self._step(params, state, rng, batch, func_state, learning_rate,
-                      momentum, damping, refresh=refresh_cache,
-                      update_damping=update_damping)
+    return self._step(
+      params,
+      state,
+      rng,
+      batch,
+      func_state,
+      learning_rate,
+      momentum,
+      damping,
+      refresh=refresh_cache,
+      update_damping=update_damping,
+    )
 
-  def _step(self, params, state, rng, batch, func_state, learning_rate,
-            momentum, damping, refresh, update_damping):
+  def _step(
+    self,
+    params,
+    state,
+    rng,
+    batch,
+    func_state,
+    learning_rate,
+    momentum,
+    damping,
+    refresh,
+    update_damping,
+  ):
     func_args = self._func_args(params, func_state, rng, batch)
     batch_size = self._batch_size(batch)
     estimator_state = self._estimator.update_curvature_matrix_estimate(
-        state.estimator_state, self._curvature_ema, 1.0, batch_size, rng,
-        func_args, self._pmap_axis_name)
+      state.estimator_state,
+      self._curvature_ema,
+      1.0,
+      batch_size,
+      rng,
+      func_args,
+      self._pmap_axis_name,
+    )
     damping = state.damping if self._adaptive_damping else damping
     identity_weight = damping + self._l2_reg
     exact = self._use_exact_inverses
     if refresh:
       estimator_state = self._estimator.update_cache(
-          estimator_state, identity_weight,
-          exact_powers=-1 if exact else None,
-          approx_powers=None if exact else -1, eigenvalues=False,
-          pmap_axis_name=self._pmap_axis_name)
+        estimator_state,
+        identity_weight,
+        exact_powers=-1 if exact else None,
+        approx_powers=None if exact else -1,
+        eigenvalues=False,
+        pmap_axis_name=self._pmap_axis_name,
+      )
 
     out, grads = self._value_and_grad_func(*func_args)
     loss, new_func_state, aux = self._split_outputs(out)
     loss, grads = self._mean((loss, grads))
     precon = self._estimator.multiply_inverse_of_gradient(
-        estimator_state, grads, func_args, identity_weight, exact_power=exact,
-        use_cached=True, pmap_axis_name=self._pmap_axis_name)
+      estimator_state,
+      grads,
+      func_args,
+      identity_weight,
+      exact_power=exact,
+      use_cached=True,
+      pmap_axis_name=self._pmap_axis_name,
+    )
     if self._norm_constraint is not None:
-      sq_norm = utils.inner_product(precon, grads) * learning_rate ** 2
-      precon = utils.scalar_mul(precon, jnp.minimum(
-          1.0, jnp.sqrt(self._norm_constraint / sq_norm)))
+      sq_norm = utils.inner_product(precon, grads) * learning_rate**2
+      precon = utils.scalar_mul(
+        precon, jnp.minimum(1.0, jnp.sqrt(self._norm_constraint / sq_norm))
+      )
 
     vectors = (precon, state.velocities)
     adaptive = self._adaptive_lr or self._adaptive_momentum
     use_exact_q = adaptive or self._exact_qmodel_for_damping
     if use_exact_q:
-      curv, gram, linear = self.compute_exact_quad_model(vectors, grads,
-                                                         func_args)
+      curv, gram, linear = self.compute_exact_quad_model(
+        vectors, grads, func_args
+      )
     else:
       curv, gram, linear = self.compute_approx_quad_model(
-          dataclasses.replace(state, estimator_state=estimator_state),
-          vectors, grads)
+        dataclasses.replace(state, estimator_state=estimator_state),
+        vectors,
+        grads,
+      )
     quad = curv + self._l2_reg * gram
-    coefficients = self._coefficients(quad + damping * gram, linear,
-                                      learning_rate, momentum,
-                                      first_step=state.step_counter == 0)
+    coefficients = self._coefficients(
+      quad + damping * gram,
+      linear,
+      learning_rate,
+      momentum,
+      first_step=state.step_counter == 0,
+    )
     delta = utils.weighted_sum_of_objects(vectors, coefficients)
     new_params = _add(params, delta)
 
-    quad_for_change = quad + (damping * gram
-                              if self._include_damping_in_quad_change else 0)
+    quad_for_change = quad + (
+      damping * gram if self._include_damping_in_quad_change else 0
+    )
     q_change = 0.5 * coefficients @ quad_for_change @ coefficients + (
-        coefficients @ linear)
+      coefficients @ linear
+    )
     if update_damping:
-      new_damping, rho = self._adapt_damping(damping, loss, q_change,
-                                             new_params, func_state, rng,
-                                             batch)
+      new_damping, rho = self._adapt_damping(
+        damping, loss, q_change, new_params, func_state, rng, batch
+      )
     else:
       new_damping, rho = damping, jnp.asarray(jnp.nan, loss.dtype)
     new_state = OptimizerState(
-        velocities=delta, estimator_state=estimator_state,
-        damping=new_damping if self._adaptive_damping else state.damping,
-        data_seen=state.data_seen + batch_size * (
-            jax.lax.psum(1, self._pmap_axis_name) if self._pmap_axis_name
-            else 1),
-        step_counter=state.step_counter + 1)
-    stats = dict(loss=loss, learning_rate=-coefficients[0],
-                 momentum=coefficients[1], damping=damping, rho=rho,
-                 quad_model_change=q_change, data_seen=new_state.data_seen,
-                 step=new_state.step_counter)
+      velocities=delta,
+      estimator_state=estimator_state,
+      damping=new_damping if self._adaptive_damping else state.damping,
+      data_seen=state.data_seen
+      + batch_size
+      * (jax.lax.psum(1, self._pmap_axis_name) if self._pmap_axis_name else 1),
+      step_counter=state.step_counter + 1,
+    )
+    stats = dict(
+      loss=loss,
+      learning_rate=-coefficients[0],
+      momentum=coefficients[1],
+      damping=damping,
+      rho=rho,
+      quad_model_change=q_change,
+      data_seen=new_state.data_seen,
+      step=new_state.step_counter,
+    )
     if aux is not None:
       stats["aux"] = self._mean(aux)
     if self._include_norms or self._include_per_param_norms:
@@ -804,20 +969,27 @@ class Optimizer:
     if alpha is None:  # momentum fixed, learning rate adaptive
       alpha = -(linear[0] + quad[0, 1] * mu) / quad[0, 0]
     if mu is None:  # learning rate fixed, momentum adaptive
-      mu = jnp.where(first_step, 0.0,
-                     -(linear[1] + quad[1, 0] * alpha) / quad[1, 1])
+      mu = jnp.where(
+        first_step, 0.0, -(linear[1] + quad[1, 0] * alpha) / quad[1, 1]
+      )
     return jnp.stack([jnp.asarray(alpha, dtype), jnp.asarray(mu, dtype)])
 
-  def _adapt_damping(self, damping, loss, q_change, new_params, func_state,
-                     rng, batch):
+  def _adapt_damping(
+    self, damping, loss, q_change, new_params, func_state, rng, batch
+  ):
     """Levenberg–Marquardt: rho = actual / predicted loss change."""
-    new_loss = self._mean(self.compute_loss_value(
-        self._func_args(new_params, func_state, rng, batch)))
+    new_loss = self._mean(
+      self.compute_loss_value(
+        self._func_args(new_params, func_state, rng, batch)
+      )
+    )
     rho = ((new_loss - loss) / q_change).astype(loss.dtype)
     factor = self.damping_decay_factor
-    new = jnp.where(rho < self._damping_lower, damping / factor,
-                    jnp.where(rho > self._damping_upper, damping * factor,
-                              damping))
+    new = jnp.where(
+      rho < self._damping_lower,
+      damping / factor,
+      jnp.where(rho > self._damping_upper, damping * factor, damping),
+    )
     new = jnp.clip(new, self._min_damping, self._max_damping)
     return new.astype(damping.dtype), rho
 

@@ -33,8 +33,9 @@ def _pair(value, name):
     return (int(value),) * 2
   value = tuple(int(v) for v in value)
   if len(value) != 2:
-    raise ValueError(f"patches_moments: {name} must be an int or a pair, got "
-                     f"{value}.")
+    raise ValueError(
+      f"patches_moments: {name} must be an int or a pair, got {value}."
+    )
   return value
 
 
@@ -42,39 +43,60 @@ def _check_no_dilation(value, name):
   if value is None:
     return
   if _pair(value, name) != (1, 1):
-    raise ValueError(f"patches_moments: {name}={value} is not supported; only "
-                     "undilated convolutions (None, 1 or (1, 1)) are.")
+    raise ValueError(
+      f"patches_moments: {name}={value} is not supported; only "
+      "undilated convolutions (None, 1 or (1, 1)) are."
+    )
 
 
-def _prepare(inputs, kernel_spatial_shape, strides, padding, data_format,
-             dim_numbers, inputs_dilation, kernel_dilation,
-             feature_group_count, batch_group_count, weighting_array):
+def _prepare(
+  inputs,
+  kernel_spatial_shape,
+  strides,
+  padding,
+  data_format,
+  dim_numbers,
+  inputs_dilation,
+  kernel_dilation,
+  feature_group_count,
+  batch_group_count,
+  weighting_array,
+):
   """Validates arguments; returns the padded NHWC input and the geometry."""
   inputs = jnp.asarray(inputs)
   if inputs.ndim != 4:
-    raise ValueError("patches_moments supports 2-D convolutions only: inputs "
-                     f"must be 4-D, got shape {inputs.shape}.")
+    raise ValueError(
+      "patches_moments supports 2-D convolutions only: inputs "
+      f"must be 4-D, got shape {inputs.shape}."
+    )
   kernel = _pair(kernel_spatial_shape, "kernel_spatial_shape")
   strides = _pair(strides, "strides")
   _check_no_dilation(inputs_dilation, "inputs_dilation")
   _check_no_dilation(kernel_dilation, "kernel_dilation")
   if batch_group_count != 1:
-    raise ValueError("patches_moments supports only batch_group_count=1, got "
-                     f"{batch_group_count}.")
+    raise ValueError(
+      "patches_moments supports only batch_group_count=1, got "
+      f"{batch_group_count}."
+    )
   if dim_numbers is None:
     if data_format not in ("NHWC", "NCHW"):
-      raise ValueError(f"patches_moments: unknown data_format {data_format!r}; "
-                       "use 'NHWC' or 'NCHW', or pass dim_numbers.")
+      raise ValueError(
+        f"patches_moments: unknown data_format {data_format!r}; "
+        "use 'NHWC' or 'NCHW', or pass dim_numbers."
+      )
     dim_numbers = (data_format, "HWIO", data_format)
   if not isinstance(dim_numbers, lax.ConvDimensionNumbers):
-    dim_numbers = lax.conv_dimension_numbers(inputs.shape, (1, 1, 1, 1),
-                                             dim_numbers)
+    dim_numbers = lax.conv_dimension_numbers(
+      inputs.shape, (1, 1, 1, 1), dim_numbers
+    )
   lhs = dim_numbers.lhs_spec
   x = jnp.transpose(inputs, (lhs[0], lhs[2], lhs[3], lhs[1]))  # -> NHWC
   n, h, w, c = x.shape
   if feature_group_count not in (1, c):
-    raise ValueError("patches_moments supports feature_group_count 1 or the "
-                     f"number of channels ({c}), got {feature_group_count}.")
+    raise ValueError(
+      "patches_moments supports feature_group_count 1 or the "
+      f"number of channels ({c}), got {feature_group_count}."
+    )
   if isinstance(padding, str):
     pads = lax.padtype_to_pads((h, w), kernel, strides, padding)
   else:
@@ -82,8 +104,10 @@ def _prepare(inputs, kernel_spatial_shape, strides, padding, data_format,
   x = jnp.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
   out = tuple((x.shape[1 + i] - kernel[i]) // strides[i] + 1 for i in range(2))
   if min(out) < 1:
-    raise ValueError(f"patches_moments: a {kernel} kernel does not fit the "
-                     f"padded input of spatial shape {x.shape[1:3]}.")
+    raise ValueError(
+      f"patches_moments: a {kernel} kernel does not fit the "
+      f"padded input of spatial shape {x.shape[1:3]}."
+    )
   if weighting_array is None:
     weights = jnp.ones((n,) + out, x.dtype)
   else:
@@ -93,9 +117,11 @@ def _prepare(inputs, kernel_spatial_shape, strides, padding, data_format,
     try:
       weights = jnp.broadcast_to(weights, (n,) + out)
     except ValueError:
-      raise ValueError(f"patches_moments: weighting_array of shape "
-                       f"{jnp.shape(weighting_array)} does not broadcast to "
-                       f"(batch, out_h, out_w) = {(n,) + out}.") from None
+      raise ValueError(
+        f"patches_moments: weighting_array of shape "
+        f"{jnp.shape(weighting_array)} does not broadcast to "
+        f"(batch, out_h, out_w) = {(n,) + out}."
+      ) from None
   depthwise = feature_group_count == c and c > 1
   return x, kernel, strides, out, weights, depthwise
 
@@ -110,15 +136,19 @@ def _finish(second, first, kernel, c, norm, depthwise):
 
 
 def patches_moments(
-    inputs: jax.Array, kernel_spatial_shape: int | Sequence[int],
-    strides: int | Sequence[int] = 1,
-    padding: str | Sequence[tuple[int, int]] = "VALID",
-    data_format: str | None = "NHWC", dim_numbers: Any = None,
-    inputs_dilation: int | Sequence[int] | None = None,
-    kernel_dilation: int | Sequence[int] | None = None,
-    feature_group_count: int = 1, batch_group_count: int = 1,
-    unroll_loop: bool = False, precision: Any = None,
-    weighting_array: jax.Array | None = None,
+  inputs: jax.Array,
+  kernel_spatial_shape: int | Sequence[int],
+  strides: int | Sequence[int] = 1,
+  padding: str | Sequence[tuple[int, int]] = "VALID",
+  data_format: str | None = "NHWC",
+  dim_numbers: Any = None,
+  inputs_dilation: int | Sequence[int] | None = None,
+  kernel_dilation: int | Sequence[int] | None = None,
+  feature_group_count: int = 1,
+  batch_group_count: int = 1,
+  unroll_loop: bool = False,
+  precision: Any = None,
+  weighting_array: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Patch moments without materialising the patches (see module docstring).
 
@@ -148,9 +178,18 @@ def patches_moments(
     ValueError: for unsupported or inconsistent arguments.
   """
   x, kernel, strides, out, weights, depthwise = _prepare(
-      inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers,
-      inputs_dilation, kernel_dilation, feature_group_count,
-      batch_group_count, weighting_array)
+    inputs,
+    kernel_spatial_shape,
+    strides,
+    padding,
+    data_format,
+    dim_numbers,
+    inputs_dilation,
+    kernel_dilation,
+    feature_group_count,
+    batch_group_count,
+    weighting_array,
+  )
   n, c = x.shape[0], x.shape[3]
   kh, kw = kernel
   extent = (n, (out[0] - 1) * strides[0] + 1, (out[1] - 1) * strides[1] + 1, c)
@@ -159,14 +198,14 @@ def patches_moments(
     """The input values at kernel offset `index` for every output location."""
     a, b = index // kw, index % kw
     window = lax.dynamic_slice(x, (0, a, b, 0), extent)
-    return window[:, ::strides[0], ::strides[1], :]
+    return window[:, :: strides[0], :: strides[1], :]
 
   def block(xi, xj):
     if depthwise:  # only the same-channel products are kept
-      return jnp.diag(jnp.einsum("nhwc,nhw,nhwc->c", xi, weights, xj,
-                                 precision=precision))
-    return jnp.einsum("nhwc,nhw,nhwd->cd", xi, weights, xj,
-                      precision=precision)
+      return jnp.diag(
+        jnp.einsum("nhwc,nhw,nhwc->c", xi, weights, xj, precision=precision)
+      )
+    return jnp.einsum("nhwc,nhw,nhwd->cd", xi, weights, xj, precision=precision)
 
   k = kh * kw
   if unroll_loop:
@@ -177,31 +216,42 @@ def patches_moments(
         rows[i][j] = block(views[i], views[j])
         rows[j][i] = rows[i][j].T
     second = jnp.stack([jnp.stack(r) for r in rows])
-    first = jnp.stack([jnp.einsum("nhwc,nhw->c", v, weights,
-                                  precision=precision) for v in views])
+    first = jnp.stack(
+      [
+        jnp.einsum("nhwc,nhw->c", v, weights, precision=precision)
+        for v in views
+      ]
+    )
   else:
     indices = jnp.arange(k)
 
     def row(i):
       xi = view(i)
-      return (lax.map(lambda j: block(xi, view(j)), indices),
-              jnp.einsum("nhwc,nhw->c", xi, weights, precision=precision))
+      return (
+        lax.map(lambda j: block(xi, view(j)), indices),
+        jnp.einsum("nhwc,nhw->c", xi, weights, precision=precision),
+      )
 
     second, first = lax.map(row, indices)
-  return _finish(second, first, kernel, c, n * out[0] * out[1],
-                 depthwise=depthwise)
+  return _finish(
+    second, first, kernel, c, n * out[0] * out[1], depthwise=depthwise
+  )
 
 
 def patches_moments_explicit(
-    inputs: jax.Array, kernel_spatial_shape: int | Sequence[int],
-    strides: int | Sequence[int] = 1,
-    padding: str | Sequence[tuple[int, int]] = "VALID",
-    data_format: str | None = "NHWC", dim_numbers: Any = None,
-    inputs_dilation: int | Sequence[int] | None = None,
-    kernel_dilation: int | Sequence[int] | None = None,
-    feature_group_count: int = 1, batch_group_count: int = 1,
-    unroll_loop: bool = False, precision: Any = None,
-    weighting_array: jax.Array | None = None,
+  inputs: jax.Array,
+  kernel_spatial_shape: int | Sequence[int],
+  strides: int | Sequence[int] = 1,
+  padding: str | Sequence[tuple[int, int]] = "VALID",
+  data_format: str | None = "NHWC",
+  dim_numbers: Any = None,
+  inputs_dilation: int | Sequence[int] | None = None,
+  kernel_dilation: int | Sequence[int] | None = None,
+  feature_group_count: int = 1,
+  batch_group_count: int = 1,
+  unroll_loop: bool = False,
+  precision: Any = None,
+  weighting_array: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Same as `patches_moments`, extracting all patches first (more memory).
 
@@ -233,20 +283,34 @@ def patches_moments_explicit(
   """
   del unroll_loop
   x, kernel, strides, out, weights, depthwise = _prepare(
-      inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers,
-      inputs_dilation, kernel_dilation, feature_group_count,
-      batch_group_count, weighting_array)
+    inputs,
+    kernel_spatial_shape,
+    strides,
+    padding,
+    data_format,
+    dim_numbers,
+    inputs_dilation,
+    kernel_dilation,
+    feature_group_count,
+    batch_group_count,
+    weighting_array,
+  )
   n, c = x.shape[0], x.shape[3]
   kh, kw = kernel
   stop = tuple((out[i] - 1) * strides[i] + 1 for i in range(2))
-  views = [x[:, a:a + stop[0]:strides[0], b:b + stop[1]:strides[1], :]
-           for a in range(kh) for b in range(kw)]
+  views = [
+    x[:, a : a + stop[0] : strides[0], b : b + stop[1] : strides[1], :]
+    for a in range(kh)
+    for b in range(kw)
+  ]
   # Features in (kh, kw, C) order, the layout of the documented shapes.
   patches = jnp.stack(views, axis=3).reshape(-1, kh * kw * c)
-  weighted = (patches if weighting_array is None
-              else weights.reshape(-1, 1) * patches)
+  weighted = (
+    patches if weighting_array is None else weights.reshape(-1, 1) * patches
+  )
   second = jnp.matmul(weighted.T, patches, precision=precision)
   first = jnp.sum(weighted, axis=0)
   second = jnp.transpose(second.reshape(kh * kw, c, kh * kw, c), (0, 2, 1, 3))
-  return _finish(second, first, kernel, c, n * out[0] * out[1],
-                 depthwise=depthwise)
+  return _finish(
+    second, first, kernel, c, n * out[0] * out[1], depthwise=depthwise
+  )

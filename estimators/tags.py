@@ -29,7 +29,9 @@ def _register_identity_rules(primitive, num_returned, returned_start):
 
   def impl(*operands, **params):
     del params
-    return list(operands[returned_start:returned_start + num_returned(operands)])
+    return list(
+      operands[returned_start : returned_start + num_returned(operands)]
+    )
 
   def abstract_eval(*operands, **params):
     return impl(*operands, **params)
@@ -37,14 +39,12 @@ def _register_identity_rules(primitive, num_returned, returned_start):
   def jvp(primals, tangents, **params):
     out = primitive.bind(*primals, **params)
     sel = slice(returned_start, returned_start + len(out))
-    out_tangents = [
-        ad.instantiate_zeros(t) for t in tangents[sel]
-    ]
+    out_tangents = [ad.instantiate_zeros(t) for t in tangents[sel]]
     return out, out_tangents
 
   def batch(args, dims, **params):
     out = primitive.bind(*args, **params)
-    return out, list(dims[returned_start:returned_start + len(out)])
+    return out, list(dims[returned_start : returned_start + len(out)])
 
   primitive.multiple_results = True
   primitive.def_impl(impl)
@@ -61,8 +61,12 @@ class LossTag(jex_core.Primitive):
   `args_names`; the parameter-dependent ones (e.g. `logits`) come first.
   """
 
-  def __init__(self, cls: type, parameter_dependants: Sequence[str],
-               parameter_independants: Sequence[str]):
+  def __init__(
+    self,
+    cls: type,
+    parameter_dependants: Sequence[str],
+    parameter_independants: Sequence[str],
+  ):
     """Makes the tag of one loss class.
 
     Args:
@@ -77,7 +81,8 @@ class LossTag(jex_core.Primitive):
     self._parameter_dependants = tuple(parameter_dependants)
     self._parameter_independants = tuple(parameter_independants)
     _register_identity_rules(
-        self, lambda ops: len(self._parameter_dependants), 0)
+      self, lambda ops: len(self._parameter_dependants), 0
+    )
 
   @property
   def parameter_dependants_names(self) -> tuple[str, ...]:
@@ -105,7 +110,7 @@ class LossTag(jex_core.Primitive):
       The parameter-dependent operands.
     """
     del args_names
-    return args[:len(self._parameter_dependants)]
+    return args[: len(self._parameter_dependants)]
 
   def loss(self, *args: Any, args_names: Sequence[str]) -> Any:
     """Builds the `LossFunction` this tag stands for from its operand values.
@@ -122,7 +127,8 @@ class LossTag(jex_core.Primitive):
     """
     if len(args) != len(args_names):
       raise ValueError(
-          f"{self.name}: got {len(args)} arguments but {len(args_names)} names.")
+        f"{self.name}: got {len(args)} arguments but {len(args_names)} names."
+      )
     return self._cls(**dict(zip(args_names, args)))
 
   def bind_loss(self, **kwargs: Any) -> list[jax.Array]:
@@ -168,7 +174,8 @@ class LayerTag(jex_core.Primitive):
       _register_identity_rules(self, lambda ops: num_outputs, 0)
     else:
       _register_identity_rules(
-          self, lambda ops: len(ops) - num_inputs, num_inputs)
+        self, lambda ops: len(ops) - num_inputs, num_inputs
+      )
 
   @property
   def num_inputs(self) -> int:
@@ -190,8 +197,11 @@ class LayerTag(jex_core.Primitive):
       `(outputs, inputs, params)`, three tuples.
     """
     n_out, n_in = self._num_outputs, self._num_inputs
-    return (tuple(operands[:n_out]), tuple(operands[n_out:n_out + n_in]),
-            tuple(operands[n_out + n_in:]))
+    return (
+      tuple(operands[:n_out]),
+      tuple(operands[n_out : n_out + n_in]),
+      tuple(operands[n_out + n_in :]),
+    )
 
 
 generic = LayerTag("generic_tag", num_inputs=0, num_outputs=0)
@@ -243,7 +253,8 @@ def _single(tag_out):
 
 
 def register_generic(
-    *parameters: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+  *parameters: jax.Array,
+) -> jax.Array | tuple[jax.Array, ...]:
   """Tags parameters that no structured block knows.
 
   Args:
@@ -261,9 +272,15 @@ def register_generic(
   return out[0] if len(parameters) == 1 else tuple(out)
 
 
-def register_dense(y: jax.Array, x: jax.Array, w: jax.Array,
-                   b: jax.Array | None = None, *,
-                   transposed_weight: bool = False, **kwargs: Any) -> jax.Array:
+def register_dense(
+  y: jax.Array,
+  x: jax.Array,
+  w: jax.Array,
+  b: jax.Array | None = None,
+  *,
+  transposed_weight: bool = False,
+  **kwargs: Any,
+) -> jax.Array:
   """Tags a dense layer `y = x @ w + b`.
 
   The weight may have more than two axes (Flax's `DenseGeneral` kernels):
@@ -287,14 +304,22 @@ def register_dense(y: jax.Array, x: jax.Array, w: jax.Array,
     ValueError: if the shapes do not fit a dense layer.
   """
   _check_dense(y, x, w, b, "register_dense", False, transposed_weight)
-  return _single(dense.bind(*_dense_operands(y, x, w, b), **_dense_meta(
-      transposed_weight, kwargs)))
+  return _single(
+    dense.bind(
+      *_dense_operands(y, x, w, b), **_dense_meta(transposed_weight, kwargs)
+    )
+  )
 
 
-def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
-                            b: jax.Array | None = None, *,
-                            transposed_weight: bool = False,
-                            **kwargs: Any) -> jax.Array:
+def register_repeated_dense(
+  y: jax.Array,
+  x: jax.Array,
+  w: jax.Array,
+  b: jax.Array | None = None,
+  *,
+  transposed_weight: bool = False,
+  **kwargs: Any,
+) -> jax.Array:
   """Tags a dense layer applied over extra leading axes.
 
   Every axis but the last acts as a batch axis for the curvature statistics.
@@ -314,8 +339,11 @@ def register_repeated_dense(y: jax.Array, x: jax.Array, w: jax.Array,
     ValueError: if the shapes do not fit a dense layer.
   """
   _check_dense(y, x, w, b, "register_repeated_dense", True, transposed_weight)
-  return _single(repeated_dense.bind(
-      *_dense_operands(y, x, w, b), **_dense_meta(transposed_weight, kwargs)))
+  return _single(
+    repeated_dense.bind(
+      *_dense_operands(y, x, w, b), **_dense_meta(transposed_weight, kwargs)
+    )
+  )
 
 
 def _dense_operands(y, x, w, b):
@@ -327,8 +355,9 @@ def _dense_meta(transposed_weight, kwargs):
   return dict(kwargs, transposed_weight=True) if transposed_weight else kwargs
 
 
-def register_embedding(y: jax.Array, ids: jax.Array, w: jax.Array,
-                       **kwargs: Any) -> jax.Array:
+def register_embedding(
+  y: jax.Array, ids: jax.Array, w: jax.Array, **kwargs: Any
+) -> jax.Array:
   """Tags an embedding lookup `y = one_hot(ids) @ w`, i.e. `w[ids]`.
 
   It is a dense layer on one-hot inputs, applied at every position; its
@@ -347,17 +376,22 @@ def register_embedding(y: jax.Array, ids: jax.Array, w: jax.Array,
   Raises:
     ValueError: if the shapes do not fit an embedding lookup.
   """
-  if (jnp.ndim(w) != 2 or jnp.ndim(ids) < 1
-      or jnp.shape(y) != jnp.shape(ids) + (jnp.shape(w)[1],)):
+  if (
+    jnp.ndim(w) != 2
+    or jnp.ndim(ids) < 1
+    or jnp.shape(y) != jnp.shape(ids) + (jnp.shape(w)[1],)
+  ):
     raise ValueError(
-        "register_embedding: needs ids (batch, ...), a table (vocab, d_out) "
-        f"and outputs ids.shape + (d_out,); got ids {jnp.shape(ids)}, table "
-        f"{jnp.shape(w)}, outputs {jnp.shape(y)}.")
+      "register_embedding: needs ids (batch, ...), a table (vocab, d_out) "
+      f"and outputs ids.shape + (d_out,); got ids {jnp.shape(ids)}, table "
+      f"{jnp.shape(w)}, outputs {jnp.shape(y)}."
+    )
   return _single(embedding.bind(y, ids, w, **kwargs))
 
 
-def dense_weight_split(w_shape: Sequence[int], d_in: int,
-                       transposed_weight: bool = False) -> int | None:
+def dense_weight_split(
+  w_shape: Sequence[int], d_in: int, transposed_weight: bool = False
+) -> int | None:
   """Where a dense weight's axes split into input and output features.
 
   Args:
@@ -381,27 +415,43 @@ def dense_weight_split(w_shape: Sequence[int], d_in: int,
 def _check_dense(y, x, w, b, fn, repeated, transposed):
   layout = "(d_out, d_in)" if transposed else "(d_in, d_out)"
   if jnp.ndim(w) < 2:
-    raise ValueError(f"{fn}: the weight must have at least 2 axes, {layout}, "
-                     f"got shape {jnp.shape(w)}.")
+    raise ValueError(
+      f"{fn}: the weight must have at least 2 axes, {layout}, "
+      f"got shape {jnp.shape(w)}."
+    )
   if repeated and jnp.ndim(x) < 2 or not repeated and jnp.ndim(x) != 2:
-    hint = ("use register_repeated_dense for inputs with extra leading axes"
-            if not repeated else "inputs need a batch axis and a feature axis")
-    raise ValueError(f"{fn}: inputs of shape {jnp.shape(x)} are not supported; "
-                     f"{hint}.")
+    hint = (
+      "use register_repeated_dense for inputs with extra leading axes"
+      if not repeated
+      else "inputs need a batch axis and a feature axis"
+    )
+    raise ValueError(
+      f"{fn}: inputs of shape {jnp.shape(x)} are not supported; {hint}."
+    )
   d_in = jnp.shape(x)[-1]
   if dense_weight_split(jnp.shape(w), d_in, transposed) is None:
-    raise ValueError(f"{fn}: inputs have {d_in} features but the weight of "
-                     f"shape {jnp.shape(w)} ({layout}) does not take {d_in}"
-                     + ("; pass transposed_weight=True for an output-major "
-                        "weight" if not transposed else "") + ".")
+    raise ValueError(
+      f"{fn}: inputs have {d_in} features but the weight of "
+      f"shape {jnp.shape(w)} ({layout}) does not take {d_in}"
+      + (
+        "; pass transposed_weight=True for an output-major weight"
+        if not transposed
+        else ""
+      )
+      + "."
+    )
   d_out = int(np.prod(jnp.shape(w))) // d_in
   if jnp.shape(y) != jnp.shape(x)[:-1] + (d_out,):
-    raise ValueError(f"{fn}: outputs must have shape "
-                     f"{jnp.shape(x)[:-1] + (d_out,)} for inputs {jnp.shape(x)}"
-                     f" and a weight {jnp.shape(w)}, got {jnp.shape(y)}.")
+    raise ValueError(
+      f"{fn}: outputs must have shape "
+      f"{jnp.shape(x)[:-1] + (d_out,)} for inputs {jnp.shape(x)}"
+      f" and a weight {jnp.shape(w)}, got {jnp.shape(y)}."
+    )
   if b is not None and (jnp.ndim(b) < 1 or np.prod(jnp.shape(b)) != d_out):
-    raise ValueError(f"{fn}: the bias must have {d_out} entries, e.g. shape "
-                     f"({d_out},), got {jnp.shape(b)}.")
+    raise ValueError(
+      f"{fn}: the bias must have {d_out} entries, e.g. shape "
+      f"({d_out},), got {jnp.shape(b)}."
+    )
 
 
 def _normalize_pairs(value, n, name):
@@ -412,16 +462,22 @@ def _normalize_pairs(value, n, name):
   return tuple(int(v) for v in value)
 
 
-def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
-                    b: jax.Array | None = None, *,
-                    window_strides: int | Sequence[int] = 1,
-                    padding: str | Sequence[tuple[int, int]] = "VALID",
-                    data_format: str | None = "NHWC",
-                    dimension_numbers: Any = None,
-                    lhs_dilation: int | Sequence[int] | None = None,
-                    rhs_dilation: int | Sequence[int] | None = None,
-                    feature_group_count: int = 1, batch_group_count: int = 1,
-                    **kwargs: Any) -> jax.Array:
+def register_conv2d(
+  y: jax.Array,
+  x: jax.Array,
+  w: jax.Array,
+  b: jax.Array | None = None,
+  *,
+  window_strides: int | Sequence[int] = 1,
+  padding: str | Sequence[tuple[int, int]] = "VALID",
+  data_format: str | None = "NHWC",
+  dimension_numbers: Any = None,
+  lhs_dilation: int | Sequence[int] | None = None,
+  rhs_dilation: int | Sequence[int] | None = None,
+  feature_group_count: int = 1,
+  batch_group_count: int = 1,
+  **kwargs: Any,
+) -> jax.Array:
   """Tags a 2-D convolution `y = conv(x, w) + b`.
 
   The convolution arguments mean what they mean for
@@ -453,19 +509,25 @@ def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
       `data_format`.
   """
   if jnp.ndim(x) != 4 or jnp.ndim(w) != 4:
-    raise ValueError("register_conv2d: inputs and kernel must be 4-D, got "
-                     f"{jnp.shape(x)} and {jnp.shape(w)}.")
+    raise ValueError(
+      "register_conv2d: inputs and kernel must be 4-D, got "
+      f"{jnp.shape(x)} and {jnp.shape(w)}."
+    )
   if dimension_numbers is None:
     if data_format not in ("NHWC", "NCHW"):
-      raise ValueError(f"register_conv2d: unknown data_format {data_format!r};"
-                       " use 'NHWC' or 'NCHW' or pass dimension_numbers.")
+      raise ValueError(
+        f"register_conv2d: unknown data_format {data_format!r};"
+        " use 'NHWC' or 'NCHW' or pass dimension_numbers."
+      )
     kernel = "HWIO" if data_format == "NHWC" else "OIHW"
     dimension_numbers = (data_format, kernel, data_format)
   dn = lax.conv_dimension_numbers(jnp.shape(x), jnp.shape(w), dimension_numbers)
   channels = jnp.shape(w)[dn.rhs_spec[0]]
   if b is not None and np.prod(jnp.shape(b)) != channels:
-    raise ValueError(f"register_conv2d: the bias must have one entry per "
-                     f"output channel ({channels}), got shape {jnp.shape(b)}.")
+    raise ValueError(
+      f"register_conv2d: the bias must have one entry per "
+      f"output channel ({channels}), got shape {jnp.shape(b)}."
+    )
   strides = _normalize_pairs(window_strides, 2, "window_strides")
   lhs_dilation = _normalize_pairs(lhs_dilation, 2, "lhs_dilation")
   rhs_dilation = _normalize_pairs(rhs_dilation, 2, "rhs_dilation")
@@ -476,17 +538,28 @@ def register_conv2d(y: jax.Array, x: jax.Array, w: jax.Array,
     padding = lax.padtype_to_pads(spatial_in, dilated_k, strides, padding)
   padding = tuple((int(lo), int(hi)) for lo, hi in padding)
   operands = (y, x, w) if b is None else (y, x, w, b)
-  return _single(conv2d.bind(
-      *operands, window_strides=strides, padding=padding,
-      dimension_numbers=dn, lhs_dilation=lhs_dilation,
-      rhs_dilation=rhs_dilation, feature_group_count=int(feature_group_count),
-      batch_group_count=int(batch_group_count), **kwargs))
+  return _single(
+    conv2d.bind(
+      *operands,
+      window_strides=strides,
+      padding=padding,
+      dimension_numbers=dn,
+      lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation,
+      feature_group_count=int(feature_group_count),
+      batch_group_count=int(batch_group_count),
+      **kwargs,
+    )
+  )
 
 
-def register_scale_and_shift(y: jax.Array, x: jax.Array,
-                             scale: jax.Array | None = None,
-                             shift: jax.Array | None = None,
-                             **kwargs: Any) -> jax.Array:
+def register_scale_and_shift(
+  y: jax.Array,
+  x: jax.Array,
+  scale: jax.Array | None = None,
+  shift: jax.Array | None = None,
+  **kwargs: Any,
+) -> jax.Array:
   """Tags `y = x * scale + shift`, where either term may be absent.
 
   Args:
@@ -505,12 +578,25 @@ def register_scale_and_shift(y: jax.Array, x: jax.Array,
   if scale is None and shift is None:
     raise ValueError("register_scale_and_shift needs a scale, a shift or both.")
   for name, p in (("scale", scale), ("shift", shift)):
-    if p is not None and jnp.ndim(p) >= jnp.ndim(x) and jnp.ndim(p) > 0 \
-        and np.prod(jnp.shape(p)[:jnp.ndim(p) - jnp.ndim(x) + 1]) != 1:
-      raise ValueError(f"register_scale_and_shift: the {name} of shape "
-                       f"{jnp.shape(p)} would vary over the batch axis of x "
-                       f"{jnp.shape(x)}.")
+    if (
+      p is not None
+      and jnp.ndim(p) >= jnp.ndim(x)
+      and jnp.ndim(p) > 0
+      and np.prod(jnp.shape(p)[: jnp.ndim(p) - jnp.ndim(x) + 1]) != 1
+    ):
+      raise ValueError(
+        f"register_scale_and_shift: the {name} of shape "
+        f"{jnp.shape(p)} would vary over the batch axis of x "
+        f"{jnp.shape(x)}."
+      )
   params = tuple(p for p in (scale, shift) if p is not None)
-  return _single(scale_and_shift.bind(
-      y, x, *params, has_scale=scale is not None,
-      has_shift=shift is not None, **kwargs))
+  return _single(
+    scale_and_shift.bind(
+      y,
+      x,
+      *params,
+      has_scale=scale is not None,
+      has_shift=shift is not None,
+      **kwargs,
+    )
+  )

@@ -62,16 +62,20 @@ def _eval_inlined(jaxpr, consts, *args):
     invals = [read(v) for v in eqn.invars]
     subs = list(jaxpr_utils.sub_jaxprs(eqn))
     if subs and any(_holds_tag(s) for s, _ in subs):
-      if eqn.primitive.name == "scan" and not _holds_tag(subs[0][0],
-                                                          tags.LossTag):
+      if eqn.primitive.name == "scan" and not _holds_tag(
+        subs[0][0], tags.LossTag
+      ):
         outvals = _eval_scan_inlined(eqn, invals)
-      elif (eqn.primitive.name not in jaxpr_utils.INLINABLE_PRIMITIVES
-            or len(subs) != 1):
+      elif (
+        eqn.primitive.name not in jaxpr_utils.INLINABLE_PRIMITIVES
+        or len(subs) != 1
+      ):
         raise TracingError(
-            f"A loss or layer tag sits inside a `{eqn.primitive.name}`, which "
-            "the tracer cannot flatten. Register losses outside of any "
-            "scan/while/cond, and layers outside of while/cond (layers inside "
-            "a scan over stacked parameters are supported).")
+          f"A loss or layer tag sits inside a `{eqn.primitive.name}`, which "
+          "the tracer cannot flatten. Register losses outside of any "
+          "scan/while/cond, and layers outside of while/cond (layers inside "
+          "a scan over stacked parameters are supported)."
+        )
       else:
         outvals = _eval_call_inlined(subs[0], invals)
     else:
@@ -94,7 +98,7 @@ def _eval_scan_inlined(eqn, invals):
 
   def body_fn(consts, carry, xs, _):
     outs = _eval_inlined(body.jaxpr, body.consts, *consts, *carry, *xs)
-    return outs[:len(carry)], outs[len(carry):], None
+    return outs[: len(carry)], outs[len(carry) :], None
 
   return jaxpr_utils.rebind_scan(eqn, invals, body_fn)[0]
 
@@ -102,6 +106,7 @@ def _eval_scan_inlined(eqn, invals):
 @dataclasses.dataclass(frozen=True)
 class _GenericParamsTag:
   """A stand-in generic tag equation for parameters that no tag claims."""
+
   invars: tuple
   primitive: tags.LayerTag = tags.generic
   params: dict = dataclasses.field(default_factory=dict)
@@ -120,6 +125,7 @@ class StackedLayerTag:
   of the layer (inputs, outputs, params) have a leading axis of size
   `length`, one entry per iteration.
   """
+
   inner: Any
   scan: Any
   params_vars: tuple
@@ -148,9 +154,10 @@ def _param_vars(tag) -> tuple:
 
 def _outputs_avals(tag) -> list:
   if isinstance(tag, StackedLayerTag):
-    return [jax.ShapeDtypeStruct((tag.length,) + tuple(v.aval.shape),
-                                 v.aval.dtype)
-            for v in tags.layer_eqn_parts(tag.inner)[0]]
+    return [
+      jax.ShapeDtypeStruct((tag.length,) + tuple(v.aval.shape), v.aval.dtype)
+      for v in tags.layer_eqn_parts(tag.inner)[0]
+    ]
   return [v.aval for v in tags.layer_eqn_parts(tag)[0]]
 
 
@@ -169,10 +176,15 @@ class ProcessedJaxpr:
       leaves of the params argument.
   """
 
-  def __init__(self, jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
-               in_tree: Any, params_index: int = 0,
-               allow_left_out_params: bool = False,
-               register_left_out_as_generic: bool = False):
+  def __init__(
+    self,
+    jaxpr: jex_core.Jaxpr,
+    consts: Sequence[Any],
+    in_tree: Any,
+    params_index: int = 0,
+    allow_left_out_params: bool = False,
+    register_left_out_as_generic: bool = False,
+  ):
     """Locates the tags of an already flattened jaxpr.
 
     Args:
@@ -197,37 +209,43 @@ class ProcessedJaxpr:
     in_vars = jax.tree.unflatten(in_tree, jaxpr.invars)
     if not 0 <= params_index < len(in_vars):
       raise TracingError(
-          f"params_index={params_index} but the function takes "
-          f"{len(in_vars)} positional arguments.")
+        f"params_index={params_index} but the function takes "
+        f"{len(in_vars)} positional arguments."
+      )
     self._in_vars = in_vars
     self._param_position = {
-        v: i for i, v in enumerate(jax.tree.leaves(in_vars[params_index]))}
+      v: i for i, v in enumerate(jax.tree.leaves(in_vars[params_index]))
+    }
 
     self.loss_tags = tuple(e for e in jaxpr.eqns if tags.is_loss_tag_eqn(e))
     if not self.loss_tags:
       raise TracingError(
-          "No loss was registered in the model function: call e.g. "
-          "estimators.register_softmax_cross_entropy_loss(logits, targets) "
-          "(or another estimators.register_*_loss) on the model's output.")
+        "No loss was registered in the model function: call e.g. "
+        "estimators.register_softmax_cross_entropy_loss(logits, targets) "
+        "(or another estimators.register_*_loss) on the model's output."
+      )
     layer_tags = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)]
     self._stacked_in = {}  # id(scan eqn) -> [(layer, inner tag eqn)]
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "scan" and _holds_tag(
-          eqn.params["jaxpr"].jaxpr, tags.LayerTag):
+        eqn.params["jaxpr"].jaxpr, tags.LayerTag
+      ):
         layer_tags.extend(self._stacked_tags(eqn))
     claimed = {}
     for eqn in layer_tags:
       for var in _param_vars(eqn):
         if var not in self._param_position:
           raise TracingError(
-              f"A {eqn.primitive.name} was given a parameter that is not a "
-              "leaf of the params argument (e.g. a reshaped or cast copy). "
-              "Pass the parameter arrays to the register_* call unchanged.")
+            f"A {eqn.primitive.name} was given a parameter that is not a "
+            "leaf of the params argument (e.g. a reshaped or cast copy). "
+            "Pass the parameter arrays to the register_* call unchanged."
+          )
         if var in claimed:
           raise TracingError(
-              f"Parameter #{self._param_position[var]} is registered in two "
-              f"layer tags ({claimed[var].primitive.name} and "
-              f"{eqn.primitive.name}); register each parameter once.")
+            f"Parameter #{self._param_position[var]} is registered in two "
+            f"layer tags ({claimed[var].primitive.name} and "
+            f"{eqn.primitive.name}); register each parameter once."
+          )
         claimed[var] = eqn
     left_out = [v for v in self.params_vars_flat if v not in claimed]
     if left_out and register_left_out_as_generic:
@@ -235,9 +253,10 @@ class ProcessedJaxpr:
     elif left_out and not allow_left_out_params:
       shapes = [tuple(v.aval.shape) for v in left_out]
       raise TracingError(
-          f"{len(left_out)} parameter(s) with shapes {shapes} are not in any "
-          "layer tag. Register them (e.g. estimators.register_generic) or let "
-          "the estimator register them (auto_register_tags=True).")
+        f"{len(left_out)} parameter(s) with shapes {shapes} are not in any "
+        "layer tag. Register them (e.g. estimators.register_generic) or let "
+        "the estimator register them (auto_register_tags=True)."
+      )
     indices = [self._layer_param_indices(e) for e in layer_tags]
     order = sorted(range(len(layer_tags)), key=lambda i: indices[i])
     self.layer_tags = tuple(layer_tags[i] for i in order)
@@ -246,7 +265,8 @@ class ProcessedJaxpr:
       if isinstance(tag, StackedLayerTag):
         self._stacked_in.setdefault(id(tag.scan), []).append((j, tag.inner))
     self._last_loss_position = max(
-        i for i, e in enumerate(jaxpr.eqns) if tags.is_loss_tag_eqn(e))
+      i for i, e in enumerate(jaxpr.eqns) if tags.is_loss_tag_eqn(e)
+    )
 
   def _layer_param_indices(self, eqn) -> tuple[int, ...]:
     return tuple(self._param_position[v] for v in _param_vars(eqn))
@@ -260,18 +280,20 @@ class ProcessedJaxpr:
     for eqn in body.eqns:
       if any(_holds_tag(sub) for sub, _ in jaxpr_utils.sub_jaxprs(eqn)):
         raise TracingError(
-            "A layer tag sits in a scan nested inside another scan; only one "
-            "level of stacked layers is supported.")
+          "A layer tag sits in a scan nested inside another scan; only one "
+          "level of stacked layers is supported."
+        )
       if not tags.is_layer_tag_eqn(eqn):
         continue
       params = tags.layer_eqn_parts(eqn)[2]
       outer = [scanned.get(v) for v in params]
       if any(v is None or v not in self._param_position for v in outer):
         raise TracingError(
-            f"A {eqn.primitive.name} inside a scan takes a parameter that is "
-            "not a slice of a stacked leaf of the params argument. Inside a "
-            "scan, register layers whose parameters are the scanned slices of "
-            "params leaves (as hk.experimental.layer_stack does).")
+          f"A {eqn.primitive.name} inside a scan takes a parameter that is "
+          "not a slice of a stacked leaf of the params argument. Inside a "
+          "scan, register layers whose parameters are the scanned slices of "
+          "params leaves (as hk.experimental.layer_stack does)."
+        )
       found.append(StackedLayerTag(eqn, scan, tuple(outer)))
     return found
 
@@ -301,10 +323,15 @@ class ProcessedJaxpr:
     return jax.tree.structure(self.params_vars)
 
   @classmethod
-  def make_from_func(cls, func: Callable, func_args: Sequence[Any],
-                     params_index: int = 0, auto_register_tags: bool = True,
-                     allow_left_out_params: bool = False,
-                     **auto_registration_kwargs) -> ProcessedJaxpr:
+  def make_from_func(
+    cls,
+    func: Callable,
+    func_args: Sequence[Any],
+    params_index: int = 0,
+    auto_register_tags: bool = True,
+    allow_left_out_params: bool = False,
+    **auto_registration_kwargs,
+  ) -> ProcessedJaxpr:
     """Traces `func(*func_args)` and builds the processed jaxpr.
 
     Args:
@@ -327,7 +354,8 @@ class ProcessedJaxpr:
     func_args = tuple(func_args)
     if auto_register_tags:
       func = graph_matcher.auto_register_tags(
-          func, func_args, params_index, **auto_registration_kwargs)
+        func, func_args, params_index, **auto_registration_kwargs
+      )
     flat_args, in_tree = jax.tree.flatten(func_args)
 
     def flat_func(*flat):
@@ -335,15 +363,21 @@ class ProcessedJaxpr:
 
     abstract_args = jaxpr_utils.shape_dtype_structs(flat_args)
     closed = jax.make_jaxpr(flat_func)(*abstract_args)
-    flat = jax.make_jaxpr(functools.partial(
-        _eval_inlined, closed.jaxpr, closed.consts))(*abstract_args)
-    return cls(flat.jaxpr, flat.consts, in_tree, params_index,
-               allow_left_out_params=allow_left_out_params,
-               register_left_out_as_generic=auto_register_tags)
+    flat = jax.make_jaxpr(
+      functools.partial(_eval_inlined, closed.jaxpr, closed.consts)
+    )(*abstract_args)
+    return cls(
+      flat.jaxpr,
+      flat.consts,
+      in_tree,
+      params_index,
+      allow_left_out_params=allow_left_out_params,
+      register_left_out_as_generic=auto_register_tags,
+    )
 
-  def evaluate_tags(self, flat_args: Sequence[Any],
-                    perturbations: Sequence[tuple] | None = None
-                    ) -> tuple[list[tuple], list[dict]]:
+  def evaluate_tags(
+    self, flat_args: Sequence[Any], perturbations: Sequence[tuple] | None = None
+  ) -> tuple[list[tuple], list[dict]]:
     """Runs the model up to its last loss tag.
 
     Args:
@@ -356,13 +390,13 @@ class ProcessedJaxpr:
       and per layer tag a dict of its `inputs`, `outputs` and `params`.
     """
     _, losses_args, layer_values = self._evaluate(
-        flat_args, perturbations,
-        self.jaxpr.eqns[:self._last_loss_position + 1])
+      flat_args, perturbations, self.jaxpr.eqns[: self._last_loss_position + 1]
+    )
     return losses_args, layer_values
 
-  def evaluate_outputs(self, flat_args: Sequence[Any],
-                       perturbations: Sequence[tuple] | None = None
-                       ) -> tuple[list, list[dict]]:
+  def evaluate_outputs(
+    self, flat_args: Sequence[Any], perturbations: Sequence[tuple] | None = None
+  ) -> tuple[list, list[dict]]:
     """Runs only what the function's outputs need.
 
     Args:
@@ -374,7 +408,8 @@ class ProcessedJaxpr:
       `evaluate_tags` gives them, for the layers that were run.
     """
     outputs, _, layer_values = self._evaluate(
-        flat_args, perturbations, self._output_eqns, self.jaxpr.outvars)
+      flat_args, perturbations, self._output_eqns, self.jaxpr.outvars
+    )
     return outputs, layer_values
 
   @functools.cached_property
@@ -382,14 +417,16 @@ class ProcessedJaxpr:
     """The equations the outputs depend on, in order: a value-and-grad
     function also holds its backward pass, which would only slow down
     compiling."""
-    needed = {v for v in self.jaxpr.outvars
-              if not isinstance(v, jex_core.Literal)}
+    needed = {
+      v for v in self.jaxpr.outvars if not isinstance(v, jex_core.Literal)
+    }
     kept = []
     for eqn in reversed(self.jaxpr.eqns):
       if any(v in needed for v in eqn.outvars):
         kept.append(eqn)
-        needed.update(v for v in eqn.invars
-                      if not isinstance(v, jex_core.Literal))
+        needed.update(
+          v for v in eqn.invars if not isinstance(v, jex_core.Literal)
+        )
     return tuple(reversed(kept))
 
   def _evaluate(self, flat_args, perturbations, eqns, outvars=()):
@@ -411,9 +448,13 @@ class ProcessedJaxpr:
       stacked = self._stacked_in.get(id(eqn))
       if stacked:
         outvals, stacked_values = _eval_stacked_scan(
-            eqn, invals, [inner for _, inner in stacked],
-            None if perturbations is None else
-            [perturbations[j] for j, _ in stacked])
+          eqn,
+          invals,
+          [inner for _, inner in stacked],
+          None
+          if perturbations is None
+          else [perturbations[j] for j, _ in stacked],
+        )
         for (j, _), (ins, outs) in zip(stacked, stacked_values):
           params = tuple(read(v) for v in _param_vars(self.layer_tags[j]))
           layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
@@ -423,8 +464,9 @@ class ProcessedJaxpr:
         losses_args.append(tuple(invals))
       elif id(eqn) in layer_position:
         j = layer_position[id(eqn)]
-        ins, outs, outvals = _read_layer_tag(eqn, invals, outvals,
-                                             perturbations, j)
+        ins, outs, outvals = _read_layer_tag(
+          eqn, invals, outvals, perturbations, j
+        )
         params = eqn.primitive.split_operands(invals)[2]
         layer_values[j] = dict(inputs=ins, outputs=outs, params=params)
       for var, val in zip(eqn.outvars, outvals):
@@ -451,17 +493,22 @@ class ProcessedJaxpr:
     """
     tag = self.layer_tags[index]
     if isinstance(tag, (StackedLayerTag, _GenericParamsTag)) or not any(
-        eqn is tag for eqn in self._output_eqns):
+      eqn is tag for eqn in self._output_eqns
+    ):
       return False
     tainted = set(_param_vars(tag))
     for eqn in self.jaxpr.eqns:
       if eqn is tag:
         continue
-      if any(not isinstance(v, jex_core.Literal) and v in tainted
-             for v in eqn.invars):
+      if any(
+        not isinstance(v, jex_core.Literal) and v in tainted for v in eqn.invars
+      ):
         tainted.update(eqn.outvars)
-    return not any(v in tainted for v in self.jaxpr.outvars
-                   if not isinstance(v, jex_core.Literal))
+    return not any(
+      v in tainted
+      for v in self.jaxpr.outvars
+      if not isinstance(v, jex_core.Literal)
+    )
 
   def perturbation_zeros(self) -> tuple[tuple[jax.Array, ...], ...]:
     """Zero perturbations for every layer.
@@ -470,8 +517,10 @@ class ProcessedJaxpr:
       One tuple per layer tag of zeros shaped like its outputs (stacked
       layers with their leading iteration axis).
     """
-    return tuple(tuple(jnp.zeros(a.shape, a.dtype) for a in _outputs_avals(t))
-                 for t in self.layer_tags)
+    return tuple(
+      tuple(jnp.zeros(a.shape, a.dtype) for a in _outputs_avals(t))
+      for t in self.layer_tags
+    )
 
   def make_losses(self, losses_args: Sequence[tuple]) -> tuple:
     """Builds the loss objects from loss tag operands.
@@ -483,8 +532,9 @@ class ProcessedJaxpr:
       One `LossFunction` per loss tag.
     """
     return tuple(
-        eqn.primitive.loss(*args, **eqn.params)
-        for eqn, args in zip(self.loss_tags, losses_args))
+      eqn.primitive.loss(*args, **eqn.params)
+      for eqn, args in zip(self.loss_tags, losses_args)
+    )
 
 
 def _read_layer_tag(eqn, invals, outvals, perturbations, index):
@@ -519,12 +569,13 @@ def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
       outvals = jaxpr_utils.bind_equation(eqn, vals)
       k = position.get(id(eqn))
       if k is not None:
-        ins, outs, outvals = _read_layer_tag(eqn, vals, outvals,
-                                             perturbation, k)
+        ins, outs, outvals = _read_layer_tag(
+          eqn, vals, outvals, perturbation, k
+        )
         recorded[k] = (ins, outs)
       env.update(zip(eqn.outvars, outvals))
     outs = [read(v) for v in body.jaxpr.outvars]
-    return outs[:len(carry)], outs[len(carry):], recorded
+    return outs[: len(carry)], outs[len(carry) :], recorded
 
   return jaxpr_utils.rebind_scan(scan, invals, body_fn, perturbations)
 
@@ -535,10 +586,14 @@ class TracedFunction:
   The signature is the arguments' tree structure, shapes and dtypes.
   """
 
-  def __init__(self, func: Callable, params_index: int,
-               auto_register_tags: bool = True,
-               raise_error_on_diff_jaxpr: bool = True,
-               **auto_registration_kwargs):
+  def __init__(
+    self,
+    func: Callable,
+    params_index: int,
+    auto_register_tags: bool = True,
+    raise_error_on_diff_jaxpr: bool = True,
+    **auto_registration_kwargs,
+  ):
     """Wraps `func`; nothing is traced yet.
 
     Args:
@@ -573,21 +628,28 @@ class TracedFunction:
     key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in self._cache:
       proc = ProcessedJaxpr.make_from_func(
-          self.func, func_args, self.params_index,
-          auto_register_tags=self.auto_register_tags, **self.kwargs)
+        self.func,
+        func_args,
+        self.params_index,
+        auto_register_tags=self.auto_register_tags,
+        **self.kwargs,
+      )
       if self._cache and self.raise_error_on_diff_jaxpr:
         first = next(iter(self._cache.values()))
         if first.layer_indices != proc.layer_indices or len(
-            first.loss_tags) != len(proc.loss_tags):
+          first.loss_tags
+        ) != len(proc.loss_tags):
           raise TracingError(
-              "Tracing the model with new argument shapes found different "
-              "loss or layer tags than before; the curvature blocks no longer "
-              "match the model.")
+            "Tracing the model with new argument shapes found different "
+            "loss or layer tags than before; the curvature blocks no longer "
+            "match the model."
+          )
       self._cache[key] = proc
     return self._cache[key]
 
-  def split(self, func_args: Sequence[Any]
-            ) -> tuple[ProcessedJaxpr, list, list[int]]:
+  def split(
+    self, func_args: Sequence[Any]
+  ) -> tuple[ProcessedJaxpr, list, list[int]]:
     """The processed jaxpr, the flat argument values and where the params are.
 
     Args:
@@ -599,8 +661,9 @@ class TracedFunction:
     """
     proc = self.processed(func_args)
     flat_args = jax.tree.leaves(tuple(func_args))
-    positions = [i for i, v in enumerate(proc.jaxpr.invars)
-                 if v in proc._param_position]
+    positions = [
+      i for i, v in enumerate(proc.jaxpr.invars) if v in proc._param_position
+    ]
     return proc, flat_args, positions
 
 
@@ -614,8 +677,9 @@ def _with_params(flat_args, positions, params_flat):
 _SHARED_TRACES = weakref.WeakKeyDictionary()
 
 
-def traced_function(func: Callable, params_index: int = 0,
-                    **kwargs) -> TracedFunction:
+def traced_function(
+  func: Callable, params_index: int = 0, **kwargs
+) -> TracedFunction:
   """The trace cache of `func`, shared when no options are given.
 
   Every transform of the same model function then reuses one
@@ -641,8 +705,10 @@ def traced_function(func: Callable, params_index: int = 0,
 
 
 def _deps(proc, losses_args):
-  return tuple(tuple(args[:len(e.primitive.parameter_dependants_names)])
-               for e, args in zip(proc.loss_tags, losses_args))
+  return tuple(
+    tuple(args[: len(e.primitive.parameter_dependants_names)])
+    for e, args in zip(proc.loss_tags, losses_args)
+  )
 
 
 def _loss_inputs_fn(traced: TracedFunction, func_args):
@@ -651,7 +717,8 @@ def _loss_inputs_fn(traced: TracedFunction, func_args):
 
   def f(params_flat):
     losses_args, _ = proc.evaluate_tags(
-        _with_params(flat_args, positions, params_flat))
+      _with_params(flat_args, positions, params_flat)
+    )
     return _deps(proc, losses_args), losses_args
 
   return proc, [flat_args[i] for i in positions], f
@@ -700,7 +767,8 @@ def loss_tags_jvp(func: Callable, params_index: int = 0) -> Callable:
   def transformed(func_args, params_tangents):
     proc, params_flat, f = _loss_inputs_fn(traced, func_args)
     (_, losses_args), (tangents, _) = jax.jvp(
-        f, (params_flat,), (jax.tree.leaves(params_tangents),))
+      f, (params_flat,), (jax.tree.leaves(params_tangents),)
+    )
     return proc.make_losses(losses_args), tangents
 
   return transformed
@@ -756,16 +824,20 @@ def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
       return sum(jnp.sum(loss.evaluate()) for loss in losses), losses_args
 
     _, hvp, losses_args = jax.jvp(
-        lambda p: jax.grad(total_loss, has_aux=True)(p), (params_flat,),
-        (jax.tree.leaves(params_tangents),), has_aux=True)
+      lambda p: jax.grad(total_loss, has_aux=True)(p),
+      (params_flat,),
+      (jax.tree.leaves(params_tangents),),
+      has_aux=True,
+    )
     return jax.tree.unflatten(proc.params_tree, hvp), proc.make_losses(
-        losses_args)
+      losses_args
+    )
 
   return transformed
 
 
 def layer_tags_vjp_parts(
-    traced: TracedFunction, func_args: Sequence[Any]
+  traced: TracedFunction, func_args: Sequence[Any]
 ) -> tuple[ProcessedJaxpr, tuple, list[dict], Callable]:
   """The pieces of `layer_tags_vjp`, kept apart so the estimators can vmap.
 
@@ -785,24 +857,28 @@ def layer_tags_vjp_parts(
 
   def f(p_flat, perturbations):
     losses_args, layer_values = proc.evaluate_tags(
-        _with_params(flat_args, positions, p_flat), perturbations)
+      _with_params(flat_args, positions, p_flat), perturbations
+    )
     return _deps(proc, losses_args), (losses_args, layer_values)
 
-  _, vjp, (losses_args, layer_values) = jax.vjp(f, params_flat, zeros,
-                                                has_aux=True)
+  _, vjp, (losses_args, layer_values) = jax.vjp(
+    f, params_flat, zeros, has_aux=True
+  )
 
   def tangents_fn(loss_tangents):
     loss_tangents = tuple(tuple(t) for t in loss_tangents)
     params_grads, outputs_grads = vjp(loss_tangents)
     return tuple(
-        (outputs_grads[j], tuple(params_grads[i] for i in idx))
-        for j, idx in enumerate(proc.layer_indices))
+      (outputs_grads[j], tuple(params_grads[i] for i in idx))
+      for j, idx in enumerate(proc.layer_indices)
+    )
 
   return proc, proc.make_losses(losses_args), layer_values, tangents_fn
 
 
-def layer_tags_value_vjp(traced: TracedFunction, func_args: Sequence[Any],
-                         layers: Sequence[int]) -> list[tuple[tuple, tuple]]:
+def layer_tags_value_vjp(
+  traced: TracedFunction, func_args: Sequence[Any], layers: Sequence[int]
+) -> list[tuple[tuple, tuple]]:
   """Layer inputs and output cotangents of a scalar function, in one pass.
 
   Args:
@@ -820,25 +896,30 @@ def layer_tags_value_vjp(traced: TracedFunction, func_args: Sequence[Any],
   proc, flat_args, _ = traced.split(func_args)
   out_aval = proc.jaxpr.outvars[0].aval
   if len(proc.jaxpr.outvars) != 1 or out_aval.shape != ():
-    raise TracingError("The function must return one scalar (the loss) to "
-                       "differentiate it at the layer outputs.")
+    raise TracingError(
+      "The function must return one scalar (the loss) to "
+      "differentiate it at the layer outputs."
+    )
   zeros = proc.perturbation_zeros()
 
   def value(perturbations):
     outputs, layer_values = proc.evaluate_outputs(
-        flat_args, [perturbations.get(j, zeros[j])
-                    for j in range(len(zeros))])
+      flat_args, [perturbations.get(j, zeros[j]) for j in range(len(zeros))]
+    )
     return outputs[0], [layer_values[j]["inputs"] for j in layers]
 
   _, vjp, inputs = jax.vjp(value, {j: zeros[j] for j in layers}, has_aux=True)
-  cotangents, = vjp(jnp.ones((), out_aval.dtype))
+  (cotangents,) = vjp(jnp.ones((), out_aval.dtype))
   return [(ins, cotangents[j]) for ins, j in zip(inputs, layers)]
 
 
-def layer_tags_vjp(func: Callable, params_index: int = 0,
-                   auto_register_tags: bool = True,
-                   raise_error_on_diff_jaxpr: bool = True,
-                   **auto_registration_kwargs) -> Callable:
+def layer_tags_vjp(
+  func: Callable,
+  params_index: int = 0,
+  auto_register_tags: bool = True,
+  raise_error_on_diff_jaxpr: bool = True,
+  **auto_registration_kwargs,
+) -> Callable:
   """Per-layer values and cotangents, for the curvature statistics.
 
   Args:
@@ -854,16 +935,21 @@ def layer_tags_vjp(func: Callable, params_index: int = 0,
     `inputs`, `outputs`, `params`, `outputs_tangent` and `params_tangent`.
   """
   traced = TracedFunction(
-      func, params_index, auto_register_tags=auto_register_tags,
-      raise_error_on_diff_jaxpr=raise_error_on_diff_jaxpr,
-      **auto_registration_kwargs)
+    func,
+    params_index,
+    auto_register_tags=auto_register_tags,
+    raise_error_on_diff_jaxpr=raise_error_on_diff_jaxpr,
+    **auto_registration_kwargs,
+  )
 
   def transformed(func_args):
     _, losses, values, tangents_fn = layer_tags_vjp_parts(traced, func_args)
 
     def vjp_func(tangents):
-      return [dict(v, outputs_tangent=o, params_tangent=p)
-              for v, (o, p) in zip(values, tangents_fn(tangents))]
+      return [
+        dict(v, outputs_tangent=o, params_tangent=p)
+        for v, (o, p) in zip(values, tangents_fn(tangents))
+      ]
 
     return losses, vjp_func
 

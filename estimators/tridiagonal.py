@@ -52,6 +52,7 @@ class LinkState:
       `Σ_{i|i+1}` at the last `update_cache` (empty without a cached
       inverse).
   """
+
   inputs_cross: utils.WeightedMovingAverage
   outputs_cross: utils.WeightedMovingAverage
   cache: dict
@@ -60,8 +61,10 @@ class LinkState:
 def _is_chain_layer(block) -> bool:
   # The coupling formulas hold for K-FAC's own statistics on layers with one
   # row per example; subclasses (EKFAC, TNT) estimate something else.
-  return (type(block) is curvature_blocks.DenseTwoKroneckerFactored
-          and block.layer_tag_primitive is tags.dense)
+  return (
+    type(block) is curvature_blocks.DenseTwoKroneckerFactored
+    and block.layer_tag_primitive is tags.dense
+  )
 
 
 def _as_matrix(block, vector):
@@ -75,8 +78,10 @@ def _as_matrix(block, vector):
 def _as_vector(block, matrix):
   if not block.has_bias:
     return (block.weight_from_matrix(matrix),)
-  return (block.weight_from_matrix(matrix[:-1]),
-          matrix[-1].reshape(block.parameters_shapes[1]))
+  return (
+    block.weight_from_matrix(matrix[:-1]),
+    matrix[-1].reshape(block.parameters_shapes[1]),
+  )
 
 
 def _rows(block, data):
@@ -114,6 +119,7 @@ def _generalized_eigh(other, base):
 class _Factors:
   """One layer's (possibly damped) factors and, towards the next layer of
   its chain, `Ψᴬ`, `Ψᴳ`, `C = Ψᴬ Ā_crossᵀ` and `D = Ψᴳ G_crossᵀ`."""
+
   a: jax.Array
   g: jax.Array
   psi: tuple | None = None
@@ -147,6 +153,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     Attributes:
       links: in `links` order.
     """
+
     links: tuple = ()
 
   # --- structure ---------------------------------------------------------
@@ -156,8 +163,10 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       return
     super()._finalize(func_args)
     position = {id(e): i for i, e in enumerate(self.jaxpr.jaxpr.eqns)}
-    order = sorted(range(self.num_blocks), key=lambda j: position.get(
-        id(self.jaxpr.layer_tags[j]), np.inf))
+    order = sorted(
+      range(self.num_blocks),
+      key=lambda j: position.get(id(self.jaxpr.layer_tags[j]), np.inf),
+    )
     chains, run = [], []
     for j in order + [None]:
       if j is not None and _is_chain_layer(self.blocks[j]):
@@ -177,15 +186,20 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
   @property
   def links(self) -> tuple[tuple[int, int], ...]:
     """Each coupled pair of consecutive layers, as block indices."""
-    return tuple(pair for chain in self.chains
-                 for pair in zip(chain[:-1], chain[1:]))
+    return tuple(
+      pair for chain in self.chains for pair in zip(chain[:-1], chain[1:])
+    )
 
   # --- state -------------------------------------------------------------
 
-  def init(self, rng: jax.Array, func_args: FuncArgs,
-           exact_powers_to_cache: ScalarOrSequence = None,
-           approx_powers_to_cache: ScalarOrSequence = None,
-           cache_eigenvalues: bool = False) -> "State":
+  def init(
+    self,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    exact_powers_to_cache: ScalarOrSequence = None,
+    approx_powers_to_cache: ScalarOrSequence = None,
+    cache_eigenvalues: bool = False,
+  ) -> "State":
     """Builds the blocks and chains; see `CurvatureEstimator.init`.
 
     Raises:
@@ -195,9 +209,10 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     approx = canonical_powers(approx_powers_to_cache)
     if exact or set(approx) - {-1}:
       raise ValueError(
-          "BlockTridiagonalCurvature caches only the inverse of the paper's "
-          "damped approximation: pass exact_powers_to_cache=None and "
-          f"approx_powers_to_cache=-1 (got exact={exact}, approx={approx}).")
+        "BlockTridiagonalCurvature caches only the inverse of the paper's "
+        "damped approximation: pass exact_powers_to_cache=None and "
+        f"approx_powers_to_cache=-1 (got exact={exact}, approx={approx})."
+      )
     base = super().init(rng, func_args, None, approx, cache_eigenvalues)
     links = []
     for i, j in self.links:
@@ -206,48 +221,71 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       dtype = self.blocks[i].parameters_dtype
       cache = {}
       if approx:  # `_link_cache`'s entries, for the first layer's `Σ`
-        shapes = dict(inputs_psi=(a_i, a_j), outputs_psi=(g_i, g_j),
-                      inputs_basis=(a_i, a_i), inputs_values=(a_i,),
-                      outputs_basis=(g_i, g_i), outputs_values=(g_i,))
+        shapes = dict(
+          inputs_psi=(a_i, a_j),
+          outputs_psi=(g_i, g_j),
+          inputs_basis=(a_i, a_i),
+          inputs_values=(a_i,),
+          outputs_basis=(g_i, g_i),
+          outputs_values=(g_i,),
+        )
         cache = {k: jnp.zeros(shape, dtype) for k, shape in shapes.items()}
       zeros = utils.WeightedMovingAverage.zeros
-      links.append(LinkState(zeros((a_i, a_j), dtype), zeros((g_i, g_j), dtype),
-                             cache))
+      links.append(
+        LinkState(zeros((a_i, a_j), dtype), zeros((g_i, g_j), dtype), cache)
+      )
     return self.State(base.blocks_states, tuple(links))
 
   def update_curvature_matrix_estimate(
-      self, state: "State", ema_old: Numeric, ema_new: Numeric,
-      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
-      pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None,
-      identity_weight: Numeric | None = None) -> "State":
+    self,
+    state: "State",
+    ema_old: Numeric,
+    ema_new: Numeric,
+    batch_size: Numeric,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    pmap_axis_name: str | None = None,
+    estimation_mode: str | None = None,
+    identity_weight: Numeric | None = None,
+  ) -> "State":
     del identity_weight  # the estimates do not depend on the damping
-    data = self.blocks_estimation_data(func_args, rng, estimation_mode,
-                                       batch_size)
+    data = self.blocks_estimation_data(
+      func_args, rng, estimation_mode, batch_size
+    )
     blocks_states = tuple(
-        curvature.update_block_estimate(b, s, d, ema_old, ema_new,
-                                        batch_size, pmap_axis_name)
-        for b, s, d in zip(self.blocks, state.blocks_states, data))
+      curvature.update_block_estimate(
+        b, s, d, ema_old, ema_new, batch_size, pmap_axis_name
+      )
+      for b, s, d in zip(self.blocks, state.blocks_states, data)
+    )
     links = []
     for (i, j), link in zip(self.links, state.links):
       x_i, dy_i = _rows(self.blocks[i], data[i])
       x_j, dy_j = _rows(self.blocks[j], data[j])
-      cross = (x_i.T @ x_j / batch_size,
-               jnp.einsum("sbo,sbp->op", dy_i, dy_j) / batch_size)
+      cross = (
+        x_i.T @ x_j / batch_size,
+        jnp.einsum("sbo,sbp->op", dy_i, dy_j) / batch_size,
+      )
       if pmap_axis_name is not None:
         cross = jax.lax.pmean(cross, pmap_axis_name)
-      links.append(dataclasses.replace(
-          link, inputs_cross=link.inputs_cross.update(cross[0], ema_old,
-                                                      ema_new),
-          outputs_cross=link.outputs_cross.update(cross[1], ema_old, ema_new)))
+      links.append(
+        dataclasses.replace(
+          link,
+          inputs_cross=link.inputs_cross.update(cross[0], ema_old, ema_new),
+          outputs_cross=link.outputs_cross.update(cross[1], ema_old, ema_new),
+        )
+      )
     return self.State(blocks_states, tuple(links))
 
-  def update_cache(self, state: "State",
-                   identity_weight: Numeric | Sequence[Numeric],
-                   exact_powers: ScalarOrSequence = None,
-                   approx_powers: ScalarOrSequence = None,
-                   eigenvalues: bool = False,
-                   pmap_axis_name: str | None = None) -> "State":
+  def update_cache(
+    self,
+    state: "State",
+    identity_weight: Numeric | Sequence[Numeric],
+    exact_powers: ScalarOrSequence = None,
+    approx_powers: ScalarOrSequence = None,
+    eigenvalues: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> "State":
     """Refreshes the cached damped inverse (`approx_powers=-1`).
 
     A chain's layers but its last are not refreshed as blocks (their
@@ -256,46 +294,66 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     generalized eigendecompositions).
     """
     self._require_finalized()
-    exact, approx = canonical_powers(exact_powers), canonical_powers(
-        approx_powers)
+    exact, approx = (
+      canonical_powers(exact_powers),
+      canonical_powers(approx_powers),
+    )
     if exact or set(approx) - {-1}:
-      raise ValueError("BlockTridiagonalCurvature refreshes only "
-                       f"approx_powers=-1, not exact={exact}, approx={approx}.")
+      raise ValueError(
+        "BlockTridiagonalCurvature refreshes only "
+        f"approx_powers=-1, not exact={exact}, approx={approx}."
+      )
     weights = self._per_block(identity_weight, "identity_weight")
     inner = {i for i, _ in self.links}
     # The pieces of work: each block refreshed as a block (all but a chain's
     # inner layers) and each chain's links.
     own = [j for j in range(self.num_blocks) if j not in inner]
-    fns = [lambda s, j=j: self.blocks[j].update_cache(
-        s, weights[j], None, approx, eigenvalues=eigenvalues) for j in own]
+    fns = [
+      lambda s, j=j: self.blocks[j].update_cache(
+        s, weights[j], None, approx, eigenvalues=eigenvalues
+      )
+      for j in own
+    ]
     args = [state.blocks_states[j] for j in own]
     costs = [distributed.refresh_cost(a) for a in args]
     chains = self.chains if approx else ()
     for chain in chains:
-      fns.append(lambda st, chain=chain: tuple(
-          _link_cache(f) for f in self._chain_factors(
-              st, weights, damped=True, chains=[chain]).values() if f.psi))
+      fns.append(
+        lambda st, chain=chain: tuple(
+          _link_cache(f)
+          for f in self._chain_factors(
+            st, weights, damped=True, chains=[chain]
+          ).values()
+          if f.psi
+        )
+      )
       args.append(state)
       costs.append(distributed.refresh_cost(self._chain_states(state, chain)))
     axis = pmap_axis_name if self.distributed_cache_updates else None
     results = iter(self._refresh(fns, args, costs, axis))
     blocks_states = list(state.blocks_states)
-    for j, refreshed in zip(own, self._newton_verdicts(
-        [state.blocks_states[j] for j in own],
-        [next(results) for _ in own])):
+    for j, refreshed in zip(
+      own,
+      self._newton_verdicts(
+        [state.blocks_states[j] for j in own], [next(results) for _ in own]
+      ),
+    ):
       blocks_states[j] = refreshed
     caches = {}
     for chain in chains:
       caches.update(zip(chain, next(results)))
-    links = tuple(dataclasses.replace(link, cache=caches[i]) if i in caches
-                  else link for (i, _), link in zip(self.links, state.links))
+    links = tuple(
+      dataclasses.replace(link, cache=caches[i]) if i in caches else link
+      for (i, _), link in zip(self.links, state.links)
+    )
     return self.State(tuple(blocks_states), links)
 
   def _chain_states(self, state, chain):
     """The block states and link states of one chain."""
-    return ([state.blocks_states[j] for j in chain],
-            [link for (i, _), link in zip(self.links, state.links)
-             if i in chain])
+    return (
+      [state.blocks_states[j] for j in chain],
+      [link for (i, _), link in zip(self.links, state.links) if i in chain],
+    )
 
   # --- products ------------------------------------------------------------
 
@@ -317,42 +375,61 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       a_cross, g_cross = link.inputs_cross.value, link.outputs_cross.value
       psi = (a_cross @ inverse(factors[j].a), g_cross @ inverse(factors[j].g))
       factors[i] = dataclasses.replace(
-          factors[i], psi=psi, cd=(psi[0] @ a_cross.T, psi[1] @ g_cross.T))
+        factors[i], psi=psi, cd=(psi[0] @ a_cross.T, psi[1] @ g_cross.T)
+      )
     return factors
 
-  def multiply_matpower(self, state: "State",
-                        parameter_structured_vector: Params,
-                        identity_weight: Numeric | Sequence[Numeric],
-                        power: float, exact_power: bool, use_cached: bool,
-                        pmap_axis_name: str | None = None) -> Params:
+  def multiply_matpower(
+    self,
+    state: "State",
+    parameter_structured_vector: Params,
+    identity_weight: Numeric | Sequence[Numeric],
+    power: float,
+    exact_power: bool,
+    use_cached: bool,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     if power not in (1, -1):
-      raise ValueError("BlockTridiagonalCurvature multiplies by its estimate "
-                       f"(power 1) or its damped inverse (power -1), not power "
-                       f"{power}.")
+      raise ValueError(
+        "BlockTridiagonalCurvature multiplies by its estimate "
+        f"(power 1) or its damped inverse (power -1), not power "
+        f"{power}."
+      )
     if power == -1 and exact_power:
       raise ValueError(
-          "The inverse of the block-tridiagonal estimate plus a multiple of "
-          "the identity has no tridiagonal structure; use exact_power=False "
-          "for the inverse of the paper's damped approximation.")
-    vectors = self.params_vector_to_blocks_vectors(
-        parameter_structured_vector)
+        "The inverse of the block-tridiagonal estimate plus a multiple of "
+        "the identity has no tridiagonal structure; use exact_power=False "
+        "for the inverse of the paper's damped approximation."
+      )
+    vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
     in_chain = {j for chain in self.chains for j in chain}
     # The pieces of work: each uncoupled block's product, each chain's.
     single = [j for j in range(self.num_blocks) if j not in in_chain]
-    fns = [lambda args, j=j: self.blocks[j].multiply_matpower(
-        *args, weights[j], power, exact_power=exact_power,
-        use_cached=use_cached) for j in single]
+    fns = [
+      lambda args, j=j: self.blocks[j].multiply_matpower(
+        *args, weights[j], power, exact_power=exact_power, use_cached=use_cached
+      )
+      for j in single
+    ]
     args = [(state.blocks_states[j], vectors[j]) for j in single]
-    costs = [distributed.product_cost(a[0], self.blocks[j].dim)
-             for j, a in zip(single, args)]
+    costs = [
+      distributed.product_cost(a[0], self.blocks[j].dim)
+      for j, a in zip(single, args)
+    ]
     for chain in self.chains:
-      fns.append(lambda args, chain=chain: self._chain_product(
-          chain, *args, weights, power, exact_power, use_cached))
+      fns.append(
+        lambda args, chain=chain: self._chain_product(
+          chain, *args, weights, power, exact_power, use_cached
+        )
+      )
       args.append((state, vectors))
-      costs.append(distributed.product_cost(
+      costs.append(
+        distributed.product_cost(
           self._chain_states(state, chain),
-          sum(self.blocks[j].dim for j in chain)))
+          sum(self.blocks[j].dim for j in chain),
+        )
+      )
     axis = pmap_axis_name if self.distributed_multiplies else None
     results = iter(distributed.map_blocks(fns, args, costs, axis))
     out = list(vectors)
@@ -363,8 +440,9 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
         out[j] = result
     return self.blocks_vectors_to_params_vector(tuple(out))
 
-  def _chain_product(self, chain, state, vectors, weights, power, exact_power,
-                     use_cached):
+  def _chain_product(
+    self, chain, state, vectors, weights, power, exact_power, use_cached
+  ):
     """One chain's part of `multiply_matpower`: its layers' results."""
     results = list(vectors)
     damped = not exact_power
@@ -373,19 +451,36 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       self._chain_multiply(chain, factors, results)
       if not damped:
         for j in chain:
-          results[j] = tuple(r + weights[j] * v for r, v in
-                             zip(results[j], vectors[j]))
+          results[j] = tuple(
+            r + weights[j] * v for r, v in zip(results[j], vectors[j])
+          )
     else:
-      caches = ({i: link.cache for (i, _), link in
-                 zip(self.links, state.links)} if use_cached else
-                {i: _link_cache(f) for i, f in self._chain_factors(
-                    state, weights, damped=True, chains=[chain]).items()
-                 if f.psi})
+      caches = (
+        {i: link.cache for (i, _), link in zip(self.links, state.links)}
+        if use_cached
+        else {
+          i: _link_cache(f)
+          for i, f in self._chain_factors(
+            state, weights, damped=True, chains=[chain]
+          ).items()
+          if f.psi
+        }
+      )
       root = chain[-1]
-      self._chain_inverse(chain, caches, results, lambda v: (
+      self._chain_inverse(
+        chain,
+        caches,
+        results,
+        lambda v: (
           self.blocks[root].multiply_inverse(
-              state.blocks_states[root], v, weights[root],
-              exact_power=False, use_cached=use_cached)))
+            state.blocks_states[root],
+            v,
+            weights[root],
+            exact_power=False,
+            use_cached=use_cached,
+          )
+        ),
+      )
     return tuple(results[j] for j in chain)
 
   def _chain_multiply(self, chain, factors, vectors):
@@ -413,52 +508,77 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     blocks = [self.blocks[j] for j in chain]
     v = [_as_matrix(b, vectors[j]) for b, j in zip(blocks, chain)]
     c = [caches.get(j) for j in chain]
-    u = [v[k] - c[k]["inputs_psi"] @ v[k + 1] @ c[k]["outputs_psi"].T
-         for k in range(len(v) - 1)] + [v[-1]]
+    u = [
+      v[k] - c[k]["inputs_psi"] @ v[k + 1] @ c[k]["outputs_psi"].T
+      for k in range(len(v) - 1)
+    ] + [v[-1]]
     w = []
     for k, b in enumerate(blocks[:-1]):
       k_a, k_g = c[k]["inputs_basis"], c[k]["outputs_basis"]
       grid = 1 - jnp.outer(c[k]["inputs_values"], c[k]["outputs_values"])
       w.append(k_a @ ((k_a.T @ u[k] @ k_g) / grid) @ k_g.T)
-    w.append(_as_matrix(blocks[-1], root_inverse(_as_vector(blocks[-1],
-                                                            u[-1]))))
+    w.append(
+      _as_matrix(blocks[-1], root_inverse(_as_vector(blocks[-1], u[-1])))
+    )
     for k in range(len(w) - 1, 0, -1):  # Ξᵀ
-      w[k] = w[k] - c[k - 1]["inputs_psi"].T @ w[k - 1] @ c[k - 1][
-          "outputs_psi"]
+      w[k] = (
+        w[k] - c[k - 1]["inputs_psi"].T @ w[k - 1] @ c[k - 1]["outputs_psi"]
+      )
     for b, j, m in zip(blocks, chain, w):
       vectors[j] = _as_vector(b, m)
 
   def multiply_inverse_of_gradient(
-      self, state: "State", grads: Params, func_args: FuncArgs,
-      identity_weight: Numeric | Sequence[Numeric] = 0.0,
-      exact_power: bool = False, use_cached: bool = False,
-      pmap_axis_name: str | None = None) -> Params:
+    self,
+    state: "State",
+    grads: Params,
+    func_args: FuncArgs,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
+    exact_power: bool = False,
+    use_cached: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     """`multiply_inverse(grads)`; coupled layers need the whole gradient."""
     del func_args
-    return self.multiply_inverse(state, grads, identity_weight,
-                                 exact_power=exact_power,
-                                 use_cached=use_cached,
-                                 pmap_axis_name=pmap_axis_name)
+    return self.multiply_inverse(
+      state,
+      grads,
+      identity_weight,
+      exact_power=exact_power,
+      use_cached=use_cached,
+      pmap_axis_name=pmap_axis_name,
+    )
 
   # --- dense exports -------------------------------------------------------
 
-  def to_dense_matrix(self, state: "State", use_cached: bool = False,
-                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
-                      exact_power: bool = True, power: float = 1) -> jax.Array:
+  def to_dense_matrix(
+    self,
+    state: "State",
+    use_cached: bool = False,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
+    exact_power: bool = True,
+    power: float = 1,
+  ) -> jax.Array:
     """`(C + identity_weight I) ** power` as a dense matrix, couplings
     included, in `ravel_pytree` order; see `multiply_matpower`."""
     self._require_finalized()
     shapes = [v.aval.shape for v in self.jaxpr.params_vars_flat]
-    dtype = jnp.result_type(*[v.aval.dtype
-                              for v in self.jaxpr.params_vars_flat])
-    zeros = jax.tree.unflatten(self.jaxpr.params_tree,
-                               [jnp.zeros(s, dtype) for s in shapes])
+    dtype = jnp.result_type(
+      *[v.aval.dtype for v in self.jaxpr.params_vars_flat]
+    )
+    zeros = jax.tree.unflatten(
+      self.jaxpr.params_tree, [jnp.zeros(s, dtype) for s in shapes]
+    )
     _, unravel = jax.flatten_util.ravel_pytree(zeros)
 
     def column(e):
-      out = self.multiply_matpower(state, unravel(e), identity_weight, power,
-                                   exact_power=exact_power,
-                                   use_cached=use_cached)
+      out = self.multiply_matpower(
+        state,
+        unravel(e),
+        identity_weight,
+        power,
+        exact_power=exact_power,
+        use_cached=use_cached,
+      )
       return jax.flatten_util.ravel_pytree(out)[0]
 
     return jax.vmap(column, out_axes=1)(jnp.eye(self.dim, dtype=dtype))
@@ -467,17 +587,26 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     """Eigenvalues of the undamped estimate: the uncoupled blocks' own, and
     each chain's from its dense matrix (so chains must be small enough)."""
     if use_cached:
-      raise ValueError("BlockTridiagonalCurvature does not cache eigenvalues;"
-                       " use use_cached=False.")
+      raise ValueError(
+        "BlockTridiagonalCurvature does not cache eigenvalues;"
+        " use use_cached=False."
+      )
     in_chain = {j for chain in self.chains for j in chain}
-    values = [b.eigenvalues(s, use_cached=False) for j, (b, s) in enumerate(
-        zip(self.blocks, state.blocks_states)) if j not in in_chain]
+    values = [
+      b.eigenvalues(s, use_cached=False)
+      for j, (b, s) in enumerate(zip(self.blocks, state.blocks_states))
+      if j not in in_chain
+    ]
     dense = self.to_dense_matrix(state)
     offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
     for chain in self.chains:
-      where = np.concatenate([np.arange(offsets[i], offsets[i + 1])
-                              for j in chain
-                              for i in self.jaxpr.layer_indices[j]])
+      where = np.concatenate(
+        [
+          np.arange(offsets[i], offsets[i + 1])
+          for j in chain
+          for i in self.jaxpr.layer_indices[j]
+        ]
+      )
       values.append(utils.psd_eigvalsh(dense[np.ix_(where, where)]))
     return jnp.concatenate(values)
 
@@ -487,6 +616,11 @@ def _link_cache(factors: _Factors) -> dict:
   c, d = factors.cd
   a_values, a_basis = _generalized_eigh(c, factors.a)
   g_values, g_basis = _generalized_eigh(d, factors.g)
-  return dict(inputs_psi=factors.psi[0], outputs_psi=factors.psi[1],
-              inputs_basis=a_basis, inputs_values=a_values,
-              outputs_basis=g_basis, outputs_values=g_values)
+  return dict(
+    inputs_psi=factors.psi[0],
+    outputs_psi=factors.psi[1],
+    inputs_basis=a_basis,
+    inputs_values=a_values,
+    outputs_basis=g_basis,
+    outputs_values=g_values,
+  )

@@ -33,19 +33,30 @@ class MLP(eqx.Module):
 
 _, static = eqx.partition(MLP(jax.random.PRNGKey(0)), eqx.is_array)
 model = curvbench.Model(
-    apply=lambda params, x: jax.vmap(eqx.combine(params, static))(x),
-    init=lambda rng, x: eqx.partition(MLP(rng), eqx.is_array)[0])
+  apply=lambda params, x: jax.vmap(eqx.combine(params, static))(x),
+  init=lambda rng, x: eqx.partition(MLP(rng), eqx.is_array)[0],
+)
 x, y = load_digits(return_X_y=True)
-curvbench.register_model("equinox_mlp", model, curvbench.Data(x / 16.0, y),
-                         loss="softmax_cross_entropy")
+curvbench.register_model(
+  "equinox_mlp",
+  model,
+  curvbench.Data(x / 16.0, y),
+  loss="softmax_cross_entropy",
+)
 
 if __name__ == "__main__":
   results = curvbench.measure(
-      "equinox_mlp", approximations=["kfac", "ekfac"],
-      measurements=["spectra"],
-      settings=["measure.spectra.references=[ggn]", *sys.argv[1:]])
+    "equinox_mlp",
+    approximations=["kfac", "ekfac"],
+    measurements=["spectra"],
+    settings=["measure.spectra.references=[ggn]", *sys.argv[1:]],
+  )
   quality = results.tables["quality"]
-  print(quality[quality.metric.eq("relative_frobenius")
-                & quality.level.eq("network")]
-        .groupby("method").value.median())
+  print(
+    quality[
+      quality.metric.eq("relative_frobenius") & quality.level.eq("network")
+    ]
+    .groupby("method")
+    .value.median()
+  )
   print("report:", results.report()["tables"][-1])

@@ -28,18 +28,27 @@ class MLP(nnx.Module):
 
 graph, _ = nnx.split(MLP(nnx.Rngs(0)))
 model = curvbench.Model(
-    apply=lambda params, x: nnx.merge(graph, params)(x),
-    init=lambda rng, x: nnx.split(MLP(nnx.Rngs(rng)))[1])
+  apply=lambda params, x: nnx.merge(graph, params)(x),
+  init=lambda rng, x: nnx.split(MLP(nnx.Rngs(rng)))[1],
+)
 x, y = load_digits(return_X_y=True)
-curvbench.register_model("nnx_mlp", model, curvbench.Data(x / 16.0, y),
-                         loss="softmax_cross_entropy")
+curvbench.register_model(
+  "nnx_mlp", model, curvbench.Data(x / 16.0, y), loss="softmax_cross_entropy"
+)
 
 if __name__ == "__main__":
   results = curvbench.measure(
-      "nnx_mlp", approximations=["kfac", "ekfac"], measurements=["spectra"],
-      settings=["measure.spectra.references=[ggn]", *sys.argv[1:]])
+    "nnx_mlp",
+    approximations=["kfac", "ekfac"],
+    measurements=["spectra"],
+    settings=["measure.spectra.references=[ggn]", *sys.argv[1:]],
+  )
   quality = results.tables["quality"]
-  print(quality[quality.metric.eq("relative_frobenius")
-                & quality.level.eq("network")]
-        .groupby("method").value.median())
+  print(
+    quality[
+      quality.metric.eq("relative_frobenius") & quality.level.eq("network")
+    ]
+    .groupby("method")
+    .value.median()
+  )
   print("report:", results.report()["tables"][-1])

@@ -17,19 +17,30 @@ from sklearn.datasets import load_digits
 
 import curvbench
 
-net = hk.without_apply_rng(hk.transform(
-    lambda x: hk.nets.MLP([16, 10], activation=jax.nn.tanh)(x)))
+net = hk.without_apply_rng(
+  hk.transform(lambda x: hk.nets.MLP([16, 10], activation=jax.nn.tanh)(x))
+)
 x, y = load_digits(return_X_y=True)
-curvbench.register_model("haiku_mlp", curvbench.Model(net.apply, init=net.init),
-                         curvbench.Data(x / 16.0, y),
-                         loss="softmax_cross_entropy")
+curvbench.register_model(
+  "haiku_mlp",
+  curvbench.Model(net.apply, init=net.init),
+  curvbench.Data(x / 16.0, y),
+  loss="softmax_cross_entropy",
+)
 
 if __name__ == "__main__":
   results = curvbench.measure(
-      "haiku_mlp", approximations=["kfac", "ekfac"], measurements=["spectra"],
-      settings=["measure.spectra.references=[ggn]", *sys.argv[1:]])
+    "haiku_mlp",
+    approximations=["kfac", "ekfac"],
+    measurements=["spectra"],
+    settings=["measure.spectra.references=[ggn]", *sys.argv[1:]],
+  )
   quality = results.tables["quality"]
-  print(quality[quality.metric.eq("relative_frobenius")
-                & quality.level.eq("network")]
-        .groupby("method").value.median())
+  print(
+    quality[
+      quality.metric.eq("relative_frobenius") & quality.level.eq("network")
+    ]
+    .groupby("method")
+    .value.median()
+  )
   print("report:", results.report()["tables"][-1])

@@ -25,21 +25,30 @@ class KFACDense(BlockDiagonal):
 
   name: str = "kfac_dense"
   blocks: ClassVar = {
-      "dense_tag": estimators.DenseTwoKroneckerFactored,
-      "conv2d_tag": estimators.Conv2DDiagonal,
-      "scale_and_shift_tag": estimators.ScaleAndShiftDiagonal}
+    "dense_tag": estimators.DenseTwoKroneckerFactored,
+    "conv2d_tag": estimators.Conv2DDiagonal,
+    "scale_and_shift_tag": estimators.ScaleAndShiftDiagonal,
+  }
 
 
 if __name__ == "__main__":
   import sys
 
   import curvbench
+
   results = curvbench.measure(
-      "convnet", approximations=["kfac", "kfac_dense", "diagonal"],
-      measurements=["spectra"], name="kfac_dense",
-      settings=["measure.spectra.references=[ggn]", *sys.argv[1:]])
+    "convnet",
+    approximations=["kfac", "kfac_dense", "diagonal"],
+    measurements=["spectra"],
+    name="kfac_dense",
+    settings=["measure.spectra.references=[ggn]", *sys.argv[1:]],
+  )
   quality = results.tables["quality"]
-  print(quality[quality.metric.eq("relative_frobenius")
-                & quality.level.eq("network")]
-        .groupby("method").value.median())
+  print(
+    quality[
+      quality.metric.eq("relative_frobenius") & quality.level.eq("network")
+    ]
+    .groupby("method")
+    .value.median()
+  )
   print("report:", results.report()["tables"][-1])

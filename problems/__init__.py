@@ -8,8 +8,14 @@ problem's defaults) and returns a `Problem`. The problems are the modules of
 """
 
 from problems import data, layers
-from problems.base import (LOSSES, PROBLEMS, TASKS, Network, Problem,
-                           ProblemSettings)
+from problems.base import (
+  LOSSES,
+  PROBLEMS,
+  TASKS,
+  Network,
+  Problem,
+  ProblemSettings,
+)
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
@@ -31,6 +37,7 @@ def _plain(settings) -> dict:
   """A plain dict from a dict or an OmegaConf config."""
   try:
     from omegaconf import DictConfig, OmegaConf
+
     if isinstance(settings, DictConfig):
       return OmegaConf.to_container(settings, resolve=True)
   except ImportError:
@@ -38,5 +45,17 @@ def _plain(settings) -> dict:
   return dict(settings)
 
 
-__all__ = ["DATASETS", "Dataset", "DatasetSettings", "LOSSES", "Network",
-           "PROBLEMS", "Problem", "ProblemSettings", "TASKS", "data", "layers", "make"]
+__all__ = [
+  "DATASETS",
+  "Dataset",
+  "DatasetSettings",
+  "LOSSES",
+  "Network",
+  "PROBLEMS",
+  "Problem",
+  "ProblemSettings",
+  "TASKS",
+  "data",
+  "layers",
+  "make",
+]

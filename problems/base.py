@@ -21,8 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
-from curvbench.components import (Choice, Component, Registry, Text, Whole,
-                                  dotted, setting)
+from curvbench.components import (
+  Choice,
+  Component,
+  Registry,
+  Text,
+  Whole,
+  dotted,
+  setting,
+)
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
@@ -44,7 +51,8 @@ def sequence_softmax_cross_entropy(logits, labels):
   for logits `(batch, positions, classes)`: registered as one categorical
   loss per example summed over its positions, weighted by 1 / positions."""
   logits = kfac.register_softmax_cross_entropy_loss(
-      logits, labels, weight=1.0 / logits.shape[1])
+    logits, labels, weight=1.0 / logits.shape[1]
+  )
   log_p = jax.nn.log_softmax(logits)
   return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1))
 
@@ -52,8 +60,11 @@ def sequence_softmax_cross_entropy(logits, labels):
 def sigmoid_cross_entropy(logits, targets):
   """Mean over the batch of the summed Bernoulli NLL of `targets`, registered."""
   logits = kfac.register_sigmoid_cross_entropy_loss(logits, targets)
-  per_pixel = (jnp.maximum(logits, 0) - logits * targets
-               + jnp.log1p(jnp.exp(-jnp.abs(logits))))
+  per_pixel = (
+    jnp.maximum(logits, 0)
+    - logits * targets
+    + jnp.log1p(jnp.exp(-jnp.abs(logits)))
+  )
   return jnp.mean(jnp.sum(per_pixel, axis=-1))
 
 
@@ -63,15 +74,19 @@ def squared_error(prediction, targets):
   return jnp.mean(0.5 * jnp.sum((targets - prediction) ** 2, axis=-1))
 
 
-LOSSES = {"softmax_cross_entropy": softmax_cross_entropy,
-          "sequence_softmax_cross_entropy": sequence_softmax_cross_entropy,
-          "sigmoid_cross_entropy": sigmoid_cross_entropy,
-          "squared_error": squared_error}
+LOSSES = {
+  "softmax_cross_entropy": softmax_cross_entropy,
+  "sequence_softmax_cross_entropy": sequence_softmax_cross_entropy,
+  "sigmoid_cross_entropy": sigmoid_cross_entropy,
+  "squared_error": squared_error,
+}
 
 
 def loss(name: str) -> Callable:
   if name not in LOSSES:
-    raise ValueError(f"Unknown loss {name!r}; choose one of {', '.join(LOSSES)}.")
+    raise ValueError(
+      f"Unknown loss {name!r}; choose one of {', '.join(LOSSES)}."
+    )
   return LOSSES[name]
 
 
@@ -112,39 +127,63 @@ class Problem:
     count = len(self.data.x_train)
     if count == 0:  # the loaders refuse this; a hand-made Dataset may not
       raise ValueError(
-          f"The {self.data.name} data has no training examples: give "
-          "problem.data sizes (num_train, num_test, ...) that leave some.")
+        f"The {self.data.name} data has no training examples: give "
+        "problem.data sizes (num_train, num_test, ...) that leave some."
+      )
     if self.batch_size < 1 or self.batch_size > count:
       raise ValueError(
-          f"batch_size={self.batch_size} must be between 1 and the {count} "
-          f"training examples of {self.data.name}: lower problem.batch_size "
-          "or train on more examples (problem.data).")
+        f"batch_size={self.batch_size} must be between 1 and the {count} "
+        f"training examples of {self.data.name}: lower problem.batch_size "
+        "or train on more examples (problem.data)."
+      )
 
   @classmethod
-  def from_model(cls, model: Callable, data: Dataset,
-                 settings: ProblemSettings, *, task: str,
-                 loss_name: str, with_state: bool = False) -> Problem:
+  def from_model(
+    cls,
+    model: Callable,
+    data: Dataset,
+    settings: ProblemSettings,
+    *,
+    task: str,
+    loss_name: str,
+    with_state: bool = False,
+  ) -> Problem:
     """A problem around the Haiku forward function `model(inputs)`, or with
     `with_state` `model(inputs, is_training)` keeping model state (batch
     norm's running averages, `hk.get_state`); its name and batch size come
     from its `settings`."""
     transform = hk.transform_with_state if with_state else hk.transform
-    return cls(name=settings.label or settings.name, task=task,
-               net=hk.without_apply_rng(transform(model)),
-               loss_name=loss_name, data=data,
-               batch_size=settings.batch_size,
-               layer_roles=settings.layer_roles)
+    return cls(
+      name=settings.label or settings.name,
+      task=task,
+      net=hk.without_apply_rng(transform(model)),
+      loss_name=loss_name,
+      data=data,
+      batch_size=settings.batch_size,
+      layer_roles=settings.layer_roles,
+    )
 
   @classmethod
-  def from_functions(cls, network: Network, data: Dataset,
-                     settings: ProblemSettings, *, task: str,
-                     loss_name: str) -> Problem:
+  def from_functions(
+    cls,
+    network: Network,
+    data: Dataset,
+    settings: ProblemSettings,
+    *,
+    task: str,
+    loss_name: str,
+  ) -> Problem:
     """A problem around any JAX model, given as a `Network`; its name and
     batch size come from its `settings`."""
-    return cls(name=settings.label or settings.name, task=task, net=network,
-               loss_name=loss_name, data=data,
-               batch_size=settings.batch_size,
-               layer_roles=settings.layer_roles)
+    return cls(
+      name=settings.label or settings.name,
+      task=task,
+      net=network,
+      loss_name=loss_name,
+      data=data,
+      batch_size=settings.batch_size,
+      layer_roles=settings.layer_roles,
+    )
 
   @property
   def has_state(self) -> bool:
@@ -191,8 +230,9 @@ class Problem:
   def evaluation_loss(self, params, batch, model_state=None):
     """The loss of `outputs(params, inputs, model_state)`."""
     inputs, targets = batch
-    return loss(self.loss_name)(self.outputs(params, inputs, model_state),
-                                targets)
+    return loss(self.loss_name)(
+      self.outputs(params, inputs, model_state), targets
+    )
 
   def error(self, params, batch, model_state=None):
     """The error the papers report, averaged over the batch, of
@@ -216,8 +256,9 @@ class Problem:
     """The model state before training (`{}` for a model without)."""
     if not self.has_state:
       return {}
-    return jax.jit(self._init, static_argnums=1)(jax.random.PRNGKey(0),
-                                                 dtype)[1]
+    return jax.jit(self._init, static_argnums=1)(jax.random.PRNGKey(0), dtype)[
+      1
+    ]
 
   def next_model_state(self, params, model_state, inputs):
     """The model state after a training step on `inputs` from `params`:
@@ -234,8 +275,9 @@ class Problem:
     if dtype is None:
       return params
     return jax.tree.map(
-        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
-        else p, params)
+      lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+      params,
+    )
 
   @property
   def num_params(self) -> int:
@@ -255,10 +297,15 @@ class Problem:
       raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
     return getattr(self.data, f"x_{split}"), getattr(self.data, f"y_{split}")
 
-  def batches(self, split: str = "train", batch_size: int | None = None,
-              seed: int | None = None, epochs: int | None = None,
-              dtype=np.float32, sizes: Iterator[int] | None = None
-              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  def batches(
+    self,
+    split: str = "train",
+    batch_size: int | None = None,
+    seed: int | None = None,
+    epochs: int | None = None,
+    dtype=np.float32,
+    sizes: Iterator[int] | None = None,
+  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Batches `(inputs, targets)`, reshuffled each epoch; the last partial
     batch of an epoch is dropped. Endless when `epochs` is None.
 
@@ -276,26 +323,34 @@ class Problem:
     order = np.random.default_rng([seed, epoch]).permutation(len(x))
     for size in sizes:
       if size > len(x):
-        raise ValueError(f"A batch of {size} does not fit the {len(x)} "
-                         f"{split} examples; lower the batch size or raise "
-                         "the data size.")
+        raise ValueError(
+          f"A batch of {size} does not fit the {len(x)} "
+          f"{split} examples; lower the batch size or raise "
+          "the data size."
+        )
       if start + size > len(x):
         epoch, start = epoch + 1, 0
         if epochs is not None and epoch >= epochs:
           return
         order = np.random.default_rng([seed, epoch]).permutation(len(x))
-      idx = order[start:start + size]
+      idx = order[start : start + size]
       start += size
       xb = x[idx].astype(dtype)
       yield xb, self.targets(xb, y[idx])
 
-  def fixed_batch(self, size: int | None = None, split: str = "train",
-                  dtype=np.float32, seed: int | None = None):
+  def fixed_batch(
+    self,
+    size: int | None = None,
+    split: str = "train",
+    dtype=np.float32,
+    seed: int | None = None,
+  ):
     """The first batch of the seed's order (for curvature measurements)."""
     return next(self.batches(split, size, seed=seed, dtype=dtype))
 
-  def evaluation_batch(self, size: int | None = None, dtype=np.float32,
-                       split: str = "test"):
+  def evaluation_batch(
+    self, size: int | None = None, dtype=np.float32, split: str = "test"
+  ):
     """The first `size` examples of `split` (all of them when None), in the
     split's stored order, so every run evaluates the same examples."""
     x, y = self._split(split)
@@ -303,12 +358,17 @@ class Problem:
     return x, self.targets(x, y[:size])
 
   def metadata(self) -> dict:
-    return dict(problem=self.name, task=self.task, loss=self.loss_name,
-                dataset=self.data.name, num_params=self.num_params,
-                batch_size=self.batch_size,
-                num_train=len(self.data.x_train),
-                num_test=len(self.data.x_test),
-                input_shape=list(self.data.input_shape))
+    return dict(
+      problem=self.name,
+      task=self.task,
+      loss=self.loss_name,
+      dataset=self.data.name,
+      num_params=self.num_params,
+      batch_size=self.batch_size,
+      num_train=len(self.data.x_train),
+      num_test=len(self.data.x_test),
+      input_shape=list(self.data.input_shape),
+    )
 
 
 @dataclasses.dataclass
@@ -322,11 +382,14 @@ class ProblemSettings(Component, abc.ABC):
   """
 
   label: str | None = setting(
-      None, Text(null=True), "the problem's name in records and reports "
-      "(null: its name)")
+    None,
+    Text(null=True),
+    "the problem's name in records and reports (null: its name)",
+  )
   batch_size: int = setting(64, Whole(1), "training batch size")
-  data: Any = setting(None, Choice(DATASETS),
-                      "the dataset: choose with problem/data=NAME")
+  data: Any = setting(
+    None, Choice(DATASETS), "the dataset: choose with problem/data=NAME"
+  )
   default_data: ClassVar[str] = "digits"
   # Whether the model reads token sequences (datasets with `tokens`) and
   # predicts a token at every position; the others read arrays of numbers.
@@ -343,11 +406,14 @@ class ProblemSettings(Component, abc.ABC):
     shape = data.input_shape()
     if len(shape) == 3:
       return None
-    images = [n for n in DATASETS
-              if len(DATASETS.defaults(n).input_shape()) == 3]
-    return (f"{dotted(prefix, 'data')}: the {self.name} needs images (H, W, "
-            f"C) but dataset {data.name!r} has inputs of shape {shape}; "
-            f"choose an image dataset (problem/data={', '.join(images)}).")
+    images = [
+      n for n in DATASETS if len(DATASETS.defaults(n).input_shape()) == 3
+    ]
+    return (
+      f"{dotted(prefix, 'data')}: the {self.name} needs images (H, W, "
+      f"C) but dataset {data.name!r} has inputs of shape {shape}; "
+      f"choose an image dataset (problem/data={', '.join(images)})."
+    )
 
   @property
   def couples_examples(self) -> bool:
@@ -359,8 +425,9 @@ class ProblemSettings(Component, abc.ABC):
   def build(self, data: Dataset) -> Problem:
     """The problem on `data`."""
 
-  def disagreements_with(self, data: DatasetSettings,
-                         prefix: str) -> Iterator[str]:
+  def disagreements_with(
+    self, data: DatasetSettings, prefix: str
+  ) -> Iterator[str]:
     """Why this model cannot use `data` (nothing where it can)."""
     return iter(())
 
@@ -368,25 +435,33 @@ class ProblemSettings(Component, abc.ABC):
     yield from super().disagreements(prefix)
     if self.data.tokens != self.sequence_model:
       wanted = "token sequences" if self.sequence_model else "numeric arrays"
-      fits = [n for n in DATASETS
-              if DATASETS.defaults(n).tokens == self.sequence_model]
-      yield (f"{prefix}.data: problem {self.name!r} reads {wanted} but "
-             f"dataset {self.data.name!r} does not hold them; choose "
-             f"problem/data={' or '.join(fits)}.")
+      fits = [
+        n
+        for n in DATASETS
+        if DATASETS.defaults(n).tokens == self.sequence_model
+      ]
+      yield (
+        f"{prefix}.data: problem {self.name!r} reads {wanted} but "
+        f"dataset {self.data.name!r} does not hold them; choose "
+        f"problem/data={' or '.join(fits)}."
+      )
       return
     yield from self.disagreements_with(self.data, prefix)
     sizes = self.data.sizes()
     if sizes is not None and self.batch_size > sizes[0]:
-      yield (f"{prefix}.batch_size={self.batch_size} is more than the "
-             f"{sizes[0]} training examples of dataset {self.data.name!r}: "
-             f"lower {prefix}.batch_size or train on more examples "
-             f"({prefix}.data).")
+      yield (
+        f"{prefix}.batch_size={self.batch_size} is more than the "
+        f"{sizes[0]} training examples of dataset {self.data.name!r}: "
+        f"lower {prefix}.batch_size or train on more examples "
+        f"({prefix}.data)."
+      )
 
   @classmethod
   def completed(cls, values):
     if values.get("data") is None:  # the model's own dataset
-      values = dict(values, data=dataclasses.asdict(
-          DATASETS.defaults(cls.default_data)))
+      values = dict(
+        values, data=dataclasses.asdict(DATASETS.defaults(cls.default_data))
+      )
     return values
 
 

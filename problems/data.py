@@ -25,12 +25,30 @@ from pathlib import Path
 import numpy as np
 
 # DataFileError, SPLIT_KEYS and arrays_sha256 are also read from here.
-from problems.datafiles import (SPLIT_KEYS, DataFileError, arrays_sha256,
-                                file_sha256, read_npz, save_npz)
+from problems.datafiles import (
+  SPLIT_KEYS,
+  DataFileError,
+  arrays_sha256,
+  file_sha256,
+  read_npz,
+  save_npz,
+)
 
-__all__ = ["DataFileError", "Dataset", "SPLIT_KEYS", "arrays_sha256",
-           "cache_dir", "cached", "data_dir", "find_file", "fingerprint",
-           "finished", "generated", "shuffle_split", "subset"]
+__all__ = [
+  "DataFileError",
+  "Dataset",
+  "SPLIT_KEYS",
+  "arrays_sha256",
+  "cache_dir",
+  "cached",
+  "data_dir",
+  "find_file",
+  "fingerprint",
+  "finished",
+  "generated",
+  "shuffle_split",
+  "subset",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +66,11 @@ class Dataset:
 
 
 def cache_dir(override: str | os.PathLike | None = None) -> Path:
-  path = override or os.environ.get("CURVBENCH_CACHE") or (
-      Path.home() / ".cache" / "curvbench")
+  path = (
+    override
+    or os.environ.get("CURVBENCH_CACHE")
+    or (Path.home() / ".cache" / "curvbench")
+  )
   return Path(path).expanduser()
 
 
@@ -95,8 +116,9 @@ def shuffle_split(x, y, num_test: int, seed: int) -> dict:
   `num_test` examples the test split."""
   order = np.random.default_rng(seed).permutation(len(x))
   test, train = order[:num_test], order[num_test:]
-  return dict(x_train=x[train], y_train=y[train], x_test=x[test],
-              y_test=y[test])
+  return dict(
+    x_train=x[train], y_train=y[train], x_test=x[test], y_test=y[test]
+  )
 
 
 # Examples a generator makes per seed (`generated`); changing it changes
@@ -110,14 +132,18 @@ def generated(count: int, make: Callable, seed: int, stream: int) -> tuple:
   own seed `(seed, stream, chunk)`, which draws a whole chunk's numbers and
   returns its first `n` examples; so the first N examples are the same
   whatever `count` is (a run on fewer examples sees a prefix)."""
-  parts = [make(np.random.default_rng([seed, stream, c]),
-                min(CHUNK, count - c * CHUNK))
-           for c in range(-(-count // CHUNK))]
+  parts = [
+    make(
+      np.random.default_rng([seed, stream, c]), min(CHUNK, count - c * CHUNK)
+    )
+    for c in range(-(-count // CHUNK))
+  ]
   return tuple(np.concatenate(p) for p in zip(*parts))
 
 
-def subset(arrays: dict, num_train: int | None, num_test: int | None,
-           source: str) -> dict:
+def subset(
+  arrays: dict, num_train: int | None, num_test: int | None, source: str
+) -> dict:
   """The first `num_train` / `num_test` examples of each split (all when
   None), refused where `source` has fewer."""
   out = dict(arrays)
@@ -126,8 +152,9 @@ def subset(arrays: dict, num_train: int | None, num_test: int | None,
       have = len(out[f"x_{split}"])
       if n > have:
         raise ValueError(
-            f"problem.data.num_{split}={n} asks for more {split} examples "
-            f"than {source} has ({have}); choose at most {have}.")
+          f"problem.data.num_{split}={n} asks for more {split} examples "
+          f"than {source} has ({have}); choose at most {have}."
+        )
       out[f"x_{split}"] = out[f"x_{split}"][:n]
       out[f"y_{split}"] = out[f"y_{split}"][:n]
   return out
@@ -137,24 +164,35 @@ def finished(name: str, arrays: dict, num_classes: int) -> Dataset:
   """The `Dataset` of split arrays, refused when a split is empty."""
   for split in ("train", "test"):
     if len(arrays[f"x_{split}"]) == 0:
-      raise ValueError(f"The {name} data has no {split} examples; give "
-                       "problem.data sizes that leave some in each split.")
-  return Dataset(name, arrays["x_train"].astype(np.float32),
-                 arrays["y_train"].astype(np.int32),
-                 arrays["x_test"].astype(np.float32),
-                 arrays["y_test"].astype(np.int32), num_classes)
+      raise ValueError(
+        f"The {name} data has no {split} examples; give "
+        "problem.data sizes that leave some in each split."
+      )
+  return Dataset(
+    name,
+    arrays["x_train"].astype(np.float32),
+    arrays["y_train"].astype(np.int32),
+    arrays["x_test"].astype(np.float32),
+    arrays["y_test"].astype(np.int32),
+    num_classes,
+  )
 
 
-def data_dir(given: str | None, what: str, layout: Callable[[Path], str],
-             fallback: Path | None = None) -> Path:
+def data_dir(
+  given: str | None,
+  what: str,
+  layout: Callable[[Path], str],
+  fallback: Path | None = None,
+) -> Path:
   """Where real data `what` is read from: `given`, else `$CURVBENCH_DATA`,
   else `fallback`; `layout(root)` says which files to put there."""
   path = given or os.environ.get("CURVBENCH_DATA") or fallback
   if not path:
     raise FileNotFoundError(
-        f"{what} is read from disk, never downloaded: set "
-        "problem.data.data_dir=/path/to/data or $CURVBENCH_DATA. "
-        f"{layout(Path('<data_dir>'))}")
+      f"{what} is read from disk, never downloaded: set "
+      "problem.data.data_dir=/path/to/data or $CURVBENCH_DATA. "
+      f"{layout(Path('<data_dir>'))}"
+    )
   return Path(path).expanduser()
 
 

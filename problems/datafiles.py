@@ -68,31 +68,37 @@ def read_npz(path: Path, keys, fix: str, checksum: bool = False) -> dict:
     start = f.read(4)
   if start != b"PK\x03\x04":
     raise DataFileError(
-        f"{path} is not an .npz archive (a zip of .npy arrays): it starts "
-        f"with the bytes {start!r}. {fix}".rstrip())
+      f"{path} is not an .npz archive (a zip of .npy arrays): it starts "
+      f"with the bytes {start!r}. {fix}".rstrip()
+    )
   try:
     with np.load(path, allow_pickle=False) as f:
       missing = [k for k in keys if k not in f.files]
       if missing:
         raise DataFileError(
-            f"{path} lacks the arrays {', '.join(missing)} (it holds "
-            f"{', '.join(f.files) or 'none'}; expected {', '.join(keys)}). "
-            f"{fix}".rstrip())
+          f"{path} lacks the arrays {', '.join(missing)} (it holds "
+          f"{', '.join(f.files) or 'none'}; expected {', '.join(keys)}). "
+          f"{fix}".rstrip()
+        )
       arrays = {k: f[k] for k in keys}
       recorded = str(f["sha256"]) if "sha256" in f.files else None
   except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
     if isinstance(e, DataFileError):
       raise
-    raise DataFileError(f"{path} is a damaged .npz archive ({e}). "
-                        f"{fix}".rstrip()) from e
+    raise DataFileError(
+      f"{path} is a damaged .npz archive ({e}). {fix}".rstrip()
+    ) from e
   if recorded is None and checksum:
-    raise DataFileError(f"{path} holds no sha256 of its arrays, so they "
-                        f"cannot be checked. {fix}".rstrip())
+    raise DataFileError(
+      f"{path} holds no sha256 of its arrays, so they "
+      f"cannot be checked. {fix}".rstrip()
+    )
   if recorded is not None and arrays_sha256(arrays) != recorded:
     raise DataFileError(
-        f"{path}'s arrays do not match the sha256 recorded when it was "
-        f"written ({recorded[:12]}...): the file was damaged or edited. "
-        f"{fix}".rstrip())
+      f"{path}'s arrays do not match the sha256 recorded when it was "
+      f"written ({recorded[:12]}...): the file was damaged or edited. "
+      f"{fix}".rstrip()
+    )
   return arrays
 
 
@@ -104,9 +110,10 @@ def leading_lengths(path: Path, keys) -> dict[str, int] | None:
       out = {}
       for key in keys:
         with archive.open(f"{key}.npy") as f:
-          read = {(1, 0): np.lib.format.read_array_header_1_0,
-                  (2, 0): np.lib.format.read_array_header_2_0}.get(
-                      np.lib.format.read_magic(f))
+          read = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+          }.get(np.lib.format.read_magic(f))
           if read is None:
             return None
           shape = read(f)[0]
@@ -139,17 +146,20 @@ def read_idx(path: Path, ndim: int, fix: str) -> np.ndarray:
   header = 4 + 4 * ndim
   if len(data) < header or data[:4] != bytes([0, 0, 8, ndim]):
     raise DataFileError(
-        f"{path} is not an IDX file of unsigned bytes with {ndim} "
-        f"dimension(s): its header is {data[:4].hex() or 'empty'}, expected "
-        f"{bytes([0, 0, 8, ndim]).hex()}. {fix}")
-  shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big")
-                for i in range(ndim))
+      f"{path} is not an IDX file of unsigned bytes with {ndim} "
+      f"dimension(s): its header is {data[:4].hex() or 'empty'}, expected "
+      f"{bytes([0, 0, 8, ndim]).hex()}. {fix}"
+    )
+  shape = tuple(
+    int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)
+  )
   size = int(np.prod(shape))
   if len(data) - header != size:
     raise DataFileError(
-        f"{path} is {'truncated' if len(data) - header < size else 'too long'}"
-        f": its header promises {size} bytes of data for shape {shape}, it "
-        f"holds {len(data) - header}. {fix}")
+      f"{path} is {'truncated' if len(data) - header < size else 'too long'}"
+      f": its header promises {size} bytes of data for shape {shape}, it "
+      f"holds {len(data) - header}. {fix}"
+    )
   return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
 
@@ -157,47 +167,65 @@ def _check_images(x, path, split: str, shapes, fix: str) -> np.ndarray:
   """`x` (pixel values 0..255) reshaped to `shapes[0]` per example, or an
   error naming the file; `shapes` lists the accepted per-example shapes."""
   name = f"{path}: x_{split}"
-  if not (np.issubdtype(x.dtype, np.integer)
-          or np.issubdtype(x.dtype, np.floating)):
-    raise DataFileError(f"{name} has dtype {x.dtype}; images must be "
-                        f"numbers (uint8 pixel values 0..255). {fix}")
+  if not (
+    np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+  ):
+    raise DataFileError(
+      f"{name} has dtype {x.dtype}; images must be "
+      f"numbers (uint8 pixel values 0..255). {fix}"
+    )
   if x.ndim < 1 or len(x) == 0:
     raise DataFileError(f"{name} holds no images (shape {x.shape}). {fix}")
   if tuple(x.shape[1:]) not in shapes:
     h, w, c = (shapes[0] + (0, 0, 0))[:3]
-    hint = (" (channels first: transpose it to NHWC)"
-            if x.shape[1:] == (c, h, w) else "")
+    hint = (
+      " (channels first: transpose it to NHWC)"
+      if x.shape[1:] == (c, h, w)
+      else ""
+    )
     raise DataFileError(
-        f"{name} has shape {x.shape}; each image must have shape "
-        f"{' or '.join(map(str, shapes))}{hint}. {fix}")
+      f"{name} has shape {x.shape}; each image must have shape "
+      f"{' or '.join(map(str, shapes))}{hint}. {fix}"
+    )
   if not np.issubdtype(x.dtype, np.uint8):
     lo, hi = float(np.min(x)), float(np.max(x))
     if not (np.isfinite(lo) and np.isfinite(hi) and 0 <= lo and hi <= 255):
-      raise DataFileError(f"{name} has values in [{lo:g}, {hi:g}]; pixel "
-                          f"values must lie in 0..255. {fix}")
+      raise DataFileError(
+        f"{name} has values in [{lo:g}, {hi:g}]; pixel "
+        f"values must lie in 0..255. {fix}"
+      )
     if np.issubdtype(x.dtype, np.floating) and np.any(x != np.round(x)):
       raise DataFileError(
-          f"{name} holds fractional values in [{lo:g}, {hi:g}]; store the "
-          f"pixel values 0..255 (uint8), not values already scaled. {fix}")
+        f"{name} holds fractional values in [{lo:g}, {hi:g}]; store the "
+        f"pixel values 0..255 (uint8), not values already scaled. {fix}"
+      )
   return x.reshape((len(x),) + shapes[0])
 
 
-def _check_labels(y, num_images: int, num_classes: int, path, split: str,
-                  fix: str) -> np.ndarray:
+def _check_labels(
+  y, num_images: int, num_classes: int, path, split: str, fix: str
+) -> np.ndarray:
   """`y` as a vector of `num_images` class indices, or an error."""
   name = f"{path}: y_{split}"
   if y.ndim == 2 and y.shape[1] == 1:
     y = y[:, 0]
   if y.ndim != 1 or len(y) != num_images:
-    raise DataFileError(f"{name} has shape {y.shape}; expected one label per "
-                        f"image, ({num_images},). {fix}")
-  if not (np.issubdtype(y.dtype, np.integer) or (
-      np.issubdtype(y.dtype, np.floating) and np.all(y == np.round(y)))):
-    raise DataFileError(f"{name} has dtype {y.dtype}; labels must be whole "
-                        f"numbers. {fix}")
+    raise DataFileError(
+      f"{name} has shape {y.shape}; expected one label per "
+      f"image, ({num_images},). {fix}"
+    )
+  if not (
+    np.issubdtype(y.dtype, np.integer)
+    or (np.issubdtype(y.dtype, np.floating) and np.all(y == np.round(y)))
+  ):
+    raise DataFileError(
+      f"{name} has dtype {y.dtype}; labels must be whole numbers. {fix}"
+    )
   if y.min() < 0 or y.max() >= num_classes:
-    raise DataFileError(f"{name} has labels in [{y.min()}, {y.max()}]; "
-                        f"expected 0..{num_classes - 1}. {fix}")
+    raise DataFileError(
+      f"{name} has labels in [{y.min()}, {y.max()}]; "
+      f"expected 0..{num_classes - 1}. {fix}"
+    )
   return y
 
 
@@ -206,6 +234,7 @@ def check_splits(arrays: dict, path, shapes, num_classes, fix) -> dict:
   for split in ("train", "test"):
     x = _check_images(arrays[f"x_{split}"], path, split, shapes, fix)
     out[f"x_{split}"] = x
-    out[f"y_{split}"] = _check_labels(arrays[f"y_{split}"], len(x),
-                                      num_classes, path, split, fix)
+    out[f"y_{split}"] = _check_labels(
+      arrays[f"y_{split}"], len(x), num_classes, path, split, fix
+    )
   return out

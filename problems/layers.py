@@ -47,16 +47,21 @@ class SparseInit:
 
   def __init__(self, connections: int = 15, stddev: float = 1.0):
     if isinstance(connections, bool) or not (
-        isinstance(connections, numbers.Integral) and connections >= 1):
-      raise ValueError(f"SparseInit(connections={connections!r}): give a "
-                       "whole number of incoming weights per unit, >= 1.")
+      isinstance(connections, numbers.Integral) and connections >= 1
+    ):
+      raise ValueError(
+        f"SparseInit(connections={connections!r}): give a "
+        "whole number of incoming weights per unit, >= 1."
+      )
     self.connections, self.stddev = connections, stddev
 
   def __call__(self, shape, dtype):
     if len(shape) < 2:
-      raise ValueError(f"SparseInit needs a weight of shape (inputs..., "
-                       f"units), got shape {tuple(shape)}; initialise biases "
-                       "with zeros.")
+      raise ValueError(
+        f"SparseInit needs a weight of shape (inputs..., "
+        f"units), got shape {tuple(shape)}; initialise biases "
+        "with zeros."
+      )
     fan_in, units = math.prod(shape[:-1]), shape[-1]
     pick, draw = jax.random.split(hk.next_rng_key())
     # Rank uniform noise down each column; the `connections` lowest ranks
@@ -79,7 +84,7 @@ class Dense(hk.Module):
 
   def __call__(self, x):
     d_in = x.shape[-1]
-    init = self.w_init or hk.initializers.RandomNormal(d_in ** -0.5)
+    init = self.w_init or hk.initializers.RandomNormal(d_in**-0.5)
     w = hk.get_parameter("w", (d_in, self.size), x.dtype, init)
     b = hk.get_parameter("b", (self.size,), x.dtype, jnp.zeros)
     return tag_dense(x @ w + b, x, w, b)
@@ -88,19 +93,26 @@ class Dense(hk.Module):
 class Conv2D(hk.Module):
   """A 'SAME'-padded NHWC convolution with bias."""
 
-  def __init__(self, channels: int, kernel: int = 3, stride: int = 1,
-               name=None):
+  def __init__(
+    self, channels: int, kernel: int = 3, stride: int = 1, name=None
+  ):
     super().__init__(name=name)
     self.channels, self.kernel, self.stride = channels, kernel, stride
 
   def __call__(self, x):
     shape = (self.kernel, self.kernel, x.shape[-1], self.channels)
-    init = hk.initializers.RandomNormal((2.0 / (self.kernel ** 2 * x.shape[-1])) ** 0.5)
+    init = hk.initializers.RandomNormal(
+      (2.0 / (self.kernel**2 * x.shape[-1])) ** 0.5
+    )
     w = hk.get_parameter("w", shape, x.dtype, init)
     b = hk.get_parameter("b", (self.channels,), x.dtype, jnp.zeros)
     strides = (self.stride, self.stride)
-    y = jax.lax.conv_general_dilated(
-        x, w, strides, "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + b
+    y = (
+      jax.lax.conv_general_dilated(
+        x, w, strides, "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      + b
+    )
     return tag_conv2d(y, x, w, b, window_strides=strides, padding="SAME")
 
 
@@ -126,13 +138,18 @@ class Normalize(hk.Module):
 
 
 ACTIVATIONS = {
-    "relu": jax.nn.relu, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid,
-    "softplus": jax.nn.softplus, "gelu": jax.nn.gelu, "linear": lambda x: x,
+  "relu": jax.nn.relu,
+  "tanh": jnp.tanh,
+  "sigmoid": jax.nn.sigmoid,
+  "softplus": jax.nn.softplus,
+  "gelu": jax.nn.gelu,
+  "linear": lambda x: x,
 }
 
 
 def activation(name: str):
   if name not in ACTIVATIONS:
-    raise ValueError(f"Unknown activation {name!r}; choose one of "
-                     f"{', '.join(ACTIVATIONS)}.")
+    raise ValueError(
+      f"Unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}."
+    )
   return ACTIVATIONS[name]

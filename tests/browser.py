@@ -25,18 +25,26 @@ import pytest
 
 CHROMIUM = os.environ.get("CURVBENCH_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-    "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage"]
-INSTALL_HINT = ("install it with `make browser` (as root) or "
-                "`apt-get install chromium`")
+  "--headless",
+  "--no-sandbox",
+  "--disable-gpu",
+  "--disable-quic",
+  "--no-first-run",
+  "--disable-background-networking",
+  "--disable-component-update",
+  "--disable-sync",
+  "--disable-dev-shm-usage",
+]
+INSTALL_HINT = (
+  "install it with `make browser` (as root) or `apt-get install chromium`"
+)
 
 
 @dataclasses.dataclass
 class BrowserPage:
   """A Playwright page and the errors it reported: console messages of
   type "error" and uncaught page exceptions."""
+
   page: object
   errors: list[str]
 
@@ -61,18 +69,25 @@ def launch_chromium():
   try:
     from playwright.sync_api import sync_playwright
   except ImportError:
-    _missing("the `playwright` package is not installed: run "
-             "`pip install -c constraints.txt -e '.[test]'`")
+    _missing(
+      "the `playwright` package is not installed: run "
+      "`pip install -c constraints.txt -e '.[test]'`"
+    )
   if not os.access(CHROMIUM, os.X_OK):
     _missing(f"no Chromium at {CHROMIUM}: {INSTALL_HINT}")
   with sync_playwright() as playwright:
     browser = playwright.chromium.launch(
-        executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+      executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+    )
     try:
       page = browser.new_context().new_page()
       errors: list[str] = []
-      page.on("console", lambda msg: errors.append(
-          f"console: {msg.text}") if msg.type == "error" else None)
+      page.on(
+        "console",
+        lambda msg: errors.append(f"console: {msg.text}")
+        if msg.type == "error"
+        else None,
+      )
       page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
       yield BrowserPage(page, errors)
     finally:

@@ -3,8 +3,9 @@
 import os
 
 # Must happen before JAX initialises its backends.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=2").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -29,6 +30,7 @@ def tiny():
   """A 235-parameter MLP from the mlp config, its float64 params and batch."""
   import problems
   from curvbench import config
+
   problem = problems.make(config.compose(*TINY_PROBLEM).problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
   return problem, params, problem.fixed_batch(dtype=np.float64)
@@ -47,25 +49,40 @@ def tiny_ggn(tiny):
   return np.asarray(jnp.einsum("ncp,ncd,ndq->pq", jac, hess, jac) / len(x))
 
 
-TINY = (*TINY_PROBLEM, "measure.spectra.references=[ggn]",
-        "measure.spectra.samples=1",
-        "measure.timing.repeats=2", "measure.timing.warmup=0",
-        "measure.training.num_steps=4", "measure.training.eval_every=2",
-        "measure.training.eval_size=50", "progress=false")
+TINY = (
+  *TINY_PROBLEM,
+  "measure.spectra.references=[ggn]",
+  "measure.spectra.samples=1",
+  "measure.timing.repeats=2",
+  "measure.timing.warmup=0",
+  "measure.training.num_steps=4",
+  "measure.training.eval_every=2",
+  "measure.training.eval_size=50",
+  "progress=false",
+)
 SWEEP = {
-    "spectra_kfac": ["measure=spectra", "curvature=kfac"],
-    "spectra_diag": ["measure=spectra", "curvature=diagonal",
-                     "curvature.mode=fisher_empirical"],
-    "timing_kfac": ["measure=timing", "curvature=kfac"],
-    "training_kfac": ["measure=training", "curvature=kfac"],
-    "training_adam": ["measure=training", "optimizer=adam"],
-    "training_exact": ["measure=training", "optimizer=preconditioned_sgd",
-                       "curvature=explicit_exact"],
-    "spectra_adam": ["measure=spectra", "optimizer=adam"],  # skipped
-    "spectra_steps": ["measure=spectra", "optimizer=sgd",
-                      "measure.spectra.steps=[0,2]",
-                      "measure.spectra.save_checkpoints=true"],
-    "training_kfac_exact": ["measure=training", "curvature=explicit_exact"],
+  "spectra_kfac": ["measure=spectra", "curvature=kfac"],
+  "spectra_diag": [
+    "measure=spectra",
+    "curvature=diagonal",
+    "curvature.mode=fisher_empirical",
+  ],
+  "timing_kfac": ["measure=timing", "curvature=kfac"],
+  "training_kfac": ["measure=training", "curvature=kfac"],
+  "training_adam": ["measure=training", "optimizer=adam"],
+  "training_exact": [
+    "measure=training",
+    "optimizer=preconditioned_sgd",
+    "curvature=explicit_exact",
+  ],
+  "spectra_adam": ["measure=spectra", "optimizer=adam"],  # skipped
+  "spectra_steps": [
+    "measure=spectra",
+    "optimizer=sgd",
+    "measure.spectra.steps=[0,2]",
+    "measure.spectra.save_checkpoints=true",
+  ],
+  "training_kfac_exact": ["measure=training", "curvature=explicit_exact"],
 }
 SKIPPED = ("spectra_adam", "training_kfac_exact")
 
@@ -80,6 +97,7 @@ def sweep(tmp_path_factory):
   the runs the other finished (workers go through the points in opposite
   orders, so neither waits long)."""
   from curvbench import config, records, runs
+
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   base = tmp_path_factory.getbasetemp()
   root = (base.parent if worker else base) / "sweep"
@@ -88,12 +106,13 @@ def sweep(tmp_path_factory):
     points.reverse()
   for name, o in points:
     runs.run(config.compose(*o, *TINY, "lock_wait_s=inf"), root / name)
-  status = {name: records.RunDir(root / name).marker()["status"]
-            for name in SWEEP}
+  status = {
+    name: records.RunDir(root / name).marker()["status"] for name in SWEEP
+  }
   return root, status
 
 
 def truncate(path, keep=0.5):
   """Cuts a file to `keep` of its bytes, as a crash mid-write would."""
   data = path.read_bytes()
-  path.write_bytes(data[:int(len(data) * keep)])
+  path.write_bytes(data[: int(len(data) * keep)])

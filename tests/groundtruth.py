@@ -22,6 +22,7 @@ import estimators as kfac
 
 # --- per-example losses: (registration, per-example loss of (z, t)) ----------
 
+
 def softmax_cross_entropy(z, t):
   """Softmax cross-entropy of one example's logits `z` at its label `t`."""
   return -jax.nn.log_softmax(z)[t]
@@ -36,19 +37,33 @@ def _squared(z, t, weight=1.0):
 
 
 LOSSES = {
-    "softmax": (lambda z, t: kfac.register_softmax_cross_entropy_loss(z, t),
-                softmax_cross_entropy, "int"),
-    "categorical": (
-        lambda z, t: kfac.register_categorical_predictive_distribution(z, t),
-        softmax_cross_entropy, "int"),
-    "sigmoid": (lambda z, t: kfac.register_sigmoid_cross_entropy_loss(z, t),
-                _sigmoid_xent, "binary"),
-    "squared": (lambda z, t: kfac.register_squared_error_loss(z, t, weight=0.7),
-                lambda z, t: _squared(z, t, 0.7), "real"),
-    "normal": (
-        lambda z, t: kfac.register_normal_predictive_distribution(
-            z, t, variance=2.0),
-        lambda z, t: jnp.sum((t - z) ** 2) / (2 * 2.0), "real"),
+  "softmax": (
+    lambda z, t: kfac.register_softmax_cross_entropy_loss(z, t),
+    softmax_cross_entropy,
+    "int",
+  ),
+  "categorical": (
+    lambda z, t: kfac.register_categorical_predictive_distribution(z, t),
+    softmax_cross_entropy,
+    "int",
+  ),
+  "sigmoid": (
+    lambda z, t: kfac.register_sigmoid_cross_entropy_loss(z, t),
+    _sigmoid_xent,
+    "binary",
+  ),
+  "squared": (
+    lambda z, t: kfac.register_squared_error_loss(z, t, weight=0.7),
+    lambda z, t: _squared(z, t, 0.7),
+    "real",
+  ),
+  "normal": (
+    lambda z, t: kfac.register_normal_predictive_distribution(
+      z, t, variance=2.0
+    ),
+    lambda z, t: jnp.sum((t - z) ** 2) / (2 * 2.0),
+    "real",
+  ),
 }
 
 
@@ -83,7 +98,8 @@ class Problem:
       jac = jax.jacobian(z_of)(flat).reshape(-1, flat.size)
       z = z_of(flat)
       hess = jax.hessian(self.per_example_loss)(z, ti).reshape(
-          jac.shape[0], jac.shape[0])
+        jac.shape[0], jac.shape[0]
+      )
       return jac.T @ hess @ jac
 
     return jnp.mean(jax.vmap(one)(x, t), axis=0)
@@ -93,8 +109,9 @@ class Problem:
     x, t = self.batch
 
     def loss(p, xi, ti):
-      return self.per_example_loss(self.forward(unravel(p), _as_batch(xi))[0],
-                                   ti)
+      return self.per_example_loss(
+        self.forward(unravel(p), _as_batch(xi))[0], ti
+      )
 
     return jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(flat, x, t)
 
@@ -126,18 +143,34 @@ def _problem(register, per_example, layers, params, batch):
     z = register(layers(p, x, True), t)
     return jnp.mean(jax.vmap(per_example)(z, t))
 
-  return Problem(tagged, lambda p, x: layers(p, x, False), per_example,
-                 params, batch, lambda p, x: layers(p, x, True))
+  return Problem(
+    tagged,
+    lambda p, x: layers(p, x, False),
+    per_example,
+    params,
+    batch,
+    lambda p, x: layers(p, x, True),
+  )
 
 
 def _init(rng, shapes):
   keys = jax.random.split(rng, len(shapes))
-  return {name: 0.5 * jax.random.normal(k, s)
-          for k, (name, s) in zip(keys, shapes.items())}
+  return {
+    name: 0.5 * jax.random.normal(k, s)
+    for k, (name, s) in zip(keys, shapes.items())
+  }
 
 
-def mlp(loss="softmax", batch=6, d_in=4, hidden=5, k=3, seed=0, bias=True,
-        activation=jnp.tanh):
+def mlp(
+  loss="softmax",
+  batch=6,
+  d_in=4,
+  hidden=5,
+  k=3,
+  seed=0,
+  bias=True,
+  activation=jnp.tanh,
+):
   register, per_example, target_kind = LOSSES[loss]
   rng = jax.random.PRNGKey(seed)
   shapes = {"w1": (d_in, hidden), "w2": (hidden, k)}
@@ -160,8 +193,15 @@ def mlp(loss="softmax", batch=6, d_in=4, hidden=5, k=3, seed=0, bias=True,
   return _problem(register, per_example, layers, params, (x, t))
 
 
-def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
-            padding="SAME", strides=2):
+def convnet(
+  loss="softmax",
+  batch=3,
+  data_format="NHWC",
+  k=3,
+  seed=0,
+  padding="SAME",
+  strides=2,
+):
   register, per_example, target_kind = LOSSES[loss]
   rng = jax.random.PRNGKey(seed)
   kernel = "HWIO" if data_format == "NHWC" else "OIHW"
@@ -171,20 +211,31 @@ def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
   x = jax.random.normal(jax.random.fold_in(rng, 1), xshape)
   dn = (data_format, kernel, data_format)
   feat = jax.eval_shape(
-      lambda: lax.conv_general_dilated(x, params["k"], (strides, strides),
-                                       padding, dimension_numbers=dn)).shape
-  params |= _init(jax.random.fold_in(rng, 3),
-                  {"w": (int(np.prod(feat[1:])), k), "b": (k,)})
+    lambda: lax.conv_general_dilated(
+      x, params["k"], (strides, strides), padding, dimension_numbers=dn
+    )
+  ).shape
+  params |= _init(
+    jax.random.fold_in(rng, 3), {"w": (int(np.prod(feat[1:])), k), "b": (k,)}
+  )
   t = make_targets(target_kind, jax.random.fold_in(rng, 2), batch, k)
   bias_shape = (1, 1, 1, 3) if data_format == "NHWC" else (1, 3, 1, 1)
 
   def layers(p, x, tag):
-    h = lax.conv_general_dilated(x, p["k"], (strides, strides), padding,
-                                 dimension_numbers=dn)
+    h = lax.conv_general_dilated(
+      x, p["k"], (strides, strides), padding, dimension_numbers=dn
+    )
     h = h + p["kb"].reshape(bias_shape)
     if tag:
-      h = kfac.register_conv2d(h, x, p["k"], p["kb"], window_strides=strides,
-                               padding=padding, data_format=data_format)
+      h = kfac.register_conv2d(
+        h,
+        x,
+        p["k"],
+        p["kb"],
+        window_strides=strides,
+        padding=padding,
+        data_format=data_format,
+      )
     a = jnp.tanh(h).reshape(x.shape[0], -1)
     z = a @ p["w"] + p["b"]
     if tag:
@@ -197,8 +248,9 @@ def convnet(loss="softmax", batch=3, data_format="NHWC", k=3, seed=0,
 def scale_shift_net(loss="squared", batch=5, seed=0):
   register, per_example, target_kind = LOSSES[loss]
   rng = jax.random.PRNGKey(seed)
-  params = _init(rng, {"w1": (3, 4), "b1": (4,), "scale": (4,),
-                       "shift": (4,), "w2": (4, 2)})
+  params = _init(
+    rng, {"w1": (3, 4), "b1": (4,), "scale": (4,), "shift": (4,), "w2": (4, 2)}
+  )
   params["scale"] = params["scale"] + 1.0
   x = jax.random.normal(jax.random.fold_in(rng, 1), (batch, 3))
   t = make_targets(target_kind, jax.random.fold_in(rng, 2), batch, 2)
@@ -236,8 +288,13 @@ def deep_linear(batch=7, seed=0):
     z = kfac.register_squared_error_loss(layers(p, x, True), t)
     return jnp.mean(jnp.sum((t - z) ** 2, -1))
 
-  return Problem(tagged, lambda p, x: layers(p, x, False),
-                 lambda z, t: _squared(z, t), params, (x, t))
+  return Problem(
+    tagged,
+    lambda p, x: layers(p, x, False),
+    lambda z, t: _squared(z, t),
+    params,
+    (x, t),
+  )
 
 
 def random_normal(seed, *shape):
@@ -264,7 +321,7 @@ def block_mask(problem: Problem, groups):
   for g, group in enumerate(groups):
     for name in group:
       i = names.index(name)
-      owner[offsets[i]:offsets[i + 1]] = g
+      owner[offsets[i] : offsets[i + 1]] = g
   return (owner[:, None] == owner[None, :]).astype(np.float64)
 
 
@@ -279,7 +336,15 @@ def layer_stack_params(rng=np.random.default_rng(0)):
   `ws` and `bs` hold the middle layers' weights and biases stacked on a
   leading axis; `w0`/`b0` and `w1`/`b1` are the first and last layers.
   """
+
   def normal(*shape):
     return rng.normal(size=shape)
-  return dict(w0=normal(4, 3), b0=normal(3), ws=normal(STACK, 3, 3),
-              bs=normal(STACK, 3), w1=normal(3, 2), b1=normal(2))
+
+  return dict(
+    w0=normal(4, 3),
+    b0=normal(3),
+    ws=normal(STACK, 3, 3),
+    bs=normal(STACK, 3),
+    w1=normal(3, 2),
+    b1=normal(2),
+  )

@@ -17,8 +17,12 @@ SHORT = tuple(s for s in TINY if not s.startswith("problem."))
 
 def _init(rng, x):
   one, two = jax.random.split(rng)
-  return dict(w1=jax.random.normal(one, (x.shape[1], 6)) / 2, b1=jnp.zeros(6),
-              w2=jax.random.normal(two, (6, 2)) / 2, b2=jnp.zeros(2))
+  return dict(
+    w1=jax.random.normal(one, (x.shape[1], 6)) / 2,
+    b1=jnp.zeros(6),
+    w2=jax.random.normal(two, (6, 2)) / 2,
+    b2=jnp.zeros(2),
+  )
 
 
 def _apply(p, x):
@@ -37,24 +41,34 @@ def forget():
   names = []
   yield names
   for name in names:
-    for registry, key in ((problems.PROBLEMS, name),
-                          (problems.DATASETS, f"{name}_data")):
+    for registry, key in (
+      (problems.PROBLEMS, name),
+      (problems.DATASETS, f"{name}_data"),
+    ):
       if key in registry:
         registry.unregister(key)
 
 
 @pytest.mark.slow
 def test_a_regression_model_of_plain_jax_runs_every_measurement(
-    tmp_path, monkeypatch, forget):
+  tmp_path, monkeypatch, forget
+):
   forget.append("sine")
   monkeypatch.chdir(tmp_path)  # nothing depends on the working directory
   results = curvbench.measure(
-      curvbench.Model(_apply, init=_init), _regression(), task="regression",
-      name="sine", approximations=["kfac", "diagonal"],
-      measurements=["spectra", "timing", "training"],
-      optimizers=["kfac", "adam"], batch_size=16, settings=SHORT)
+    curvbench.Model(_apply, init=_init),
+    _regression(),
+    task="regression",
+    name="sine",
+    approximations=["kfac", "diagonal"],
+    measurements=["spectra", "timing", "training"],
+    optimizers=["kfac", "adam"],
+    batch_size=16,
+    settings=SHORT,
+  )
   assert results.path == tmp_path.joinpath("reports", "sine").relative_to(
-      tmp_path)
+    tmp_path
+  )
   status = results.runs.status.value_counts().to_dict()
   assert status["complete"] >= 6, status
   quality = results.tables["quality"]
@@ -69,10 +83,16 @@ def test_a_regression_model_of_plain_jax_runs_every_measurement(
   # Asked again, every run is found finished, none is redone.
   stamps = {p: p.stat().st_mtime for p in results.path.rglob("DONE.json")}
   again = curvbench.measure(
-      curvbench.Model(_apply, init=_init), _regression(), task="regression",
-      name="sine", approximations=["kfac", "diagonal"],
-      measurements=["spectra", "timing", "training"],
-      optimizers=["kfac", "adam"], batch_size=16, settings=SHORT)
+    curvbench.Model(_apply, init=_init),
+    _regression(),
+    task="regression",
+    name="sine",
+    approximations=["kfac", "diagonal"],
+    measurements=["spectra", "timing", "training"],
+    optimizers=["kfac", "adam"],
+    batch_size=16,
+    settings=SHORT,
+  )
   assert {p: p.stat().st_mtime for p in again.path.rglob("DONE.json")} == stamps
   written = results.report()
   assert written["self_check"] == []
@@ -83,30 +103,41 @@ def test_a_regression_model_of_plain_jax_runs_every_measurement(
 def test_the_models_computation_and_data_are_its_identity(forget):
   forget.append("ident")
   data = _regression(40)
-  curvbench.register_model("ident", curvbench.Model(_apply, init=_init), data,
-                           task="regression")
+  curvbench.register_model(
+    "ident", curvbench.Model(_apply, init=_init), data, task="regression"
+  )
   cfg = config.compose("problem=ident")
   first = provenance.inputs(cfg)
   assert first["plugins"] and first["dataset"].startswith("arrays given")
   # Run again in a notebook: the new model replaces the old one.
   curvbench.register_model(
-      "ident", curvbench.Model(lambda p, x: jnp.sin(_apply(p, x)),
-                               init=_init), data, task="regression")
+    "ident",
+    curvbench.Model(lambda p, x: jnp.sin(_apply(p, x)), init=_init),
+    data,
+    task="regression",
+  )
   second = provenance.inputs(config.compose("problem=ident"))
   assert second["plugins"] != first["plugins"]
   assert second["dataset"] == first["dataset"]
   moved = curvbench.Data(data.x_train + 1, data.y_train)
-  curvbench.register_model("ident", curvbench.Model(_apply, init=_init),
-                           moved, task="regression")
-  assert provenance.inputs(config.compose("problem=ident"))["dataset"] \
-      != first["dataset"]
+  curvbench.register_model(
+    "ident", curvbench.Model(_apply, init=_init), moved, task="regression"
+  )
+  assert (
+    provenance.inputs(config.compose("problem=ident"))["dataset"]
+    != first["dataset"]
+  )
 
 
 def test_fixed_parameters_and_a_held_out_test_split(forget):
   forget.append("fixed")
   params = _init(jax.random.PRNGKey(3), np.zeros((1, 3)))
-  curvbench.register_model("fixed", curvbench.Model(_apply, params=params),
-                           _regression(50), task="regression")
+  curvbench.register_model(
+    "fixed",
+    curvbench.Model(_apply, params=params),
+    _regression(50),
+    task="regression",
+  )
   problem = problems.make({"name": "fixed"})
   assert (len(problem.data.x_train), len(problem.data.x_test)) == (40, 10)
   got = problem.init_params(jax.random.PRNGKey(0), np.float64)
@@ -114,24 +145,43 @@ def test_fixed_parameters_and_a_held_out_test_split(forget):
   np.testing.assert_allclose(got["w1"], params["w1"])
 
 
-@pytest.mark.parametrize("call, message", [
+@pytest.mark.parametrize(
+  "call, message",
+  [
     (lambda: curvbench.Model(_apply), "exactly one of init="),
-    (lambda: curvbench.register_model(
-        "mlp", curvbench.Model(_apply, init=_init), _regression(),
-        task="regression"),
-     "Two problems are registered as 'mlp': problems.models.mlp.MLP and "),
-    (lambda: curvbench.register_model(
-        "bad", curvbench.Model(_apply, init=_init),
-        curvbench.Data(np.zeros((5, 3)), np.zeros(4))),
-     "5 training inputs but 4 targets"),
-    (lambda: curvbench.register_model(
-        "bad", curvbench.Model(_apply, init=_init), _regression(),
-        loss="hinge"), "Unknown loss 'hinge'"),
-    (lambda: curvbench.measure(curvbench.Model(_apply, init=_init)),
-     "needs data=Data"),
-    (lambda: curvbench.measure("mlp", approximations=["kfca"]),
-     "did you mean kfac"),
-])
+    (
+      lambda: curvbench.register_model(
+        "mlp",
+        curvbench.Model(_apply, init=_init),
+        _regression(),
+        task="regression",
+      ),
+      "Two problems are registered as 'mlp': problems.models.mlp.MLP and ",
+    ),
+    (
+      lambda: curvbench.register_model(
+        "bad",
+        curvbench.Model(_apply, init=_init),
+        curvbench.Data(np.zeros((5, 3)), np.zeros(4)),
+      ),
+      "5 training inputs but 4 targets",
+    ),
+    (
+      lambda: curvbench.register_model(
+        "bad", curvbench.Model(_apply, init=_init), _regression(), loss="hinge"
+      ),
+      "Unknown loss 'hinge'",
+    ),
+    (
+      lambda: curvbench.measure(curvbench.Model(_apply, init=_init)),
+      "needs data=Data",
+    ),
+    (
+      lambda: curvbench.measure("mlp", approximations=["kfca"]),
+      "did you mean kfac",
+    ),
+  ],
+)
 def test_bad_input_is_refused_naming_what_to_fix(call, message, forget):
   forget.append("bad")
   with pytest.raises((ValueError, TypeError), match=message):

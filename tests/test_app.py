@@ -21,24 +21,41 @@ from tests.conftest import SKIPPED, SWEEP, TINY
 
 def test_runs_write_records_and_metadata(sweep):
   root, status = sweep
-  assert status == {n: "skipped" if n in SKIPPED else "complete"
-                    for n in SWEEP}
+  assert status == {n: "skipped" if n in SKIPPED else "complete" for n in SWEEP}
   run = records.RunDir(root / "spectra_kfac")
-  for name in ("config.yaml", "environment.json", "metadata.json",
-               "registration.json", "spectra.parquet", "quality.parquet"):
+  for name in (
+    "config.yaml",
+    "environment.json",
+    "metadata.json",
+    "registration.json",
+    "spectra.parquet",
+    "quality.parquet",
+  ):
     assert (run.path / name).stat().st_size > 0, name
   blocks = json.loads((run.path / "registration.json").read_text())["blocks"]
   assert [b["block_class"] for b in blocks] == ["DenseTwoKroneckerFactored"] * 2
   quality = run.tables()["quality"]
-  assert {"problem", "method", "block_type", "mode", "metric", "value",
-          "reference"} <= set(quality.columns)
-  methods = {name: records.RunDir(root / name).tables()["training"]
-             .method.unique().tolist() for name in
-             ("training_kfac", "training_adam", "training_exact")}
-  assert methods == {"training_kfac": ["kfac[kfac/ggn_exact]"],
-                     "training_adam": ["adam"],
-                     "training_exact": [
-                         "preconditioned_sgd[explicit_exact/ggn_exact]"]}
+  assert {
+    "problem",
+    "method",
+    "block_type",
+    "mode",
+    "metric",
+    "value",
+    "reference",
+  } <= set(quality.columns)
+  methods = {
+    name: records.RunDir(root / name)
+    .tables()["training"]
+    .method.unique()
+    .tolist()
+    for name in ("training_kfac", "training_adam", "training_exact")
+  }
+  assert methods == {
+    "training_kfac": ["kfac[kfac/ggn_exact]"],
+    "training_adam": ["adam"],
+    "training_exact": ["preconditioned_sgd[explicit_exact/ggn_exact]"],
+  }
   reason = records.RunDir(root / "training_kfac_exact").marker()["reason"]
   assert "cannot train with curvature=explicit_exact" in reason
 
@@ -66,35 +83,49 @@ def test_spectra_along_training_and_from_its_checkpoints(sweep, tmp_path):
   programs = cost[~cost.phase.isin(host)]
   assert (programs.run_s > 0).all() and (programs.program_bytes > 0).all()
   # Every eigendecomposition is a phase of its own.
-  assert {"eigh exact ggn", "eigh approx block dense_0",
-          "eigh exact ggn block dense_0"} <= set(cost.phase)
+  assert {
+    "eigh exact ggn",
+    "eigh approx block dense_0",
+    "eigh exact ggn block dense_0",
+  } <= set(cost.phase)
   assert set(cost.phase[cost.program_bytes.isna()]) == host
   assert sorted(checkpoints.steps_in(run.path / "checkpoints")) == [0, 2]
 
   # From the checkpoint, on two samples of the data: the first is the
   # batch measured in training, the second another draw (the next batch).
-  again = config.compose(*TINY, "measure.spectra.steps=[2]",
-                         "measure.spectra.samples=2",
-                         f"measure.spectra.checkpoint={run.path}/checkpoints")
+  again = config.compose(
+    *TINY,
+    "measure.spectra.steps=[2]",
+    "measure.spectra.samples=2",
+    f"measure.spectra.checkpoint={run.path}/checkpoints",
+  )
   assert runs.run(again, tmp_path / "again") == "complete"
   again_tables = records.RunDir(tmp_path / "again").tables()
   from_checkpoint = again_tables["quality"]
   assert set(from_checkpoint["sample"]) == {0, 1}
   assert set(again_tables["heatmaps"]["sample"]) == {0}  # the first only
   in_training = tables["quality"][tables["quality"].step == 2]
-  columns = ["sample", "reference", "block", "metric", "relative_damping",
-             "value"]
+  columns = [
+    "sample",
+    "reference",
+    "block",
+    "metric",
+    "relative_damping",
+    "value",
+  ]
   first = from_checkpoint[from_checkpoint["sample"] == 0]
   pd.testing.assert_frame_equal(
-      first[columns].reset_index(drop=True),
-      in_training[columns].reset_index(drop=True))
+    first[columns].reset_index(drop=True),
+    in_training[columns].reset_index(drop=True),
+  )
   second = from_checkpoint[from_checkpoint["sample"] == 1]
   assert len(second) == len(first)
   assert not np.allclose(second.value, first.value, equal_nan=True)
 
 
 def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
-    sweep, tmp_path):
+  sweep, tmp_path
+):
   """`measure/spectra/trainer=sgd` trains to the measured steps as
   `optimizer=sgd` does (the same numbers), so a sweep over the optimizer
   group measures spectra once, with the canonical optimizer's point; with
@@ -102,88 +133,125 @@ def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
   canonical curvature only; `measure.training.problems` trains on those
   problems only."""
   root, _ = sweep
-  fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
-           "measure/spectra/trainer=sgd", *TINY)
+  fixed = (
+    "measure=spectra",
+    "measure.spectra.steps=[0,2]",
+    "measure/spectra/trainer=sgd",
+    *TINY,
+  )
   assert runs.run(config.compose(*fixed), tmp_path / "run") == "complete"
   tables = records.RunDir(tmp_path / "run").tables()
   expected = records.RunDir(root / "spectra_steps").tables()
   columns = ["step", "reference", "block", "metric", "value"]
-  pd.testing.assert_frame_equal(tables["quality"][columns],
-                                expected["quality"][columns])
+  pd.testing.assert_frame_equal(
+    tables["quality"][columns], expected["quality"][columns]
+  )
   assert set(tables["training"].method) == {"sgd"}
   other = config.load(config.compose(*fixed, "optimizer=adam"))
   assert "does not use the optimizer" in runs.skip_reason(other)
   ekfac = ("measure=training", "curvature=ekfac", *TINY)
   assert runs.skip_reason(config.load(config.compose(*ekfac))) is None
-  assert "runs with curvature=kfac only" in runs.skip_reason(config.load(
-      config.compose(*ekfac, "canonical.train_every_curvature=false")))
-  only = config.load(config.compose(
-      *ekfac, "measure.training.problems=[mlp,convnet]"))
+  assert "runs with curvature=kfac only" in runs.skip_reason(
+    config.load(config.compose(*ekfac, "canonical.train_every_curvature=false"))
+  )
+  only = config.load(
+    config.compose(*ekfac, "measure.training.problems=[mlp,convnet]")
+  )
   assert only.problem.name == "mlp" and runs.skip_reason(only) is None
-  elsewhere = config.load(config.compose(
-      *ekfac, "measure.training.problems=[convnet]"))
+  elsewhere = config.load(
+    config.compose(*ekfac, "measure.training.problems=[convnet]")
+  )
   assert runs.skip_reason(elsewhere) == (
-      "measure.training.problems=['convnet'] leaves out problem=mlp")
-  with pytest.raises(config.ConfigError, match="Unknown measure.training."
-                     "problems 'convnt'"):
+    "measure.training.problems=['convnet'] leaves out problem=mlp"
+  )
+  with pytest.raises(
+    config.ConfigError, match="Unknown measure.training.problems 'convnt'"
+  ):
     config.compose("measure.training.problems=[convnt]", *TINY)
-  with pytest.raises(config.ConfigError, match="null until chosen: give "
-                     "measure/spectra/trainer=NAME"):
+  with pytest.raises(
+    config.ConfigError,
+    match="null until chosen: give measure/spectra/trainer=NAME",
+  ):
     config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
 
 
 def test_a_sweeps_approximations_share_one_training_trajectory(
-    tmp_path, monkeypatch):
+  tmp_path, monkeypatch
+):
   """In a sweep folder, spectra runs that train the same way (a fixed
   trainer) train once: the second reads the first's trajectory, and
   measures what it measures when it trains itself."""
   from curvbench import training
+
   calls = []
   real = training.run
-  monkeypatch.setattr(training, "run",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  monkeypatch.setattr(
+    training, "run", lambda *a, **k: calls.append(1) or real(*a, **k)
+  )
   sweep = tmp_path / "sweep"
   sweep.mkdir()
   (sweep / records.SWEEP_MARKER).touch()
-  fixed = ("measure=spectra", "measure.spectra.steps=[0,2]",
-           "measure/spectra/trainer=sgd", *TINY)
+  fixed = (
+    "measure=spectra",
+    "measure.spectra.steps=[0,2]",
+    "measure/spectra/trainer=sgd",
+    *TINY,
+  )
   for curvature in ("kfac", "diagonal"):
-    assert runs.run(config.compose(*fixed, f"curvature={curvature}"),
-                    sweep / curvature) == "complete"
+    assert (
+      runs.run(
+        config.compose(*fixed, f"curvature={curvature}"), sweep / curvature
+      )
+      == "complete"
+    )
   assert len(calls) == 1
-  assert runs.run(config.compose(*fixed, "curvature=diagonal"),
-                  tmp_path / "alone") == "complete"
+  assert (
+    runs.run(config.compose(*fixed, "curvature=diagonal"), tmp_path / "alone")
+    == "complete"
+  )
   assert len(calls) == 2
   shared = records.RunDir(sweep / "diagonal").tables()
   alone = records.RunDir(tmp_path / "alone").tables()
   columns = ["step", "reference", "block", "metric", "value"]
-  pd.testing.assert_frame_equal(shared["quality"][columns],
-                                alone["quality"][columns])
+  pd.testing.assert_frame_equal(
+    shared["quality"][columns], alone["quality"][columns]
+  )
   columns = ["step", "batch_loss", "train_loss"]
-  pd.testing.assert_frame_equal(shared["training"][columns],
-                                alone["training"][columns])
+  pd.testing.assert_frame_equal(
+    shared["training"][columns], alone["training"][columns]
+  )
 
 
 def test_bad_measurement_points_are_refused_by_name(sweep, tmp_path):
   root, _ = sweep
-  with pytest.raises(ValueError, match=r"measure.spectra.steps: .*step 9, "
-                     r"beyond the training run's length"):
+  with pytest.raises(
+    ValueError,
+    match=r"measure.spectra.steps: .*step 9, "
+    r"beyond the training run's length",
+  ):
     config.compose("measure.spectra.steps=[0,9]", *TINY)
   saved = root / "spectra_steps" / "checkpoints"
   with pytest.raises(ValueError, match=r"No checkpoint for steps \[1\]"):
-    runs.run(config.compose(*TINY, "measure.spectra.steps=[1]",
-                           f"measure.spectra.checkpoint={saved}"),
-            tmp_path / "missing")
-  wider = config.compose(*TINY, "problem.width=4",
-                         f"measure.spectra.checkpoint={saved}")
+    runs.run(
+      config.compose(
+        *TINY,
+        "measure.spectra.steps=[1]",
+        f"measure.spectra.checkpoint={saved}",
+      ),
+      tmp_path / "missing",
+    )
+  wider = config.compose(
+    *TINY, "problem.width=4", f"measure.spectra.checkpoint={saved}"
+  )
   with pytest.raises(ValueError, match="dense_0/w: checkpoint"):
     runs.run(wider, tmp_path / "wider")
   with pytest.raises(ValueError, match="'batches:N'"):
     config.compose("measure.spectra.data=everything")
 
 
-def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,
-                                                      tmp_path):
+def test_resume_skips_finished_and_redoes_interrupted(
+  sweep, monkeypatch, tmp_path
+):
   root, _ = sweep
   done = records.RunDir(root / "timing_kfac")
   before = {p.name: p.read_bytes() for p in done.path.iterdir()}
@@ -193,6 +261,7 @@ def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
+
   monkeypatch.setattr(clock, "measure", interrupted)
   with pytest.raises(KeyboardInterrupt):
     runs.run(cfg, tmp_path / "cut")
@@ -203,8 +272,9 @@ def test_resume_skips_finished_and_redoes_interrupted(sweep, monkeypatch,
 
 
 def test_too_large_dense_matrix(tmp_path):
-  cfg = config.compose("curvature=explicit_exact",
-                       "curvature.max_dense_gib=1e-9", *TINY)
+  cfg = config.compose(
+    "curvature=explicit_exact", "curvature.max_dense_gib=1e-9", *TINY
+  )
   with pytest.raises(MemoryError, match="implicit_exact"):
     runs.run(cfg, tmp_path / "run")
   assert (tmp_path / "run" / "ERROR.json").exists()
@@ -226,8 +296,13 @@ def test_a_run_restores_precision_and_log_levels(tmp_path):
 
 
 def _cli(*args, cwd):
-  return subprocess.run([sys.executable, "-m", "curvbench", *args], cwd=cwd,
-                        capture_output=True, text=True, timeout=900)
+  return subprocess.run(
+    [sys.executable, "-m", "curvbench", *args],
+    cwd=cwd,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
 
 
 @pytest.mark.slow
@@ -237,11 +312,18 @@ def test_sweeps_end_to_end_with_resume(tmp_path):
   registered curvature runs in-process in tests/test_contracts.py.)"""
   repo = Path(app.__file__).resolve().parents[1]
   sweep_dir = tmp_path / "sweep"
-  common = ["-m", f"hydra.sweep.dir={sweep_dir}", *TINY, "measure=spectra",
-            f"compilation_cache={tmp_path / 'jax_cache'}"]
+  common = [
+    "-m",
+    f"hydra.sweep.dir={sweep_dir}",
+    *TINY,
+    "measure=spectra",
+    f"compilation_cache={tmp_path / 'jax_cache'}",
+  ]
   curvatures = ["curvature=diagonal,implicit_hessian"]
-  modes = ["curvature=kfac", "curvature.mode=" + ",".join(
-      estimators.ESTIMATION_MODES)]
+  modes = [
+    "curvature=kfac",
+    "curvature.mode=" + ",".join(estimators.ESTIMATION_MODES),
+  ]
   for args in (curvatures, modes):
     result = _cli(*common, *args, cwd=repo)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -266,23 +348,30 @@ def test_a_failing_run_says_why_in_one_line(tmp_path, capsys):
   bad = tmp_path / "bad.safetensors"
   bad.write_bytes(b"not a checkpoint")
   out = tmp_path / "run"
-  failed = _cli(f"hydra.run.dir={out}", *TINY,
-                f"measure.spectra.checkpoint={bad}",
-                cwd=Path(app.__file__).resolve().parents[1])
+  failed = _cli(
+    f"hydra.run.dir={out}",
+    *TINY,
+    f"measure.spectra.checkpoint={bad}",
+    cwd=Path(app.__file__).resolve().parents[1],
+  )
   assert failed.returncode == 1
   message = failed.stderr.strip().splitlines()[-1]
-  assert message.startswith(f"curvbench: {out}: {bad} is not a safetensors "
-                            "file"), failed.stderr[-2000:]
+  assert message.startswith(
+    f"curvbench: {out}: {bad} is not a safetensors file"
+  ), failed.stderr[-2000:]
   assert "Traceback" not in failed.stderr
   error = json.loads((out / "ERROR.json").read_text())
   assert "Traceback" in error["traceback"]
-  with pytest.raises(SystemExit, match="curvbench report: No sweep "
-                     "directory at /no/such/sweep"):
+  with pytest.raises(
+    SystemExit, match="curvbench report: No sweep directory at /no/such/sweep"
+  ):
     app.cli(["report", "/no/such/sweep"])
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(),
-                    reason="counts the memory maps Linux lists per process")
+@pytest.mark.skipif(
+  not Path("/proc/self/maps").exists(),
+  reason="counts the memory maps Linux lists per process",
+)
 def test_a_sweeps_runs_release_their_compiled_programs(tmp_path):
   """Each compiled program holds memory maps, and Linux allows a process
   65,530: the runs of a sweep, one process, release theirs, so the count

@@ -20,32 +20,36 @@ STEPS = 40
 # 0.608, 0.232; SOAP 0.057, 0.556, 0.131; the nearest Kronecker product
 # 0.042, 0.581, 0.177; KL-Shampoo 0.048, 0.608, 0.161.
 CASES = {
-    ("mlp", "ekfac"): 0.1,
-    ("mlp", "tnt"): 0.1,
-    ("mlp", "kfac_tridiagonal"): 0.1,
-    ("autoencoder", "ekfac"): 0.65,
-    ("autoencoder", "tnt"): 0.65,
-    ("autoencoder", "kfac_tridiagonal"): 0.65,
-    ("convnet", "ekfac"): 0.25,
-    ("convnet", "tnt"): 0.25,
-    ("convnet", "kfac_reduce"): 0.3,
-    ("convnet", "shampoo2"): 0.25,
-    ("convnet", "shampoo"): 0.3,
-    ("convnet", "soap"): 0.25,
-    ("convnet", "optimal_kronecker"): 0.25,
-    ("convnet", "kl_shampoo"): 0.25,
+  ("mlp", "ekfac"): 0.1,
+  ("mlp", "tnt"): 0.1,
+  ("mlp", "kfac_tridiagonal"): 0.1,
+  ("autoencoder", "ekfac"): 0.65,
+  ("autoencoder", "tnt"): 0.65,
+  ("autoencoder", "kfac_tridiagonal"): 0.65,
+  ("convnet", "ekfac"): 0.25,
+  ("convnet", "tnt"): 0.25,
+  ("convnet", "kfac_reduce"): 0.3,
+  ("convnet", "shampoo2"): 0.25,
+  ("convnet", "shampoo"): 0.3,
+  ("convnet", "soap"): 0.25,
+  ("convnet", "optimal_kronecker"): 0.25,
+  ("convnet", "kl_shampoo"): 0.25,
 }
 
 
 def train(problem_name, curvature_name, steps=STEPS):
   """The training loss on 500 fixed examples before and after `steps`."""
-  cfg = config.compose(f"problem={problem_name}",
-                       f"curvature={curvature_name}", "optimizer=kfac",
-                       "curvature.mode=fisher_gradients")
+  cfg = config.compose(
+    f"problem={problem_name}",
+    f"curvature={curvature_name}",
+    "optimizer=kfac",
+    "curvature.mode=fisher_gradients",
+  )
   run = config.load(cfg)
   problem = problems.make(run.problem)
-  trainer = run.optimizer.make(problem.loss_fn,
-                               run.curvature.make(problem.loss_fn))
+  trainer = run.optimizer.make(
+    problem.loss_fn, run.curvature.make(problem.loss_fn)
+  )
   rng = jax.random.PRNGKey(0)
   params = problem.init_params(rng)
   batches = problem.batches(seed=0)
@@ -54,14 +58,14 @@ def train(problem_name, curvature_name, steps=STEPS):
   start = float(loss(params, evaluation))
   opt_state = trainer.init(params, next(batches), rng)
   for step in range(steps):
-    params, opt_state, _ = trainer.step(params, opt_state, next(batches),
-                                        jax.random.fold_in(rng, step))
+    params, opt_state, _ = trainer.step(
+      params, opt_state, next(batches), jax.random.fold_in(rng, step)
+    )
   return start, float(loss(params, evaluation))
 
 
 @pytest.mark.parametrize("problem_name,curvature_name", list(CASES))
-def test_optimizer_trains_with_each_approximation(problem_name,
-                                                  curvature_name):
+def test_optimizer_trains_with_each_approximation(problem_name, curvature_name):
   start, end = train(problem_name, curvature_name)
   assert np.isfinite(end)
   assert end < CASES[problem_name, curvature_name] * start, (start, end)

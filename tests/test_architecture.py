@@ -8,8 +8,7 @@ from pathlib import Path
 from curvbench import config
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("estimators", "problems", "curvbench",
-            "hydra_plugins")
+PACKAGES = ("estimators", "problems", "curvbench", "hydra_plugins")
 
 
 def modules(packages=PACKAGES) -> dict[str, ast.Module]:
@@ -28,8 +27,11 @@ def imported(name: str, tree: ast.Module, known) -> set[str]:
   """The project modules `name` imports, anywhere in its body (a function's
   imports too), less the packages it belongs to (Python runs those first
   whatever it imports)."""
-  package = name if (ROOT / name.replace(".", "/")).is_dir() else (
-      name.rpartition(".")[0])
+  package = (
+    name
+    if (ROOT / name.replace(".", "/")).is_dir()
+    else (name.rpartition(".")[0])
+  )
   targets = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -37,11 +39,14 @@ def imported(name: str, tree: ast.Module, known) -> set[str]:
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package.split(".")[:len(package.split(".")) + 1
-                                           - node.level] + ([base] if base
-                                                            else []))
-      names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-               for a in node.names]
+        base = ".".join(
+          package.split(".")[: len(package.split(".")) + 1 - node.level]
+          + ([base] if base else [])
+        )
+      names = [
+        f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+        for a in node.names
+      ]
     else:
       continue
     for target in names:
@@ -90,7 +95,8 @@ def test_no_import_circle():
   assert graph["curvbench.app"] >= {"curvbench.config", "curvbench.runs"}
   assert cycles(graph) == []
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [
-      ["a", "b", "c"]]
+    ["a", "b", "c"]
+  ]
 
 
 def test_no_module_reads_another_modules_private_names():
@@ -99,8 +105,11 @@ def test_no_module_reads_another_modules_private_names():
   for name, tree in parsed.items():
     aliases = {}
     for node in ast.walk(tree):
-      if isinstance(node, ast.ImportFrom) and node.module and (
-          node.module.split(".")[0] in (*PACKAGES, "tests")):
+      if (
+        isinstance(node, ast.ImportFrom)
+        and node.module
+        and (node.module.split(".")[0] in (*PACKAGES, "tests"))
+      ):
         for a in node.names:
           if a.name.startswith("_") and not a.name.startswith("__"):
             uses.append(f"{name}: from {node.module} import {a.name}")
@@ -110,9 +119,13 @@ def test_no_module_reads_another_modules_private_names():
           if a.name.split(".")[0] in (*PACKAGES, "tests"):
             aliases[a.asname or a.name.split(".")[0]] = a.name
     for node in ast.walk(tree):
-      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-          and node.value.id in aliases and node.attr.startswith("_")
-          and not node.attr.startswith("__")):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+      ):
         uses.append(f"{name}: {node.value.id}.{node.attr}")
   assert uses == []
 
@@ -130,9 +143,11 @@ def test_outside_its_package_nothing_branches_on_a_components_name():
       if not isinstance(node, ast.Compare):
         continue
       for operand in (node.left, *node.comparators):
-        values = (operand.elts if isinstance(operand, (ast.List, ast.Tuple,
-                                                       ast.Set))
-                  else [operand])
+        values = (
+          operand.elts
+          if isinstance(operand, (ast.List, ast.Tuple, ast.Set))
+          else [operand]
+        )
         for value in values:
           if isinstance(value, ast.Constant) and value.value in names:
             branches.append(f"{name}:{node.lineno}: {value.value!r}")

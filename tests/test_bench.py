@@ -20,24 +20,45 @@ ROOT = record.ROOT
 
 
 def _bench(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "curvbench.bench", *args],
-                        cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "curvbench.bench", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def _record(figures, mode="full", key="cpu-2-cores"):
-  return dict(key=key, mode=mode, device_kind="cpu", platform="cpu",
-              platform_version="cpu", commit="0123456789abcdef",
-              date="2026-01-01T00:00:00Z", versions={"jax": "0.0"},
-              command="python -m curvbench.bench run", figures=figures)
+  return dict(
+    key=key,
+    mode=mode,
+    device_kind="cpu",
+    platform="cpu",
+    platform_version="cpu",
+    commit="0123456789abcdef",
+    date="2026-01-01T00:00:00Z",
+    versions={"jax": "0.0"},
+    command="python -m curvbench.bench run",
+    figures=figures,
+  )
 
 
 @pytest.mark.slow
 def test_quick_run_writes_a_report_whose_figures_are_the_records(
-    tmp_path, capsys):
+  tmp_path, capsys
+):
   out, folder = tmp_path / "report", tmp_path / "records"
-  result = _bench("run", "--quick", "--out", str(out), "--records",
-                  str(folder), "--compare", "--save-record")
+  result = _bench(
+    "run",
+    "--quick",
+    "--out",
+    str(out),
+    "--records",
+    str(folder),
+    "--compare",
+    "--save-record",
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "No performance record for this device kind" in result.stdout
   rec = json.loads((out / "record.json").read_text())
@@ -53,133 +74,201 @@ def test_quick_run_writes_a_report_whose_figures_are_the_records(
   timing = timing_run.tables()["timing"].set_index("phase")
   figures = rec["figures"]
   assert figures["kfac_step/adam_step"]["mlp"] == pytest.approx(
-      timing.loc["optimizer_step", "ratio_to_baseline"])
+    timing.loc["optimizer_step", "ratio_to_baseline"]
+  )
   assert figures["kfac_step/adam_step_flops"]["mlp"] == pytest.approx(
-      timing.loc["optimizer_step", "flop_ratio_to_baseline"])
+    timing.loc["optimizer_step", "flop_ratio_to_baseline"]
+  )
   assert figures["refresh/gradient"]["mlp"] == pytest.approx(
-      timing.loc["cache_update", "ratio_to_grad_step"])
+    timing.loc["cache_update", "ratio_to_grad_step"]
+  )
   [spectra_run] = records.find_runs(out / "runs" / "spectra")
   cost = spectra_run.tables()["cost"].set_index("phase")
   assert figures["exact_ggn_spectrum_s"]["mlp"] == pytest.approx(
-      cost.loc["exact ggn", "run_s"] + cost.loc["eigh exact ggn", "run_s"])
+    cost.loc["exact ggn", "run_s"] + cost.loc["eigh exact ggn", "run_s"]
+  )
   products = pd.read_csv(out / "runs" / "products.csv").set_index("phase")
   assert figures["dataset_ggn_product/gradient"]["mlp"] == pytest.approx(
-      products.loc["dataset ggn product", "ratio_to_gradient"])
-  assert (products.loc["dataset ggn product", "ratio_q25"]
-          <= products.loc["dataset ggn product", "ratio_to_gradient"]
-          <= products.loc["dataset ggn product", "ratio_q75"])
+    products.loc["dataset ggn product", "ratio_to_gradient"]
+  )
+  assert (
+    products.loc["dataset ggn product", "ratio_q25"]
+    <= products.loc["dataset ggn product", "ratio_to_gradient"]
+    <= products.loc["dataset ggn product", "ratio_q75"]
+  )
   assert products.num_examples.iloc[0] == 1500  # the whole training split
 
   summary = (out / "summary.md").read_text()
-  for words in ("K-FAC step / Adam step", "Per-phase costs", "device_peak_mib",
-                "Exact GGN spectrum", "Dataset GGN-vector product",
-                f"jax {rec['versions']['jax']}", rec["device_kind"]):
+  for words in (
+    "K-FAC step / Adam step",
+    "Per-phase costs",
+    "device_peak_mib",
+    "Exact GGN spectrum",
+    "Dataset GGN-vector product",
+    f"jax {rec['versions']['jax']}",
+    rec["device_kind"],
+  ):
     assert words in summary
   assert "## Failed" not in summary
 
   # The same figures against the record they were saved as: nothing worse.
-  assert cli.main(["compare", str(out), "--record",
-                   str(folder / f"{rec['key']}.json")]) == 0
+  assert (
+    cli.main(
+      ["compare", str(out), "--record", str(folder / f"{rec['key']}.json")]
+    )
+    == 0
+  )
   assert "None more than 25% worse" in capsys.readouterr().out
 
 
 def test_a_slower_run_is_named_with_both_values(tmp_path):
-  path = record.save(_record({
-      "kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
-      "exact_ggn_spectrum_s": {"mlp": 0.02}}), tmp_path)
-  slower = dict(mode="full", figures={
+  path = record.save(
+    _record(
+      {
+        "kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
+        "exact_ggn_spectrum_s": {"mlp": 0.02},
+      }
+    ),
+    tmp_path,
+  )
+  slower = dict(
+    mode="full",
+    figures={
       "kfac_step/adam_step": {"mlp": 5.2, "convnet": 12.4},  # +30 %, +24 %
-      "exact_ggn_spectrum_s": {"mlp": 0.01}})
+      "exact_ggn_spectrum_s": {"mlp": 0.01},
+    },
+  )
   result = record.compare(slower, path)
   assert not result.passed
   assert result.worse == [("kfac_step/adam_step", "mlp", 5.2, 4.0)]
   assert "kfac_step/adam_step [mlp]: 5.2 today, 4 in the record (+30%)" in (
-      result.text())
+    result.text()
+  )
   assert "convnet" not in result.text()
   assert "python -m curvbench.bench against 0123456789" in result.text()
 
-  for today in ({"kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
-                 "exact_ggn_spectrum_s": {"mlp": 0.02}},
-                {"kfac_step/adam_step": {"mlp": 3.0, "convnet": 12.5},
-                 "exact_ggn_spectrum_s": {"mlp": 0.001}}):
+  for today in (
+    {
+      "kfac_step/adam_step": {"mlp": 4.0, "convnet": 10.0},
+      "exact_ggn_spectrum_s": {"mlp": 0.02},
+    },
+    {
+      "kfac_step/adam_step": {"mlp": 3.0, "convnet": 12.5},
+      "exact_ggn_spectrum_s": {"mlp": 0.001},
+    },
+  ):
     result = record.compare(dict(mode="full", figures=today), path)
     assert result.passed and result.compared == 3, result.text()
 
-  missing = record.compare(dict(mode="full", figures={
-      "kfac_step/adam_step": {"mlp": 4.0}}), path)
+  missing = record.compare(
+    dict(mode="full", figures={"kfac_step/adam_step": {"mlp": 4.0}}), path
+  )
   assert not missing.passed
-  assert "not measured today: exact_ggn_spectrum_s [mlp], " \
-         "kfac_step/adam_step [convnet]" in missing.text()
+  assert (
+    "not measured today: exact_ggn_spectrum_s [mlp], "
+    "kfac_step/adam_step [convnet]" in missing.text()
+  )
   with pytest.raises(ValueError, match="made by a full run.*quick"):
     record.compare(dict(mode="quick", figures={}), path)
 
 
 def test_the_command_exits_1_on_a_regression_and_0_without_a_record(
-    tmp_path, capsys):
+  tmp_path, capsys
+):
   path = record.save(_record({"refresh/gradient": {"mlp": 2.0}}), tmp_path)
   today = tmp_path / "today.json"
   today.write_text(json.dumps(_record({"refresh/gradient": {"mlp": 3.0}})))
   assert cli.main(["compare", str(today), "--record", str(path)]) == 1
   assert "refresh/gradient [mlp]: 3 today, 2 in the record" in (
-      capsys.readouterr().out)
-  assert cli.main(["compare", str(today), "--record",
-                   str(tmp_path / "none.json")]) == 0
+    capsys.readouterr().out
+  )
+  assert (
+    cli.main(["compare", str(today), "--record", str(tmp_path / "none.json")])
+    == 0
+  )
   assert "No performance record for this device kind" in (
-      capsys.readouterr().out)
+    capsys.readouterr().out
+  )
 
 
 def test_figures_come_from_the_rows_they_name():
-  timing = pd.DataFrame(dict(
+  timing = pd.DataFrame(
+    dict(
       problem=["mlp"] * 3 + ["convnet"] * 3,
       phase=["optimizer_step", "cache_update", "grad_step"] * 2,
       ratio_to_baseline=[3.0, 9.0, 0.5, 7.0, 9.0, 0.5],
-      ratio_to_grad_step=[6.0, 2.0, 1.0, 14.0, 0.5, 1.0]))
-  cost = pd.DataFrame(dict(
-      problem=["mlp"] * 7 + ["convnet"], run_id=[*"aaabbcc", "d"],
+      ratio_to_grad_step=[6.0, 2.0, 1.0, 14.0, 0.5, 1.0],
+    )
+  )
+  cost = pd.DataFrame(
+    dict(
+      problem=["mlp"] * 7 + ["convnet"],
+      run_id=[*"aaabbcc", "d"],
       phase=["exact ggn", "eigh exact ggn", "eigh approx"]
-      + ["exact ggn", "eigh exact ggn"] * 2 + ["eigh exact ggn"],
-      run_s=[0.25, 1.0, 9.0, 0.5, 2.0, 0.25, 0.5, 4.0]))
-  products = pd.DataFrame(dict(problem=["mlp", "mlp"],
-                               phase=["dataset gradient",
-                                      "dataset ggn product"],
-                               ratio_to_gradient=[1.0, 1.5]))
+      + ["exact ggn", "eigh exact ggn"] * 2
+      + ["eigh exact ggn"],
+      run_s=[0.25, 1.0, 9.0, 0.5, 2.0, 0.25, 0.5, 4.0],
+    )
+  )
+  products = pd.DataFrame(
+    dict(
+      problem=["mlp", "mlp"],
+      phase=["dataset gradient", "dataset ggn product"],
+      ratio_to_gradient=[1.0, 1.5],
+    )
+  )
   assert record.figures(timing, cost, products) == {
-      "kfac_step/adam_step": {"mlp": 3.0, "convnet": 7.0},
-      "refresh/gradient": {"mlp": 2.0, "convnet": 0.5},
-      "dataset_ggn_product/gradient": {"mlp": 1.5},
-      # The median over runs (1.25, 2.5, 0.75 s); convnet's exact GGN was
-      # read from a store: no spectrum figure.
-      "exact_ggn_spectrum_s": {"mlp": 1.25}}
+    "kfac_step/adam_step": {"mlp": 3.0, "convnet": 7.0},
+    "refresh/gradient": {"mlp": 2.0, "convnet": 0.5},
+    "dataset_ggn_product/gradient": {"mlp": 1.5},
+    # The median over runs (1.25, 2.5, 0.75 s); convnet's exact GGN was
+    # read from a store: no spectrum figure.
+    "exact_ggn_spectrum_s": {"mlp": 1.25},
+  }
 
 
 def test_device_keys():
   assert record.device_key("NVIDIA H100 80GB HBM3", "gpu", 16) == (
-      "nvidia-h100-80gb-hbm3")
+    "nvidia-h100-80gb-hbm3"
+  )
   assert record.device_key("cpu", "cpu", 2) == "cpu-2-cores"
   assert record.device_key("TPU v5 lite", "tpu", 8) == "tpu-v5-lite"
 
 
 def test_a_file_that_is_no_record_is_refused_clearly(tmp_path):
   (tmp_path / "x.json").write_text('{"figures": {}}')
-  with pytest.raises(ValueError, match="not a performance record: it lacks "
-                     "key, mode"):
+  with pytest.raises(
+    ValueError, match="not a performance record: it lacks key, mode"
+  ):
     record.load(tmp_path / "x.json")
 
 
 def test_the_readme_table_is_the_record_files():
   text = record.README.read_text()
   assert record.readme_with_table(text, record.readme_table()) == text, (
-      "run `python -m curvbench.bench readme`")
+    "run `python -m curvbench.bench readme`"
+  )
   assert list(record.RECORD_DIR.glob("*.json")), "no record committed"
 
 
 def test_the_table_has_a_column_per_record(tmp_path):
-  record.save(_record({"kfac_step/adam_step": {"mlp": 3.456, "convnet": 5.0},
-                       "exact_ggn_spectrum_s": {"mlp": 0.0123}}), tmp_path)
-  record.save(_record({"kfac_step/adam_step": {"mlp": 6.1}},
-                      key="nvidia-h100-80gb-hbm3"), tmp_path)
+  record.save(
+    _record(
+      {
+        "kfac_step/adam_step": {"mlp": 3.456, "convnet": 5.0},
+        "exact_ggn_spectrum_s": {"mlp": 0.0123},
+      }
+    ),
+    tmp_path,
+  )
+  record.save(
+    _record({"kfac_step/adam_step": {"mlp": 6.1}}, key="nvidia-h100-80gb-hbm3"),
+    tmp_path,
+  )
   table = record.readme_table(tmp_path)
-  assert "| figure | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |" in table
+  assert (
+    "| figure | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |" in table
+  )
   assert "| K-FAC step / Adam step | convnet | 5 |  |" in table
   assert "| K-FAC step / Adam step | mlp | 3.46 | 6.1 |" in table
   assert "| exact GGN + eigh of a batch (s) | mlp | 0.0123 |  |" in table
@@ -212,16 +301,27 @@ def _has_parent_commit() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_parent_commit(),
-                    reason="needs git and the commit before HEAD")
+@pytest.mark.skipif(
+  not _has_parent_commit(), reason="needs git and the commit before HEAD"
+)
 def test_side_by_side_against_the_previous_commit():
-  result = _bench("against", "HEAD~1", "--quick", "--rounds", "3",
-                  "--benchmarks", "kfac_update,dataset_gradient,kfac_step_mlp")
+  result = _bench(
+    "against",
+    "HEAD~1",
+    "--quick",
+    "--rounds",
+    "3",
+    "--benchmarks",
+    "kfac_update,dataset_gradient,kfac_step_mlp",
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   lines = result.stdout.splitlines()
   names = ("kfac_update", "dataset_gradient", "kfac_step_mlp")
-  rows = {line.split("|")[1].strip(): line for line in lines
-          if line.startswith(tuple(f"| {n} " for n in names))}
+  rows = {
+    line.split("|")[1].strip(): line
+    for line in lines
+    if line.startswith(tuple(f"| {n} " for n in names))
+  }
   assert set(rows) == set(names)
   [header] = [line for line in lines if line.startswith("| benchmark ")]
   for line in rows.values():

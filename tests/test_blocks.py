@@ -19,6 +19,7 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 
 # --- layers: (layer(x, params) -> y, register(y, x, *params) -> y) ----------
 
+
 def dense_layer(x, p):
   return x @ p[0] + (p[1] if len(p) > 1 else 0)
 
@@ -28,13 +29,15 @@ def conv_layer(fmt, strides, padding):
   bias_shape = (1, 1, 1, -1) if fmt == "NHWC" else (1, -1, 1, 1)
 
   def layer(x, p):
-    y = lax.conv_general_dilated(x, p[0], (strides,) * 2, padding,
-                                 dimension_numbers=dn)
+    y = lax.conv_general_dilated(
+      x, p[0], (strides,) * 2, padding, dimension_numbers=dn
+    )
     return y + p[1].reshape(bias_shape) if len(p) > 1 else y
 
   def register(y, x, *p):
-    return tags.register_conv2d(y, x, *p, window_strides=strides,
-                                padding=padding, data_format=fmt)
+    return tags.register_conv2d(
+      y, x, *p, window_strides=strides, padding=padding, data_format=fmt
+    )
 
   return layer, register
 
@@ -48,16 +51,21 @@ def scale_shift_layer(has_scale, has_shift):
   def register(y, x, *p):
     p = list(p)
     return tags.register_scale_and_shift(
-        y, x, p.pop(0) if has_scale else None, p.pop(0) if has_shift else None)
+      y, x, p.pop(0) if has_scale else None, p.pop(0) if has_shift else None
+    )
 
   return layer, register
 
 
 def make_case(layer, register, x, params, seed=0, same_dy=False, samples=S):
   """(tag equation, estimation data, brute-force curvature C) for one layer."""
-  eqn = [e for e in jax.make_jaxpr(
-      lambda x, *p: register(layer(x, p), x, *p))(x, *params).jaxpr.eqns
-         if tags.is_layer_tag_eqn(e)][0]
+  eqn = [
+    e
+    for e in jax.make_jaxpr(lambda x, *p: register(layer(x, p), x, *p))(
+      x, *params
+    ).jaxpr.eqns
+    if tags.is_layer_tag_eqn(e)
+  ][0]
   y_shape = jax.eval_shape(layer, x, params).shape
   dy = random_normal(100 + seed, samples, *y_shape)
   if same_dy:
@@ -77,35 +85,45 @@ def _brute_force(layer, x, params, dy):
   grads = jax.vmap(jax.vmap(example_grad), (None, 0))(x, dy)  # (S, B, P)
   rows = grads.reshape(-1, grads.shape[-1])
   summed = utils.unflatten_vector  # per-sample gradients summed over the batch
-  params_tangent = jax.vmap(
-      lambda g: summed(g, [p.shape for p in params]))(grads.sum(axis=1))
-  data = dict(inputs=(x,), outputs=(y,), params=params, outputs_tangent=(dy,),
-              params_tangent=params_tangent)
+  params_tangent = jax.vmap(lambda g: summed(g, [p.shape for p in params]))(
+    grads.sum(axis=1)
+  )
+  data = dict(
+    inputs=(x,),
+    outputs=(y,),
+    params=params,
+    outputs_tangent=(dy,),
+    params_tangent=params_tangent,
+  )
   return data, rows.T @ rows / x.shape[0]
 
 
 def dense_case(bias=True, **kw):
-  params = ((random_normal(1, 3, 2), random_normal(2, 2)) if bias
-            else (random_normal(1, 3, 2),))
-  return make_case(dense_layer, tags.register_dense, random_normal(3, B, 3),
-                   params, **kw)
+  params = (
+    (random_normal(1, 3, 2), random_normal(2, 2))
+    if bias
+    else (random_normal(1, 3, 2),)
+  )
+  return make_case(
+    dense_layer, tags.register_dense, random_normal(3, B, 3), params, **kw
+  )
 
 
-def conv_case(fmt="NHWC", strides=2, padding="SAME", bias=True, batch=3,
-              **kw):
+def conv_case(fmt="NHWC", strides=2, padding="SAME", bias=True, batch=3, **kw):
   layer, register = conv_layer(fmt, strides, padding)
   kshape = (3, 3, 2, 3) if fmt == "NHWC" else (3, 2, 3, 3)
   xshape = (batch, 5, 5, 2) if fmt == "NHWC" else (batch, 2, 5, 5)
   params = (random_normal(1, *kshape),) + (
-      (random_normal(2, 3),) if bias else ())
+    (random_normal(2, 3),) if bias else ()
+  )
   return make_case(layer, register, random_normal(3, *xshape), params, **kw)
 
 
 SCALE_SHIFT = {  # name: (has_scale, has_shift, param shapes), x: (B, 3, 4)
-    "both": (True, True, [(4,), (3, 4)]),
-    "scale_only": (True, False, [(1, 3, 1)]),
-    "shift_only": (False, True, [(1,)]),
-    "scalar_scale": (True, True, [(), (4,)]),
+  "both": (True, True, [(4,), (3, 4)]),
+  "scale_only": (True, False, [(1, 3, 1)]),
+  "shift_only": (False, True, [(1,)]),
+  "scalar_scale": (True, True, [(), (4,)]),
 }
 
 
@@ -116,16 +134,23 @@ def scale_shift_case(name, **kw):
   return make_case(layer, register, random_normal(3, B, 3, 4), params, **kw)
 
 
-def fitted(block_cls, case, *args, exact=(), approx=(), eig=False, batch=B,
-           **kwargs):
+def fitted(
+  block_cls, case, *args, exact=(), approx=(), eig=False, batch=B, **kwargs
+):
   eqn, data, c = case
   block = block_cls(eqn, "layer", *args, **kwargs)
   state = block.init(None, exact, approx, eig)
-  update = jax.jit(block.update_curvature_matrix_estimate,
-                   static_argnums=(4, 5))
-  state = update(state, data, 0.0, 1.0,
-                 data["inputs"][0].shape[0] if "inputs" in data else batch,
-                 None)
+  update = jax.jit(
+    block.update_curvature_matrix_estimate, static_argnums=(4, 5)
+  )
+  state = update(
+    state,
+    data,
+    0.0,
+    1.0,
+    data["inputs"][0].shape[0] if "inputs" in data else batch,
+    None,
+  )
   return block, state, data, c
 
 
@@ -134,8 +159,9 @@ def to_dense(block, state):
 
 
 def random_vector(block, seed=5):
-  return tuple(random_normal(seed + i, *s)
-               for i, s in enumerate(block.parameters_shapes))
+  return tuple(
+    random_normal(seed + i, *s) for i, s in enumerate(block.parameters_shapes)
+  )
 
 
 def flat(v):
@@ -145,21 +171,30 @@ def flat(v):
 # --- Full and Diagonal equal the brute-force curvature -----------------------
 
 EXACT_CASES = {
-    "dense": lambda: dense_case(),
-    "dense_nobias": lambda: dense_case(bias=False),
-    "dense_repeated": lambda: make_case(
-        dense_layer, tags.register_repeated_dense, random_normal(3, B, 2, 3),
-        (random_normal(1, 3, 2), random_normal(2, 2))),
-    "conv_nhwc_s2_same": lambda: conv_case("NHWC", 2, "SAME"),
-    "conv_nchw_s2_same_nobias": lambda: conv_case("NCHW", 2, "SAME", False),
-    "conv_nchw_s1_valid": lambda: conv_case("NCHW", 1, "VALID"),
-    "conv_nhwc_s2_valid_nobias": lambda: conv_case("NHWC", 2, "VALID", False),
-    **{f"ss_{k}": functools.partial(scale_shift_case, k) for k in SCALE_SHIFT},
+  "dense": lambda: dense_case(),
+  "dense_nobias": lambda: dense_case(bias=False),
+  "dense_repeated": lambda: make_case(
+    dense_layer,
+    tags.register_repeated_dense,
+    random_normal(3, B, 2, 3),
+    (random_normal(1, 3, 2), random_normal(2, 2)),
+  ),
+  "conv_nhwc_s2_same": lambda: conv_case("NHWC", 2, "SAME"),
+  "conv_nchw_s2_same_nobias": lambda: conv_case("NCHW", 2, "SAME", False),
+  "conv_nchw_s1_valid": lambda: conv_case("NCHW", 1, "VALID"),
+  "conv_nhwc_s2_valid_nobias": lambda: conv_case("NHWC", 2, "VALID", False),
+  **{f"ss_{k}": functools.partial(scale_shift_case, k) for k in SCALE_SHIFT},
 }
-FULL = {"dense": blocks.DenseFull, "conv": blocks.Conv2DFull,
-        "ss": blocks.ScaleAndShiftFull}
-DIAG = {"dense": blocks.DenseDiagonal, "conv": blocks.Conv2DDiagonal,
-        "ss": blocks.ScaleAndShiftDiagonal}
+FULL = {
+  "dense": blocks.DenseFull,
+  "conv": blocks.Conv2DFull,
+  "ss": blocks.ScaleAndShiftFull,
+}
+DIAG = {
+  "dense": blocks.DenseDiagonal,
+  "conv": blocks.Conv2DDiagonal,
+  "ss": blocks.ScaleAndShiftDiagonal,
+}
 
 
 @pytest.mark.parametrize("name", list(EXACT_CASES))
@@ -173,7 +208,8 @@ def test_full_and_diagonal_match_per_example_curvature(name):
   np.testing.assert_allclose(to_dense(block, state), c, **TOL)
   block, state, _, c = fitted(DIAG[kind], case, **kw)
   np.testing.assert_allclose(
-      flat([f.value for f in state.diagonal_factors]), np.diag(c), **TOL)
+    flat([f.value for f in state.diagonal_factors]), np.diag(c), **TOL
+  )
 
 
 def test_conv_properties():
@@ -201,7 +237,8 @@ def test_block_properties():
   assert block.eigen_decomposition_threshold == 3
   v = random_vector(block)
   back = block.single_vector_to_parameters_list(
-      block.parameters_list_to_single_vector(v))
+    block.parameters_list_to_single_vector(v)
+  )
   for a, b in zip(v, back):
     np.testing.assert_array_equal(a, b)
   ss = blocks.ScaleAndShiftDiagonal(scale_shift_case("scale_only")[0], "s")
@@ -210,20 +247,26 @@ def test_block_properties():
 
 # --- naive blocks -------------------------------------------------------------
 
+
 def test_naive_blocks_use_summed_gradients_on_generic_tags():
   eqn, data, _ = dense_case(samples=3)
-  p = np.concatenate([np.reshape(t, (3, -1)) for t in data["params_tangent"]],
-                     axis=1)
+  p = np.concatenate(
+    [np.reshape(t, (3, -1)) for t in data["params_tangent"]], axis=1
+  )
   expected = p.T @ p / B
   block, state, _, _ = fitted(blocks.NaiveFull, (eqn, data, None))
   np.testing.assert_allclose(state.matrix.value, expected, **TOL)
   block, state, _, _ = fitted(blocks.NaiveDiagonal, (eqn, data, None))
   np.testing.assert_allclose(
-      flat([f.value for f in state.diagonal_factors]), np.diag(expected), **TOL)
+    flat([f.value for f in state.diagonal_factors]), np.diag(expected), **TOL
+  )
   # A generic tag provides only parameter data.
   w = random_normal(1, 3, 2)
-  geqn = [e for e in jax.make_jaxpr(tags.register_generic)(w).jaxpr.eqns
-          if tags.is_layer_tag_eqn(e)][0]
+  geqn = [
+    e
+    for e in jax.make_jaxpr(tags.register_generic)(w).jaxpr.eqns
+    if tags.is_layer_tag_eqn(e)
+  ][0]
   gdata = dict(params=(w,), params_tangent=data["params_tangent"][:1])
   block, state, _, _ = fitted(blocks.NaiveFull, (geqn, gdata, None))
   np.testing.assert_allclose(state.matrix.value, expected[:6, :6], **TOL)
@@ -231,10 +274,10 @@ def test_naive_blocks_use_summed_gradients_on_generic_tags():
 
 # --- Kronecker factors --------------------------------------------------------
 
+
 def test_dense_kronecker_factors_and_exactness_for_shared_tangents():
   eqn, data, c = dense_case(same_dy=True, samples=3)
-  block, state, _, _ = fitted(blocks.DenseTwoKroneckerFactored,
-                              (eqn, data, c))
+  block, state, _, _ = fitted(blocks.DenseTwoKroneckerFactored, (eqn, data, c))
   x = np.concatenate([data["inputs"][0], np.ones((B, 1))], axis=1)
   dy = np.reshape(data["outputs_tangent"][0], (-1, 2))
   np.testing.assert_allclose(state.inputs_factor.value, x.T @ x / B, **TOL)
@@ -244,35 +287,43 @@ def test_dense_kronecker_factors_and_exactness_for_shared_tangents():
 
 
 def test_repeated_dense_kronecker():
-  x, w, b = (random_normal(1, B, 2, 3, 4), random_normal(2, 4, 2),
-             random_normal(3, 2))
-  eqn, data, _ = make_case(dense_layer, tags.register_repeated_dense, x,
-                           (w, b))
-  block, state, _, _ = fitted(blocks.RepeatedDenseTwoKroneckerFactored,
-                              (eqn, data, None))
+  x, w, b = (
+    random_normal(1, B, 2, 3, 4),
+    random_normal(2, 4, 2),
+    random_normal(3, 2),
+  )
+  eqn, data, _ = make_case(dense_layer, tags.register_repeated_dense, x, (w, b))
+  block, state, _, _ = fitted(
+    blocks.RepeatedDenseTwoKroneckerFactored, (eqn, data, None)
+  )
   assert block.fixed_scale() == 6
   xs = np.concatenate([np.reshape(x, (-1, 4)), np.ones((B * 6, 1))], axis=1)
   dy = np.reshape(data["outputs_tangent"][0], (-1, 2))
   a, g = xs.T @ xs / (B * 6), dy.T @ dy / (B * 6)
   np.testing.assert_allclose(state.inputs_factor.value, a, **TOL)
   np.testing.assert_allclose(state.outputs_factor.value, g, **TOL)
-  np.testing.assert_allclose(to_dense(block, state), 6 * np.kron(a, g),
-                             **TOL)
+  np.testing.assert_allclose(to_dense(block, state), 6 * np.kron(a, g), **TOL)
 
 
 def np_patches(x, k, s, pads):
   xp = np.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
   out = [(xp.shape[1 + i] - k) // s + 1 for i in range(2)]
-  return np.array([xp[n, i * s:i * s + k, j * s:j * s + k].reshape(-1)
-                   for n in range(len(x)) for i in range(out[0])
-                   for j in range(out[1])])
+  return np.array(
+    [
+      xp[n, i * s : i * s + k, j * s : j * s + k].reshape(-1)
+      for n in range(len(x))
+      for i in range(out[0])
+      for j in range(out[1])
+    ]
+  )
 
 
 @pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])
 def test_conv_kronecker_factors(fmt):
   eqn, data, _ = conv_case(fmt, 2, "SAME")
-  block, state, _, _ = fitted(blocks.Conv2DTwoKroneckerFactored,
-                              (eqn, data, None))
+  block, state, _, _ = fitted(
+    blocks.Conv2DTwoKroneckerFactored, (eqn, data, None)
+  )
   x, dy = np.asarray(data["inputs"][0]), np.asarray(data["outputs_tangent"][0])
   if fmt == "NCHW":
     x, dy = x.transpose(0, 2, 3, 1), dy.transpose(0, 1, 3, 4, 2)
@@ -286,18 +337,25 @@ def test_conv_kronecker_factors(fmt):
   np.testing.assert_allclose(state.outputs_factor.value, g, **TOL)
   # multiply applies L * A V G with V the (kh*kw*C_in + 1, C_out) matrix.
   v = random_vector(block)
-  kernel = np.asarray(v[0]) if fmt == "NHWC" else np.asarray(
-      v[0]).transpose(2, 3, 1, 0)
+  kernel = (
+    np.asarray(v[0])
+    if fmt == "NHWC"
+    else np.asarray(v[0]).transpose(2, 3, 1, 0)
+  )
   vm = np.concatenate([kernel.reshape(-1, 3), np.asarray(v[1])[None]])
   out = block.multiply(state, v, 0.0, True, False)
   expected = 9 * a @ vm @ g
-  got_kernel = np.asarray(out[0]) if fmt == "NHWC" else np.asarray(
-      out[0]).transpose(2, 3, 1, 0)
+  got_kernel = (
+    np.asarray(out[0])
+    if fmt == "NHWC"
+    else np.asarray(out[0]).transpose(2, 3, 1, 0)
+  )
   np.testing.assert_allclose(got_kernel.reshape(-1, 3), expected[:-1], **TOL)
   np.testing.assert_allclose(out[1], expected[-1], **TOL)
 
 
 # --- moving averages ----------------------------------------------------------
+
 
 def test_weighted_moving_average():
   ema = utils.WeightedMovingAverage.zeros((2,), jnp.float64)
@@ -310,20 +368,28 @@ def test_weighted_moving_average():
   assert len(leaves) == 2
 
 
-@pytest.mark.parametrize("cls", [blocks.DenseFull, blocks.DenseDiagonal,
-                                 blocks.DenseTwoKroneckerFactored])
+@pytest.mark.parametrize(
+  "cls",
+  [blocks.DenseFull, blocks.DenseDiagonal, blocks.DenseTwoKroneckerFactored],
+)
 def test_ema_over_two_updates(cls):
   (eqn, d1, _), (_, d2, _) = dense_case(seed=0), dense_case(seed=1)
   block = cls(eqn, "d")
-  update = jax.jit(functools.partial(block.update_curvature_matrix_estimate,
-                                     batch_size=B, pmap_axis_name=None))
+  update = jax.jit(
+    functools.partial(
+      block.update_curvature_matrix_estimate, batch_size=B, pmap_axis_name=None
+    )
+  )
   s0 = block.init(None, None, None, False)
 
   @jax.jit
   def run(d1, d2):
-    one = lambda d: block.to_dense_matrix(update(s0, d, ema_old=0., ema_new=1.))
-    state = update(update(s0, d1, ema_old=0.7, ema_new=0.3), d2,
-                   ema_old=0.7, ema_new=0.3)
+    one = lambda d: block.to_dense_matrix(
+      update(s0, d, ema_old=0.0, ema_new=1.0)
+    )
+    state = update(
+      update(s0, d1, ema_old=0.7, ema_new=0.3), d2, ema_old=0.7, ema_new=0.3
+    )
     # weights: 0.7 * 0.3 for the first batch, 0.3 for the second.
     expected = (0.21 * one(d1) + 0.3 * one(d2)) / 0.51
     return block.to_dense_matrix(state), expected
@@ -337,89 +403,126 @@ def test_ema_over_two_updates(cls):
 DAMPING = 0.3
 POWERS = [1, -1, -0.5]
 PRODUCT_BLOCKS = {
-    "full": (blocks.DenseFull, dense_case),
-    "full_eigh": (functools.partial(blocks.DenseFull,
-                                    eigen_decomposition_threshold=1),
-                  dense_case),
-    "diag": (blocks.DenseDiagonal, dense_case),
-    "kfac": (blocks.DenseTwoKroneckerFactored, dense_case),
-    "kfac_conv": (blocks.Conv2DTwoKroneckerFactored,
-                  lambda: conv_case("NCHW", 2, "SAME")),
-    "identity": (functools.partial(blocks.ScaledIdentity, scale=2.5),
-                 dense_case),
+  "full": (blocks.DenseFull, dense_case),
+  "full_eigh": (
+    functools.partial(blocks.DenseFull, eigen_decomposition_threshold=1),
+    dense_case,
+  ),
+  "diag": (blocks.DenseDiagonal, dense_case),
+  "kfac": (blocks.DenseTwoKroneckerFactored, dense_case),
+  "kfac_conv": (
+    blocks.Conv2DTwoKroneckerFactored,
+    lambda: conv_case("NCHW", 2, "SAME"),
+  ),
+  "identity": (functools.partial(blocks.ScaledIdentity, scale=2.5), dense_case),
 }
 
 
 @pytest.mark.parametrize("name", list(PRODUCT_BLOCKS))
 def test_products_match_numpy(name):
   cls, case = PRODUCT_BLOCKS[name]
-  block, state, _, _ = fitted(cls, case(), exact=POWERS, approx=POWERS,
-                              eig=True)
+  block, state, _, _ = fitted(
+    cls, case(), exact=POWERS, approx=POWERS, eig=True
+  )
   if name == "full_eigh":
     assert "eigendecomposition" in state.cache
   v = random_vector(block)
-  modes = [(p, e, c) for p in POWERS for e in (True, False)
-           for c in (True, False)]
+  modes = [
+    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+  ]
 
   @jax.jit  # one program: compiling many small ones dominates test time
   def run(state, v, damping):
     cached = block.update_cache(state, damping, POWERS, POWERS, True)
-    out = {f"{p} {e} {c}": utils.flatten_arrays(
-        block.multiply_matpower(cached, v, damping, p, e, c))
-           for p, e, c in modes}
+    out = {
+      f"{p} {e} {c}": utils.flatten_arrays(
+        block.multiply_matpower(cached, v, damping, p, e, c)
+      )
+      for p, e, c in modes
+    }
     out["dense"] = block.to_dense_matrix(state)
-    out["back"] = utils.flatten_arrays(block.multiply_inverse(
-        state, block.multiply(state, v, damping, True, False), damping, True,
-        False))
+    out["back"] = utils.flatten_arrays(
+      block.multiply_inverse(
+        state,
+        block.multiply(state, v, damping, True, False),
+        damping,
+        True,
+        False,
+      )
+    )
     out["eig"] = block.eigenvalues(cached, False)
     out["eig_cached"] = block.eigenvalues(cached, True)
     return cached, out
 
   cached, out = run(state, v, DAMPING)
-  assert (jax.tree_util.tree_structure(cached)
-          == jax.tree_util.tree_structure(state))
+  assert jax.tree_util.tree_structure(cached) == jax.tree_util.tree_structure(
+    state
+  )
   m = np.asarray(out["dense"])
   for p, e, c in modes:
     if e or "kfac" not in name:  # approximate powers are exact here
       expected = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ flat(v)
-      np.testing.assert_allclose(out[f"{p} {e} {c}"], expected, rtol=1e-8,
-                                 atol=1e-10)
+      np.testing.assert_allclose(
+        out[f"{p} {e} {c}"], expected, rtol=1e-8, atol=1e-10
+      )
   np.testing.assert_allclose(out["back"], flat(v), rtol=1e-8, atol=1e-10)
   want = np.sort(np.linalg.eigvalsh(m))
   for key in ("eig", "eig_cached"):
     np.testing.assert_allclose(np.sort(out[key]), want, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("cls", [blocks.DenseFull, blocks.DenseDiagonal,
-                                 blocks.DenseTwoKroneckerFactored,
-                                 blocks.DenseEKFAC])
+@pytest.mark.parametrize(
+  "cls",
+  [
+    blocks.DenseFull,
+    blocks.DenseDiagonal,
+    blocks.DenseTwoKroneckerFactored,
+    blocks.DenseEKFAC,
+  ],
+)
 def test_state_dependent_scale_is_folded_into_the_cache(cls):
   class Scaled(cls):
     def state_dependent_scale(self, state):
       return 2.5
 
-  block, state, _, _ = fitted(Scaled, dense_case(), exact=[-1], approx=[-1],
-                              eig=True)
+  block, state, _, _ = fitted(
+    Scaled, dense_case(), exact=[-1], approx=[-1], eig=True
+  )
   assert block.scale(state, True) == 1 and block.scale(state, False) == 2.5
   v = random_vector(block)
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, -1, -1, True)
-    pairs = [(utils.flatten_arrays(block.multiply_inverse(
-        cached, v, DAMPING, exact, True)), utils.flatten_arrays(
-            block.multiply_inverse(state, v, DAMPING, exact, False)))
-             for exact in (True, False)]
-    return pairs + [(jnp.sort(block.eigenvalues(cached, True)),
-                     jnp.sort(block.eigenvalues(state, False)))]
+    pairs = [
+      (
+        utils.flatten_arrays(
+          block.multiply_inverse(cached, v, DAMPING, exact, True)
+        ),
+        utils.flatten_arrays(
+          block.multiply_inverse(state, v, DAMPING, exact, False)
+        ),
+      )
+      for exact in (True, False)
+    ]
+    return pairs + [
+      (
+        jnp.sort(block.eigenvalues(cached, True)),
+        jnp.sort(block.eigenvalues(state, False)),
+      )
+    ]
 
   for got, want in run(state, v):
     np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("cls", [
+@pytest.mark.parametrize(
+  "cls",
+  [
     blocks.DenseTwoKroneckerFactored,
-    functools.partial(blocks.DenseFull, eigen_decomposition_threshold=1)])
+    functools.partial(blocks.DenseFull, eigen_decomposition_threshold=1),
+  ],
+)
 def test_refreshing_one_cached_power_keeps_the_others_consistent(cls):
   (eqn, d1, _), (_, d2, _) = dense_case(seed=0), dense_case(seed=1)
   block = cls(eqn, "d")
@@ -428,14 +531,16 @@ def test_refreshing_one_cached_power_keeps_the_others_consistent(cls):
   @jax.jit
   def run(d1, d2, v):
     state = block.init(None, [-1, -0.5], None, False)
-    state = block.update_curvature_matrix_estimate(state, d1, 0., 1., B, None)
+    state = block.update_curvature_matrix_estimate(state, d1, 0.0, 1.0, B, None)
     state = block.update_cache(state, 0.5, [-1, -0.5], None, False)
-    state = block.update_curvature_matrix_estimate(state, d2, 0., 1., B, None)
+    state = block.update_curvature_matrix_estimate(state, d2, 0.0, 1.0, B, None)
     state = block.update_cache(state, DAMPING, -0.5, None, False)
     # Shared eigendecompositions: power -1 now uses the new estimate and the
     # identity weight it was itself cached with.
-    return (block.multiply_inverse(state, v, 0.5, True, True),
-            block.multiply_inverse(state, v, 0.5, True, False))
+    return (
+      block.multiply_inverse(state, v, 0.5, True, True),
+      block.multiply_inverse(state, v, 0.5, True, False),
+    )
 
   got, want = run(d1, d2, v)
   np.testing.assert_allclose(flat(got), flat(want), rtol=1e-8, atol=1e-10)
@@ -444,24 +549,32 @@ def test_refreshing_one_cached_power_keeps_the_others_consistent(cls):
 def test_pi_adjusted_powers_with_block_scale():
   x, w = random_normal(1, B, 3, 4), random_normal(2, 4, 2)
   eqn, data, _ = make_case(dense_layer, tags.register_repeated_dense, x, (w,))
-  block, state, _, _ = fitted(blocks.RepeatedDenseTwoKroneckerFactored,
-                              (eqn, data, None), approx=POWERS)
+  block, state, _, _ = fitted(
+    blocks.RepeatedDenseTwoKroneckerFactored, (eqn, data, None), approx=POWERS
+  )
   s = block.fixed_scale()
   v = random_vector(block)
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, None, POWERS, False)
-    out = {f"{p} {c}": utils.flatten_arrays(
-        block.multiply_matpower(cached, v, DAMPING, p, False, c))
-           for p in POWERS for c in (True, False)}
+    out = {
+      f"{p} {c}": utils.flatten_arrays(
+        block.multiply_matpower(cached, v, DAMPING, p, False, c)
+      )
+      for p in POWERS
+      for c in (True, False)
+    }
     out["damped"] = utils.pi_adjusted_kronecker_damping(
-        state.inputs_factor.value, state.outputs_factor.value, DAMPING / s)
+      state.inputs_factor.value, state.outputs_factor.value, DAMPING / s
+    )
     return out
 
   out = run(state, v)
-  a, g = np.asarray(state.inputs_factor.value), np.asarray(
-      state.outputs_factor.value)
+  a, g = (
+    np.asarray(state.inputs_factor.value),
+    np.asarray(state.outputs_factor.value),
+  )
   pi = np.sqrt((np.trace(a) / 4) / (np.trace(g) / 2))
   c = np.sqrt(DAMPING / s)
   a_d, g_d = a + pi * c * np.eye(4), g + c / pi * np.eye(2)
@@ -471,29 +584,36 @@ def test_pi_adjusted_powers_with_block_scale():
   for power in POWERS:
     expected = numpy_psd_power(damped, power) @ flat(v)
     for use_cached in (False, True):
-      np.testing.assert_allclose(out[f"{power} {use_cached}"], expected,
-                                 rtol=1e-8, atol=1e-10)
-  np.testing.assert_allclose(out["-1 False"], np.linalg.solve(damped, flat(v)),
-                             rtol=1e-8, atol=1e-10)
+      np.testing.assert_allclose(
+        out[f"{power} {use_cached}"], expected, rtol=1e-8, atol=1e-10
+      )
+  np.testing.assert_allclose(
+    out["-1 False"], np.linalg.solve(damped, flat(v)), rtol=1e-8, atol=1e-10
+  )
 
 
 # --- multiple devices ---------------------------------------------------------
 
-@pytest.mark.parametrize("cls,case", [
+
+@pytest.mark.parametrize(
+  "cls,case",
+  [
     (blocks.DenseFull, dense_case),
     (blocks.DenseTwoKroneckerFactored, dense_case),
     (blocks.Conv2DDiagonal, lambda: conv_case("NHWC", batch=4)),
     (blocks.Conv2DTwoKroneckerFactored, lambda: conv_case("NCHW", batch=4)),
     # EKFAC averages its scalings over devices on top of the factors.
     (blocks.DenseEKFAC, dense_case),
-])
+  ],
+)
 def test_pmean_over_devices_equals_concatenated_batch(cls, case):
   eqn, data, _ = case()
   block = cls(eqn, "layer")
   state = block.init(None, None, None, False)
   n = data["inputs"][0].shape[0]
-  single = jax.jit(block.update_curvature_matrix_estimate,
-                   static_argnums=(4, 5))(state, data, 0., 1., n, None)
+  single = jax.jit(
+    block.update_curvature_matrix_estimate, static_argnums=(4, 5)
+  )(state, data, 0.0, 1.0, n, None)
 
   def split(key, value):
     axis = 1 if key == "outputs_tangent" else 0
@@ -504,22 +624,31 @@ def test_pmean_over_devices_equals_concatenated_batch(cls, case):
 
   sharded = {k: tuple(split(k, v) for v in vs) for k, vs in data.items()}
   multi = jax.pmap(
-      lambda d: block.update_curvature_matrix_estimate(
-          state, d, 0., 1., n // 2, "i"), axis_name="i")(sharded)
-  for got, want in zip(jax.tree_util.tree_leaves(multi),
-                       jax.tree_util.tree_leaves(single)):
+    lambda d: block.update_curvature_matrix_estimate(
+      state, d, 0.0, 1.0, n // 2, "i"
+    ),
+    axis_name="i",
+  )(sharded)
+  for got, want in zip(
+    jax.tree_util.tree_leaves(multi), jax.tree_util.tree_leaves(single)
+  ):
     np.testing.assert_allclose(got[0], want, **TOL)
     np.testing.assert_allclose(got[1], want, **TOL)
 
 
 # --- errors -------------------------------------------------------------------
 
+
 def test_clear_errors():
   eqn, data, _ = dense_case()
   diag = blocks.DenseDiagonal(eqn, "d")
-  state = diag.init(None, exact_powers_to_cache=-1, approx_powers_to_cache=None,
-                    cache_eigenvalues=False)
-  state = diag.update_curvature_matrix_estimate(state, data, 0., 1., B, None)
+  state = diag.init(
+    None,
+    exact_powers_to_cache=-1,
+    approx_powers_to_cache=None,
+    cache_eigenvalues=False,
+  )
+  state = diag.update_curvature_matrix_estimate(state, data, 0.0, 1.0, B, None)
   v = random_vector(diag)
   with pytest.raises(ValueError, match="pass it in exact_powers_to_cache"):
     diag.multiply_matpower(state, v, 0.1, -0.5, True, True)
@@ -541,7 +670,8 @@ def test_clear_errors():
     diag.multiply_matpower(state, v, 0.1, float("nan"), True, False)
   with pytest.raises(ValueError, match="known at trace time"):
     jax.jit(lambda p: diag.multiply_matpower(state, v, 0.1, p, True, False))(
-        -1.0)
+      -1.0
+    )
   with pytest.raises(ValueError, match="do not match the parameter shapes"):
     diag.multiply(state, (v[0],), 0.1, True, False)
   with pytest.raises(ValueError, match="do not match the parameter shapes"):
@@ -550,44 +680,66 @@ def test_clear_errors():
     diag.multiply(state, v[0], 0.1, True, False)
   bad = dict(data, inputs=(data["inputs"][0][:, :2],))
   with pytest.raises(ValueError, match="estimation_data\\['inputs'\\]"):
-    diag.update_curvature_matrix_estimate(state, bad, 0., 1., B, None)
+    diag.update_curvature_matrix_estimate(state, bad, 0.0, 1.0, B, None)
   bad = dict(data, outputs_tangent=(data["outputs_tangent"][0][0],))
   with pytest.raises(ValueError, match="outputs_tangent"):
-    diag.update_curvature_matrix_estimate(state, bad, 0., 1., B, None)
+    diag.update_curvature_matrix_estimate(state, bad, 0.0, 1.0, B, None)
   with pytest.raises(ValueError, match="needs \\['inputs'"):
     diag.update_curvature_matrix_estimate(
-        state, dict(params_tangent=data["params_tangent"]), 0., 1., B, None)
+      state, dict(params_tangent=data["params_tangent"]), 0.0, 1.0, B, None
+    )
   with pytest.raises(ValueError, match="handles conv2d_tag"):
     blocks.Conv2DFull(eqn, "d")
   # Undamped inverses are fine for the (non-singular) scaled identity.
   ident = blocks.ScaledIdentity(eqn, "i", scale=2.0)
-  out = ident.multiply_inverse(ident.init(None, None, None, False), v, 0, True,
-                               False)
+  out = ident.multiply_inverse(
+    ident.init(None, None, None, False), v, 0, True, False
+  )
   np.testing.assert_allclose(flat(out), flat(v) / 2)
 
 
 def grouped_conv_case():
   """A convolution with two feature groups (Kronecker layouts refuse it)."""
+
   def layer(x, p):
-    return lax.conv_general_dilated(x, p[0], (1, 1), "VALID",
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                    feature_group_count=2)
+    return lax.conv_general_dilated(
+      x,
+      p[0],
+      (1, 1),
+      "VALID",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=2,
+    )
 
   def register(y, x, k):
     return tags.register_conv2d(y, x, k, feature_group_count=2)
 
-  return make_case(layer, register, random_normal(0, 2, 4, 4, 2),
-                   (random_normal(1, 2, 2, 1, 4),))
+  return make_case(
+    layer,
+    register,
+    random_normal(0, 2, 4, 4, 2),
+    (random_normal(1, 2, 2, 1, 4),),
+  )
 
 
-@pytest.mark.parametrize("kronecker_layout", [
-    blocks.Conv2DTwoKroneckerFactored, blocks.Conv2DEKFAC, blocks.Conv2DTNT,
-    blocks.Conv2DKFACReduce])
+@pytest.mark.parametrize(
+  "kronecker_layout",
+  [
+    blocks.Conv2DTwoKroneckerFactored,
+    blocks.Conv2DEKFAC,
+    blocks.Conv2DTNT,
+    blocks.Conv2DKFACReduce,
+  ],
+)
 def test_grouped_conv_rejected_by_kronecker_but_fine_per_example(
-    kronecker_layout):
+  kronecker_layout,
+):
   case = grouped_conv_case()
-  with pytest.raises(ValueError, match=f"{kronecker_layout.__name__} supports "
-                     "only.*Conv2DDiagonal or Conv2DFull"):
+  with pytest.raises(
+    ValueError,
+    match=f"{kronecker_layout.__name__} supports "
+    "only.*Conv2DDiagonal or Conv2DFull",
+  ):
     kronecker_layout(case[0], "c")
   _, state, _, c = fitted(blocks.Conv2DFull, case)
   np.testing.assert_allclose(state.matrix.value, c, **TOL)
@@ -609,25 +761,32 @@ def test_settings_round_trip():
 @pytest.mark.parametrize("sizes", [(1100, 2), (2, 1100)])
 def test_big_factor_facing_a_small_one_is_cached_as_its_inverse_root(sizes):
   d_in, d_out = sizes
-  eqn, data, _ = make_case(dense_layer, tags.register_dense,
-                           random_normal(3, B, d_in),
-                           (random_normal(1, d_in, d_out),))
-  block, state, _, _ = fitted(blocks.DenseTwoKroneckerFactored,
-                              (eqn, data, None), approx=(-1,))
+  eqn, data, _ = make_case(
+    dense_layer,
+    tags.register_dense,
+    random_normal(3, B, d_in),
+    (random_normal(1, d_in, d_out),),
+  )
+  block, state, _, _ = fitted(
+    blocks.DenseTwoKroneckerFactored, (eqn, data, None), approx=(-1,)
+  )
   v = random_vector(block)
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, None, (-1,), False)
-    return (cached.cache, block.multiply_inverse(cached, v, DAMPING, False,
-                                                 True),
-            utils.pi_adjusted_kronecker_damping(
-                state.inputs_factor.value, state.outputs_factor.value,
-                DAMPING))
+    return (
+      cached.cache,
+      block.multiply_inverse(cached, v, DAMPING, False, True),
+      utils.pi_adjusted_kronecker_damping(
+        state.inputs_factor.value, state.outputs_factor.value, DAMPING
+      ),
+    )
 
   cache, got, (a_d, g_d) = run(state, v)
   big = "inputs_factor" if d_in > d_out else "outputs_factor"
   assert f"{big}_inverse_root" in cache["approx_pow_-1"]
   damped = np.kron(np.asarray(a_d), np.asarray(g_d))
-  np.testing.assert_allclose(flat(got), np.linalg.solve(damped, flat(v)),
-                             rtol=1e-7, atol=1e-9)
+  np.testing.assert_allclose(
+    flat(got), np.linalg.solve(damped, flat(v)), rtol=1e-7, atol=1e-9
+  )

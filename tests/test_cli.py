@@ -18,19 +18,23 @@ def test_help_lists_every_option_the_config_groups_have():
     known = set(config.options(group))
     if group == "experiment":  # other sizes: under --help experiment
       assert set(options) <= known
-      assert all(re.fullmatch(r"repro_\w+_[a-z]+", name)
-                 for name in known - set(options)), known - set(options)
+      assert all(
+        re.fullmatch(r"repro_\w+_[a-z]+", name) for name in known - set(options)
+      ), known - set(options)
     else:
       assert set(options) == known, group
     assert all(text for text in options.values()), group  # a line each
 
 
 def test_help_prints_without_importing_jax_or_hydra():
-  code = ("import sys; from curvbench import cli; cli.main(['--help']); "
-          "heavy = {'jax', 'hydra', 'haiku', 'pandas'} & set(sys.modules); "
-          "assert not heavy, heavy")
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                        text=True, check=False)
+  code = (
+    "import sys; from curvbench import cli; cli.main(['--help']); "
+    "heavy = {'jax', 'hydra', 'haiku', 'pandas'} & set(sys.modules); "
+    "assert not heavy, heavy"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=False
+  )
   assert done.returncode == 0, done.stderr
   assert "curvbench report SWEEP_DIR" in done.stdout
   assert "curvbench --help GROUP" in done.stdout
@@ -47,6 +51,7 @@ def test_group_help_shows_every_setting_with_its_default_and_doc():
         assert f"{field.name} = " in text, (name, field.name)
         assert field.metadata["doc"] in text, (name, field.name)
   assert "a preset, conf/problem/autoencoder_curves.yaml" in cli.group_help(
-      "problem")
+    "problem"
+  )
   with pytest.raises(SystemExit, match="no config group 'optimiser'"):
     cli.group_help("optimiser")

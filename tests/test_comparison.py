@@ -13,9 +13,11 @@ from tests.conftest import TINY
 SEEDS = range(4)
 # method -> {learning rate: final training error}; every seed lands within
 # +-0.01 of it. K-FAC steps take 10x as long as the others'.
-FINAL = {"kfac[kfac/ggn]": {0.1: 0.10},
-         "adam": {0.001: 0.70, 0.01: 0.50, 0.1: 0.30},
-         "sgd": {0.01: 0.60, 0.1: 0.40, 1.0: 0.45}}
+FINAL = {
+  "kfac[kfac/ggn]": {0.1: 0.10},
+  "adam": {0.001: 0.70, 0.01: 0.50, 0.1: 0.30},
+  "sgd": {0.01: 0.60, 0.1: 0.40, 1.0: 0.45},
+}
 GRID = {"adam": [0.001, 0.01, 0.1], "sgd": [0.01, 0.1, 1.0]}
 STEP_S = {"kfac[kfac/ggn]": 0.1, "adam": 0.01, "sgd": 0.01}
 STEPS = 100
@@ -34,32 +36,60 @@ def _sweep(target=0.35, claim="kfac", budget=None, points=10):
         run_id = f"{method}-{lr}-{seed}"
         end = final + 0.01 * (seed - 1.5) / 1.5
         error = lambda step: 1 + (end - 1) * step / STEPS
-        runs.append({"run_id": run_id, "status": "complete",
-                     "problem": "mlp", "measure": "training",
-                     "method": method,
-                     "config:optimizer.name": method.split("[")[0],
-                     "config:optimizer.learning_rate": lr,
-                     "config:seed": seed, "config:tuning.metric":
-                     "final_train_error", "config:tuning.claim": claim,
-                     "config:measure.training.target_error": target,
-                     "config:measure.training.budget_s": budget,
-                     "config:measure.training.time_grid": points,
-                     **{f"config:tuning.grid.{m}.learning_rate": str(g)
-                        for m, g in GRID.items()}})
+        runs.append(
+          {
+            "run_id": run_id,
+            "status": "complete",
+            "problem": "mlp",
+            "measure": "training",
+            "method": method,
+            "config:optimizer.name": method.split("[")[0],
+            "config:optimizer.learning_rate": lr,
+            "config:seed": seed,
+            "config:tuning.metric": "final_train_error",
+            "config:tuning.claim": claim,
+            "config:measure.training.target_error": target,
+            "config:measure.training.budget_s": budget,
+            "config:measure.training.time_grid": points,
+            **{
+              f"config:tuning.grid.{m}.learning_rate": str(g)
+              for m, g in GRID.items()
+            },
+          }
+        )
         step_s = STEP_S[method]
-        last = STEPS if budget is None else min(
-            STEPS, int(round(budget / step_s)))
+        last = (
+          STEPS if budget is None else min(STEPS, int(round(budget / step_s)))
+        )
         for step in range(0, last + 1, 10):
-          curves.append(dict(run_id=run_id, problem="mlp", method=method,
-                             seed=seed, step=step, wall_s=step * step_s,
-                             train_error=error(step), diverged=False))
+          curves.append(
+            dict(
+              run_id=run_id,
+              problem="mlp",
+              method=method,
+              seed=seed,
+              step=step,
+              wall_s=step * step_s,
+              train_error=error(step),
+              diverged=False,
+            )
+          )
         for k in range(1, points + 1) if budget is not None else ():
           t = budget * k / points
           held = min(int(np.floor(t / step_s + 1e-9)), last)
-          curves.append(dict(run_id=run_id, problem="mlp", method=method,
-                             seed=seed, step=held, wall_s=held * step_s,
-                             train_error=error(held), time_point_s=t,
-                             diverged=False))
+          curves.append(
+            dict(
+              run_id=run_id,
+              problem="mlp",
+              method=method,
+              seed=seed,
+              step=held,
+              wall_s=held * step_s,
+              train_error=error(held),
+              time_point_s=t,
+              diverged=False,
+            )
+          )
   runs = pd.DataFrame(runs)
   done = sweep.settings(runs)
   tables = {"training": sweep.with_labels(pd.DataFrame(curves), done)}
@@ -98,9 +128,16 @@ def test_paired_samples_tell_apart_what_unpaired_ones_cannot():
 
 
 def test_every_summary_is_checked_against_its_own_spread():
-  good = pd.DataFrame(dict(median=[1.0, 2.0], q25=[0.5, 2.0], q75=[1.5, 2.0],
-                           error_mean=[0.3, np.nan], error_ci_low=[0.2, np.nan],
-                           error_ci_high=[0.4, np.nan]))
+  good = pd.DataFrame(
+    dict(
+      median=[1.0, 2.0],
+      q25=[0.5, 2.0],
+      q75=[1.5, 2.0],
+      error_mean=[0.3, np.nan],
+      error_ci_low=[0.2, np.nan],
+      error_ci_high=[0.4, np.nan],
+    )
+  )
   assert stats.inconsistencies("good", good) == []
   bad = good.assign(q25=[1.1, 2.0], error_ci_high=[0.25, np.nan])
   found = stats.inconsistencies("bad", bad)
@@ -112,13 +149,19 @@ def test_every_summary_is_checked_against_its_own_spread():
 def test_tuning_flags_a_best_setting_at_its_grid_edge_and_its_runner_up():
   table = training.tuning_table(_sweep()).set_index(["method", "setting"])
   best = table[table.best]
-  assert set(best.index) == {("adam", "learning_rate=0.1"),
-                             ("sgd", "learning_rate=0.1")}  # kfac: no grid
-  assert "learning_rate=0.1 (the highest of 3 tried)" in best.edge[
-      "adam", "learning_rate=0.1"]
+  assert set(best.index) == {
+    ("adam", "learning_rate=0.1"),
+    ("sgd", "learning_rate=0.1"),
+  }  # kfac: no grid
+  assert (
+    "learning_rate=0.1 (the highest of 3 tried)"
+    in best.edge["adam", "learning_rate=0.1"]
+  )
   assert best.edge["sgd", "learning_rate=0.1"] == ""  # inside its grid
-  assert "lower than learning_rate=1" in best.vs_runner_up[
-      "sgd", "learning_rate=0.1"]
+  assert (
+    "lower than learning_rate=1"
+    in best.vs_runner_up["sgd", "learning_rate=0.1"]
+  )
   adam = best.loc["adam", "learning_rate=0.1"]
   assert adam.ci_low <= adam.score <= adam.ci_high
   assert adam.score == pytest.approx(0.30)
@@ -130,8 +173,11 @@ def test_equal_time_reads_the_time_grid_of_the_chosen_settings():
   does not hold, and every figure comes from the grid point at 1 s."""
   rep = _sweep(budget=1.0)
   table = training.equal_time(rep).set_index("label")
-  assert set(table.index) == {"kfac[kfac/ggn]", "adam (learning_rate=0.1)",
-                              "sgd (learning_rate=0.1)"}
+  assert set(table.index) == {
+    "kfac[kfac/ggn]",
+    "adam (learning_rate=0.1)",
+    "sgd (learning_rate=0.1)",
+  }
   assert set(table.equal_time_s) == {1.0}
   at = table.error_at_equal_time_mean
   assert at["kfac[kfac/ggn]"] == pytest.approx(0.91, abs=1e-3)
@@ -142,8 +188,10 @@ def test_equal_time_reads_the_time_grid_of_the_chosen_settings():
   assert "On these runs it does not hold" in claim
   assert "kfac[kfac/ggn] higher than adam (learning_rate=0.1)" in claim
   [finding] = training.findings(rep)
-  assert finding.startswith("mlp: adam (learning_rate=0.1) reaches the "
-                            "lowest training error at 1 s (the time grid)")
+  assert finding.startswith(
+    "mlp: adam (learning_rate=0.1) reaches the "
+    "lowest training error at 1 s (the time grid)"
+  )
 
 
 def test_a_claim_that_holds_is_said_to_hold():
@@ -166,13 +214,17 @@ def test_step_budgets_compare_targets_but_not_equal_time():
   assert "error_at_equal_time_mean" not in table
   assert table.reached["sgd (learning_rate=0.1)"] == "0 of 4"
   assert table.reached["kfac[kfac/ggn]"] == "4 of 4"
-  assert (table.seconds_to_target_mean["kfac[kfac/ggn]"]
-          > table.seconds_to_target_mean["adam (learning_rate=0.1)"])
+  assert (
+    table.seconds_to_target_mean["kfac[kfac/ggn]"]
+    > table.seconds_to_target_mean["adam (learning_rate=0.1)"]
+  )
   assert table.steps_to_target_mean["kfac[kfac/ggn]"] == pytest.approx(80)
   [claim] = training.claims(rep)
   assert "Not judged: these runs are budgeted in steps" in claim
-  assert any("budgeted in steps, so each method stops at its own time"
-             in note for note in training.notes(rep))
+  assert any(
+    "budgeted in steps, so each method stops at its own time" in note
+    for note in training.notes(rep)
+  )
   [finding] = training.findings(rep)
   assert "final training error after 100 steps" in finding
   assert training.equal_time(_sweep(target=None)) is None
@@ -190,13 +242,31 @@ def test_one_seed_gives_no_interval_and_no_verdict():
 
 
 def test_a_curve_along_a_spectra_run_is_labelled_by_its_optimizer():
-  runs_ = pd.DataFrame([
-      {"run_id": c, "status": "complete", "problem": "mlp",
-       "measure": "spectra", "method": c, "config:curvature.name": c,
-       "config:optimizer.name": "adam"} for c in ("kfac", "ekfac")])
+  runs_ = pd.DataFrame(
+    [
+      {
+        "run_id": c,
+        "status": "complete",
+        "problem": "mlp",
+        "measure": "spectra",
+        "method": c,
+        "config:curvature.name": c,
+        "config:optimizer.name": "adam",
+      }
+      for c in ("kfac", "ekfac")
+    ]
+  )
   done = sweep.settings(runs_)
-  rows = pd.DataFrame(dict(run_id=["kfac", "ekfac"], method="adam", seed=0,
-                           step=0, wall_s=0.0, train_error=1.0))
+  rows = pd.DataFrame(
+    dict(
+      run_id=["kfac", "ekfac"],
+      method="adam",
+      seed=0,
+      step=0,
+      wall_s=0.0,
+      train_error=1.0,
+    )
+  )
   labelled = sweep.with_labels(rows, done)
   assert list(labelled.label) == ["adam", "adam"]
 
@@ -204,11 +274,15 @@ def test_a_curve_along_a_spectra_run_is_labelled_by_its_optimizer():
 def test_a_time_budgeted_run_is_evaluated_on_its_time_grid(tmp_path):
   """Each grid point evaluates the parameters the run held at that second:
   those of the last step finished by then."""
-  cfg = config.compose(*TINY, "measure=training", "optimizer=adam",
-                       "measure.training.num_steps=100000",
-                       "measure.training.budget_s=0.5",
-                       "measure.training.time_grid=5",
-                       "measure.training.eval_every=100000")
+  cfg = config.compose(
+    *TINY,
+    "measure=training",
+    "optimizer=adam",
+    "measure.training.num_steps=100000",
+    "measure.training.budget_s=0.5",
+    "measure.training.time_grid=5",
+    "measure.training.eval_every=100000",
+  )
   assert runs.run(cfg, tmp_path / "run") == "complete"
   rows = records.RunDir(tmp_path / "run").tables()["training"]
   grid = rows[rows.time_point_s.notna()]

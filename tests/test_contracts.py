@@ -27,9 +27,13 @@ from problems import DATASETS, PROBLEMS, Problem, ProblemSettings, layers
 from tests.conftest import TINY
 from tests.toy_measurement import GradientNorms
 
-SHORT = ("measure.training.num_steps=2", "measure.training.eval_every=1",
-         "measure.training.eval_size=20", "measure.training.train_eval_size=20",
-         "progress=false")
+SHORT = (
+  "measure.training.num_steps=2",
+  "measure.training.eval_every=1",
+  "measure.training.eval_size=20",
+  "measure.training.train_eval_size=20",
+  "progress=false",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,9 @@ def every_component(tmp_path_factory):
   """Runs of every registered optimizer (training) and measurement on the
   tiny problem, in one sweep directory, and its report."""
   root = tmp_path_factory.mktemp("contracts")
-  points = {f"optimizer_{n}": ["measure=training", f"optimizer={n}"]
-            for n in OPTIMIZERS}
+  points = {
+    f"optimizer_{n}": ["measure=training", f"optimizer={n}"] for n in OPTIMIZERS
+  }
   points.update({f"measure_{n}": [f"measure={n}"] for n in MEASUREMENTS})
   status, seen = {}, {}
   for name, overrides in points.items():
@@ -57,10 +62,15 @@ def every_component(tmp_path_factory):
 def test_every_problem_builds_is_fully_registered_and_trains(name, tmp_path):
   # One kind of K-FAC step (refresh and damping every step): one program
   # to compile.
-  cfg = config.compose(f"problem={name}", "problem.batch_size=8",
-                       "measure=training", "optimizer=kfac",
-                       "optimizer.inverse_update_period=1",
-                       "optimizer.damping_adaptation_interval=1", *SHORT)
+  cfg = config.compose(
+    f"problem={name}",
+    "problem.batch_size=8",
+    "measure=training",
+    "optimizer=kfac",
+    "optimizer.inverse_update_period=1",
+    "optimizer.damping_adaptation_interval=1",
+    *SHORT,
+  )
   assert runs.run(cfg, tmp_path / "run") == "complete"
   run = records.RunDir(tmp_path / "run")
   training = run.tables()["training"]
@@ -106,6 +116,7 @@ def test_every_optimizer_and_measurement_runs_and_reports(every_component):
 
 # --- components declared here, in one place each ----------------------------
 
+
 @dataclasses.dataclass
 class Linear(ProblemSettings):
   """Softmax regression: one dense layer to the class logits."""
@@ -115,9 +126,16 @@ class Linear(ProblemSettings):
   def build(self, data):
     def model(x):
       return layers.Dense(data.num_classes, name="logits")(
-          x.reshape(x.shape[0], -1))
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="softmax_cross_entropy")
+        x.reshape(x.shape[0], -1)
+      )
+
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="softmax_cross_entropy",
+    )
 
 
 @dataclasses.dataclass
@@ -143,32 +161,46 @@ def toys():
 
 
 def test_a_new_problem_block_type_and_measurement_are_one_file_each(
-    toys, tmp_path):
+  toys, tmp_path
+):
   toy = ("problem=toy_linear", "curvature=toy_diagonal", *TINY[2:])
-  with pytest.raises(config.ConfigError, match=r"measure.toy_gradient_norms"
-                     r".scale=0.0 is not allowed: .* a number > 0"):
+  with pytest.raises(
+    config.ConfigError,
+    match=r"measure.toy_gradient_norms"
+    r".scale=0.0 is not allowed: .* a number > 0",
+  ):
     config.compose(*toy, "measure.toy_gradient_norms.scale=0")
   with pytest.raises(config.ConfigError, match="did you mean scale"):
     config.compose(*toy, "+measure.toy_gradient_norms.scal=2")
   assert config.options("curvature").count("toy_diagonal") == 1
   status = {
-      "norms": runs.run(config.compose(  # at the canonical curvature: unused
-          "problem=toy_linear", *TINY[2:], "measure=toy_gradient_norms",
-          "measure.toy_gradient_norms.scale=2"), tmp_path / "norms"),
-      "spectra": runs.run(config.compose(*toy, "measure=spectra"),
-                          tmp_path / "spectra")}
+    "norms": runs.run(
+      config.compose(  # at the canonical curvature: unused
+        "problem=toy_linear",
+        *TINY[2:],
+        "measure=toy_gradient_norms",
+        "measure.toy_gradient_norms.scale=2",
+      ),
+      tmp_path / "norms",
+    ),
+    "spectra": runs.run(
+      config.compose(*toy, "measure=spectra"), tmp_path / "spectra"
+    ),
+  }
   assert status == {"norms": "complete", "spectra": "complete"}
   norms = records.RunDir(tmp_path / "norms").tables()["toy_gradient_norms"]
   assert set(norms.leaf) == {"['logits']['b']", "['logits']['w']"}
   assert (norms.norm > 0).all() and set(norms.problem) == {"toy_linear"}
-  blocks = json.loads((tmp_path / "spectra" / "registration.json")
-                      .read_text())["blocks"]
+  blocks = json.loads((tmp_path / "spectra" / "registration.json").read_text())[
+    "blocks"
+  ]
   assert [b["block_class"] for b in blocks] == ["DenseDiagonal"]
   written = report.write(tmp_path)
   text = (tmp_path / "report" / "report.md").read_text()
   summary = text.split("## Summary")[1].split("\n## ")[0]
-  assert ("**Gradient norms**: How large is the gradient at the start?"
-          in summary)
+  assert (
+    "**Gradient norms**: How large is the gradient at the start?" in summary
+  )
   assert "toy_linear: the largest gradient is ['logits']['w']'s" in summary
   assert "## Gradient norms" in text
   assert "Gradient norms at the start ([toy_gradient_norms.csv]" in text

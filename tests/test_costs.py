@@ -24,8 +24,10 @@ def test_costs_compile_once_per_phase_and_record_each_call():
   costs.call("square", make(), 2 * a)
   costs.call("square", square, jnp.ones((128, 128)))
   first, again, bigger = costs.rows
-  assert all(r["phase"] == "square" and r["step"] == 3 and r["run_s"] > 0
-             for r in costs.rows)
+  assert all(
+    r["phase"] == "square" and r["step"] == 3 and r["run_s"] > 0
+    for r in costs.rows
+  )
   assert first["compile_s"] > 10 * again["compile_s"]  # reused, not rebuilt
   assert bigger["compile_s"] > 10 * again["compile_s"]  # new shapes compile
   # Arguments and output of a 128 x 128 float32 product at least.
@@ -39,8 +41,9 @@ def test_costs_compile_once_per_phase_and_record_each_call():
   # Quick phases are summed in one line; a slow one gets its own.
   assert lines == []
   costs.summary()
-  assert len(lines) == 1 and lines[0].startswith("[curvbench] step=3: 3 "
-                                                 "phases, ")
+  assert len(lines) == 1 and lines[0].startswith(
+    "[curvbench] step=3: 3 phases, "
+  )
   Costs.SLOW_S, slow = 0.0, Costs.SLOW_S
   try:
     Costs(log=lines.append, step=5).call("slow", square, a)
@@ -58,12 +61,16 @@ class _Device:
 
 
 def test_device_peak_is_the_highest_of_the_devices_used():
-  assert device_peak_bytes(
-      [_Device({"peak_bytes_in_use": 5}),
-       _Device({"peak_bytes_in_use": 9})]) == 9.0
+  assert (
+    device_peak_bytes(
+      [_Device({"peak_bytes_in_use": 5}), _Device({"peak_bytes_in_use": 9})]
+    )
+    == 9.0
+  )
   # One device without statistics leaves the peak unknown, not too low.
-  assert math.isnan(device_peak_bytes(
-      [_Device({"peak_bytes_in_use": 5}), _Device(None)]))
+  assert math.isnan(
+    device_peak_bytes([_Device({"peak_bytes_in_use": 5}), _Device(None)])
+  )
   assert math.isnan(device_peak_bytes())  # the CPU keeps none
 
 

@@ -17,8 +17,9 @@ FAMILY_CONFIGS = tuple(approximations.CURVATURES)
 
 
 def make(tiny, name, *overrides):
-  cfg = config.compose(f"curvature={name}", "curvature.cg_iters=500",
-                       *overrides).curvature
+  cfg = config.compose(
+    f"curvature={name}", "curvature.cg_iters=500", *overrides
+  ).curvature
   return approximations.make(config.plain(cfg), tiny[0].loss_fn)
 
 
@@ -36,17 +37,29 @@ def test_every_family_agrees_with_its_dense_export(tiny, name):
   np.testing.assert_allclose(dense, dense.T, atol=1e-12)
   unravel = jax.flatten_util.ravel_pytree(params)[1]
   v = np.random.default_rng(0).normal(size=235)
-  np.testing.assert_allclose(flat(jax.jit(cur.multiply)(state, unravel(v))),
-                             dense @ v, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(
+    flat(jax.jit(cur.multiply)(state, unravel(v))),
+    dense @ v,
+    rtol=1e-9,
+    atol=1e-12,
+  )
   # The operator is a pytree: it crosses a jit boundary.
   operator = jax.jit(cur.operator)(state)
-  np.testing.assert_allclose(flat(jax.jit(lambda op, x: op(x))(
-      operator, unravel(v))), dense @ v, rtol=1e-9, atol=1e-12)
-  np.testing.assert_allclose(np.sort(np.asarray(cur.eigenvalues(state))),
-                             np.linalg.eigvalsh(dense), atol=1e-9)
+  np.testing.assert_allclose(
+    flat(jax.jit(lambda op, x: op(x))(operator, unravel(v))),
+    dense @ v,
+    rtol=1e-9,
+    atol=1e-12,
+  )
+  np.testing.assert_allclose(
+    np.sort(np.asarray(cur.eigenvalues(state))),
+    np.linalg.eigvalsh(dense),
+    atol=1e-9,
+  )
   damping = 0.5
-  solved = flat(jax.jit(cur.precondition)(cur.refresh(state, damping),
-                                          unravel(v), damping))
+  solved = flat(
+    jax.jit(cur.precondition)(cur.refresh(state, damping), unravel(v), damping)
+  )
   expected = np.linalg.solve(dense + damping * np.eye(235), v)
   # CG stops at jax's default relative residual, 1e-5.
   tol = 1e-4 if isinstance(cur, curvatures.ImplicitExact) else 1e-9
@@ -65,10 +78,12 @@ def test_exact_references_equal_brute_force(tiny, tiny_ggn):
     np.testing.assert_allclose(ggn.to_dense(state), tiny_ggn, atol=1e-12)
   flat_params, unravel = jax.flatten_util.ravel_pytree(params)
   hessian = jax.hessian(lambda w: problem.loss_fn(unravel(w), batch))(
-      flat_params)
+    flat_params
+  )
   exact = curvatures.exact("hessian", problem.loss_fn, matrix_free=False)
-  np.testing.assert_allclose(exact.to_dense(exact.init(key, params, batch)),
-                             hessian, atol=1e-10)
+  np.testing.assert_allclose(
+    exact.to_dense(exact.init(key, params, batch)), hessian, atol=1e-10
+  )
   with pytest.raises(ValueError, match="Unknown exact matrix 'gnn'"):
     curvatures.exact("gnn", problem.loss_fn, matrix_free=False)
 
@@ -77,13 +92,13 @@ def test_bad_curvature_configs_are_refused_by_name(tiny):
   loss_fn = tiny[0].loss_fn
   base = config.plain(config.compose().curvature)
   for key, value, message in [
-      ("block_type", "lowrank", "curvature kfac has no setting 'block_type'"),
-      ("mode", "fisher", "Unknown curvature.mode 'fisher'"),
-      ("name", "magic", "Unknown curvature.name 'magic'")]:
+    ("block_type", "lowrank", "curvature kfac has no setting 'block_type'"),
+    ("mode", "fisher", "Unknown curvature.mode 'fisher'"),
+    ("name", "magic", "Unknown curvature.name 'magic'"),
+  ]:
     with pytest.raises(ValueError, match=message):
       approximations.make(dict(base, **{key: value}), loss_fn)
-  implicit = config.plain(
-      config.compose("curvature=implicit_exact").curvature)
+  implicit = config.plain(config.compose("curvature=implicit_exact").curvature)
   with pytest.raises(ValueError, match="Unknown curvature.matrix 'ef'"):
     approximations.make(dict(implicit, matrix="ef"), loss_fn)
 
@@ -116,21 +131,26 @@ def abstract_only(monkeypatch, curvature):
 
 @pytest.mark.parametrize("name", ["kfac", "kfac_tridiagonal"])
 def test_block_state_that_would_not_fit_is_refused_before_allocating(
-    tiny, name, monkeypatch):
+  tiny, name, monkeypatch
+):
   problem, params, batch = tiny
   key = jax.random.PRNGKey(0)
-  total = sum(x.nbytes for x in jax.tree.leaves(
-      make(tiny, name).init(key, params, batch)))
+  total = sum(
+    x.nbytes for x in jax.tree.leaves(make(tiny, name).init(key, params, batch))
+  )
   # The limit is on the whole state, sized exactly from its shapes.
-  fits = make(tiny, name, f"curvature.max_state_gib={total / 2 ** 30!r}")
+  fits = make(tiny, name, f"curvature.max_state_gib={total / 2**30!r}")
   assert fits.init(key, params, batch) is not None
-  over = make(tiny, name,
-              f"curvature.max_state_gib={(total - 1) / 2 ** 30!r}")
+  over = make(tiny, name, f"curvature.max_state_gib={(total - 1) / 2**30!r}")
   calls = abstract_only(monkeypatch, over)
-  with pytest.raises(MemoryError, match=(
+  with pytest.raises(
+    MemoryError,
+    match=(
       r"over curvature.max_state_gib=.*largest part is block 'dense_0' "
       r"\(DenseTwoKroneckerFactored, input factor 65 x 65, output factor "
-      r"3 x 3\).*curvature=diagonal")):
+      r"3 x 3\).*curvature=diagonal"
+    ),
+  ):
     over.init(key, params, batch)
   assert calls == [True]  # traced for its shapes, never built
   # K-FAC's optimizer checks the curvature's state before building its own.
@@ -141,8 +161,7 @@ def test_block_state_that_would_not_fit_is_refused_before_allocating(
     trainer.init(params, batch, key)
 
 
-def test_kfac_factor_of_50k_inputs_is_refused_at_the_default_limit(
-    monkeypatch):
+def test_kfac_factor_of_50k_inputs_is_refused_at_the_default_limit(monkeypatch):
   """The issue's case: a layer with 50,176 inputs has a 9.4 GiB K-FAC input
   factor (float32) and as much again in its cache, over the default 4 GiB;
   none of it is allocated."""
@@ -152,24 +171,34 @@ def test_kfac_factor_of_50k_inputs_is_refused_at_the_default_limit(
     x, labels = batch
     logits = x @ params["dense_0"]["w"] + params["dense_0"]["b"]
     estimators.register_softmax_cross_entropy_loss(logits, labels)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         labels[:, None], axis=1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
+    )
 
-  params = {"dense_0": {"w": jnp.zeros((inputs, 2), jnp.float32),
-                        "b": jnp.zeros(2, jnp.float32)}}
+  params = {
+    "dense_0": {
+      "w": jnp.zeros((inputs, 2), jnp.float32),
+      "b": jnp.zeros(2, jnp.float32),
+    }
+  }
   batch = (jnp.zeros((2, inputs), jnp.float32), jnp.zeros(2, jnp.int32))
   cfg = config.compose("curvature=kfac").curvature
   assert cfg.max_state_gib == 4.0
   cur = approximations.make(config.plain(cfg), loss_fn)
   calls = abstract_only(monkeypatch, cur)
-  with pytest.raises(MemoryError, match=(
+  with pytest.raises(
+    MemoryError,
+    match=(
       r"'dense_0' \(DenseTwoKroneckerFactored, input factor 50177 x 50177, "
-      r"output factor 2 x 2\): 18\.8 GiB")):
+      r"output factor 2 x 2\): 18\.8 GiB"
+    ),
+  ):
     cur.init(jax.random.PRNGKey(0), params, batch)
   assert calls == [True]
 
 
 # --- over the whole training split -------------------------------------------
+
 
 def _brute_force(problem, params, batch):
   """GGN, Fisher, empirical Fisher and Hessian of the loss averaged over
@@ -183,10 +212,14 @@ def _brute_force(problem, params, batch):
   ggn = np.einsum("ncp,ncd,ndq->pq", jac, hess, jac) / len(x)
   one = lambda w, xi, yi: problem.loss_fn(unravel(w), (xi[None], yi[None]))
   grads = jax.vmap(jax.grad(one), (None, 0, 0))(flat_params, x, y)
-  return dict(ggn=ggn, fisher=ggn, empirical_fisher=grads.T @ grads / len(x),
-              hessian=jax.hessian(lambda w: problem.loss_fn(unravel(w),
-                                                            batch))(
-                                                                flat_params))
+  return dict(
+    ggn=ggn,
+    fisher=ggn,
+    empirical_fisher=grads.T @ grads / len(x),
+    hessian=jax.hessian(lambda w: problem.loss_fn(unravel(w), batch))(
+      flat_params
+    ),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +228,9 @@ def whole_split(tiny):
   chunks of 8 (a remainder of 4), and the brute-force matrices over all of
   it, concatenated."""
   _, params, _ = tiny
-  problem = problems.make(config.compose(*TINY_PROBLEM,
-                                         "problem.data.num_train=100").problem)
+  problem = problems.make(
+    config.compose(*TINY_PROBLEM, "problem.data.num_train=100").problem
+  )
   examples = data.select(problem, "train", dtype=np.float64)
   assert examples.rest_size == 4 and examples.num_examples == 100
   return examples, _brute_force(problem, params, examples.concatenated())
@@ -204,8 +238,9 @@ def whole_split(tiny):
 
 @pytest.mark.parametrize("matrix", curvatures.EXACT_MATRICES)
 @pytest.mark.parametrize("matrix_free", [False, True])
-def test_whole_split_curvature_equals_brute_force(tiny, whole_split, matrix,
-                                                  matrix_free):
+def test_whole_split_curvature_equals_brute_force(
+  tiny, whole_split, matrix, matrix_free
+):
   problem, params, _ = tiny
   examples, truth = whole_split
   exact = curvatures.exact(matrix, problem.loss_fn, matrix_free=matrix_free)
@@ -215,8 +250,11 @@ def test_whole_split_curvature_equals_brute_force(tiny, whole_split, matrix,
   v = np.random.default_rng(1).normal(size=len(dense))
   unravel = jax.flatten_util.ravel_pytree(params)[1]
   np.testing.assert_allclose(
-      flat(jax.jit(exact.multiply)(state, unravel(v))), truth[matrix] @ v,
-      atol=1e-11, rtol=1e-9)
+    flat(jax.jit(exact.multiply)(state, unravel(v))),
+    truth[matrix] @ v,
+    atol=1e-11,
+    rtol=1e-9,
+  )
 
 
 @pytest.mark.parametrize("matrix", curvatures.EXACT_MATRICES)
@@ -235,19 +273,27 @@ def test_whole_split_operator_equals_multiply(tiny, whole_split, matrix):
   for seed in range(3):
     v = unravel(np.random.default_rng(seed).normal(size=235))
     expected = flat(multiply(state, v))
-    np.testing.assert_allclose(flat(apply(operator, v)), expected, rtol=0,
-                               atol=1e-12 * np.abs(expected).max())
+    np.testing.assert_allclose(
+      flat(apply(operator, v)),
+      expected,
+      rtol=0,
+      atol=1e-12 * np.abs(expected).max(),
+    )
   # Per chunk, only per-example arrays (and per-chunk scalars) are kept.
-  stacked = [x for x in jax.tree.leaves(operator)
-             if x.shape[:1] == (examples.num_chunks,)]
-  assert stacked and all(x.ndim == 1 or x.shape[1] == examples.chunk_size
-                         for x in stacked)
+  stacked = [
+    x
+    for x in jax.tree.leaves(operator)
+    if x.shape[:1] == (examples.num_chunks,)
+  ]
+  assert stacked and all(
+    x.ndim == 1 or x.shape[1] == examples.chunk_size for x in stacked
+  )
 
 
 @pytest.mark.parametrize("name", ["kfac", "diagonal", "full"])
-def test_whole_split_statistics_equal_one_concatenated_batch(tiny,
-                                                             whole_split,
-                                                             name):
+def test_whole_split_statistics_equal_one_concatenated_batch(
+  tiny, whole_split, name
+):
   """Block statistics (Kronecker factors, diagonals, full blocks) accumulated
   chunk by chunk equal those of the whole split as one batch."""
   problem, params, _ = tiny
@@ -255,11 +301,13 @@ def test_whole_split_statistics_equal_one_concatenated_batch(tiny,
   cur = make(tiny, name)
   key = jax.random.PRNGKey(0)
   chunked = cur.to_dense(curvatures.estimate(cur, key, params, examples))
-  whole = cur.to_dense(curvatures.estimate(cur, key, params,
-                                           examples.concatenated()))
+  whole = cur.to_dense(
+    curvatures.estimate(cur, key, params, examples.concatenated())
+  )
   np.testing.assert_allclose(chunked, whole, atol=1e-12, rtol=1e-10)
-  one_batch = cur.to_dense(curvatures.estimate(cur, key, params,
-                                               examples.first))
+  one_batch = cur.to_dense(
+    curvatures.estimate(cur, key, params, examples.first)
+  )
   assert np.abs(one_batch - whole).max() > 1e-3  # the test can tell them apart
 
 

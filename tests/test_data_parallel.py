@@ -13,11 +13,19 @@ from curvbench.measurements.timing import clock
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.skipif(
-    len(jax.devices("cpu")) < 2,
-    reason="needs 2 host devices (tests/conftest.py asks XLA for them)")
+  len(jax.devices("cpu")) < 2,
+  reason="needs 2 host devices (tests/conftest.py asks XLA for them)",
+)
 
-TRAINING = ["step", "batch_loss", "train_loss", "train_error", "test_loss",
-            "test_error", "diverged"]
+TRAINING = [
+  "step",
+  "batch_loss",
+  "train_loss",
+  "train_error",
+  "test_loss",
+  "test_error",
+  "diverged",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +54,29 @@ def assert_same_values(one, two, columns):
       # Entries near zero (a null space's eigenvalues) are rounding: the
       # tolerance is relative to the column's largest entry.
       scale = np.nanmax(np.abs(a), initial=0)
-      np.testing.assert_allclose(b, a, rtol=1e-8, atol=1e-10 * scale,
-                                 err_msg=column)
+      np.testing.assert_allclose(
+        b, a, rtol=1e-8, atol=1e-10 * scale, err_msg=column
+      )
     else:
       assert list(a) == list(b), column
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(
+  "overrides",
+  [
     ("optimizer=kfac", "curvature.mode=ggn_exact"),  # no sampling
-    ("optimizer=adam",)], ids=["kfac", "adam"])
+    ("optimizer=adam",),
+  ],
+  ids=["kfac", "adam"],
+)
 def test_training_on_two_devices_matches_one(tmp_path, overrides):
-  one, two = both(tmp_path, "measure=training",
-                  "measure.training.precision=float64", *overrides)
+  one, two = both(
+    tmp_path,
+    "measure=training",
+    "measure.training.precision=float64",
+    *overrides,
+  )
   assert_same_values(one["training"], two["training"], TRAINING)
   assert set(one["training"].devices_used) == {1}
   assert set(two["training"].devices_used) == {2}
@@ -68,43 +86,54 @@ def test_kfac_trainer_steps_each_device_on_its_part(tiny, mesh):
   """The optimizer's multi-device step: state per device, params and loss
   back as ordinary arrays on every device, equal to one device's."""
   problem, params, batch = tiny
-  cfg = config.compose(*TINY, "optimizer.num_burnin_steps=1",
-                       "optimizer.inverse_update_period=1")
-  curvature = approximations.make(config.plain(cfg.curvature),
-                                  problem.loss_fn)
+  cfg = config.compose(
+    *TINY, "optimizer.num_burnin_steps=1", "optimizer.inverse_update_period=1"
+  )
+  curvature = approximations.make(config.plain(cfg.curvature), problem.loss_fn)
   rng = jax.random.PRNGKey(0)
   out = {}
   for name, on in (("one", None), ("two", mesh)):
-    trainer = optimizers.make(config.plain(cfg.optimizer), problem.loss_fn,
-                              curvature, on)
+    trainer = optimizers.make(
+      config.plain(cfg.optimizer), problem.loss_fn, curvature, on
+    )
     placed = batch if on is None else devices.split(batch, on, "batch")
     p, state = params, trainer.init(params, placed, rng)
     for step in range(2):
-      p, state, loss = trainer.step(p, state, placed,
-                                    jax.random.fold_in(rng, step))
+      p, state, loss = trainer.step(
+        p, state, placed, jax.random.fold_in(rng, step)
+      )
     out[name] = (p, float(loss))
     if on is not None:
       assert state[0].step_counter.shape == (2,)  # one state per device
-      assert all(x.sharding.device_set == set(mesh.devices.flat)
-                 and x.shape == y.shape
-                 for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(params)))
+      assert all(
+        x.sharding.device_set == set(mesh.devices.flat) and x.shape == y.shape
+        for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(params))
+      )
       programs = trainer.compiled_programs(p, state, placed, rng)
       assert len(programs) == trainer.cycle
       assert len({id(x) for x in programs}) == len(trainer.kinds)
   np.testing.assert_allclose(out["two"][1], out["one"][1], rtol=1e-10)
-  for a, b in zip(jax.tree.leaves(out["one"][0]),
-                  jax.tree.leaves(out["two"][0])):
+  for a, b in zip(
+    jax.tree.leaves(out["one"][0]), jax.tree.leaves(out["two"][0])
+  ):
     np.testing.assert_allclose(b, a, rtol=1e-8, atol=1e-12)
 
 
 @pytest.mark.slow
 def test_timing_on_two_devices_has_the_rows_of_one(tmp_path):
   # A cycle of one step: fewer kinds of K-FAC step to compile.
-  one, two = both(tmp_path, "measure=timing", "optimizer.num_burnin_steps=0",
-                  "optimizer.inverse_update_period=1",
-                  "optimizer.damping_adaptation_interval=1")
-  assert list(one["timing"].phase) == list(two["timing"].phase) == [
-      *clock.PHASES, clock.BASELINE_PHASE]
+  one, two = both(
+    tmp_path,
+    "measure=timing",
+    "optimizer.num_burnin_steps=0",
+    "optimizer.inverse_update_period=1",
+    "optimizer.damping_adaptation_interval=1",
+  )
+  assert (
+    list(one["timing"].phase)
+    == list(two["timing"].phase)
+    == [*clock.PHASES, clock.BASELINE_PHASE]
+  )
   assert set(one["timing"].devices_used) == {1}
   assert set(two["timing"].devices_used) == {2}
   assert (two["timing"].program_bytes > 0).all()
@@ -126,20 +155,35 @@ def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
   program, whose batch is half the batch)."""
   problem, params, batch = tiny
   cfg = config.compose(*TINY, f"curvature={name}")
-  curvature = approximations.make(config.plain(cfg.curvature),
-                                  problem.loss_fn)
+  curvature = approximations.make(config.plain(cfg.curvature), problem.loss_fn)
   settings = config.load(cfg).measure.timing
   rng = jax.random.PRNGKey(1)
-  one = clock.phase_calls(problem.loss_fn, curvature, params, batch,
-                          settings.damping, settings.learning_rate, rng)
-  two = clock.phase_calls(problem.loss_fn, curvature, params, batch,
-                          settings.damping, settings.learning_rate, rng, mesh)
+  one = clock.phase_calls(
+    problem.loss_fn,
+    curvature,
+    params,
+    batch,
+    settings.damping,
+    settings.learning_rate,
+    rng,
+  )
+  two = clock.phase_calls(
+    problem.loss_fn,
+    curvature,
+    params,
+    batch,
+    settings.damping,
+    settings.learning_rate,
+    rng,
+    mesh,
+  )
   assert list(one) == list(two) == ["grad_step", *clock.CURVATURE_PHASES]
   # CG (implicit_exact's preconditioning) magnifies the rounding.
   rtol = 1e-6 if name == "implicit_exact" else 1e-9
   for phase, (fn, args) in one.items():
-    leaves_close(jax.jit(fn)(*args), jax.jit(two[phase][0])(*two[phase][1]),
-                 rtol)
+    leaves_close(
+      jax.jit(fn)(*args), jax.jit(two[phase][0])(*two[phase][1]), rtol
+    )
   fn, args = two["curvature_update"]
   text = jax.jit(fn).lower(*args).compile().as_text()
   if curvature.takes_axis_name:
@@ -152,17 +196,22 @@ def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
 def test_spectra_on_two_devices_match_one(tmp_path):
   """Every sample of the data (two here), split across the devices, gives
   one device's records."""
-  one, two = both(tmp_path, "measure=spectra", "measure.spectra.data=batches:2",
-                  "measure.spectra.samples=2")
+  one, two = both(
+    tmp_path,
+    "measure=spectra",
+    "measure.spectra.data=batches:2",
+    "measure.spectra.samples=2",
+  )
   assert set(two["quality"]["sample"]) == {0, 1}
-  for name, keys in (("spectra", ["sample", "source", "matrix", "index"]),
-                     ("quality", ["sample", "reference", "block", "metric",
-                                  "relative_damping"]),
-                     ("statistics", ["sample", "source", "matrix",
-                                     "statistic"]),
-                     ("heatmaps", ["sample", "source", "kind", "row", "col"])):
-    a, b = (t[name].sort_values(keys).reset_index(drop=True)
-            for t in (one, two))
+  for name, keys in (
+    ("spectra", ["sample", "source", "matrix", "index"]),
+    ("quality", ["sample", "reference", "block", "metric", "relative_damping"]),
+    ("statistics", ["sample", "source", "matrix", "statistic"]),
+    ("heatmaps", ["sample", "source", "kind", "row", "col"]),
+  ):
+    a, b = (
+      t[name].sort_values(keys).reset_index(drop=True) for t in (one, two)
+    )
     value = "eigenvalue" if name == "spectra" else "value"
     assert_same_values(a, b, [*keys, value])
   assert set(two["quality"].devices_used) == {2}
@@ -173,12 +222,12 @@ def test_dataset_products_are_split_across_devices_and_summed(tiny, mesh):
   chunk, the parts are summed by an all-reduce, and the result (and a
   Lanczos run on it) is one device's."""
   problem, params, _ = tiny
-  examples = data.select(problem, "batches:2", batch_size=8,
-                         dtype=np.float64)
+  examples = data.select(problem, "batches:2", batch_size=8, dtype=np.float64)
   split = examples.split(mesh, "measure.batch_size")
   implicit = curvatures.exact("ggn", problem.loss_fn, matrix_free=True)
-  vector = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size).reshape(
-      p.shape)), params)
+  vector = jax.tree.map(
+    lambda p: jnp.cos(jnp.arange(p.size).reshape(p.shape)), params
+  )
   product = jax.jit(lambda s, v: implicit.multiply(s, v))
   states = [implicit.estimate(None, params, d) for d in (examples, split)]
   text = product.lower(states[1], vector).compile().as_text()
@@ -190,14 +239,19 @@ def test_dataset_products_are_split_across_devices_and_summed(tiny, mesh):
 
   def top(state):
     return matrix_free.top_k_eigenpairs(
-        lambda v, op: op(v), params, 3, 30, jax.random.PRNGKey(0),
-        implicit.operator(state))[0]
+      lambda v, op: op(v),
+      params,
+      3,
+      30,
+      jax.random.PRNGKey(0),
+      implicit.operator(state),
+    )[0]
 
   np.testing.assert_allclose(top(states[1]), top(states[0]), rtol=1e-9)
 
 
 def test_a_rest_chunk_that_does_not_split_is_copied(mesh):
-  even = jnp.arange(24.).reshape(2, 4, 3)
+  even = jnp.arange(24.0).reshape(2, 4, 3)
   for rest, spec in ((jnp.ones((2, 3)), ("data",)), (jnp.ones((3, 3)), ())):
     placed = data.Data(even, rest).split(mesh, "measure.spectra.chunk_size")
     assert tuple(placed.chunks.sharding.spec) == (None, "data")
@@ -205,9 +259,12 @@ def test_a_rest_chunk_that_does_not_split_is_copied(mesh):
 
 
 def test_more_devices_than_found_are_refused_with_the_fix():
-  with pytest.raises(ValueError, match=r"devices=3, but JAX finds 2 local "
-                     r"CPU devices.*at most 2.*"
-                     r"xla_force_host_platform_device_count=3"):
+  with pytest.raises(
+    ValueError,
+    match=r"devices=3, but JAX finds 2 local "
+    r"CPU devices.*at most 2.*"
+    r"xla_force_host_platform_device_count=3",
+  ):
     devices.mesh("cpu", 3)
   with pytest.raises(ValueError, match="devices=3"):
     with devices.use("cpu", 3):
@@ -216,15 +273,27 @@ def test_more_devices_than_found_are_refused_with_the_fix():
     config.compose("devices=0")
 
 
-@pytest.mark.parametrize("overrides,setting", [
+@pytest.mark.parametrize(
+  "overrides,setting",
+  [
     (("measure=training", "problem.batch_size=7"), "problem.batch_size=7"),
     (("measure=timing", "measure.batch_size=7"), "measure.batch_size=7"),
-    (("measure=spectra", "measure.spectra.data=train",
-      "measure.spectra.chunk_size=7"),
-     "measure.spectra.chunk_size=7"),
-], ids=["training", "timing", "spectra"])
+    (
+      (
+        "measure=spectra",
+        "measure.spectra.data=train",
+        "measure.spectra.chunk_size=7",
+      ),
+      "measure.spectra.chunk_size=7",
+    ),
+  ],
+  ids=["training", "timing", "spectra"],
+)
 def test_a_batch_that_does_not_split_names_its_setting(overrides, setting):
   """Refused when the config is composed, before anything is built."""
-  with pytest.raises(ValueError, match=rf"{setting} does not split evenly "
-                     r"across devices=2: set .* to a multiple of 2"):
+  with pytest.raises(
+    ValueError,
+    match=rf"{setting} does not split evenly "
+    r"across devices=2: set .* to a multiple of 2",
+  ):
     config.compose(*TINY, "devices=2", *overrides)

@@ -27,8 +27,11 @@ def test_cpu_and_auto_select_a_device_and_describe_it():
 def test_an_absent_platform_is_refused_with_the_fix(platform):
   if any(d.platform == platform for d in jax.devices()):
     pytest.skip(f"this machine has a {platform}")
-  with pytest.raises(ValueError, match=rf"device={platform}, but JAX finds "
-                     rf"no {platform.upper()}.*device=auto"):
+  with pytest.raises(
+    ValueError,
+    match=rf"device={platform}, but JAX finds "
+    rf"no {platform.upper()}.*device=auto",
+  ):
     devices.select(platform)
   # A run asking for it fails before any record is written.
   cfg = config.compose(f"device={platform}")
@@ -60,25 +63,50 @@ def test_a_fresh_process_gets_the_host_devices_it_asks_for():
   backends start."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  code = ("import jax\nfrom curvbench import devices\n"
-          "with devices.use('cpu', 3):\n"
-          "  print(len(devices.mesh('cpu', 3).devices))")
-  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                       capture_output=True, text=True, timeout=120)
+  code = (
+    "import jax\nfrom curvbench import devices\n"
+    "with devices.use('cpu', 3):\n"
+    "  print(len(devices.mesh('cpu', 3).devices))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.stdout.split() == ["3"]
 
 
 def test_a_sweep_asking_for_devices_the_machine_lacks_launches_nothing(
-    tmp_path):
+  tmp_path,
+):
   """With the host's CPU devices fixed at one, a sweep over devices=1,2 is
   refused before anything is launched or written, naming the fix."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  )
   result = subprocess.run(
-      [sys.executable, "-m", "curvbench", "-m", "devices=1,2",
-       "measure=training", "optimizer=adam", "problem.batch_size=8",
-       f"hydra.sweep.dir={tmp_path / 'sweep'}", "progress=false"],
-      env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "curvbench",
+      "-m",
+      "devices=1,2",
+      "measure=training",
+      "optimizer=adam",
+      "problem.batch_size=8",
+      f"hydra.sweep.dir={tmp_path / 'sweep'}",
+      "progress=false",
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 1, result.stderr[-2000:]
   assert "devices=2, but JAX finds 1 local CPU device" in result.stderr
   assert "nothing was launched" in result.stderr

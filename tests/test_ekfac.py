@@ -12,8 +12,17 @@ from estimators import utils
 from estimators.blocks import kronecker, stacked
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
 from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import (B, EXACT_CASES, dense_case, dense_layer, fitted,
-                               flat, make_case, np_patches, random_vector)
+from tests.test_blocks import (
+  B,
+  EXACT_CASES,
+  dense_case,
+  dense_layer,
+  fitted,
+  flat,
+  make_case,
+  np_patches,
+  random_vector,
+)
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3
@@ -23,13 +32,14 @@ POWERS = [1, -1, -0.5]
 CASES = {k: case for k, case in EXACT_CASES.items() if not k.startswith("ss_")}
 # (EKFAC block, the K-FAC block with the same rows)
 CLASSES = {
-    "dense": (DenseEKFAC, kronecker.DenseTwoKroneckerFactored),
-    "dense_repeated": (DenseEKFAC,
-                       kronecker.RepeatedDenseTwoKroneckerFactored),
-    # Per-location scalings: the per-row curvature below is their target
-    # (the per-example default is tested in tests/test_ekfac_conv.py).
-    "conv": (functools.partial(Conv2DEKFAC, scalings="per_location"),
-             kronecker.Conv2DTwoKroneckerFactored),
+  "dense": (DenseEKFAC, kronecker.DenseTwoKroneckerFactored),
+  "dense_repeated": (DenseEKFAC, kronecker.RepeatedDenseTwoKroneckerFactored),
+  # Per-location scalings: the per-row curvature below is their target
+  # (the per-example default is tested in tests/test_ekfac_conv.py).
+  "conv": (
+    functools.partial(Conv2DEKFAC, scalings="per_location"),
+    kronecker.Conv2DTwoKroneckerFactored,
+  ),
 }
 
 
@@ -41,6 +51,7 @@ def classes(name):
 
 # --- numpy ground truth in the (input_size, output_size) matrix layout -------
 
+
 def kernel_axes(block):
   """Kernel axes ordered (spatial, spatial, in, out)."""
   spec = block.dimension_numbers.rhs_spec
@@ -49,8 +60,7 @@ def kernel_axes(block):
 
 def matrix_order(block):
   """`perm` with `vec(V) = flat(params)[perm]`, V the block's matrix."""
-  parts = utils.unflatten_vector(jnp.arange(block.dim),
-                                 block.parameters_shapes)
+  parts = utils.unflatten_vector(jnp.arange(block.dim), block.parameters_shapes)
   w = np.asarray(parts[0])
   if isinstance(block, Conv2DEKFAC):
     w = w.transpose(kernel_axes(block))
@@ -96,8 +106,9 @@ def numpy_basis(state):
 
 
 def state_basis(state):
-  return np.kron(np.asarray(state.inputs_basis),
-                 np.asarray(state.outputs_basis))
+  return np.kron(
+    np.asarray(state.inputs_basis), np.asarray(state.outputs_basis)
+  )
 
 
 def assert_same_eigenvectors(basis, matrix):
@@ -107,6 +118,7 @@ def assert_same_eigenvectors(basis, matrix):
 
 
 # --- estimates ---------------------------------------------------------------
+
 
 def batch_of(data):
   return data["inputs"][0].shape[0]
@@ -122,7 +134,8 @@ def fit_both(name):
     out = []
     for b in (block, kfac):
       state = b.update_curvature_matrix_estimate(
-          b.init(None, None, None, False), data, 0., 1., batch_of(data), None)
+        b.init(None, None, None, False), data, 0.0, 1.0, batch_of(data), None
+      )
       out += [state, b.to_dense_matrix(state)]
     return out
 
@@ -134,8 +147,10 @@ def test_scalings_are_the_curvature_in_the_kfac_eigenbasis(name):
   (block, kfac, data, c), (state, dense, kstate, kdense) = fit_both(name)
   assert block.fixed_scale() == kfac.fixed_scale()
   assert not block.outer_sum_is_cheaper()
-  for got, want in [(state.inputs_factor.value, kstate.inputs_factor.value),
-                    (state.outputs_factor.value, kstate.outputs_factor.value)]:
+  for got, want in [
+    (state.inputs_factor.value, kstate.inputs_factor.value),
+    (state.outputs_factor.value, kstate.outputs_factor.value),
+  ]:
     np.testing.assert_allclose(got, want, **TOL)
   c_rows = per_row_curvature(block, data)
   if name.startswith("dense") and "repeated" not in name:
@@ -143,8 +158,8 @@ def test_scalings_are_the_curvature_in_the_kfac_eigenbasis(name):
   u = numpy_basis(state)
   s = np.diag(u.T @ c_rows @ u)
   np.testing.assert_allclose(
-      block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1), s,
-      **TOL)
+    block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1), s, **TOL
+  )
   ekfac = in_matrix_layout(block, dense)
   np.testing.assert_allclose(ekfac, u @ np.diag(s) @ u.T, **TOL)
   # George et al.'s optimality: the best diagonal in K-FAC's eigenbasis.
@@ -155,37 +170,47 @@ def test_scalings_are_the_curvature_in_the_kfac_eigenbasis(name):
 
 @pytest.mark.parametrize("name", ["dense", "conv_nchw_s2_same_nobias"])
 def test_products_and_eigenvalues_match_numpy(name):
-  block, state, data, _ = fitted(classes(name)[0], CASES[name](),
-                                 exact=POWERS, approx=POWERS, eig=True)
+  block, state, data, _ = fitted(
+    classes(name)[0], CASES[name](), exact=POWERS, approx=POWERS, eig=True
+  )
   v = random_vector(block)
   x, dy = data["inputs"][0], data["outputs_tangent"][0][0]
-  modes = [(p, e, c) for p in POWERS for e in (True, False)
-           for c in (True, False)]
+  modes = [
+    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+  ]
 
   @jax.jit
   def run(state, v, damping):
     cached = block.update_cache(state, damping, POWERS, POWERS, True)
-    out = {f"{p} {e} {c}": utils.flatten_arrays(
-        block.multiply_matpower(cached, v, damping, p, e, c))
-           for p, e, c in modes}
+    out = {
+      f"{p} {e} {c}": utils.flatten_arrays(
+        block.multiply_matpower(cached, v, damping, p, e, c)
+      )
+      for p, e, c in modes
+    }
     # Cached powers keep the weight given to update_cache.
     out["-1 True True"] = utils.flatten_arrays(
-        block.multiply_inverse(cached, v, 5 * damping, True, True))
+      block.multiply_inverse(cached, v, 5 * damping, True, True)
+    )
     out["dense"] = block.to_dense_matrix(state)
     for c in (True, False):
-      out[f"back {c}"] = utils.flatten_arrays(block.multiply_inverse(
-          cached, block.multiply(cached, v, damping, True, c), damping, False,
-          c))
+      out[f"back {c}"] = utils.flatten_arrays(
+        block.multiply_inverse(
+          cached, block.multiply(cached, v, damping, True, c), damping, False, c
+        )
+      )
     out["eig"] = block.eigenvalues(cached, False)
     out["eig_cached"] = block.eigenvalues(cached, True)
     if isinstance(block, DenseEKFAC):  # the gradient X̃ᵀ dY given as rows
       out["outer_sum"] = utils.flatten_arrays(
-          block.multiply_inverse_outer_sum(cached, (x,), (dy,)))
+        block.multiply_inverse_outer_sum(cached, (x,), (dy,))
+      )
     return cached, out
 
   cached, out = run(state, v, DAMPING)
-  assert (jax.tree_util.tree_structure(cached)
-          == jax.tree_util.tree_structure(state))
+  assert jax.tree_util.tree_structure(cached) == jax.tree_util.tree_structure(
+    state
+  )
   # Same factors, so the refresh keeps the basis.
   np.testing.assert_allclose(cached.inputs_basis, state.inputs_basis, **TOL)
   m = np.asarray(out["dense"])
@@ -200,28 +225,38 @@ def test_products_and_eigenvalues_match_numpy(name):
   if "outer_sum" in out:
     gradient = flat((x.T @ dy, dy.sum(axis=0)))
     np.testing.assert_allclose(
-        out["outer_sum"], np.linalg.solve(m + DAMPING * np.eye(len(m)),
-                                          gradient), **TOL)
+      out["outer_sum"],
+      np.linalg.solve(m + DAMPING * np.eye(len(m)), gradient),
+      **TOL,
+    )
 
 
 # --- cadence: scalings every update, basis at each cache refresh --------------
 
+
 def dense_batch(k):
   """A dense layer's batch with its own inputs and tangents."""
   params = (random_normal(1, 3, 2), random_normal(2, 2))
-  return make_case(dense_layer, tags.register_dense,
-                   random_normal(20 + k, B, 3), params, seed=k)
+  return make_case(
+    dense_layer,
+    tags.register_dense,
+    random_normal(20 + k, B, 3),
+    params,
+    seed=k,
+  )
 
 
 def test_basis_changes_only_at_cache_refresh():
   (eqn, d1, c1), (_, d2, c2), (_, d3, c3) = map(dense_batch, range(3))
   block = DenseEKFAC(eqn, "d")
-  update = functools.partial(block.update_curvature_matrix_estimate,
-                             batch_size=B, pmap_axis_name=None)
+  update = functools.partial(
+    block.update_curvature_matrix_estimate, batch_size=B, pmap_axis_name=None
+  )
 
   def run(d1, d2, d3):
-    s1 = update(block.init(None, None, None, False), d1, ema_old=0.9,
-                ema_new=0.1)
+    s1 = update(
+      block.init(None, None, None, False), d1, ema_old=0.9, ema_new=0.1
+    )
     s2 = update(s1, d2, ema_old=0.5, ema_new=1.0)
     s3 = block.update_cache(s2, 0.0, None, None, False)
     s4 = update(s3, d3, ema_old=0.5, ema_new=1.0)
@@ -229,27 +264,32 @@ def test_basis_changes_only_at_cache_refresh():
 
   states = jax.jit(run)(d1, d2, d3)
   s1, s2, s3, s4 = states
-  projected = lambda state, c: np.diag(state_basis(state).T @ c
-                                       @ state_basis(state))
+  projected = lambda state, c: np.diag(
+    state_basis(state).T @ c @ state_basis(state)
+  )
   scalings = lambda state: np.asarray(state.scalings.value).reshape(-1)
   # The first update (weight 0 before it) sets the basis and gives the batch.
-  assert_same_eigenvectors(np.asarray(s1.inputs_basis),
-                           np.asarray(s1.inputs_factor.value))
-  assert_same_eigenvectors(np.asarray(s1.outputs_basis),
-                           np.asarray(s1.outputs_factor.value))
+  assert_same_eigenvectors(
+    np.asarray(s1.inputs_basis), np.asarray(s1.inputs_factor.value)
+  )
+  assert_same_eigenvectors(
+    np.asarray(s1.outputs_basis), np.asarray(s1.outputs_factor.value)
+  )
   np.testing.assert_allclose(scalings(s1), projected(s1, c1), **TOL)
   # A later update keeps the basis and averages the scalings measured in it.
   np.testing.assert_array_equal(s2.inputs_basis, s1.inputs_basis)
   np.testing.assert_array_equal(s2.outputs_basis, s1.outputs_basis)
   # Weights: 0.5 * 0.1 on the first batch, 1 on the second.
   np.testing.assert_allclose(
-      scalings(s2), (0.05 * scalings(s1) + projected(s1, c2)) / 1.05, **TOL)
+    scalings(s2), (0.05 * scalings(s1) + projected(s1, c2)) / 1.05, **TOL
+  )
   # The refresh moves to the new factors' eigenvectors, keeps the value with
   # weight 0...
   a2 = np.asarray(s2.inputs_factor.value)
   assert_same_eigenvectors(np.asarray(s3.inputs_basis), a2)
-  assert_same_eigenvectors(np.asarray(s3.outputs_basis),
-                           np.asarray(s2.outputs_factor.value))
+  assert_same_eigenvectors(
+    np.asarray(s3.outputs_basis), np.asarray(s2.outputs_factor.value)
+  )
   assert not np.allclose(np.abs(s3.inputs_basis), np.abs(s2.inputs_basis))
   assert s3.scalings.weight == 0
   np.testing.assert_allclose(scalings(s3), scalings(s2), **TOL)
@@ -257,14 +297,17 @@ def test_basis_changes_only_at_cache_refresh():
   np.testing.assert_array_equal(s4.inputs_basis, s3.inputs_basis)
   np.testing.assert_allclose(scalings(s4), projected(s3, c3), **TOL)
   # Outside jit, the first update (the one that sets the basis) agrees.
-  eager = update(block.init(None, None, None, False), d1, ema_old=0.9,
-                 ema_new=0.1)
-  for got, want in zip(jax.tree_util.tree_leaves(eager),
-                       jax.tree_util.tree_leaves(s1)):
+  eager = update(
+    block.init(None, None, None, False), d1, ema_old=0.9, ema_new=0.1
+  )
+  for got, want in zip(
+    jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(s1)
+  ):
     np.testing.assert_allclose(got, want, **TOL)
 
 
 # --- errors -------------------------------------------------------------------
+
 
 def test_clear_errors():
   block, state, _, _ = fitted(DenseEKFAC, dense_case(), exact=-1)

@@ -20,8 +20,13 @@ from tests import groundtruth as gt
 from tests.groundtruth import random_normal
 from tests.test_blocks import conv_layer, fitted, make_case, to_dense
 from tests.test_curvature import estimate
-from tests.test_ekfac import (in_matrix_layout, matrix_order,
-                              per_row_curvature, rows, state_basis)
+from tests.test_ekfac import (
+  in_matrix_layout,
+  matrix_order,
+  per_row_curvature,
+  rows,
+  state_basis,
+)
 
 jax.config.update("jax_enable_x64", True)
 
@@ -31,9 +36,9 @@ TOL = dict(rtol=1e-8, atol=1e-10)
 # kernels, 3 output channels. Every case has at least as many patches as
 # patch entries, so the factors' eigenbases are unique up to sign.
 CASES = {
-    "nhwc_s1_same": ("NHWC", 1, "SAME", True, 3, 2),
-    "nchw_s2_same_nobias": ("NCHW", 2, "SAME", False, 5, 1),
-    "nhwc_s1_valid": ("NHWC", 1, "VALID", True, 5, 2),
+  "nhwc_s1_same": ("NHWC", 1, "SAME", True, 3, 2),
+  "nchw_s2_same_nobias": ("NCHW", 2, "SAME", False, 5, 1),
+  "nhwc_s1_valid": ("NHWC", 1, "VALID", True, 5, 2),
 }
 
 
@@ -43,10 +48,12 @@ def conv_case(name):
   layer, register = conv_layer(fmt, strides, padding)
   kshape = (3, 3, 2, 3) if fmt == "NHWC" else (3, 2, 3, 3)
   xshape = (batch, 4, 4, 2) if fmt == "NHWC" else (batch, 2, 4, 4)
-  params = (random_normal(1, *kshape),) + ((random_normal(2, 3),) if bias
-                                           else ())
-  eqn, data, c = make_case(layer, register, random_normal(3, *xshape), params,
-                           samples=samples)
+  params = (random_normal(1, *kshape),) + (
+    (random_normal(2, 3),) if bias else ()
+  )
+  eqn, data, c = make_case(
+    layer, register, random_normal(3, *xshape), params, samples=samples
+  )
   return layer, eqn, data, c
 
 
@@ -93,8 +100,10 @@ def test_per_example_scalings_equal_brute_force(name):
   # K-FAC's conv factors.
   q = state_basis(state)
   np.testing.assert_allclose(
-      block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1),
-      np.sum(np.square(g @ q), axis=(0, 1)) / batch, **TOL)
+    block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1),
+    np.sum(np.square(g @ q), axis=(0, 1)) / batch,
+    **TOL,
+  )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -118,8 +127,10 @@ def test_per_example_scalings_are_frobenius_optimal(name):
       assert frobenius(f, q @ np.diag(s + d) @ q.T) > best
   # K-FAC and per-location EKFAC are diagonal in the same basis, so no
   # nearer; per location differs here (several locations per example).
-  for cls in (kronecker.Conv2DTwoKroneckerFactored,
-              functools.partial(Conv2DEKFAC, scalings="per_location")):
+  for cls in (
+    kronecker.Conv2DTwoKroneckerFactored,
+    functools.partial(Conv2DEKFAC, scalings="per_location"),
+  ):
     other, other_state, _, _ = fitted(cls, (eqn, data, c))
     other = in_matrix_layout(other, to_dense(other, other_state))
     assert best <= frobenius(f, other) * (1 + 1e-12)
@@ -130,35 +141,46 @@ def test_per_example_scalings_are_frobenius_optimal(name):
 def test_per_location_scalings_fit_the_per_row_curvature(name):
   """The former default, unchanged: scalings from each location's row."""
   _, eqn, data, c = conv_case(name)
-  block, state, _, _ = fitted(Conv2DEKFAC, (eqn, data, c),
-                              scalings="per_location")
+  block, state, _, _ = fitted(
+    Conv2DEKFAC, (eqn, data, c), scalings="per_location"
+  )
   assert block.scalings == "per_location"
   c_rows = per_row_curvature(block, data)
   q = state_basis(state)
   s = np.diag(q.T @ c_rows @ q)
   np.testing.assert_allclose(
-      block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1), s,
-      **TOL)
-  np.testing.assert_allclose(in_matrix_layout(block, to_dense(block, state)),
-                             q @ np.diag(s) @ q.T, **TOL)
+    block.fixed_scale() * np.asarray(state.scalings.value).reshape(-1), s, **TOL
+  )
+  np.testing.assert_allclose(
+    in_matrix_layout(block, to_dense(block, state)), q @ np.diag(s) @ q.T, **TOL
+  )
 
 
 def conv_block_in_matrix_layout(problem, mode, conv):
   """The conv block (kernel `k`, bias `kb`) of the estimator with `conv`
   blocks, the mode's exact curvature there, and the block's state."""
-  est, state = estimate(problem, mode, {"conv2d_tag": conv,
-                                        "dense_tag": DenseEKFAC})
-  j = next(j for j, b in enumerate(est.blocks)
-           if isinstance(b, kronecker.Conv2DTwoKroneckerFactored))
-  marks = {n: jnp.full(jnp.shape(v), float(n in ("k", "kb")))
-           for n, v in problem.params.items()}
+  est, state = estimate(
+    problem, mode, {"conv2d_tag": conv, "dense_tag": DenseEKFAC}
+  )
+  j = next(
+    j
+    for j, b in enumerate(est.blocks)
+    if isinstance(b, kronecker.Conv2DTwoKroneckerFactored)
+  )
+  marks = {
+    n: jnp.full(jnp.shape(v), float(n in ("k", "kb")))
+    for n, v in problem.params.items()
+  }
   # Flat parameter order -> the block's matrix layout.
   layer = np.flatnonzero(jax.flatten_util.ravel_pytree(marks)[0])
   perm = layer[matrix_order(est.blocks[j])]
   # The block-diagonal estimator's empirical Fisher is the mean of
   # outer products over the batch size, as in KFAC-JAX.
-  exact = (problem.empirical_fisher() / problem.batch[0].shape[0]
-           if mode == "fisher_empirical" else problem.ggn())
+  exact = (
+    problem.empirical_fisher() / problem.batch[0].shape[0]
+    if mode == "fisher_empirical"
+    else problem.ggn()
+  )
   pick = lambda m: np.asarray(m)[np.ix_(perm, perm)]
   return pick(est.to_dense_matrix(state)), pick(exact), state.blocks_states[j]
 
@@ -169,20 +191,22 @@ def test_estimator_conv_block_projects_the_mode_s_curvature(mode):
   exactly (empirical Fisher, exact GGN) on the layer, made diagonal in the
   block's basis; so it is at least as near to it as K-FAC is."""
   problem = gt.convnet(loss="softmax")
-  got, f, block_state = conv_block_in_matrix_layout(problem, mode,
-                                                    Conv2DEKFAC)
+  got, f, block_state = conv_block_in_matrix_layout(problem, mode, Conv2DEKFAC)
   q = state_basis(block_state)
-  np.testing.assert_allclose(got, q @ np.diag(np.diag(q.T @ f @ q)) @ q.T,
-                             **TOL)
+  np.testing.assert_allclose(
+    got, q @ np.diag(np.diag(q.T @ f @ q)) @ q.T, **TOL
+  )
   kfac, _, _ = conv_block_in_matrix_layout(
-      problem, mode, kronecker.Conv2DTwoKroneckerFactored)
+    problem, mode, kronecker.Conv2DTwoKroneckerFactored
+  )
   assert frobenius(f, got) <= frobenius(f, kfac) * (1 + 1e-12)
 
 
 def test_bad_scalings_are_refused_by_name():
   _, eqn, _, _ = conv_case("nhwc_s1_same")
-  with pytest.raises(ValueError, match="scalings='per_batch'.*'per_example', "
-                     "'per_location'"):
+  with pytest.raises(
+    ValueError, match="scalings='per_batch'.*'per_example', 'per_location'"
+  ):
     Conv2DEKFAC(eqn, "conv", scalings="per_batch")
   with pytest.raises(config.ConfigError, match="curvature.conv_scalings"):
     config.compose("curvature=ekfac", "curvature.conv_scalings=per_batch")
@@ -191,7 +215,8 @@ def test_bad_scalings_are_refused_by_name():
 def test_harness_setting_picks_the_conv_scalings():
   _, eqn, _, _ = conv_case("nhwc_s1_same")
   for value in Conv2DEKFAC.SCALINGS:
-    settings = dataclasses.replace(CURVATURES.defaults("ekfac"),
-                                   conv_scalings=value)
+    settings = dataclasses.replace(
+      CURVATURES.defaults("ekfac"), conv_scalings=value
+    )
     assert settings.blocks["conv2d_tag"](eqn, "conv").scalings == value
   assert CURVATURES.defaults("ekfac").conv_scalings == "per_example"

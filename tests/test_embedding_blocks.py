@@ -22,9 +22,9 @@ TABLE = jnp.asarray(np.random.RandomState(1).standard_normal((V, D)))
 _rng = np.random.RandomState(0)
 # Token ids, batch first: tokens 6 to 8 never occur (zero frequencies).
 IDS = {
-    "repeats": _rng.randint(0, 6, (B, T)),  # tokens repeat within examples
-    "distinct": np.stack([_rng.permutation(V)[:T] for _ in range(B)]),
-    "one_per_example": _rng.randint(0, 6, (B,)),
+  "repeats": _rng.randint(0, 6, (B, T)),  # tokens repeat within examples
+  "distinct": np.stack([_rng.permutation(V)[:T] for _ in range(B)]),
+  "one_per_example": _rng.randint(0, 6, (B,)),
 }
 assert any(len(set(row)) < T for row in IDS["repeats"])
 
@@ -44,8 +44,9 @@ def one_hot_case(name):
   """The same layer as a dense layer on explicit one-hot inputs (the same
   output tangents: `make_case` draws them from the output shape)."""
   ids = jnp.asarray(IDS[name])
-  register = (tags.register_dense if ids.ndim == 1
-              else tags.register_repeated_dense)
+  register = (
+    tags.register_dense if ids.ndim == 1 else tags.register_repeated_dense
+  )
   return make_case(dense_layer, register, jax.nn.one_hot(ids, V), (TABLE,))
 
 
@@ -58,28 +59,40 @@ def estimate(cls, case, name):
   @jax.jit
   def run(data):
     state = block.update_curvature_matrix_estimate(
-        block.init(None, (), (), False), data, 0.0, 1.0, B, None)
+      block.init(None, (), (), False), data, 0.0, 1.0, B, None
+    )
     return state, block.to_dense_matrix(state)
 
   state, matrix = run(data)
   return state, np.asarray(matrix)
 
 
-NEW_BLOCKS = [blocks.EmbeddingKFAC, blocks.EmbeddingEKFAC, blocks.EmbeddingTNT,
-              blocks.EmbeddingDiagonal, blocks.EmbeddingFull]
+NEW_BLOCKS = [
+  blocks.EmbeddingKFAC,
+  blocks.EmbeddingEKFAC,
+  blocks.EmbeddingTNT,
+  blocks.EmbeddingDiagonal,
+  blocks.EmbeddingFull,
+]
 # (embedding block, the family's dense-layer block, ids cases where their
 # definitions agree).
 FAMILIES = {
-    "kfac": (blocks.EmbeddingKFAC, blocks.RepeatedDenseTwoKroneckerFactored,
-             list(IDS)),
-    "diagonal": (blocks.EmbeddingDiagonal, blocks.DenseDiagonal, list(IDS)),
-    "full": (blocks.EmbeddingFull, blocks.DenseFull, list(IDS)),
-    # Per-example scalings equal per-position ones when no example repeats
-    # a token.
-    "ekfac": (blocks.EmbeddingEKFAC, blocks.DenseEKFAC,
-              ["distinct", "one_per_example"]),
-    # TNT's input factor is diagonal only with one token per example.
-    "tnt": (blocks.EmbeddingTNT, blocks.DenseTNT, ["one_per_example"]),
+  "kfac": (
+    blocks.EmbeddingKFAC,
+    blocks.RepeatedDenseTwoKroneckerFactored,
+    list(IDS),
+  ),
+  "diagonal": (blocks.EmbeddingDiagonal, blocks.DenseDiagonal, list(IDS)),
+  "full": (blocks.EmbeddingFull, blocks.DenseFull, list(IDS)),
+  # Per-example scalings equal per-position ones when no example repeats
+  # a token.
+  "ekfac": (
+    blocks.EmbeddingEKFAC,
+    blocks.DenseEKFAC,
+    ["distinct", "one_per_example"],
+  ),
+  # TNT's input factor is diagonal only with one token per example.
+  "tnt": (blocks.EmbeddingTNT, blocks.DenseTNT, ["one_per_example"]),
 }
 
 
@@ -89,7 +102,8 @@ def test_equal_to_the_family_block_on_one_hot_inputs(family):
   for name in IDS:
     cls = dense_cls
     if dense_cls is blocks.RepeatedDenseTwoKroneckerFactored and name == (
-        "one_per_example"):
+      "one_per_example"
+    ):
       cls = blocks.DenseTwoKroneckerFactored
     got = estimate(embedding_cls, embedding_case, name)[1]
     want = estimate(cls, one_hot_case, name)[1]
@@ -116,26 +130,32 @@ def test_equal_to_brute_force_per_example_definitions(name):
   np.testing.assert_allclose(flat.T @ flat / B, c, **TOL)
   got = {cls: estimate(cls, embedding_case, name) for cls in NEW_BLOCKS}
   np.testing.assert_allclose(got[blocks.EmbeddingFull][1], c, **TOL)
-  np.testing.assert_allclose(got[blocks.EmbeddingDiagonal][1],
-                             np.diag(np.diag(c)), **TOL)
+  np.testing.assert_allclose(
+    got[blocks.EmbeddingDiagonal][1], np.diag(np.diag(c)), **TOL
+  )
   repeats = IDS[name].size // B
   # K-FAC: token frequencies ⊗ the output factor over all positions.
   rows = dy.reshape(-1, D)
   g = rows.T @ rows / (B * repeats)
   freq = np.bincount(IDS[name].ravel(), minlength=V) / IDS[name].size
-  np.testing.assert_allclose(got[blocks.EmbeddingKFAC][1],
-                             repeats * np.kron(np.diag(freq), g), **TOL)
+  np.testing.assert_allclose(
+    got[blocks.EmbeddingKFAC][1], repeats * np.kron(np.diag(freq), g), **TOL
+  )
   # EKFAC: the per-example curvature's diagonal in the basis I ⊗ U_G.
   u = np.kron(np.eye(V), np.linalg.eigh(g)[1])
-  np.testing.assert_allclose(got[blocks.EmbeddingEKFAC][1],
-                             u @ np.diag(np.diag(u.T @ c @ u)) @ u.T, **TOL)
+  np.testing.assert_allclose(
+    got[blocks.EmbeddingEKFAC][1],
+    u @ np.diag(np.diag(u.T @ c @ u)) @ u.T,
+    **TOL,
+  )
   # TNT: diag(A) ⊗ G / tr(A) from the per-example gradients.
   a = np.einsum("nvo,nwo->vw", grads, grads) / B
   g_tnt = np.einsum("nvo,nvp->op", grads, grads) / B
   state, matrix = got[blocks.EmbeddingTNT]
   np.testing.assert_allclose(state.inputs_factor.value, np.diag(a), **TOL)
   np.testing.assert_allclose(
-      matrix, np.kron(np.diag(np.diag(a)), g_tnt) / np.trace(a), **TOL)
+    matrix, np.kron(np.diag(np.diag(a)), g_tnt) / np.trace(a), **TOL
+  )
 
 
 DAMPING = 0.3
@@ -144,17 +164,23 @@ POWERS = [1, -1, -0.5]
 
 @pytest.mark.parametrize("cls", NEW_BLOCKS)
 def test_products_eigenvalues_and_state_size(cls):
-  block, state, _, _ = fitted(cls, embedding_case("repeats"), exact=POWERS,
-                              approx=POWERS, eig=True)
+  block, state, _, _ = fitted(
+    cls, embedding_case("repeats"), exact=POWERS, approx=POWERS, eig=True
+  )
   v = random_vector(block)
-  modes = [(p, e, c) for p in POWERS for e in (True, False)
-           for c in (True, False)]
+  modes = [
+    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+  ]
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-    out = {str(m): utils.flatten_arrays(block.multiply_matpower(
-        cached, v, DAMPING, *m)) for m in modes}
+    out = {
+      str(m): utils.flatten_arrays(
+        block.multiply_matpower(cached, v, DAMPING, *m)
+      )
+      for m in modes
+    }
     out["dense"] = block.to_dense_matrix(cached)
     out["eig"] = block.eigenvalues(cached, False)
     out["eig_cached"] = block.eigenvalues(cached, True)
@@ -166,12 +192,15 @@ def test_products_eigenvalues_and_state_size(cls):
   for p, e, c in modes:
     if e or not kronecker:  # approximate Kronecker powers damp the factors
       want = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ np.asarray(
-          utils.flatten_arrays(v))
-      np.testing.assert_allclose(out[str((p, e, c))], want, rtol=1e-8,
-                                 atol=1e-10)
+        utils.flatten_arrays(v)
+      )
+      np.testing.assert_allclose(
+        out[str((p, e, c))], want, rtol=1e-8, atol=1e-10
+      )
   for key in ("eig", "eig_cached"):
-    np.testing.assert_allclose(np.sort(out[key]), np.linalg.eigvalsh(m),
-                               rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(
+      np.sort(out[key]), np.linalg.eigvalsh(m), rtol=1e-8, atol=1e-10
+    )
   if cls is not blocks.EmbeddingFull:  # O(V D) state and cache
     sizes = [x.size for x in jax.tree.leaves(cached)]
     assert max(sizes) <= max(V * D, D * D) < V * V, sizes
@@ -179,10 +208,13 @@ def test_products_eigenvalues_and_state_size(cls):
     assert cached.inputs_factor.value.shape == (V,)
 
 
-@pytest.mark.parametrize("cls,dense_cls,name", [
-    (blocks.EmbeddingKFAC, blocks.RepeatedDenseTwoKroneckerFactored,
-     "repeats"),
-    (blocks.EmbeddingTNT, blocks.DenseTNT, "one_per_example")])
+@pytest.mark.parametrize(
+  "cls,dense_cls,name",
+  [
+    (blocks.EmbeddingKFAC, blocks.RepeatedDenseTwoKroneckerFactored, "repeats"),
+    (blocks.EmbeddingTNT, blocks.DenseTNT, "one_per_example"),
+  ],
+)
 def test_approximate_powers_match_the_family_block(cls, dense_cls, name):
   """The pi-damped factors' powers, cached or not, where the factors agree."""
   results = []
@@ -193,8 +225,11 @@ def test_approximate_powers_match_the_family_block(cls, dense_cls, name):
     @jax.jit
     def run(state, v, block=block):
       cached = block.update_cache(state, DAMPING, None, POWERS, False)
-      return [block.multiply_matpower(cached, v, DAMPING, p, False, c)[0]
-              for p in POWERS for c in (True, False)]
+      return [
+        block.multiply_matpower(cached, v, DAMPING, p, False, c)[0]
+        for p in POWERS
+        for c in (True, False)
+      ]
 
     results.append(run(state, v))
   for got, want in zip(*results):
@@ -205,18 +240,22 @@ def test_ekfac_cadence_matches_dense_ekfac():
   """Two batches with a refresh between them, as the optimizer runs them:
   the basis, the restarted scalings and their average follow `EKFAC`."""
   results = []
-  for cls, case in ((blocks.EmbeddingEKFAC, embedding_case),
-                    (blocks.DenseEKFAC, one_hot_case)):
+  for cls, case in (
+    (blocks.EmbeddingEKFAC, embedding_case),
+    (blocks.DenseEKFAC, one_hot_case),
+  ):
     block, state, data, _ = fitted(cls, case("distinct"))
 
     @jax.jit
     def run(state, data, block=block):
-      second = dict(data,
-                    outputs_tangent=(2 * data["outputs_tangent"][0][::-1],))
+      second = dict(
+        data, outputs_tangent=(2 * data["outputs_tangent"][0][::-1],)
+      )
       state = block.update_cache(state, DAMPING, None, None, False)
       for batch in (second, data):
-        state = block.update_curvature_matrix_estimate(state, batch, 0.5, 1.0,
-                                                       B, None)
+        state = block.update_curvature_matrix_estimate(
+          state, batch, 0.5, 1.0, B, None
+        )
       return block.to_dense_matrix(state)
 
     results.append(np.asarray(run(state, data)))

@@ -15,8 +15,9 @@ QUICK = ("measure.spectra.samples=1",)
 
 
 def _run(*args, cwd):
-  result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run(
+    [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=600
+  )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result.stdout
 
@@ -26,20 +27,38 @@ def _quality(sweep: Path) -> pd.DataFrame:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example, problem", [
-    ("haiku_model.py", "haiku_mlp"), ("flax_nnx_model.py", "nnx_mlp"),
-    ("equinox_model.py", "equinox_mlp")])
+@pytest.mark.parametrize(
+  "example, problem",
+  [
+    ("haiku_model.py", "haiku_mlp"),
+    ("flax_nnx_model.py", "nnx_mlp"),
+    ("equinox_model.py", "equinox_mlp"),
+  ],
+)
 def test_a_framework_model_through_the_api_and_the_command_line(
-    example, problem, tmp_path):
+  example, problem, tmp_path
+):
   script = EXAMPLES / example
   printed = _run(sys.executable, script, *QUICK, cwd=tmp_path)
   assert "kfac/ggn_exact" in printed and "ekfac/ggn_exact" in printed
   assert (tmp_path / "reports" / problem / "report" / "report.md").is_file()
   api = _quality(tmp_path / "reports" / problem)
-  _run(sys.executable, "-m", "curvbench", "-m", f"plugins=[{script}]",
-       f"problem={problem}", "curvature=kfac,ekfac", "measure=spectra",
-       "measure.spectra.references=[ggn]", *QUICK, "name=cli",
-       "progress=false", "compilation_cache=null", cwd=tmp_path)
+  _run(
+    sys.executable,
+    "-m",
+    "curvbench",
+    "-m",
+    f"plugins=[{script}]",
+    f"problem={problem}",
+    "curvature=kfac,ekfac",
+    "measure=spectra",
+    "measure.spectra.references=[ggn]",
+    *QUICK,
+    "name=cli",
+    "progress=false",
+    "compilation_cache=null",
+    cwd=tmp_path,
+  )
   cli = _quality(tmp_path / "reports" / "cli")
   for quality in (api, cli):
     assert {"kfac/ggn_exact", "ekfac/ggn_exact"} <= set(quality.method)
@@ -48,18 +67,24 @@ def test_a_framework_model_through_the_api_and_the_command_line(
   key = ["method", "reference", "level", "block", "metric", "relative_damping"]
   both = api.merge(cli, on=key, suffixes=("_api", "_cli"))
   assert len(both) == len(api)
-  pd.testing.assert_series_equal(both.value_api, both.value_cli,
-                                 check_names=False)
+  pd.testing.assert_series_equal(
+    both.value_api, both.value_cli, check_names=False
+  )
 
 
 @pytest.mark.slow
 def test_the_plugin_approximation_runs_beside_the_built_in_ones(tmp_path):
-  printed = _run(sys.executable, EXAMPLES / "plugin_approximation.py",
-                 *QUICK, cwd=tmp_path)
-  for method in ("kfac/ggn_exact", "kfac_dense/ggn_exact",
-                 "diagonal/ggn_exact"):
+  printed = _run(
+    sys.executable, EXAMPLES / "plugin_approximation.py", *QUICK, cwd=tmp_path
+  )
+  for method in (
+    "kfac/ggn_exact",
+    "kfac_dense/ggn_exact",
+    "diagonal/ggn_exact",
+  ):
     assert method in printed
   blocks = (tmp_path / "reports" / "kfac_dense").glob(
-      "*kfac_dense*/registration.json")
+    "*kfac_dense*/registration.json"
+  )
   text = next(blocks).read_text()
   assert "DenseTwoKroneckerFactored" in text and "Conv2DDiagonal" in text

@@ -48,9 +48,11 @@ from curvbench import approximations, curvatures
 T, D = 4, 3  # positions and input features
 WEIGHT = 0.7  # the loss Hessian is 2 * WEIGHT * I, not the identity
 # setting -> (the harness curvature exact there, the one that is not)
-SETTINGS = {"expand": ("kfac", "kfac_reduce"),
-            "reduce_mean": ("kfac_reduce", "kfac"),
-            "reduce_sum": ("kfac_reduce", "kfac")}
+SETTINGS = {
+  "expand": ("kfac", "kfac_reduce"),
+  "reduce_mean": ("kfac_reduce", "kfac"),
+  "reduce_sum": ("kfac_reduce", "kfac"),
+}
 SHARED = ("shared_0", "shared_1")
 
 
@@ -88,8 +90,9 @@ def make_problem(setting, batch_size):
 
   def loss_fn(params, batch):
     x, t = batch
-    z = estimators.register_squared_error_loss(net.apply(params, x), t,
-                                               weight=WEIGHT)
+    z = estimators.register_squared_error_loss(
+      net.apply(params, x), t, weight=WEIGHT
+    )
     return jnp.mean(jax.vmap(per_example_loss)(z, t))
 
   return params, (x, t), loss_fn
@@ -143,8 +146,9 @@ def leaf_layers(params):
 def block_of_layer(estimator, params):
   """The estimator's block of each layer (after tracing), by layer name."""
   which = jax.tree.leaves(estimator.params_block_index)
-  return {layer: estimator.blocks[i]
-          for layer, i in zip(leaf_layers(params), which)}
+  return {
+    layer: estimator.blocks[i] for layer, i in zip(leaf_layers(params), which)
+  }
 
 
 def relative_error(got, want):
@@ -155,12 +159,15 @@ def relative_error(got, want):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_matching_variant_is_exact_and_the_other_is_not(setting, batch_size):
   params, batch, loss_fn = make_problem(setting, batch_size)
-  exact = {k: np.asarray(v)
-           for k, v in brute_force_blocks(params, batch, setting).items()}
+  exact = {
+    k: np.asarray(v)
+    for k, v in brute_force_blocks(params, batch, setting).items()
+  }
   # Each layer's indices in the ravel_pytree order of the dense matrices.
   indices = dict(curvatures.layer_blocks(loss_fn, params, batch))
   assert sorted(indices) == sorted(params), (
-      f"automatic registration found {sorted(indices)}")
+    f"automatic registration found {sorted(indices)}"
+  )
   right, wrong = SETTINGS[setting]
   for name, is_exact in ((right, True), (wrong, False)):
     curvature, dense = estimate(name, params, batch, loss_fn)
@@ -168,9 +175,13 @@ def test_matching_variant_is_exact_and_the_other_is_not(setting, batch_size):
     for layer, block in blocks.items():
       shared = layer in SHARED
       # K-FAC-expand is the library's default for shared dense layers.
-      want_cls = (estimators.DenseTwoKroneckerFactored if not shared else
-                  estimators.RepeatedDenseKFACReduce if name == "kfac_reduce"
-                  else estimators.RepeatedDenseKFACExpand)
+      want_cls = (
+        estimators.DenseTwoKroneckerFactored
+        if not shared
+        else estimators.RepeatedDenseKFACReduce
+        if name == "kfac_reduce"
+        else estimators.RepeatedDenseKFACExpand
+      )
       assert type(block) is want_cls, (layer, name, type(block))
       if shared:
         assert block.num_repeats == T
@@ -180,7 +191,8 @@ def test_matching_variant_is_exact_and_the_other_is_not(setting, batch_size):
       off = np.delete(dense[rows], rows, axis=1)
       np.testing.assert_array_equal(off, 0.0)  # block-diagonal
       if is_exact or layer not in SHARED:  # the head is plain K-FAC: exact
-        np.testing.assert_allclose(got, want, rtol=1e-10,
-                                   atol=1e-10 * np.abs(want).max())
+        np.testing.assert_allclose(
+          got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max()
+        )
       else:
         assert relative_error(got, want) > 0.05, (setting, name, layer)

@@ -21,35 +21,56 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
   chosen settings at equal time and says whether K-FAC's claim holds."""
   sweep = tmp_path / "sweep"
   subprocess.run(
-      [str(CURVBENCH), "-m", "+experiment=kfac_paper_small",
-       f"hydra.sweep.dir={sweep}", "progress=false",
-       f"compilation_cache={tmp_path / 'jax_cache'}",
-       "measure.training.num_steps=10", "measure.training.eval_every=5",
-       "seed=0,1",  # replaces the preset's seeds
-       "tuning.grid.adam.learning_rate=[0.001,0.01]",
-       "tuning.grid.sgd.learning_rate=[0.1]",
-       "tuning.grid.sgd.momentum=[0.9]",
-       "tuning.grid.kfac.initial_damping=[1.0]"],
-      check=True, capture_output=True, text=True, timeout=900)
-  subprocess.run([str(CURVBENCH), "report", str(sweep)], check=True,
-                 capture_output=True, text=True, timeout=300)
+    [
+      str(CURVBENCH),
+      "-m",
+      "+experiment=kfac_paper_small",
+      f"hydra.sweep.dir={sweep}",
+      "progress=false",
+      f"compilation_cache={tmp_path / 'jax_cache'}",
+      "measure.training.num_steps=10",
+      "measure.training.eval_every=5",
+      "seed=0,1",  # replaces the preset's seeds
+      "tuning.grid.adam.learning_rate=[0.001,0.01]",
+      "tuning.grid.sgd.learning_rate=[0.1]",
+      "tuning.grid.sgd.momentum=[0.9]",
+      "tuning.grid.kfac.initial_damping=[1.0]",
+    ],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  subprocess.run(
+    [str(CURVBENCH), "report", str(sweep)],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   out = sweep / "report"
   tuned = pd.read_csv(out / "tuning.csv")
   assert len(tuned) == 4 and (tuned.seeds == 2).all()
   assert tuned.groupby("method").best.sum().to_dict() == {
-      "adam": 1, "kfac[kfac/fisher_gradients]": 1, "sgd": 1}
+    "adam": 1,
+    "kfac[kfac/fisher_gradients]": 1,
+    "sgd": 1,
+  }
   best = tuned[tuned.method == "adam"].sort_values("score").iloc[0]
   assert best.best and best.setting.startswith("learning_rate=")
   figures = {p.name for p in (out / "figures").glob("*.png")}
-  assert figures == {"training_autoencoder_curves_small.png",
-                     "training_all_autoencoder_curves_small.png",
-                     "tuning_autoencoder_curves_small.png"}
+  assert figures == {
+    "training_autoencoder_curves_small.png",
+    "training_all_autoencoder_curves_small.png",
+    "tuning_autoencoder_curves_small.png",
+  }
   assert (out / "report.html").stat().st_size > 10_000
   compared = pd.read_csv(out / "comparison.csv")
   assert set(compared.optimizer) == {"adam", "kfac", "sgd"}
   assert (compared.n == 2).all() and compared.target_error.notna().all()
-  assert (compared.error_at_equal_time_ci_low
-          <= compared.error_at_equal_time_mean).all()
+  assert (
+    compared.error_at_equal_time_ci_low <= compared.error_at_equal_time_mean
+  ).all()
   text = (out / "report.md").read_text()
   assert "Claim (autoencoder_curves_small" in text
 
@@ -60,14 +81,15 @@ def _sweep_values(params, key, default):
   return [default] if value is None else str(value).split(",")
 
 
-@pytest.mark.parametrize("preset", sorted(
-    p.stem for p in config.CONF_DIR.joinpath("experiment").glob("*.yaml")))
+@pytest.mark.parametrize(
+  "preset",
+  sorted(p.stem for p in config.CONF_DIR.joinpath("experiment").glob("*.yaml")),
+)
 def test_presets_sample_enough_to_compare(preset):
   """A preset that compares approximations' quality sweeps three seeds or
   more, each measuring three draws of the data (or the whole split); one
   that budgets seconds evaluates on a time grid of ten points or more."""
-  cfg = config.compose(f"+experiment={preset}", with_hydra=True,
-                       check=False)
+  cfg = config.compose(f"+experiment={preset}", with_hydra=True, check=False)
   sweeper = cfg.hydra.sweeper
   for part in sweeper.get("sweeps") or [{}]:  # each sweep of a union
     params = {**(sweeper.params or {}), **part}
@@ -84,8 +106,7 @@ def test_presets_sample_enough_to_compare(preset):
 
 
 @pytest.mark.slow
-def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(
-    tmp_path):
+def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(tmp_path):
   """The Kronecker-family preset, shortened to the MLP: spectra at two
   steps of one Adam run per seed for each approximation, the report's
   verdict on Shampoo² against Shampoo (Morwani et al.) with their gaps over
@@ -93,21 +114,39 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(
   same seconds, K-FAC only with the canonical curvature."""
   sweep = tmp_path / "sweep"
   subprocess.run(
-      [str(CURVBENCH), "-m", "+experiment=kronecker_family",
-       f"hydra.sweep.dir={sweep}", "progress=false",
-       f"compilation_cache={tmp_path / 'jax_cache'}",
-       "problem=mlp", "measure=spectra,training", "seed=0,1",
-       "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
-       "curvature.mode=ggn_exact",
-       "optimizer=kfac,adam,shampoo", "measure.spectra.steps=[0,2]",
-       "measure.spectra.references=[ggn]", "measure.training.budget_s=1",
-       "measure.training.problems=[mlp]",
-       "tuning.grid.kfac.initial_damping=[1.0]",
-       "tuning.grid.adam.learning_rate=[0.01]",
-       "tuning.grid.shampoo.learning_rate=[0.01]"],
-      check=True, capture_output=True, text=True, timeout=900)
-  subprocess.run([str(CURVBENCH), "report", str(sweep)], check=True,
-                 capture_output=True, text=True, timeout=300)
+    [
+      str(CURVBENCH),
+      "-m",
+      "+experiment=kronecker_family",
+      f"hydra.sweep.dir={sweep}",
+      "progress=false",
+      f"compilation_cache={tmp_path / 'jax_cache'}",
+      "problem=mlp",
+      "measure=spectra,training",
+      "seed=0,1",
+      "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
+      "curvature.mode=ggn_exact",
+      "optimizer=kfac,adam,shampoo",
+      "measure.spectra.steps=[0,2]",
+      "measure.spectra.references=[ggn]",
+      "measure.training.budget_s=1",
+      "measure.training.problems=[mlp]",
+      "tuning.grid.kfac.initial_damping=[1.0]",
+      "tuning.grid.adam.learning_rate=[0.01]",
+      "tuning.grid.shampoo.learning_rate=[0.01]",
+    ],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  subprocess.run(
+    [str(CURVBENCH), "report", str(sweep)],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   out = sweep / "report"
   text = (out / "report.md").read_text()
   assert "Claim (Morwani et al., ICLR 2025)" in text
@@ -117,5 +156,4 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(
   assert claims.gap_mean.notna().all()  # the floor was measured
   assert set(claims.verdict) <= {"holds", "does not hold", "not settled"}
   compared = pd.read_csv(out / "comparison.csv")
-  assert set(compared.label) == {"adam", "shampoo",
-                                  "kfac[kfac/ggn_exact]"}
+  assert set(compared.label) == {"adam", "shampoo", "kfac[kfac/ggn_exact]"}

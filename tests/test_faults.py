@@ -23,8 +23,12 @@ import pytest
 from curvbench import app, checkpoints, config, records, report, runs, sweep
 from tests.conftest import TINY
 
-ADAM = ("measure=training", "optimizer=adam", *TINY,
-        "measure.training.checkpoint_steps=[2]")
+ADAM = (
+  "measure=training",
+  "optimizer=adam",
+  *TINY,
+  "measure.training.checkpoint_steps=[2]",
+)
 REPO = Path(__file__).resolve().parents[1]
 NO_SPACE = "No space left on device"
 
@@ -39,6 +43,7 @@ def finished(tmp_path_factory):
 
 # --- file systems -------------------------------------------------------------
 
+
 @pytest.fixture
 def mount(tmp_path):
   """`mount(options)`: a tmpfs mounted with `options` (e.g. "ro",
@@ -50,14 +55,20 @@ def mount(tmp_path):
     folder = tmp_path / f"disk{len(mounted)}"
     folder.mkdir()
     try:
-      done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
-                             str(folder)], capture_output=True, text=True)
+      done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+      )
     except OSError as e:
-      pytest.skip(f"no mount command here ({e}); the simulated tests cover "
-                  "this")
+      pytest.skip(
+        f"no mount command here ({e}); the simulated tests cover this"
+      )
     if done.returncode:
-      pytest.skip(f"mounting a tmpfs is not permitted here "
-                  f"({done.stderr.strip()}); the simulated tests cover this")
+      pytest.skip(
+        f"mounting a tmpfs is not permitted here "
+        f"({done.stderr.strip()}); the simulated tests cover this"
+      )
     mounted.append(folder)
     return folder
 
@@ -91,11 +102,13 @@ def full_disk(monkeypatch):
       if state["full"]:
         raise OSError(errno.ENOSPC, NO_SPACE, str(path))
       return real(path, *args, **kwargs)
+
     return write
 
   monkeypatch.setattr(records, "atomic_write", writer(records.atomic_write))
-  monkeypatch.setattr(checkpoints, "atomic_write",
-                      writer(checkpoints.atomic_write))
+  monkeypatch.setattr(
+    checkpoints, "atomic_write", writer(checkpoints.atomic_write)
+  )
   return lambda: state.update(full=True)
 
 
@@ -120,9 +133,12 @@ def simulated(monkeypatch, folder: Path, cause: str) -> None:
     return os.statvfs_result(fields)
 
   monkeypatch.setattr(os, "statvfs", statvfs)
-  monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
-      cause != "forbidden" or not under(path)) and real_access(
-          path, mode, **kw))
+  monkeypatch.setattr(
+    os,
+    "access",
+    lambda path, mode, **kw: (cause != "forbidden" or not under(path))
+    and real_access(path, mode, **kw),
+  )
 
 
 def listing(folder: Path) -> list[str]:
@@ -137,6 +153,7 @@ def one_line(message) -> str:
 
 
 # --- a folder that cannot be written ------------------------------------------
+
 
 def _unwritable(cause, mount, monkeypatch, tmp_path) -> Path:
   """A folder for `cause`, real or simulated."""
@@ -156,18 +173,19 @@ def _unwritable(cause, mount, monkeypatch, tmp_path) -> Path:
 
 
 CAUSES = {  # how it is made -> what the system says
-    "read-only": "Read-only file system",
-    "full": NO_SPACE,
-    "not a folder": "Not a directory",
-    "read-only (simulated)": "Read-only file system",
-    "full (simulated)": NO_SPACE,
-    "forbidden (simulated)": "Permission denied",
+  "read-only": "Read-only file system",
+  "full": NO_SPACE,
+  "not a folder": "Not a directory",
+  "read-only (simulated)": "Read-only file system",
+  "full (simulated)": NO_SPACE,
+  "forbidden (simulated)": "Permission denied",
 }
 
 
 @pytest.mark.parametrize("cause", CAUSES)
 def test_an_unwritable_folder_is_refused_in_one_line_before_any_write(
-    cause, mount, monkeypatch, tmp_path):
+  cause, mount, monkeypatch, tmp_path
+):
   folder = _unwritable(cause, mount, monkeypatch, tmp_path)
   before = listing(tmp_path)
   why = CAUSES[cause]
@@ -175,16 +193,21 @@ def test_an_unwritable_folder_is_refused_in_one_line_before_any_write(
     with pytest.raises(SystemExit) as refused:  # before Hydra starts
       app.cli([f"hydra.run.dir={out}", *ADAM])
     fix = ("free some space there, or " if why == NO_SPACE else "") + (
-        "choose another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
-        "for a sweep)")
+      "choose another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
+      "for a sweep)"
+    )
     assert one_line(refused.value.code) == (
-        f"curvbench: cannot write to {out} ({why}): {fix}")
+      f"curvbench: cannot write to {out} ({why}): {fix}"
+    )
     with pytest.raises(records.UnwritableFolder, match=why):
       runs.run(config.compose(*ADAM), out)  # the Python API alike
-  with pytest.raises(records.UnwritableFolder, match=(
-      f"cannot write to {folder / 'sweep'} .*{why}.*: .*hydra.sweep.dir=")):
-    records.check_writable(folder / "sweep",
-                           "choose another folder with hydra.sweep.dir=...")
+  with pytest.raises(
+    records.UnwritableFolder,
+    match=(f"cannot write to {folder / 'sweep'} .*{why}.*: .*hydra.sweep.dir="),
+  ):
+    records.check_writable(
+      folder / "sweep", "choose another folder with hydra.sweep.dir=..."
+    )
   assert listing(tmp_path) == before  # nothing written, not even a folder
 
 
@@ -197,17 +220,26 @@ def test_a_writable_folder_passes_the_check(tmp_path):
 def _script_output(script: str, cwd: Path):
   """What `script`, run in a fresh interpreter, prints last (JSON); it must
   end without a traceback."""
-  done = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                        text=True, cwd=cwd, timeout=300)
+  done = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    cwd=cwd,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "Traceback" not in done.stderr
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _cli(*args):
-  return subprocess.run([str(REPO / ".venv" / "bin" / "curvbench"), *args],
-                        capture_output=True, text=True, cwd=REPO,
-                        timeout=300)
+  return subprocess.run(
+    [str(REPO / ".venv" / "bin" / "curvbench"), *args],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=300,
+  )
 
 
 @pytest.mark.slow
@@ -217,16 +249,25 @@ def test_the_command_ends_in_one_line_on_a_read_only_disk(mount):
   non-zero status."""
   disk = mount("ro")
   for args, folder, setting in (
-      (["-m", f"hydra.sweep.dir={disk / 'sweep'}", "measure=timing",
-        "seed=0,1"], disk / "sweep", "hydra.sweep.dir="),
-      ([f"hydra.run.dir={disk / 'x'}", "measure=timing"], disk / "x",
-       "hydra.run.dir=")):
+    (
+      ["-m", f"hydra.sweep.dir={disk / 'sweep'}", "measure=timing", "seed=0,1"],
+      disk / "sweep",
+      "hydra.sweep.dir=",
+    ),
+    (
+      [f"hydra.run.dir={disk / 'x'}", "measure=timing"],
+      disk / "x",
+      "hydra.run.dir=",
+    ),
+  ):
     done = _cli(*args, *TINY)
     assert done.returncode != 0
     one_line(done.stderr)
-    assert done.stderr.startswith(f"curvbench: cannot write to {folder} "
-                                  "(Read-only file system): choose another "
-                                  "folder"), done.stderr
+    assert done.stderr.startswith(
+      f"curvbench: cannot write to {folder} "
+      "(Read-only file system): choose another "
+      "folder"
+    ), done.stderr
     assert setting in done.stderr
 
 
@@ -265,24 +306,26 @@ for cause in ("read-only", "forbidden", "fills"):
       out.append(str(e.code))
 print(json.dumps(out))"""
   messages = _script_output(script, tmp_path)
-  for message, cause, why in zip(messages, ("read-only", "forbidden",
-                                            "fills"),
-                                 ("Read-only file system",
-                                  "Permission denied", NO_SPACE)):
+  for message, cause, why in zip(
+    messages,
+    ("read-only", "forbidden", "fills"),
+    ("Read-only file system", "Permission denied", NO_SPACE),
+  ):
     folder = tmp_path / cause / "sweep"
     assert one_line(message).startswith(
-        f"curvbench: cannot write to {folder} ({why}): choose another folder "
-        "with hydra.sweep.dir=..."), message
+      f"curvbench: cannot write to {folder} ({why}): choose another folder "
+      "with hydra.sweep.dir=..."
+    ), message
   assert not list((tmp_path / "read-only").iterdir())
 
 
 # --- a disk that fills during a run -------------------------------------------
 
 FILL_POINTS = {  # where the disk fills -> the function that fills it first
-    "config": (records.RunDir, "write_table"),  # the first table: config
-    "measurement": (runs, "measure"),  # before the measurement's records
-    "checkpoint": (checkpoints, "save"),  # a library's write (safetensors)
-    "completion marker": (records.RunDir, "mark_done"),
+  "config": (records.RunDir, "write_table"),  # the first table: config
+  "measurement": (runs, "measure"),  # before the measurement's records
+  "checkpoint": (checkpoints, "save"),  # a library's write (safetensors)
+  "completion marker": (records.RunDir, "mark_done"),
 }
 
 
@@ -306,7 +349,7 @@ def _reported_as_full(root: Path, run_dir: Path) -> None:
   assert error["run_id"]  # the run's identity came along
   assert not (run_dir / records.RESERVE).exists()
   assert records.RunDir(run_dir).foreign() == []
-  run, = sweep.load_sweep(root).runs.itertuples()
+  (run,) = sweep.load_sweep(root).runs.itertuples()
   assert (run.status, run.run_dir) == ("error", run_dir.name)
   assert NO_SPACE in run.reason, run.reason
   listed = sweep.not_in_results(sweep.load_sweep(root).runs)
@@ -314,8 +357,9 @@ def _reported_as_full(root: Path, run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("point", FILL_POINTS)
-def test_a_run_that_fills_its_disk_is_reported_as_such(point, mount,
-                                                       monkeypatch):
+def test_a_run_that_fills_its_disk_is_reported_as_such(
+  point, mount, monkeypatch
+):
   disk = mount("size=256k")
   run_dir = disk / "sweep" / "run"
   fills_at(monkeypatch, point, lambda: fill(disk))
@@ -327,7 +371,8 @@ def test_a_run_that_fills_its_disk_is_reported_as_such(point, mount,
 
 @pytest.mark.parametrize("point", FILL_POINTS)
 def test_a_run_that_fills_its_disk_is_reported_as_such_simulated(
-    point, monkeypatch, tmp_path):
+  point, monkeypatch, tmp_path
+):
   run_dir = tmp_path / "sweep" / "run"
   fills_at(monkeypatch, point, full_disk(monkeypatch))
   with pytest.raises(OSError, match=NO_SPACE):
@@ -373,12 +418,11 @@ print(json.dumps(out))"""
     assert NO_SPACE in message, message
     assert (tmp_path / case / records.ERROR).is_file()
   assert "SafetensorError" in library and (
-      f"(its traceback is in {tmp_path / 'library' / records.ERROR})"
-      in library), library
+    f"(its traceback is in {tmp_path / 'library' / records.ERROR})" in library
+  ), library
 
 
-def test_a_run_redone_once_there_is_space_finishes_clean(monkeypatch,
-                                                         tmp_path):
+def test_a_run_redone_once_there_is_space_finishes_clean(monkeypatch, tmp_path):
   run_dir = records.RunDir(tmp_path / "run")
   fills_at(monkeypatch, "measurement", full_disk(monkeypatch))
   with pytest.raises(OSError, match=NO_SPACE):
@@ -406,17 +450,20 @@ def test_finished_and_skipped_runs_leave_no_reserve(finished, tmp_path):
   shutil.copytree(finished, done.path)
   assert runs.run(config.compose(*ADAM), done.path) == "cached"
   skipped = records.RunDir(tmp_path / "skipped")
-  assert runs.record_skip(config.compose("measure=spectra", "optimizer=adam",
-                                         *TINY), skipped.path)
+  assert runs.record_skip(
+    config.compose("measure=spectra", "optimizer=adam", *TINY), skipped.path
+  )
   for run_dir in (done, skipped):
     _finished_clean(run_dir)
 
 
 # --- writing the error when the disk is full ----------------------------------
 
-LONG = ("Traceback (most recent call last):\n"
-        + "  File 'deep.py', line 1, in frame\n" * 5000
-        + f"OSError: [Errno 28] {NO_SPACE}: 'metadata.json'\n")
+LONG = (
+  "Traceback (most recent call last):\n"
+  + "  File 'deep.py', line 1, in frame\n" * 5000
+  + f"OSError: [Errno 28] {NO_SPACE}: 'metadata.json'\n"
+)
 
 
 def _reserved(path: Path) -> records.RunDir:
@@ -426,30 +473,55 @@ def _reserved(path: Path) -> records.RunDir:
 
 
 def _status(run_dir: records.RunDir) -> tuple[str, str]:
-  run, = sweep.load_sweep(run_dir.path.parent).runs.itertuples()
+  (run,) = sweep.load_sweep(run_dir.path.parent).runs.itertuples()
   return run.status, run.reason
 
 
 # Whether the disk is full, and which `os` calls fail besides -> the status
 # and words of the reason the report gives, and the file the error is in.
 RECORDING = {
-    "disk has space": (False, (), "error", f"OSError: [Errno 28] {NO_SPACE}",
-                       records.ERROR),
-    "disk full": (True, (), "error", f"OSError: [Errno 28] {NO_SPACE}",
-                  records.ERROR),
-    "rename fails too": (True, ("replace",), "error",
-                         f"OSError: [Errno 28] {NO_SPACE}", records.RESERVE),
-    "in-place write fails too": (True, ("pwrite",), "error",
-                                 f"the disk filled ({NO_SPACE})",
-                                 records.RESERVE),
-    "nothing can be written": (True, ("pwrite", "ftruncate"), "killed",
-                               "no completion marker", records.RESERVE),
+  "disk has space": (
+    False,
+    (),
+    "error",
+    f"OSError: [Errno 28] {NO_SPACE}",
+    records.ERROR,
+  ),
+  "disk full": (
+    True,
+    (),
+    "error",
+    f"OSError: [Errno 28] {NO_SPACE}",
+    records.ERROR,
+  ),
+  "rename fails too": (
+    True,
+    ("replace",),
+    "error",
+    f"OSError: [Errno 28] {NO_SPACE}",
+    records.RESERVE,
+  ),
+  "in-place write fails too": (
+    True,
+    ("pwrite",),
+    "error",
+    f"the disk filled ({NO_SPACE})",
+    records.RESERVE,
+  ),
+  "nothing can be written": (
+    True,
+    ("pwrite", "ftruncate"),
+    "killed",
+    "no completion marker",
+    records.RESERVE,
+  ),
 }
 
 
 @pytest.mark.parametrize("case", RECORDING)
 def test_an_error_is_recorded_however_little_can_be_written(
-    case, monkeypatch, tmp_path):
+  case, monkeypatch, tmp_path
+):
   """Each way of writing the error, failing in turn: the report says what
   it can, and calls a failed run killed only where nothing could be
   written at all."""
@@ -468,15 +540,19 @@ def test_an_error_is_recorded_however_little_can_be_written(
   monkeypatch.undo()
   found, reason = _status(run_dir)
   assert found == status and words in reason, reason
-  assert [p.name for p in run_dir.path.iterdir()
-          if p.name in (records.ERROR, records.RESERVE)] == [where]
+  assert [
+    p.name
+    for p in run_dir.path.iterdir()
+    if p.name in (records.ERROR, records.RESERVE)
+  ] == [where]
   assert run_dir.foreign() == []
   if where == records.ERROR:
     record = json.loads((run_dir.path / records.ERROR).read_text())
     assert record["run_id"] == "abc"
     if full:  # cut to the reserve, the error line kept
       assert (run_dir.path / records.ERROR).stat().st_size <= (
-          records.RESERVE_BYTES)
+        records.RESERVE_BYTES
+      )
       assert record["traceback"].startswith("[...]")
       assert record["traceback"].endswith(LONG.splitlines()[-1] + "\n")
     else:
@@ -492,7 +568,8 @@ def test_the_error_goes_into_its_reserve_on_a_real_full_disk(mount):
   with pytest.raises(OSError, match=NO_SPACE):
     run_dir.write_json("another.json", {})
   assert run_dir.write_error(dict(traceback=LONG)) == run_dir.path / (
-      records.ERROR)
+    records.ERROR
+  )
   assert _status(run_dir)[0] == "error"
   assert NO_SPACE in _status(run_dir)[1]
 
@@ -506,11 +583,13 @@ def test_a_reserve_as_made_is_a_running_or_killed_run(tmp_path):
 
 # --- runs reached through symbolic links --------------------------------------
 
+
 def _load(root: Path, timeout_s: float = 60.0):
   """`sweep.load_sweep(root)`, failing rather than hanging."""
   loaded = []
-  worker = threading.Thread(target=lambda: loaded.append(
-      sweep.load_sweep(root)), daemon=True)
+  worker = threading.Thread(
+    target=lambda: loaded.append(sweep.load_sweep(root)), daemon=True
+  )
   worker.start()
   worker.join(timeout_s)
   assert not worker.is_alive(), f"the report of {root} hangs"
@@ -525,15 +604,15 @@ def test_runs_reached_through_links_are_named_not_read(finished, tmp_path):
   (elsewhere / "data").mkdir()
   (elsewhere / "data" / "x.npz").write_bytes(b"data")
   links = {  # link under the sweep -> target
-      "to_a_run": elsewhere / "run",  # named
-      "to_a_sweep": elsewhere / "other_sweep",  # named
-      "nested/to_a_run": elsewhere / "run",  # named
-      "to_data": elsewhere / "data",  # not a run: left alone
-      "to_itself_inside": root / "real",  # read where it lies, once
-      "to_the_sweep": root,  # a loop inside: read once
-      "loop_a": root / "loop_b",  # loops that lead nowhere
-      "loop_b": root / "loop_a",
-      "dangling": tmp_path / "gone",
+    "to_a_run": elsewhere / "run",  # named
+    "to_a_sweep": elsewhere / "other_sweep",  # named
+    "nested/to_a_run": elsewhere / "run",  # named
+    "to_data": elsewhere / "data",  # not a run: left alone
+    "to_itself_inside": root / "real",  # read where it lies, once
+    "to_the_sweep": root,  # a loop inside: read once
+    "loop_a": root / "loop_b",  # loops that lead nowhere
+    "loop_b": root / "loop_a",
+    "dangling": tmp_path / "gone",
   }
   for name, target in links.items():
     (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -541,22 +620,26 @@ def test_runs_reached_through_links_are_named_not_read(finished, tmp_path):
   loaded = _load(root)
   runs_ = loaded.runs.set_index("run_dir")
   assert runs_.status.to_dict() == {
-      "real": "complete", "to_a_run": "linked", "to_a_sweep": "linked",
-      "nested/to_a_run": "linked"}
+    "real": "complete",
+    "to_a_run": "linked",
+    "to_a_sweep": "linked",
+    "nested/to_a_run": "linked",
+  }
   for name in ("to_a_run", "to_a_sweep", "nested/to_a_run"):
     reason, target = runs_.reason[name], os.path.realpath(links[name])
-    assert (f"reached through a symbolic link ({name} -> {target})"
-            in reason), reason
+    assert f"reached through a symbolic link ({name} -> {target})" in reason, (
+      reason
+    )
     assert f"report the sweep of {target}, or copy the run here" in reason
   assert set(loaded.tables["training"].run_dir) == {"real"}  # read once
   listed = sweep.not_in_results(loaded.runs)
-  assert sorted(listed.run_dir) == ["nested/to_a_run", "to_a_run",
-                                    "to_a_sweep"]
+  assert sorted(listed.run_dir) == ["nested/to_a_run", "to_a_run", "to_a_sweep"]
   assert set(listed.status) == {"linked"}
 
 
 def test_the_report_names_a_linked_run_and_a_loop_cannot_hang_it(
-    finished, tmp_path, capsys):
+  finished, tmp_path, capsys
+):
   root = tmp_path / "reports" / "sweep"
   shutil.copytree(finished, root / "real")
   shutil.copytree(finished, tmp_path / "kept" / "run")
@@ -571,24 +654,30 @@ def test_the_report_names_a_linked_run_and_a_loop_cannot_hang_it(
 
 
 def test_a_report_into_an_unwritable_folder_ends_in_one_line(
-    finished, mount, monkeypatch, tmp_path):
+  finished, mount, monkeypatch, tmp_path
+):
   """Already so (`report.main`); kept so: a read-only output folder, real
   and simulated, and a disk that is full."""
   root = tmp_path / "sweep"
   shutil.copytree(finished, root / "run")
-  outs = [(tmp_path / "simulated", errno.EROFS),
-          (tmp_path / "simulated_full", errno.ENOSPC)]
+  outs = [
+    (tmp_path / "simulated", errno.EROFS),
+    (tmp_path / "simulated_full", errno.ENOSPC),
+  ]
   with contextlib.suppress(pytest.skip.Exception):  # the simulated still run
     outs.append((mount("ro") / "out", None))
   for out, simulate in outs:
     why = os.strerror(simulate or errno.EROFS)
     with monkeypatch.context() as patch:
       if simulate:
+
         def unwritable(path, write):
           raise OSError(simulate, why, str(path))
+
         patch.setattr(records, "atomic_write", unwritable)
       with pytest.raises(SystemExit) as refused:
         report.main([str(root), "--out", str(out)])
     assert one_line(refused.value.code).startswith(
-        f"curvbench report: cannot write the report to {out} ({why}); give "
-        "another folder with --out"), refused.value.code
+      f"curvbench report: cannot write the report to {out} ({why}); give "
+      "another folder with --out"
+    ), refused.value.code

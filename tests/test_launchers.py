@@ -23,15 +23,19 @@ def sweep(sweep_dir, *overrides):
   """`curvbench -m` into `sweep_dir`; its exit code and its output (stdout
   and Hydra's log together)."""
   result = subprocess.run(
-      [str(CURVBENCH), "-m", f"hydra.sweep.dir={sweep_dir}", *TINY,
-       *overrides], cwd=sweep_dir.parent, capture_output=True, text=True,
-      timeout=300)
+    [str(CURVBENCH), "-m", f"hydra.sweep.dir={sweep_dir}", *TINY, *overrides],
+    cwd=sweep_dir.parent,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   return result.returncode, result.stdout + result.stderr
 
 
 def run_dirs(sweep_dir):
-  return sorted(p for p in sweep_dir.iterdir()
-                if p.is_dir() and not p.name.startswith("."))
+  return sorted(
+    p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
+  )
 
 
 @pytest.mark.slow
@@ -40,8 +44,9 @@ def test_submitit_local_sweep_records_both_runs(tmp_path):
   subprocesses; their records land in the sweep directory, submitit's
   files beside them."""
   root = tmp_path / "sweep"
-  code, out = sweep(root, "launcher=submitit_local", "measure=training",
-                    "optimizer=sgd,adam")
+  code, out = sweep(
+    root, "launcher=submitit_local", "measure=training", "optimizer=sgd,adam"
+  )
   assert code == 0, out[-3000:]
   assert "Submitit 'local'" in out
   found = run_dirs(root)
@@ -60,28 +65,40 @@ def test_skipped_points_are_left_out_not_launched(tmp_path):
   with the reason, and leaves no folder for the report to list. The same
   point run on its own records a skipped run with that reason."""
   root = tmp_path / "sweep"
-  code, out = sweep(root, "measure=training", "optimizer=sgd",
-                    "curvature=kfac,diagonal")
+  code, out = sweep(
+    root, "measure=training", "optimizer=sgd", "curvature=kfac,diagonal"
+  )
   assert code == 0, out[-3000:]
   assert "Launching 1 jobs locally" in out
-  reason = ("optimizer=sgd does not use the curvature; it runs with "
-            "curvature=kfac, mode=ggn_exact only")
-  assert f"1 of 2 sweep points repeat another and are left out ({reason})" \
-      in out
-  launched, = run_dirs(root)  # no folder for the left-out point
+  reason = (
+    "optimizer=sgd does not use the curvature; it runs with "
+    "curvature=kfac, mode=ggn_exact only"
+  )
+  assert (
+    f"1 of 2 sweep points repeat another and are left out ({reason})" in out
+  )
+  (launched,) = run_dirs(root)  # no folder for the left-out point
   assert OmegaConf.load(launched / "config.yaml").curvature.name == "kfac"
   assert (launched / ".hydra").is_dir()  # a launched job's Hydra record
   marker = records.RunDir(launched).marker()
   assert marker["status"] == "complete"
   # the config the sweeper composed is the one a run by hand composes
-  assert marker["run_id"] == provenance.run_id(config.compose(
-      *TINY, "measure=training", "optimizer=sgd", "curvature=kfac"))
+  assert marker["run_id"] == provenance.run_id(
+    config.compose(*TINY, "measure=training", "optimizer=sgd", "curvature=kfac")
+  )
   loaded = sweep_runs.load_sweep(root).runs
   assert list(loaded.status) == ["complete"]
   assert sweep_runs.not_in_results(loaded).empty
   alone = tmp_path / "alone"
-  assert runs.run(config.compose(*TINY, "measure=training", "optimizer=sgd",
-                                 "curvature=diagonal"), alone) == "skipped"
+  assert (
+    runs.run(
+      config.compose(
+        *TINY, "measure=training", "optimizer=sgd", "curvature=diagonal"
+      ),
+      alone,
+    )
+    == "skipped"
+  )
   skipped = records.RunDir(alone).marker()
   assert skipped["status"] == "skipped" and skipped["reason"] == reason
 
@@ -89,8 +106,9 @@ def test_skipped_points_are_left_out_not_launched(tmp_path):
 @pytest.mark.slow
 def test_timing_runs_sharing_a_device_are_refused_before_launch(tmp_path):
   root = tmp_path / "sweep"
-  code, out = sweep(root, "launcher=joblib", "measure=timing",
-                    "curvature=kfac,diagonal")
+  code, out = sweep(
+    root, "launcher=joblib", "measure=timing", "curvature=kfac,diagonal"
+  )
   assert code != 0
   assert "Timing runs need the device to themselves" in out
   assert "hydra.launcher.n_jobs=1" in out
@@ -102,9 +120,13 @@ def test_a_sweep_with_a_bad_point_launches_nothing(tmp_path):
   """One bad point of four stops the sweep before any run starts or any
   skip is recorded, naming the point and its setting."""
   root = tmp_path / "sweep"
-  code, out = sweep(root, "measure=training", "optimizer=sgd,adam",
-                    "curvature=kfac,diagonal",
-                    "measure.training.num_steps=4,0")
+  code, out = sweep(
+    root,
+    "measure=training",
+    "optimizer=sgd,adam",
+    "curvature=kfac,diagonal",
+    "measure.training.num_steps=4,0",
+  )
   assert code != 0
   assert "4 of 8 sweep points have a setting that is not allowed" in out
   assert "measure.training.num_steps=0 is not allowed" in out
@@ -115,27 +137,36 @@ def test_a_sweep_with_a_bad_point_launches_nothing(tmp_path):
 def launcher(name, **settings):
   """The `hydra.launcher` config that `launcher=NAME` selects."""
   config.store()
-  with initialize_config_dir(config_dir=str(config.CONF_DIR),
-                             version_base=None):
-    cfg = compose("config", overrides=[f"launcher={name}"],
-                  return_hydra_config=True)
+  with initialize_config_dir(
+    config_dir=str(config.CONF_DIR), version_base=None
+  ):
+    cfg = compose(
+      "config", overrides=[f"launcher={name}"], return_hydra_config=True
+    )
   return OmegaConf.merge(cfg.hydra.launcher, settings), cfg
 
 
-@pytest.mark.parametrize("name,settings,batch,timing,fix", [
+@pytest.mark.parametrize(
+  "name,settings,batch,timing,fix",
+  [
     ("basic", {}, None, [True, True], None),
     ("submitit_slurm", {}, None, [True, True], None),
     ("joblib", {}, None, [True, False], "hydra.launcher.n_jobs=1"),
     ("joblib", {"n_jobs": 1}, None, [True, True], None),
     ("joblib", {}, None, [True], None),  # alone in its batch
     ("joblib", {}, None, [False, False], None),  # nothing timed
-    ("submitit_local", {}, 2, [False, True],
-     "hydra.sweeper.max_batch_size=1"),
+    ("submitit_local", {}, 2, [False, True], "hydra.sweeper.max_batch_size=1"),
     ("submitit_local", {}, 2, [False, False, True], None),  # last batch: 1
     ("submitit_local", {}, 1, [True, True], None),
-    ("basic", {"_target_": "some.other.RayLauncher"}, None, [True, False],
-     "hydra.sweeper.max_batch_size=1"),
-])
+    (
+      "basic",
+      {"_target_": "some.other.RayLauncher"},
+      None,
+      [True, False],
+      "hydra.sweeper.max_batch_size=1",
+    ),
+  ],
+)
 def test_timing_alone_per_launcher(name, settings, batch, timing, fix):
   launcher_cfg, _ = launcher(name, **settings)
   if fix is None:

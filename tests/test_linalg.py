@@ -20,13 +20,20 @@ def test_psd_matrix_power():
   m = np.asarray(random_normal(0, 4, 4))
   m = m @ m.T + 0.1 * np.eye(4)
   for power in (1, -1, -0.5, 2, 0):
-    np.testing.assert_allclose(utils.psd_matrix_power(m, power),
-                               numpy_psd_power(m, power), rtol=1e-8,
-                               atol=1e-10)
+    np.testing.assert_allclose(
+      utils.psd_matrix_power(m, power),
+      numpy_psd_power(m, power),
+      rtol=1e-8,
+      atol=1e-10,
+    )
   np.testing.assert_allclose(
-      np.sort(utils.kronecker_product_eigenvalues(jnp.array([1., 2.]),
-                                                  jnp.array([3., 5.]))),
-      [3, 5, 6, 10])
+    np.sort(
+      utils.kronecker_product_eigenvalues(
+        jnp.array([1.0, 2.0]), jnp.array([3.0, 5.0])
+      )
+    ),
+    [3, 5, 6, 10],
+  )
 
 
 # psd_inverse: one LAPACK Cholesky solve up to 512 rows, a Schur-complement
@@ -40,8 +47,11 @@ def test_psd_inverse_matches_numpy(n, dtype):
   got = jax.jit(utils.psd_inverse)(jnp.asarray(matrix, dtype))
   assert got.dtype == dtype
   tol = 1e-9 if dtype == np.float64 else 2e-5
-  np.testing.assert_allclose(np.asarray(got, np.float64) / np.abs(want).max(),
-                             want / np.abs(want).max(), atol=tol)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float64) / np.abs(want).max(),
+    want / np.abs(want).max(),
+    atol=tol,
+  )
 
 
 # Kept whole up to 512 rows, in blocks above (1100 splits twice).
@@ -53,11 +63,14 @@ def test_psd_inverse_root_is_the_inverse_cholesky_factor(n):
   @jax.jit
   def assembled(matrix):
     root, eye = utils.psd_inverse_root(matrix), jnp.eye(n, dtype=matrix.dtype)
-    return (utils.inverse_root_multiply(root, eye),
-            utils.inverse_root_multiply(root, eye, transpose=True))
+    return (
+      utils.inverse_root_multiply(root, eye),
+      utils.inverse_root_multiply(root, eye, transpose=True),
+    )
 
   root, root_t = map(np.asarray, assembled(jnp.asarray(matrix)))
   np.testing.assert_array_equal(root, np.tril(root))
-  np.testing.assert_allclose(root @ np.linalg.cholesky(matrix), np.eye(n),
-                             atol=1e-8)
+  np.testing.assert_allclose(
+    root @ np.linalg.cholesky(matrix), np.eye(n), atol=1e-8
+  )
   np.testing.assert_allclose(root_t, root.T, atol=1e-12)

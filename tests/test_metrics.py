@@ -21,12 +21,14 @@ def test_metrics_basics():
 
 # --- signed spectra -----------------------------------------------------------
 
+
 def test_spectral_distance_by_hand():
   # W1 moves each half of the mass by 1; the exact width is 4.
   assert metrics.spectral_distance([-1, 1], [-2, 2]) == pytest.approx(0.25)
   # Weights 3/4 on -1 against 1/2: a quarter of the mass moves by 2.
   assert metrics.spectral_distance(
-      [-1, 1], [-1, 1], exact_weights=[3, 1]) == pytest.approx(0.25)
+    [-1, 1], [-1, 1], exact_weights=[3, 1]
+  ) == pytest.approx(0.25)
   # A spectrum of one point is scaled by its magnitude, or not at all at 0.
   assert metrics.spectral_distance([1, 1], [3, 3]) == pytest.approx(2 / 3)
   assert metrics.spectral_distance([1], [0]) == pytest.approx(1.0)
@@ -42,7 +44,8 @@ def test_spectral_distance_is_zero_for_equal_and_free_of_scale():
   value = metrics.spectral_distance(approx, exact)
   assert value > 0
   assert metrics.spectral_distance(10 * approx, 10 * exact) == pytest.approx(
-      value, rel=1e-12)
+    value, rel=1e-12
+  )
 
 
 def test_condition_number_ignores_the_null_space():
@@ -68,7 +71,8 @@ def test_negative_mass_and_ratio_by_hand():
   assert metrics.negative_mass(values) == pytest.approx(0.5)
   assert metrics.negative_mass(values, [1, 2, 3, 4]) == pytest.approx(0.3)
   assert metrics.negative_mass(values, [0.4, 0.3, 0.2, 0.1]) == (
-      pytest.approx(0.7))
+    pytest.approx(0.7)
+  )
   assert metrics.negative_ratio([-2.0, 1.0, 4.0]) == pytest.approx(0.5)
   assert metrics.negative_ratio([1.0, 4.0]) == 0
   assert np.isnan(metrics.negative_ratio([-1.0, -2.0]))

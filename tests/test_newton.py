@@ -29,12 +29,13 @@ def random_spd(rng, n, condition, dtype=np.float64):
 
 def eigh_power(matrix, power):
   values, vectors = np.linalg.eigh(np.asarray(matrix, np.float64))
-  return (vectors * values ** power) @ vectors.T
+  return (vectors * values**power) @ vectors.T
 
 
 def relative_error(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b)
-               / np.linalg.norm(b))
+  return float(
+    np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+  )
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
@@ -62,8 +63,10 @@ def test_steps_grow_with_the_logarithm_of_the_condition_number():
   """Each small eigenvalue of `M` about doubles per step, then quadratic
   convergence takes a few more: steps ~ log2(condition) + const."""
   rng = np.random.default_rng(1)
-  steps = {c: int(newton.inverse_root(random_spd(rng, 20, c)[None], 1).steps)
-           for c in (1e1, 1e4, 1e8)}
+  steps = {
+    c: int(newton.inverse_root(random_spd(rng, 20, c)[None], 1).steps)
+    for c in (1e1, 1e4, 1e8)
+  }
   assert steps[1e1] < steps[1e4] < steps[1e8]
   for c, s in steps.items():
     assert s <= np.log2(c) + 10, steps
@@ -75,8 +78,9 @@ def test_one_loop_serves_stacks_of_different_sizes_and_roots():
   ra, rb = newton.inverse_roots([(a[None], 1), (b[None], 2)])
   np.testing.assert_allclose(ra.roots[0], eigh_power(a, -1), rtol=1e-9)
   np.testing.assert_allclose(rb.roots[0], eigh_power(b, -0.5), rtol=1e-9)
-  jaxpr = jax.make_jaxpr(lambda x, y: newton.inverse_roots(
-      [(x, 1), (y, 2)]))(a[None], b[None])
+  jaxpr = jax.make_jaxpr(lambda x, y: newton.inverse_roots([(x, 1), (y, 2)]))(
+    a[None], b[None]
+  )
   assert str(jaxpr).count("while[") == 1
 
 
@@ -86,10 +90,14 @@ def test_powers_other_than_inverse_roots_are_refused(power):
     newton.root_order(power)
 
 
-@pytest.mark.parametrize("eigenvalues", [
-    [1.0, 0.5, 0.0],       # singular: no damping
-    [1.0, 0.5, -1e-3],     # indefinite (round-off in a factor)
-    [0.0, 0.0, 0.0]])
+@pytest.mark.parametrize(
+  "eigenvalues",
+  [
+    [1.0, 0.5, 0.0],  # singular: no damping
+    [1.0, 0.5, -1e-3],  # indefinite (round-off in a factor)
+    [0.0, 0.0, 0.0],
+  ],
+)
 def test_a_matrix_it_cannot_invert_is_refused_or_nan(eigenvalues):
   q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(3, 3)))
   matrix = jnp.asarray((q * np.asarray(eigenvalues)) @ q.T)
@@ -136,15 +144,23 @@ def estimated(settings, problem, params, batch):
   rng = jax.random.PRNGKey(1)
   state = estimator.init(rng, (params, batch), None, (-1,))
   state = estimator.update_curvature_matrix_estimate(
-      state, 0.0, 1.0, len(batch[1]), rng, (params, batch),
-      estimation_mode="ggn_exact")
+    state,
+    0.0,
+    1.0,
+    len(batch[1]),
+    rng,
+    (params, batch),
+    estimation_mode="ggn_exact",
+  )
   return estimator, state
 
 
-@pytest.mark.parametrize("family", ["kfac", "kfac_reduce", "full",
-                                    "kfac_tridiagonal"])
+@pytest.mark.parametrize(
+  "family", ["kfac", "kfac_reduce", "full", "kfac_tridiagonal"]
+)
 def test_newton_refresh_equals_the_default_on_real_factors(
-    autoencoder, tiny, family):
+  autoencoder, tiny, family
+):
   """Each family's cached damped inverse, applied to the gradient, equals
   the default refresh's: on the real K-FAC factors of the autoencoder, and
   on the tiny MLP for the other families (quicker). The Newton refresh runs
@@ -161,34 +177,46 @@ def test_newton_refresh_equals_the_default_on_real_factors(
     assert loops == (method == "newton")
     state = jax.jit(refresh)(state)
     preconditioned[method] = jax.flatten_util.ravel_pytree(
-        estimator.multiply_inverse(state, grads, 1e-3, exact_power=False,
-                                   use_cached=True))[0]
+      estimator.multiply_inverse(
+        state, grads, 1e-3, exact_power=False, use_cached=True
+      )
+    )[0]
   reference = preconditioned["decomposition"]
-  assert float(jnp.linalg.norm(preconditioned["newton"] - reference)
-               / jnp.linalg.norm(reference)) < 1e-9
+  assert (
+    float(
+      jnp.linalg.norm(preconditioned["newton"] - reference)
+      / jnp.linalg.norm(reference)
+    )
+    < 1e-9
+  )
 
 
 def test_unbatched_newton_refresh_equals_the_batched_one(tiny):
   """The path taken when devices share the blocks: one iteration per
   factor instead of one stacked loop."""
   problem, params, batch = tiny
-  settings = dataclasses.replace(CURVATURES.defaults("kfac"),
-                                 matrix_power_method="newton")
+  settings = dataclasses.replace(
+    CURVATURES.defaults("kfac"), matrix_power_method="newton"
+  )
   estimator, state = estimated(settings, problem, params, batch)
-  fns = [lambda s, b=b: b.update_cache(s, 1e-3, None, (-1,), False)
-         for b in estimator.blocks]
+  fns = [
+    lambda s, b=b: b.update_cache(s, 1e-3, None, (-1,), False)
+    for b in estimator.blocks
+  ]
   caches = {}
   for batched in (True, False):
     states = newton.by_products(
-        lambda: [f(s) for f, s in zip(fns, state.blocks_states)], batched)
-    caches[batched] = jax.flatten_util.ravel_pytree(
-        [s.cache for s in states])[0]
-  np.testing.assert_allclose(caches[False], caches[True], rtol=1e-12,
-                             atol=1e-12)
+      lambda: [f(s) for f, s in zip(fns, state.blocks_states)], batched
+    )
+    caches[batched] = jax.flatten_util.ravel_pytree([s.cache for s in states])[
+      0
+    ]
+  np.testing.assert_allclose(
+    caches[False], caches[True], rtol=1e-12, atol=1e-12
+  )
 
 
-def test_the_optimizer_trains_the_autoencoder_the_same_with_newton(
-    autoencoder):
+def test_the_optimizer_trains_the_autoencoder_the_same_with_newton(autoencoder):
   """estimators.Optimizer with adaptive damping, learning rate and momentum:
   the Newton refresh follows the default refresh's trajectory."""
   problem, params, _ = autoencoder
@@ -196,24 +224,36 @@ def test_the_optimizer_trains_the_autoencoder_the_same_with_newton(
   losses = {}
   for method in ("decomposition", "newton"):
     opt = kfac.Optimizer(
-        jax.value_and_grad(problem.loss_fn), l2_reg=0.0,
-        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-        use_adaptive_damping=True, initial_damping=1.0,
-        inverse_update_period=2, estimation_mode="ggn_exact",
-        estimator_ctor=lambda *a, m=method, **k: kfac.BlockDiagonalCurvature(
-            *a, matrix_power_method=m, **k))
+      jax.value_and_grad(problem.loss_fn),
+      l2_reg=0.0,
+      use_adaptive_learning_rate=True,
+      use_adaptive_momentum=True,
+      use_adaptive_damping=True,
+      initial_damping=1.0,
+      inverse_update_period=2,
+      estimation_mode="ggn_exact",
+      estimator_ctor=lambda *a, m=method, **k: kfac.BlockDiagonalCurvature(
+        *a, matrix_power_method=m, **k
+      ),
+    )
     rng = jax.random.PRNGKey(0)
     data = iter(problem.batches(seed=0, dtype=np.float64))
     p, state = params, opt.init(params, rng, next(iter(batches)))
     losses[method] = []
     for step in range(6):
-      p, state, stats = opt.step(p, state, jax.random.fold_in(rng, step),
-                                 batch=next(data), global_step_int=step)
+      p, state, stats = opt.step(
+        p,
+        state,
+        jax.random.fold_in(rng, step),
+        batch=next(data),
+        global_step_int=step,
+      )
       losses[method].append(float(stats["loss"]))
     if method == "newton":
       assert opt.estimator.newton_failures(state.estimator_state) == []
-  np.testing.assert_allclose(losses["newton"], losses["decomposition"],
-                             rtol=1e-8)
+  np.testing.assert_allclose(
+    losses["newton"], losses["decomposition"], rtol=1e-8
+  )
   assert losses["newton"][-1] < 0.95 * losses["newton"][0]
 
 
@@ -222,12 +262,24 @@ def test_a_run_whose_factors_newton_cannot_invert_stops_with_the_fix(tiny):
   naming the blocks and the remedies, not as a diverged optimizer."""
   problem, params, _ = tiny
   curvature = dataclasses.replace(
-      CURVATURES.defaults("kfac"), matrix_power_method="newton",
-      newton_max_iterations=1).make(problem.loss_fn)
+    CURVATURES.defaults("kfac"),
+    matrix_power_method="newton",
+    newton_max_iterations=1,
+  ).make(problem.loss_fn)
   trainer = KFAC(use_adaptive_damping=False).make(problem.loss_fn, curvature)
-  with pytest.raises(FloatingPointError, match=(
+  with pytest.raises(
+    FloatingPointError,
+    match=(
       "did not converge in 1 steps for the damped factors of .*"
-      "matrix_power_method=decomposition")):
-    training.run(problem, trainer, params,
-                 Training(num_steps=3, log_every=1, eval_every=3),
-                 jax.random.PRNGKey(0), data_seed=0, progress=False)
+      "matrix_power_method=decomposition"
+    ),
+  ):
+    training.run(
+      problem,
+      trainer,
+      params,
+      Training(num_steps=3, log_every=1, eval_every=3),
+      jax.random.PRNGKey(0),
+      data_seed=0,
+      progress=False,
+    )

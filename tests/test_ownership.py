@@ -20,9 +20,14 @@ ADAM = ("measure=training", "optimizer=adam", *TINY)
 def foreign(folder: Path) -> dict:
   """Fills `folder` with a user's files (some named as curvbench names its
   own); returns their contents by path."""
-  files = {"results.json": b'{"mine": 1}', "mydata.parquet": b"PAR1 mine",
-           "config.yaml": b"lr: 3\n", "checkpoints/model.ckpt": b"\x00\x01",
-           "DONE.json": b"not yours", "notes.log": b"a log"}
+  files = {
+    "results.json": b'{"mine": 1}',
+    "mydata.parquet": b"PAR1 mine",
+    "config.yaml": b"lr: 3\n",
+    "checkpoints/model.ckpt": b"\x00\x01",
+    "DONE.json": b"not yours",
+    "notes.log": b"a log",
+  }
   for name, data in files.items():
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     (folder / name).write_bytes(data)
@@ -30,18 +35,24 @@ def foreign(folder: Path) -> dict:
 
 
 def snapshot(folder: Path) -> dict:
-  return {str(p.relative_to(folder)): p.read_bytes()
-          for p in sorted(folder.rglob("*")) if p.is_file()}
+  return {
+    str(p.relative_to(folder)): p.read_bytes()
+    for p in sorted(folder.rglob("*"))
+    if p.is_file()
+  }
 
 
 def test_a_run_into_a_folder_of_foreign_files_is_refused(tmp_path):
   before = foreign(tmp_path)
-  with pytest.raises(records.ForeignFolder, match=(
-      f"{tmp_path} holds files curvbench did not write .*results.json")):
+  with pytest.raises(
+    records.ForeignFolder,
+    match=(f"{tmp_path} holds files curvbench did not write .*results.json"),
+  ):
     runs.run(config.compose(*ADAM), tmp_path)
   with pytest.raises(records.ForeignFolder):
-    runs.record_skip(config.compose("measure=spectra", "optimizer=adam",
-                                    *TINY), tmp_path)
+    runs.record_skip(
+      config.compose("measure=spectra", "optimizer=adam", *TINY), tmp_path
+    )
   assert snapshot(tmp_path) == before
 
 
@@ -52,8 +63,11 @@ def test_a_run_directory_clears_only_its_own_files(tmp_path):
   cfg = config.compose(*ADAM, "measure.training.checkpoint_steps=[2]")
   assert runs.run(cfg, out) == "complete"
   written = set(records.RunDir(out).written())
-  assert {"training.parquet", "DONE.json",
-          "checkpoints/params_step0000002.safetensors"} <= written
+  assert {
+    "training.parquet",
+    "DONE.json",
+    "checkpoints/params_step0000002.safetensors",
+  } <= written
   assert runs.run(config.compose(*ADAM, "seed=1"), out) == "complete"
   assert not (out / "checkpoints").exists()  # that run saved none
   (out / "mine.txt").write_text("keep me")
@@ -73,14 +87,18 @@ def test_the_command_refuses_a_foreign_folder_before_hydra_writes(tmp_path):
   (logs / "old.log").mkdir(parents=True)  # a folder named like a log
   (logs / "run.log").write_text("yesterday")
   for argv, words in (
-      ([f"hydra.run.dir={tmp_path / 'mine'}", *ADAM],
-       "holds files curvbench did not write"),
-      ([f"hydra.run.dir={logs}", "seed=-1"], "seed=-1 is not allowed")):
+    (
+      [f"hydra.run.dir={tmp_path / 'mine'}", *ADAM],
+      "holds files curvbench did not write",
+    ),
+    ([f"hydra.run.dir={logs}", "seed=-1"], "seed=-1 is not allowed"),
+  ):
     with pytest.raises(SystemExit, match=words):
       app.cli(argv)
   assert snapshot(tmp_path / "mine") == before
   assert (logs / "old.log").is_dir() and (logs / "run.log").read_text() == (
-      "yesterday")
+    "yesterday"
+  )
   assert sorted(p.name for p in logs.iterdir()) == ["old.log", "run.log"]
 
 
@@ -91,10 +109,15 @@ def test_a_run_whose_input_lies_in_its_own_folder_is_refused(tmp_path):
   cfg = config.compose(*ADAM, "measure.training.checkpoint_steps=[2]")
   assert runs.run(cfg, trained) == "complete"
   before = snapshot(trained)
-  spectra = config.compose(*TINY, "measure.spectra.steps=[2]",
-                           f"measure.spectra.checkpoint={trained}/checkpoints")
-  with pytest.raises(config.ConfigError, match=(
-      "measure.spectra.checkpoint=.* lies inside the run's own folder")):
+  spectra = config.compose(
+    *TINY,
+    "measure.spectra.steps=[2]",
+    f"measure.spectra.checkpoint={trained}/checkpoints",
+  )
+  with pytest.raises(
+    config.ConfigError,
+    match=("measure.spectra.checkpoint=.* lies inside the run's own folder"),
+  ):
     runs.run(spectra, trained)
   assert snapshot(trained) == before
   assert runs.run(spectra, tmp_path / "elsewhere") == "complete"
@@ -114,7 +137,8 @@ def test_a_report_is_not_written_over_foreign_files(tmp_path):
 
 
 def test_a_folder_is_claimed_only_when_empty_marked_or_an_earlier_ones(
-    tmp_path):
+  tmp_path,
+):
   marker = ".mark"
   assert records.claim(tmp_path / "new", marker, "x") == tmp_path / "new"
   records.claim(tmp_path / "new", marker, "x")  # marked: its own
@@ -126,15 +150,18 @@ def test_a_folder_is_claimed_only_when_empty_marked_or_an_earlier_ones(
 
 
 def test_names_and_sweep_folders_that_would_escape_or_collide(tmp_path):
-  with pytest.raises(config.ConfigError, match="must be a non-empty folder "
-                     "name"):
+  with pytest.raises(
+    config.ConfigError, match="must be a non-empty folder name"
+  ):
     config.compose("name=../../escaped")
   jobs = [["seed=0"], ["seed=1"], ["seed=2"]]
-  with pytest.raises(SystemExit, match="2 sweep point.* would write into "
-                     "the folder of another"):
+  with pytest.raises(
+    SystemExit, match="2 sweep point.* would write into the folder of another"
+  ):
     tuning_sweeper.refuse_shared_folders(jobs, [tmp_path / "shared"] * 3)
-  tuning_sweeper.refuse_shared_folders(jobs, [tmp_path / str(i)
-                                              for i in range(3)])
+  tuning_sweeper.refuse_shared_folders(
+    jobs, [tmp_path / str(i) for i in range(3)]
+  )
 
 
 @pytest.mark.slow
@@ -149,7 +176,7 @@ import json
 from curvbench import app
 out = []
 for argv in ({[f"hydra.sweep.dir={tmp_path / 'theirs'}"]!r},
-             ["hydra.sweep.dir={tmp_path / 'shared'}",
+             ["hydra.sweep.dir={tmp_path / "shared"}",
               "hydra.sweep.subdir=same"]):
   try:
     app.cli(["-m", "seed=0,1", *{list(ADAM)!r}, *argv])
@@ -157,10 +184,14 @@ for argv in ({[f"hydra.sweep.dir={tmp_path / 'theirs'}"]!r},
   except SystemExit as e:
     out.append(str(e.code))
 print(json.dumps(out))"""
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                          text=True, check=True, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(
-                              Path(__file__).resolve().parents[1])))
+  result = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=tmp_path,
+    env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+  )
   theirs, shared = json.loads(result.stdout.strip().splitlines()[-1])
   assert "holds files curvbench did not write" in theirs, theirs
   assert "would write into the folder of another" in shared, shared

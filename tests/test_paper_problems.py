@@ -57,15 +57,20 @@ def no_cifar(tmp_path, monkeypatch):
 
 
 def test_resnet18_preset_is_resnet18_for_cifar(no_cifar):
-  cfg = config.compose("problem=resnet18", f"problem.data.data_dir={no_cifar}",
-                       "problem.data.num_train=128", "problem.data.num_test=8")
+  cfg = config.compose(
+    "problem=resnet18",
+    f"problem.data.data_dir={no_cifar}",
+    "problem.data.num_train=128",
+    "problem.data.num_test=8",
+  )
   problem = problems.make(cfg.problem)
   assert resnet_cifar_count([64, 128, 256, 512], 2) == 11_173_962
   assert problem.num_params == 11_173_962
   assert problem.batch_size == 128 and problem.has_state  # batch norm
   names = jax.eval_shape(problem.init_params, jax.random.PRNGKey(0))
-  projections = sorted(n for n in names if "shortcut_norm" not in n
-                       and "shortcut" in n)
+  projections = sorted(
+    n for n in names if "shortcut_norm" not in n and "shortcut" in n
+  )
   assert projections == [f"stage{s}_block0_shortcut" for s in (1, 2, 3)]
 
 
@@ -84,23 +89,28 @@ def test_gpt_sizes_hold_their_formulas_parameters(tied):
     assert width % heads == 0
     assert problem.num_params == gpt_count(layers, width, 256, 256, tied), size
   small = gpt.GPT(size="gpt2-small", batch_size=1).build(
-      tokens_dataset(50257, 1024))
+    tokens_dataset(50257, 1024)
+  )
   assert small.num_params == 124_439_808  # GPT-2 small's "124M"
 
 
 def probe_accuracy(d):
   """Held-out accuracy of a ridge-regression linear probe on the pixels."""
+
   def design(x):
     return np.c_[x.reshape(len(x), -1), np.ones(len(x))]
+
   a = design(d.x_train)
-  w = np.linalg.solve(a.T @ a + np.eye(a.shape[1]),
-                      a.T @ np.eye(d.num_classes)[d.y_train])
+  w = np.linalg.solve(
+    a.T @ a + np.eye(a.shape[1]), a.T @ np.eye(d.num_classes)[d.y_train]
+  )
   return np.mean(np.argmax(design(d.x_test) @ w, axis=1) == d.y_test)
 
 
 def test_synthetic_images_are_fixed_by_seed_shaped_and_learnable():
-  settings = synthetic_images.SyntheticImages(size=8, num_train=2000,
-                                              num_test=500)
+  settings = synthetic_images.SyntheticImages(
+    size=8, num_train=2000, num_test=500
+  )
   d = settings.load()
   assert d.x_train.shape == (2000, 8, 8, 3) and d.x_test.shape == (500, 8, 8, 3)
   assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int32
@@ -117,21 +127,21 @@ def test_synthetic_images_are_fixed_by_seed_shaped_and_learnable():
 
 
 def test_markov_tokens_are_fixed_by_seed_next_tokens_and_learnable():
-  settings = markov_tokens.MarkovTokens(seq_len=12, num_train=300,
-                                        num_test=50)
+  settings = markov_tokens.MarkovTokens(seq_len=12, num_train=300, num_test=50)
   d = settings.load()
   assert d.x_train.shape == (300, 12) and d.y_test.shape == (50, 12)
   assert d.num_classes == 256 and settings.tokens
   np.testing.assert_array_equal(d.x_train[:, 1:], d.y_train[:, :-1])
   assert 0 <= d.x_train.min() and d.y_train.max() < 256
   np.testing.assert_array_equal(
-      dataclasses.replace(settings, num_train=30).load().x_train,
-      d.x_train[:30])
+    dataclasses.replace(settings, num_train=30).load().x_train, d.x_train[:30]
+  )
   other = dataclasses.replace(settings, seed=1).load()
   assert not np.array_equal(other.x_train, d.x_train)
   chain = settings.chain()
-  assert all(len(set(row)) == chain.successors.shape[1]
-             for row in chain.successors[:500])
+  assert all(
+    len(set(row)) == chain.successors.shape[1] for row in chain.successors[:500]
+  )
   np.testing.assert_allclose(chain.probs.sum(axis=1), 1.0)
   walks = np.concatenate([d.x_train, d.y_train[:, -1:]], axis=1).astype(int)
   # Every step is one of its context's successors...
@@ -143,11 +153,13 @@ def test_markov_tokens_are_fixed_by_seed_next_tokens_and_learnable():
 
 
 def test_cifar10_falls_back_to_synthetic_images_only_when_asked(
-    no_cifar, tmp_path):
+  no_cifar, tmp_path
+):
   with pytest.raises(FileNotFoundError, match="No CIFAR-10 files"):
     cifar10.CIFAR10(data_dir=no_cifar).load()
-  stand_in = cifar10.CIFAR10(data_dir=no_cifar, when_missing="synthetic",
-                             num_train=20, num_test=10)
+  stand_in = cifar10.CIFAR10(
+    data_dir=no_cifar, when_missing="synthetic", num_train=20, num_test=10
+  )
   d = stand_in.load()
   assert d.name == "cifar10" and d.num_classes == 10
   assert d.x_train.shape == (20, 32, 32, 3)
@@ -156,39 +168,47 @@ def test_cifar10_falls_back_to_synthetic_images_only_when_asked(
   assert stand_in.fingerprint().startswith("synthetic images")
   assert stand_in.sizes() == (20, 10) and stand_in.files() == []
   # No data directory at all is no files too.
-  d2 = cifar10.CIFAR10(when_missing="synthetic", num_train=20,
-                       num_test=10).load()
+  d2 = cifar10.CIFAR10(
+    when_missing="synthetic", num_train=20, num_test=10
+  ).load()
   np.testing.assert_array_equal(d2.x_train, d.x_train)
   # Real files are read whatever `when_missing` says.
   rng = np.random.default_rng(0)
-  np.savez(tmp_path / "cifar10.npz",
-           x_train=rng.integers(0, 256, (4, 32, 32, 3)), y_train=np.arange(4),
-           x_test=np.zeros((2, 32, 32, 3)), y_test=np.array([1, 2]))
+  np.savez(
+    tmp_path / "cifar10.npz",
+    x_train=rng.integers(0, 256, (4, 32, 32, 3)),
+    y_train=np.arange(4),
+    x_test=np.zeros((2, 32, 32, 3)),
+    y_test=np.array([1, 2]),
+  )
   real = cifar10.CIFAR10(data_dir=str(tmp_path), when_missing="synthetic")
   assert real.source() == "CIFAR-10" and real.load().x_train.shape[0] == 4
 
 
 def test_byte_level_text_round_trips_and_text_falls_back_when_asked(
-    tmp_path, monkeypatch):
+  tmp_path, monkeypatch
+):
   monkeypatch.delenv("CURVBENCH_DATA", raising=False)
   words = "naïve café — 数据 ✓ " * 30
   path = tmp_path / "book.txt"
   path.write_text(words, encoding="utf-8")
   raw = words.encode("utf-8")
-  byte = text.TextFile(path=str(path), level="byte", seq_len=10,
-                       test_fraction=0.2)
+  byte = text.TextFile(
+    path=str(path), level="byte", seq_len=10, test_fraction=0.2
+  )
   d = byte.load()
   assert d.num_classes == 256 and byte.source() == "byte-level text"
   ids = np.concatenate([d.x_train, d.x_test]).ravel().astype(np.uint8)
-  assert ids.tobytes() == raw[:len(ids)]
+  assert ids.tobytes() == raw[: len(ids)]
   np.testing.assert_array_equal(d.x_train[:, 1:], d.y_train[:, :-1])
   assert len(ids) == (len(raw) - 1) // 10 * 10
   chars = text.TextFile(path=str(path), seq_len=10).load()
   assert chars.num_classes == len(set(words))  # level=char, as before
   with pytest.raises(FileNotFoundError, match="when_missing=synthetic"):
     text.TextFile().load()
-  stand_in = text.TextFile(when_missing="synthetic", seq_len=6, num_train=8,
-                           num_test=4)
+  stand_in = text.TextFile(
+    when_missing="synthetic", seq_len=6, num_train=8, num_test=4
+  )
   s = stand_in.load()
   assert s.name == "text" and s.x_train.shape == (8, 6) and s.num_classes == 256
   assert stand_in.source().startswith("synthetic Markov-chain tokens")
@@ -201,11 +221,19 @@ def test_gpt_text_preset_is_10m_at_byte_level():
   assert data.input_shape() == (256,)
 
 
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(
+  "overrides",
+  [
     ("problem=resnet18_tiny", "problem.batch_size=4"),
-    ("problem=gpt", "problem.data.seq_len=6", "problem.data.num_train=16",
-     "problem.data.num_test=4", "problem.batch_size=4"),
-])
+    (
+      "problem=gpt",
+      "problem.data.seq_len=6",
+      "problem.data.num_train=16",
+      "problem.data.num_test=4",
+      "problem.batch_size=4",
+    ),
+  ],
+)
 def test_tiny_variants_give_a_finite_loss_and_gradient(overrides):
   problem = problems.make(config.compose(*overrides).problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)

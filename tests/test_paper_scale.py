@@ -7,8 +7,12 @@ from curvbench import config
 def test_one_setting_sizes_the_experiment():
   sizes = {}
   for size in ("accelerator", "cpu"):
-    cfg = config.compose("+experiment=paper_scale", f"paper_scale={size}",
-                         with_hydra=True, check=False)
+    cfg = config.compose(
+      "+experiment=paper_scale",
+      f"paper_scale={size}",
+      with_hydra=True,
+      check=False,
+    )
     sizes[size] = {str(part["problem"]) for part in cfg.hydra.sweeper.sweeps}
     assert cfg.curvature.mode == cfg.canonical.mode == "fisher_gradients"
     assert cfg.measure.spectra.method == "lanczos"

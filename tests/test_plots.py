@@ -19,8 +19,15 @@ from curvbench.measurements.spectra import figures as spectra_figures
 from curvbench.measurements.timing import figures as timing_figures
 from curvbench.measurements.training import figures as training_figures
 
-IDENTITY = dict(problem="mlp", curvature="kfac", block_type="kfac",
-                mode="ggn_exact", optimizer="kfac", seed=0, run="r0")
+IDENTITY = dict(
+  problem="mlp",
+  curvature="kfac",
+  block_type="kfac",
+  mode="ggn_exact",
+  optimizer="kfac",
+  seed=0,
+  run="r0",
+)
 METHODS = ("kfac/ggn_exact", "diagonal/ggn_exact")
 STEPS = (0, 10, 1000)
 
@@ -61,32 +68,49 @@ def _written(paths, prefix):
   return names
 
 
-def _spectrum_rows(rng, matrix, source, reference, method, step, data,
-                   signed, n=40):
+def _spectrum_rows(
+  rng, matrix, source, reference, method, step, data, signed, n=40
+):
   lam = rng.lognormal(-2, 2, n) * (1 + step / 50)
   if signed:
     lam[: n // 4] *= -0.1
   weight = np.full(n, 1 / n) if source == "exact" else rng.uniform(0, 1, n)
-  return pd.DataFrame(dict(IDENTITY, method=method, step=step, data=data,
-                           source=source, matrix=matrix, reference=reference,
-                           index=np.arange(n), eigenvalue=lam, weight=weight))
+  return pd.DataFrame(
+    dict(
+      IDENTITY,
+      method=method,
+      step=step,
+      data=data,
+      source=source,
+      matrix=matrix,
+      reference=reference,
+      index=np.arange(n),
+      eigenvalue=lam,
+      weight=weight,
+    )
+  )
 
 
 @pytest.fixture
 def spectra_table():
   rng = np.random.default_rng(0)
   parts = []
-  for data, ref, signed in (("batch", "ggn", False),
-                            ("batch", "hessian", True),
-                            ("batches:8", "hessian", True)):
+  for data, ref, signed in (
+    ("batch", "ggn", False),
+    ("batch", "hessian", True),
+    ("batches:8", "hessian", True),
+  ):
     for step in STEPS:
-      parts.append(_spectrum_rows(rng, ref, "exact", ref, METHODS[0], step,
-                                  data, signed))
+      parts.append(
+        _spectrum_rows(rng, ref, "exact", ref, METHODS[0], step, data, signed)
+      )
       for method in METHODS:
-        parts.append(_spectrum_rows(rng, method, "approx", ref, method, step,
-                                    data, signed))
-  top = _spectrum_rows(rng, "ggn", "exact_top_k", "ggn", METHODS[0], 0,
-                       "batch", False, n=5).assign(weight=np.nan)
+        parts.append(
+          _spectrum_rows(rng, method, "approx", ref, method, step, data, signed)
+        )
+  top = _spectrum_rows(
+    rng, "ggn", "exact_top_k", "ggn", METHODS[0], 0, "batch", False, n=5
+  ).assign(weight=np.nan)
   table = pd.concat([*parts, top], ignore_index=True)
   table.loc[3, "eigenvalue"] = np.inf
   table.loc[5, "weight"] = np.nan
@@ -100,29 +124,35 @@ def test_spectra_per_problem_data_and_reference(spectra_table, tmp_path):
 
 
 def test_spectra_of_an_older_table(spectra_table, tmp_path):
-  old = spectra_table[(spectra_table.step == 0)
-                      & (spectra_table.data == "batch")]
+  old = spectra_table[
+    (spectra_table.step == 0) & (spectra_table.data == "batch")
+  ]
   old = old.drop(columns=["step", "data", "run"])
   names = _written(spectra_figures.spectra(old, tmp_path), "spectra_")
-  assert names == {f"spectra_mlp_batch_{r}.{e}" for r in ("ggn", "hessian")
-                   for e in ("png", "pdf")}
+  assert names == {
+    f"spectra_mlp_batch_{r}.{e}"
+    for r in ("ggn", "hessian")
+    for e in ("png", "pdf")
+  }
 
 
 def test_symlog_density_integrates_to_one_and_keeps_the_sign():
   rng = np.random.default_rng(1)
-  lam = -10.0 ** rng.uniform(-2, 2, 200)
+  lam = -(10.0 ** rng.uniform(-2, 2, 200))
   lam[:20] = 0.0
   linthresh = 1e-4 * np.abs(lam).max()
   u = spectra_figures.symlog(lam, linthresh)
   grid = np.linspace(u.min() - 1, u.max() + 1, 4000)
-  density = spectra_figures.symlog_density(lam, np.full(lam.size, np.nan), grid,
-                                 linthresh)
+  density = spectra_figures.symlog_density(
+    lam, np.full(lam.size, np.nan), grid, linthresh
+  )
   assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-3)
   negative = grid < -0.5
   assert np.trapezoid(density[negative], grid[negative]) > 0.85
   x = spectra_figures.symlog_inverse(grid, linthresh)
-  np.testing.assert_allclose(spectra_figures.symlog(x, linthresh), grid,
-                             atol=1e-9)
+  np.testing.assert_allclose(
+    spectra_figures.symlog(x, linthresh), grid, atol=1e-9
+  )
   assert (np.diff(x) > 0).all()
 
 
@@ -132,13 +162,15 @@ def test_symlog_density_of_a_positive_spectrum_with_weights():
   density = spectra_figures.symlog_density(lam, [0.0, 0.0, 2.0], grid, 1e-6)
   assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-6)
   assert grid[np.argmax(density)] == pytest.approx(
-      spectra_figures.symlog(10.0, 1e-6), abs=1e-2)
+    spectra_figures.symlog(10.0, 1e-6), abs=1e-2
+  )
   assert np.trapezoid(density[grid < 0], grid[grid < 0]) < 1e-6
 
 
 def test_block_boundaries():
   lines, names = spectra_figures.block_boundaries(
-      ["a", "a", "a", "b", "c", "c"])
+    ["a", "a", "a", "b", "c", "c"]
+  )
   assert lines == [2.5, 3.5]
   assert names == [(1.0, "a"), (3.0, "b"), (4.5, "c")]
   assert spectra_figures.block_boundaries(["w"] * 4) == ([], [(1.5, "w")])
@@ -154,19 +186,33 @@ def _heatmap_rows(blocks, step, source, kind, method, seed=0):
   m[0, 1] = 0.0
   row, col = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
   b = np.asarray(blocks)
-  return pd.DataFrame(dict(IDENTITY, method=method, step=step, data="batch",
-                           source=source, kind=kind, reference="ggn",
-                           row=row.ravel(), col=col.ravel(),
-                           row_block=b[row.ravel()], col_block=b[col.ravel()],
-                           value=m.ravel()))
+  return pd.DataFrame(
+    dict(
+      IDENTITY,
+      method=method,
+      step=step,
+      data="batch",
+      source=source,
+      kind=kind,
+      reference="ggn",
+      row=row.ravel(),
+      col=col.ravel(),
+      row_block=b[row.ravel()],
+      col_block=b[col.ravel()],
+      value=m.ravel(),
+    )
+  )
 
 
 def test_heatmaps_draw_exact_approx_and_inverses(tmp_path):
   blocks = ["dense_0"] * 5 + ["dense_1"] * 3 + ["out"] * 2
   runs = [(0, METHODS[0]), (10, METHODS[0]), (0, METHODS[1])]
-  parts = [_heatmap_rows(blocks, step, source, kind, method)
-           for step, method in runs for kind in ("matrix", "inverse")
-           for source in ("exact", "approx")]
+  parts = [
+    _heatmap_rows(blocks, step, source, kind, method)
+    for step, method in runs
+    for kind in ("matrix", "inverse")
+    for source in ("exact", "approx")
+  ]
   table = pd.concat(parts, ignore_index=True)
   table.loc[7, "value"] = np.nan
   names = _written(spectra_figures.heatmaps(table, tmp_path), "heatmaps_")
@@ -175,13 +221,18 @@ def test_heatmaps_draw_exact_approx_and_inverses(tmp_path):
 
 
 def test_heatmaps_with_one_block_and_no_inverse(tmp_path):
-  table = pd.concat([_heatmap_rows(["w"] * 4, 0, s, "matrix", METHODS[0])
-                     for s in ("exact", "approx")])
+  table = pd.concat(
+    [
+      _heatmap_rows(["w"] * 4, 0, s, "matrix", METHODS[0])
+      for s in ("exact", "approx")
+    ]
+  )
   _written(spectra_figures.heatmaps(table, tmp_path), "heatmaps_")
 
 
 def test_heatmap_lines_sit_at_block_boundaries():
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots()
   rows, cols = spectra_figures.draw_blocks(ax, ["a", "a", "b"], ["a", "a", "b"])
   assert rows == cols == [1.5]
@@ -197,9 +248,18 @@ def _quality_table(steps, with_location=True):
     for method in METHODS:
       for block in ("all", "dense_0", "dense_1"):
         for metric in ("relative_frobenius", "log_wasserstein"):
-          rows.append(dict(IDENTITY, method=method, step=step, data="batch",
-                           block=block, reference="ggn", metric=metric,
-                           value=rng.uniform()))
+          rows.append(
+            dict(
+              IDENTITY,
+              method=method,
+              step=step,
+              data="batch",
+              block=block,
+              reference="ggn",
+              metric=metric,
+              value=rng.uniform(),
+            )
+          )
   table = pd.DataFrame(rows)
   table.loc[0, "value"] = np.inf
   table.loc[1, "value"] = np.nan
@@ -210,16 +270,24 @@ def _quality_table(steps, with_location=True):
 
 def test_quality_through_training(tmp_path):
   table = _quality_table(STEPS)
-  names = _written(spectra_figures.quality_through_training(
-      table, tmp_path, plots.colours(plots.series(table))), "quality_steps_")
-  assert names == {"quality_steps_mlp_ggn_batch.png",
-                   "quality_steps_mlp_ggn_batch.pdf"}
+  names = _written(
+    spectra_figures.quality_through_training(
+      table, tmp_path, plots.colours(plots.series(table))
+    ),
+    "quality_steps_",
+  )
+  assert names == {
+    "quality_steps_mlp_ggn_batch.png",
+    "quality_steps_mlp_ggn_batch.pdf",
+  }
 
 
 def test_quality_bars_for_one_step_and_older_tables(tmp_path):
   for table in (_quality_table([0]), _quality_table([0], False)):
     assert _written(spectra_figures.quality(table, tmp_path), "quality_") == {
-        "quality_mlp.png", "quality_mlp.pdf"}
+      "quality_mlp.png",
+      "quality_mlp.pdf",
+    }
 
 
 def _statistics_table():
@@ -227,58 +295,103 @@ def _statistics_table():
   for step in STEPS:
     for source, matrix in (("exact", "ggn"), ("approx", METHODS[0])):
       for stat in ("trace", "condition_number", "negative_ratio"):
-        rows.append(dict(IDENTITY, method=METHODS[0], step=step, data="batch",
-                         source=source, matrix=matrix, statistic=stat,
-                         value=1.0 + step, stderr=0.1))
+        rows.append(
+          dict(
+            IDENTITY,
+            method=METHODS[0],
+            step=step,
+            data="batch",
+            source=source,
+            matrix=matrix,
+            statistic=stat,
+            value=1.0 + step,
+            stderr=0.1,
+          )
+        )
   table = pd.DataFrame(rows)
   table.loc[0, "stderr"] = np.nan
   table.loc[1, "value"] = np.inf
   return table
 
 
-def test_the_spectra_measurement_draws_every_table_it_declares(spectra_table, tmp_path):
+def test_the_spectra_measurement_draws_every_table_it_declares(
+  spectra_table, tmp_path
+):
   blocks = ["a"] * 3 + ["b"] * 3
-  heat = pd.concat([_heatmap_rows(blocks, 0, s, k, METHODS[0])
-                    for s in ("exact", "approx")
-                    for k in ("matrix", "inverse")])
-  quality = pd.concat([
-      _quality_table(STEPS),
-      _quality_table([0]).assign(problem="convnet")])
-  spectra = spectra_table[spectra_table.matrix.isin(["ggn", *METHODS])
-                          & (spectra_table.reference == "ggn")]
-  tables = dict(spectra=spectra, heatmaps=heat, quality=quality,
-                statistics=_statistics_table())
-  names = {p.stem for p in Spectra.figures(completed(tables),
-                                           plots.colours(METHODS), tmp_path)}
-  assert {"spectra_mlp_batch_ggn", "heatmaps_mlp_kfac-ggn_exact_batch_step0",
-          "quality_steps_mlp_ggn_batch", "quality_convnet",
-          "statistics_mlp"} <= names
+  heat = pd.concat(
+    [
+      _heatmap_rows(blocks, 0, s, k, METHODS[0])
+      for s in ("exact", "approx")
+      for k in ("matrix", "inverse")
+    ]
+  )
+  quality = pd.concat(
+    [_quality_table(STEPS), _quality_table([0]).assign(problem="convnet")]
+  )
+  spectra = spectra_table[
+    spectra_table.matrix.isin(["ggn", *METHODS])
+    & (spectra_table.reference == "ggn")
+  ]
+  tables = dict(
+    spectra=spectra,
+    heatmaps=heat,
+    quality=quality,
+    statistics=_statistics_table(),
+  )
+  names = {
+    p.stem
+    for p in Spectra.figures(
+      completed(tables), plots.colours(METHODS), tmp_path
+    )
+  }
+  assert {
+    "spectra_mlp_batch_ggn",
+    "heatmaps_mlp_kfac-ggn_exact_batch_step0",
+    "quality_steps_mlp_ggn_batch",
+    "quality_convnet",
+    "statistics_mlp",
+  } <= names
   assert "quality_mlp" not in names
 
 
 def test_tuned_curves_are_chosen_per_problem():
   """Each problem keeps its own best setting; untuned methods stay."""
   train = pd.DataFrame(
-      [dict(problem=p, method=m, label=f"{m} ({s})" if s else m, step=0)
-       for p in ("a", "b") for m, s in (("sgd", "lr=0.1"), ("sgd", "lr=1"),
-                                        ("kfac", ""))])
-  tuning = pd.DataFrame(dict(problem=["a", "a", "b", "b"], method="sgd",
-                             setting=["lr=0.1", "lr=1"] * 2,
-                             best=[True, False, False, True]))
+    [
+      dict(problem=p, method=m, label=f"{m} ({s})" if s else m, step=0)
+      for p in ("a", "b")
+      for m, s in (("sgd", "lr=0.1"), ("sgd", "lr=1"), ("kfac", ""))
+    ]
+  )
+  tuning = pd.DataFrame(
+    dict(
+      problem=["a", "a", "b", "b"],
+      method="sgd",
+      setting=["lr=0.1", "lr=1"] * 2,
+      best=[True, False, False, True],
+    )
+  )
   kept = training_figures.tuned_curves(train, tuning)
   assert sorted(zip(kept.problem, kept.label)) == [
-      ("a", "kfac"), ("a", "sgd (lr=0.1)"), ("b", "kfac"), ("b", "sgd (lr=1)")]
+    ("a", "kfac"),
+    ("a", "sgd (lr=0.1)"),
+    ("b", "kfac"),
+    ("b", "sgd (lr=1)"),
+  ]
 
 
 # --- what the figures draw ---------------------------------------------------
 
-LONG = [f"{m}[{m}/ggn_exact] (initial_damping={d})"
-        for m in ("kfac", "ekfac", "tkfac", "diagonal", "full")
-        for d in (0.1, 1.0)]
+LONG = [
+  f"{m}[{m}/ggn_exact] (initial_damping={d})"
+  for m in ("kfac", "ekfac", "tkfac", "diagonal", "full")
+  for d in (0.1, 1.0)
+]
 
 
-def test_spectra_overlay_each_step_on_the_exact_spectrum(spectra_table,
-                                                         drawn, tmp_path):
+def test_spectra_overlay_each_step_on_the_exact_spectrum(
+  spectra_table, drawn, tmp_path
+):
   spectra_figures.spectra(spectra_table, tmp_path)
   fig = drawn["spectra_mlp_batch_hessian"]
   panels = [ax for ax in fig.axes if ax.get_visible()]
@@ -293,7 +406,9 @@ def test_spectra_overlay_each_step_on_the_exact_spectrum(spectra_table,
   colours = {line.get_label(): line.get_color() for line in panels[0].lines}
   assert colours[METHODS[0]] != colours[METHODS[1]]
   assert [t.get_text() for t in _legend_outside(fig).get_texts()] == [
-      "exact hessian", *sorted(METHODS)]
+    "exact hessian",
+    *sorted(METHODS),
+  ]
 
 
 def test_every_quality_metric_says_which_way_is_better():
@@ -301,15 +416,25 @@ def test_every_quality_metric_says_which_way_is_better():
   a = rng.normal(size=(4, 4))
   a = a @ a.T + np.eye(4)
   b = a + 0.1 * np.eye(4)
-  measured = compute.dense_metrics(a, b, {1e-3: np.ones(4)},
-                                   {1e-3: np.ones(4)}, 2, 1e-12,
-                                   np.linalg.eigh(a), np.linalg.eigh(b))
+  measured = compute.dense_metrics(
+    a,
+    b,
+    {1e-3: np.ones(4)},
+    {1e-3: np.ones(4)},
+    2,
+    1e-12,
+    np.linalg.eigh(a),
+    np.linalg.eigh(b),
+  )
   assert {k[0] if isinstance(k, tuple) else k for k in measured} == set(
-      spectra_figures.BETTER)
+    spectra_figures.BETTER
+  )
   assert spectra_figures.metric_title("relative_frobenius") == (
-      "relative_frobenius (lower is better)")
+    "relative_frobenius (lower is better)"
+  )
   assert "higher is better" in spectra_figures.metric_title(
-      "natural_gradient_cosine (rho=0.001)")
+    "natural_gradient_cosine (rho=0.001)"
+  )
   assert "1 is best" in spectra_figures.metric_title("trace_ratio")
 
 
@@ -319,37 +444,54 @@ def test_quality_titles_name_where_and_which_way(drawn, tmp_path):
   for words in ("mlp", "ggn", "batch", "step 10"):
     assert words in fig.get_suptitle(), fig.get_suptitle()
   titles = {ax.get_title() for ax in fig.axes}
-  assert {"relative_frobenius (lower is better)",
-          "log_wasserstein (lower is better)"} <= titles
+  assert {
+    "relative_frobenius (lower is better)",
+    "log_wasserstein (lower is better)",
+  } <= titles
   _legend_outside(fig)
 
 
 def _many_methods_quality():
   """Ten labelled methods (five methods, two settings each), one of them
   measured with a ratio metric whose best value is 1."""
-  rows = [dict(IDENTITY, method=label.split(" ")[0], label=label, step=step,
-               data="batch", block=block, reference="ggn", metric=metric,
-               value=1.0 + i + step / 100)
-          for i, label in enumerate(LONG) for step in STEPS
-          for block in ("all", "dense_0")
-          for metric in ("relative_frobenius", "top_eigenvalue_ratio")]
+  rows = [
+    dict(
+      IDENTITY,
+      method=label.split(" ")[0],
+      label=label,
+      step=step,
+      data="batch",
+      block=block,
+      reference="ggn",
+      metric=metric,
+      value=1.0 + i + step / 100,
+    )
+    for i, label in enumerate(LONG)
+    for step in STEPS
+    for block in ("all", "dense_0")
+    for metric in ("relative_frobenius", "top_eigenvalue_ratio")
+  ]
   return pd.DataFrame(rows)
 
 
 def test_quality_through_training_with_ten_methods(drawn, tmp_path):
   table = _many_methods_quality()
   spectra_figures.quality_through_training(
-      table, tmp_path, plots.colours(plots.series(table)))
+    table, tmp_path, plots.colours(plots.series(table))
+  )
   fig = drawn["quality_steps_mlp_ggn_batch"]
   assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
-  ratio = next(ax for ax in fig.axes
-               if ax.get_title() == "top_eigenvalue_ratio (1 is best)")
+  ratio = next(
+    ax
+    for ax in fig.axes
+    if ax.get_title() == "top_eigenvalue_ratio (1 is best)"
+  )
   assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.lines)
   legend = _legend_outside(fig)
   texts = [t.get_text() for t in legend.get_texts()]
   assert texts == [*sorted(LONG), "block dense_0"]
   assert legend.get_texts()[0].get_fontsize() <= 8
-  colours = {h.get_color() for h in legend.legend_handles[:len(LONG)]}
+  colours = {h.get_color() for h in legend.legend_handles[: len(LONG)]}
   assert len(colours) == len(LONG)  # two settings of a method: two shades
 
 
@@ -359,8 +501,7 @@ def test_palette_tells_ten_methods_apart():
 
 def test_statistics_of_one_step_are_bars(drawn, tmp_path):
   table = _statistics_table()
-  table = table[table.step == 10].assign(value=[1e-3, 1.0, 2.0, 5.0, 1e2,
-                                                3.0])
+  table = table[table.step == 10].assign(value=[1e-3, 1.0, 2.0, 5.0, 1e2, 3.0])
   spectra_figures.statistics(table, tmp_path)
   fig = drawn["statistics_mlp"]
   for words in ("mlp", "batch", "step 10"):
@@ -370,7 +511,9 @@ def test_statistics_of_one_step_are_bars(drawn, tmp_path):
   for ax in panels.values():
     assert len(ax.patches) == 2  # exact and approximation
     assert [t.get_text() for t in ax.get_xticklabels()] == [
-        "exact ggn", METHODS[0]]
+      "exact ggn",
+      METHODS[0],
+    ]
     assert ax.get_ylim()[1] > 0.5  # not a degenerate axis around 0
   assert panels["trace"].get_yscale() == "log"  # 1e-3 to 1e2
 
@@ -391,32 +534,49 @@ def _timing_ratios():
   rows = []
   for label, n, scale in (("kfac[kfac/ggn_exact]", 3, 1.0), ("sgd", 1, 0.8)):
     for phase, (median, q25, q75) in (
-        ("grad_step", (0.5, 0.45, 0.6)), ("optimizer_step", (5.0, 4.5, 5.5)),
-        ("baseline_step", (1.0, 1.0, 1.0))):
-      rows.append(dict(problem="mlp", device_kind="cpu", label=label,
-                       phase=phase, baseline="adam", median=median * scale,
-                       q25=q25 * scale, q75=q75 * scale, n=n,
-                       samples=10 * n))
+      ("grad_step", (0.5, 0.45, 0.6)),
+      ("optimizer_step", (5.0, 4.5, 5.5)),
+      ("baseline_step", (1.0, 1.0, 1.0)),
+    ):
+      rows.append(
+        dict(
+          problem="mlp",
+          device_kind="cpu",
+          label=label,
+          phase=phase,
+          baseline="adam",
+          median=median * scale,
+          q25=q25 * scale,
+          q75=q75 * scale,
+          n=n,
+          samples=10 * n,
+        )
+      )
   return pd.DataFrame(rows)
 
 
 def _bars(ax, phase):
   """Heights and error-bar ends of a phase's bars."""
-  bars = next(c for c in ax.containers
-              if isinstance(c, BarContainer) and c.get_label() == phase)
+  bars = next(
+    c
+    for c in ax.containers
+    if isinstance(c, BarContainer) and c.get_label() == phase
+  )
   assert isinstance(bars.errorbar, ErrorbarContainer)
-  ends = [sorted(seg[:, 1]) for seg in
-          bars.errorbar.lines[2][0].get_segments()]
+  ends = [sorted(seg[:, 1]) for seg in bars.errorbar.lines[2][0].get_segments()]
   return [p.get_height() for p in bars.patches], ends
 
 
-def test_timing_in_baseline_steps_with_interquartile_error_bars(drawn,
-                                                               tmp_path):
+def test_timing_in_baseline_steps_with_interquartile_error_bars(
+  drawn, tmp_path
+):
   timing_figures.timing(_timing_ratios(), tmp_path)
   ax = drawn["timing_mlp"].axes[0]
   assert ax.get_ylabel() == "× adam step (median, IQR)"
   assert [t.get_text() for t in ax.get_xticklabels()] == [
-      "kfac[kfac/ggn_exact]\n(3 runs, 30 rounds)", "sgd\n(1 runs, 10 rounds)"]
+    "kfac[kfac/ggn_exact]\n(3 runs, 30 rounds)",
+    "sgd\n(1 runs, 10 rounds)",
+  ]
   heights, ends = _bars(ax, "optimizer_step")
   np.testing.assert_allclose(heights, [5.0, 4.0])
   np.testing.assert_allclose(ends, [[4.5, 5.5], [3.6, 4.4]])
@@ -429,11 +589,20 @@ def test_timing_in_baseline_steps_with_interquartile_error_bars(drawn,
 
 
 def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
-  rows = [dict(problem="mlp", method=label.split(" ")[0], label=label,
-               run_id=f"{label}{seed}", step=step, wall_s=0.1 * step,
-               train_error=1.0 / (1 + step + i))
-          for i, label in enumerate(LONG) for seed in range(2)
-          for step in range(0, 50, 10)]
+  rows = [
+    dict(
+      problem="mlp",
+      method=label.split(" ")[0],
+      label=label,
+      run_id=f"{label}{seed}",
+      step=step,
+      wall_s=0.1 * step,
+      train_error=1.0 / (1 + step + i),
+    )
+    for i, label in enumerate(LONG)
+    for seed in range(2)
+    for step in range(0, 50, 10)
+  ]
   table = pd.DataFrame(rows)
   training_figures.training(table, tmp_path, plots.colours(plots.series(table)))
   fig = drawn["training_mlp"]
@@ -445,24 +614,35 @@ def test_training_legend_of_ten_methods_sits_outside(drawn, tmp_path):
 def test_training_curves_end_where_every_seed_has_a_value(drawn, tmp_path):
   """Seeds trained to a time budget end at different steps: the median is
   drawn to the last step all reached, a diverged seed aside."""
-  rows = [dict(problem="mlp", method="adam", label="adam", run_id=run,
-               step=step, wall_s=0.1 * step, train_error=1.0 / (1 + step),
-               diverged=run == "c" and step == end)
-          for run, end in (("a", 30), ("b", 50), ("c", 10))
-          for step in range(0, end + 1, 10)]
+  rows = [
+    dict(
+      problem="mlp",
+      method="adam",
+      label="adam",
+      run_id=run,
+      step=step,
+      wall_s=0.1 * step,
+      train_error=1.0 / (1 + step),
+      diverged=run == "c" and step == end,
+    )
+    for run, end in (("a", 30), ("b", 50), ("c", 10))
+    for step in range(0, end + 1, 10)
+  ]
   training_figures.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
   steps_axis = drawn["training_mlp"].axes[0]
   assert max(steps_axis.lines[0].get_xdata()) == 30
 
 
-def test_a_psd_spectrum_has_no_density_below_zero(spectra_table, drawn,
-                                                  tmp_path):
+def test_a_psd_spectrum_has_no_density_below_zero(
+  spectra_table, drawn, tmp_path
+):
   """Smoothing reflects a PSD spectrum's kernels at zero: nothing spills
   below it, the density still integrates to one, and a figure of PSD
   matrices only starts its axis at zero."""
   lam = np.array([0.0, 1e-12, 1e-3, 1.0, 10.0])
   density = lambda grid: spectra_figures.symlog_density(
-      lam, np.full(5, 0.2), grid, 1e-6, nonnegative=True)
+    lam, np.full(5, 0.2), grid, 1e-6, nonnegative=True
+  )
   assert (density(np.linspace(-5, -1e-9, 100)) == 0).all()
   grid = np.linspace(0, 12, 8001)
   assert np.trapezoid(density(grid), grid) == pytest.approx(1.0, abs=1e-4)
@@ -478,16 +658,34 @@ def test_a_psd_spectrum_has_no_density_below_zero(spectra_table, drawn,
 def test_one_colour_per_method_in_every_figure():
   """A label has one colour wherever it is drawn; K-FAC's curvature and the
   K-FAC optimizer using it share a hue, which a component declares."""
-  labels = ["kfac/ggn_exact", "kfac[kfac/ggn_exact]", "adam",
-            "diagonal/ggn_exact", "kfac[diagonal/ggn_exact]",
-            "kfac/fisher_gradients", "mine/ggn_exact"]
+  labels = [
+    "kfac/ggn_exact",
+    "kfac[kfac/ggn_exact]",
+    "adam",
+    "diagonal/ggn_exact",
+    "kfac[diagonal/ggn_exact]",
+    "kfac/fisher_gradients",
+    "mine/ggn_exact",
+  ]
   colour = plots.colours(labels, {"kfac": "tab:red", "adam": "tab:blue"})
   assert colour["kfac/ggn_exact"] == colour["kfac[kfac/ggn_exact]"]
   assert colour["diagonal/ggn_exact"] == colour["kfac[diagonal/ggn_exact]"]
   assert colour["adam"] == "#1f77b4"
   assert colour["kfac/fisher_gradients"] != colour["kfac/ggn_exact"]
-  assert len({colour[x] for x in ("kfac/ggn_exact", "diagonal/ggn_exact",
-                                  "adam", "mine/ggn_exact")}) == 4
+  assert (
+    len(
+      {
+        colour[x]
+        for x in (
+          "kfac/ggn_exact",
+          "diagonal/ggn_exact",
+          "adam",
+          "mine/ggn_exact",
+        )
+      }
+    )
+    == 4
+  )
 
 
 def test_training_against_seconds_reads_the_time_grid(drawn, tmp_path):
@@ -498,15 +696,32 @@ def test_training_against_seconds_reads_the_time_grid(drawn, tmp_path):
   rows = []
   for seed, step_s in enumerate((0.01, 0.012, 0.015)):
     for step in range(0, 101, 10):
-      rows.append(dict(problem="mlp", method="adam", label="adam",
-                       run_id=f"s{seed}", step=step, wall_s=step * step_s,
-                       train_error=1.0 / (1 + step), time_point_s=(
-                           0.0 if step == 0 else np.nan)))
+      rows.append(
+        dict(
+          problem="mlp",
+          method="adam",
+          label="adam",
+          run_id=f"s{seed}",
+          step=step,
+          wall_s=step * step_s,
+          train_error=1.0 / (1 + step),
+          time_point_s=(0.0 if step == 0 else np.nan),
+        )
+      )
     for t in (0.25, 0.5, 0.75, 1.0):
       held = int(t / step_s)
-      rows.append(dict(problem="mlp", method="adam", label="adam",
-                       run_id=f"s{seed}", step=held, wall_s=held * step_s,
-                       train_error=1.0 / (1 + held), time_point_s=t))
+      rows.append(
+        dict(
+          problem="mlp",
+          method="adam",
+          label="adam",
+          run_id=f"s{seed}",
+          step=held,
+          wall_s=held * step_s,
+          train_error=1.0 / (1 + held),
+          time_point_s=t,
+        )
+      )
   training_figures.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
   steps, seconds = drawn["training_mlp"].axes[:2]
   assert list(steps.lines[0].get_xdata()) == list(range(0, 101, 10))

@@ -18,7 +18,7 @@ from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 
-PROBLEM_PLUGIN = '''
+PROBLEM_PLUGIN = """
 import dataclasses
 from curvbench.components import Whole, setting
 from problems import PROBLEMS, Problem, ProblemSettings, layers
@@ -35,7 +35,7 @@ class {cls}(ProblemSettings):
       return layers.Dense(data.num_classes)(layers.Dense(self.width)(x))
     return Problem.from_model(model, data, self, task="classification",
                               loss_name="softmax_cross_entropy")
-'''
+"""
 
 
 def _plugin(folder: Path, name: str, text: str) -> Path:
@@ -55,12 +55,15 @@ def forget():
 
 
 def test_a_plugin_file_adds_a_problem_and_its_code_is_in_the_run_id(
-    tmp_path, forget):
+  tmp_path, forget
+):
   forget.append("lab_mlp")
-  path = _plugin(tmp_path, "lab", PROBLEM_PLUGIN.format(cls="LabMLP",
-                                                        name="lab_mlp"))
-  cfg = config.compose(f"plugins=[{path}]", "problem=lab_mlp",
-                       "problem.width=3")
+  path = _plugin(
+    tmp_path, "lab", PROBLEM_PLUGIN.format(cls="LabMLP", name="lab_mlp")
+  )
+  cfg = config.compose(
+    f"plugins=[{path}]", "problem=lab_mlp", "problem.width=3"
+  )
   assert cfg.problem.width == 3 and list(cfg.plugins) == [str(path)]
   assert "lab_mlp" in config.options("problem")
   before = provenance.inputs(cfg)["plugins"]
@@ -73,25 +76,36 @@ def test_a_plugin_file_adds_a_problem_and_its_code_is_in_the_run_id(
 
 
 def test_a_name_a_builtin_holds_is_refused_naming_both(tmp_path):
-  path = _plugin(tmp_path, "clash", PROBLEM_PLUGIN.format(cls="MyMLP",
-                                                          name="mlp"))
-  with pytest.raises(plugins.PluginError,
-                     match=r"plugin .*clash.py.* Two problems are registered "
-                     r"as 'mlp': problems.models.mlp.MLP and .*\.MyMLP"):
+  path = _plugin(
+    tmp_path, "clash", PROBLEM_PLUGIN.format(cls="MyMLP", name="mlp")
+  )
+  with pytest.raises(
+    plugins.PluginError,
+    match=r"plugin .*clash.py.* Two problems are registered "
+    r"as 'mlp': problems.models.mlp.MLP and .*\.MyMLP",
+  ):
     config.compose(f"plugins=[{path}]")
 
 
-@pytest.mark.parametrize("name, error", [
-    ("no_such_lab.models", "ModuleNotFoundError: No module named "
-     "'no_such_lab'"),
+@pytest.mark.parametrize(
+  "name, error",
+  [
+    (
+      "no_such_lab.models",
+      "ModuleNotFoundError: No module named 'no_such_lab'",
+    ),
     ("missing.py", "FileNotFoundError: no file"),
-    ("broken.py", "ZeroDivisionError: division by zero")])
+    ("broken.py", "ZeroDivisionError: division by zero"),
+  ],
+)
 def test_a_plugin_that_fails_to_import_is_refused_with_its_error(
-    tmp_path, monkeypatch, name, error):
+  tmp_path, monkeypatch, name, error
+):
   monkeypatch.chdir(tmp_path)
   _plugin(tmp_path, "broken", "x = 1 / 0\n")
-  with pytest.raises(plugins.PluginError,
-                     match=f"plugin '{name}' failed to import: {error}"):
+  with pytest.raises(
+    plugins.PluginError, match=f"plugin '{name}' failed to import: {error}"
+  ):
     config.compose(f"plugins=[{name}]")
 
 
@@ -101,55 +115,88 @@ def test_plugins_cannot_be_swept():
 
 
 def _run(*args, cwd, env=None):
-  result = subprocess.run([str(a) for a in args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    [str(a) for a in args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result.stdout
 
 
 def test_an_installed_entry_point_joins_the_registry_and_clashes_refuse(
-    tmp_path):
+  tmp_path,
+):
   site = tmp_path / "site"
   (site / "lab_models").mkdir(parents=True)
   (site / "lab_models" / "__init__.py").write_text(
-      PROBLEM_PLUGIN.format(cls="Installed", name="installed_mlp"))
+    PROBLEM_PLUGIN.format(cls="Installed", name="installed_mlp")
+  )
   info = site / "lab_models-1.0.dist-info"
   info.mkdir()
-  (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lab-models\n"
-                                 "Version: 1.0\n")
+  (info / "METADATA").write_text(
+    "Metadata-Version: 2.1\nName: lab-models\nVersion: 1.0\n"
+  )
   (info / "entry_points.txt").write_text(
-      "[curvbench.plugins]\nlab = lab_models\n")
+    "[curvbench.plugins]\nlab = lab_models\n"
+  )
   env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
-  out = _run(sys.executable, "-c", "from curvbench import config; "
-             "print(config.compose('problem=installed_mlp').problem.width)",
-             cwd=tmp_path, env=env)
+  out = _run(
+    sys.executable,
+    "-c",
+    "from curvbench import config; "
+    "print(config.compose('problem=installed_mlp').problem.width)",
+    cwd=tmp_path,
+    env=env,
+  )
   assert out.strip() == "4"
   (site / "lab_models" / "__init__.py").write_text("import nothing_here\n")
   result = subprocess.run(
-      [sys.executable, "-m", "curvbench", "problem=mlp"], cwd=tmp_path,
-      env=env, capture_output=True, text=True, timeout=600)
+    [sys.executable, "-m", "curvbench", "problem=mlp"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode != 0
-  assert ("curvbench: entry point 'lab' (lab_models) failed to import: "
-          "ModuleNotFoundError" in result.stderr), result.stderr[-2000:]
+  assert (
+    "curvbench: entry point 'lab' (lab_models) failed to import: "
+    "ModuleNotFoundError" in result.stderr
+  ), result.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
-    tmp_path):
+  tmp_path,
+):
   """Declared in a test folder, named on the command line; the report, a
   process of its own, finds the plugin in the runs' configs."""
   env = dict(os.environ, PYTHONPATH=str(REPO))
   sweep = tmp_path / "sweep"
-  _run(sys.executable, "-m", "curvbench", "-m",
-       "plugins=[tests.toy_measurement.plugin]",
-       "measure=toy_gradient_norms", *TINY, f"hydra.sweep.dir={sweep}",
-       "compilation_cache=null", cwd=tmp_path, env=env)
-  _run(sys.executable, "-m", "curvbench", "report", sweep, cwd=tmp_path,
-       env=env)
+  _run(
+    sys.executable,
+    "-m",
+    "curvbench",
+    "-m",
+    "plugins=[tests.toy_measurement.plugin]",
+    "measure=toy_gradient_norms",
+    *TINY,
+    f"hydra.sweep.dir={sweep}",
+    "compilation_cache=null",
+    cwd=tmp_path,
+    env=env,
+  )
+  _run(
+    sys.executable, "-m", "curvbench", "report", sweep, cwd=tmp_path, env=env
+  )
   text = (sweep / "report" / "report.md").read_text()
   assert "## Gradient norms" in text
   assert (sweep / "report" / "toy_gradient_norms.csv").is_file()
   assert (sweep / "report" / "figures" / "toy_gradient_norms.png").is_file()
-  run_dir, = (p for p in sweep.iterdir() if (p / records.MARKER).is_file())
+  (run_dir,) = (p for p in sweep.iterdir() if (p / records.MARKER).is_file())
   marker = json.loads((run_dir / records.MARKER).read_text())
   assert marker["status"] == "complete" and marker["plugins"]

@@ -19,18 +19,29 @@ TRAIN = ("measure=training", "optimizer=adam", *TINY)
 def test_run_id_follows_the_resolved_config():
   base = config.compose(*TRAIN)
   assert provenance.run_id(base) == provenance.run_id(config.compose(*TRAIN))
-  for override in ("optimizer.learning_rate=0.5", "seed=1", "data_seed=3",
-                   "measure.training.eval_every=1", "problem.width=4"):
+  for override in (
+    "optimizer.learning_rate=0.5",
+    "seed=1",
+    "data_seed=3",
+    "measure.training.eval_every=1",
+    "problem.width=4",
+  ):
     other = config.compose(*TRAIN, override)
     assert provenance.run_id(other) != provenance.run_id(base), override
   # Keys that do not change the results do not change the id.
-  for override in ("name=elsewhere", "progress=true", "force=true",
-                   "continue_on_error=true"):
-    assert (provenance.run_id(config.compose(*TRAIN, override))
-            == provenance.run_id(base)), override
+  for override in (
+    "name=elsewhere",
+    "progress=true",
+    "force=true",
+    "continue_on_error=true",
+  ):
+    assert provenance.run_id(
+      config.compose(*TRAIN, override)
+    ) == provenance.run_id(base), override
   diff = provenance.differences(
-      provenance.identity_config(base),
-      provenance.identity_config(config.compose(*TRAIN, "seed=1")))
+    provenance.identity_config(base),
+    provenance.identity_config(config.compose(*TRAIN, "seed=1")),
+  )
   assert "seed: 0 -> 1" in diff and "init_seed: 0 -> 1" in diff
 
 
@@ -41,21 +52,33 @@ def test_every_row_carries_the_run_id_and_provenance(sweep):
   table = run.tables()["training"]
   ids = set(table.run_id)
   assert ids == {provenance.run_id(cfg)}
-  for column in ("init_seed", "data_seed", "precision", "device_kind",
-                 "num_devices", "devices_used", "platform_version",
-                 "versions", "commit", "dirty", "timestamp"):
+  for column in (
+    "init_seed",
+    "data_seed",
+    "precision",
+    "device_kind",
+    "num_devices",
+    "devices_used",
+    "platform_version",
+    "versions",
+    "commit",
+    "dirty",
+    "timestamp",
+  ):
     assert table[column].notna().all(), column
   assert table.precision.iloc[0] == "float32"
   assert "jax=" + jax.__version__ in table.versions.iloc[0]
   joined = table.merge(run.tables()["config"], on="run_id")
   assert len(joined) == len(table)
-  assert (joined["optimizer.learning_rate"] == cfg.optimizer.learning_rate
-          ).all()
+  assert (
+    joined["optimizer.learning_rate"] == cfg.optimizer.learning_rate
+  ).all()
   assert run.marker()["run_id"] == provenance.run_id(cfg)
 
 
-def test_resume_reruns_when_the_config_or_code_changed(tmp_path, capsys,
-                                                       monkeypatch):
+def test_resume_reruns_when_the_config_or_code_changed(
+  tmp_path, capsys, monkeypatch
+):
   out = tmp_path / "run"
   cfg = config.compose(*TRAIN)
   assert runs.run(cfg, out) == "complete"
@@ -82,23 +105,35 @@ def _mnist_file(folder: Path, seed: int) -> None:
   """A valid mnist.npz of 16 training and 8 test images."""
   rng = np.random.default_rng(seed)
   folder.mkdir(parents=True, exist_ok=True)
-  np.savez(folder / "mnist.npz",
-           x_train=rng.integers(0, 256, (16, 28, 28), np.uint8),
-           y_train=rng.integers(0, 10, 16, np.uint8),
-           x_test=rng.integers(0, 256, (8, 28, 28), np.uint8),
-           y_test=rng.integers(0, 10, 8, np.uint8))
+  np.savez(
+    folder / "mnist.npz",
+    x_train=rng.integers(0, 256, (16, 28, 28), np.uint8),
+    y_train=rng.integers(0, 10, 16, np.uint8),
+    x_test=rng.integers(0, 256, (8, 28, 28), np.uint8),
+    y_test=rng.integers(0, 10, 8, np.uint8),
+  )
 
 
 def test_other_data_makes_another_run_and_the_report_keeps_them_apart(
-    tmp_path, capsys):
+  tmp_path, capsys
+):
   """A data file replaced by another valid one is not taken for the one a
   run measured; runs of one config on two datasets are two rows."""
+
   def mnist(folder):
     return config.compose(
-        "problem=mlp_mnist", f"problem.data.data_dir={folder}",
-        "problem.width=3", "problem.depth=1", "problem.batch_size=4",
-        "measure=training", "optimizer=adam", "measure.training.num_steps=2",
-        "measure.training.eval_every=1", "progress=false")
+      "problem=mlp_mnist",
+      f"problem.data.data_dir={folder}",
+      "problem.width=3",
+      "problem.depth=1",
+      "problem.batch_size=4",
+      "measure=training",
+      "optimizer=adam",
+      "measure.training.num_steps=2",
+      "measure.training.eval_every=1",
+      "progress=false",
+    )
+
   _mnist_file(tmp_path / "data", seed=0)
   cfg, out = mnist(tmp_path / "data"), tmp_path / "sweep" / "first"
   assert runs.run(cfg, out) == "complete"
@@ -109,8 +144,10 @@ def test_other_data_makes_another_run_and_the_report_keeps_them_apart(
   assert runs.run(cfg, out) == "complete"
   assert "it was measured with data MNIST:" in capsys.readouterr().out
   _mnist_file(tmp_path / "other", seed=2)
-  assert runs.run(mnist(tmp_path / "other"),
-                  tmp_path / "sweep" / "second") == "complete"
+  assert (
+    runs.run(mnist(tmp_path / "other"), tmp_path / "sweep" / "second")
+    == "complete"
+  )
   report.write(tmp_path / "sweep")
   summary = pd.read_csv(tmp_path / "sweep" / "report" / "training.csv")
   assert summary.label.nunique() == 2 and set(summary.n) == {1}
@@ -131,11 +168,16 @@ def test_data_seed_orders_batches_and_init_seed_initialises():
 def test_seeds_in_the_records(tmp_path):
   """The data-order seed changes the batches (so the minibatch losses) but
   not the initialisation; the init seed changes the initial losses only."""
+
   def curve(name, *overrides):
     runs.run(config.compose(*TRAIN, *overrides), tmp_path / name)
     return records.RunDir(tmp_path / name).tables()["training"]
-  base, data, init = (curve("base"), curve("data", "data_seed=1"),
-                      curve("init", "init_seed=1"))
+
+  base, data, init = (
+    curve("base"),
+    curve("data", "data_seed=1"),
+    curve("init", "init_seed=1"),
+  )
   at_init = lambda t: t[t.step == 0].train_loss.item()
   assert at_init(base) == at_init(data) != at_init(init)
   assert not np.allclose(base.batch_loss.dropna(), data.batch_loss.dropna())
@@ -145,6 +187,7 @@ def test_seeds_in_the_records(tmp_path):
 class SlowFirstCall:
   """A trainer whose first call of each kind of step takes 0.3 s, as a
   compilation would; its steps recur every 2 calls."""
+
   cycle = 2
 
   def __init__(self, inner):
@@ -166,8 +209,15 @@ def test_first_logged_step_excludes_compile_time(tiny):
   problem, params, _ = tiny
   run = config.load(config.compose(*TRAIN, "measure.training.log_every=1"))
   opt = SlowFirstCall(run.optimizer.make(problem.loss_fn))
-  rows = training.run(problem, opt, params, run.measure.training,
-                      jax.random.PRNGKey(0), 0, progress=False)
+  rows = training.run(
+    problem,
+    opt,
+    params,
+    run.measure.training,
+    jax.random.PRNGKey(0),
+    0,
+    progress=False,
+  )
   df = pd.DataFrame(rows)
   assert (df.compile_s >= 0.6).all()  # both kinds of step, before the clock
   assert df.wall_s.iloc[-1] < 0.3 and df.wall_s.is_monotonic_increasing
@@ -177,10 +227,10 @@ def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
   """K-FAC's step has kinds (burn-in, inverse refresh, damping adaptation);
   all are compiled within `compile_s`, none inside the timed steps."""
   problem, params, _ = tiny
-  run = config.load(config.compose(*TRAIN, "optimizer=kfac",
-                                   "measure.training.num_steps=12"))
-  opt = run.optimizer.make(problem.loss_fn, run.curvature.make(
-      problem.loss_fn))
+  run = config.load(
+    config.compose(*TRAIN, "optimizer=kfac", "measure.training.num_steps=12")
+  )
+  opt = run.optimizer.make(problem.loss_fn, run.curvature.make(problem.loss_fn))
   assert opt.cycle == 5
   compiled = []
   with jax.log_compiles():
@@ -188,10 +238,17 @@ def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
     handler = _Collect(compiled)
     logger.addHandler(handler)
     try:
-      rows = training.run(problem, opt, params, run.measure.training,
-                          jax.random.PRNGKey(0), 0, progress=False,
-                          at_steps=[0], on_step=lambda *_: compiled.append(
-                              "clock started"))
+      rows = training.run(
+        problem,
+        opt,
+        params,
+        run.measure.training,
+        jax.random.PRNGKey(0),
+        0,
+        progress=False,
+        at_steps=[0],
+        on_step=lambda *_: compiled.append("clock started"),
+      )
     finally:
       logger.removeHandler(handler)
   assert rows[-1]["step"] == 12 and rows[0]["compile_s"] > 0
@@ -214,9 +271,13 @@ class _Collect(logging.Handler):
 
 def test_a_diverging_run_is_recorded_as_diverged(tmp_path):
   out = tmp_path / "run"
-  cfg = config.compose("measure=training", "optimizer=sgd", *TINY,
-                       "optimizer.learning_rate=1e38",
-                       "measure.training.num_steps=20")
+  cfg = config.compose(
+    "measure=training",
+    "optimizer=sgd",
+    *TINY,
+    "optimizer.learning_rate=1e38",
+    "measure.training.num_steps=20",
+  )
   assert runs.run(cfg, out) == "diverged"
   marker = records.RunDir(out).marker()
   table = records.RunDir(out).tables()["training"]

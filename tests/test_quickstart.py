@@ -26,15 +26,15 @@ def softmax_cross_entropy(logits: jnp.ndarray, targets: jnp.ndarray):
   # Tell KFAC-JAX this model represents a classifier
   kfac_jax.register_softmax_cross_entropy_loss(logits, targets)
   log_p = jax.nn.log_softmax(logits, axis=-1)
-  return - jax.vmap(lambda x, y: x[y])(log_p, targets)
+  return -jax.vmap(lambda x, y: x[y])(log_p, targets)
 
 
 def model_fn(x):
   """A Haiku MLP model function - three hidden layer network with tanh."""
   return hk.nets.MLP(
-      output_sizes=(50, 50, 50, NUM_CLASSES),
-      with_bias=True,
-      activation=jax.nn.tanh,
+    output_sizes=(50, 50, 50, NUM_CLASSES),
+    with_bias=True,
+    activation=jax.nn.tanh,
   )(x)
 
 
@@ -50,23 +50,25 @@ def loss_fn(model_params, model_batch):
 
   # The optimizer assumes that the function you provide has already added
   # the L2 regularizer to its gradients.
-  return loss + L2_REG * kfac_jax.utils.inner_product(
-      model_params, model_params) / 2.0
+  return (
+    loss
+    + L2_REG * kfac_jax.utils.inner_product(model_params, model_params) / 2.0
+  )
 
 
 def test_quickstart_trains():
   # Create the optimizer
   optimizer = kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(loss_fn),
-      l2_reg=L2_REG,
-      value_func_has_aux=False,
-      value_func_has_state=False,
-      value_func_has_rng=False,
-      use_adaptive_learning_rate=True,
-      use_adaptive_momentum=True,
-      use_adaptive_damping=True,
-      initial_damping=1.0,
-      multi_device=False,
+    value_and_grad_func=jax.value_and_grad(loss_fn),
+    l2_reg=L2_REG,
+    value_func_has_aux=False,
+    value_func_has_state=False,
+    value_func_has_rng=False,
+    use_adaptive_learning_rate=True,
+    use_adaptive_momentum=True,
+    use_adaptive_damping=True,
+    initial_damping=1.0,
+    multi_device=False,
   )
 
   input_dataset = make_dataset_iterator(128)
@@ -82,10 +84,12 @@ def test_quickstart_trains():
   for i, batch in enumerate(input_dataset):
     rng, key = jax.random.split(rng)
     params, opt_state, stats = optimizer.step(
-        params, opt_state, key, batch=batch, global_step_int=i)
+      params, opt_state, key, batch=batch, global_step_int=i
+    )
     losses.append(float(stats["loss"]))
 
   assert losses[-1] < 0.1 * losses[0], losses
   # Every dense layer was found and got a Kronecker-factored block.
   assert [type(b).__name__ for b in optimizer.estimator.blocks] == [
-      "DenseTwoKroneckerFactored"] * 4
+    "DenseTwoKroneckerFactored"
+  ] * 4

@@ -29,31 +29,48 @@ def test_records_atomic_tables_and_marker(tmp_path):
 
 # --- damaged records ---------------------------------------------------------
 
+
 def finished_run(path) -> records.RunDir:
   """A run directory as `curvbench.app` leaves a finished run."""
   run = records.RunDir(path)
   run.write_table("config", pd.DataFrame([dict(run_id="r1", seed=0)]))
   run.write_json("metadata.json", dict(method="adam"))
-  run.write_table("training", records.tidy([dict(step=1, loss=2.0)],
-                                           run_id="r1"))
+  run.write_table(
+    "training", records.tidy([dict(step=1, loss=2.0)], run_id="r1")
+  )
   run.mark_done(run_id="r1")
   return run
 
 
-@pytest.mark.parametrize("harm, reason", [
-    (lambda run: truncate(run.path / "training.parquet"),
-     "training.parquet is unreadable"),
-    (lambda run: (run.path / "training.parquet").write_bytes(b""),
-     "training.parquet is unreadable"),
-    (lambda run: truncate(run.path / records.MARKER),
-     "DONE.json is unreadable"),
-    (lambda run: (run.path / records.MARKER).write_text("[]"),
-     "not a completion marker"),
-    (lambda run: (run.path / "training.parquet").unlink(),
-     "tables training listed in DONE.json are missing"),
-    (lambda run: truncate(run.path / "metadata.json"),
-     "metadata.json is unreadable"),
-])
+@pytest.mark.parametrize(
+  "harm, reason",
+  [
+    (
+      lambda run: truncate(run.path / "training.parquet"),
+      "training.parquet is unreadable",
+    ),
+    (
+      lambda run: (run.path / "training.parquet").write_bytes(b""),
+      "training.parquet is unreadable",
+    ),
+    (
+      lambda run: truncate(run.path / records.MARKER),
+      "DONE.json is unreadable",
+    ),
+    (
+      lambda run: (run.path / records.MARKER).write_text("[]"),
+      "not a completion marker",
+    ),
+    (
+      lambda run: (run.path / "training.parquet").unlink(),
+      "tables training listed in DONE.json are missing",
+    ),
+    (
+      lambda run: truncate(run.path / "metadata.json"),
+      "metadata.json is unreadable",
+    ),
+  ],
+)
 def test_damaged_records_are_named_and_not_done(tmp_path, harm, reason):
   run = finished_run(tmp_path / "run")
   assert run.done and run.damage() is None
@@ -86,13 +103,15 @@ def test_markers_written_before_table_lists_still_count(tmp_path):
 
 # --- file modes --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_files_get_the_mode_of_the_umask(tmp_path, umask):
   old = os.umask(umask)
   try:
     run = finished_run(tmp_path / "run")
-    path = records.atomic_write(tmp_path / "plain.txt",
-                                lambda tmp: Path(tmp).write_text("x"))
+    path = records.atomic_write(
+      tmp_path / "plain.txt", lambda tmp: Path(tmp).write_text("x")
+    )
   finally:
     os.umask(old)
   expected = 0o666 & ~umask
@@ -102,13 +121,15 @@ def test_files_get_the_mode_of_the_umask(tmp_path, umask):
 
 # --- one process per run directory -------------------------------------------
 
+
 def test_a_held_lock_refuses_a_second_holder(tmp_path):
   run = records.RunDir(tmp_path / "run")
   with run.lock() as info:
     assert info["pid"] == os.getpid()
     assert run.running()["pid"] == os.getpid()
-    with pytest.raises(records.RunLocked,
-                       match=f"already being run by process {os.getpid()}"):
+    with pytest.raises(
+      records.RunLocked, match=f"already being run by process {os.getpid()}"
+    ):
       with records.RunDir(tmp_path / "run").lock():
         pass
   assert run.running() is None and not (run.path / records.LOCK).exists()
@@ -126,9 +147,12 @@ with records.RunDir(sys.argv[1]).lock():
 
 
 def _holder(path, seconds):
-  child = subprocess.Popen([sys.executable, "-c", HOLD, str(path),
-                            str(seconds)], stdout=subprocess.PIPE, text=True,
-                           cwd=Path(records.__file__).parents[1])
+  child = subprocess.Popen(
+    [sys.executable, "-c", HOLD, str(path), str(seconds)],
+    stdout=subprocess.PIPE,
+    text=True,
+    cwd=Path(records.__file__).parents[1],
+  )
   assert child.stdout.readline().strip() == "locked"
   return child
 

@@ -48,8 +48,9 @@ def test_a_damaged_entry_is_computed_anew(tmp_path):
   assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 1.0
 
 
-def test_the_store_keeps_the_newest_entries_within_its_size(tmp_path,
-                                                            monkeypatch):
+def test_the_store_keeps_the_newest_entries_within_its_size(
+  tmp_path, monkeypatch
+):
   """Past its size the oldest entries go; a pruned entry is computed
   again, never read wrong."""
   store = ReferenceStore(tmp_path / "refs")
@@ -90,7 +91,8 @@ def test_a_run_in_a_sweep_folder_uses_the_sweeps_store(tmp_path):
   assert ReferenceStore.of_run(tmp_path / "run").folder is None
   (tmp_path / records.SWEEP_MARKER).touch()
   assert ReferenceStore.of_run(tmp_path / "run").folder == (
-      tmp_path / ".references")
+    tmp_path / ".references"
+  )
 
 
 def test_content_hash_tells_apart_values_shapes_and_dtypes():
@@ -101,8 +103,7 @@ def test_content_hash_tells_apart_values_shapes_and_dtypes():
   assert content_hash(a) != content_hash({"w": np.zeros(3, np.float32)})
 
 
-def test_two_approximations_share_the_exact_reference_and_agree(tiny,
-                                                               tmp_path):
+def test_two_approximations_share_the_exact_reference_and_agree(tiny, tmp_path):
   """The second approximation reads the GGN the first computed, with the
   decompositions of its layer blocks and block types, and the mean
   gradient, and its records
@@ -114,23 +115,37 @@ def test_two_approximations_share_the_exact_reference_and_agree(tiny,
 
   def measure(name, at=params, with_store=store):
     costs = Costs()
-    tables = spectra.measure(p.loss_fn, make(tiny, name), at, batch, spec(),
-                             key, costs, with_store, KEY)
+    tables = spectra.measure(
+      p.loss_fn,
+      make(tiny, name),
+      at,
+      batch,
+      spec(),
+      key,
+      costs,
+      with_store,
+      KEY,
+    )
     return tables, {row["phase"] for row in costs.rows}
 
   _, phases = measure("kfac")
   assert "exact ggn" in phases and "eigh exact ggn" in phases
   assert any(phase.startswith("eigh exact ggn block") for phase in phases)
   shared, phases = measure("diagonal")
-  assert not any(phase.startswith(("exact ggn", "eigh exact", "mean grad"))
-                 for phase in phases - {
-                     "exact ggn (read from the reference store)",
-                     "mean gradient (read from the reference store)"})
+  assert not any(
+    phase.startswith(("exact ggn", "eigh exact", "mean grad"))
+    for phase in phases
+    - {
+      "exact ggn (read from the reference store)",
+      "mean gradient (read from the reference store)",
+    }
+  )
   assert "exact ggn (read from the reference store)" in phases
   alone, _ = measure("diagonal", with_store=ReferenceStore(None))
   for table in ("spectra", "quality", "statistics"):
-    pd.testing.assert_frame_equal(pd.DataFrame(shared[table]),
-                                  pd.DataFrame(alone[table]))
+    pd.testing.assert_frame_equal(
+      pd.DataFrame(shared[table]), pd.DataFrame(alone[table])
+    )
   moved = jax.tree.map(lambda x: x * 1.01, params)
   _, phases = measure("diagonal", at=moved)
   assert "exact ggn" in phases

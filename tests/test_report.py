@@ -12,8 +12,14 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   root, _ = sweep
   assert report.main([str(root), "--out", str(tmp_path / "rep")]) == 0
   out = tmp_path / "rep"
-  for name in ("report.md", "quality.csv", "timing.csv", "training.csv",
-               "spectra_all.csv", "timing_samples_all.csv"):
+  for name in (
+    "report.md",
+    "quality.csv",
+    "timing.csv",
+    "training.csv",
+    "spectra_all.csv",
+    "timing_samples_all.csv",
+  ):
     assert (out / name).stat().st_size > 0, name
   ratio = pd.read_csv(out / "step_ratio.csv")
   assert list(ratio.label) == ["kfac[kfac/ggn_exact]"]
@@ -23,13 +29,21 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert 0 < ratio.q25.item() <= ratio["median"].item() <= ratio.q75.item()
   memory = pd.read_csv(out / "timing_memory.csv").set_index("phase")
   assert set(memory.label) == {"kfac[kfac/ggn_exact]"}
-  for phase in ("grad_step", "curvature_update", "optimizer_step",
-                "baseline_step"):
+  for phase in (
+    "grad_step",
+    "curvature_update",
+    "optimizer_step",
+    "baseline_step",
+  ):
     assert memory["median"][phase] > 0, phase  # MiB of the phase's program
   figures = {p.name for p in (out / "figures").iterdir()}
-  for kind in ("spectra_mlp_batch_ggn", "training_mlp",
-               "timing_mlp", "quality_steps_mlp_ggn_batch",
-               "statistics_mlp"):
+  for kind in (
+    "spectra_mlp_batch_ggn",
+    "training_mlp",
+    "timing_mlp",
+    "quality_steps_mlp_ggn_batch",
+    "statistics_mlp",
+  ):
     for ext in ("png", "pdf"):
       assert f"{kind}.{ext}" in figures, sorted(figures)
       assert (out / "figures" / f"{kind}.{ext}").stat().st_size > 1000
@@ -39,8 +53,13 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   # Answers first: the summary, then a section per measurement, the runs
   # last; the detailed tables are linked, not printed.
   headings = [line for line in text.splitlines() if line.startswith("## ")]
-  assert headings == ["## Summary", "## Curvature", "## Timing",
-                      "## Training", "## Runs"]
+  assert headings == [
+    "## Summary",
+    "## Curvature",
+    "## Timing",
+    "## Training",
+    "## Runs",
+  ]
   assert "[timing_memory.csv](timing_memory.csv)" in text
   assert "| grad_step |" not in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
@@ -54,22 +73,27 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
 def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
   """Medians over runs of each phase's program memory, in MiB; the device
   peak (the largest a run saw) only where a device measured one."""
-  mib = 2 ** 20
-  rows = [dict(problem="mlp", device_kind="cpu", label="kfac", run_id=run,
-               phase=phase, program_bytes=size * mib,
-               device_peak_bytes=float("nan"))
-          for run, scale in (("a", 1), ("b", 3))
-          for phase, size in (("grad_step", scale),
-                              ("optimizer_step", 10 * scale))]
+  mib = 2**20
+  rows = [
+    dict(
+      problem="mlp",
+      device_kind="cpu",
+      label="kfac",
+      run_id=run,
+      phase=phase,
+      program_bytes=size * mib,
+      device_peak_bytes=float("nan"),
+    )
+    for run, scale in (("a", 1), ("b", 3))
+    for phase, size in (("grad_step", scale), ("optimizer_step", 10 * scale))
+  ]
   timing = pd.DataFrame(rows)
   table = memory(timing).set_index("phase")
-  assert table["median"].to_dict() == {"grad_step": 2.0,
-                                       "optimizer_step": 20.0}
+  assert table["median"].to_dict() == {"grad_step": 2.0, "optimizer_step": 20.0}
   assert table.q25.to_dict() == {"grad_step": 1.5, "optimizer_step": 15.0}
   assert set(table.n) == {2}
   assert "device peak" not in table.index  # the CPU measures no peak
-  peaks = timing.assign(device_peak_bytes=[5 * mib, 7 * mib, 9 * mib,
-                                           11 * mib])
+  peaks = timing.assign(device_peak_bytes=[5 * mib, 7 * mib, 9 * mib, 11 * mib])
   table = memory(peaks).set_index("phase")
   assert table["median"]["device peak"] == 9.0  # median of 7 and 11
 
@@ -79,32 +103,50 @@ def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
 DESIGN = {
-    **{f"adam_lr0.001_seed{s}": [*ADAM, "optimizer.learning_rate=0.001",
-                                 f"seed={s}"] for s in range(3)},
-    "adam_lr0.01": [*ADAM, "optimizer.learning_rate=0.01"],
-    "sgd_diverges": ["measure=training", "optimizer=sgd", *TINY,
-                     "optimizer.learning_rate=1e38",
-                     "measure.training.num_steps=20"],
-    "spectra_adam": ["measure=spectra", "optimizer=adam", *TINY],  # skipped
-    "spectra_fails": ["measure=spectra", *TINY, "continue_on_error=true",
-                      "measure.spectra.checkpoint=/no/such/params.safetensors"],
+  **{
+    f"adam_lr0.001_seed{s}": [
+      *ADAM,
+      "optimizer.learning_rate=0.001",
+      f"seed={s}",
+    ]
+    for s in range(3)
+  },
+  "adam_lr0.01": [*ADAM, "optimizer.learning_rate=0.01"],
+  "sgd_diverges": [
+    "measure=training",
+    "optimizer=sgd",
+    *TINY,
+    "optimizer.learning_rate=1e38",
+    "measure.training.num_steps=20",
+  ],
+  "spectra_adam": ["measure=spectra", "optimizer=adam", *TINY],  # skipped
+  "spectra_fails": [
+    "measure=spectra",
+    *TINY,
+    "continue_on_error=true",
+    "measure.spectra.checkpoint=/no/such/params.safetensors",
+  ],
 }
 
 
 @pytest.fixture(scope="module")
 def designed(tmp_path_factory):
   root = tmp_path_factory.mktemp("designed")
-  status = {name: runs.run(config.compose(*o), root / name)
-            for name, o in DESIGN.items()}
+  status = {
+    name: runs.run(config.compose(*o), root / name)
+    for name, o in DESIGN.items()
+  }
   killed = root / "killed"  # a run stopped before its completion marker
   killed.mkdir()
   (killed / "config.yaml").write_text(
-      (root / "adam_lr0.01" / "config.yaml").read_text())
+    (root / "adam_lr0.01" / "config.yaml").read_text()
+  )
   return root, status
 
 
-def test_settings_and_seeds_are_told_apart_and_aggregated(designed, tmp_path,
-                                                          monkeypatch):
+def test_settings_and_seeds_are_told_apart_and_aggregated(
+  designed, tmp_path, monkeypatch
+):
   root, status = designed
   assert status["sgd_diverges"] == "diverged"
   assert status["spectra_adam"] == "skipped"
@@ -121,45 +163,70 @@ def test_settings_and_seeds_are_told_apart_and_aggregated(designed, tmp_path,
   summary = pd.read_csv(tmp_path / "training.csv")
   per_label = summary.groupby("label")
   assert per_label.n.unique().map(list).to_dict() == {
-      "adam (learning_rate=0.001)": [3], "adam (learning_rate=0.01)": [1],
-      "sgd": [1]}
+    "adam (learning_rate=0.001)": [3],
+    "adam (learning_rate=0.01)": [1],
+    "sgd": [1],
+  }
   assert per_label.diverged.unique()["sgd"] == [1]
   # Every statistic says what it is, with its spread.
-  assert {"quantity", "mean", "ci_low", "ci_high", "median", "q25", "q75",
-          "n"} <= set(summary.columns)
+  assert {
+    "quantity",
+    "mean",
+    "ci_low",
+    "ci_high",
+    "median",
+    "q25",
+    "q75",
+    "n",
+  } <= set(summary.columns)
   three = summary[summary.label == "adam (learning_rate=0.001)"]
-  assert ((three.ci_low <= three["mean"]) & (three["mean"] <= three.ci_high)
-          & (three.q25 <= three["median"]) & (three["median"] <= three.q75)
-          ).all()
+  assert (
+    (three.ci_low <= three["mean"])
+    & (three["mean"] <= three.ci_high)
+    & (three.q25 <= three["median"])
+    & (three["median"] <= three.q75)
+  ).all()
   axes = drawn["training_mlp"]
   legend = [t.get_text() for t in axes.get_legend().get_texts()]
-  assert legend == ["adam (learning_rate=0.001) (n=3)",
-                    "adam (learning_rate=0.01) (n=1)", "sgd (n=1)"]
+  assert legend == [
+    "adam (learning_rate=0.001) (n=3)",
+    "adam (learning_rate=0.01) (n=1)",
+    "sgd (n=1)",
+  ]
   assert len(axes.collections) == 1  # one band: the setting with 3 seeds
   runs = pd.read_csv(tmp_path / "runs.csv")
   assert len(runs) == len(DESIGN) + 1
 
 
-def test_runs_not_in_the_results_are_listed_with_reasons(designed, tmp_path,
-                                                         chromium_page):
+def test_runs_not_in_the_results_are_listed_with_reasons(
+  designed, tmp_path, chromium_page
+):
   root, _ = designed
   report.write(root, tmp_path)
   text = (tmp_path / "report.md").read_text()
   section = text.split("## Runs")[1].split("Runs not in the results")[1]
-  for name, words in (("sgd_diverges", "non-finite loss at step"),
-                      ("spectra_fails", "params.safetensors"),
-                      ("killed", "no completion marker"),
-                      ("spectra_adam", "does not use the optimizer")):
+  for name, words in (
+    ("sgd_diverges", "non-finite loss at step"),
+    ("spectra_fails", "params.safetensors"),
+    ("killed", "no completion marker"),
+    ("spectra_adam", "does not use the optimizer"),
+  ):
     line = next(row for row in section.splitlines() if name in row)
     assert words in line, line
 
   page = chromium_page.open(tmp_path / "report.html")
   body = page.inner_text("body")
-  for name in ("sgd_diverges", "spectra_fails", "killed", "spectra_adam",
-               "adam (learning_rate=0.001)"):
+  for name in (
+    "sgd_diverges",
+    "spectra_fails",
+    "killed",
+    "spectra_adam",
+    "adam (learning_rate=0.001)",
+  ):
     assert name in body, name
   images = page.eval_on_selector_all(
-      "img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
+    "img", "imgs => imgs.map(i => i.complete && i.naturalWidth)"
+  )
   assert images and all(images)  # every figure decoded
   assert page.locator("table").count() >= 3
   assert chromium_page.errors == []
@@ -171,6 +238,7 @@ def test_a_problem_without_a_label_is_known_by_its_kind(tmp_path):
   for name in ("mlp", "convnet"):
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.yaml").write_text(
-        f"problem:\n  name: {name}\n  label: null\nmeasure:\n  kind: timing\n")
+      f"problem:\n  name: {name}\n  label: null\nmeasure:\n  kind: timing\n"
+    )
   runs = sweep.load_sweep(tmp_path).runs
   assert sorted(runs.problem) == ["convnet", "mlp"]

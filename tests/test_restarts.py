@@ -28,8 +28,7 @@ def finished(tmp_path_factory):
 
 
 def files(run_dir):
-  return {p.name: p.read_bytes() for p in run_dir.path.iterdir()
-          if p.is_file()}
+  return {p.name: p.read_bytes() for p in run_dir.path.iterdir() if p.is_file()}
 
 
 def test_a_run_held_by_another_process_is_skipped_by_name(tmp_path, capsys):
@@ -74,10 +73,19 @@ def _finished_markers(root: Path) -> dict:
 
 def _start_sweep(root: Path, cache: Path):
   return subprocess.Popen(
-      [str(CURVBENCH), "-m", f"hydra.sweep.dir={root}",
-       f"compilation_cache={cache}", *ADAM, "seed=0,1,2"],
-      cwd=root.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True)
+    [
+      str(CURVBENCH),
+      "-m",
+      f"hydra.sweep.dir={root}",
+      f"compilation_cache={cache}",
+      *ADAM,
+      "seed=0,1,2",
+    ],
+    cwd=root.parent,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _kill_when(sweep, moment, timeout=300):
@@ -105,8 +113,10 @@ def test_a_sweep_killed_at_three_moments_loses_no_finished_run(tmp_path):
     return (root / "multirun.yaml").exists()
 
   def mid_run(started):  # a run has written its config, not its marker
-    return any(not (p.parent / records.MARKER).exists()
-               for p in newer("*/config.parquet", started))
+    return any(
+      not (p.parent / records.MARKER).exists()
+      for p in newer("*/config.parquet", started)
+    )
 
   def run_finished(started):
     return bool(newer(f"*/{records.MARKER}", started))

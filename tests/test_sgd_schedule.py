@@ -24,8 +24,9 @@ def loss(params, batch):
 def train(sgd, steps):
   """`steps` updates from zero by `sgd` (SGD settings, or a transformation
   factory for `training.OptaxTrainer`): the parameters and the state."""
-  trainer = (sgd.make(loss) if isinstance(sgd, SGD)
-             else training.OptaxTrainer(loss, sgd))
+  trainer = (
+    sgd.make(loss) if isinstance(sgd, SGD) else training.OptaxTrainer(loss, sgd)
+  )
   params = {"w": jnp.zeros(3)}
   rng = jax.random.PRNGKey(0)
   state = trainer.init(params, None, rng)
@@ -34,9 +35,19 @@ def train(sgd, steps):
   return params, state
 
 
-@pytest.mark.parametrize("t,mu", [
-    (0, 1 / 2), (249, 1 / 2), (250, 3 / 4), (749, 5 / 6), (750, 7 / 8),
-    (1749, 13 / 14), (1750, 15 / 16), (10**6, 0.99)])
+@pytest.mark.parametrize(
+  "t,mu",
+  [
+    (0, 1 / 2),
+    (249, 1 / 2),
+    (250, 3 / 4),
+    (749, 5 / 6),
+    (750, 7 / 8),
+    (1749, 13 / 14),
+    (1750, 15 / 16),
+    (10**6, 0.99),
+  ],
+)
 def test_schedule_follows_the_formula(t, mu):
   schedule = sutskever_momentum(0.99)
   formula = min(1 - 2 ** (-1 - np.log2(t // 250 + 1)), 0.99)
@@ -47,15 +58,23 @@ def test_schedule_follows_the_formula(t, mu):
 def test_schedule_stops_at_its_cap():
   schedule = sutskever_momentum(0.8)
   assert [float(schedule(t)) for t in (0, 250, 499, 500, 5000)] == (
-      pytest.approx([0.5, 0.75, 0.75, 0.8, 0.8]))
+    pytest.approx([0.5, 0.75, 0.75, 0.8, 0.8])
+  )
 
 
 def test_nesterov_steps_equal_the_hand_computed_ones():
   """optax.trace with nesterov: v = g + mu v, step -lr (g + mu v), mu the
   schedule at the update's count; 760 updates pass 0.5, 0.75 and the cap."""
   lr, cap, steps = 0.1, 0.8, 760
-  params, state = train(SGD(learning_rate=lr, momentum=cap, nesterov=True,
-                            momentum_schedule="sutskever2013"), steps)
+  params, state = train(
+    SGD(
+      learning_rate=lr,
+      momentum=cap,
+      nesterov=True,
+      momentum_schedule="sutskever2013",
+    ),
+    steps,
+  )
   w, v = np.zeros(3), np.zeros(3)
   for t in range(steps):
     mu = min(1 - 0.5 / (t // 250 + 1), cap)
@@ -68,9 +87,15 @@ def test_nesterov_steps_equal_the_hand_computed_ones():
 
 
 def test_schedule_keeps_the_accumulator_dtype():
-  _, state = train(SGD(momentum=0.9, nesterov=True,
-                       accumulator_dtype="bfloat16",
-                       momentum_schedule="sutskever2013"), 3)
+  _, state = train(
+    SGD(
+      momentum=0.9,
+      nesterov=True,
+      accumulator_dtype="bfloat16",
+      momentum_schedule="sutskever2013",
+    ),
+    3,
+  )
   trace = state.inner_state[0].trace["w"]
   assert trace.dtype == jnp.bfloat16 and np.all(np.isfinite(trace))
 
@@ -86,12 +111,18 @@ def test_constant_schedule_is_plain_optax_sgd(nesterov):
 
 
 def test_schedule_without_momentum_is_refused_by_name():
-  values = {"name": "sgd", "momentum": None,
-            "momentum_schedule": "sutskever2013"}
+  values = {
+    "name": "sgd",
+    "momentum": None,
+    "momentum_schedule": "sutskever2013",
+  }
   with pytest.raises(SettingsError, match="momentum_schedule"):
     SGD.from_values(values)
   with pytest.raises(ValueError, match="optimizer.momentum_schedule"):
-    config.compose("optimizer=sgd", "optimizer.momentum=null",
-                   "optimizer.momentum_schedule=sutskever2013")
+    config.compose(
+      "optimizer=sgd",
+      "optimizer.momentum=null",
+      "optimizer.momentum_schedule=sutskever2013",
+    )
   with pytest.raises(ValueError, match="momentum_schedule"):
     SGD(momentum=None, momentum_schedule="sutskever2013").transformation()

@@ -17,23 +17,31 @@ from estimators import blocks
 from estimators import utils
 from tests.groundtruth import numpy_psd_power
 from tests.test_blocks import S, random_vector
-from tests.test_embedding_blocks import (B, D, IDS, TABLE, V, embedding_case,
-                                         lookup, one_hot_case)
+from tests.test_embedding_blocks import (
+  B,
+  D,
+  IDS,
+  TABLE,
+  V,
+  embedding_case,
+  lookup,
+  one_hot_case,
+)
 from tests.test_kl_shampoo import kl_objective
 
 TOL = dict(rtol=1e-8, atol=1e-11)
 DAMPING = 0.3
 POWERS = [1, -1, -0.5]
-MODES = [(p, e, c) for p in POWERS for e in (True, False)
-         for c in (True, False)]
+MODES = [
+  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+]
 # name: (embedding block, the family's block for dense tags)
 FAMILIES = {
-    "shampoo2": (blocks.EmbeddingShampoo2, blocks.DenseShampoo2),
-    "shampoo": (blocks.EmbeddingShampoo, blocks.DenseShampoo),
-    "soap": (blocks.EmbeddingSOAP, blocks.DenseSOAP),
-    "optimal": (blocks.EmbeddingOptimalKronecker,
-                blocks.DenseOptimalKronecker),
-    "kl": (blocks.EmbeddingKLShampoo, blocks.DenseKLShampoo),
+  "shampoo2": (blocks.EmbeddingShampoo2, blocks.DenseShampoo2),
+  "shampoo": (blocks.EmbeddingShampoo, blocks.DenseShampoo),
+  "soap": (blocks.EmbeddingSOAP, blocks.DenseSOAP),
+  "optimal": (blocks.EmbeddingOptimalKronecker, blocks.DenseOptimalKronecker),
+  "kl": (blocks.EmbeddingKLShampoo, blocks.DenseKLShampoo),
 }
 FORMS = {"full": {}, "diagonal": dict(max_full_vocab=V - 1)}
 CONVERGED = {"kl": dict(max_iterations=1000, tolerance=0.0)}
@@ -45,9 +53,11 @@ def fit(name, products=False):
   """Every family in both forms, and K-FAC's and TNT's embedding blocks,
   on one ids case in one program; with `products`, every product mode."""
   eqn, data, c = embedding_case(name)
-  fitted = {f"{f} {form}": cls(eqn, "layer", **options, **CONVERGED.get(f, {}))
-            for f, (cls, _) in FAMILIES.items()
-            for form, options in FORMS.items()}
+  fitted = {
+    f"{f} {form}": cls(eqn, "layer", **options, **CONVERGED.get(f, {}))
+    for f, (cls, _) in FAMILIES.items()
+    for form, options in FORMS.items()
+  }
   fitted["kfac"] = blocks.EmbeddingKFAC(eqn, "layer")
   fitted["tnt"] = blocks.EmbeddingTNT(eqn, "layer")
   v = random_vector(fitted["kfac"])
@@ -59,15 +69,17 @@ def fit(name, products=False):
       with_products = products and key not in ("kfac", "tnt")
       powers = POWERS if with_products else None
       state = block.init(None, powers, powers, with_products)
-      state = block.update_curvature_matrix_estimate(state, data, 0., 1., B,
-                                                     None)
+      state = block.update_curvature_matrix_estimate(
+        state, data, 0.0, 1.0, B, None
+      )
       got = dict(state=state, dense=block.to_dense_matrix(state))
       if with_products:
         cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
         got["cached"] = cached
         for p, e, u in MODES:
           got[f"{p} {e} {u}"] = utils.flatten_arrays(
-              block.multiply_matpower(cached, v, DAMPING, p, e, u))
+            block.multiply_matpower(cached, v, DAMPING, p, e, u)
+          )
         got["eig"] = block.eigenvalues(cached, False)
         got["eig_cached"] = block.eigenvalues(cached, True)
       out[key] = got
@@ -81,12 +93,20 @@ def fit(name, products=False):
 def fit_one_hot(name):
   """Each family's dense block on the one-hot inputs (same tangents)."""
   eqn, data, _ = one_hot_case(name)
-  fitted = {f: cls(eqn, "layer", **CONVERGED.get(f, {}))
-            for f, (_, cls) in FAMILIES.items()}
-  run = jax.jit(lambda data: {f: b.to_dense_matrix(
-      b.update_curvature_matrix_estimate(b.init(None, None, None, False),
-                                         data, 0., 1., B, None))
-                              for f, b in fitted.items()})
+  fitted = {
+    f: cls(eqn, "layer", **CONVERGED.get(f, {}))
+    for f, (_, cls) in FAMILIES.items()
+  }
+  run = jax.jit(
+    lambda data: {
+      f: b.to_dense_matrix(
+        b.update_curvature_matrix_estimate(
+          b.init(None, None, None, False), data, 0.0, 1.0, B, None
+        )
+      )
+      for f, b in fitted.items()
+    }
+  )
   return jax.tree_util.tree_map(np.asarray, run(data))
 
 
@@ -98,15 +118,18 @@ def example_gradients(name):
 
   def one(ids_n, dy_n):
     return jax.grad(lambda w: jnp.vdot(dy_n, lookup(ids_n[None], (w,))[0]))(
-        TABLE)
+      TABLE
+    )
 
   grads = jax.jit(jax.vmap(jax.vmap(one), (None, 0)))(ids, dy)
   return np.asarray(grads).reshape(-1, V, D)
 
 
 def shampoo_factors(g):
-  return (np.einsum("nvo,nwo->vw", g, g) / B,
-          np.einsum("nvo,nvp->op", g, g) / B)
+  return (
+    np.einsum("nvo,nwo->vw", g, g) / B,
+    np.einsum("nvo,nvp->op", g, g) / B,
+  )
 
 
 def scaled_error(c, k):
@@ -119,6 +142,7 @@ def diag_kron(a, b):
 
 
 # --- statistics ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_factors_are_sums_of_per_example_products(form):
@@ -147,11 +171,15 @@ def test_the_full_form_is_the_family_block_on_one_hot_inputs(family):
 def test_both_forms_agree_with_one_token_per_example(family):
   """`L` is diagonal when no example holds two tokens."""
   out = fit("one_per_example")[1]
-  np.testing.assert_allclose(out[f"{family} diagonal"]["dense"],
-                             out[f"{family} full"]["dense"], **TOL)
+  np.testing.assert_allclose(
+    out[f"{family} diagonal"]["dense"], out[f"{family} full"]["dense"], **TOL
+  )
   repeats = fit("repeats")[1]
-  assert not np.allclose(repeats[f"{family} diagonal"]["dense"],
-                         repeats[f"{family} full"]["dense"], rtol=1e-3)
+  assert not np.allclose(
+    repeats[f"{family} diagonal"]["dense"],
+    repeats[f"{family} full"]["dense"],
+    rtol=1e-3,
+  )
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -164,30 +192,39 @@ def test_shampoo2_shampoo_and_soap_from_the_factors(form):
   left, right = shampoo_factors(truth["g"])
   if form == "diagonal":
     left = np.diag(np.diag(left))
-    np.testing.assert_allclose(out[f"shampoo2 {form}"]["dense"],
-                               out["tnt"]["dense"], **TOL)
+    np.testing.assert_allclose(
+      out[f"shampoo2 {form}"]["dense"], out["tnt"]["dense"], **TOL
+    )
   trace = np.trace(left)
-  np.testing.assert_allclose(out[f"shampoo2 {form}"]["dense"],
-                             np.kron(left, right) / trace, **TOL)
+  np.testing.assert_allclose(
+    out[f"shampoo2 {form}"]["dense"], np.kron(left, right) / trace, **TOL
+  )
   roots = [numpy_psd_power(x, 0.5) for x in (left, right)]
   np.testing.assert_allclose(
-      out[f"shampoo {form}"]["dense"],
-      np.kron(*roots) * trace / np.trace(roots[0]) / np.trace(roots[1]),
-      rtol=1e-7, atol=1e-9)
+    out[f"shampoo {form}"]["dense"],
+    np.kron(*roots) * trace / np.trace(roots[0]) / np.trace(roots[1]),
+    rtol=1e-7,
+    atol=1e-9,
+  )
   state = out[f"soap {form}"]["state"]
   q_l = np.eye(V) if form == "diagonal" else state.inputs_basis
   assert (state.inputs_basis is None) == (form == "diagonal")
   q = np.kron(q_l, state.outputs_basis)
-  np.testing.assert_allclose(q.T @ np.kron(left, right) @ q,
-                             np.diag(np.diag(q.T @ np.kron(left, right) @ q)),
-                             rtol=1e-8, atol=1e-10)
+  np.testing.assert_allclose(
+    q.T @ np.kron(left, right) @ q,
+    np.diag(np.diag(q.T @ np.kron(left, right) @ q)),
+    rtol=1e-8,
+    atol=1e-10,
+  )
   d = np.diag(q.T @ c @ q)
   np.testing.assert_allclose(state.scalings.value.reshape(-1), d, **TOL)
-  np.testing.assert_allclose(out[f"soap {form}"]["dense"],
-                             q @ np.diag(d) @ q.T, **TOL)
+  np.testing.assert_allclose(
+    out[f"soap {form}"]["dense"], q @ np.diag(d) @ q.T, **TOL
+  )
 
 
 # --- the nearest Kronecker products -------------------------------------------
+
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_optimal_kronecker_is_no_farther_than_the_others(form):
@@ -207,18 +244,21 @@ def test_optimal_kronecker_is_no_farther_than_the_others(form):
     rows = np.stack([blocks4[i, :, i, :].reshape(-1) for i in range(V)])
     u, s, vt = np.linalg.svd(rows)
     best = s[0] * diag_kron(u[:, 0], vt[0].reshape(D, D))
-  np.testing.assert_allclose(dense, best, rtol=1e-6,
-                             atol=1e-7 * np.abs(c).max())
+  np.testing.assert_allclose(
+    dense, best, rtol=1e-6, atol=1e-7 * np.abs(c).max()
+  )
   error = np.linalg.norm(c - dense)
-  others = {f: out[f"{f} {form}"]["dense"]  # SOAP's is no Kronecker product
-            for f in ("shampoo2", "shampoo", "kl")}
+  others = {
+    f: out[f"{f} {form}"]["dense"]  # SOAP's is no Kronecker product
+    for f in ("shampoo2", "shampoo", "kl")
+  }
   others.update(kfac=out["kfac"]["dense"], tnt=out["tnt"]["dense"])
   rng = np.random.default_rng(0)
   for k in range(10):
-    a = (rng.normal(size=V) if form == "diagonal"
-         else rng.normal(size=(V, V)))
+    a = rng.normal(size=V) if form == "diagonal" else rng.normal(size=(V, V))
     others[f"random {k}"] = (diag_kron if a.ndim == 1 else np.kron)(
-        a, rng.normal(size=(D, D)))
+      a, rng.normal(size=(D, D))
+    )
   for f, k in others.items():
     assert error <= scaled_error(c, k) * (1 + 1e-10), f
 
@@ -232,27 +272,32 @@ def test_kl_shampoo_solves_its_fixed_point_and_minimises_kl(form):
   block, state = fitted[f"kl {form}"], out[f"kl {form}"]["state"]
   kappa = block.damping * np.trace(c) / c.shape[0]
   b_inv = np.linalg.inv(state.kl_outputs)
-  left = (np.einsum("nvo,op,nwp->vw", g, b_inv, g) / B
-          + kappa * np.trace(b_inv) * np.eye(V))
+  left = np.einsum("nvo,op,nwp->vw", g, b_inv, g) / B + kappa * np.trace(
+    b_inv
+  ) * np.eye(V)
   if form == "full":
     a = state.kl_inputs
   else:
     a = np.diag(state.kl_inputs)
     left = np.diag(np.diag(left))
   a_inv = np.linalg.inv(a)
-  right = (np.einsum("nvo,vw,nwp->op", g, a_inv, g) / B
-           + kappa * np.trace(a_inv) * np.eye(D))
+  right = np.einsum("nvo,vw,nwp->op", g, a_inv, g) / B + kappa * np.trace(
+    a_inv
+  ) * np.eye(D)
   np.testing.assert_allclose(D * a, left, rtol=1e-10, atol=1e-13)
-  np.testing.assert_allclose(V * state.kl_outputs, right, rtol=1e-10,
-                             atol=1e-13)
+  np.testing.assert_allclose(
+    V * state.kl_outputs, right, rtol=1e-10, atol=1e-13
+  )
   target = c + kappa * np.eye(V * D)
   best = kl_objective(target, np.kron(a, state.kl_outputs))
   assert np.isfinite(best)
-  np.testing.assert_allclose(best, kl_objective(target, out[f"kl {form}"][
-      "dense"]), rtol=1e-10)
+  np.testing.assert_allclose(
+    best, kl_objective(target, out[f"kl {form}"]["dense"]), rtol=1e-10
+  )
   rng = np.random.default_rng(1)
-  others = {f: out[f"{f} {form}"]["dense"]
-            for f in ("shampoo2", "shampoo", "optimal")}
+  others = {
+    f: out[f"{f} {form}"]["dense"] for f in ("shampoo2", "shampoo", "optimal")
+  }
   others.update(kfac=out["kfac"]["dense"], tnt=out["tnt"]["dense"])
   for k in range(10):
     x, y = rng.normal(size=(V, V)), rng.normal(size=(D, D))
@@ -261,8 +306,11 @@ def test_kl_shampoo_solves_its_fixed_point_and_minimises_kl(form):
       a_k = np.diag(np.diag(a_k))
     others[f"random {k}"] = np.kron(a_k, y @ y.T)
   for f, k in others.items():
-    s = np.trace(np.linalg.solve(k, target)) / len(k) if np.linalg.eigvalsh(
-        k)[0] > 1e-10 * np.abs(k).max() else 1.0
+    s = (
+      np.trace(np.linalg.solve(k, target)) / len(k)
+      if np.linalg.eigvalsh(k)[0] > 1e-10 * np.abs(k).max()
+      else 1.0
+    )
     assert best <= kl_objective(target, s * k) + 1e-12 * abs(best), f
   if form == "diagonal":  # the full form's optimum is at least as good
     full = kl_objective(target, out["kl full"]["dense"])
@@ -271,6 +319,7 @@ def test_kl_shampoo_solves_its_fixed_point_and_minimises_kl(form):
 
 # --- products and sizes -------------------------------------------------------
 
+
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_products_eigenvalues_and_state_size(family, form):
@@ -278,17 +327,20 @@ def test_products_eigenvalues_and_state_size(family, form):
   got = out[f"{family} {form}"]
   v = np.asarray(utils.flatten_arrays(truth["v"]))
   np.testing.assert_allclose(
-      got["dense"], fit("repeats")[1][f"{family} {form}"]["dense"], **TOL)
+    got["dense"], fit("repeats")[1][f"{family} {form}"]["dense"], **TOL
+  )
   m = got["dense"]
   np.testing.assert_allclose(m, m.T, **TOL)
   damped = m + DAMPING * np.eye(len(m))
   for p, e, u in MODES:
-    np.testing.assert_allclose(got[f"{p} {e} {u}"],
-                               numpy_psd_power(damped, p) @ v, **TOL)
+    np.testing.assert_allclose(
+      got[f"{p} {e} {u}"], numpy_psd_power(damped, p) @ v, **TOL
+    )
   want = np.linalg.eigvalsh(m)
   for key in ("eig", "eig_cached"):
-    np.testing.assert_allclose(np.sort(got[key]), want, rtol=1e-8,
-                               atol=1e-10 * want[-1])
+    np.testing.assert_allclose(
+      np.sort(got[key]), want, rtol=1e-8, atol=1e-10 * want[-1]
+    )
   sizes = [x.size for x in jax.tree.leaves(got["cached"])]
   if form == "diagonal":
     assert max(sizes) <= max(V * D, D * D) < V * V, sizes
@@ -304,8 +356,11 @@ def test_soaps_rotated_gradients_in_chunks_give_the_same_scalings():
   blocks.set_max_parallel_elements(S * V * D)
   try:
     block = blocks.EmbeddingSOAP(eqn, "layer")
-    state = jax.jit(lambda d: block.update_curvature_matrix_estimate(
-        block.init(None, None, None, False), d, 0., 1., B, None))(data)
+    state = jax.jit(
+      lambda d: block.update_curvature_matrix_estimate(
+        block.init(None, None, None, False), d, 0.0, 1.0, B, None
+      )
+    )(data)
   finally:
     blocks.set_max_parallel_elements(old)
   want = fit("repeats")[1]["soap full"]["state"].scalings.value
@@ -314,9 +369,13 @@ def test_soaps_rotated_gradients_in_chunks_give_the_same_scalings():
 
 # --- settings and errors ------------------------------------------------------
 
-APPROXIMATIONS = {"shampoo2": "shampoo2", "shampoo": "shampoo",
-                  "soap": "soap", "optimal_kronecker": "optimal",
-                  "kl_shampoo": "kl"}
+APPROXIMATIONS = {
+  "shampoo2": "shampoo2",
+  "shampoo": "shampoo",
+  "soap": "soap",
+  "optimal_kronecker": "optimal",
+  "kl_shampoo": "kl",
+}
 
 
 def test_the_approximations_map_embeddings_with_their_setting():
@@ -330,16 +389,16 @@ def test_the_approximations_map_embeddings_with_their_setting():
     small = dataclasses.replace(settings, max_full_vocab=V - 1)
     block = small.blocks["embedding_tag"](eqn, "layer")
     assert (block.max_full_vocab, block.full_inputs_factor) == (V - 1, False)
-  assert blocks.EmbeddingSOAP(eqn, "layer", max_full_vocab=V
-                              ).full_inputs_factor
+  assert blocks.EmbeddingSOAP(eqn, "layer", max_full_vocab=V).full_inputs_factor
 
 
 def test_clear_errors():
   eqn = embedding_case("repeats")[0]
   for cls, _ in FAMILIES.values():
     for bad in (-1, 1.5, True):
-      with pytest.raises(ValueError, match="'e'.*max_full_vocab must be an "
-                         "int >= 0"):
+      with pytest.raises(
+        ValueError, match="'e'.*max_full_vocab must be an int >= 0"
+      ):
         cls(eqn, "e", max_full_vocab=bad)
   dense_eqn = one_hot_case("repeats")[0]
   with pytest.raises(ValueError, match="handles embedding_tag"):

@@ -35,8 +35,9 @@ def run(tx, steps, shapes=SHAPES, scale=1.0):
   history = []
   for step in range(steps):
     grads = jax.tree.map(lambda g: scale * g, tree(step + 1, shapes))
-    updates, state = update(jax.tree.map(jnp.asarray, grads), state,
-                               jax.tree.map(jnp.asarray, params))
+    updates, state = update(
+      jax.tree.map(jnp.asarray, grads), state, jax.tree.map(jnp.asarray, params)
+    )
     updates = jax.tree.map(np.asarray, updates)
     history.append((grads, params, updates))
     params = jax.tree.map(np.add, params, updates)
@@ -47,8 +48,7 @@ def matrix(shape):
   """A parameter's matrix view, written out: size-1 axes dropped, leading
   axes merged, a vector a column."""
   dims = [d for d in shape if d > 1]
-  return (dims[0], 1) if len(dims) == 1 else (int(np.prod(dims[:-1])),
-                                                dims[-1])
+  return (dims[0], 1) if len(dims) == 1 else (int(np.prod(dims[:-1])), dims[-1])
 
 
 def power(f, p):
@@ -59,14 +59,28 @@ def power(f, p):
 
 # --- Shampoo -----------------------------------------------------------------
 
-def shampoo_by_hand(history_grads, p0, lr=0.1, beta1=0.9, beta2=0.999,
-                    epsilon=1e-12, momentum=0.0, nesterov=False,
-                    weight_decay=0.0, max_preconditioner_dim=1024,
-                    precondition_frequency=1, start_preconditioning_step=None,
-                    exponent_override=0, exponent_multiplier=1.0,
-                    use_bias_correction=True, grafting_type="adam",
-                    grafting_epsilon=1e-8, grafting_beta2=0.999,
-                    matrix_power_method="eigh"):
+
+def shampoo_by_hand(
+  history_grads,
+  p0,
+  lr=0.1,
+  beta1=0.9,
+  beta2=0.999,
+  epsilon=1e-12,
+  momentum=0.0,
+  nesterov=False,
+  weight_decay=0.0,
+  max_preconditioner_dim=1024,
+  precondition_frequency=1,
+  start_preconditioning_step=None,
+  exponent_override=0,
+  exponent_multiplier=1.0,
+  use_bias_correction=True,
+  grafting_type="adam",
+  grafting_epsilon=1e-8,
+  grafting_beta2=0.999,
+  matrix_power_method="eigh",
+):
   """Distributed Shampoo's steps on one parameter, its blocks cut with
   uneven ends as torch.split does."""
   del matrix_power_method
@@ -83,29 +97,42 @@ def shampoo_by_hand(history_grads, p0, lr=0.1, beta1=0.9, beta2=0.999,
   xl = [np.zeros((size(r), size(r))) for r, _ in blocks]  # zero until
   xr = [np.zeros((size(c), size(c))) for _, c in blocks]  # the first roots
   second, avg, buf, p, out = 0.0, 0.0, 0.0, p0, []
-  ema = lambda old, new, beta: old + new if beta == 1 else (
-      beta * old + (1 - beta) * new)
+  ema = (
+    lambda old, new, beta: old + new
+    if beta == 1
+    else (beta * old + (1 - beta) * new)
+  )
   for t, g in enumerate(history_grads, 1):
     gm = g.reshape(m, n)
     for k, (r, c) in enumerate(blocks):
       left[k] = ema(left[k], gm[r, c] @ gm[r, c].T, beta2)
       right[k] = ema(right[k], gm[r, c].T @ gm[r, c], beta2)
     if grafting_type in ("adagrad", "rmsprop", "adam"):
-      second = ema(second, g * g, 1 if grafting_type == "adagrad"
-                   else grafting_beta2)
+      second = ema(
+        second, g * g, 1 if grafting_type == "adagrad" else grafting_beta2
+      )
     avg = ema(avg, g, beta1) if beta1 else g
     hat = avg / (1 - beta1**t) if beta1 and use_bias_correction else avg
     if (t % precondition_frequency == 0 and t > start) or t == start:
       scale = 1 - beta2**t if use_bias_correction and beta2 < 1 else 1
       for k in range(len(blocks)):
-        xl[k] = power(left[k] / scale + epsilon * np.eye(len(left[k])),
-                      -exponent_multiplier / root)
-        xr[k] = power(right[k] / scale + epsilon * np.eye(len(right[k])),
-                      -exponent_multiplier / root) if two else np.eye(1)
+        xl[k] = power(
+          left[k] / scale + epsilon * np.eye(len(left[k])),
+          -exponent_multiplier / root,
+        )
+        xr[k] = (
+          power(
+            right[k] / scale + epsilon * np.eye(len(right[k])),
+            -exponent_multiplier / root,
+          )
+          if two
+          else np.eye(1)
+        )
     graft = hat
     if grafting_type == "adam":
-      graft = hat / (np.sqrt(second / (1 - grafting_beta2**t))
-                     + grafting_epsilon)
+      graft = hat / (
+        np.sqrt(second / (1 - grafting_beta2**t)) + grafting_epsilon
+      )
     elif grafting_type in ("adagrad", "rmsprop"):
       graft = hat / (np.sqrt(second) + grafting_epsilon)
     hm, gfm = hat.reshape(m, n), graft.reshape(m, n)
@@ -128,25 +155,51 @@ def shampoo_by_hand(history_grads, p0, lr=0.1, beta1=0.9, beta2=0.999,
 
 
 SHAMPOO_CASES = {
-    "adam grafting, stale roots, momentum, decay": dict(
-        beta1=0.9, beta2=0.99, epsilon=1e-3, momentum=0.5, weight_decay=0.1,
-        precondition_frequency=2),
-    "sums, blocks, adagrad grafting, Nesterov, no bias correction": dict(
-        beta1=0.0, beta2=1.0, epsilon=1e-2, momentum=0.9, nesterov=True,
-        max_preconditioner_dim=2, grafting_type="adagrad",
-        grafting_epsilon=1e-3, use_bias_correction=False),
-    "rmsprop grafting, late start, exponent multiplier": dict(
-        beta1=0.5, beta2=0.9, epsilon=1e-3, grafting_type="rmsprop",
-        grafting_beta2=0.8, start_preconditioning_step=2,
-        exponent_multiplier=0.5, max_preconditioner_dim=3),
-    "sgd grafting, root 2": dict(
-        beta2=0.5, epsilon=1e-2, grafting_type="sgd", exponent_override=2,
-        weight_decay=0.01),
-    "no grafting, zero steps before the first roots": dict(
-        beta2=0.9, epsilon=1e-2, grafting_type="none",
-        precondition_frequency=2),
-    "Newton roots": dict(beta2=0.9, epsilon=1e-2, matrix_power_method="newton",
-                         precondition_frequency=2),
+  "adam grafting, stale roots, momentum, decay": dict(
+    beta1=0.9,
+    beta2=0.99,
+    epsilon=1e-3,
+    momentum=0.5,
+    weight_decay=0.1,
+    precondition_frequency=2,
+  ),
+  "sums, blocks, adagrad grafting, Nesterov, no bias correction": dict(
+    beta1=0.0,
+    beta2=1.0,
+    epsilon=1e-2,
+    momentum=0.9,
+    nesterov=True,
+    max_preconditioner_dim=2,
+    grafting_type="adagrad",
+    grafting_epsilon=1e-3,
+    use_bias_correction=False,
+  ),
+  "rmsprop grafting, late start, exponent multiplier": dict(
+    beta1=0.5,
+    beta2=0.9,
+    epsilon=1e-3,
+    grafting_type="rmsprop",
+    grafting_beta2=0.8,
+    start_preconditioning_step=2,
+    exponent_multiplier=0.5,
+    max_preconditioner_dim=3,
+  ),
+  "sgd grafting, root 2": dict(
+    beta2=0.5,
+    epsilon=1e-2,
+    grafting_type="sgd",
+    exponent_override=2,
+    weight_decay=0.01,
+  ),
+  "no grafting, zero steps before the first roots": dict(
+    beta2=0.9, epsilon=1e-2, grafting_type="none", precondition_frequency=2
+  ),
+  "Newton roots": dict(
+    beta2=0.9,
+    epsilon=1e-2,
+    matrix_power_method="newton",
+    precondition_frequency=2,
+  ),
 }
 
 
@@ -159,8 +212,9 @@ def test_shampoo_steps_as_by_hand(case):
     grads = [g[name] for g, _, _ in history]
     expected = shampoo_by_hand(grads, history[0][1][name], **options)
     for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
-      np.testing.assert_allclose(updates[name], want, **tol,
-                                 err_msg=f"{name} at step {step + 1}")
+      np.testing.assert_allclose(
+        updates[name], want, **tol, err_msg=f"{name} at step {step + 1}"
+      )
   if options.get("grafting_type") == "none":  # no roots before step 2
     assert all(np.all(u == 0) for u in history[0][2].values())
 
@@ -169,8 +223,14 @@ def test_shampoo_root_two_is_the_inverse_root_of_the_kronecker_product():
   """Shampoo² on one matrix with β2 = 0: the step is (L ⊗ R)^(-1/2) of the
   current gradient, L = G Gᵀ + εI and R = Gᵀ G + εI, built by brute force."""
   eps, lr = 1e-2, 0.1
-  tx = shampoo(lr, beta1=0.0, beta2=0.0, epsilon=eps, exponent_override=2,
-               grafting_type="none")
+  tx = shampoo(
+    lr,
+    beta1=0.0,
+    beta2=0.0,
+    epsilon=eps,
+    exponent_override=2,
+    grafting_type="none",
+  )
   history, _ = run(tx, 2, {"w": (3, 4)})
   for grads, _, updates in history:
     g = grads["w"]
@@ -180,12 +240,14 @@ def test_shampoo_root_two_is_the_inverse_root_of_the_kronecker_product():
 
 
 def test_shampoo_state_holds_sums_and_refreshes_roots_at_the_period():
-  _, state = run(shampoo(0.1, beta2=1.0, precondition_frequency=2,
-                         epsilon=1e-3), 3)
+  _, state = run(
+    shampoo(0.1, beta2=1.0, precondition_frequency=2, epsilon=1e-3), 3
+  )
   w = state.parameters["w"]
   grads = [tree(s)["w"] for s in (1, 2, 3)]
-  np.testing.assert_allclose(w.left.statistics[0, 0],
-                             sum(g @ g.T for g in grads), **TOL)
+  np.testing.assert_allclose(
+    w.left.statistics[0, 0], sum(g @ g.T for g in grads), **TOL
+  )
   # The roots are those of step 2's sums: stale at step 3.
   at_two = sum(g @ g.T for g in grads[:2]) + 1e-3 * np.eye(3)
   np.testing.assert_allclose(w.left.root[0, 0], power(at_two, -0.25), **TOL)
@@ -194,27 +256,40 @@ def test_shampoo_state_holds_sums_and_refreshes_roots_at_the_period():
 
 # --- settings ----------------------------------------------------------------
 
-@pytest.mark.parametrize("build, message", [
+
+@pytest.mark.parametrize(
+  "build, message",
+  [
     (lambda: shampoo(0.1, epsilon=-1.0), "epsilon must be a number > 0"),
     (lambda: shampoo(0.1, beta2=1.5), r"beta2: must be a number in \[0, 1\]"),
     (lambda: shampoo(0.1, precondition_frequency=0), "precondition_frequency"),
     (lambda: shampoo(0.1, grafting_type="adamw"), "grafting_type"),
-    (lambda: shampoo(0.1, precondition_frequency=10,
-                     start_preconditioning_step=5), "below"),
-    (lambda: shampoo(0.1, matrix_power_method="newton",
-                     exponent_multiplier=0.5), "inverse p-th roots"),
-    (lambda: shampoo(0.1, grafting_type="sgd", grafting_beta2=0.9),
-     "ignored"),
+    (
+      lambda: shampoo(
+        0.1, precondition_frequency=10, start_preconditioning_step=5
+      ),
+      "below",
+    ),
+    (
+      lambda: shampoo(
+        0.1, matrix_power_method="newton", exponent_multiplier=0.5
+      ),
+      "inverse p-th roots",
+    ),
+    (lambda: shampoo(0.1, grafting_type="sgd", grafting_beta2=0.9), "ignored"),
     (lambda: shampoo(0.1, epsilom=1e-6), "did you mean epsilon"),
     (lambda: shampoo(-0.1), "learning_rate"),
     (lambda: soap(0.1, eps=-1e-8), "eps must be a number > 0"),
     (lambda: soap(0.1, shampoo_beta=1.0), r"shampoo_beta must be .*\[0, 1\)"),
     (lambda: soap(0.1, eigenbasis="svd"), "eigenbasis"),
     (lambda: kl_shampoo(0.1, eigenvalue_init=0.0), "eigenvalue_init"),
-    (lambda: kl_shampoo(0.1, clamping=False, max_clamp_value=100),
-     "max_clamp_value=100 is ignored"),
+    (
+      lambda: kl_shampoo(0.1, clamping=False, max_clamp_value=100),
+      "max_clamp_value=100 is ignored",
+    ),
     (lambda: kl_shampoo(0.1, betas=(0.9, 0.95)), "no setting 'betas'"),
-])
+  ],
+)
 def test_bad_settings_are_refused_by_name(build, message):
   with pytest.raises(SettingsError, match=message):
     build()
@@ -222,25 +297,40 @@ def test_bad_settings_are_refused_by_name(build, message):
 
 def test_bad_settings_are_refused_when_composed():
   with pytest.raises(config.ConfigError, match="epsilon"):
-    config.compose("measure=training", "optimizer=shampoo",
-                   "optimizer.epsilon=-1e-6")
+    config.compose(
+      "measure=training", "optimizer=shampoo", "optimizer.epsilon=-1e-6"
+    )
 
 
 # --- SOAP --------------------------------------------------------------------
+
 
 def descending_eigenvectors(f):
   return np.linalg.eigh((f + f.T) / 2)[1][:, ::-1]
 
 
-def soap_by_hand(grads, p0, lr=3e-3, b1=0.95, b2=0.95, shampoo_beta=None,
-                 eps=1e-8, weight_decay=0.01, precondition_frequency=10,
-                 max_precond_dim=10000, precondition_1d=False,
-                 normalize_grads=False, correct_bias=True, eigenbasis="qr"):
+def soap_by_hand(
+  grads,
+  p0,
+  lr=3e-3,
+  b1=0.95,
+  b2=0.95,
+  shampoo_beta=None,
+  eps=1e-8,
+  weight_decay=0.01,
+  precondition_frequency=10,
+  max_precond_dim=10000,
+  precondition_1d=False,
+  normalize_grads=False,
+  correct_bias=True,
+  eigenbasis="qr",
+):
   """The reference SOAP's steps on one parameter; a side without a factor
   has the identity for its basis."""
   m, n = matrix(p0.shape)
-  has = [1 < d <= max_precond_dim and (precondition_1d or n > 1)
-         for d in (m, n)]
+  has = [
+    1 < d <= max_precond_dim and (precondition_1d or n > 1) for d in (m, n)
+  ]
   beta = b2 if shampoo_beta is None else shampoo_beta
   factors = [np.zeros((m, m)), np.zeros((n, n))]
   bases = [np.eye(m), np.eye(n)]
@@ -250,8 +340,10 @@ def soap_by_hand(grads, p0, lr=3e-3, b1=0.95, b2=0.95, shampoo_beta=None,
     new = [gm @ gm.T, gm.T @ gm]
     if c == 0:
       factors = [(1 - beta) * f for f in new]
-      bases = [descending_eigenvectors(f) if h else b
-               for f, h, b in zip(factors, has, bases)]
+      bases = [
+        descending_eigenvectors(f) if h else b
+        for f, h, b in zip(factors, has, bases)
+      ]
       out.append(np.zeros_like(p))
       continue
     rotated = bases[0].T @ gm @ bases[1]
@@ -283,14 +375,22 @@ def soap_by_hand(grads, p0, lr=3e-3, b1=0.95, b2=0.95, shampoo_beta=None,
 
 
 SOAP_CASES = {
-    "reference defaults, QR refresh at step 2": dict(precondition_frequency=2),
-    "vectors preconditioned, eigh every step, normalized, no bias "
-    "correction": dict(
-        b1=0.8, b2=0.9, shampoo_beta=0.7, precondition_frequency=1,
-        precondition_1d=True, normalize_grads=True, correct_bias=False,
-        eigenbasis="eigh", weight_decay=0.1),
-    "long sides in the standard basis, QR every step": dict(
-        max_precond_dim=3, precondition_frequency=1, b1=0.5, b2=0.99),
+  "reference defaults, QR refresh at step 2": dict(precondition_frequency=2),
+  "vectors preconditioned, eigh every step, normalized, no bias "
+  "correction": dict(
+    b1=0.8,
+    b2=0.9,
+    shampoo_beta=0.7,
+    precondition_frequency=1,
+    precondition_1d=True,
+    normalize_grads=True,
+    correct_bias=False,
+    eigenbasis="eigh",
+    weight_decay=0.1,
+  ),
+  "long sides in the standard basis, QR every step": dict(
+    max_precond_dim=3, precondition_frequency=1, b1=0.5, b2=0.99
+  ),
 }
 
 
@@ -305,8 +405,9 @@ def test_soap_steps_as_by_hand(case):
     grads = [g[name] for g, _, _ in history]
     expected = soap_by_hand(grads, history[0][1][name], lr=0.1, **options)
     for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
-      np.testing.assert_allclose(updates[name], want, **TOL,
-                                 err_msg=f"{name} at call {step}")
+      np.testing.assert_allclose(
+        updates[name], want, **TOL, err_msg=f"{name} at call {step}"
+      )
   assert all(np.all(u == 0) for u in history[0][2].values())
 
 
@@ -314,8 +415,15 @@ def test_soap_without_momentum_is_adam_in_the_rotating_eigenbasis():
   """b1 = 0 and a refresh every step: each step is Adam's (optax's, on the
   gradients rotated into the bases of the call) rotated back."""
   lr, b2 = 0.1, 0.9
-  tx = soap(lr, b1=0.0, b2=b2, eps=1e-30, weight_decay=0.0,
-            precondition_frequency=1, eigenbasis="eigh")
+  tx = soap(
+    lr,
+    b1=0.0,
+    b2=b2,
+    eps=1e-30,
+    weight_decay=0.0,
+    precondition_frequency=1,
+    eigenbasis="eigh",
+  )
   shapes = {"w": (3, 4)}
   params = jax.tree.map(jnp.asarray, tree(0, shapes))
   state, update = tx.init(params), jax.jit(tx.update)
@@ -331,24 +439,39 @@ def test_soap_without_momentum_is_adam_in_the_rotating_eigenbasis():
     rotated = {"w": left.T @ np.asarray(grads["w"]) @ right}
     direction, adam_state = adam.update(rotated, adam_state)
     np.testing.assert_allclose(
-        np.asarray(updates["w"]),
-        -lr * left @ np.asarray(direction["w"]) @ right.T, rtol=1e-9)
+      np.asarray(updates["w"]),
+      -lr * left @ np.asarray(direction["w"]) @ right.T,
+      rtol=1e-9,
+    )
 
 
 # --- KL-Shampoo --------------------------------------------------------------
 
-def kl_shampoo_by_hand(grads, p0, lr=3e-3, b1=0.9, shampoo_beta=0.98,
-                       eps=1e-8, weight_decay=0.01, precondition_frequency=10,
-                       eigenvalue_init=0.1, clamping=True,
-                       max_clamp_value=4000, max_precond_dim=10000,
-                       precondition_1d=False, normalize_grads=False,
-                       eigenbasis="qr"):
+
+def kl_shampoo_by_hand(
+  grads,
+  p0,
+  lr=3e-3,
+  b1=0.9,
+  shampoo_beta=0.98,
+  eps=1e-8,
+  weight_decay=0.01,
+  precondition_frequency=10,
+  eigenvalue_init=0.1,
+  clamping=True,
+  max_clamp_value=4000,
+  max_precond_dim=10000,
+  precondition_1d=False,
+  normalize_grads=False,
+  eigenbasis="qr",
+):
   """The reference KL-Shampoo's steps on one parameter, keeping λ^(-1/2)
   (clamped) as the reference does; a side without a factor has the
   identity for its basis."""
   m, n = matrix(p0.shape)
-  has = [1 < d <= max_precond_dim and (precondition_1d or n > 1)
-         for d in (m, n)]
+  has = [
+    1 < d <= max_precond_dim and (precondition_1d or n > 1) for d in (m, n)
+  ]
   beta, dims = shampoo_beta, (m, n)
   bound = [max(10, min(d, max_clamp_value)) for d in dims]
   factors, bases = [None, None], [np.eye(m), np.eye(n)]
@@ -358,15 +481,20 @@ def kl_shampoo_by_hand(grads, p0, lr=3e-3, b1=0.9, shampoo_beta=0.98,
     gm = g.reshape(m, n)
     if c == 0:
       factors = [(1 - beta) * gm @ gm.T / n, (1 - beta) * gm.T @ gm / m]
-      bases = [descending_eigenvectors(f) if h else b
-               for f, h, b in zip(factors, has, bases)]
+      bases = [
+        descending_eigenvectors(f) if h else b
+        for f, h, b in zip(factors, has, bases)
+      ]
       roots = [np.full(d, eigenvalue_init**-0.5) for d in dims]
       out.append(np.zeros_like(p))
       continue
     avg = b1 * avg + (1 - b1) * gm
     x = np.outer(*roots)
-    d = bases[0] @ ((bases[0].T @ avg @ bases[1]) * x / (1 + x * eps)) \
-        @ bases[1].T
+    d = (
+      bases[0]
+      @ ((bases[0].T @ avg @ bases[1]) * x / (1 + x * eps))
+      @ bases[1].T
+    )
     if normalize_grads:
       d = d / (1e-30 + np.sqrt(np.mean(d**2)))
     stepped = p - lr * d.reshape(p.shape)
@@ -379,33 +507,52 @@ def kl_shampoo_by_hand(grads, p0, lr=3e-3, b1=0.9, shampoo_beta=0.98,
     if has[1]:
       factors[1] = beta * factors[1] + (1 - beta) * gm.T @ inverse[0] @ gm / m
     hat2 = (bases[0].T @ gm @ bases[1]) ** 2
-    diags = [np.mean(hat2 * roots[1][None, :]**2, axis=1),
-             np.mean(hat2 * roots[0][:, None]**2, axis=0)]
+    diags = [
+      np.mean(hat2 * roots[1][None, :] ** 2, axis=1),
+      np.mean(hat2 * roots[0][:, None] ** 2, axis=0),
+    ]
     for k in (0, 1):
-      lam = beta / roots[k]**2 + (1 - beta) * diags[k]
+      lam = beta / roots[k] ** 2 + (1 - beta) * diags[k]
       roots[k] = lam**-0.5
       if clamping:
         roots[k] = np.minimum(roots[k], bound[k])
     if c % precondition_frequency == 0:
       for k in (0, 1):
         if has[k]:
-          bases[k] = (descending_eigenvectors(factors[k])
-                      if eigenbasis == "eigh"
-                      else np.linalg.qr(factors[k] @ bases[k])[0])
+          bases[k] = (
+            descending_eigenvectors(factors[k])
+            if eigenbasis == "eigh"
+            else np.linalg.qr(factors[k] @ bases[k])[0]
+          )
   return out
 
 
 KL_CASES = {
-    "reference defaults, QR refresh at step 2": (
-        dict(precondition_frequency=2), 4, 1.0),
-    "vectors preconditioned, eigh, normalized, damped, unclamped": (
-        dict(b1=0.5, shampoo_beta=0.7, eps=0.1, weight_decay=0.0,
-             precondition_frequency=1, precondition_1d=True,
-             normalize_grads=True, clamping=False, eigenbasis="eigh"), 3,
-        1.0),
-    "long sides in the standard basis, small gradients clamped": (
-        dict(shampoo_beta=0.5, max_precond_dim=3, precondition_frequency=3),
-        6, 1e-3),
+  "reference defaults, QR refresh at step 2": (
+    dict(precondition_frequency=2),
+    4,
+    1.0,
+  ),
+  "vectors preconditioned, eigh, normalized, damped, unclamped": (
+    dict(
+      b1=0.5,
+      shampoo_beta=0.7,
+      eps=0.1,
+      weight_decay=0.0,
+      precondition_frequency=1,
+      precondition_1d=True,
+      normalize_grads=True,
+      clamping=False,
+      eigenbasis="eigh",
+    ),
+    3,
+    1.0,
+  ),
+  "long sides in the standard basis, small gradients clamped": (
+    dict(shampoo_beta=0.5, max_precond_dim=3, precondition_frequency=3),
+    6,
+    1e-3,
+  ),
 }
 
 
@@ -416,11 +563,11 @@ def test_kl_shampoo_steps_as_by_hand(case):
   history, state = run(kl_shampoo(0.1, **options), calls, shapes, scale)
   for name in shapes:
     grads = [g[name] for g, _, _ in history]
-    expected = kl_shampoo_by_hand(grads, history[0][1][name], lr=0.1,
-                                  **options)
+    expected = kl_shampoo_by_hand(grads, history[0][1][name], lr=0.1, **options)
     for step, ((_, _, updates), want) in enumerate(zip(history, expected)):
-      np.testing.assert_allclose(updates[name], want, **TOL,
-                                 err_msg=f"{name} at call {step}")
+      np.testing.assert_allclose(
+        updates[name], want, **TOL, err_msg=f"{name} at call {step}"
+      )
   if scale < 1:  # the clamp bounds the last estimates
     lam = np.asarray(state.parameters["w"].left_eigenvalues)
     np.testing.assert_allclose(lam, 0.01, rtol=1e-12)
@@ -438,14 +585,18 @@ def test_kl_shampoo_factors_follow_their_update_equation():
     old = jax.tree.map(np.asarray, state.parameters["w"])
     _, state = update({"w": jnp.asarray(g)}, state, params)
     new = state.parameters["w"]
-    inv_a = old.left_basis @ np.diag(1 / old.left_eigenvalues) \
-        @ old.left_basis.T
-    inv_b = old.right_basis @ np.diag(1 / old.right_eigenvalues) \
-        @ old.right_basis.T
+    inv_a = (
+      old.left_basis @ np.diag(1 / old.left_eigenvalues) @ old.left_basis.T
+    )
+    inv_b = (
+      old.right_basis @ np.diag(1 / old.right_eigenvalues) @ old.right_basis.T
+    )
     np.testing.assert_allclose(
-        new.left, beta * old.left + (1 - beta) * g @ inv_b @ g.T / 4, **TOL)
+      new.left, beta * old.left + (1 - beta) * g @ inv_b @ g.T / 4, **TOL
+    )
     np.testing.assert_allclose(
-        new.right, beta * old.right + (1 - beta) * g.T @ inv_a @ g / 3, **TOL)
+      new.right, beta * old.right + (1 - beta) * g.T @ inv_a @ g / 3, **TOL
+    )
     if call:  # the bases stay orthonormal
       for q in (new.left_basis, new.right_basis):
         np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
@@ -453,21 +604,29 @@ def test_kl_shampoo_factors_follow_their_update_equation():
 
 # --- all three ---------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [
+
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: shampoo(0.1, beta2=0.99, momentum=0.9, weight_decay=0.1),
     lambda: shampoo(0.1, epsilon=1e-3, matrix_power_method="newton"),
-    lambda: soap(0.1), lambda: kl_shampoo(0.1)],
-    ids=["shampoo", "shampoo_newton", "soap", "kl_shampoo"])
+    lambda: soap(0.1),
+    lambda: kl_shampoo(0.1),
+  ],
+  ids=["shampoo", "shampoo_newton", "soap", "kl_shampoo"],
+)
 def test_float32_parameters_keep_float32_state_and_updates(make):
   """With x64 on, step counts must not promote a float32 state."""
   tx = make()
   params = {k: jnp.asarray(v, jnp.float32) for k, v in tree(0).items()}
   state, update = tx.init(params), jax.jit(tx.update)
   for step in range(3):
-    grads = {k: jnp.asarray(v, jnp.float32)
-             for k, v in tree(step + 1).items()}
+    grads = {k: jnp.asarray(v, jnp.float32) for k, v in tree(step + 1).items()}
     updates, state = update(grads, state, params)
-  floats = {x.dtype for x in jax.tree.leaves((updates, state))
-            if jnp.issubdtype(x.dtype, jnp.floating)}
+  floats = {
+    x.dtype
+    for x in jax.tree.leaves((updates, state))
+    if jnp.issubdtype(x.dtype, jnp.floating)
+  }
   assert floats == {jnp.dtype("float32")}
   assert all(np.isfinite(np.asarray(u)).all() for u in updates.values())

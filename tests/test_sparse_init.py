@@ -18,12 +18,15 @@ def sparse_weights(shape, connections=15, seed=0, dtype=jnp.float32):
 
 def dense_params(d_in, size, seed=0, w_init=None):
   net = hk.transform(lambda x: layers.Dense(size, w_init=w_init)(x))
-  return net.init(jax.random.PRNGKey(seed), jnp.zeros((1, d_in), jnp.float32))["dense"]
+  return net.init(jax.random.PRNGKey(seed), jnp.zeros((1, d_in), jnp.float32))[
+    "dense"
+  ]
 
 
-@pytest.mark.parametrize("d_in, d_out, k", [
-    (5, 7, 15), (15, 4, 15), (16, 3, 15), (200, 30, 15), (40, 9, 1),
-    (8, 8, 8)])
+@pytest.mark.parametrize(
+  "d_in, d_out, k",
+  [(5, 7, 15), (15, 4, 15), (16, 3, 15), (200, 30, 15), (40, 9, 1), (8, 8, 8)],
+)
 def test_every_unit_has_min_k_d_in_nonzeros(d_in, d_out, k):
   w = sparse_weights((d_in, d_out), k)
   assert w.shape == (d_in, d_out)
@@ -57,7 +60,9 @@ def test_positions_differ_between_units_and_seeds():
   assert len({m.tobytes() for m in masks.T}) == 50
   other = sparse_weights((100, 50), seed=1) != 0
   assert not np.array_equal(masks, other)
-  np.testing.assert_array_equal(sparse_weights((100, 50)), sparse_weights((100, 50)))
+  np.testing.assert_array_equal(
+    sparse_weights((100, 50)), sparse_weights((100, 50))
+  )
 
 
 def test_sparse_init_keeps_dtype_and_refuses_bad_input():
@@ -69,8 +74,13 @@ def test_sparse_init_keeps_dtype_and_refuses_bad_input():
 
 
 def autoencoder(*overrides):
-  return problems.make(config.plain(config.compose(
-      "problem=autoencoder", "problem.batch_size=8", *overrides).problem))
+  return problems.make(
+    config.plain(
+      config.compose(
+        "problem=autoencoder", "problem.batch_size=8", *overrides
+      ).problem
+    )
+  )
 
 
 @pytest.mark.parametrize("k", [15, 6])
@@ -98,22 +108,36 @@ def test_gaussian_default_is_unchanged():
   """The default draws exactly what N(0, 1/d_in) did before `w_init`."""
   w = dense_params(1000, 500)["w"]
   # 500,000 draws: the sample std is within 0.1% of the true one (1 s.e.).
-  assert abs(float(jnp.std(w)) - 1000 ** -0.5) < 0.02 * 1000 ** -0.5
-  direct = hk.transform(lambda: hk.get_parameter(
-      "w", (1000, 500), jnp.float32, hk.initializers.RandomNormal(1000 ** -0.5)))
+  assert abs(float(jnp.std(w)) - 1000**-0.5) < 0.02 * 1000**-0.5
+  direct = hk.transform(
+    lambda: hk.get_parameter(
+      "w", (1000, 500), jnp.float32, hk.initializers.RandomNormal(1000**-0.5)
+    )
+  )
   np.testing.assert_array_equal(w, direct.init(jax.random.PRNGKey(0))["~"]["w"])
 
   # The whole autoencoder, default settings, against the layers drawn by hand.
   p = autoencoder()
   params = p.init_params(jax.random.PRNGKey(0))
-  sizes = [("enc_0", 64, 16), ("enc_1", 16, 8), ("code", 8, 4),
-           ("dec_0", 4, 8), ("dec_1", 8, 16), ("logits", 16, 64)]
+  sizes = [
+    ("enc_0", 64, 16),
+    ("enc_1", 16, 8),
+    ("code", 8, 4),
+    ("dec_0", 4, 8),
+    ("dec_1", 8, 16),
+    ("logits", 16, 64),
+  ]
 
   def by_hand():
-    return {name: hk.get_parameter(
-                name, (d_in, d_out), jnp.float32,
-                hk.initializers.RandomNormal(d_in ** -0.5))
-            for name, d_in, d_out in sizes}
+    return {
+      name: hk.get_parameter(
+        name,
+        (d_in, d_out),
+        jnp.float32,
+        hk.initializers.RandomNormal(d_in**-0.5),
+      )
+      for name, d_in, d_out in sizes
+    }
 
   # Jitted as `init_params` is, so both round alike.
   expected = jax.jit(hk.transform(by_hand).init)(jax.random.PRNGKey(0))["~"]

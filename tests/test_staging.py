@@ -45,8 +45,9 @@ def test_stage_returns_arrays_for_python_and_numpy_inputs():
 def test_stage_over_devices_with_pmap():
   n = jax.local_device_count()
   state, x, scale = _args()
-  state, x, scale = jax.tree.map(lambda v: jnp.stack([v] * n),
-                                 (state, x, scale))
+  state, x, scale = jax.tree.map(
+    lambda v: jnp.stack([v] * n), (state, x, scale)
+  )
   staged = staging.stage(_step, static_argnums=(3,), pmap_axis_name="i")
   new_state, (x0, x2, _), _ = staged(state, x, scale, False)
   assert new_state["cache"] is state["cache"] and x0 is x
@@ -65,8 +66,7 @@ def test_target_platform_follows_the_default_device():
 
 
 def test_pmap_stage_runs_on_the_default_devices_platform():
-  staged = staging.stage(lambda x: jax.lax.psum(x, "i") * 2,
-                         pmap_axis_name="i")
+  staged = staging.stage(lambda x: jax.lax.psum(x, "i") * 2, pmap_axis_name="i")
   with jax.default_device(jax.devices("cpu")[0]):
     out = staged(jnp.ones((2, 3)))
   np.testing.assert_array_equal(out, np.full((2, 3), 4.0))
@@ -83,16 +83,20 @@ def test_cpu_options_this_jaxlib_lacks_are_left_out():
       jax.jit(lambda x: x * 2, compiler_options=bad)(jnp.ones(2))
   options = {"xla_backend_optimization_level": 1, UNKNOWN: False}
   assert staging.supported_cpu_options(options) == {
-      "xla_backend_optimization_level": 1}
-  assert staging.supported_cpu_options(
-      {"xla_backend_optimization_level": "high"}) == {}
+    "xla_backend_optimization_level": 1
+  }
+  assert (
+    staging.supported_cpu_options({"xla_backend_optimization_level": "high"})
+    == {}
+  )
   assert staging.supported_cpu_options({}) == {}
 
 
 def test_stage_compiles_without_the_cpu_options_this_jaxlib_lacks():
   state, x, scale = _args()
-  staged = staging.stage(_step, static_argnums=(3,),
-                         cpu_options={UNKNOWN: True})
+  staged = staging.stage(
+    _step, static_argnums=(3,), cpu_options={UNKNOWN: True}
+  )
   got = staged(state, x, scale, True)
   expected = _step(state, x, scale, True)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
@@ -100,19 +104,25 @@ def test_stage_compiles_without_the_cpu_options_this_jaxlib_lacks():
 
 
 def test_kfac_memory_programs_compile_without_unknown_cpu_options(
-    tiny, monkeypatch):
+  tiny, monkeypatch
+):
   from curvbench import approximations, config, optimizers
   from curvbench.optimizers import kfac as kfac_trainer
   from tests.conftest import TINY
+
   problem, params, batch = tiny
-  monkeypatch.setattr(kfac_trainer, "QUICK_CPU_COMPILE",
-                      {**kfac_trainer.QUICK_CPU_COMPILE, UNKNOWN: True})
-  cfg = config.compose(*TINY, "optimizer=kfac",
-                       "optimizer.inverse_update_period=1")
-  curvature = approximations.make(config.plain(cfg.curvature),
-                                  problem.loss_fn)
-  trainer = optimizers.make(config.plain(cfg.optimizer), problem.loss_fn,
-                            curvature)
+  monkeypatch.setattr(
+    kfac_trainer,
+    "QUICK_CPU_COMPILE",
+    {**kfac_trainer.QUICK_CPU_COMPILE, UNKNOWN: True},
+  )
+  cfg = config.compose(
+    *TINY, "optimizer=kfac", "optimizer.inverse_update_period=1"
+  )
+  curvature = approximations.make(config.plain(cfg.curvature), problem.loss_fn)
+  trainer = optimizers.make(
+    config.plain(cfg.optimizer), problem.loss_fn, curvature
+  )
   rng = jax.random.PRNGKey(0)
   state = trainer.init(params, batch, rng)
   programs = trainer.compiled_programs(params, state, batch, rng)

@@ -61,14 +61,23 @@ def run_timing(tiny, *overrides):
   problem, params, batch = tiny
   run = config.load(config.compose(*TINY, *overrides))
   tables = clock.measure(
-      problem.loss_fn, run.curvature.make(problem.loss_fn), params, batch,
-      run.measure.timing, run.optimizer, jax.random.PRNGKey(0))
-  return (pd.DataFrame(tables["timing"]).set_index("phase"),
-          pd.DataFrame(tables["timing_samples"]))
+    problem.loss_fn,
+    run.curvature.make(problem.loss_fn),
+    params,
+    batch,
+    run.measure.timing,
+    run.optimizer,
+    jax.random.PRNGKey(0),
+  )
+  return (
+    pd.DataFrame(tables["timing"]).set_index("phase"),
+    pd.DataFrame(tables["timing_samples"]),
+  )
 
 
 def test_every_phase_is_timed_round_by_round_beside_the_baseline(
-    tiny, monkeypatch):
+  tiny, monkeypatch
+):
   log, compiled = [], []
   compile_steps = training.compile_steps
   trainers = {}
@@ -78,7 +87,8 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
 
     def counted(settings, loss_fn, curvature=None, mesh=None, make=cls.make):
       trainers[settings.name] = Counted(
-          make(settings, loss_fn, curvature, mesh), settings.name, log)
+        make(settings, loss_fn, curvature, mesh), settings.name, log
+      )
       return trainers[settings.name]
 
     monkeypatch.setattr(cls, "make", counted)
@@ -96,9 +106,12 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
   monkeypatch.setattr(training, "compile_steps", recorded)
   monkeypatch.setattr(clock.Call, "sample", single)
   df, samples = run_timing(
-      tiny, "measure.timing.warmup=1", "measure.timing.repeats=2",
-      "optimizer.inverse_update_period=3",
-      "optimizer.damping_adaptation_interval=5")
+    tiny,
+    "measure.timing.warmup=1",
+    "measure.timing.repeats=2",
+    "optimizer.inverse_update_period=3",
+    "optimizer.damping_adaptation_interval=5",
+  )
 
   assert list(df.index) == [*clock.PHASES, "baseline_step"]
   assert (df[STATS] > 0).all().all() and (df.repeats == 2).all()
@@ -114,9 +127,11 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
   # for kfac and then adam (its own cycle is 1); then 1 + 2 rounds, each
   # one call of every single-call phase and one whole cycle of each step.
   setup = ["kfac"] * (cycle + 2) + ["adam"] * 3
-  assert log[:len(setup)] == setup
-  assert log[len(setup):] == (["call"] * 4 + ["kfac"] * cycle
-                              + ["adam"] * cycle) * 3
+  assert log[: len(setup)] == setup
+  assert (
+    log[len(setup) :]
+    == (["call"] * 4 + ["kfac"] * cycle + ["adam"] * cycle) * 3
+  )
   # Every ratio is paired within its round: the median and quartiles of
   # the same per-round ratios, which the samples table holds.
   assert len(samples) == 2 * len(df)
@@ -127,10 +142,13 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
     median, q25, q75 = stats.quartiles(ratios)
     assert df.ratio_to_baseline[phase] == pytest.approx(median)
     assert (df.ratio_q25[phase], df.ratio_q75[phase]) == pytest.approx(
-        (q25, q75))
+      (q25, q75)
+    )
     assert q25 <= median <= q75
-  assert (df.ratio_to_baseline["baseline_step"] == 1.0
-          and df.ratio_to_grad_step["grad_step"] == 1.0)
+  assert (
+    df.ratio_to_baseline["baseline_step"] == 1.0
+    and df.ratio_to_grad_step["grad_step"] == 1.0
+  )
   # The machine's load over the timed rounds, in every row.
   assert (df.load_window_s > 0).all() and (df.cpu_count >= 1).all()
   assert df.others_cpu_share.between(0, 1).all()
@@ -142,17 +160,17 @@ def test_every_phase_is_timed_round_by_round_beside_the_baseline(
   assert len(kfac_bytes) == cycle  # a program per step of the cycle,
   assert len({id(p) for p in trainers["kfac"].programs}) == 4  # 4 kinds
   assert df.program_bytes["optimizer_step"] == max(kfac_bytes)
-  assert df.program_bytes["baseline_step"] == trainers[
-      "adam"].program_bytes[0]
-  assert df.program_bytes["optimizer_step"] > df.program_bytes[
-      "baseline_step"]
+  assert df.program_bytes["baseline_step"] == trainers["adam"].program_bytes[0]
+  assert df.program_bytes["optimizer_step"] > df.program_bytes["baseline_step"]
   # XLA's flops: the step's the mean over its cycle's programs; every
   # ratio the phase's count over the baseline step's.
   assert (df.flops > 0).all()
-  assert df.flops["optimizer_step"] == pytest.approx(np.mean(
-      [costs.flops(p) for p in trainers["kfac"].programs]))
-  np.testing.assert_allclose(df.flop_ratio_to_baseline,
-                             df.flops / df.flops["baseline_step"])
+  assert df.flops["optimizer_step"] == pytest.approx(
+    np.mean([costs.flops(p) for p in trainers["kfac"].programs])
+  )
+  np.testing.assert_allclose(
+    df.flop_ratio_to_baseline, df.flops / df.flops["baseline_step"]
+  )
   assert df.flops["optimizer_step"] > df.flops["grad_step"]
 
 
@@ -170,19 +188,28 @@ def test_the_baseline_is_any_first_order_optimizer_of_the_registry(tiny):
   assert run.measure.timing.baseline == OPTIMIZERS.defaults("adam")
   assert run.measure.chosen.uses_optimizer(run)
   assert not run.measure.chosen.uses_curvature(run)
-  tuned = config.load(config.compose(
-      "measure.timing.baseline.learning_rate=0.5"))
+  tuned = config.load(
+    config.compose("measure.timing.baseline.learning_rate=0.5")
+  )
   assert tuned.optimizer.name == "kfac"
   assert tuned.measure.timing.baseline.learning_rate == 0.5
-  sgd = config.load(config.compose(
-      *TINY, "measure=timing", "measure/timing/baseline=sgd",
-      "measure.timing.baseline.momentum=0.5"))
+  sgd = config.load(
+    config.compose(
+      *TINY,
+      "measure=timing",
+      "measure/timing/baseline=sgd",
+      "measure.timing.baseline.momentum=0.5",
+    )
+  )
   assert sgd.measure.timing.baseline == OPTIMIZERS.load(
-      {"name": "sgd", "momentum": 0.5})
+    {"name": "sgd", "momentum": 0.5}
+  )
   df, _ = run_timing(tiny, "optimizer=adam", "measure/timing/baseline=sgd")
   assert set(df.baseline) == {"sgd"}
-  with pytest.raises(config.ConfigError, match="kfac uses a curvature; "
-                     "the baseline is a first-order optimizer"):
+  with pytest.raises(
+    config.ConfigError,
+    match="kfac uses a curvature; the baseline is a first-order optimizer",
+  ):
     config.compose("measure/timing/baseline=kfac")
   with pytest.raises(config.ConfigError, match="did you mean learning_rate"):
     config.compose("measure.timing.baseline.learnig_rate=3")
@@ -194,8 +221,10 @@ def test_the_baseline_is_any_first_order_optimizer_of_the_registry(tiny):
 @pytest.fixture
 def hog():
   """Two processes that keep a core busy each, for the test's length."""
-  procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-           for _ in range(2)]
+  procs = [
+    subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    for _ in range(2)
+  ]
   try:
     yield
   finally:
@@ -208,15 +237,18 @@ def test_load_counts_what_other_processes_use(hog):
   busy = load.sample(1.0)
   assert busy.others_share > 0.3  # two cores of whatever the machine has
   assert busy.seconds == pytest.approx(1.0, abs=0.5)
-  with pytest.raises(load.MachineBusy, match=r"the machine is busy: other "
-                     r"processes used \d+ % of the \d+ CPUs .*"
-                     "when_busy=wait"):
+  with pytest.raises(
+    load.MachineBusy,
+    match=r"the machine is busy: other "
+    r"processes used \d+ % of the \d+ CPUs .*"
+    "when_busy=wait",
+  ):
     load.settle("refuse", 0.1, 0.0)
   waited = load.settle("wait", 0.1, 0.5)  # gives up, then measures
   assert waited.others_share > 0.1
   assert load.settle("measure", 0.1, 0.0) is None  # the timing records it
   with load.Monitor(min_seconds=0.0) as own:
-    sum(i * i for i in range(2 * 10 ** 6))
+    sum(i * i for i in range(2 * 10**6))
   # CPU seconds the loop spent (its share of the cores falls on a busy
   # machine; its CPU time does not).
   assert own.load.process_cores * own.load.seconds > 0.05
@@ -230,18 +262,22 @@ def test_load_counts_what_other_processes_use(hog):
 def test_a_timing_beside_a_cpu_hog_is_flagged_in_the_report(hog, tmp_path):
   """Timed while two other processes keep cores busy: the records carry
   the load, and the report flags the figures and says by how much."""
-  cfg = config.compose(*TINY, "measure=timing", "measure.timing.repeats=4",
-                       "optimizer=adam")
+  cfg = config.compose(
+    *TINY, "measure=timing", "measure.timing.repeats=4", "optimizer=adam"
+  )
   assert runs.run(cfg, tmp_path / "busy") == "complete"
   written = report.write(tmp_path)
   rows = pd.read_csv(tmp_path / "report" / "timing_all.csv")
   assert rows.contended.all() and (rows.others_cpu_share > 0.1).all()
   text = (tmp_path / "report" / "report.md").read_text()
   assert "(1 runs x 4 rounds, contended in 1 of 1 runs)" in text
-  assert ("1 of 1 timing runs ran while other processes used more of the "
-          "CPUs than busy_share allows (up to") in text
+  assert (
+    "1 of 1 timing runs ran while other processes used more of the "
+    "CPUs than busy_share allows (up to"
+  ) in text
   assert written["self_check"] == []
-  refused = config.compose(*TINY, "measure=timing", "optimizer=adam",
-                           "measure.timing.when_busy=refuse")
+  refused = config.compose(
+    *TINY, "measure=timing", "optimizer=adam", "measure.timing.when_busy=refuse"
+  )
   with pytest.raises(load.MachineBusy, match="the machine is busy"):
     runs.run(refused, tmp_path / "refused")

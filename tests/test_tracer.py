@@ -13,18 +13,22 @@ from tests import groundtruth as gt
 def test_loss_tags_linearize_equals_jvp_of_the_network_outputs():
   problem = gt.mlp()
   x = problem.batch[0]
-  tangents = [jax.tree.map(lambda p, s=s: jnp.full_like(p, s) * p,
-                           problem.params) for s in (1.0, -0.5)]
+  tangents = [
+    jax.tree.map(lambda p, s=s: jnp.full_like(p, s) * p, problem.params)
+    for s in (1.0, -0.5)
+  ]
   losses, jvp = kfac.loss_tags_linearize(problem.tagged)(
-      (problem.params, problem.batch))
+    (problem.params, problem.batch)
+  )
   outputs = problem.forward(problem.params, x)
-  np.testing.assert_allclose(losses[0].parameter_dependants[0], outputs,
-                             rtol=1e-12)
+  np.testing.assert_allclose(
+    losses[0].parameter_dependants[0], outputs, rtol=1e-12
+  )
   for v in tangents:
-    _, expected = jax.jvp(lambda p: problem.forward(p, x),
-                          (problem.params,), (v,))
-    np.testing.assert_allclose(jvp(v)[0][0], expected, rtol=1e-10,
-                               atol=1e-12)
+    _, expected = jax.jvp(
+      lambda p: problem.forward(p, x), (problem.params,), (v,)
+    )
+    np.testing.assert_allclose(jvp(v)[0][0], expected, rtol=1e-10, atol=1e-12)
 
 
 def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
@@ -33,9 +37,11 @@ def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
   def shared_weight(p, batch):
     def layer(h, _):
       return kfac.register_dense(h @ p["ws"][0], h, p["ws"][0]), None
+
     h, _ = lax.scan(layer, batch[0] @ p["w0"], None, length=2)
     return jnp.sum(kfac.register_softmax_cross_entropy_loss(h, batch[1]))
 
   with pytest.raises(kfac.TracingError, match="not a slice of a stacked leaf"):
     kfac.ProcessedJaxpr.make_from_func(
-        shared_weight, (params, (np.ones((5, 4)), np.arange(5) % 3)))
+      shared_weight, (params, (np.ones((5, 4)), np.arange(5) % 3))
+    )

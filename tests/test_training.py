@@ -15,28 +15,41 @@ from curvbench import training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
 
-STEPS = Training(num_steps=12, log_every=1, eval_every=5, eval_size=50,
-                 train_eval_size=100)
+STEPS = Training(
+  num_steps=12, log_every=1, eval_every=5, eval_size=50, train_eval_size=100
+)
 
 
 def optimizer(tiny, *overrides):
   run = config.load(config.compose(*overrides))
-  return run.optimizer.make(tiny[0].loss_fn,
-                            run.curvature.make(tiny[0].loss_fn))
+  return run.optimizer.make(
+    tiny[0].loss_fn, run.curvature.make(tiny[0].loss_fn)
+  )
 
 
 def test_training_same_order_and_loss_decreases(tiny):
   p, params, _ = tiny
   runs = {}
   for name, overrides in {
-      "sgd": ["optimizer=sgd", "optimizer.learning_rate=0.05"],
-      "adam": ["optimizer=adam", "optimizer.learning_rate=0.01"],
-      "kfac": ["optimizer=kfac"],
-      "preconditioned_sgd": ["optimizer=preconditioned_sgd",
-                             "curvature=explicit_exact"]}.items():
-    runs[name] = pd.DataFrame(training.run(
-        p, optimizer(tiny, *overrides), params, STEPS, jax.random.PRNGKey(0),
-        data_seed=0, progress=False))
+    "sgd": ["optimizer=sgd", "optimizer.learning_rate=0.05"],
+    "adam": ["optimizer=adam", "optimizer.learning_rate=0.01"],
+    "kfac": ["optimizer=kfac"],
+    "preconditioned_sgd": [
+      "optimizer=preconditioned_sgd",
+      "curvature=explicit_exact",
+    ],
+  }.items():
+    runs[name] = pd.DataFrame(
+      training.run(
+        p,
+        optimizer(tiny, *overrides),
+        params,
+        STEPS,
+        jax.random.PRNGKey(0),
+        data_seed=0,
+        progress=False,
+      )
+    )
   for name, df in runs.items():
     assert list(df.step) == list(range(13))  # 0: the initialisation
     assert df.wall_s.is_monotonic_increasing and df.wall_s.iloc[0] == 0
@@ -55,7 +68,8 @@ def test_training_same_order_and_loss_decreases(tiny):
 
 
 def test_preconditioned_sgd_steps_on_the_damped_inverse_of_the_average(
-    tiny, tiny_ggn):
+  tiny, tiny_ggn
+):
   """Two steps against `-lr * (m v + (C + damping I)^-1 g)` with C the exact
   GGN: stale between refreshes, an average of the two batches' after one."""
   p, params, batch = tiny
@@ -67,28 +81,41 @@ def test_preconditioned_sgd_steps_on_the_damped_inverse_of_the_average(
   eye = np.eye(len(tiny_ggn))
   for inverse_period in (5, 1):
     tx = optax.chain(
-        precondition_by_curvature(
-            cur, batch, jax.random.PRNGKey(0), damping=damping,
-            curvature_ema=ema, curvature_update_period=1,
-            inverse_update_period=inverse_period),
-        optax.sgd(lr, momentum=momentum))
+      precondition_by_curvature(
+        cur,
+        batch,
+        jax.random.PRNGKey(0),
+        damping=damping,
+        curvature_ema=ema,
+        curvature_update_period=1,
+        inverse_update_period=inverse_period,
+      ),
+      optax.sgd(lr, momentum=momentum),
+    )
     state = tx.init(params)
     g0 = jax.grad(p.loss_fn)(params, batch)
-    update, state = tx.update(g0, state, params, batch=batch,
-                              rng=jax.random.PRNGKey(1))
+    update, state = tx.update(
+      g0, state, params, batch=batch, rng=jax.random.PRNGKey(1)
+    )
     d0 = np.linalg.solve(tiny_ggn + damping * eye, flat(g0))
     np.testing.assert_allclose(flat(update), -lr * d0, rtol=1e-8)
     params1 = optax.apply_updates(params, update)
     g1 = jax.grad(p.loss_fn)(params1, second)
-    update, state = tx.update(g1, state, params1, batch=second,
-                              rng=jax.random.PRNGKey(2))
-    ggn1 = cur.to_dense(curvatures.estimate(cur, jax.random.PRNGKey(2),
-                                            params1, second))
-    used = tiny_ggn if inverse_period == 5 else ema * tiny_ggn + (
-        1 - ema) * np.asarray(ggn1)
+    update, state = tx.update(
+      g1, state, params1, batch=second, rng=jax.random.PRNGKey(2)
+    )
+    ggn1 = cur.to_dense(
+      curvatures.estimate(cur, jax.random.PRNGKey(2), params1, second)
+    )
+    used = (
+      tiny_ggn
+      if inverse_period == 5
+      else ema * tiny_ggn + (1 - ema) * np.asarray(ggn1)
+    )
     d1 = np.linalg.solve(used + damping * eye, flat(g1))
-    np.testing.assert_allclose(flat(update), -lr * (momentum * d0 + d1),
-                               rtol=1e-8)
+    np.testing.assert_allclose(
+      flat(update), -lr * (momentum * d0 + d1), rtol=1e-8
+    )
 
 
 def test_kfac_needs_a_block_diagonal_curvature(tiny):
@@ -105,9 +132,13 @@ def test_measurement_steps_lists_and_log_spacing():
   assert training.measurement_steps([200, 0, 20, 20], 200) == [0, 20, 200]
   assert training.measurement_steps("log:4", 1000) == [0, 1, 32, 1000]
   assert training.measurement_steps([], 10) == []
-  for spec, message in [([0, 300], "beyond the training run's length"),
-                        ([-1], "non-negative"), ("log:1", "log:N"),
-                        ("every:5", "log:N"), (["a"], "list of integers")]:
+  for spec, message in [
+    ([0, 300], "beyond the training run's length"),
+    ([-1], "non-negative"),
+    ("log:1", "log:N"),
+    ("every:5", "log:N"),
+    (["a"], "list of integers"),
+  ]:
     with pytest.raises(ValueError, match=message):
       training.measurement_steps(spec, 200)
 
@@ -149,9 +180,17 @@ def test_training_grows_the_batch_and_compiles_every_size_first(tiny):
   p, params, _ = tiny
   cfg = dataclasses.replace(STEPS, batch_growth_steps=8, eval_every=100)
   trainer = Shrinking()
-  rows = pd.DataFrame(training.run(p, trainer, params, cfg,
-                                   jax.random.PRNGKey(0), data_seed=0,
-                                   progress=False))
+  rows = pd.DataFrame(
+    training.run(
+      p,
+      trainer,
+      params,
+      cfg,
+      jax.random.PRNGKey(0),
+      data_seed=0,
+      progress=False,
+    )
+  )
   size = training.batch_schedule(p.batch_size, len(p.data.x_train), 8, 2.0)
   schedule = [size(k) for k in range(1, cfg.num_steps + 1)]
   assert len(set(schedule)) > 2 and schedule[-1] == len(p.data.x_train)
@@ -159,32 +198,50 @@ def test_training_grows_the_batch_and_compiles_every_size_first(tiny):
   assert sorted(set(trainer.sizes[:warm])) == sorted(set(schedule))
   assert trainer.sizes[warm:] == schedule
   assert list(rows.batch_size[1:]) == schedule
-  assert "batch_size" not in pd.DataFrame(training.run(
-      p, Shrinking(), params, STEPS, jax.random.PRNGKey(0), data_seed=0,
-      progress=False))
+  assert "batch_size" not in pd.DataFrame(
+    training.run(
+      p,
+      Shrinking(),
+      params,
+      STEPS,
+      jax.random.PRNGKey(0),
+      data_seed=0,
+      progress=False,
+    )
+  )
 
 
 def test_training_averages_the_iterates_and_reports_the_lower_error(tiny):
   p, params, _ = tiny
   decay = 0.7
   cfg = dataclasses.replace(STEPS, average_decay=decay)
-  rows = pd.DataFrame(training.run(p, Shrinking(), params, cfg,
-                                   jax.random.PRNGKey(0), data_seed=0,
-                                   progress=False)).set_index("step")
+  rows = pd.DataFrame(
+    training.run(
+      p,
+      Shrinking(),
+      params,
+      cfg,
+      jax.random.PRNGKey(0),
+      data_seed=0,
+      progress=False,
+    )
+  ).set_index("step")
   mean = params
   for k in range(1, cfg.num_steps + 1):  # iterate k is 0.9^k params
-    mean = jax.tree.map(lambda m, q: decay * m + (1 - decay) * 0.9 ** k * q,
-                        mean, params)
+    mean = jax.tree.map(
+      lambda m, q: decay * m + (1 - decay) * 0.9**k * q, mean, params
+    )
   evaluate = training.evaluator(p, cfg, np.float64)
   last = rows.loc[cfg.num_steps]
   expected = evaluate(mean, None)
-  iterate = evaluate(jax.tree.map(lambda q: 0.9 ** cfg.num_steps * q,
-                                  params), None)
+  iterate = evaluate(
+    jax.tree.map(lambda q: 0.9**cfg.num_steps * q, params), None
+  )
   for key in ("train_loss", "test_loss", "train_error", "test_error"):
-    np.testing.assert_allclose(last[f"{key}_average"], expected[key],
-                               rtol=1e-10)
-    np.testing.assert_allclose(last[f"{key}_iterate"], iterate[key],
-                               rtol=1e-10)
+    np.testing.assert_allclose(
+      last[f"{key}_average"], expected[key], rtol=1e-10
+    )
+    np.testing.assert_allclose(last[f"{key}_iterate"], iterate[key], rtol=1e-10)
     assert last[key] == min(expected[key], iterate[key])
   assert last.train_loss_average != last.train_loss_iterate  # both seen
 

@@ -13,9 +13,13 @@ SHAPES = [(3, 4), (5,), (130, 130)]
 
 def _trees(count, seed):
   rng = np.random.default_rng(seed)
-  return [{"a": rng.standard_normal(SHAPES[0]),
-           "b": [rng.standard_normal(SHAPES[1]),
-                 rng.standard_normal(SHAPES[2])]} for _ in range(count)]
+  return [
+    {
+      "a": rng.standard_normal(SHAPES[0]),
+      "b": [rng.standard_normal(SHAPES[1]), rng.standard_normal(SHAPES[2])],
+    }
+    for _ in range(count)
+  ]
 
 
 def _flat(tree):
@@ -26,16 +30,22 @@ def test_gram_matrix_equals_pairwise_inner_products():
   trees = _trees(3, seed=0)
   others = _trees(2, seed=1)
   as_jax = lambda ts: jax.tree.map(jnp.asarray, ts)
-  flat, flat_others = (np.stack([_flat(t) for t in ts])
-                       for ts in (trees, others))
-  np.testing.assert_allclose(utils.gram_matrix(as_jax(trees)),
-                             flat @ flat.T, rtol=1e-12)
+  flat, flat_others = (
+    np.stack([_flat(t) for t in ts]) for ts in (trees, others)
+  )
   np.testing.assert_allclose(
-      utils.gram_matrix(as_jax(trees), as_jax(others)), flat @ flat_others.T,
-      rtol=1e-12)
+    utils.gram_matrix(as_jax(trees)), flat @ flat.T, rtol=1e-12
+  )
   np.testing.assert_allclose(
-      utils.gram_matrix(as_jax(trees))[0, 1],
-      utils.inner_product(as_jax(trees[0]), as_jax(trees[1])), rtol=1e-12)
+    utils.gram_matrix(as_jax(trees), as_jax(others)),
+    flat @ flat_others.T,
+    rtol=1e-12,
+  )
+  np.testing.assert_allclose(
+    utils.gram_matrix(as_jax(trees))[0, 1],
+    utils.inner_product(as_jax(trees[0]), as_jax(trees[1])),
+    rtol=1e-12,
+  )
 
 
 def test_gram_matrix_rejects_trees_with_different_leaves():

@@ -65,14 +65,16 @@ class TorchConvNet(torch.nn.Sequential):
   def __init__(self, settings, image_shape, num_classes: int, dtype):
     if settings.normalize or settings.activation != "relu":
       raise SystemExit(
-          f"{PROBLEM} now has normalize={settings.normalize}, activation="
-          f"{settings.activation!r}; this torch copy has no normalisation "
-          "and ReLU: extend TorchConvNet to match problems/models/convnet.py.")
+        f"{PROBLEM} now has normalize={settings.normalize}, activation="
+        f"{settings.activation!r}; this torch copy has no normalisation "
+        "and ReLU: extend TorchConvNet to match problems/models/convnet.py."
+      )
     height, width, channels = image_shape
     layers = collections.OrderedDict()
     for i, c in enumerate(settings.channels):
-      layers[f"conv_{i}"] = torch.nn.Conv2d(channels, c, settings.kernel,
-                                            padding="same", dtype=dtype)
+      layers[f"conv_{i}"] = torch.nn.Conv2d(
+        channels, c, settings.kernel, padding="same", dtype=dtype
+      )
       layers[f"relu_{i}"] = torch.nn.ReLU()
       layers[f"pool_{i}"] = torch.nn.MaxPool2d(2)  # floors, as 'VALID' does
       height, width, channels = height // 2, width // 2, c
@@ -108,9 +110,10 @@ class TorchConvNet(torch.nn.Sequential):
   def load(self, params):
     """Copies our params into this module."""
     with torch.no_grad():
-      for p, a in zip(self.parameters(),
-                      side_by_side.torch_tensors(self.layout(params),
-                                                 self.dtype)):
+      for p, a in zip(
+        self.parameters(),
+        side_by_side.torch_tensors(self.layout(params), self.dtype),
+      ):
         p.copy_(a)
 
   def tensors(self, tree) -> list:
@@ -124,9 +127,13 @@ def torch_batches(examples: data.Data, dtype) -> list:
   batches = [(x[i], y[i]) for i in range(examples.num_chunks)]
   if examples.rest is not None:
     batches.append(examples.rest)
-  return [(torch.tensor(np.asarray(x).transpose(0, 3, 1, 2), dtype=dtype),
-           torch.tensor(np.asarray(y), dtype=torch.int64))
-          for x, y in batches]
+  return [
+    (
+      torch.tensor(np.asarray(x).transpose(0, 3, 1, 2), dtype=dtype),
+      torch.tensor(np.asarray(y), dtype=torch.int64),
+    )
+    for x, y in batches
+  ]
 
 
 def sides(dtype):
@@ -135,21 +142,32 @@ def sides(dtype):
   problem = problems.make(settings)
   params = problem.init_params(jax.random.PRNGKey(0), dtype)
   examples = data.select(problem, "train", dtype=dtype)
-  model = TorchConvNet(settings, problem.data.x_train.shape[1:],
-                       problem.data.num_classes, TORCH_DTYPE[dtype])
+  model = TorchConvNet(
+    settings,
+    problem.data.x_train.shape[1:],
+    problem.data.num_classes,
+    TORCH_DTYPE[dtype],
+  )
   model.load(params)
   implicit = kfac.ImplicitExactCurvature(problem.loss_fn)
   product = curvatures.IMPLICIT_PRODUCTS["ggn"]
   return types.SimpleNamespace(
-      dtype=dtype, problem=problem, params=params, examples=examples,
-      model=model,
-      ggn=jax.jit(lambda p, v, d: d.mean(
-          lambda b: product(implicit, (p, b), v))),
-      gradient=jax.jit(lambda p, d: d.mean(
-          lambda b: jax.grad(problem.loss_fn)(p, b))),
-      op=GGNLinearOperator(model, torch.nn.CrossEntropyLoss(),
-                           list(model.parameters()),
-                           torch_batches(examples, TORCH_DTYPE[dtype])))
+    dtype=dtype,
+    problem=problem,
+    params=params,
+    examples=examples,
+    model=model,
+    ggn=jax.jit(lambda p, v, d: d.mean(lambda b: product(implicit, (p, b), v))),
+    gradient=jax.jit(
+      lambda p, d: d.mean(lambda b: jax.grad(problem.loss_fn)(p, b))
+    ),
+    op=GGNLinearOperator(
+      model,
+      torch.nn.CrossEntropyLoss(),
+      list(model.parameters()),
+      torch_batches(examples, TORCH_DTYPE[dtype]),
+    ),
+  )
 
 
 def check_point(s, params, where: str):
@@ -159,20 +177,37 @@ def check_point(s, params, where: str):
   name = lambda what: f"{what}, {where}, {np.dtype(s.dtype).name}"
   x = s.examples.concatenated()[0]
   with torch.no_grad():
-    theirs = s.model(torch.tensor(np.asarray(x).transpose(0, 3, 1, 2),
-                                  dtype=s.model.dtype))
-  side_by_side.check(name("logits over the split"), side_by_side.relative_error(
-      [s.problem.outputs(params, x)], [theirs]), logits)
+    theirs = s.model(
+      torch.tensor(np.asarray(x).transpose(0, 3, 1, 2), dtype=s.model.dtype)
+    )
+  side_by_side.check(
+    name("logits over the split"),
+    side_by_side.relative_error([s.problem.outputs(params, x)], [theirs]),
+    logits,
+  )
   gradient = s.gradient(params, s.examples)
-  side_by_side.check(name("gradients"), side_by_side.relative_error(
-      s.model.layout(gradient), s.op.gradient_and_loss()[0]), products)
+  side_by_side.check(
+    name("gradients"),
+    side_by_side.relative_error(
+      s.model.layout(gradient), s.op.gradient_and_loss()[0]
+    ),
+    products,
+  )
   rng = np.random.default_rng(1)
-  for what, v in (("gradient", gradient), ("random vector", jax.tree.map(
-      lambda a: rng.normal(size=a.shape).astype(s.dtype), params))):
+  for what, v in (
+    ("gradient", gradient),
+    (
+      "random vector",
+      jax.tree.map(lambda a: rng.normal(size=a.shape).astype(s.dtype), params),
+    ),
+  ):
     side_by_side.check(
-        name(f"GGN products with the {what}"), side_by_side.relative_error(
-            s.model.layout(s.ggn(params, v, s.examples)),
-            s.op @ s.model.tensors(v)), products)
+      name(f"GGN products with the {what}"),
+      side_by_side.relative_error(
+        s.model.layout(s.ggn(params, v, s.examples)), s.op @ s.model.tensors(v)
+      ),
+      products,
+    )
 
 
 def check_sides(s):
@@ -180,9 +215,13 @@ def check_sides(s):
   model at the initial params."""
   check_point(s, s.params, "initial params")
   rng = np.random.default_rng(0)
-  check_point(s, jax.tree.map(
-      lambda a: a + 0.1 * rng.normal(size=a.shape).astype(s.dtype), s.params),
-      "perturbed params")
+  check_point(
+    s,
+    jax.tree.map(
+      lambda a: a + 0.1 * rng.normal(size=a.shape).astype(s.dtype), s.params
+    ),
+    "perturbed params",
+  )
   s.model.load(s.params)
 
 
@@ -191,26 +230,38 @@ def main(rounds: int):
     check_sides(sides(np.float64))
   s = sides(np.float32)
   check_sides(s)
-  print(f"  {s.problem.name}: {s.examples.num_examples} training examples in "
-        f"{s.examples.num_chunks} chunks of {s.examples.chunk_size} + "
-        f"{s.examples.rest_size}; "
-        f"{sum(a.size for a in jax.tree.leaves(s.params))} parameters")
+  print(
+    f"  {s.problem.name}: {s.examples.num_examples} training examples in "
+    f"{s.examples.num_chunks} chunks of {s.examples.chunk_size} + "
+    f"{s.examples.rest_size}; "
+    f"{sum(a.size for a in jax.tree.leaves(s.params))} parameters"
+  )
   vector = s.gradient(s.params, s.examples)
   vector_torch = s.model.tensors(vector)
   block = lambda fn: lambda: side_by_side.timed(
-      lambda: jax.block_until_ready(fn()))
-  seconds = side_by_side.interleaved({
+    lambda: jax.block_until_ready(fn())
+  )
+  seconds = side_by_side.interleaved(
+    {
       "our GGN-vector product": block(
-          lambda: s.ggn(s.params, vector, s.examples)),
+        lambda: s.ggn(s.params, vector, s.examples)
+      ),
       "curvlinops GGN-vector product": lambda: side_by_side.timed(
-          lambda: s.op @ vector_torch),
+        lambda: s.op @ vector_torch
+      ),
       "our gradient": block(lambda: s.gradient(s.params, s.examples)),
-      "curvlinops gradient": lambda: side_by_side.timed(
-          s.op.gradient_and_loss)}, rounds)
+      "curvlinops gradient": lambda: side_by_side.timed(s.op.gradient_and_loss),
+    },
+    rounds,
+  )
   side_by_side.describe_machine(rounds)
-  side_by_side.report(seconds, [
+  side_by_side.report(
+    seconds,
+    [
       ("our GGN-vector product", "curvlinops GGN-vector product"),
-      ("our gradient", "curvlinops gradient")])
+      ("our gradient", "curvlinops gradient"),
+    ],
+  )
 
 
 if __name__ == "__main__":

@@ -50,22 +50,31 @@ def our_estimate(family: str, dtype):
   """`(estimator, state, update, args)`: a fresh state of the harness's
   `family` estimator on the MLP, and its jitted one-batch update."""
   loss_fn, params, (x, labels) = mlp_problem(SIZES, BATCH)
-  args = (jax.tree.map(lambda a: a.astype(dtype), params),
-          (x.astype(dtype), labels))
+  args = (
+    jax.tree.map(lambda a: a.astype(dtype), params),
+    (x.astype(dtype), labels),
+  )
   estimator = CURVATURES.defaults(family).make(loss_fn).estimator
   rng = jax.random.PRNGKey(0)
-  state = estimator.init(rng, args, exact_powers_to_cache=None,
-                         approx_powers_to_cache=None)
-  update = jax.jit(lambda s, a: estimator.update_curvature_matrix_estimate(
-      s, 0.0, 1.0, BATCH, rng, a, estimation_mode="ggn_exact"))
+  state = estimator.init(
+    rng, args, exact_powers_to_cache=None, approx_powers_to_cache=None
+  )
+  update = jax.jit(
+    lambda s, a: estimator.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, BATCH, rng, a, estimation_mode="ggn_exact"
+    )
+  )
   return estimator, state, update, args
 
 
 def torch_layout(tree) -> list:
   """Our `{w_i: (in, out), b_i}` as torch's `[weight_0 (out, in), bias_0,
   ...]`, the order of the torch model's parameters."""
-  return [a for i in range(len(SIZES) - 1)
-          for a in (np.asarray(tree[f"w{i}"]).T, tree[f"b{i}"])]
+  return [
+    a
+    for i in range(len(SIZES) - 1)
+    for a in (np.asarray(tree[f"w{i}"]).T, tree[f"b{i}"])
+  ]
 
 
 def torch_problem(args, dtype):
@@ -78,20 +87,31 @@ def torch_problem(args, dtype):
       layers.append(torch.nn.Tanh())
   model = torch.nn.Sequential(*layers)
   with torch.no_grad():
-    for p, a in zip(model.parameters(),
-                    side_by_side.torch_tensors(torch_layout(params), dtype)):
+    for p, a in zip(
+      model.parameters(),
+      side_by_side.torch_tensors(torch_layout(params), dtype),
+    ):
       p.copy_(a)
-  batch = [(side_by_side.torch_tensors([x], dtype)[0],
-            torch.tensor(np.asarray(labels), dtype=torch.int64))]
+  batch = [
+    (
+      side_by_side.torch_tensors([x], dtype)[0],
+      torch.tensor(np.asarray(labels), dtype=torch.int64),
+    )
+  ]
   return model, batch
 
 
 def their_ekfac(model, batch):
   """A fresh curvlinops EKFAC operator: nothing computed yet."""
   return EKFACLinearOperator(
-      model, torch.nn.CrossEntropyLoss(), list(model.parameters()), batch,
-      check_deterministic=False, fisher_type="type-2",
-      separate_weight_and_bias=False)
+    model,
+    torch.nn.CrossEntropyLoss(),
+    list(model.parameters()),
+    batch,
+    check_deterministic=False,
+    fisher_type="type-2",
+    separate_weight_and_bias=False,
+  )
 
 
 def check_products(dtype, ours=None, torch_side=None):
@@ -103,29 +123,36 @@ def check_products(dtype, ours=None, torch_side=None):
   estimator, state, update, args = ours or our_estimate("ekfac", dtype)
   model, batch = torch_side or torch_problem(args, TORCH_DTYPE[dtype])
   rng = np.random.default_rng(0)
-  vector = {k: rng.normal(size=a.shape).astype(dtype)
-            for k, a in args[0].items()}
+  vector = {
+    k: rng.normal(size=a.shape).astype(dtype) for k, a in args[0].items()
+  }
   mine = estimator.multiply(update(state, args), vector, 0.0, True, False)
   op = their_ekfac(model, batch)
-  theirs = op @ side_by_side.torch_tensors(torch_layout(vector),
-                                           TORCH_DTYPE[dtype])
-  side_by_side.check(f"EKFAC products, {jnp.dtype(dtype).name}",
-                     side_by_side.relative_error(torch_layout(mine), theirs),
-                     TOLERANCE[dtype])
+  theirs = op @ side_by_side.torch_tensors(
+    torch_layout(vector), TORCH_DTYPE[dtype]
+  )
+  side_by_side.check(
+    f"EKFAC products, {jnp.dtype(dtype).name}",
+    side_by_side.relative_error(torch_layout(mine), theirs),
+    TOLERANCE[dtype],
+  )
 
 
 def main(rounds: int):
   with jax.enable_x64(True):
     check_products(jnp.float64)
-  ekfac, kfac = our_estimate("ekfac", jnp.float32), our_estimate("kfac",
-                                                                jnp.float32)
+  ekfac, kfac = (
+    our_estimate("ekfac", jnp.float32),
+    our_estimate("kfac", jnp.float32),
+  )
   model, batch = torch_problem(ekfac[3], torch.float32)
   check_products(jnp.float32, ekfac, (model, batch))
 
   def ours(estimate):
     _, state, update, args = estimate
     return side_by_side.timed(
-        lambda: jax.block_until_ready(update(state, args)))
+      lambda: jax.block_until_ready(update(state, args))
+    )
 
   def theirs():
     op = their_ekfac(model, batch)
@@ -135,12 +162,18 @@ def main(rounds: int):
     return time.perf_counter() - start
 
   seconds = side_by_side.interleaved(
-      {"our K-FAC factors": lambda: ours(kfac),
-       "our EKFAC": lambda: ours(ekfac),
-       "curvlinops EKFAC": theirs}, rounds)
+    {
+      "our K-FAC factors": lambda: ours(kfac),
+      "our EKFAC": lambda: ours(ekfac),
+      "curvlinops EKFAC": theirs,
+    },
+    rounds,
+  )
   side_by_side.describe_machine(rounds)
-  side_by_side.report(seconds, [("our EKFAC", "our K-FAC factors"),
-                                ("our EKFAC", "curvlinops EKFAC")])
+  side_by_side.report(
+    seconds,
+    [("our EKFAC", "our K-FAC factors"), ("our EKFAC", "curvlinops EKFAC")],
+  )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ import numpy as np  # noqa: E402
 try:
   import pyhessian  # noqa: E402
 except ImportError as error:
-  raise SystemExit(f"{error}: install PyHessian (pip's `pyhessian`) in the "
-                   "torch venv (see benchmarks/pyhessian/README.md).") from None
+  raise SystemExit(
+    f"{error}: install PyHessian (pip's `pyhessian`) in the "
+    "torch venv (see benchmarks/pyhessian/README.md)."
+  ) from None
 
 import problems  # noqa: E402
 from curvbench import config, curvatures, matrix_free  # noqa: E402
@@ -103,9 +105,13 @@ from curvbench.data import Data  # noqa: E402
 warnings.filterwarnings("ignore", message="Using backward.. with create_graph")
 
 PEER = "PyHessian"
-PROBLEM = ("problem=resnet", "problem/data=synthetic_images",
-           "problem.widths=[16,32,64]", "problem.blocks=1",
-           "problem.norm=batch")
+PROBLEM = (
+  "problem=resnet",
+  "problem/data=synthetic_images",
+  "problem.widths=[16,32,64]",
+  "problem.blocks=1",
+  "problem.norm=batch",
+)
 TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
 # Relative tolerances: logits and loss; gradients and products; the
 # density's moments j = 1, 2, 3 from the same probes. PyHessian divides
@@ -113,8 +119,10 @@ TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
 # 1e-6 / norm: the first (norm sqrt(dim)) by 4e-9, which moves the first
 # two moments by twice that; the second (norm beta_1, about 0.05 here) by
 # 2e-5, which moves the third moment by 4e-5.
-TOLERANCE = {np.float64: (1e-12, 1e-10, (1e-7, 1e-7, 1e-3)),
-             np.float32: (1e-5, 1e-2, (1e-2, 1e-2, 1e-2))}
+TOLERANCE = {
+  np.float64: (1e-12, 1e-10, (1e-7, 1e-7, 1e-3)),
+  np.float32: (1e-5, 1e-2, (1e-2, 1e-2, 1e-2)),
+}
 EIGENVALUE_TOLERANCE = 1e-2
 STANDARD_ERRORS = 3.0
 SEED = 0
@@ -131,12 +139,14 @@ def _has_eig() -> bool:
 
 
 if not _has_eig():
+
   def _symmetric_eig(matrix, eigenvectors=False):
     """Old `torch.eig`'s `(values as (n, 2) real and imaginary parts,
     eigenvectors as columns)`, for a symmetric matrix."""
     del eigenvectors
     values, vectors = torch.linalg.eigh(matrix)
     return torch.stack([values, torch.zeros_like(values)], 1), vectors
+
   torch.eig = _symmetric_eig
 
 
@@ -161,33 +171,45 @@ class TorchResNet(torch.nn.Module):
   def __init__(self, settings, channels: int, num_classes: int, dtype):
     super().__init__()
     if settings.norm != "batch":
-      raise SystemExit(f"norm={settings.norm}: this torch copy has batch "
-                       "norm only; extend TorchResNet.")
+      raise SystemExit(
+        f"norm={settings.norm}: this torch copy has batch "
+        "norm only; extend TorchResNet."
+      )
     self.dtype, self.plan = dtype, []
     layers = {}
 
     def conv_norm(name, norm, c_in, c_out, kernel, stride):
-      layers[name] = torch.nn.Conv2d(c_in, c_out, kernel, stride, bias=False,
-                                     dtype=dtype)
+      layers[name] = torch.nn.Conv2d(
+        c_in, c_out, kernel, stride, bias=False, dtype=dtype
+      )
       # No running averages: the batch's statistics in train and eval mode.
-      layers[norm] = torch.nn.BatchNorm2d(c_out, eps=1e-5, dtype=dtype,
-                                          track_running_stats=False)
+      layers[norm] = torch.nn.BatchNorm2d(
+        c_out, eps=1e-5, dtype=dtype, track_running_stats=False
+      )
       return (name, norm)
 
-    self.stem = conv_norm("conv_in", "norm_in", channels,
-                          settings.widths[0], 3, 1)
+    self.stem = conv_norm(
+      "conv_in", "norm_in", channels, settings.widths[0], 3, 1
+    )
     c = settings.widths[0]
     for s, width in enumerate(settings.widths):
       for b in range(settings.blocks):
         name = f"stage{s}_block{b}"
         stride = 2 if s > 0 and b == 0 else 1
-        shortcut = (conv_norm(f"{name}_shortcut", f"{name}_shortcut_norm", c,
-                              width, 1, stride)
-                    if stride != 1 or c != width else None)
-        self.plan.append((
+        shortcut = (
+          conv_norm(
+            f"{name}_shortcut", f"{name}_shortcut_norm", c, width, 1, stride
+          )
+          if stride != 1 or c != width
+          else None
+        )
+        self.plan.append(
+          (
             conv_norm(f"{name}_conv1", f"{name}_norm1", c, width, 3, stride),
             conv_norm(f"{name}_conv2", f"{name}_norm2", width, width, 3, 1),
-            shortcut))
+            shortcut,
+          )
+        )
         c = width
     layers["logits"] = torch.nn.Linear(c, num_classes, dtype=dtype)
     self.layers = torch.nn.ModuleDict(layers)
@@ -216,14 +238,19 @@ class TorchResNet(torch.nn.Module):
       elif kind is torch.nn.BatchNorm2d:
         yield module, {"weight": "scale", "bias": "shift"}[leaf], None
       else:
-        yield module, {"weight": "w", "bias": "b"}[leaf], (
-            (1, 0) if leaf == "weight" else None)
+        yield (
+          module,
+          {"weight": "w", "bias": "b"}[leaf],
+          ((1, 0) if leaf == "weight" else None),
+        )
 
   def layout(self, tree) -> list:
     """A tree shaped like our params as arrays laid out as this module's
     parameters, in their order."""
-    return [np.asarray(tree[m][leaf]).transpose(t) if t
-            else np.asarray(tree[m][leaf]) for m, leaf, t in self._leaves()]
+    return [
+      np.asarray(tree[m][leaf]).transpose(t) if t else np.asarray(tree[m][leaf])
+      for m, leaf, t in self._leaves()
+    ]
 
   def tree(self, tensors) -> dict:
     """`layout`'s inverse: tensors laid out as the parameters, as a tree."""
@@ -250,40 +277,63 @@ def _apply(v, operator):
 def sides(dtype, args):
   """Both sides in `dtype` (float64 needs x64 on), at the initial params."""
   settings = config.compose(
-      *PROBLEM, f"problem.data.size={args.image_size}",
-      f"problem.data.num_train={args.examples}", "problem.data.num_test=16",
-      f"problem.batch_size={args.examples}").problem
+    *PROBLEM,
+    f"problem.data.size={args.image_size}",
+    f"problem.data.num_train={args.examples}",
+    "problem.data.num_test=16",
+    f"problem.batch_size={args.examples}",
+  ).problem
   problem = problems.make(settings)
   params = problem.init_params(jax.random.PRNGKey(SEED), dtype)
   x, y = problem.data.x_train.astype(dtype), problem.data.y_train
-  model = TorchResNet(settings, x.shape[-1], problem.data.num_classes,
-                      TORCH_DTYPE[dtype])
+  model = TorchResNet(
+    settings, x.shape[-1], problem.data.num_classes, TORCH_DTYPE[dtype]
+  )
   model.load(params)
   hessian = curvatures.exact("hessian", problem.loss_fn, matrix_free=True)
-  operator = lambda p, b: hessian.operator(hessian.estimate(None, p,
-                                                            Data.of(b)))
+  operator = lambda p, b: hessian.operator(
+    hessian.estimate(None, p, Data.of(b))
+  )
   return types.SimpleNamespace(
-      dtype=dtype, problem=problem, params=params, batch=(x, y), model=model,
-      torch_batch=(torch.tensor(x.transpose(0, 3, 1, 2), dtype=model.dtype),
-                   torch.tensor(y, dtype=torch.int64)),
-      dim=sum(x.size for x in jax.tree.leaves(params)),
-      loss_and_gradient=jax.jit(jax.value_and_grad(problem.loss_fn)),
-      product=jax.jit(lambda p, b, v: operator(p, b)(v)),
-      operator=jax.jit(operator), apply=jax.jit(_apply),
-      top=jax.jit(lambda p, b, k: matrix_free.top_k_eigenpairs(
-          _apply, p, args.top_k, args.lanczos_iters, k, operator(p, b))),
-      trace=jax.jit(lambda p, b, k: matrix_free.hutchinson_trace(
-          _apply, p, args.trace_probes, k, operator(p, b))),
-      density=jax.jit(lambda p, b, k: matrix_free.slq_density(
-          _apply, p, args.slq_iters, args.slq_probes, k, operator(p, b))))
+    dtype=dtype,
+    problem=problem,
+    params=params,
+    batch=(x, y),
+    model=model,
+    torch_batch=(
+      torch.tensor(x.transpose(0, 3, 1, 2), dtype=model.dtype),
+      torch.tensor(y, dtype=torch.int64),
+    ),
+    dim=sum(x.size for x in jax.tree.leaves(params)),
+    loss_and_gradient=jax.jit(jax.value_and_grad(problem.loss_fn)),
+    product=jax.jit(lambda p, b, v: operator(p, b)(v)),
+    operator=jax.jit(operator),
+    apply=jax.jit(_apply),
+    top=jax.jit(
+      lambda p, b, k: matrix_free.top_k_eigenpairs(
+        _apply, p, args.top_k, args.lanczos_iters, k, operator(p, b)
+      )
+    ),
+    trace=jax.jit(
+      lambda p, b, k: matrix_free.hutchinson_trace(
+        _apply, p, args.trace_probes, k, operator(p, b)
+      )
+    ),
+    density=jax.jit(
+      lambda p, b, k: matrix_free.slq_density(
+        _apply, p, args.slq_iters, args.slq_probes, k, operator(p, b)
+      )
+    ),
+  )
 
 
 def theirs(s):
   """PyHessian's `hessian` of the model as it now is, on the batch (its
   gradients first cleared: its constructor adds to them)."""
   s.model.zero_grad(set_to_none=True)
-  return pyhessian.hessian(s.model, torch.nn.CrossEntropyLoss(),
-                           data=s.torch_batch, cuda=False)
+  return pyhessian.hessian(
+    s.model, torch.nn.CrossEntropyLoss(), data=s.torch_batch, cuda=False
+  )
 
 
 def rademacher_replay(s, count: int) -> list:
@@ -299,9 +349,12 @@ def rademacher_replay(s, count: int) -> list:
 
 
 def _vdot(a, b) -> float:
-  return float(sum(np.vdot(np.asarray(x, np.float64),
-                           np.asarray(y, np.float64))
-                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+  return float(
+    sum(
+      np.vdot(np.asarray(x, np.float64), np.asarray(y, np.float64))
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+  )
 
 
 def _float64(tree):
@@ -317,25 +370,35 @@ def check_point(s, params, where: str, reference=None):
   close, products, _ = TOLERANCE[s.dtype]
   name = lambda what: f"{what}, {where}, {np.dtype(s.dtype).name}"
   check = lambda what, ours, peer, tol: side_by_side.check(
-      name(what), side_by_side.relative_error(ours, peer), tol, peer=PEER)
+    name(what), side_by_side.relative_error(ours, peer), tol, peer=PEER
+  )
   x, y = s.batch
   with torch.no_grad():
     logits = s.model.train()(s.torch_batch[0])
   check("logits", [s.problem.outputs(params, x)], [logits], close)
   loss, gradient = s.loss_and_gradient(params, s.batch)
   h = theirs(s)
-  check("loss", [loss], [torch.nn.functional.cross_entropy(
-      logits, s.torch_batch[1])], close)
+  check(
+    "loss",
+    [loss],
+    [torch.nn.functional.cross_entropy(logits, s.torch_batch[1])],
+    close,
+  )
   detached = lambda tensors: [t.detach() for t in tensors]
   rng = np.random.default_rng(1)
-  random = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(s.dtype),
-                        params)
+  random = jax.tree.map(
+    lambda a: rng.normal(size=a.shape).astype(s.dtype), params
+  )
   pairs = {"gradients": (gradient, detached(h.gradsH))}
   for what, v in (("gradient", gradient), ("random vector", random)):
     pairs[f"Hessian products with the {what}"] = (
-        s.product(params, s.batch, v),
-        detached(pyhessian.utils.hessian_vector_product(
-            h.gradsH, h.params, s.model.tensors(v))))
+      s.product(params, s.batch, v),
+      detached(
+        pyhessian.utils.hessian_vector_product(
+          h.gradsH, h.params, s.model.tensors(v)
+        )
+      ),
+    )
   exact = {}
   if reference is not None:
     with jax.enable_x64(True):
@@ -343,14 +406,17 @@ def check_point(s, params, where: str, reference=None):
       exact = {"gradients": reference.loss_and_gradient(p, b)[1]}
       for what, v in (("gradient", gradient), ("random vector", random)):
         exact[f"Hessian products with the {what}"] = reference.product(
-            p, b, _float64(v))
+          p, b, _float64(v)
+        )
   for what, (ours, peer) in pairs.items():
     check(what, s.model.layout(ours), peer, products)
     if what in exact:
       truth = s.model.layout(exact[what])
-      print(f"    against float64: ours "
-            f"{side_by_side.relative_error(s.model.layout(ours), truth):.1e}"
-            f", {PEER} {side_by_side.relative_error(peer, truth):.1e}")
+      print(
+        f"    against float64: ours "
+        f"{side_by_side.relative_error(s.model.layout(ours), truth):.1e}"
+        f", {PEER} {side_by_side.relative_error(peer, truth):.1e}"
+      )
 
 
 def check_probes(s, num: int = 2, iters: int = 4):
@@ -367,19 +433,31 @@ def check_probes(s, num: int = 2, iters: int = 4):
   hv = [s.product(s.params, s.batch, v) for v in probes]
   hhv = [s.product(s.params, s.batch, v) for v in hv]
   side_by_side.check(
-      f"trace terms v^T H v of {num} shared probes, {kind}",
-      side_by_side.relative_error([[_vdot(v, x) for v, x in zip(probes, hv)]],
-                                  [peer_terms]), products, peer=PEER)
-  ours = [[_vdot(v, x) / s.dim, _vdot(x, x) / s.dim, _vdot(x, y) / s.dim]
-          for v, x, y in zip(probes, hv, hhv)]
-  peer = [[np.sum(np.asarray(w) * np.asarray(t) ** j) for j in (1, 2, 3)]
-          for t, w in zip(nodes, weights)]
+    f"trace terms v^T H v of {num} shared probes, {kind}",
+    side_by_side.relative_error(
+      [[_vdot(v, x) for v, x in zip(probes, hv)]], [peer_terms]
+    ),
+    products,
+    peer=PEER,
+  )
+  ours = [
+    [_vdot(v, x) / s.dim, _vdot(x, x) / s.dim, _vdot(x, y) / s.dim]
+    for v, x, y in zip(probes, hv, hhv)
+  ]
+  peer = [
+    [np.sum(np.asarray(w) * np.asarray(t) ** j) for j in (1, 2, 3)]
+    for t, w in zip(nodes, weights)
+  ]
   for j, tolerance in enumerate(moments):
     side_by_side.check(
-        f"density moment j={j + 1} of {num} shared probes ({iters} Lanczos "
-        f"steps), {kind}", side_by_side.relative_error(
-            [[m[j] for m in ours]], [[m[j] for m in peer]]), tolerance,
-        peer=PEER)
+      f"density moment j={j + 1} of {num} shared probes ({iters} Lanczos "
+      f"steps), {kind}",
+      side_by_side.relative_error(
+        [[m[j] for m in ours]], [[m[j] for m in peer]]
+      ),
+      tolerance,
+      peer=PEER,
+    )
 
 
 def check_sides(s, reference=None):
@@ -387,9 +465,14 @@ def check_sides(s, reference=None):
   `check_probes` at the initial params."""
   check_point(s, s.params, "initial params", reference)
   rng = np.random.default_rng(0)
-  check_point(s, jax.tree.map(
-      lambda a: a + 0.1 * rng.normal(size=a.shape).astype(s.dtype), s.params),
-      "perturbed params", reference)
+  check_point(
+    s,
+    jax.tree.map(
+      lambda a: a + 0.1 * rng.normal(size=a.shape).astype(s.dtype), s.params
+    ),
+    "perturbed params",
+    reference,
+  )
   s.model.load(s.params)
   check_probes(s)
 
@@ -434,56 +517,88 @@ def compare_estimates(s, args, key):
     return np.sqrt(_vdot(r, r) / _vdot(v, v)) / abs(t)
 
   for i in range(args.top_k):
-    print(f"    eigenvalue {i + 1}: ours {values[i]:.6g} (residual "
-          f"{residual(values[i], vectors[i]):.1e}), {PEER} "
-          f"{peer_values[i]:.6g} (residual "
-          f"{residual(peer_values[i], peer_vectors[i]):.1e})")
-  print(f"    products: ours {args.lanczos_iters} (Lanczos), {PEER} "
-        f"{len(counter)} (power iteration)")
+    print(
+      f"    eigenvalue {i + 1}: ours {values[i]:.6g} (residual "
+      f"{residual(values[i], vectors[i]):.1e}), {PEER} "
+      f"{peer_values[i]:.6g} (residual "
+      f"{residual(peer_values[i], peer_vectors[i]):.1e})"
+    )
+  print(
+    f"    products: ours {args.lanczos_iters} (Lanczos), {PEER} "
+    f"{len(counter)} (power iteration)"
+  )
   if args.top_k > 1:
-    print(f"    {PEER}'s power iteration (deflated) finds the eigenvalues of "
-          "largest magnitude, ours (Lanczos) the largest: only the first is "
-          "compared")
-  side_by_side.check("top eigenvalue", side_by_side.relative_error(
-      [values[:1]], [peer_values[:1]]), EIGENVALUE_TOLERANCE, peer=PEER)
+    print(
+      f"    {PEER}'s power iteration (deflated) finds the eigenvalues of "
+      "largest magnitude, ours (Lanczos) the largest: only the first is "
+      "compared"
+    )
+  side_by_side.check(
+    "top eigenvalue",
+    side_by_side.relative_error([values[:1]], [peer_values[:1]]),
+    EIGENVALUE_TOLERANCE,
+    peer=PEER,
+  )
   torch.manual_seed(SEED)
   early = h.trace(maxIter=args.trace_probes)  # its default tol=1e-3
-  print(f"    {PEER}'s trace with its default stopping rule (tol=1e-3) "
-        f"stopped after {len(early)} of at most {args.trace_probes} probes "
-        f"at {np.mean(early):.6g}; timed and compared: tol=-inf, all "
-        f"{args.trace_probes}")
+  print(
+    f"    {PEER}'s trace with its default stopping rule (tol=1e-3) "
+    f"stopped after {len(early)} of at most {args.trace_probes} probes "
+    f"at {np.mean(early):.6g}; timed and compared: tol=-inf, all "
+    f"{args.trace_probes}"
+  )
   torch.manual_seed(SEED)
   terms = np.array(h.trace(maxIter=args.trace_probes, tol=-np.inf))
-  estimates = {"trace (Hutchinson)": (
+  estimates = {
+    "trace (Hutchinson)": (
       tuple(map(float, s.trace(s.params, s.batch, key))),
-      (terms.mean(), terms.std(ddof=1) / np.sqrt(len(terms))))}
+      (terms.mean(), terms.std(ddof=1) / np.sqrt(len(terms))),
+    )
+  }
   torch.manual_seed(SEED)
-  peer_nodes, peer_weights = (np.array(a, np.float64) for a in h.density(
-      iter=args.slq_iters, n_v=args.slq_probes))
-  nodes, weights = (np.asarray(a, np.float64).reshape(args.slq_probes, -1)
-                    for a in s.density(s.params, s.batch, key))
+  peer_nodes, peer_weights = (
+    np.array(a, np.float64)
+    for a in h.density(iter=args.slq_iters, n_v=args.slq_probes)
+  )
+  nodes, weights = (
+    np.asarray(a, np.float64).reshape(args.slq_probes, -1)
+    for a in s.density(s.params, s.batch, key)
+  )
   weights *= args.slq_probes  # ours sum to one over all probes
   for j in (1, 2):
-    per_probe = [s.dim * np.sum(w * t ** j, 1)
-                 for t, w in ((nodes, weights), (peer_nodes, peer_weights))]
+    per_probe = [
+      s.dim * np.sum(w * t**j, 1)
+      for t, w in ((nodes, weights), (peer_nodes, peer_weights))
+    ]
     estimates[f"density moment {j}: dim * sum w t^{j} (tr H^{j})"] = tuple(
-        (p.mean(), p.std(ddof=1) / np.sqrt(len(p))) for p in per_probe)
-  print(f"    density nodes: ours {nodes.min():.4g} to {nodes.max():.4g}, "
-        f"{PEER} {peer_nodes.min():.4g} to {peer_nodes.max():.4g}")
+      (p.mean(), p.std(ddof=1) / np.sqrt(len(p))) for p in per_probe
+    )
+  print(
+    f"    density nodes: ours {nodes.min():.4g} to {nodes.max():.4g}, "
+    f"{PEER} {peer_nodes.min():.4g} to {peer_nodes.max():.4g}"
+  )
   for what, ((a, se_a), (b, se_b)) in estimates.items():
     z = _z(a, se_a, b, se_b)
-    print(f"    {what}: ours {a:.6g} +- {se_a:.2g}, {PEER} {b:.6g} +- "
-          f"{se_b:.2g}: {z:.2f} combined standard errors apart")
+    print(
+      f"    {what}: ours {a:.6g} +- {se_a:.2g}, {PEER} {b:.6g} +- "
+      f"{se_b:.2g}: {z:.2f} combined standard errors apart"
+    )
     if not z <= STANDARD_ERRORS:
-      raise SystemExit(f"{what}: ours and {PEER} differ by more than "
-                       f"{STANDARD_ERRORS} combined standard errors; no "
-                       "timings taken.")
+      raise SystemExit(
+        f"{what}: ours and {PEER} differ by more than "
+        f"{STANDARD_ERRORS} combined standard errors; no "
+        "timings taken."
+      )
 
 
 def main(args):
   if args.one_thread:  # before jax starts its CPU client
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, (
-        os.environ.get("XLA_FLAGS"), "--xla_cpu_multi_thread_eigen=false")))
+    os.environ["XLA_FLAGS"] = " ".join(
+      filter(
+        None,
+        (os.environ.get("XLA_FLAGS"), "--xla_cpu_multi_thread_eigen=false"),
+      )
+    )
     torch.set_num_threads(1)
   with jax.enable_x64(True):
     torch.set_default_dtype(torch.float64)  # PyHessian's own vectors
@@ -495,49 +610,59 @@ def main(args):
   s = sides(np.float32, args)
   check_sides(s, reference)
   key = jax.random.PRNGKey(SEED)
-  print(f"  {s.problem.name} (ResNet-8, widths 16-32-64, batch norm in "
-        f"training mode): one batch of {len(s.batch[1])} {args.image_size}x"
-        f"{args.image_size} synthetic images; {s.dim} parameters")
+  print(
+    f"  {s.problem.name} (ResNet-8, widths 16-32-64, batch norm in "
+    f"training mode): one batch of {len(s.batch[1])} {args.image_size}x"
+    f"{args.image_size} synthetic images; {s.dim} parameters"
+  )
   compare_estimates(s, args, key)
 
   def ours(fn):
     return lambda: side_by_side.timed(
-        lambda: jax.block_until_ready(fn(s.params, s.batch, key)))
+      lambda: jax.block_until_ready(fn(s.params, s.batch, key))
+    )
 
   def peer(method, **kwargs):
     def call():
       torch.manual_seed(SEED)
       getattr(theirs(s), method)(**kwargs)
+
     return lambda: side_by_side.timed(call)
 
   operator = s.operator(s.params, s.batch)
   h = theirs(s)
   vector, peer_vector = s.params, s.model.tensors(s.params)
   runs = {
-      "our Hessian-vector product": lambda: side_by_side.timed(
-          lambda: jax.block_until_ready(s.apply(vector, operator))),
-      f"{PEER} Hessian-vector product": lambda: side_by_side.timed(
-          pyhessian.utils.hessian_vector_product, h.gradsH, h.params,
-          peer_vector),
-      f"our top-{args.top_k}": ours(s.top),
-      f"{PEER} top-{args.top_k}": peer("eigenvalues", top_n=args.top_k),
-      "our trace": ours(s.trace),
-      f"{PEER} trace": peer("trace", maxIter=args.trace_probes,
-                            tol=-np.inf),
-      "our density": ours(s.density),
-      f"{PEER} density": peer("density", iter=args.slq_iters,
-                              n_v=args.slq_probes)}
+    "our Hessian-vector product": lambda: side_by_side.timed(
+      lambda: jax.block_until_ready(s.apply(vector, operator))
+    ),
+    f"{PEER} Hessian-vector product": lambda: side_by_side.timed(
+      pyhessian.utils.hessian_vector_product, h.gradsH, h.params, peer_vector
+    ),
+    f"our top-{args.top_k}": ours(s.top),
+    f"{PEER} top-{args.top_k}": peer("eigenvalues", top_n=args.top_k),
+    "our trace": ours(s.trace),
+    f"{PEER} trace": peer("trace", maxIter=args.trace_probes, tol=-np.inf),
+    "our density": ours(s.density),
+    f"{PEER} density": peer(
+      "density", iter=args.slq_iters, n_v=args.slq_probes
+    ),
+  }
   load = os.getloadavg()[0]
   seconds = side_by_side.interleaved(runs, args.rounds, warmup=1)
   side_by_side.describe_machine(args.rounds, peers=("pyhessian",))
-  print(f"  load average (1 min) {load:.2f} before the rounds, "
-        f"{os.getloadavg()[0]:.2f} after"
-        + ("; one thread each (--one-thread)" if args.one_thread else ""))
-  print(f"  per call: one product with the params as the vector (operator "
-        f"built beforehand); top-{args.top_k} (ours: {args.lanczos_iters} "
-        f"Lanczos steps), trace from {args.trace_probes} probes, density "
-        f"from {args.slq_probes} probes x {args.slq_iters} Lanczos steps, "
-        "each with its operator built anew")
+  print(
+    f"  load average (1 min) {load:.2f} before the rounds, "
+    f"{os.getloadavg()[0]:.2f} after"
+    + ("; one thread each (--one-thread)" if args.one_thread else "")
+  )
+  print(
+    f"  per call: one product with the params as the vector (operator "
+    f"built beforehand); top-{args.top_k} (ours: {args.lanczos_iters} "
+    f"Lanczos steps), trace from {args.trace_probes} probes, density "
+    f"from {args.slq_probes} probes x {args.slq_iters} Lanczos steps, "
+    "each with its operator built anew"
+  )
   names = list(runs)
   side_by_side.report(seconds, list(zip(names[::2], names[1::2])))
 
@@ -552,9 +677,12 @@ def parse(argv):
   parser.add_argument("--trace-probes", type=int, default=10)
   parser.add_argument("--slq-probes", type=int, default=3)
   parser.add_argument("--slq-iters", type=int, default=10)
-  parser.add_argument("--one-thread", action="store_true",
-                      help="torch and XLA on one thread each (default: "
-                      "every core), steadier where others load the machine")
+  parser.add_argument(
+    "--one-thread",
+    action="store_true",
+    help="torch and XLA on one thread each (default: "
+    "every core), steadier where others load the machine",
+  )
   return parser.parse_args(argv)
 
 

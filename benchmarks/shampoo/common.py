@@ -35,9 +35,10 @@ def require(module: str, what: str):
     return importlib.import_module(module)
   except ImportError as error:
     raise SystemExit(
-        f"{error}. This comparison needs {what}, which is not a project "
-        f"dependency: install it in a separate venv and set "
-        f"SHAMPOO_SITE_PACKAGES to its site-packages ({SETUP}).") from None
+      f"{error}. This comparison needs {what}, which is not a project "
+      f"dependency: install it in a separate venv and set "
+      f"SHAMPOO_SITE_PACKAGES to its site-packages ({SETUP})."
+    ) from None
 
 
 def source_path(variable: str, marker: str) -> Path:
@@ -46,8 +47,9 @@ def source_path(variable: str, marker: str) -> Path:
   folder = os.environ.get(variable)
   if not folder or not (Path(folder) / marker).exists():
     raise SystemExit(
-        f"${variable} must name a folder holding {marker} (a checkout of "
-        f"the peer's repository; {SETUP}); it is {folder!r}.")
+      f"${variable} must name a folder holding {marker} (a checkout of "
+      f"the peer's repository; {SETUP}); it is {folder!r}."
+    )
   return Path(folder)
 
 
@@ -60,18 +62,20 @@ def draw(shapes: dict, steps: int, seed: int = 0) -> list:
   """`steps` dicts of standard normal float64 arrays of `shapes`; the
   same seed gives the same sequence on both sides."""
   rng = np.random.default_rng(seed)
-  return [{name: rng.standard_normal(shape) for name, shape in shapes.items()}
-          for _ in range(steps)]
+  return [
+    {name: rng.standard_normal(shape) for name, shape in shapes.items()}
+    for _ in range(steps)
+  ]
 
 
 def relative_error(ours: dict, theirs: dict) -> float:
   """`|ours - theirs| / |theirs|` over the concatenated entries of two dicts
   of arrays of equal shapes (0 where both are zero)."""
   names = sorted(theirs)
-  a = np.concatenate([np.ravel(np.asarray(ours[n], np.float64))
-                      for n in names])
-  b = np.concatenate([np.ravel(np.asarray(theirs[n], np.float64))
-                      for n in names])
+  a = np.concatenate([np.ravel(np.asarray(ours[n], np.float64)) for n in names])
+  b = np.concatenate(
+    [np.ravel(np.asarray(theirs[n], np.float64)) for n in names]
+  )
   scale = np.linalg.norm(b)
   diff = np.linalg.norm(a - b)
   return float(diff / scale) if scale else float(diff)
@@ -98,25 +102,31 @@ class Agreement:
   def __init__(self, title: str):
     self.failed = []
     print(title)
-    print(f"  {'case':44s} {'dtype':7s} {'max rel. err.':>13s} {'(step)':>6s}"
-          f" {'tolerance':>9s}")
+    print(
+      f"  {'case':44s} {'dtype':7s} {'max rel. err.':>13s} {'(step)':>6s}"
+      f" {'tolerance':>9s}"
+    )
 
-  def add(self, case: str, dtype: str, errors: list, tolerance: float,
-          note: str = ""):
+  def add(
+    self, case: str, dtype: str, errors: list, tolerance: float, note: str = ""
+  ):
     worst = int(np.argmax(errors))
     ok = errors[worst] <= tolerance  # NaN fails
     if not ok:
       self.failed.append((case, dtype, errors))
     flag = "" if ok else "  FAIL"
     note = f"  {note}" if note else ""
-    print(f"  {case:44s} {dtype:7s} {errors[worst]:13.1e} {worst + 1:6d} "
-          f"{tolerance:9.0e}{flag}{note}")
+    print(
+      f"  {case:44s} {dtype:7s} {errors[worst]:13.1e} {worst + 1:6d} "
+      f"{tolerance:9.0e}{flag}{note}"
+    )
 
   def finish(self) -> bool:
     """Prints the failures' per-step errors; True if there were none."""
     for case, dtype, errors in self.failed:
-      print(f"  {case} ({dtype}), per step: "
-            + " ".join(f"{e:.1e}" for e in errors))
+      print(
+        f"  {case} ({dtype}), per step: " + " ".join(f"{e:.1e}" for e in errors)
+      )
     return not self.failed
 
 
@@ -148,21 +158,24 @@ def interleaved(runs: dict, rounds: int, warmup: int = 3) -> dict:
 
 def commit() -> str:
   """The checkout's commit, marked `-dirty` with uncommitted changes."""
-  git = lambda *a: subprocess.run(("git", "-C", str(REPO)) + a, text=True,
-                                  capture_output=True,
-                                  check=False).stdout.strip()
+  git = lambda *a: subprocess.run(
+    ("git", "-C", str(REPO)) + a, text=True, capture_output=True, check=False
+  ).stdout.strip()
   head = git("rev-parse", "--short", "HEAD") or "unknown"
-  return head + ("-dirty" if git("status", "--porcelain",
-                                 "--untracked-files=no") else "")
+  return head + (
+    "-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+  )
 
 
 def describe_machine(versions: dict, rounds: int):
   """Prints where, with what and under which load the timings ran."""
   listed = ", ".join(f"{k} {v}" for k, v in versions.items())
-  print(f"{os.cpu_count()}-core CPU ({platform.machine()}), commit "
-        f"{commit()}; jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"{listed}; {rounds} interleaved rounds, compile and warm-up "
-        "excluded")
+  print(
+    f"{os.cpu_count()}-core CPU ({platform.machine()}), commit "
+    f"{commit()}; jax {jax.__version__} on {jax.devices()[0].platform}, "
+    f"{listed}; {rounds} interleaved rounds, compile and warm-up "
+    "excluded"
+  )
   load()
 
 
@@ -174,13 +187,15 @@ def load():
 def report(seconds: dict, ratios: list):
   """Prints each run's median (ms) and the median per-round ratios
   `(numerator, denominator)`, with quartiles."""
-  quartiles = lambda x: (f"IQR {np.quantile(x, .25):.2f}-"
-                         f"{np.quantile(x, .75):.2f}")
+  quartiles = lambda x: (
+    f"IQR {np.quantile(x, 0.25):.2f}-{np.quantile(x, 0.75):.2f}"
+  )
   width = max(map(len, seconds))
   for name, s in seconds.items():
-    print(f"  {name:{width}s}  median {1e3 * np.median(s):9.2f} ms "
-          f"({quartiles(1e3 * s)})")
+    print(
+      f"  {name:{width}s}  median {1e3 * np.median(s):9.2f} ms "
+      f"({quartiles(1e3 * s)})"
+    )
   for num, den in ratios:
     r = seconds[num] / seconds[den]
     print(f"  {num} / {den}: median {np.median(r):.2f} ({quartiles(r)})")
-

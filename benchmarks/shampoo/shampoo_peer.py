@@ -68,13 +68,17 @@ import numpy as np
 import common
 
 warnings.filterwarnings("ignore", message="Explicitly requested dtype")
-for _old, _new in (("tree_map", jax.tree.map),
-                   ("tree_flatten", jax.tree.flatten),
-                   ("tree_unflatten", jax.tree.unflatten)):
+for _old, _new in (
+  ("tree_map", jax.tree.map),
+  ("tree_flatten", jax.tree.flatten),
+  ("tree_unflatten", jax.tree.unflatten),
+):
   if not hasattr(jax, _old):
     setattr(jax, _old, _new)
-ds = common.require("precondition.distributed_shampoo",
-                    "precondition-opt (Google's Distributed Shampoo)")
+ds = common.require(
+  "precondition.distributed_shampoo",
+  "precondition-opt (Google's Distributed Shampoo)",
+)
 
 from curvbench.optimizers.shampoo import shampoo  # noqa: E402
 
@@ -82,38 +86,50 @@ SHAPES = {"w": (20, 10), "b": (10,), "k": (3, 3, 4, 8)}
 MERGE = 36  # the conv kernel's kh·kw·c_in
 STEPS = 10
 LR = 0.01
-GRAFTS = {"none": ds.GraftingType.NONE, "sgd": ds.GraftingType.SGD,
-          "adagrad": ds.GraftingType.ADAGRAD,
-          "rmsprop": ds.GraftingType.RMSPROP}
+GRAFTS = {
+  "none": ds.GraftingType.NONE,
+  "sgd": ds.GraftingType.SGD,
+  "adagrad": ds.GraftingType.ADAGRAD,
+  "rmsprop": ds.GraftingType.RMSPROP,
+}
 
 # Ours common to every case: no β1 average, no bias correction (the peer
 # has neither), epsilon 1e-3.
-BASE = dict(beta1=0.0, beta2=0.99, epsilon=1e-3, use_bias_correction=False,
-            grafting_type="none", grafting_epsilon=1e-8)
+BASE = dict(
+  beta1=0.0,
+  beta2=0.99,
+  epsilon=1e-3,
+  use_bias_correction=False,
+  grafting_type="none",
+  grafting_epsilon=1e-8,
+)
 CASES = {
-    "every step, no grafting": {},
-    "period 3, no grafting": dict(precondition_frequency=3),
-    "every step, SGD grafting": dict(grafting_type="sgd"),
-    "period 3, AdaGrad grafting": dict(precondition_frequency=3,
-                                       grafting_type="adagrad"),
-    "period 2, RMSProp grafting": dict(precondition_frequency=2,
-                                       grafting_type="rmsprop",
-                                       grafting_beta2=0.99),
-    "start 4, period 2, SGD grafting": dict(precondition_frequency=2,
-                                            start_preconditioning_step=4,
-                                            grafting_type="sgd"),
-    "momentum 0.9, SGD grafting": dict(momentum=0.9, grafting_type="sgd"),
-    "Nesterov 0.9, AdaGrad grafting": dict(momentum=0.9, nesterov=True,
-                                           grafting_type="adagrad"),
-    "momentum 0.9, period 3, SGD grafting": dict(
-        momentum=0.9, precondition_frequency=3, grafting_type="sgd"),
-    "beta2 = 1 (sums), no grafting": dict(beta2=1.0),
-    "exponent_override 2 (Shampoo²)": dict(exponent_override=2),
-    "blocks of 8, no grafting": dict(max_preconditioner_dim=8),
-    "weight decay 0.1, SGD grafting": dict(weight_decay=0.1,
-                                           grafting_type="sgd"),
-    "Newton roots, SGD grafting": dict(matrix_power_method="newton",
-                                       grafting_type="sgd"),
+  "every step, no grafting": {},
+  "period 3, no grafting": dict(precondition_frequency=3),
+  "every step, SGD grafting": dict(grafting_type="sgd"),
+  "period 3, AdaGrad grafting": dict(
+    precondition_frequency=3, grafting_type="adagrad"
+  ),
+  "period 2, RMSProp grafting": dict(
+    precondition_frequency=2, grafting_type="rmsprop", grafting_beta2=0.99
+  ),
+  "start 4, period 2, SGD grafting": dict(
+    precondition_frequency=2, start_preconditioning_step=4, grafting_type="sgd"
+  ),
+  "momentum 0.9, SGD grafting": dict(momentum=0.9, grafting_type="sgd"),
+  "Nesterov 0.9, AdaGrad grafting": dict(
+    momentum=0.9, nesterov=True, grafting_type="adagrad"
+  ),
+  "momentum 0.9, period 3, SGD grafting": dict(
+    momentum=0.9, precondition_frequency=3, grafting_type="sgd"
+  ),
+  "beta2 = 1 (sums), no grafting": dict(beta2=1.0),
+  "exponent_override 2 (Shampoo²)": dict(exponent_override=2),
+  "blocks of 8, no grafting": dict(max_preconditioner_dim=8),
+  "weight decay 0.1, SGD grafting": dict(weight_decay=0.1, grafting_type="sgd"),
+  "Newton roots, SGD grafting": dict(
+    matrix_power_method="newton", grafting_type="sgd"
+  ),
 }
 TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
 NEWTON_TOLERANCE = 1e-5
@@ -121,9 +137,12 @@ NEWTON_TOLERANCE = 1e-5
 
 def peer_options(o: dict) -> dict:
   """The peer's arguments for our options `o` (after `BASE`)."""
-  unsupported = {k: v for k, v in o.items() if k in (
-      "beta1", "use_bias_correction", "exponent_multiplier") and v not in (
-          0.0, False, 1.0)}
+  unsupported = {
+    k: v
+    for k, v in o.items()
+    if k in ("beta1", "use_bias_correction", "exponent_multiplier")
+    and v not in (0.0, False, 1.0)
+  }
   if unsupported or o["grafting_type"] not in GRAFTS:
     raise ValueError(f"no peer equivalent for {unsupported or o}")
   if o["grafting_type"] == "rmsprop" and o["grafting_beta2"] != o["beta2"]:
@@ -132,21 +151,24 @@ def peer_options(o: dict) -> dict:
     raise ValueError("weight decay with momentum: see the docstring")
   frequency = o.get("precondition_frequency", 1)
   return dict(
-      block_size=o.get("max_preconditioner_dim", 1024),
-      beta1=o.get("momentum", 0.0), beta2=o["beta2"],
-      diagonal_epsilon=o["grafting_epsilon"], matrix_epsilon=o["epsilon"],
-      relative_matrix_epsilon=False,
-      weight_decay=o.get("weight_decay", 0.0), decoupled_weight_decay=False,
-      start_preconditioning_step=o.get("start_preconditioning_step",
-                                       frequency),
-      preconditioning_compute_steps=frequency,
-      graft_type=GRAFTS[o["grafting_type"]],
-      nesterov=o.get("nesterov", False),
-      exponent_override=o.get("exponent_override", 0),
-      eigh=o.get("matrix_power_method", "eigh") == "eigh",
-      best_effort_shape_interpretation=True,
-      merge_small_dims_block_size=MERGE,
-      generate_training_metrics=False)
+    block_size=o.get("max_preconditioner_dim", 1024),
+    beta1=o.get("momentum", 0.0),
+    beta2=o["beta2"],
+    diagonal_epsilon=o["grafting_epsilon"],
+    matrix_epsilon=o["epsilon"],
+    relative_matrix_epsilon=False,
+    weight_decay=o.get("weight_decay", 0.0),
+    decoupled_weight_decay=False,
+    start_preconditioning_step=o.get("start_preconditioning_step", frequency),
+    preconditioning_compute_steps=frequency,
+    graft_type=GRAFTS[o["grafting_type"]],
+    nesterov=o.get("nesterov", False),
+    exponent_override=o.get("exponent_override", 0),
+    eigh=o.get("matrix_power_method", "eigh") == "eigh",
+    best_effort_shape_interpretation=True,
+    merge_small_dims_block_size=MERGE,
+    generate_training_metrics=False,
+  )
 
 
 def peer(learning_rate: float, options: dict):
@@ -157,10 +179,15 @@ def peer(learning_rate: float, options: dict):
   def init(params):
     state = inner.init(params)
     fix = lambda st, p: st._replace(
-        statistics=[jnp.zeros(s.shape, p.dtype) for s in st.statistics],
-        preconditioners=[x.astype(p.dtype) for x in st.preconditioners])
-    stats = jax.tree.map(fix, state.stats, params,
-                         is_leaf=lambda x: isinstance(x, ds.ParameterStats))
+      statistics=[jnp.zeros(s.shape, p.dtype) for s in st.statistics],
+      preconditioners=[x.astype(p.dtype) for x in st.preconditioners],
+    )
+    stats = jax.tree.map(
+      fix,
+      state.stats,
+      params,
+      is_leaf=lambda x: isinstance(x, ds.ParameterStats),
+    )
     return state._replace(stats=stats)
 
   return inner._replace(init=init)
@@ -178,27 +205,39 @@ def compare(agreement: common.Agreement):
     newton = options.get("matrix_power_method") == "newton"
     for dtype in common.DTYPES:
       with common.x64(dtype):
-        ours = common.run_optax(shampoo(LR, **options), params, grads,
-                                dtype)
-        peer_updates = common.run_optax(peer(LR, theirs), params,
-                                        [zero] + grads, dtype)[1:]
-      errors = [common.relative_error(a, b)
-                for a, b in zip(ours[skip:], peer_updates[skip:])]
+        ours = common.run_optax(shampoo(LR, **options), params, grads, dtype)
+        peer_updates = common.run_optax(
+          peer(LR, theirs), params, [zero] + grads, dtype
+        )[1:]
+      errors = [
+        common.relative_error(a, b)
+        for a, b in zip(ours[skip:], peer_updates[skip:])
+      ]
       tolerance = NEWTON_TOLERANCE if newton else TOLERANCE[dtype]
-      agreement.add(case, dtype, errors, tolerance,
-                    f"steps {skip + 1}-{STEPS}" if skip else "")
+      agreement.add(
+        case,
+        dtype,
+        errors,
+        tolerance,
+        f"steps {skip + 1}-{STEPS}" if skip else "",
+      )
 
 
 def timing(rounds: int):
   shapes = {"w": (512, 512), "b": (512,)}
-  params = {k: jnp.asarray(v, jnp.float32)
-            for k, v in common.draw(shapes, 1, seed=3)[0].items()}
-  grads = {k: jnp.asarray(v, jnp.float32)
-           for k, v in common.draw(shapes, 1, seed=4)[0].items()}
+  params = {
+    k: jnp.asarray(v, jnp.float32)
+    for k, v in common.draw(shapes, 1, seed=3)[0].items()
+  }
+  grads = {
+    k: jnp.asarray(v, jnp.float32)
+    for k, v in common.draw(shapes, 1, seed=4)[0].items()
+  }
   options = {**BASE, "grafting_type": "sgd"}
-  sides = {"ours (eigh)": shampoo(LR, **options),
-           "ours (Newton)": shampoo(LR, **options,
-                                    matrix_power_method="newton")}
+  sides = {
+    "ours (eigh)": shampoo(LR, **options),
+    "ours (Newton)": shampoo(LR, **options, matrix_power_method="newton"),
+  }
   theirs = peer_options(options)
   sides["peer (eigh)"] = peer(LR, theirs)
   sides["peer (Newton)"] = peer(LR, {**theirs, "eigh": False})
@@ -207,15 +246,21 @@ def timing(rounds: int):
     state = transform.init(params)
     update = jax.jit(transform.update)
     jax.block_until_ready(update(grads, state, params))  # compile
-    runs[name] = (lambda u=update, s=state: common.timed(
-        lambda: jax.block_until_ready(u(grads, s, params))))
-  common.describe_machine({"precondition-opt":
-                           metadata.version("precondition-opt")}, rounds)
-  print("  one update of a 512×512 weight and its bias, float32, roots "
-        "refreshed (SGD grafting):")
+    runs[name] = lambda u=update, s=state: common.timed(
+      lambda: jax.block_until_ready(u(grads, s, params))
+    )
+  common.describe_machine(
+    {"precondition-opt": metadata.version("precondition-opt")}, rounds
+  )
+  print(
+    "  one update of a 512×512 weight and its bias, float32, roots "
+    "refreshed (SGD grafting):"
+  )
   seconds = common.interleaved(runs, rounds)
-  common.report(seconds, [("ours (eigh)", "peer (eigh)"),
-                          ("ours (Newton)", "peer (Newton)")])
+  common.report(
+    seconds,
+    [("ours (eigh)", "peer (eigh)"), ("ours (Newton)", "peer (Newton)")],
+  )
   common.load()
 
 
@@ -223,13 +268,15 @@ def main():
   args = [a for a in sys.argv[1:] if not a.startswith("--")]
   rounds = int(args[0]) if args else 15
   agreement = common.Agreement(
-      f"Shampoo: ours against precondition-opt "
-      f"{metadata.version('precondition-opt')} (jax {jax.__version__}), "
-      f"{STEPS} steps of {SHAPES}")
+    f"Shampoo: ours against precondition-opt "
+    f"{metadata.version('precondition-opt')} (jax {jax.__version__}), "
+    f"{STEPS} steps of {SHAPES}"
+  )
   compare(agreement)
   if not agreement.finish():
-    raise SystemExit("ours and the peer disagree beyond tolerance (above); "
-                     "no timings taken.")
+    raise SystemExit(
+      "ours and the peer disagree beyond tolerance (above); no timings taken."
+    )
   if "--no-timing" not in sys.argv:
     timing(rounds)
 

@@ -72,27 +72,47 @@ from curvbench.optimizers.soap import soap  # noqa: E402
 
 SHAPES = {"w": (20, 10), "b": (10,), "k": (2, 2, 2, 8)}
 STEPS = 10
-BASE = dict(learning_rate=0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
-            precondition_frequency=1, max_precond_dim=20)
+BASE = dict(
+  learning_rate=0.01,
+  b1=0.9,
+  b2=0.95,
+  eps=1e-8,
+  weight_decay=0.0,
+  precondition_frequency=1,
+  max_precond_dim=20,
+)
 CASES = {
-    "period 1": ({}, SHAPES),
-    "period 3": (dict(precondition_frequency=3), SHAPES),
-    "period 3, b1 = 0": (dict(precondition_frequency=3, b1=0.0), SHAPES),
-    "period 2, shampoo_beta 0.99": (dict(precondition_frequency=2,
-                                         shampoo_beta=0.99), SHAPES),
-    "period 3, precondition_1d (3-vector)": (
-        dict(precondition_frequency=3, precondition_1d=True),
-        {**SHAPES, "b": (3,)}),
-    "period 2, weight decay 0.1": (dict(precondition_frequency=2,
-                                        weight_decay=0.1), SHAPES),
-    "period 2, normalize_grads": (dict(precondition_frequency=2,
-                                       normalize_grads=True), SHAPES),
-    "period 2, no bias correction": (dict(precondition_frequency=2,
-                                          correct_bias=False), SHAPES),
-    "max_precond_dim 15 (w's 20 side unfactored)": (
-        dict(max_precond_dim=15), SHAPES),
-    "own first bases: 12×12 weight, period 2": (
-        dict(precondition_frequency=2), {"w": (12, 12), "b": (10,)}),
+  "period 1": ({}, SHAPES),
+  "period 3": (dict(precondition_frequency=3), SHAPES),
+  "period 3, b1 = 0": (dict(precondition_frequency=3, b1=0.0), SHAPES),
+  "period 2, shampoo_beta 0.99": (
+    dict(precondition_frequency=2, shampoo_beta=0.99),
+    SHAPES,
+  ),
+  "period 3, precondition_1d (3-vector)": (
+    dict(precondition_frequency=3, precondition_1d=True),
+    {**SHAPES, "b": (3,)},
+  ),
+  "period 2, weight decay 0.1": (
+    dict(precondition_frequency=2, weight_decay=0.1),
+    SHAPES,
+  ),
+  "period 2, normalize_grads": (
+    dict(precondition_frequency=2, normalize_grads=True),
+    SHAPES,
+  ),
+  "period 2, no bias correction": (
+    dict(precondition_frequency=2, correct_bias=False),
+    SHAPES,
+  ),
+  "max_precond_dim 15 (w's 20 side unfactored)": (
+    dict(max_precond_dim=15),
+    SHAPES,
+  ),
+  "own first bases: 12×12 weight, period 2": (
+    dict(precondition_frequency=2),
+    {"w": (12, 12), "b": (10,)},
+  ),
 }
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 TORCH = {"float32": torch.float32, "float64": torch.float64}
@@ -100,14 +120,19 @@ TORCH = {"float32": torch.float32, "float64": torch.float64}
 
 def reference_options(o: dict) -> dict:
   """The reference's arguments for our options `o` (after `BASE`)."""
-  return dict(lr=o["learning_rate"], betas=(o["b1"], o["b2"]),
-              shampoo_beta=o.get("shampoo_beta", -1), eps=o["eps"],
-              weight_decay=o["weight_decay"],
-              precondition_frequency=o["precondition_frequency"],
-              max_precond_dim=o["max_precond_dim"], merge_dims=True,
-              precondition_1d=o.get("precondition_1d", False),
-              normalize_grads=o.get("normalize_grads", False),
-              correct_bias=o.get("correct_bias", True))
+  return dict(
+    lr=o["learning_rate"],
+    betas=(o["b1"], o["b2"]),
+    shampoo_beta=o.get("shampoo_beta", -1),
+    eps=o["eps"],
+    weight_decay=o["weight_decay"],
+    precondition_frequency=o["precondition_frequency"],
+    max_precond_dim=o["max_precond_dim"],
+    merge_dims=True,
+    precondition_1d=o.get("precondition_1d", False),
+    normalize_grads=o.get("normalize_grads", False),
+    correct_bias=o.get("correct_bias", True),
+  )
 
 
 @contextlib.contextmanager
@@ -138,14 +163,19 @@ def run_ours(options: dict, params: dict, grads: list, dtype: str):
     u, state = update(cast(g), state, params)
     out.append({k: np.asarray(v) for k, v in u.items()})
     if bases is None:
-      bases = {k: [None if q is None else np.asarray(q)
-                   for q in (st.left_basis, st.right_basis)]
-               for k, st in state.parameters.items()}
+      bases = {
+        k: [
+          None if q is None else np.asarray(q)
+          for q in (st.left_basis, st.right_basis)
+        ]
+        for k, st in state.parameters.items()
+      }
   return out, bases
 
 
-def run_reference(options: dict, params: dict, grads: list, dtype: str,
-                  bases: dict | None) -> tuple[list, float]:
+def run_reference(
+  options: dict, params: dict, grads: list, dtype: str, bases: dict | None
+) -> tuple[list, float]:
   """The reference's updates per call, with its bases replaced after the
   first call by `bases` where given; and how far those were from its own
   (`first_bases_gap`; NaN when not given)."""
@@ -160,18 +190,24 @@ def run_reference(options: dict, params: dict, grads: list, dtype: str,
           p.copy_(tensor(params[k]))
           p.grad = tensor(g[k])
       opt.step()
-      out.append({k: p.detach().numpy().astype(np.float64)
-                  - np.asarray(params[k], dtype).astype(np.float64)
-                  for k, p in ps.items()})
+      out.append(
+        {
+          k: p.detach().numpy().astype(np.float64)
+          - np.asarray(params[k], dtype).astype(np.float64)
+          for k, p in ps.items()
+        }
+      )
       if call == 0 and bases is not None:
         gaps = []
         for k, p in ps.items():
           # One basis per side of the (merged) gradient; a vector has one.
           sides = bases[k][:1] if p.dim() == 1 else bases[k]
           state = opt.state[p]
-          gaps += [first_bases_gap(f.numpy(), q.numpy(), ours)
-                   for f, q, ours in zip(state["GG"], state["Q"], sides)
-                   if ours is not None]
+          gaps += [
+            first_bases_gap(f.numpy(), q.numpy(), ours)
+            for f, q, ours in zip(state["GG"], state["Q"], sides)
+            if ours is not None
+          ]
           state["Q"] = [[] if q is None else tensor(q) for q in sides]
         gap = max(gaps)
   return out, gap
@@ -183,7 +219,8 @@ def first_bases_gap(factor, theirs, ours) -> float:
   the eigenvectors of nonzero eigenvalues (where a basis is unique)."""
   values = np.diag(ours.T @ factor @ ours)
   residual = np.linalg.norm(factor @ ours - ours * values) / np.linalg.norm(
-      factor)
+    factor
+  )
   rank = int(np.sum(values > 1e-6 * values.max()))
   overlap = np.abs(np.sum(ours[:, :rank] * theirs[:, :rank], axis=0))
   return float(max(residual, np.max(1 - overlap, initial=0.0)))
@@ -198,13 +235,23 @@ def compare(agreement: common.Agreement):
     for dtype in common.DTYPES:
       with common.x64(dtype):
         ours, bases = run_ours(options, params, grads, dtype)
-      theirs, gap = run_reference(reference_options(options), params,
-                                  grads, dtype, bases if share else None)
+      theirs, gap = run_reference(
+        reference_options(options),
+        params,
+        grads,
+        dtype,
+        bases if share else None,
+      )
       errors = [common.relative_error(a, b) for a, b in zip(ours, theirs)]
       if share and not gap <= TOLERANCE[dtype]:
         errors[0] = gap  # the first bases fail: that call's row says so
-      agreement.add(case, dtype, errors, TOLERANCE[dtype],
-                    f"first bases shared (gap {gap:.0e})" if share else "")
+      agreement.add(
+        case,
+        dtype,
+        errors,
+        TOLERANCE[dtype],
+        f"first bases shared (gap {gap:.0e})" if share else "",
+      )
 
 
 def timing(rounds: int):
@@ -221,19 +268,28 @@ def timing(rounds: int):
   jax.block_until_ready(update(g32, state, p32))  # compile
   # The reference: an optimizer past its first call; every timed call
   # steps, refreshes and rotates, as ours does.
-  ps = {k: torch.nn.Parameter(torch.tensor(v, dtype=torch.float32))
-        for k, v in params.items()}
+  ps = {
+    k: torch.nn.Parameter(torch.tensor(v, dtype=torch.float32))
+    for k, v in params.items()
+  }
   opt = SOAP(list(ps.values()), **reference_options(options))
   for k, p in ps.items():
     p.grad = torch.tensor(grads[k], dtype=torch.float32)
   opt.step()
-  runs = {"ours": lambda: common.timed(
-              lambda: jax.block_until_ready(update(g32, state, p32))),
-          "reference": lambda: common.timed(opt.step)}
-  common.describe_machine({"torch": f"{torch.__version__} "
-                           f"({torch.get_num_threads()} threads)"}, rounds)
-  print("  one SOAP call on a 512×512 weight and its bias, float32, bases "
-        "refreshed (power step + QR):")
+  runs = {
+    "ours": lambda: common.timed(
+      lambda: jax.block_until_ready(update(g32, state, p32))
+    ),
+    "reference": lambda: common.timed(opt.step),
+  }
+  common.describe_machine(
+    {"torch": f"{torch.__version__} ({torch.get_num_threads()} threads)"},
+    rounds,
+  )
+  print(
+    "  one SOAP call on a 512×512 weight and its bias, float32, bases "
+    "refreshed (power step + QR):"
+  )
   seconds = common.interleaved(runs, rounds)
   common.report(seconds, [("ours", "reference")])
   common.load()
@@ -243,12 +299,15 @@ def main():
   args = [a for a in sys.argv[1:] if not a.startswith("--")]
   rounds = int(args[0]) if args else 15
   agreement = common.Agreement(
-      f"SOAP: ours against the reference (torch {torch.__version__}), "
-      f"{STEPS} calls")
+    f"SOAP: ours against the reference (torch {torch.__version__}), "
+    f"{STEPS} calls"
+  )
   compare(agreement)
   if not agreement.finish():
-    raise SystemExit("ours and the reference disagree beyond tolerance "
-                     "(above); no timings taken.")
+    raise SystemExit(
+      "ours and the reference disagree beyond tolerance "
+      "(above); no timings taken."
+    )
   if "--no-timing" not in sys.argv:
     timing(rounds)
 

@@ -13,8 +13,15 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import estimators
-from curvbench.components import (Component, Flag, Number, OneOf, Registry,
-                                  Whole, setting)
+from curvbench.components import (
+  Component,
+  Flag,
+  Number,
+  OneOf,
+  Registry,
+  Whole,
+  setting,
+)
 from curvbench import curvatures
 from estimators import estimation_modes
 
@@ -40,20 +47,31 @@ class Nearer:
 class CurvatureSettings(Component, abc.ABC):
   """What every curvature approximation has."""
 
-  mode: str = setting("ggn_exact", OneOf(estimators.ESTIMATION_MODES),
-                      "estimation mode (matrix-free families ignore it)")
+  mode: str = setting(
+    "ggn_exact",
+    OneOf(estimators.ESTIMATION_MODES),
+    "estimation mode (matrix-free families ignore it)",
+  )
   cg_iters: int = setting(
-      50, Whole(1), "conjugate-gradient steps where an inverse is matrix-free")
+    50, Whole(1), "conjugate-gradient steps where an inverse is matrix-free"
+  )
   max_dense_gib: float = setting(
-      2.0, GIB, "refuse to form a dense P x P matrix larger than this")
+    2.0, GIB, "refuse to form a dense P x P matrix larger than this"
+  )
   max_state_gib: float = setting(
-      4.0, GIB, "refuse, before allocating it, a block-diagonal (or "
-      "-tridiagonal) state larger than this; the error names the largest "
-      "block")
+    4.0,
+    GIB,
+    "refuse, before allocating it, a block-diagonal (or "
+    "-tridiagonal) state larger than this; the error names the largest "
+    "block",
+  )
   distributed: bool = setting(
-      True, Flag(), "with devices > 1, in the curvature phases of timing: "
-      "each device refreshes and applies its share of the blocks (false: "
-      "every device does every block)")
+    True,
+    Flag(),
+    "with devices > 1, in the curvature phases of timing: "
+    "each device refreshes and applies its share of the blocks (false: "
+    "every device does every block)",
+  )
 
   # Whether `mode` changes the estimate (sweeps run other modes only once).
   uses_estimation_mode: ClassVar[bool] = True
@@ -71,15 +89,20 @@ class CurvatureSettings(Component, abc.ABC):
 
   def common(self) -> dict:
     """The `Curvature` fields every family takes from these settings."""
-    return dict(name=self.name, cg_iters=self.cg_iters,
-                max_dense_gib=self.max_dense_gib,
-                max_state_gib=self.max_state_gib)
+    return dict(
+      name=self.name,
+      cg_iters=self.cg_iters,
+      max_dense_gib=self.max_dense_gib,
+      max_state_gib=self.max_state_gib,
+    )
 
   def distribution(self) -> dict:
     """The estimator's arguments that share the work of its blocks among
     the devices of an axis (`distributed`)."""
-    return dict(distributed_multiplies=self.distributed,
-                distributed_cache_updates=self.distributed)
+    return dict(
+      distributed_multiplies=self.distributed,
+      distributed_cache_updates=self.distributed,
+    )
 
 
 @dataclasses.dataclass
@@ -93,21 +116,28 @@ class BlockDiagonal(CurvatureSettings):
   is_block_diagonal: ClassVar[bool] = True
 
   matrix_power_method: str = setting(
-      "decomposition", OneOf(MATRIX_POWER_METHODS),
-      "how a refresh raises damped factors to powers: decomposition "
-      "(Cholesky, eigh) or newton (the coupled Newton iteration: matrix "
-      "products only, batched over equal-size factors; suits accelerators). "
-      "Block-diagonal families; eigenbases and exact powers always use eigh")
+    "decomposition",
+    OneOf(MATRIX_POWER_METHODS),
+    "how a refresh raises damped factors to powers: decomposition "
+    "(Cholesky, eigh) or newton (the coupled Newton iteration: matrix "
+    "products only, batched over equal-size factors; suits accelerators). "
+    "Block-diagonal families; eigenbases and exact powers always use eigh",
+  )
   newton_max_iterations: int = setting(
-      100, Whole(1), "matrix_power_method=newton: the most Newton steps; a "
-      "factor that needs more (too little damping) stops the run with an "
-      "error")
+    100,
+    Whole(1),
+    "matrix_power_method=newton: the most Newton steps; a "
+    "factor that needs more (too little damping) stops the run with an "
+    "error",
+  )
 
   def ignored(self):
     if self.matrix_power_method == "newton":
       return {}
-    return {"newton_max_iterations": "matrix_power_method=decomposition "
-            "takes no Newton steps"}
+    return {
+      "newton_max_iterations": "matrix_power_method=decomposition "
+      "takes no Newton steps"
+    }
 
   def estimator_options(self) -> dict:
     """The block-diagonal estimator's arguments from these settings, past
@@ -116,20 +146,31 @@ class BlockDiagonal(CurvatureSettings):
     products, as its `empirical_fisher` reference and the exact estimators
     are (the library's default follows KFAC-JAX: that mean divided by the
     batch size)."""
-    return dict(fisher_empirical_normalization="batch",
-                matrix_power_method=self.matrix_power_method,
-                newton_max_iterations=self.newton_max_iterations)
+    return dict(
+      fisher_empirical_normalization="batch",
+      matrix_power_method=self.matrix_power_method,
+      newton_max_iterations=self.newton_max_iterations,
+    )
 
   def make(self, loss_fn):
     options = self.estimator_options()
     estimator = estimators.BlockDiagonalCurvature(
-        loss_fn, default_estimation_mode=self.mode,
-        layer_tag_to_block_ctor=dict(self.blocks) or None,
-        **self.distribution(), **options)
+      loss_fn,
+      default_estimation_mode=self.mode,
+      layer_tag_to_block_ctor=dict(self.blocks) or None,
+      **self.distribution(),
+      **options,
+    )
     return curvatures.BlockDiagonal(
-        mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
-        estimator=estimator, estimator_options=options, block_type=self.name,
-        block_ctors=dict(self.blocks), smaller=self.smaller, **self.common())
+      mode=self.mode,
+      matrix=estimation_modes.matrix_type(self.mode),
+      estimator=estimator,
+      estimator_options=options,
+      block_type=self.name,
+      block_ctors=dict(self.blocks),
+      smaller=self.smaller,
+      **self.common(),
+    )
 
 
 CURVATURES = Registry("curvature", CurvatureSettings, package=__name__)
@@ -143,5 +184,11 @@ def make(settings, loss_fn: Callable) -> curvatures.Curvature:
   return settings.make(loss_fn)
 
 
-__all__ = ["BlockDiagonal", "CURVATURES", "CurvatureSettings",
-           "MATRIX_POWER_METHODS", "Nearer", "make"]
+__all__ = [
+  "BlockDiagonal",
+  "CURVATURES",
+  "CurvatureSettings",
+  "MATRIX_POWER_METHODS",
+  "Nearer",
+  "make",
+]

@@ -16,9 +16,11 @@ class Diagonal(BlockDiagonal):
 
   name: str = "diagonal"
   colour = "tab:green"
-  blocks: ClassVar = {"dense_tag": kfac.DenseDiagonal,
-                      "repeated_dense_tag": kfac.DenseDiagonal,
-                      "conv2d_tag": kfac.Conv2DDiagonal,
-                      "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal,
-                      "embedding_tag": kfac.EmbeddingDiagonal}
+  blocks: ClassVar = {
+    "dense_tag": kfac.DenseDiagonal,
+    "repeated_dense_tag": kfac.DenseDiagonal,
+    "conv2d_tag": kfac.Conv2DDiagonal,
+    "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal,
+    "embedding_tag": kfac.EmbeddingDiagonal,
+  }
   smaller: ClassVar = "curvature=identity"

@@ -19,16 +19,21 @@ class EKFAC(BlockDiagonal):
   name: str = "ekfac"
   colour = "tab:purple"
   conv_scalings: str = setting(
-      "per_example", OneOf(kfac.Conv2DEKFAC.SCALINGS),
-      "conv layers' scalings: fitted to per-example gradients (George et "
-      "al.) or to each output location's gradient")
+    "per_example",
+    OneOf(kfac.Conv2DEKFAC.SCALINGS),
+    "conv layers' scalings: fitted to per-example gradients (George et "
+    "al.) or to each output location's gradient",
+  )
 
   @property
   def blocks(self):
     # A property, not the usual class constant: the conv block takes a
     # setting.
-    return {"dense_tag": kfac.DenseEKFAC,
-            "repeated_dense_tag": kfac.DenseEKFAC,
-            "conv2d_tag": functools.partial(kfac.Conv2DEKFAC,
-                                            scalings=self.conv_scalings),
-            "embedding_tag": kfac.EmbeddingEKFAC}
+    return {
+      "dense_tag": kfac.DenseEKFAC,
+      "repeated_dense_tag": kfac.DenseEKFAC,
+      "conv2d_tag": functools.partial(
+        kfac.Conv2DEKFAC, scalings=self.conv_scalings
+      ),
+      "embedding_tag": kfac.EmbeddingEKFAC,
+    }

@@ -20,7 +20,11 @@ class ExplicitExact(CurvatureSettings):
 
   def make(self, loss_fn):
     estimator = kfac.ExplicitExactCurvature(
-        loss_fn, default_estimation_mode=self.mode)
+      loss_fn, default_estimation_mode=self.mode
+    )
     return curvatures.ExplicitExact(
-        mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
-        estimator=estimator, **self.common())
+      mode=self.mode,
+      matrix=estimation_modes.matrix_type(self.mode),
+      estimator=estimator,
+      **self.common(),
+    )

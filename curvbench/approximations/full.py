@@ -17,8 +17,10 @@ class Full(BlockDiagonal):
 
   name: str = "full"
   colour = "tab:olive"
-  blocks: ClassVar = {"dense_tag": kfac.DenseFull,
-                      "repeated_dense_tag": kfac.DenseFull,
-                      "conv2d_tag": kfac.Conv2DFull,
-                      "scale_and_shift_tag": kfac.ScaleAndShiftFull,
-                      "embedding_tag": kfac.EmbeddingFull}
+  blocks: ClassVar = {
+    "dense_tag": kfac.DenseFull,
+    "repeated_dense_tag": kfac.DenseFull,
+    "conv2d_tag": kfac.Conv2DFull,
+    "scale_and_shift_tag": kfac.ScaleAndShiftFull,
+    "embedding_tag": kfac.EmbeddingFull,
+  }

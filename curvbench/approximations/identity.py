@@ -15,7 +15,15 @@ class Identity(BlockDiagonal):
 
   name: str = "identity"
   colour = "goldenrod"
-  blocks: ClassVar = {tag: kfac.ScaledIdentity for tag in (
-      "dense_tag", "conv2d_tag", "scale_and_shift_tag", "repeated_dense_tag",
-      "embedding_tag", "generic_tag")}
+  blocks: ClassVar = {
+    tag: kfac.ScaledIdentity
+    for tag in (
+      "dense_tag",
+      "conv2d_tag",
+      "scale_and_shift_tag",
+      "repeated_dense_tag",
+      "embedding_tag",
+      "generic_tag",
+    )
+  }
   smaller: ClassVar = "curvature=identity"

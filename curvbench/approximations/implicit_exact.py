@@ -16,14 +16,16 @@ class ImplicitExact(CurvatureSettings):
 
   name: str = "implicit_exact"
   colour = "dimgray"
-  matrix: str = setting("ggn", OneOf(tuple(curvatures.IMPLICIT_PRODUCTS)),
-                        "the exact matrix")
+  matrix: str = setting(
+    "ggn", OneOf(tuple(curvatures.IMPLICIT_PRODUCTS)), "the exact matrix"
+  )
 
   uses_estimation_mode: ClassVar[bool] = False
 
   def make(self, loss_fn):
-    return curvatures.ImplicitExact.of_matrix(self.matrix, loss_fn,
-                                              **self.common())
+    return curvatures.ImplicitExact.of_matrix(
+      self.matrix, loss_fn, **self.common()
+    )
 
 
 CURVATURES.register(ImplicitExact)

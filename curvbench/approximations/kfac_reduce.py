@@ -21,6 +21,8 @@ class KFACReduce(BlockDiagonal):
 
   name: str = "kfac_reduce"
   colour = "tab:orange"
-  blocks: ClassVar = {"repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
-                      "conv2d_tag": kfac.Conv2DKFACReduce,
-                      "embedding_tag": kfac.EmbeddingKFAC}
+  blocks: ClassVar = {
+    "repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
+    "conv2d_tag": kfac.Conv2DKFACReduce,
+    "embedding_tag": kfac.EmbeddingKFAC,
+  }

@@ -20,18 +20,22 @@ class BlockTridiagonal(curvatures.BlockDiagonal):
   damped_inverse_is_exact = False
 
   def empty_state(self, rng, params, batch):
-    return self.estimator.init(rng, (params, batch),
-                               approx_powers_to_cache=-1)
+    return self.estimator.init(rng, (params, batch), approx_powers_to_cache=-1)
 
   def refresh(self, state, damping, axis_name=None):
-    return self.estimator.update_cache(state, damping, approx_powers=-1,
-                                       pmap_axis_name=axis_name)
+    return self.estimator.update_cache(
+      state, damping, approx_powers=-1, pmap_axis_name=axis_name
+    )
 
   def precondition(self, state, vector, damping, axis_name=None):
-    return self.estimator.multiply_inverse(state, vector,
-                                           identity_weight=damping,
-                                           exact_power=False, use_cached=True,
-                                           pmap_axis_name=axis_name)
+    return self.estimator.multiply_inverse(
+      state,
+      vector,
+      identity_weight=damping,
+      exact_power=False,
+      use_cached=True,
+      pmap_axis_name=axis_name,
+    )
 
 
 @CURVATURES.register
@@ -41,15 +45,24 @@ class KFACTridiagonal(BlockDiagonal):
 
   name: str = "kfac_tridiagonal"
   colour = "tab:pink"
-  smaller: ClassVar = ("curvature=kfac, without the coupling, or "
-                       "curvature=diagonal")
+  smaller: ClassVar = (
+    "curvature=kfac, without the coupling, or curvature=diagonal"
+  )
 
   def make(self, loss_fn):
     options = self.estimator_options()
     estimator = kfac.BlockTridiagonalCurvature(
-        loss_fn, default_estimation_mode=self.mode, **self.distribution(),
-        **options)
+      loss_fn,
+      default_estimation_mode=self.mode,
+      **self.distribution(),
+      **options,
+    )
     return BlockTridiagonal(
-        mode=self.mode, matrix=estimation_modes.matrix_type(self.mode),
-        estimator=estimator, estimator_options=options, block_type=self.name,
-        smaller=self.smaller, **self.common())
+      mode=self.mode,
+      matrix=estimation_modes.matrix_type(self.mode),
+      estimator=estimator,
+      estimator_options=options,
+      block_type=self.name,
+      smaller=self.smaller,
+      **self.common(),
+    )

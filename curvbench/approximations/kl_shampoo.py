@@ -20,25 +20,40 @@ class KLShampoo(BlockDiagonal):
   name: str = "kl_shampoo"
   colour = "maroon"
   max_iterations: int = setting(
-      100, Whole(1), "the most fixed-point steps per update (1 from the "
-      "previous factors: the paper's moving-average step)")
+    100,
+    Whole(1),
+    "the most fixed-point steps per update (1 from the "
+    "previous factors: the paper's moving-average step)",
+  )
   tolerance: float | None = setting(
-      None, Number(0, null=True), "stop once a step moves the unit-norm "
-      "input factor by at most this (Frobenius); null: the square root of "
-      "the parameters' machine epsilon")
+    None,
+    Number(0, null=True),
+    "stop once a step moves the unit-norm "
+    "input factor by at most this (Frobenius); null: the square root of "
+    "the parameters' machine epsilon",
+  )
   damping: float = setting(
-      1e-3, Number(0), "the paper's damping κ, as a fraction of the batch "
-      "block's mean eigenvalue (0: undamped, which needs enough examples)")
+    1e-3,
+    Number(0),
+    "the paper's damping κ, as a fraction of the batch "
+    "block's mean eigenvalue (0: undamped, which needs enough examples)",
+  )
   max_full_vocab: int = max_full_vocab_setting()
 
   @property
   def blocks(self):
     # A property, not the usual class constant: the blocks take settings.
-    options = dict(max_iterations=self.max_iterations,
-                   tolerance=self.tolerance, damping=self.damping)
+    options = dict(
+      max_iterations=self.max_iterations,
+      tolerance=self.tolerance,
+      damping=self.damping,
+    )
     dense = functools.partial(kfac.DenseKLShampoo, **options)
-    return {"dense_tag": dense, "repeated_dense_tag": dense,
-            "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options),
-            "embedding_tag": functools.partial(
-                kfac.EmbeddingKLShampoo, max_full_vocab=self.max_full_vocab,
-                **options)}
+    return {
+      "dense_tag": dense,
+      "repeated_dense_tag": dense,
+      "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options),
+      "embedding_tag": functools.partial(
+        kfac.EmbeddingKLShampoo, max_full_vocab=self.max_full_vocab, **options
+      ),
+    }

@@ -20,23 +20,32 @@ class OptimalKronecker(BlockDiagonal):
   name: str = "optimal_kronecker"
   colour = "navy"
   max_iterations: int = setting(
-      100, Whole(0), "the most power-iteration steps per update (0: "
-      "Shampoo²'s factors, optimally scaled)")
+    100,
+    Whole(0),
+    "the most power-iteration steps per update (0: "
+    "Shampoo²'s factors, optimally scaled)",
+  )
   tolerance: float | None = setting(
-      None, Number(0, null=True), "stop once a step moves the unit-norm "
-      "input factor by at most this (Frobenius); null: the square root of "
-      "the parameters' machine epsilon")
+    None,
+    Number(0, null=True),
+    "stop once a step moves the unit-norm "
+    "input factor by at most this (Frobenius); null: the square root of "
+    "the parameters' machine epsilon",
+  )
   max_full_vocab: int = max_full_vocab_setting()
 
   @property
   def blocks(self):
     # A property, not the usual class constant: the blocks take settings.
     ctor = functools.partial
-    options = dict(max_iterations=self.max_iterations,
-                   tolerance=self.tolerance)
-    return {"dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
-            "repeated_dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
-            "conv2d_tag": ctor(kfac.Conv2DOptimalKronecker, **options),
-            "embedding_tag": ctor(kfac.EmbeddingOptimalKronecker,
-                                  max_full_vocab=self.max_full_vocab,
-                                  **options)}
+    options = dict(max_iterations=self.max_iterations, tolerance=self.tolerance)
+    return {
+      "dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
+      "repeated_dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
+      "conv2d_tag": ctor(kfac.Conv2DOptimalKronecker, **options),
+      "embedding_tag": ctor(
+        kfac.EmbeddingOptimalKronecker,
+        max_full_vocab=self.max_full_vocab,
+        **options,
+      ),
+    }

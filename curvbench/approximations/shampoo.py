@@ -14,9 +14,12 @@ def max_full_vocab_setting():
   """The Shampoo family's embedding setting (each of its approximations
   declares it)."""
   return setting(
-      kfac.blocks.MAX_FULL_VOCAB, Whole(0), "embeddings: the largest "
-      "vocabulary whose input-side factor is a full V x V matrix; a larger "
-      "one keeps its diagonal, as Distributed Shampoo does above a size")
+    kfac.blocks.MAX_FULL_VOCAB,
+    Whole(0),
+    "embeddings: the largest "
+    "vocabulary whose input-side factor is a full V x V matrix; a larger "
+    "one keeps its diagonal, as Distributed Shampoo does above a size",
+  )
 
 
 @CURVATURES.register
@@ -33,8 +36,11 @@ class Shampoo(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {"dense_tag": kfac.DenseShampoo,
-            "repeated_dense_tag": kfac.DenseShampoo,
-            "conv2d_tag": kfac.Conv2DShampoo,
-            "embedding_tag": functools.partial(
-                kfac.EmbeddingShampoo, max_full_vocab=self.max_full_vocab)}
+    return {
+      "dense_tag": kfac.DenseShampoo,
+      "repeated_dense_tag": kfac.DenseShampoo,
+      "conv2d_tag": kfac.Conv2DShampoo,
+      "embedding_tag": functools.partial(
+        kfac.EmbeddingShampoo, max_full_vocab=self.max_full_vocab
+      ),
+    }

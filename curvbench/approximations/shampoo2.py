@@ -22,15 +22,23 @@ class Shampoo2(BlockDiagonal):
   max_full_vocab: int = max_full_vocab_setting()
   # Morwani et al.'s finding: Shampoo² is one power-iteration step toward
   # the nearest Kronecker product, and close to it; Shampoo is not.
-  claims: ClassVar = (Nearer(than="shampoo", floor="optimal_kronecker",
-                             source="Morwani et al., ICLR 2025"),)
+  claims: ClassVar = (
+    Nearer(
+      than="shampoo",
+      floor="optimal_kronecker",
+      source="Morwani et al., ICLR 2025",
+    ),
+  )
 
   @property
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {"dense_tag": kfac.DenseShampoo2,
-            "repeated_dense_tag": kfac.DenseShampoo2,
-            "conv2d_tag": kfac.Conv2DShampoo2,
-            "embedding_tag": functools.partial(
-                kfac.EmbeddingShampoo2, max_full_vocab=self.max_full_vocab)}
+    return {
+      "dense_tag": kfac.DenseShampoo2,
+      "repeated_dense_tag": kfac.DenseShampoo2,
+      "conv2d_tag": kfac.Conv2DShampoo2,
+      "embedding_tag": functools.partial(
+        kfac.EmbeddingShampoo2, max_full_vocab=self.max_full_vocab
+      ),
+    }

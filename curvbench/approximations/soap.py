@@ -25,8 +25,11 @@ class SOAP(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {"dense_tag": kfac.DenseSOAP,
-            "repeated_dense_tag": kfac.DenseSOAP,
-            "conv2d_tag": kfac.Conv2DSOAP,
-            "embedding_tag": functools.partial(
-                kfac.EmbeddingSOAP, max_full_vocab=self.max_full_vocab)}
+    return {
+      "dense_tag": kfac.DenseSOAP,
+      "repeated_dense_tag": kfac.DenseSOAP,
+      "conv2d_tag": kfac.Conv2DSOAP,
+      "embedding_tag": functools.partial(
+        kfac.EmbeddingSOAP, max_full_vocab=self.max_full_vocab
+      ),
+    }

@@ -17,8 +17,10 @@ class TNT(BlockDiagonal):
 
   name: str = "tnt"
   colour = "tab:brown"
-  blocks: ClassVar = {"dense_tag": kfac.DenseTNT,
-                      "repeated_dense_tag": kfac.DenseTNT,
-                      "conv2d_tag": kfac.Conv2DTNT,
-                      "embedding_tag": kfac.EmbeddingTNT,
-                      "generic_tag": kfac.NaiveTNT}
+  blocks: ClassVar = {
+    "dense_tag": kfac.DenseTNT,
+    "repeated_dense_tag": kfac.DenseTNT,
+    "conv2d_tag": kfac.Conv2DTNT,
+    "embedding_tag": kfac.EmbeddingTNT,
+    "generic_tag": kfac.NaiveTNT,
+  }

@@ -70,16 +70,20 @@ class Size:
   problem_batch: int | None = None
 
 
-SIZES = dict(full=Size((100, 50, 50, 50, 10), 128, 128, 4, round_s=0.05),
-             quick=Size((12, 8, 4), 16, 8, 2, round_s=0.0, problem_batch=8))
+SIZES = dict(
+  full=Size((100, 50, 50, 50, 10), 128, 128, 4, round_s=0.05),
+  quick=Size((12, 8, 4), 16, 8, 2, round_s=0.0, problem_batch=8),
+)
 
 
 def _git(*args) -> bytes:
-  result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                          timeout=120)
+  result = subprocess.run(
+    ["git", *args], cwd=ROOT, capture_output=True, timeout=120
+  )
   if result.returncode != 0:
-    raise ValueError(f"git {' '.join(args)} failed in {ROOT}: "
-                     f"{result.stderr.decode().strip()}")
+    raise ValueError(
+      f"git {' '.join(args)} failed in {ROOT}: {result.stderr.decode().strip()}"
+    )
   return result.stdout
 
 
@@ -92,8 +96,10 @@ def resolve(ref: str) -> str:
   try:
     return _git("rev-parse", "--verify", f"{ref}^{{commit}}").decode().strip()
   except (OSError, ValueError) as e:
-    raise ValueError(f"{ref!r} names no commit here ({e}); give a commit, "
-                     "tag or branch of this repository, e.g. HEAD~1.") from e
+    raise ValueError(
+      f"{ref!r} names no commit here ({e}); give a commit, "
+      "tag or branch of this repository, e.g. HEAD~1."
+    ) from e
 
 
 def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
@@ -104,9 +110,9 @@ def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
   Raises:
     ValueError: when a module came from somewhere other than `root`.
   """
+
   def ours():
-    return {k: m for k, m in sys.modules.items()
-            if k.split(".")[0] in PACKAGES}
+    return {k: m for k, m in sys.modules.items() if k.split(".")[0] in PACKAGES}
 
   saved = ours()
   for name in saved:
@@ -128,8 +134,10 @@ def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
     sys.modules.update(saved)
   for name, module in modules.items():
     if not Path(module.__file__).resolve().is_relative_to(root.resolve()):
-      raise ValueError(f"{name} was imported from {module.__file__}, not "
-                       f"from the extracted commit in {root}.")
+      raise ValueError(
+        f"{name} was imported from {module.__file__}, not "
+        f"from the extracted commit in {root}."
+      )
   return modules
 
 
@@ -139,21 +147,26 @@ def load(ref: str, folder: Path) -> Version:
   tar = _git("archive", "--format=tar", commit, "--", *PACKAGES)
   with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
     archive.extractall(folder, filter="data")
-  modules = _import_from(folder, ("estimators", "curvbench.data",
-                                   "problems"))
-  return Version(f"{ref} ({commit[:10]})", modules["estimators"],
-                 modules["curvbench.data"], modules["problems"])
+  modules = _import_from(folder, ("estimators", "curvbench.data", "problems"))
+  return Version(
+    f"{ref} ({commit[:10]})",
+    modules["estimators"],
+    modules["curvbench.data"],
+    modules["problems"],
+  )
 
 
 def working_tree() -> Version:
   from curvbench import data
   import estimators
   import problems
+
   return Version("working tree", estimators, data, problems)
 
 
 # --- the benchmarks: each builds, from one version, a call that does one
 # round of work and returns its result -----------------------------------
+
 
 def _mlp(kfac, size: Size):
   """A tanh MLP with a registered softmax cross-entropy, its parameters
@@ -162,12 +175,14 @@ def _mlp(kfac, size: Size):
   widths = size.widths
   params = {}
   for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-    params[f"w{i}"] = jax.random.normal(jax.random.fold_in(rng, i), (a, b),
-                                        jnp.float32) / np.sqrt(a)
+    params[f"w{i}"] = jax.random.normal(
+      jax.random.fold_in(rng, i), (a, b), jnp.float32
+    ) / np.sqrt(a)
     params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
   x = jax.random.normal(jax.random.fold_in(rng, 100), (size.batch, widths[0]))
-  y = jax.random.randint(jax.random.fold_in(rng, 101), (size.batch,), 0,
-                         widths[-1])
+  y = jax.random.randint(
+    jax.random.fold_in(rng, 101), (size.batch,), 0, widths[-1]
+  )
 
   def loss_fn(params, batch):
     h, labels = batch
@@ -187,10 +202,16 @@ def _kfac_steps(kfac, loss_fn, params, batch, **options) -> Callable:
   rate, momentum and damping; one inverse refresh) from `params`, carried
   on from call to call."""
   opt = kfac.Optimizer(
-      jax.value_and_grad(loss_fn), l2_reg=0.0,
-      use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-      use_adaptive_damping=True, initial_damping=1.0, num_burnin_steps=0,
-      inverse_update_period=PERIOD, **options)
+    jax.value_and_grad(loss_fn),
+    l2_reg=0.0,
+    use_adaptive_learning_rate=True,
+    use_adaptive_momentum=True,
+    use_adaptive_damping=True,
+    initial_damping=1.0,
+    num_burnin_steps=0,
+    inverse_update_period=PERIOD,
+    **options,
+  )
   rng = jax.random.PRNGKey(0)
   carry = [params, opt.init(params, rng, batch), 0]
 
@@ -222,8 +243,13 @@ def problem_kfac_step(name: str) -> Callable:
       settings["batch_size"] = size.problem_batch
     problem = version.problems.make(settings)
     params = problem.init_params(jax.random.PRNGKey(0), np.float32)
-    return _kfac_steps(version.estimators, problem.loss_fn, params,
-                       problem.fixed_batch(), estimation_mode="ggn_exact")
+    return _kfac_steps(
+      version.estimators,
+      problem.loss_fn,
+      params,
+      problem.fixed_batch(),
+      estimation_mode="ggn_exact",
+    )
 
   benchmark.__name__ = f"kfac_step_{name}"
   benchmark.__doc__ = f"K-FAC steps on the {name} problem."
@@ -239,12 +265,25 @@ def _estimator(version: Version, size: Size, block_ctors: dict):
   est = kfac.BlockDiagonalCurvature(loss_fn, layer_tag_to_block_ctor=ctors)
   rng = jax.random.PRNGKey(1)
   args = (params, batch)
-  update = jax.jit(lambda s: est.update_curvature_matrix_estimate(
-      s, ema_old=0.0, ema_new=1.0, batch_size=size.batch, rng=rng,
-      func_args=args))
-  refresh = jax.jit(lambda s: est.update_cache(
-      s, identity_weight=1e-3, exact_powers=None, approx_powers=-1,
-      eigenvalues=False))
+  update = jax.jit(
+    lambda s: est.update_curvature_matrix_estimate(
+      s,
+      ema_old=0.0,
+      ema_new=1.0,
+      batch_size=size.batch,
+      rng=rng,
+      func_args=args,
+    )
+  )
+  refresh = jax.jit(
+    lambda s: est.update_cache(
+      s,
+      identity_weight=1e-3,
+      exact_powers=None,
+      approx_powers=-1,
+      eigenvalues=False,
+    )
+  )
   state = refresh(update(est.init(rng, args, approx_powers_to_cache=-1)))
   return update, refresh, state
 
@@ -278,17 +317,25 @@ def dataset_gradient(version: Version, size: Size) -> Callable:
   (8x8x2 inputs, two 3x3 convolutions) by the version's `Data.mean`."""
   rng = jax.random.PRNGKey(2)
   shapes = dict(k0=(3, 3, 2, 8), k1=(3, 3, 8, 16), w=(8 * 8 * 16, 10))
-  params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s)
-            for i, (n, s) in enumerate(shapes.items())}
+  params = {
+    n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s)
+    for i, (n, s) in enumerate(shapes.items())
+  }
   x = jax.random.normal(rng, (size.chunks, size.chunk, 8, 8, 2))
   y = jax.random.randint(rng, (size.chunks, size.chunk), 0, 10)
 
   def loss_fn(params, batch):
     h, labels = batch
     for k in ("k0", "k1"):
-      h = jax.nn.relu(jax.lax.conv_general_dilated(
-          h, params[k], (1, 1), "SAME",
-          dimension_numbers=("NHWC", "HWIO", "NHWC")))
+      h = jax.nn.relu(
+        jax.lax.conv_general_dilated(
+          h,
+          params[k],
+          (1, 1),
+          "SAME",
+          dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+      )
     log_p = jax.nn.log_softmax(h.reshape(h.shape[0], -1) @ params["w"])
     return -jnp.mean(jnp.take_along_axis(log_p, labels[:, None], 1))
 
@@ -297,20 +344,36 @@ def dataset_gradient(version: Version, size: Size) -> Callable:
   return lambda: gradient(params, examples)
 
 
-BENCHMARKS = {fn.__name__: fn for fn in (
-    kfac_step, kfac_update, kfac_refresh, ekfac_update, ekfac_refresh,
-    dataset_gradient, *map(problem_kfac_step, record.cpu_problems()))}
+BENCHMARKS = {
+  fn.__name__: fn
+  for fn in (
+    kfac_step,
+    kfac_update,
+    kfac_refresh,
+    ekfac_update,
+    ekfac_refresh,
+    dataset_gradient,
+    *map(problem_kfac_step, record.cpu_problems()),
+  )
+}
 
 
 # --- timing --------------------------------------------------------------
 
+
 def _leaves(result) -> np.ndarray:
-  return np.concatenate([np.ravel(np.asarray(x, np.float64))
-                         for x in jax.tree.leaves(result)])
+  return np.concatenate(
+    [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(result)]
+  )
 
 
-def interleaved(new: Callable, old: Callable, rounds: int, warmup: int = 1,
-                round_s: float = 0.0) -> dict:
+def interleaved(
+  new: Callable,
+  old: Callable,
+  rounds: int,
+  warmup: int = 1,
+  round_s: float = 0.0,
+) -> dict:
   """Times two calls in alternating rounds (the order flipping every
   round). A round makes `calls` calls of one, each ended by
   `block_until_ready`, as many as take the slower of the two at least
@@ -322,6 +385,7 @@ def interleaved(new: Callable, old: Callable, rounds: int, warmup: int = 1,
     the same load), its quartiles `ratio_q25` and `ratio_q75`, `rounds`
     and `calls`.
   """
+
   def seconds(fn, calls):
     start = time.perf_counter()
     for _ in range(calls):
@@ -339,14 +403,23 @@ def interleaved(new: Callable, old: Callable, rounds: int, warmup: int = 1,
         times[which].append(t)
   ratios = np.divide(times["new"], times["old"])
   q25, median, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
-  return dict(new_s=float(np.median(times["new"])),
-              old_s=float(np.median(times["old"])), ratio=float(median),
-              ratio_q25=float(q25), ratio_q75=float(q75), rounds=rounds,
-              calls=calls)
+  return dict(
+    new_s=float(np.median(times["new"])),
+    old_s=float(np.median(times["old"])),
+    ratio=float(median),
+    ratio_q25=float(q25),
+    ratio_q75=float(q75),
+    rounds=rounds,
+    calls=calls,
+  )
 
 
-def compare(ref: str, mode: str = "full", rounds: int = 15,
-            benchmarks: tuple[str, ...] = tuple(BENCHMARKS)) -> pd.DataFrame:
+def compare(
+  ref: str,
+  mode: str = "full",
+  rounds: int = 15,
+  benchmarks: tuple[str, ...] = tuple(BENCHMARKS),
+) -> pd.DataFrame:
   """The working tree against commit `ref`, one row per benchmark (see the
   module docstring). A benchmark the earlier commit cannot build (an API
   it lacks) gets a row saying why, without timings.
@@ -360,15 +433,21 @@ def compare(ref: str, mode: str = "full", rounds: int = 15,
   size = SIZES[mode]
   unknown = sorted(set(benchmarks) - set(BENCHMARKS))
   if unknown:
-    raise ValueError(f"no side-by-side benchmark {', '.join(unknown)}; "
-                     f"choose from {', '.join(BENCHMARKS)}.")
+    raise ValueError(
+      f"no side-by-side benchmark {', '.join(unknown)}; "
+      f"choose from {', '.join(BENCHMARKS)}."
+    )
   new = working_tree()
   rows = []
   with tempfile.TemporaryDirectory(prefix="curvbench-against-") as folder:
     old = load(ref, Path(folder))
     for name in benchmarks:
-      row = dict(benchmark=name, working_tree=new.name, ref=old.name,
-                 ref_source=old.estimators.__file__)
+      row = dict(
+        benchmark=name,
+        working_tree=new.name,
+        ref=old.name,
+        ref_source=old.estimators.__file__,
+      )
       calls = {}
       for version in (new, old):
         try:
@@ -380,10 +459,15 @@ def compare(ref: str, mode: str = "full", rounds: int = 15,
         row.setdefault("results", []).append(_leaves(first))
       if "error" not in row:
         a, b = row.pop("results")
-        row["max_rel_diff"] = float(np.max(np.abs(a - b)) / max(
-            np.max(np.abs(b)), np.finfo(np.float32).tiny))
-        row.update(interleaved(calls[new.name], calls[old.name], rounds,
-                               round_s=size.round_s))
+        row["max_rel_diff"] = float(
+          np.max(np.abs(a - b))
+          / max(np.max(np.abs(b)), np.finfo(np.float32).tiny)
+        )
+        row.update(
+          interleaved(
+            calls[new.name], calls[old.name], rounds, round_s=size.round_s
+          )
+        )
       row.pop("results", None)
       rows.append(row)
   return pd.DataFrame(rows)

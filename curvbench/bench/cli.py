@@ -25,10 +25,12 @@ def _compare(today: dict, path: Path, tolerance: float) -> int:
   """Prints today's figures against the record at `path`; 1 when a figure
   is worse by more than `tolerance` or missing, else 0."""
   if not path.exists():
-    print(f"No performance record for this device kind "
-          f"({today['device_kind']}, key {today['key']}): {path} does not "
-          "exist, so there is nothing to compare with. `python -m "
-          "curvbench.bench run --save-record` writes one.")
+    print(
+      f"No performance record for this device kind "
+      f"({today['device_kind']}, key {today['key']}): {path} does not "
+      "exist, so there is nothing to compare with. `python -m "
+      "curvbench.bench run --save-record` writes one."
+    )
     return 0
   result = record.compare(today, path, tolerance)
   print(result.text())
@@ -37,14 +39,19 @@ def _compare(today: dict, path: Path, tolerance: float) -> int:
 
 def _run(args) -> int:
   mode = "quick" if args.quick else "full"
-  out = args.out or (record.ROOT / "reports" / "bench"
-                     / time.strftime(f"%Y-%m-%d_%H-%M-%S_{mode}"))
+  out = args.out or (
+    record.ROOT
+    / "reports"
+    / "bench"
+    / time.strftime(f"%Y-%m-%d_%H-%M-%S_{mode}")
+  )
   command = shlex.join(["python", "-m", "curvbench.bench", *sys.argv[1:]])
   today = suite.run(Path(out), mode, args.against, command)
   status = 0
   if args.compare:
-    status = _compare(today, _record_path(today["key"], args.records),
-                      args.tolerance)
+    status = _compare(
+      today, _record_path(today["key"], args.records), args.tolerance
+    )
   if args.save_record:
     path = record.save(today, args.records)
     print(f"record written: {path}")
@@ -56,37 +63,56 @@ def _run(args) -> int:
 def _compare_command(args) -> int:
   path = Path(args.report)
   today = record.load(path / "record.json" if path.is_dir() else path)
-  return _compare(today, Path(args.record) if args.record else
-                  _record_path(today["key"], record.RECORD_DIR),
-                  args.tolerance)
+  return _compare(
+    today,
+    Path(args.record)
+    if args.record
+    else _record_path(today["key"], record.RECORD_DIR),
+    args.tolerance,
+  )
 
 
 def _against(args) -> int:
-  table = against.compare(args.ref, "quick" if args.quick else "full",
-                          args.rounds, tuple(args.benchmarks.split(",")))
+  table = against.compare(
+    args.ref,
+    "quick" if args.quick else "full",
+    args.rounds,
+    tuple(args.benchmarks.split(",")),
+  )
   print(to_markdown(table.drop(columns=["ref_source"])))
   print(f"\n{args.ref} imported from {table.ref_source.iloc[0]}")
   return 0
 
 
 def _scaling(args) -> int:
-  out = args.out or (record.ROOT / "reports" / "bench"
-                     / time.strftime("%Y-%m-%d_%H-%M-%S_scaling"))
+  out = args.out or (
+    record.ROOT
+    / "reports"
+    / "bench"
+    / time.strftime("%Y-%m-%d_%H-%M-%S_scaling")
+  )
   families = tuple(args.families.split(",")) if args.families else None
   table = scaling.write(Path(out), args.scale, args.repeats, families)
   if args.save_record:
     env = provenance.environment()
     code = env.get("code", {})
-    key = record.device_key(env.get("device_kind", "unknown"),
-                            env.get("platform", "unknown"),
-                            len(os.sched_getaffinity(0)))
-    path = record.save_scaling(key, dict(
-        exponents=scaling.by_family(table), scale=args.scale or
-        scaling.default_scale(), commit=code.get("commit"),
+    key = record.device_key(
+      env.get("device_kind", "unknown"),
+      env.get("platform", "unknown"),
+      len(os.sched_getaffinity(0)),
+    )
+    path = record.save_scaling(
+      key,
+      dict(
+        exponents=scaling.by_family(table),
+        scale=args.scale or scaling.default_scale(),
+        commit=code.get("commit"),
         dirty=code.get("dirty"),
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        command=shlex.join(["python", "-m", "curvbench.bench",
-                            *sys.argv[1:]])), args.records)
+        command=shlex.join(["python", "-m", "curvbench.bench", *sys.argv[1:]]),
+      ),
+      args.records,
+    )
     print(f"scaling exponents written into {path}")
   return 0
 
@@ -96,8 +122,10 @@ def _readme(check: bool) -> int:
   new = record.readme_with_table(text, record.readme_table())
   if check:
     if new != text:
-      print(f"{record.README}'s performance table differs from "
-            f"{record.RECORD_DIR}: run `python -m curvbench.bench readme`.")
+      print(
+        f"{record.README}'s performance table differs from "
+        f"{record.RECORD_DIR}: run `python -m curvbench.bench readme`."
+      )
       return 1
     print("The README's performance table matches the records.")
     return 0
@@ -108,68 +136,123 @@ def _readme(check: bool) -> int:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m curvbench.bench",
-                                   description=__doc__)
+  parser = argparse.ArgumentParser(
+    prog="python -m curvbench.bench", description=__doc__
+  )
   sub = parser.add_subparsers(dest="command", required=True)
-  tolerance = dict(type=float, default=record.TOLERANCE,
-                   help="name figures worse than the record by more than "
-                        "this fraction (default %(default)s)")
+  tolerance = dict(
+    type=float,
+    default=record.TOLERANCE,
+    help="name figures worse than the record by more than "
+    "this fraction (default %(default)s)",
+  )
 
   p = sub.add_parser("run", help="run the benchmark and write its report")
-  p.add_argument("--quick", action="store_true",
-                 help="the MLP only, few repeats (the test's mode)")
-  p.add_argument("--out", type=Path, help="a new folder for the report "
-                 "(default reports/bench/<date>_<mode>)")
-  p.add_argument("--against", metavar="REF",
-                 help="also time commit REF side by side with the working "
-                      "tree")
-  p.add_argument("--compare", action="store_true",
-                 help="compare with this device kind's record (exit 1 when "
-                      "a figure is worse)")
-  p.add_argument("--save-record", action="store_true",
-                 help="write the figures as this device kind's record and "
-                      "regenerate the README's table")
-  p.add_argument("--records", type=Path, default=record.RECORD_DIR,
-                 help="the records' folder (default %(default)s)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="the MLP only, few repeats (the test's mode)",
+  )
+  p.add_argument(
+    "--out",
+    type=Path,
+    help="a new folder for the report (default reports/bench/<date>_<mode>)",
+  )
+  p.add_argument(
+    "--against",
+    metavar="REF",
+    help="also time commit REF side by side with the working tree",
+  )
+  p.add_argument(
+    "--compare",
+    action="store_true",
+    help="compare with this device kind's record (exit 1 when "
+    "a figure is worse)",
+  )
+  p.add_argument(
+    "--save-record",
+    action="store_true",
+    help="write the figures as this device kind's record and "
+    "regenerate the README's table",
+  )
+  p.add_argument(
+    "--records",
+    type=Path,
+    default=record.RECORD_DIR,
+    help="the records' folder (default %(default)s)",
+  )
   p.add_argument("--tolerance", **tolerance)
   p.set_defaults(fn=_run)
 
   p = sub.add_parser("compare", help="compare a report with a record")
   p.add_argument("report", help="a report folder or its record.json")
-  p.add_argument("--record", help="the record file (default: the device "
-                 "kind's under benchmarks/record/)")
+  p.add_argument(
+    "--record",
+    help="the record file (default: the device "
+    "kind's under benchmarks/record/)",
+  )
   p.add_argument("--tolerance", **tolerance)
   p.set_defaults(fn=_compare_command)
 
-  p = sub.add_parser("against", help="time an earlier commit side by side "
-                     "with the working tree, in this process")
+  p = sub.add_parser(
+    "against",
+    help="time an earlier commit side by side "
+    "with the working tree, in this process",
+  )
   p.add_argument("ref", help="a commit, tag or branch, e.g. HEAD~1")
   p.add_argument("--quick", action="store_true", help="tiny sizes")
   p.add_argument("--rounds", type=int, default=15)
-  p.add_argument("--benchmarks", default=",".join(against.BENCHMARKS),
-                 help="comma-separated (default: all)")
+  p.add_argument(
+    "--benchmarks",
+    default=",".join(against.BENCHMARKS),
+    help="comma-separated (default: all)",
+  )
   p.set_defaults(fn=_against)
 
-  p = sub.add_parser("scaling", help="time and memory of the K-FAC step, "
-                     "a GGN-vector product, Lanczos and a trace at four "
-                     "sizes of each family; their growth exponents")
-  p.add_argument("--scale", choices=scaling.SCALES,
-                 help="the sizes (default: cpu on the CPU, else accelerator)")
+  p = sub.add_parser(
+    "scaling",
+    help="time and memory of the K-FAC step, "
+    "a GGN-vector product, Lanczos and a trace at four "
+    "sizes of each family; their growth exponents",
+  )
+  p.add_argument(
+    "--scale",
+    choices=scaling.SCALES,
+    help="the sizes (default: cpu on the CPU, else accelerator)",
+  )
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--families", help="comma-separated (default: all of "
-                 f"{', '.join(f.name for f in scaling.FAMILIES)})")
-  p.add_argument("--out", type=Path, help="a new folder for the report "
-                 "(default reports/bench/<date>_scaling)")
-  p.add_argument("--save-record", action="store_true",
-                 help="write the exponents into this device kind's record")
-  p.add_argument("--records", type=Path, default=record.RECORD_DIR,
-                 help="the records' folder (default %(default)s)")
+  p.add_argument(
+    "--families",
+    help="comma-separated (default: all of "
+    f"{', '.join(f.name for f in scaling.FAMILIES)})",
+  )
+  p.add_argument(
+    "--out",
+    type=Path,
+    help="a new folder for the report (default reports/bench/<date>_scaling)",
+  )
+  p.add_argument(
+    "--save-record",
+    action="store_true",
+    help="write the exponents into this device kind's record",
+  )
+  p.add_argument(
+    "--records",
+    type=Path,
+    default=record.RECORD_DIR,
+    help="the records' folder (default %(default)s)",
+  )
   p.set_defaults(fn=_scaling)
 
-  p = sub.add_parser("readme", help="regenerate the README's performance "
-                     "table from benchmarks/record/")
-  p.add_argument("--check", action="store_true",
-                 help="only check that it matches (exit 1 if not)")
+  p = sub.add_parser(
+    "readme",
+    help="regenerate the README's performance table from benchmarks/record/",
+  )
+  p.add_argument(
+    "--check",
+    action="store_true",
+    help="only check that it matches (exit 1 if not)",
+  )
   p.set_defaults(fn=lambda args: _readme(args.check))
 
   args = parser.parse_args(argv)

@@ -35,8 +35,7 @@ def _seconds(program, *args) -> float:
   return time.perf_counter() - start
 
 
-def measure(problem_name: str, rounds: int = 10,
-            warmup: int = 1) -> list[dict]:
+def measure(problem_name: str, rounds: int = 10, warmup: int = 1) -> list[dict]:
   """Rows `dataset gradient` and `dataset ggn product` for the problem
   `problem_name` at its defaults (float32, initial parameters, seed 0).
 
@@ -72,17 +71,28 @@ def measure(problem_name: str, rounds: int = 10,
     if i >= warmup:
       times["gradient"].append(g)
       times["product"].append(p)
-  common = dict(problem=problem_name, num_params=problem.num_params,
-                num_examples=examples.num_examples,
-                chunk_size=examples.chunk_size, num_chunks=examples.num_chunks)
-  grad_row = dict(common, phase="dataset gradient", compile_s=grad_compile_s,
-                  **clock.statistics(times["gradient"]),
-                  **costs.memory_columns(grad_program))
+  common = dict(
+    problem=problem_name,
+    num_params=problem.num_params,
+    num_examples=examples.num_examples,
+    chunk_size=examples.chunk_size,
+    num_chunks=examples.num_chunks,
+  )
+  grad_row = dict(
+    common,
+    phase="dataset gradient",
+    compile_s=grad_compile_s,
+    **clock.statistics(times["gradient"]),
+    **costs.memory_columns(grad_program),
+  )
   ratios = np.divide(times["product"], times["gradient"])
-  prod_row = dict(common, phase="dataset ggn product",
-                  compile_s=prod_compile_s,
-                  **clock.statistics(times["product"]),
-                  **costs.memory_columns(prod_program))
+  prod_row = dict(
+    common,
+    phase="dataset ggn product",
+    compile_s=prod_compile_s,
+    **clock.statistics(times["product"]),
+    **costs.memory_columns(prod_program),
+  )
   # The median and quartiles of the same paired ratios, round by round.
   median, q25, q75 = stats.quartiles(ratios)
   prod_row.update(ratio_to_gradient=median, ratio_q25=q25, ratio_q75=q75)

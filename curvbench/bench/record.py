@@ -43,12 +43,12 @@ README = ROOT / "README.md"
 TOLERANCE = 0.25  # a figure more than this much worse is named
 
 FIGURES = {  # name: what the README calls it
-    "kfac_step/adam_step": "K-FAC step / Adam step",
-    "kfac_step/adam_step_flops": "the same in XLA flops",
-    "refresh/gradient": "K-FAC refresh / gradient step",
-    "dataset_ggn_product/gradient": "GGN-vector product / gradient, "
-                                    "training split",
-    "exact_ggn_spectrum_s": "exact GGN + eigh of a batch (s)",
+  "kfac_step/adam_step": "K-FAC step / Adam step",
+  "kfac_step/adam_step_flops": "the same in XLA flops",
+  "refresh/gradient": "K-FAC refresh / gradient step",
+  "dataset_ggn_product/gradient": "GGN-vector product / gradient, "
+  "training split",
+  "exact_ggn_spectrum_s": "exact GGN + eigh of a batch (s)",
 }
 START = "<!-- performance-record:start (python -m curvbench.bench readme) -->"
 END = "<!-- performance-record:end -->"
@@ -59,8 +59,12 @@ def cpu_problems() -> tuple[str, ...]:
   every registered problem but those whose defaults are sized for an
   accelerator (`ProblemSettings.accelerator_sized`)."""
   import problems  # the registry imports every problem module
-  return tuple(n for n in problems.PROBLEMS.names()
-               if not problems.PROBLEMS.get(n).accelerator_sized)
+
+  return tuple(
+    n
+    for n in problems.PROBLEMS.names()
+    if not problems.PROBLEMS.get(n).accelerator_sized
+  )
 
 
 def device_key(device_kind: str, platform: str, cpu_count: int) -> str:
@@ -74,8 +78,9 @@ def device_key(device_kind: str, platform: str, cpu_count: int) -> str:
   return key
 
 
-def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
-            products: pd.DataFrame) -> dict[str, dict[str, float]]:
+def figures(
+  timing: pd.DataFrame, spectra_cost: pd.DataFrame, products: pd.DataFrame
+) -> dict[str, dict[str, float]]:
   """`{figure: {problem: value}}` from the records of one benchmark run
   (the harness's `timing` and spectra `cost` tables, the product rows);
   problems without a row are left out."""
@@ -95,16 +100,19 @@ def figures(timing: pd.DataFrame, spectra_cost: pd.DataFrame,
     out["refresh/gradient"][row.problem] = float(row.ratio_to_grad_step)
   for _, row in rows(products, "dataset ggn product").iterrows():
     out["dataset_ggn_product/gradient"][row.problem] = float(
-        row.ratio_to_gradient)
+      row.ratio_to_gradient
+    )
   if not spectra_cost.empty:
-    exact = spectra_cost[spectra_cost.phase.isin(["exact ggn",
-                                                  "eigh exact ggn"])]
+    exact = spectra_cost[
+      spectra_cost.phase.isin(["exact ggn", "eigh exact ggn"])
+    ]
     keys = ["run_id", *(["sample"] if "sample" in exact else [])]
     for problem, rows in exact.groupby("problem"):
       # One spectrum's seconds each (a run's, per sample of its data);
       # those read from a store (one phase only) left out.
-      per_run = [run.run_s.sum() for _, run in rows.groupby(keys)
-                 if len(run) == 2]
+      per_run = [
+        run.run_s.sum() for _, run in rows.groupby(keys) if len(run) == 2
+      ]
       if per_run:
         out["exact_ggn_spectrum_s"][problem] = float(np.median(per_run))
   return {name: values for name, values in out.items() if values}
@@ -133,9 +141,10 @@ def save_scaling(key: str, scaling: dict, folder: Path = RECORD_DIR) -> Path:
   path = Path(folder) / f"{key}.json"
   if not path.exists():
     raise FileNotFoundError(
-        f"no performance record {path} for this device kind: run `python -m "
-        "curvbench.bench run --save-record` first, then save the scaling "
-        "exponents into it.")
+      f"no performance record {path} for this device kind: run `python -m "
+      "curvbench.bench run --save-record` first, then save the scaling "
+      "exponents into it."
+    )
   record = json.loads(path.read_text())
   record["scaling"] = scaling
   path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -150,9 +159,11 @@ def load(path: Path) -> dict:
     raise ValueError(f"cannot read the performance record {path}: {e}") from e
   missing = [k for k in ("key", "mode", "figures") if k not in record]
   if missing:
-    raise ValueError(f"{path} is not a performance record: it lacks "
-                     f"{', '.join(missing)}; write one with `python -m "
-                     "curvbench.bench run --save-record`.")
+    raise ValueError(
+      f"{path} is not a performance record: it lacks "
+      f"{', '.join(missing)}; write one with `python -m "
+      "curvbench.bench run --save-record`."
+    )
   return record
 
 
@@ -180,31 +191,43 @@ class Comparison:
 
   def text(self) -> str:
     r = self.record
-    lines = [f"Compared with {self.record_path} (device {r.get('device_kind')}"
-             f", commit {str(r.get('commit'))[:10]}, {r.get('date')}): "
-             f"{self.compared} figures."]
+    lines = [
+      f"Compared with {self.record_path} (device {r.get('device_kind')}"
+      f", commit {str(r.get('commit'))[:10]}, {r.get('date')}): "
+      f"{self.compared} figures."
+    ]
     if self.worse:
-      lines.append(f"{len(self.worse)} more than {self.tolerance:.0%} worse "
-                   "than the record:")
-      lines += [f"  {figure} [{problem}]: {today:.4g} today, {recorded:.4g} "
-                f"in the record ({today / recorded - 1:+.0%})"
-                for figure, problem, today, recorded in self.worse]
+      lines.append(
+        f"{len(self.worse)} more than {self.tolerance:.0%} worse "
+        "than the record:"
+      )
+      lines += [
+        f"  {figure} [{problem}]: {today:.4g} today, {recorded:.4g} "
+        f"in the record ({today / recorded - 1:+.0%})"
+        for figure, problem, today, recorded in self.worse
+      ]
       if r.get("commit"):
-        lines.append("Load on the machine moves these figures too: to tell a "
-                     "regression from it, time the record's commit side by "
-                     "side with the working tree, `python -m curvbench.bench "
-                     f"against {r['commit'][:10]}`.")
+        lines.append(
+          "Load on the machine moves these figures too: to tell a "
+          "regression from it, time the record's commit side by "
+          "side with the working tree, `python -m curvbench.bench "
+          f"against {r['commit'][:10]}`."
+        )
     if self.missing:
-      lines.append("In the record but not measured today: " + ", ".join(
-          f"{figure} [{problem}]" for figure, problem in self.missing))
+      lines.append(
+        "In the record but not measured today: "
+        + ", ".join(f"{figure} [{problem}]" for figure, problem in self.missing)
+      )
     if self.passed:
-      lines.append(f"None more than {self.tolerance:.0%} worse than the "
-                   "record.")
+      lines.append(
+        f"None more than {self.tolerance:.0%} worse than the record."
+      )
     return "\n".join(lines)
 
 
-def compare(today: dict, record_path: Path,
-            tolerance: float = TOLERANCE) -> Comparison:
+def compare(
+  today: dict, record_path: Path, tolerance: float = TOLERANCE
+) -> Comparison:
   """Today's run (`{'mode', 'figures'}`) against the record at
   `record_path`.
 
@@ -215,9 +238,10 @@ def compare(today: dict, record_path: Path,
   record = load(record_path)
   if record["mode"] != today["mode"]:
     raise ValueError(
-        f"{record_path} was made by a {record['mode']} run, this run is "
-        f"{today['mode']}: their figures are not comparable; run the "
-        f"benchmark in {record['mode']} mode to compare.")
+      f"{record_path} was made by a {record['mode']} run, this run is "
+      f"{today['mode']}: their figures are not comparable; run the "
+      f"benchmark in {record['mode']} mode to compare."
+    )
   worse, missing, compared = [], [], 0
   for figure, values in record["figures"].items():
     for problem, recorded in values.items():
@@ -228,11 +252,13 @@ def compare(today: dict, record_path: Path,
       compared += 1
       if now > recorded * (1 + tolerance):
         worse.append((figure, problem, now, recorded))
-  return Comparison(Path(record_path), record, tolerance, worse, missing,
-                    compared)
+  return Comparison(
+    Path(record_path), record, tolerance, worse, missing, compared
+  )
 
 
 # --- the README's table ------------------------------------------------------
+
 
 def _cell(value) -> str:
   return "" if value is None else f"{value:.3g}"
@@ -243,11 +269,12 @@ def readme_table(folder: Path = RECORD_DIR) -> str:
   column per record file, then what made each record."""
   recs = records(folder)
   if not recs:
-    return ("No performance record yet: `python -m curvbench.bench run "
-            "--save-record` writes one.\n")
+    return (
+      "No performance record yet: `python -m curvbench.bench run "
+      "--save-record` writes one.\n"
+    )
   head = ["figure", "problem", *(f"`{r['key']}`" for r in recs)]
-  lines = ["| " + " | ".join(head) + " |",
-           "|" + "---|" * len(head)]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for figure, label in FIGURES.items():
     problems = sorted({p for r in recs for p in r["figures"].get(figure, {})})
     for problem in problems:
@@ -255,19 +282,24 @@ def readme_table(folder: Path = RECORD_DIR) -> str:
       lines.append(f"| {label} | {problem} | " + " | ".join(cells) + " |")
   lines.append("")
   for r in recs:
-    versions = ", ".join(f"{k} {v}" for k, v in sorted(
-        r.get("versions", {}).items()) if k in ("jax", "jaxlib"))
+    versions = ", ".join(
+      f"{k} {v}"
+      for k, v in sorted(r.get("versions", {}).items())
+      if k in ("jax", "jaxlib")
+    )
     dirty = " with local changes" if r.get("dirty") else ""
-    lines.append(f"- `{r['key']}`: {r.get('device_kind')} "
-                 f"({r.get('platform_version')}), commit "
-                 f"`{str(r.get('commit'))[:10]}`{dirty}, {r.get('date')}, "
-                 f"{versions}; `{r.get('command')}`")
+    lines.append(
+      f"- `{r['key']}`: {r.get('device_kind')} "
+      f"({r.get('platform_version')}), commit "
+      f"`{str(r.get('commit'))[:10]}`{dirty}, {r.get('date')}, "
+      f"{versions}; `{r.get('command')}`"
+    )
     side = r.get("side_by_side")
     if side:
-      ratios = ", ".join(f"{name} {ratio:.3g}"
-                         for name, ratio in side["ratios"].items())
-      lines.append(f"  (working tree / `{side['ref']}` side by side: "
-                   f"{ratios})")
+      ratios = ", ".join(
+        f"{name} {ratio:.3g}" for name, ratio in side["ratios"].items()
+      )
+      lines.append(f"  (working tree / `{side['ref']}` side by side: {ratios})")
   return "\n".join(lines) + "\n"
 
 
@@ -280,6 +312,8 @@ def readme_with_table(text: str, table: str) -> str:
   """
   start, end = text.find(START), text.find(END)
   if start < 0 or end < start:
-    raise ValueError(f"the README has no performance-record block: put the "
-                     f"lines\n{START}\n{END}\nwhere the table goes.")
-  return text[:start + len(START)] + "\n" + table + text[end:]
+    raise ValueError(
+      f"the README has no performance-record block: put the "
+      f"lines\n{START}\n{END}\nwhere the table goes."
+    )
+  return text[: start + len(START)] + "\n" + table + text[end:]

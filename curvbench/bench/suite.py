@@ -56,34 +56,57 @@ class Plan:
 
 def plans() -> dict[str, Plan]:
   return dict(
-      full=Plan(record.cpu_problems(),
-                ("measure.timing.repeats=30", "measure.timing.warmup=2"),
-                ("seed=0,1,2",), product_rounds=10, against_rounds=15),
-      quick=Plan((SPECTRA_PROBLEM,),
-                 ("measure.timing.repeats=3", "measure.timing.warmup=1"),
-                 ("seed=0", "measure.spectra.samples=1"), product_rounds=3,
-                 against_rounds=3))
+    full=Plan(
+      record.cpu_problems(),
+      ("measure.timing.repeats=30", "measure.timing.warmup=2"),
+      ("seed=0,1,2",),
+      product_rounds=10,
+      against_rounds=15,
+    ),
+    quick=Plan(
+      (SPECTRA_PROBLEM,),
+      ("measure.timing.repeats=3", "measure.timing.warmup=1"),
+      ("seed=0", "measure.spectra.samples=1"),
+      product_rounds=3,
+      against_rounds=3,
+    ),
+  )
 
 
-COMMON = ("compilation_cache=null", "progress=false", "continue_on_error=true",
-          "force=true")
+COMMON = (
+  "compilation_cache=null",
+  "progress=false",
+  "continue_on_error=true",
+  "force=true",
+)
 
 
 def _sweep(folder: Path, overrides: list[str], log: Path) -> int:
   """`curvbench -m` with `overrides` into `folder`, its output in `log`;
   returns its exit status."""
-  cmd = [sys.executable, "-m", "curvbench", "-m",
-         f"hydra.sweep.dir={folder}", *COMMON, *overrides]
+  cmd = [
+    sys.executable,
+    "-m",
+    "curvbench",
+    "-m",
+    f"hydra.sweep.dir={folder}",
+    *COMMON,
+    *overrides,
+  ]
   with open(log, "w") as out:
     out.write(shlex.join(cmd) + "\n")
     out.flush()
-    return subprocess.run(cmd, cwd=record.ROOT, stdout=out,
-                          stderr=subprocess.STDOUT).returncode
+    return subprocess.run(
+      cmd, cwd=record.ROOT, stdout=out, stderr=subprocess.STDOUT
+    ).returncode
 
 
 def _tables(folder: Path, name: str) -> pd.DataFrame:
-  frames = [run.tables()[name] for run in records.find_runs(folder)
-            if name in run.table_names()]
+  frames = [
+    run.tables()[name]
+    for run in records.find_runs(folder)
+    if name in run.table_names()
+  ]
   return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -91,36 +114,45 @@ def _failures(folder: Path) -> list[str]:
   out = []
   for path in sorted(folder.rglob("ERROR.json")):
     last = json.loads(path.read_text()).get("traceback", "").strip()
-    out.append(f"{path.parent.relative_to(folder.parent)}: "
-               f"{last.splitlines()[-1] if last else 'failed'}")
+    out.append(
+      f"{path.parent.relative_to(folder.parent)}: "
+      f"{last.splitlines()[-1] if last else 'failed'}"
+    )
   return out
 
 
 def _environment(folder: Path) -> dict:
   """The device, versions and code of the sweeps' runs
   (`environment.json`), with the cores this process may use."""
-  found = (sorted((folder / "timing").rglob("environment.json"))
-           or sorted(folder.rglob("environment.json")))
+  found = sorted((folder / "timing").rglob("environment.json")) or sorted(
+    folder.rglob("environment.json")
+  )
   env = json.loads(found[0].read_text()) if found else {}
   env.pop("argv", None)
   return dict(env, cpu_count=len(os.sched_getaffinity(0)))
 
 
 def _mib(values: pd.Series) -> pd.Series:
-  return values / 2 ** 20
+  return values / 2**20
 
 
 def _phases(timing: pd.DataFrame) -> pd.DataFrame:
   if timing.empty:
     return timing
-  return pd.DataFrame(dict(
-      problem=timing.problem, num_params=timing.num_params,
-      batch_size=timing.batch_size, phase=timing.phase,
-      run_ms=1e3 * timing.median_s, compile_s=timing.compile_s,
+  return pd.DataFrame(
+    dict(
+      problem=timing.problem,
+      num_params=timing.num_params,
+      batch_size=timing.batch_size,
+      phase=timing.phase,
+      run_ms=1e3 * timing.median_s,
+      compile_s=timing.compile_s,
       per_grad_step=timing.ratio_to_grad_step,
       per_adam_step=timing.ratio_to_baseline,
       program_mib=_mib(timing.program_bytes),
-      device_peak_mib=_mib(timing.device_peak_bytes)))
+      device_peak_mib=_mib(timing.device_peak_bytes),
+    )
+  )
 
 
 def _steps(timing: pd.DataFrame) -> pd.DataFrame:
@@ -128,47 +160,75 @@ def _steps(timing: pd.DataFrame) -> pd.DataFrame:
     return timing
   steps = timing[timing.phase == "optimizer_step"].set_index("problem")
   adam = timing[timing.phase == "baseline_step"].set_index("problem")
-  return pd.DataFrame(dict(
-      kfac_step_ms=1e3 * steps.median_s, adam_step_ms=1e3 * adam.median_s,
-      ratio=steps.ratio_to_baseline, q25=steps.ratio_q25,
-      q75=steps.ratio_q75, flop_ratio=steps.get("flop_ratio_to_baseline"),
+  return pd.DataFrame(
+    dict(
+      kfac_step_ms=1e3 * steps.median_s,
+      adam_step_ms=1e3 * adam.median_s,
+      ratio=steps.ratio_to_baseline,
+      q25=steps.ratio_q25,
+      q75=steps.ratio_q75,
+      flop_ratio=steps.get("flop_ratio_to_baseline"),
       kfac_compile_s=steps.compile_s,
-      adam_compile_s=adam.compile_s, repeats=steps.repeats)).reset_index()
+      adam_compile_s=adam.compile_s,
+      repeats=steps.repeats,
+    )
+  ).reset_index()
 
 
 def _spectrum(cost: pd.DataFrame) -> pd.DataFrame:
   if cost.empty:
     return cost
   rows = cost[cost.phase.isin(["exact ggn", "eigh exact ggn"])]
-  return pd.DataFrame(dict(
-      problem=rows.problem, num_params=rows.num_params,
-      batch_size=rows.batch_size, precision=rows.precision, phase=rows.phase,
-      run_s=rows.run_s, compile_s=rows.compile_s,
+  return pd.DataFrame(
+    dict(
+      problem=rows.problem,
+      num_params=rows.num_params,
+      batch_size=rows.batch_size,
+      precision=rows.precision,
+      phase=rows.phase,
+      run_s=rows.run_s,
+      compile_s=rows.compile_s,
       program_mib=_mib(rows.program_bytes),
-      device_peak_mib=_mib(rows.device_peak_bytes)))
+      device_peak_mib=_mib(rows.device_peak_bytes),
+    )
+  )
 
 
 def _products(rows: pd.DataFrame) -> pd.DataFrame:
   if rows.empty:
     return rows
-  return pd.DataFrame(dict(
-      problem=rows.problem, num_params=rows.num_params,
-      num_examples=rows.num_examples, chunk_size=rows.chunk_size,
-      phase=rows.phase, run_ms=1e3 * rows.median_s, compile_s=rows.compile_s,
-      per_gradient=rows.ratio_to_gradient, q25=rows.get("ratio_q25"),
-      q75=rows.get("ratio_q75"), rounds=rows.repeats,
+  return pd.DataFrame(
+    dict(
+      problem=rows.problem,
+      num_params=rows.num_params,
+      num_examples=rows.num_examples,
+      chunk_size=rows.chunk_size,
+      phase=rows.phase,
+      run_ms=1e3 * rows.median_s,
+      compile_s=rows.compile_s,
+      per_gradient=rows.ratio_to_gradient,
+      q25=rows.get("ratio_q25"),
+      q75=rows.get("ratio_q75"),
+      rounds=rows.repeats,
       program_mib=_mib(rows.program_bytes),
-      device_peak_mib=_mib(rows.device_peak_bytes)))
+      device_peak_mib=_mib(rows.device_peak_bytes),
+    )
+  )
 
 
 def _figures_table(figures: dict) -> pd.DataFrame:
-  return pd.DataFrame([dict(figure=f, problem=p, value=v)
-                       for f, values in figures.items()
-                       for p, v in values.items()])
+  return pd.DataFrame(
+    [
+      dict(figure=f, problem=p, value=v)
+      for f, values in figures.items()
+      for p, v in values.items()
+    ]
+  )
 
 
-def run(out: Path, mode: str = "full", ref: str | None = None,
-        command: str = "") -> dict:
+def run(
+  out: Path, mode: str = "full", ref: str | None = None, command: str = ""
+) -> dict:
   """Runs the benchmark into the new folder `out`; returns the record
   (`record.json`'s content).
 
@@ -188,26 +248,40 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
     against.resolve(ref)  # refused now, not after the sweeps
   out = Path(out).resolve()
   if out.exists() and any(out.iterdir()):
-    raise ValueError(f"{out} holds files already: give a new or empty folder "
-                     "(--out), the report never writes over others' files.")
+    raise ValueError(
+      f"{out} holds files already: give a new or empty folder "
+      "(--out), the report never writes over others' files."
+    )
   runs = out / "runs"
   runs.mkdir(parents=True)
   start = time.perf_counter()
-  say = lambda text: print(f"[{time.perf_counter() - start:6.0f} s] {text}",
-                           flush=True)
+  say = lambda text: print(
+    f"[{time.perf_counter() - start:6.0f} s] {text}", flush=True
+  )
   sweeps = dict(
-      timing=["measure=timing", "curvature=kfac", "optimizer=kfac",
-              f"problem={','.join(plan.problems)}", *plan.timing],
-      spectra=[f"problem={SPECTRA_PROBLEM}", "measure=spectra",
-               "curvature=kfac", "measure.spectra.references=[ggn]",
-               *plan.spectra])
+    timing=[
+      "measure=timing",
+      "curvature=kfac",
+      "optimizer=kfac",
+      f"problem={','.join(plan.problems)}",
+      *plan.timing,
+    ],
+    spectra=[
+      f"problem={SPECTRA_PROBLEM}",
+      "measure=spectra",
+      "curvature=kfac",
+      "measure.spectra.references=[ggn]",
+      *plan.spectra,
+    ],
+  )
   failures = []
   for name, overrides in sweeps.items():
     say(f"{name} sweep: {' '.join(overrides)} (log: runs/{name}.log)")
     status = _sweep(runs / name, overrides, runs / f"{name}.log")
     if status != 0:
-      failures.append(f"the {name} sweep exited with status {status}: see "
-                      f"runs/{name}.log")
+      failures.append(
+        f"the {name} sweep exited with status {status}: see runs/{name}.log"
+      )
   failures += _failures(runs)
   product_rows = []
   for name in plan.problems:
@@ -229,23 +303,40 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
   env = _environment(runs)
   code = env.get("code", {})
   rec = dict(
-      key=record.device_key(env.get("device_kind", "unknown"),
-                            env.get("platform", "unknown"), env["cpu_count"]),
-      device_kind=env.get("device_kind"), platform=env.get("platform"),
-      platform_version=env.get("platform_version"),
-      cpu_count=env["cpu_count"], host=env.get("host"),
-      python=env.get("python"), versions=env.get("versions", {}),
-      commit=code.get("commit"), dirty=code.get("dirty"), mode=mode,
-      date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      command=command, wall_s=round(time.perf_counter() - start, 1),
-      figures=figures)
+    key=record.device_key(
+      env.get("device_kind", "unknown"),
+      env.get("platform", "unknown"),
+      env["cpu_count"],
+    ),
+    device_kind=env.get("device_kind"),
+    platform=env.get("platform"),
+    platform_version=env.get("platform_version"),
+    cpu_count=env["cpu_count"],
+    host=env.get("host"),
+    python=env.get("python"),
+    versions=env.get("versions", {}),
+    commit=code.get("commit"),
+    dirty=code.get("dirty"),
+    mode=mode,
+    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    command=command,
+    wall_s=round(time.perf_counter() - start, 1),
+    figures=figures,
+  )
   if side is not None and "ratio" in side:
     ok = side.dropna(subset=["ratio"])
-    rec["side_by_side"] = dict(ref=ref, ref_name=str(side.ref.iloc[0]),
-                               ratios=dict(zip(ok.benchmark, ok.ratio)))
-  tables = dict(figures=_figures_table(figures), steps=_steps(timing),
-                phases=_phases(timing), spectrum=_spectrum(cost),
-                products=_products(product_table))
+    rec["side_by_side"] = dict(
+      ref=ref,
+      ref_name=str(side.ref.iloc[0]),
+      ratios=dict(zip(ok.benchmark, ok.ratio)),
+    )
+  tables = dict(
+    figures=_figures_table(figures),
+    steps=_steps(timing),
+    phases=_phases(timing),
+    spectrum=_spectrum(cost),
+    products=_products(product_table),
+  )
   if side is not None:
     tables["side_by_side"] = side.drop(columns="ref_source")
   _write(out, rec, tables, failures)
@@ -254,39 +345,48 @@ def run(out: Path, mode: str = "full", ref: str | None = None,
 
 
 TITLES = dict(
-    figures="Figures (the performance record's; lower is better)",
-    steps="K-FAC step / Adam step (interleaved, same parameters and batch; "
-          "flop_ratio: the same in XLA's operation counts)",
-    phases="Per-phase costs (median run, cold compile; memory: XLA's "
-           "program figure and the device's peak since the run started, "
-           "NaN on the CPU)",
-    spectrum=f"Exact GGN spectrum of the {SPECTRA_PROBLEM} (one batch; "
-             "a row per phase and run)",
-    products="Dataset GGN-vector product / gradient over the training split",
-    side_by_side="Side by side with an earlier commit (ratio > 1: the "
-                 "working tree is slower)")
+  figures="Figures (the performance record's; lower is better)",
+  steps="K-FAC step / Adam step (interleaved, same parameters and batch; "
+  "flop_ratio: the same in XLA's operation counts)",
+  phases="Per-phase costs (median run, cold compile; memory: XLA's "
+  "program figure and the device's peak since the run started, "
+  "NaN on the CPU)",
+  spectrum=f"Exact GGN spectrum of the {SPECTRA_PROBLEM} (one batch; "
+  "a row per phase and run)",
+  products="Dataset GGN-vector product / gradient over the training split",
+  side_by_side="Side by side with an earlier commit (ratio > 1: the "
+  "working tree is slower)",
+)
 
 
 def _write(out: Path, rec: dict, tables: dict, failures: list[str]) -> None:
-  (out / "record.json").write_text(json.dumps(rec, indent=2, sort_keys=True)
-                                   + "\n")
-  lines = [f"# Benchmark: {rec['device_kind']} ({rec['key']})", "",
-           f"- device: {rec['device_kind']}, platform {rec['platform']} "
-           f"({rec['platform_version']}), {rec['cpu_count']} CPU cores "
-           f"usable, host {rec['host']}",
-           f"- versions: python {rec['python']}, " + ", ".join(
-               f"{k} {v}" for k, v in sorted(rec["versions"].items())),
-           f"- code: commit {rec['commit']}"
-           + (" with local changes" if rec["dirty"] else ""),
-           f"- command: `{rec['command']}` ({rec['mode']} mode), "
-           f"{rec['date']}, {rec['wall_s']} s",
-           "- raw records: `runs/` (the harness's sweeps and "
-           "`runs/products.csv`); the tables below as CSVs beside this file",
-           ""]
+  (out / "record.json").write_text(
+    json.dumps(rec, indent=2, sort_keys=True) + "\n"
+  )
+  lines = [
+    f"# Benchmark: {rec['device_kind']} ({rec['key']})",
+    "",
+    f"- device: {rec['device_kind']}, platform {rec['platform']} "
+    f"({rec['platform_version']}), {rec['cpu_count']} CPU cores "
+    f"usable, host {rec['host']}",
+    f"- versions: python {rec['python']}, "
+    + ", ".join(f"{k} {v}" for k, v in sorted(rec["versions"].items())),
+    f"- code: commit {rec['commit']}"
+    + (" with local changes" if rec["dirty"] else ""),
+    f"- command: `{rec['command']}` ({rec['mode']} mode), "
+    f"{rec['date']}, {rec['wall_s']} s",
+    "- raw records: `runs/` (the harness's sweeps and "
+    "`runs/products.csv`); the tables below as CSVs beside this file",
+    "",
+  ]
   if failures:
     lines += ["## Failed", "", *(f"- {f}" for f in failures), ""]
   for name, table in tables.items():
     table.to_csv(out / f"{name}.csv", index=False)
-    lines += [f"## {TITLES[name]}", "",
-              to_markdown(table) if not table.empty else "(none)", ""]
+    lines += [
+      f"## {TITLES[name]}",
+      "",
+      to_markdown(table) if not table.empty else "(none)",
+      "",
+    ]
   (out / "summary.md").write_text("\n".join(lines))

@@ -4,11 +4,36 @@ dataclass (`settings`), and the registry of its kind that finds it by name
 measurements are all components; nothing here knows any of them."""
 
 from curvbench.components.registry import Component, Registry
-from curvbench.components.settings import (Check, Choice, Flag, ListOf, Number,
-                                           OneOf, Parsed, Settings,
-                                           SettingsError, Text, Whole, dotted,
-                                           setting)
+from curvbench.components.settings import (
+  Check,
+  Choice,
+  Flag,
+  ListOf,
+  Number,
+  OneOf,
+  Parsed,
+  Settings,
+  SettingsError,
+  Text,
+  Whole,
+  dotted,
+  setting,
+)
 
-__all__ = ["Check", "Choice", "Component", "Flag", "ListOf", "Number",
-           "OneOf", "Parsed", "Registry", "Settings", "SettingsError", "Text",
-           "Whole", "dotted", "setting"]
+__all__ = [
+  "Check",
+  "Choice",
+  "Component",
+  "Flag",
+  "ListOf",
+  "Number",
+  "OneOf",
+  "Parsed",
+  "Registry",
+  "Settings",
+  "SettingsError",
+  "Text",
+  "Whole",
+  "dotted",
+  "setting",
+]

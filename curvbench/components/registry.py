@@ -24,8 +24,7 @@ import pkgutil
 from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
-from curvbench.components.settings import (Settings, SettingsError, Text,
-                                            setting)
+from curvbench.components.settings import Settings, SettingsError, Text, setting
 
 
 @dataclasses.dataclass
@@ -48,9 +47,11 @@ class Component(Settings):
   def disagreements(self, prefix: str) -> Iterator[str]:
     if self.name not in self.registered_names:
       key = f"{prefix}.name" if prefix else "name"
-      yield (f"{key}={self.name!r} is not allowed: these are the settings of "
-             f"{self.what()}; choose another {self.kind} by its config group "
-             f"({self.group}={self.name}), not by {key}.")
+      yield (
+        f"{key}={self.name!r} is not allowed: these are the settings of "
+        f"{self.what()}; choose another {self.kind} by its config group "
+        f"({self.group}={self.name}), not by {key}."
+      )
 
 
 class Registry:
@@ -58,8 +59,13 @@ class Registry:
 
   _instances: ClassVar[list] = []
 
-  def __init__(self, kind: str, base: type[Settings],
-               package: str | None = None, group: str | None = None):
+  def __init__(
+    self,
+    kind: str,
+    base: type[Settings],
+    package: str | None = None,
+    group: str | None = None,
+  ):
     self.kind = kind
     self.group = group or kind  # the config group that chooses one
     self.base = base
@@ -73,8 +79,9 @@ class Registry:
     """Every registry made so far."""
     return tuple(cls._instances)
 
-  def register(self, cls: type | None = None, /, *, name: str | None = None,
-               **defaults):
+  def register(
+    self, cls: type | None = None, /, *, name: str | None = None, **defaults
+  ):
     """Registers `cls`, a dataclass subclassing `base`, under its `name`
     (the default of its `name` field, or a class attribute):
     `@REGISTRY.register` above the class. Called
@@ -83,25 +90,35 @@ class Registry:
     one class may serve several names). Returns `cls`."""
     if cls is None:
       return lambda c: self.register(c, name=name, **defaults)
-    if not (isinstance(cls, type) and issubclass(cls, self.base)
-            and dataclasses.is_dataclass(cls)):
-      raise TypeError(f"A {self.kind} must be a dataclass subclassing "
-                      f"{self.base.__name__}; got {cls!r}.")
+    if not (
+      isinstance(cls, type)
+      and issubclass(cls, self.base)
+      and dataclasses.is_dataclass(cls)
+    ):
+      raise TypeError(
+        f"A {self.kind} must be a dataclass subclassing "
+        f"{self.base.__name__}; got {cls!r}."
+      )
     name = name or getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
-      raise TypeError(f"{cls.__qualname__} needs a `name` (the default of "
-                      "its `name` field, or a class attribute): the name it "
-                      "is registered and chosen by.")
+      raise TypeError(
+        f"{cls.__qualname__} needs a `name` (the default of "
+        "its `name` field, or a class attribute): the name it "
+        "is registered and chosen by."
+      )
     if name in self._entries and self._entries[name][0] is not cls:
       first = self._entries[name][0]
       raise ValueError(
-          f"Two {self.kind}s are registered as {name!r}: "
-          f"{first.__module__}.{first.__qualname__} and "
-          f"{cls.__module__}.{cls.__qualname__}; give one another name.")
+        f"Two {self.kind}s are registered as {name!r}: "
+        f"{first.__module__}.{first.__qualname__} and "
+        f"{cls.__module__}.{cls.__qualname__}; give one another name."
+      )
     unknown = set(defaults) - set(cls.keys())
     if unknown:
-      raise TypeError(f"{cls.__qualname__} has no settings "
-                      f"{sorted(unknown)} to register {name!r} with.")
+      raise TypeError(
+        f"{cls.__qualname__} has no settings "
+        f"{sorted(unknown)} to register {name!r} with."
+      )
     self._entries[name] = (cls, defaults)
     cls.registered_names = (*cls.__dict__.get("registered_names", ()), name)
     cls.kind, cls.group = self.kind, self.group
@@ -110,8 +127,7 @@ class Registry:
   def unregister(self, name: str) -> None:
     """Removes `name` (a component a test registered for its own use)."""
     cls, _ = self._entries.pop(name)
-    cls.registered_names = tuple(n for n in cls.registered_names
-                                 if n != name)
+    cls.registered_names = tuple(n for n in cls.registered_names if n != name)
 
   def _discover(self) -> None:
     if self._discovered:
@@ -140,8 +156,8 @@ class Registry:
     """
     if name not in self.names():
       raise SettingsError(
-          f"Unknown {self.kind} {name!r}{self._nearest(name)}; "
-          f"{self._choices()}")
+        f"Unknown {self.kind} {name!r}{self._nearest(name)}; {self._choices()}"
+      )
     return self._entries[name][0]
 
   def _nearest(self, name) -> str:
@@ -169,8 +185,7 @@ class Registry:
       return
     yield from self.get(name).refusals(self._complete(values), prefix)
 
-  def load(self, values, prefix: str = "", checked: bool = False
-           ) -> Settings:
+  def load(self, values, prefix: str = "", checked: bool = False) -> Settings:
     """The component's settings from `values` (a mapping with `name`;
     missing keys take its defaults).
 
@@ -182,8 +197,9 @@ class Registry:
     if not checked:
       for message in self.refusals(values, prefix):
         raise SettingsError(message)
-    return self.get(values["name"]).from_values(self._complete(values),
-                                                prefix, checked=True)
+    return self.get(values["name"]).from_values(
+      self._complete(values), prefix, checked=True
+    )
 
   def _complete(self, values) -> dict:
     registered = self._entries[values["name"]][1]

@@ -33,10 +33,12 @@ def dotted(prefix: str, key: str) -> str:
 
 # --- what one setting may hold ------------------------------------------------
 
+
 class Check(abc.ABC):
   """What one key may hold: `accepts(value)`, and `describe()` in words.
   Subclasses say what a value may be (`_accepts`, `_describe`); None is
   allowed where `null` is True (the field's doc says what it means)."""
+
   null = False
 
   def accepts(self, value) -> bool:
@@ -66,17 +68,25 @@ class Check(abc.ABC):
 @dataclasses.dataclass(frozen=True)
 class Whole(Check):
   """A whole number (an int, not a bool) in `[low, high]`."""
+
   low: int = 0
   high: int | None = None
   null: bool = False
 
   def _accepts(self, value) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)
-            and value >= self.low and (self.high is None or value <= self.high))
+    return (
+      isinstance(value, int)
+      and not isinstance(value, bool)
+      and value >= self.low
+      and (self.high is None or value <= self.high)
+    )
 
   def _describe(self) -> str:
-    span = (f">= {self.low}" if self.high is None
-            else f"between {self.low} and {self.high}")
+    span = (
+      f">= {self.low}"
+      if self.high is None
+      else f"between {self.low} and {self.high}"
+    )
     return f"a whole number {span}"
 
 
@@ -84,6 +94,7 @@ class Whole(Check):
 class Number(Check):
   """A real number (int or float) above `low` (or at it, with `low_in`) and
   below `high`; infinite only where `finite` is False."""
+
   low: float | None = None
   high: float | None = None
   low_in: bool = True
@@ -95,8 +106,9 @@ class Number(Check):
       return False
     if math.isnan(value) or (self.finite and math.isinf(value)):
       return False
-    if self.low is not None and (value < self.low or (
-        value == self.low and not self.low_in)):
+    if self.low is not None and (
+      value < self.low or (value == self.low and not self.low_in)
+    ):
       return False
     return self.high is None or value < self.high
 
@@ -108,7 +120,8 @@ class Number(Check):
     else:
       span = f"{'>=' if self.low_in else '>'} {self.low:g}"
     return f"a number {span}".rstrip() + (
-        "" if self.finite else " (inf: no limit)")
+      "" if self.finite else " (inf: no limit)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +148,7 @@ class Text(Check):
 class OneOf(Check):
   """One of a set of names; `options` may be a function giving them (e.g.
   a registry's names, which grow as components register)."""
+
   options: tuple | Callable[[], tuple]
   null: bool = False
 
@@ -150,20 +164,23 @@ class OneOf(Check):
 
   def complaints(self, key: str, value) -> Iterator[str]:
     if not self.accepts(value):
-      yield (f"Unknown {key} {value!r}; choose one of "
-             f"{', '.join(self.names)}.")
+      yield (f"Unknown {key} {value!r}; choose one of {', '.join(self.names)}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class ListOf(Check):
   """A list whose every item `item` accepts, at least `min_len` long."""
+
   item: Check
   min_len: int = 0
   null: bool = False
 
   def _accepts(self, value) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) >= self.min_len
-            and all(self.item.accepts(v) for v in value))
+    return (
+      isinstance(value, (list, tuple))
+      and len(value) >= self.min_len
+      and all(self.item.accepts(v) for v in value)
+    )
 
   def _describe(self) -> str:
     size = f"at least {self.min_len} " if self.min_len else ""
@@ -177,8 +194,10 @@ class ListOf(Check):
       if isinstance(self.item, OneOf):
         yield from self.item.complaints(key, bad)
       else:
-        yield (f"{key}={list(value)!r} is not allowed: its item {bad!r} must "
-               f"be {self.item.describe()}.")
+        yield (
+          f"{key}={list(value)!r} is not allowed: its item {bad!r} must "
+          f"be {self.item.describe()}."
+        )
     else:
       yield from super().complaints(key, value)
 
@@ -187,6 +206,7 @@ class ListOf(Check):
 class Parsed(Check):
   """Whatever `parse` takes without a ValueError, whose message says what
   is wrong; `words` says what is allowed."""
+
   parse: Callable
   words: str
   null: bool = False
@@ -213,6 +233,7 @@ class Choice(Check):
   the `default` component's settings (`Settings.completed`), or stays
   null where there is no default; in Hydra a config group of its own
   chooses it (`curvbench.config.store`)."""
+
   registry: Any
   default: str | None = None
 
@@ -233,15 +254,17 @@ class Choice(Check):
     return self.registry.load(value, key, checked=True)
 
 
-def setting(default=dataclasses.MISSING, check: Check | None = None,
-            doc: str = "") -> Any:
+def setting(
+  default=dataclasses.MISSING, check: Check | None = None, doc: str = ""
+) -> Any:
   """A dataclass field with its check and documentation; a list or dict
   default is copied for each instance."""
   metadata = dict(check=check, doc=doc)
   if isinstance(default, (list, dict)):
     value = default
-    return dataclasses.field(default_factory=lambda: type(value)(value),
-                             metadata=metadata)
+    return dataclasses.field(
+      default_factory=lambda: type(value)(value), metadata=metadata
+    )
   return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -249,11 +272,13 @@ def setting(default=dataclasses.MISSING, check: Check | None = None,
 
 _MISSING = object()
 
+
 def _plain(value):
   """Dataclass instances as dicts (so defaults and values compare alike)."""
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _plain(getattr(value, f.name))
-            for f in dataclasses.fields(value)}
+    return {
+      f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+    }
   return value
 
 
@@ -302,11 +327,13 @@ class Settings:
     than the field's default: a `Choice` with a default component left
     null takes that component's settings (subclasses add their own, e.g.
     a problem's own dataset)."""
-    filled = {f.name: dataclasses.asdict(check.registry.defaults(
-                  check.default))
-              for f in dataclasses.fields(cls)
-              if isinstance(check := f.metadata.get("check"), Choice)
-              and check.default is not None and values.get(f.name) is None}
+    filled = {
+      f.name: dataclasses.asdict(check.registry.defaults(check.default))
+      for f in dataclasses.fields(cls)
+      if isinstance(check := f.metadata.get("check"), Choice)
+      and check.default is not None
+      and values.get(f.name) is None
+    }
     return {**values, **filled} if filled else values
 
   @classmethod
@@ -319,12 +346,16 @@ class Settings:
     """The message for `key`, which is not a setting here (given `value`,
     where known): where it is set instead, or the nearest settings."""
     if key in cls.set_elsewhere:
-      return (f"{dotted(prefix, key)} is not a setting of {cls.what()}: "
-              f"{cls.set_elsewhere[key]}.")
+      return (
+        f"{dotted(prefix, key)} is not a setting of {cls.what()}: "
+        f"{cls.set_elsewhere[key]}."
+      )
     given = "" if value is _MISSING else f"={value!r}"
-    return (f"Unknown setting {dotted(prefix, key)}{given}: {cls.what()} has "
-            f"no setting {key!r}{_nearest(key, _all_keys(cls))}. Its "
-            f"settings: {', '.join(cls.keys())}.")
+    return (
+      f"Unknown setting {dotted(prefix, key)}{given}: {cls.what()} has "
+      f"no setting {key!r}{_nearest(key, _all_keys(cls))}. Its "
+      f"settings: {', '.join(cls.keys())}."
+    )
 
   @classmethod
   def keys(cls) -> tuple[str, ...]:
@@ -334,9 +365,12 @@ class Settings:
   def nested(cls) -> dict[str, type["Settings"]]:
     """Fields whose type is itself a `Settings` class."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
-            if isinstance(hints.get(f.name), type)
-            and issubclass(hints[f.name], Settings)}
+    return {
+      f.name: hints[f.name]
+      for f in dataclasses.fields(cls)
+      if isinstance(hints.get(f.name), type)
+      and issubclass(hints[f.name], Settings)
+    }
 
   @classmethod
   def refusals(cls, values, prefix: str = "") -> Iterator[str]:
@@ -344,8 +378,10 @@ class Settings:
     their defaults) that is not allowed: unknown keys and bad values first,
     then settings that disagree and ignored keys given a value."""
     if not isinstance(values, Mapping):
-      yield (f"{prefix or 'the settings'}={values!r} is not allowed: give "
-             f"the settings of {cls.what()} as a mapping.")
+      yield (
+        f"{prefix or 'the settings'}={values!r} is not allowed: give "
+        f"the settings of {cls.what()} as a mapping."
+      )
       return
     values = cls.completed(values)
     bad = False
@@ -375,8 +411,9 @@ class Settings:
     for key, why in made.ignored().items():
       value = _lookup(_plain(values), key)
       if value is not _MISSING and value != _lookup(defaults, key):
-        yield (f"{dotted(prefix, key)}={value!r} is ignored: {why}. Leave "
-               "it out.")
+        yield (
+          f"{dotted(prefix, key)}={value!r} is ignored: {why}. Leave it out."
+        )
 
   @classmethod
   def from_values(cls, values, prefix: str = "", checked: bool = False):
@@ -401,8 +438,9 @@ class Settings:
         continue
       value, check = values[f.name], f.metadata.get("check")
       if f.name in nested:
-        value = nested[f.name].from_values(value, dotted(prefix, f.name),
-                                           checked=True)
+        value = nested[f.name].from_values(
+          value, dotted(prefix, f.name), checked=True
+        )
       elif check is not None and value is not None:
         value = check.build(value, dotted(prefix, f.name))
       kwargs[f.name] = value

@@ -38,19 +38,20 @@ CPU = "cpu"
 class Verdict:
   """A claim's outcome (one of `OUTCOMES`) and the evidence for it: the
   samples, their spread and the interval it rests on, in words."""
+
   outcome: str
   evidence: str
 
   def __post_init__(self):
     if self.outcome not in OUTCOMES:
-      raise ValueError(f"A verdict is one of {OUTCOMES}, not "
-                       f"{self.outcome!r}.")
+      raise ValueError(f"A verdict is one of {OUTCOMES}, not {self.outcome!r}.")
 
 
 @dataclasses.dataclass
 class Evidence:
   """An entry's records: its runs (`done`, one row per finished run with
   its `config:` columns) and the rows of each table from those runs."""
+
   done: pd.DataFrame
   tables: dict[str, pd.DataFrame]
 
@@ -68,6 +69,7 @@ class Evidence:
 class Claim:
   """A statement of the paper (`figure`: where the paper shows it) and
   the `check` that judges it from the entry's `Evidence`."""
+
   statement: str
   figure: str
   check: Callable[[Evidence], Verdict]
@@ -95,6 +97,7 @@ class Entry:
   a `cpu` size), `claims`, and `draw(evidence, ax)`, which plots its own
   figure on one panel where the measurements' figures do not show the
   finding (the page adds the legend and saves it)."""
+
   name: str
   title: str
   paper: str
@@ -106,23 +109,29 @@ class Entry:
 
   def __post_init__(self):
     if CPU not in self.sweeps:
-      raise ValueError(f"Gallery entry {self.name!r} has no {CPU!r} size: "
-                       "every entry runs on 2 CPU cores in the gallery.")
+      raise ValueError(
+        f"Gallery entry {self.name!r} has no {CPU!r} size: "
+        "every entry runs on 2 CPU cores in the gallery."
+      )
 
   def parts(self, size: str = CPU) -> list[dict[str, Any]]:
     """The sweep's parts at `size`, each marked `repro=<name>`."""
     if size not in self.sweeps:
-      raise ValueError(f"Gallery entry {self.name!r} has no size {size!r}; "
-                       f"it has {', '.join(self.sweeps)}.")
+      raise ValueError(
+        f"Gallery entry {self.name!r} has no size {size!r}; "
+        f"it has {', '.join(self.sweeps)}."
+      )
     return [dict(part, repro=self.name) for part in self.sweeps[size]]
 
   def experiments(self) -> dict[str, dict]:
     """`{experiment name: config}`: one per size."""
-    names = {size: f"repro_{self.name}" + ("" if size == CPU else
-                                            f"_{size}")
-             for size in self.sweeps}
-    return {name: _experiment(name, self.parts(size))
-            for size, name in names.items()}
+    names = {
+      size: f"repro_{self.name}" + ("" if size == CPU else f"_{size}")
+      for size in self.sweeps
+    }
+    return {
+      name: _experiment(name, self.parts(size)) for size, name in names.items()
+    }
 
 
 def _experiment(name: str, parts: list[dict]) -> dict:
@@ -133,8 +142,9 @@ def entries() -> dict[str, Entry]:
   """Every entry, by name: the `ENTRY` of each module of this package."""
   found = {}
   for module in pkgutil.iter_modules(__path__):
-    entry = getattr(importlib.import_module(f"{__name__}.{module.name}"),
-                    "ENTRY", None)
+    entry = getattr(
+      importlib.import_module(f"{__name__}.{module.name}"), "ENTRY", None
+    )
     if entry is None:
       continue
     if entry.name in found:
@@ -146,25 +156,33 @@ def entries() -> dict[str, Entry]:
 def experiments() -> dict[str, dict]:
   """Every entry's experiments, and `gallery`: every entry at its CPU
   size."""
-  out = {"gallery": _experiment("gallery", [
-      part for entry in entries().values() for part in entry.parts()])}
+  out = {
+    "gallery": _experiment(
+      "gallery",
+      [part for entry in entries().values() for part in entry.parts()],
+    )
+  }
   for entry in entries().values():
     out.update(entry.experiments())
   return out
 
 
-def evidence(done: pd.DataFrame, tables: dict[str, pd.DataFrame],
-             name: str) -> Evidence:
+def evidence(
+  done: pd.DataFrame, tables: dict[str, pd.DataFrame], name: str
+) -> Evidence:
   """The records of entry `name` among a sweep's (`done` with its config
   columns; `tables` by name, each row with its `run_id`)."""
   column = done.get("config:repro")
   mine = done[column == name] if column is not None else done.iloc[:0]
   ids = set(mine.run_id)
-  return Evidence(mine, {t: df[df.run_id.isin(ids)]
-                         for t, df in tables.items() if "run_id" in df})
+  return Evidence(
+    mine,
+    {t: df[df.run_id.isin(ids)] for t, df in tables.items() if "run_id" in df},
+  )
 
 
 # --- what checks share ----------------------------------------------------------
+
 
 def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   """The rows of `table` whose columns equal `where`'s values;
@@ -179,18 +197,25 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   return df
 
 
-def trained_eigenvalues(evidence: Evidence, matrix: str,
-                        per: str = "run_id") -> dict:
+def trained_eigenvalues(
+  evidence: Evidence, matrix: str, per: str = "run_id"
+) -> dict:
   """Exact `matrix`'s eigenvalues (descending) at the last measured step,
   on the first data draw where a run measured several, per value of
   column `per` (a run, or a seed)."""
-  spectra = rows(evidence, "spectra", f"the trained {matrix}'s eigenvalues",
-                 source="exact", matrix=matrix)
+  spectra = rows(
+    evidence,
+    "spectra",
+    f"the trained {matrix}'s eigenvalues",
+    source="exact",
+    matrix=matrix,
+  )
   last = spectra[spectra.step == spectra.step.max()]
   if "sample" in last:
     last = last[last["sample"] == last["sample"].min()]
-  return {key: np.sort(s.eigenvalue.to_numpy())[::-1]
-          for key, s in last.groupby(per)}
+  return {
+    key: np.sort(s.eigenvalue.to_numpy())[::-1] for key, s in last.groupby(per)
+  }
 
 
 def by(found: Mapping, names, what: str) -> list:
@@ -201,8 +226,9 @@ def by(found: Mapping, names, what: str) -> list:
   return [found[name] for name in names]
 
 
-def all_hold(checks: list[tuple[str, bool]], what: str,
-             listed: bool = False) -> Verdict:
+def all_hold(
+  checks: list[tuple[str, bool]], what: str, listed: bool = False
+) -> Verdict:
   """Holds where every one of `checks` (`(label, passed)`) passes, does
   not hold otherwise, naming those that fail out of how many; `listed`:
   where all pass, name each one (its label carrying its figure)."""
@@ -210,11 +236,15 @@ def all_hold(checks: list[tuple[str, bool]], what: str,
   if not checks:
     raise MissingRecords(what)
   if not failed:
-    return Verdict(HOLDS, f"{what}: all {len(checks)} hold" + (
-        ": " + "; ".join(label for label, _ in checks) if listed else ""))
+    return Verdict(
+      HOLDS,
+      f"{what}: all {len(checks)} hold"
+      + (": " + "; ".join(label for label, _ in checks) if listed else ""),
+    )
   shown = "; ".join(failed[:4]) + ("; ..." if len(failed) > 4 else "")
-  return Verdict(FAILS, f"{what}: {len(failed)} of {len(checks)} do not "
-                 f"({shown})")
+  return Verdict(
+    FAILS, f"{what}: {len(failed)} of {len(checks)} do not ({shown})"
+  )
 
 
 def lower(a, b, what: str, names: tuple[str, str]) -> Verdict:
@@ -225,13 +255,17 @@ def lower(a, b, what: str, names: tuple[str, str]) -> Verdict:
   a, b = (np.asarray(x, np.float64) for x in (a, b))
   diff = stats.difference(a, b)
   order = stats.ordering(diff)
-  text = mean_interval(f"{what}, {names[0]} minus {names[1]} over "
-                       f"{len(a)} and {len(b)} seeds:", diff)
+  text = mean_interval(
+    f"{what}, {names[0]} minus {names[1]} over {len(a)} and {len(b)} seeds:",
+    diff,
+  )
   lost = {n: int(np.sum(~np.isfinite(x))) for n, x in zip(names, (a, b))}
   if any(lost.values()):
-    text += " (not finite: " + ", ".join(
-        f"{n} {k} of its runs" for n, k in lost.items() if k) + \
-        ": diverged, or no value at that point)"
+    text += (
+      " (not finite: "
+      + ", ".join(f"{n} {k} of its runs" for n, k in lost.items() if k)
+      + ": diverged, or no value at that point)"
+    )
   outcome = {"lower": HOLDS, "higher": FAILS}.get(order, UNSETTLED)
   return Verdict(outcome, text)
 
@@ -255,9 +289,25 @@ def mean_interval(text: str, diff: tuple[float, float, float]) -> str:
   return f"{text} {mean:.3g} [95 % interval {low:.3g}, {high:.3g}]"
 
 
-__all__ = ["CPU", "Claim", "Entry", "Evidence", "FAILS", "HOLDS",
-           "MissingRecords", "OUTCOMES", "UNSETTLED", "Verdict", "all_hold",
-           "by", "trained_eigenvalues",
-           "entries", "evidence", "experiments", "load_note", "lower",
-           "mean_interval",
-           "rows"]
+__all__ = [
+  "CPU",
+  "Claim",
+  "Entry",
+  "Evidence",
+  "FAILS",
+  "HOLDS",
+  "MissingRecords",
+  "OUTCOMES",
+  "UNSETTLED",
+  "Verdict",
+  "all_hold",
+  "by",
+  "trained_eigenvalues",
+  "entries",
+  "evidence",
+  "experiments",
+  "load_note",
+  "lower",
+  "mean_interval",
+  "rows",
+]

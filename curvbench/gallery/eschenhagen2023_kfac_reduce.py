@@ -10,9 +10,20 @@ progress.
 import numpy as np
 
 from curvbench import stats
-from curvbench.gallery import (FAILS, HOLDS, UNSETTLED, Claim, Entry,
-                               Evidence, Verdict, by, load_note, lower,
-                               mean_interval, rows)
+from curvbench.gallery import (
+  FAILS,
+  HOLDS,
+  UNSETTLED,
+  Claim,
+  Entry,
+  Evidence,
+  Verdict,
+  by,
+  load_note,
+  lower,
+  mean_interval,
+  rows,
+)
 
 NUM_STEPS = 100
 # "About the same progress": the mean training loss within this fraction
@@ -20,23 +31,39 @@ NUM_STEPS = 100
 MARGIN = 0.05
 # The approximations compared: K-FAC-expand's and K-FAC-reduce's.
 COMPARED = ("kfac", "kfac_reduce")
-PROBLEM = {"problem": "transformer", "curvature": ",".join(COMPARED),
-           "curvature.mode": "fisher_gradients", "optimizer": "kfac",
-           "seed": "0,1,2"}
+PROBLEM = {
+  "problem": "transformer",
+  "curvature": ",".join(COMPARED),
+  "curvature.mode": "fisher_gradients",
+  "optimizer": "kfac",
+  "seed": "0,1,2",
+}
 
 
 def cheaper_update(evidence: Evidence) -> Verdict:
-  timing = rows(evidence, "timing", "the curvature update's timings",
-                phase="curvature_update")
-  expand, reduce = by({name: t.median_s.to_numpy() for name, t in
-                       timing.groupby("curvature")}, COMPARED,
-                      "timings of K-FAC-expand and K-FAC-reduce")
-  verdict = lower(reduce, expand, "median seconds per curvature update",
-                  ("K-FAC-reduce", "K-FAC-expand"))
+  timing = rows(
+    evidence,
+    "timing",
+    "the curvature update's timings",
+    phase="curvature_update",
+  )
+  expand, reduce = by(
+    {name: t.median_s.to_numpy() for name, t in timing.groupby("curvature")},
+    COMPARED,
+    "timings of K-FAC-expand and K-FAC-reduce",
+  )
+  verdict = lower(
+    reduce,
+    expand,
+    "median seconds per curvature update",
+    ("K-FAC-reduce", "K-FAC-expand"),
+  )
   ratio = np.mean(reduce) / np.mean(expand)
-  text = (f"{verdict.evidence} (reduce / expand {ratio:.2f}); "
-          f"{int(timing.repeats.min())} timed repeats per run on "
-          f"{timing.device_kind.iloc[0]}" + load_note(timing, "timed"))
+  text = (
+    f"{verdict.evidence} (reduce / expand {ratio:.2f}); "
+    f"{int(timing.repeats.min())} timed repeats per run on "
+    f"{timing.device_kind.iloc[0]}" + load_note(timing, "timed")
+  )
   return Verdict(verdict.outcome, text)
 
 
@@ -44,15 +71,23 @@ def same_progress(evidence: Evidence) -> Verdict:
   train = rows(evidence, "training", "the training runs", measure="training")
   last = train.dropna(subset=["train_loss"]).sort_values("step")
   expand, reduce = by(
-      {name: t.groupby("run_id").train_loss.last().to_numpy()
-       for name, t in last.groupby("curvature")}, COMPARED,
-      "training runs of K-FAC-expand and K-FAC-reduce")
+    {
+      name: t.groupby("run_id").train_loss.last().to_numpy()
+      for name, t in last.groupby("curvature")
+    },
+    COMPARED,
+    "training runs of K-FAC-expand and K-FAC-reduce",
+  )
   diff = stats.difference(reduce, expand)
   margin = MARGIN * abs(float(np.mean(expand)))
-  text = mean_interval(
+  text = (
+    mean_interval(
       f"final training loss after {int(last.step.max())} steps, "
       f"K-FAC-reduce minus K-FAC-expand over {len(expand)} seeds:",
-      diff) + f"; the margin is +-{margin:.3g} ({MARGIN:.0%} of expand's)"
+      diff,
+    )
+    + f"; the margin is +-{margin:.3g} ({MARGIN:.0%} of expand's)"
+  )
   _, low, high = diff
   if not np.isfinite([low, high]).all():
     return Verdict(UNSETTLED, text)
@@ -64,46 +99,65 @@ def same_progress(evidence: Evidence) -> Verdict:
 
 
 ENTRY = Entry(
-    name="eschenhagen2023_kfac_reduce",
-    title="K-FAC-reduce is cheaper than K-FAC-expand, and trains as well",
-    paper="R. Eschenhagen, A. Immer, R. E. Turner, F. Schneider, P. Hennig. "
-    "Kronecker-Factored Approximate Curvature for Modern Neural Network "
-    "Architectures. NeurIPS 2023.",
-    reproduces="the paper's comparison of the two flavours' cost per "
-    "update and its training runs of a graph network and a vision "
-    "transformer with each (section 4)",
-    differs=(
-        "problem=transformer: a two-block decoder of width 64 on modular "
-        "addition (103,577 parameters), not the paper's graph network and "
-        "vision transformer;",
-        "one sampled Fisher column per example (fisher_gradients) for "
-        f"both; {NUM_STEPS} steps of K-FAC with its default settings, three "
-        "seeds, no tuning;",
-        "timed on the machine that runs the gallery, each run's steady-"
-        "state median, with the load recorded.",
+  name="eschenhagen2023_kfac_reduce",
+  title="K-FAC-reduce is cheaper than K-FAC-expand, and trains as well",
+  paper="R. Eschenhagen, A. Immer, R. E. Turner, F. Schneider, P. Hennig. "
+  "Kronecker-Factored Approximate Curvature for Modern Neural Network "
+  "Architectures. NeurIPS 2023.",
+  reproduces="the paper's comparison of the two flavours' cost per "
+  "update and its training runs of a graph network and a vision "
+  "transformer with each (section 4)",
+  differs=(
+    "problem=transformer: a two-block decoder of width 64 on modular "
+    "addition (103,577 parameters), not the paper's graph network and "
+    "vision transformer;",
+    "one sampled Fisher column per example (fisher_gradients) for "
+    f"both; {NUM_STEPS} steps of K-FAC with its default settings, three "
+    "seeds, no tuning;",
+    "timed on the machine that runs the gallery, each run's steady-"
+    "state median, with the load recorded.",
+  ),
+  sweeps={
+    "cpu": [
+      dict(PROBLEM, measure="timing"),
+      dict(
+        PROBLEM,
+        measure="training",
+        **{
+          "measure.training.num_steps": NUM_STEPS,
+          "measure.training.eval_every": 10,
+        },
+      ),
+    ],
+    "tiny": [
+      dict(
+        PROBLEM,
+        problem="transformer_small",
+        seed="0",
+        measure="timing",
+        **{"measure.timing.repeats": 3},
+      ),
+      dict(
+        PROBLEM,
+        problem="transformer_small",
+        seed="0",
+        measure="training",
+        **{"measure.training.num_steps": 4, "measure.training.eval_every": 2},
+      ),
+    ],
+  },
+  claims=(
+    Claim(
+      "K-FAC-reduce's curvature update takes less time than K-FAC-expand's.",
+      "section 3 (the flavours' costs) and the timings of section 4",
+      cheaper_update,
     ),
-    sweeps={
-        "cpu": [
-            dict(PROBLEM, measure="timing"),
-            dict(PROBLEM, measure="training",
-                 **{"measure.training.num_steps": NUM_STEPS,
-                    "measure.training.eval_every": 10}),
-        ],
-        "tiny": [
-            dict(PROBLEM, problem="transformer_small", seed="0",
-                 measure="timing", **{"measure.timing.repeats": 3}),
-            dict(PROBLEM, problem="transformer_small", seed="0",
-                 measure="training",
-                 **{"measure.training.num_steps": 4,
-                    "measure.training.eval_every": 2}),
-        ],
-    },
-    claims=(
-        Claim("K-FAC-reduce's curvature update takes less time than "
-              "K-FAC-expand's.", "section 3 (the flavours' costs) and the "
-              "timings of section 4", cheaper_update),
-        Claim(f"Trained for the same number of steps with either flavour, "
-              f"the training loss is the same within {MARGIN:.0%}.",
-              "section 4 (the graph network's and the vision transformer's "
-              "training curves)", same_progress),
-    ))
+    Claim(
+      f"Trained for the same number of steps with either flavour, "
+      f"the training loss is the same within {MARGIN:.0%}.",
+      "section 4 (the graph network's and the vision transformer's "
+      "training curves)",
+      same_progress,
+    ),
+  ),
+)

@@ -7,8 +7,15 @@ mode) they are gone.
 
 import numpy as np
 
-from curvbench.gallery import (Claim, Entry, Evidence, Verdict, by, lower,
-                               trained_eigenvalues)
+from curvbench.gallery import (
+  Claim,
+  Entry,
+  Evidence,
+  Verdict,
+  by,
+  lower,
+  trained_eigenvalues,
+)
 
 STEPS = 200
 # The isolation of the top of the spectrum: the largest eigenvalue over
@@ -34,17 +41,32 @@ def isolation(values: np.ndarray) -> float:
 
 def batch_norm_removes_outliers(evidence: Evidence) -> Verdict:
   norms = ("batch", "none")
-  logs = dict(zip(norms, (np.log10([isolation(v) for v in top.values()])
-                          for top in by(_tops(evidence), norms, "runs with "
-                                        "and without batch norm"))))
-  verdict = lower(logs["batch"], logs["none"],
-                  f"log10 of the top eigenvalue over the {RANK}th",
-                  ("batch norm", "no normalisation"))
-  ratios = {n: ", ".join(f"{10 ** x:.3g}" for x in v)
-            for n, v in logs.items()}
-  return Verdict(verdict.outcome, verdict.evidence + (
+  logs = dict(
+    zip(
+      norms,
+      (
+        np.log10([isolation(v) for v in top.values()])
+        for top in by(
+          _tops(evidence), norms, "runs with and without batch norm"
+        )
+      ),
+    )
+  )
+  verdict = lower(
+    logs["batch"],
+    logs["none"],
+    f"log10 of the top eigenvalue over the {RANK}th",
+    ("batch norm", "no normalisation"),
+  )
+  ratios = {n: ", ".join(f"{10**x:.3g}" for x in v) for n, v in logs.items()}
+  return Verdict(
+    verdict.outcome,
+    verdict.evidence
+    + (
       f"; the ratio per seed: batch norm {ratios['batch']}, none "
-      f"{ratios['none']}"))
+      f"{ratios['none']}"
+    ),
+  )
 
 
 def draw(evidence: Evidence, ax) -> None:
@@ -53,51 +75,80 @@ def draw(evidence: Evidence, ax) -> None:
   for norm, style in (("batch", "-"), ("none", "--")):
     for seed, values in _tops(evidence).get(norm, {}).items():
       top = values[:30]
-      ax.semilogy(np.arange(1, top.size + 1), np.clip(top, 1e-8, None),
-                  ls=style, marker="o", ms=2,
-                  label=f"{'batch norm' if norm == 'batch' else 'none'}, "
-                  f"seed {seed}")
-  ax.set(xlabel="rank", ylabel="eigenvalue",
-         title=f"Trained Hessian, top 30 (after {STEPS} steps)")
+      ax.semilogy(
+        np.arange(1, top.size + 1),
+        np.clip(top, 1e-8, None),
+        ls=style,
+        marker="o",
+        ms=2,
+        label=f"{'batch norm' if norm == 'batch' else 'none'}, seed {seed}",
+      )
+  ax.set(
+    xlabel="rank",
+    ylabel="eigenvalue",
+    title=f"Trained Hessian, top 30 (after {STEPS} steps)",
+  )
 
 
-SPECTRA = {"problem": "resnet_small", "problem.norm": "batch,none",
-           "measure": "spectra", "curvature": "diagonal",
-           "measure/spectra/trainer": "adam",
-           "measure.spectra.references": ["hessian"],
-           "measure.spectra.samples": 1}
+SPECTRA = {
+  "problem": "resnet_small",
+  "problem.norm": "batch,none",
+  "measure": "spectra",
+  "curvature": "diagonal",
+  "measure/spectra/trainer": "adam",
+  "measure.spectra.references": ["hessian"],
+  "measure.spectra.samples": 1,
+}
 
 ENTRY = Entry(
-    name="ghorbani2019_batch_norm",
-    title="Batch norm removes the Hessian's isolated large eigenvalues",
-    paper="B. Ghorbani, S. Krishnan, Y. Xiao. An Investigation into Neural "
-    "Net Optimization via Hessian Eigenvalue Density. ICML 2019.",
-    reproduces="the paper's Hessian spectral densities of ResNets with and "
-    "without batch normalisation (section 4)",
-    differs=(
-        "the ResNet-8 of problem=resnet_small (widths 4, 4, 8; 1,710 "
-        "parameters with batch norm) on the 8x8 digits, trained by Adam "
-        f"for {STEPS} steps, where the paper trains ResNet-32 on CIFAR-10 "
-        "and ImageNet models;",
-        "the exact Hessian of one batch of 64, by eigendecomposition, not "
-        "SLQ over the whole training set;",
-        f"isolation read as the top eigenvalue over the {RANK}th, a number "
-        "of ours: the paper shows the densities.",
+  name="ghorbani2019_batch_norm",
+  title="Batch norm removes the Hessian's isolated large eigenvalues",
+  paper="B. Ghorbani, S. Krishnan, Y. Xiao. An Investigation into Neural "
+  "Net Optimization via Hessian Eigenvalue Density. ICML 2019.",
+  reproduces="the paper's Hessian spectral densities of ResNets with and "
+  "without batch normalisation (section 4)",
+  differs=(
+    "the ResNet-8 of problem=resnet_small (widths 4, 4, 8; 1,710 "
+    "parameters with batch norm) on the 8x8 digits, trained by Adam "
+    f"for {STEPS} steps, where the paper trains ResNet-32 on CIFAR-10 "
+    "and ImageNet models;",
+    "the exact Hessian of one batch of 64, by eigendecomposition, not "
+    "SLQ over the whole training set;",
+    f"isolation read as the top eigenvalue over the {RANK}th, a number "
+    "of ours: the paper shows the densities.",
+  ),
+  sweeps={
+    "cpu": [
+      dict(
+        SPECTRA,
+        seed="0,1,2",
+        **{
+          "measure.spectra.steps": [0, STEPS],
+          "measure.training.num_steps": STEPS,
+        },
+      )
+    ],
+    "tiny": [
+      dict(
+        SPECTRA,
+        seed="0",
+        **{
+          "problem.widths": [2, 2, 2],
+          "problem.batch_size": 16,
+          "measure.spectra.steps": [0, 2],
+          "measure.training.num_steps": 2,
+        },
+      )
+    ],
+  },
+  claims=(
+    Claim(
+      "Without batch normalisation the trained network's Hessian "
+      "has large eigenvalues isolated from the rest; with it, the "
+      "top of the spectrum is less isolated.",
+      "section 4 (spectral densities with and without batch norm)",
+      batch_norm_removes_outliers,
     ),
-    sweeps={
-        "cpu": [dict(SPECTRA, seed="0,1,2", **{
-            "measure.spectra.steps": [0, STEPS],
-            "measure.training.num_steps": STEPS})],
-        "tiny": [dict(SPECTRA, seed="0", **{
-            "problem.widths": [2, 2, 2], "problem.batch_size": 16,
-            "measure.spectra.steps": [0, 2],
-            "measure.training.num_steps": 2})],
-    },
-    claims=(
-        Claim("Without batch normalisation the trained network's Hessian "
-              "has large eigenvalues isolated from the rest; with it, the "
-              "top of the spectrum is less isolated.",
-              "section 4 (spectral densities with and without batch norm)",
-              batch_norm_removes_outliers),
-    ),
-    draw=draw)
+  ),
+  draw=draw,
+)

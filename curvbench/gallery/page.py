@@ -20,42 +20,63 @@ from curvbench.gallery import evidence as evidence_of
 @dataclasses.dataclass
 class Judged:
   """An entry, its records and its claims' verdicts."""
+
   entry: Entry
   evidence: Evidence
   verdicts: list[tuple[Claim, Verdict]]
 
 
-def judge(done: pd.DataFrame, tables: dict[str, pd.DataFrame]
-          ) -> list[Judged]:
+def judge(done: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> list[Judged]:
   """Every entry with runs among `done`, its claims judged."""
   out = []
   for name, entry in entries().items():
     found = evidence_of(done, tables, name)
     if not found.done.empty:
-      out.append(Judged(entry, found, [(c, c.judge(found))
-                                       for c in entry.claims]))
+      out.append(
+        Judged(entry, found, [(c, c.judge(found)) for c in entry.claims])
+      )
   return out
 
 
 def section(judged: list[Judged]) -> Section:
   """The verdicts of the gallery entries these runs reproduce."""
-  verdicts = pd.DataFrame([
-      dict(entry=j.entry.name, claim=c.statement, verdict=v.outcome,
-           evidence=v.evidence) for j in judged for c, v in j.verdicts])
+  verdicts = pd.DataFrame(
+    [
+      dict(
+        entry=j.entry.name,
+        claim=c.statement,
+        verdict=v.outcome,
+        evidence=v.evidence,
+      )
+      for j in judged
+      for c, v in j.verdicts
+    ]
+  )
   return Section(
-      "Gallery", "Do the published findings these runs reproduce hold?",
-      findings=findings(judged),
-      tables=[Table("gallery", "Each claim's verdict, computed from the "
-                    "records", verdicts)],
-      notes=["gallery.md and gallery.html: each entry's paper, claims, what "
-             "differs from the paper, runs and figure."])
+    "Gallery",
+    "Do the published findings these runs reproduce hold?",
+    findings=findings(judged),
+    tables=[
+      Table(
+        "gallery", "Each claim's verdict, computed from the records", verdicts
+      )
+    ],
+    notes=[
+      "gallery.md and gallery.html: each entry's paper, claims, what "
+      "differs from the paper, runs and figure."
+    ],
+  )
 
 
 def findings(judged: list[Judged]) -> list[str]:
   """One line per entry for the report's summary."""
-  return [f"{j.entry.title} ({j.entry.name}): " + "; ".join(
-      f"claim {i + 1} {v.outcome}" for i, (_, v) in enumerate(j.verdicts))
-          for j in judged]
+  return [
+    f"{j.entry.title} ({j.entry.name}): "
+    + "; ".join(
+      f"claim {i + 1} {v.outcome}" for i, (_, v) in enumerate(j.verdicts)
+    )
+    for j in judged
+  ]
 
 
 def _run_seconds(root: Path, runs: pd.DataFrame, tables) -> float:
@@ -82,16 +103,24 @@ def _runs_line(root: Path, found: Evidence) -> str:
   for df in tables.values():
     if {"problem", "num_params"} <= set(df):
       sizes.update(df.groupby("problem").num_params.first().to_dict())
-  devices = sorted({str(v) for df in tables.values() if "device_kind" in df
-                    for v in df.device_kind.dropna().unique()})
+  devices = sorted(
+    {
+      str(v)
+      for df in tables.values()
+      if "device_kind" in df
+      for v in df.device_kind.dropna().unique()
+    }
+  )
   commits = sorted({str(c)[:12] for c in done.code.dropna().unique()})
   seeds = sorted(found.setting("seed"))
   minutes = _run_seconds(root, done, tables) / 60
-  return (f"{len(done)} runs: " + ", ".join(
-      f"{p} ({n:,} parameters)" for p, n in sizes.items())
-          + f"; seeds {', '.join(map(str, seeds))}; device "
-          f"{', '.join(devices) or 'unknown'}; code {', '.join(commits)}; "
-          f"{minutes:.1f} min of runs.")
+  return (
+    f"{len(done)} runs: "
+    + ", ".join(f"{p} ({n:,} parameters)" for p, n in sizes.items())
+    + f"; seeds {', '.join(map(str, seeds))}; device "
+    f"{', '.join(devices) or 'unknown'}; code {', '.join(commits)}; "
+    f"{minutes:.1f} min of runs."
+  )
 
 
 def _figure(judged: Judged, folder: Path) -> list[Path]:
@@ -104,45 +133,77 @@ def _figure(judged: Judged, folder: Path) -> list[Path]:
 
 def _counts(judged: list[Judged]) -> str:
   outcomes = [v.outcome for j in judged for _, v in j.verdicts]
-  return ", ".join(f"{outcomes.count(o)} {o}" for o in dict.fromkeys(
-      ("holds", "does not hold", "not settled")) if outcomes.count(o))
+  return ", ".join(
+    f"{outcomes.count(o)} {o}"
+    for o in dict.fromkeys(("holds", "does not hold", "not settled"))
+    if outcomes.count(o)
+  )
 
 
 def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
   """`gallery.md` and `gallery.html` under `out`, the entries' figures
   under `out/figures`; returns the pages and figures written."""
-  lines = [f"# Gallery: published findings, reproduced ({root})", "",
-           f"{len(judged)} {'entry' if len(judged) == 1 else 'entries'}, "
-           f"their claims: {_counts(judged)}. Each "
-           "verdict is computed from the runs' records: a claim holds, does "
-           "not hold, or is not settled by these runs (an interval that "
-           "holds 0, too few samples).", ""]
+  lines = [
+    f"# Gallery: published findings, reproduced ({root})",
+    "",
+    f"{len(judged)} {'entry' if len(judged) == 1 else 'entries'}, "
+    f"their claims: {_counts(judged)}. Each "
+    "verdict is computed from the runs' records: a claim holds, does "
+    "not hold, or is not settled by these runs (an interval that "
+    "holds 0, too few samples).",
+    "",
+  ]
   blocks = [html_page.Paragraph(lines[2])]
   written = []
   with plots.style():
     for j in judged:
       e = j.entry
-      table = pd.DataFrame([dict(claim=c.statement, paper=c.figure,
-                                 verdict=v.outcome, evidence=v.evidence)
-                            for c, v in j.verdicts])
+      table = pd.DataFrame(
+        [
+          dict(
+            claim=c.statement,
+            paper=c.figure,
+            verdict=v.outcome,
+            evidence=v.evidence,
+          )
+          for c, v in j.verdicts
+        ]
+      )
       figures = _figure(j, out / "figures") if e.draw else []
       written += figures
       pngs = [p for p in figures if p.suffix == ".png"]
       runs = _runs_line(root, j.evidence)
-      lines += [f"## {e.title}", "", f"{e.paper}", "",
-                f"Reproduces {e.reproduces}.", "",
-                to_markdown(table), "", "What differs from the paper:", "",
-                *[f"- {d}" for d in e.differs], "", f"Runs: {runs}", "",
-                *[f"![{p.stem}](figures/{p.name})" for p in pngs], ""]
-      blocks += [html_page.Heading(e.title), html_page.Paragraph(e.paper),
-                 html_page.Paragraph(f"Reproduces {e.reproduces}."),
-                 html_page.Table(table, caption="Claims and verdicts"),
-                 html_page.Paragraph("What differs from the paper:"),
-                 html_page.Bullets(list(e.differs)),
-                 html_page.Paragraph(f"Runs: {runs}"),
-                 *[html_page.Figure(p, caption=p.stem) for p in pngs]]
+      lines += [
+        f"## {e.title}",
+        "",
+        f"{e.paper}",
+        "",
+        f"Reproduces {e.reproduces}.",
+        "",
+        to_markdown(table),
+        "",
+        "What differs from the paper:",
+        "",
+        *[f"- {d}" for d in e.differs],
+        "",
+        f"Runs: {runs}",
+        "",
+        *[f"![{p.stem}](figures/{p.name})" for p in pngs],
+        "",
+      ]
+      blocks += [
+        html_page.Heading(e.title),
+        html_page.Paragraph(e.paper),
+        html_page.Paragraph(f"Reproduces {e.reproduces}."),
+        html_page.Table(table, caption="Claims and verdicts"),
+        html_page.Paragraph("What differs from the paper:"),
+        html_page.Bullets(list(e.differs)),
+        html_page.Paragraph(f"Runs: {runs}"),
+        *[html_page.Figure(p, caption=p.stem) for p in pngs],
+      ]
   md = out / "gallery.md"
-  records.atomic_write(md, lambda tmp: Path(tmp).write_text(
-      "\n".join(lines) + "\n"))
+  records.atomic_write(
+    md, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n")
+  )
   page = html_page.write(out / "gallery.html", "curvbench gallery", blocks)
   return [md, page, *written]

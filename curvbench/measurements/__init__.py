@@ -25,8 +25,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from curvbench.components import (ListOf, OneOf, Registry, Settings, Text,
-                                  Whole, setting)
+from curvbench.components import (
+  ListOf,
+  OneOf,
+  Registry,
+  Settings,
+  Text,
+  Whole,
+  setting,
+)
 from curvbench import devices
 from curvbench.sections import Section
 
@@ -91,11 +98,15 @@ class Measurement(Settings, abc.ABC):
   # other jobs on one machine).
   needs_device_alone: ClassVar[bool] = False
 
-  precision: str = setting("float32", OneOf(PRECISIONS),
-                           "the floating-point precision it runs in")
+  precision: str = setting(
+    "float32", OneOf(PRECISIONS), "the floating-point precision it runs in"
+  )
   problems: list[str] = setting(
-      [], ListOf(Text()), "in a sweep over problems, the ones it runs on "
-      "(empty: every one); the others are left out")
+    [],
+    ListOf(Text()),
+    "in a sweep over problems, the ones it runs on "
+    "(empty: every one); the others are left out",
+  )
 
   @classmethod
   def what(cls) -> str:
@@ -131,17 +142,21 @@ class Measurement(Settings, abc.ABC):
     train = (run.problem.data.sizes() or (None,))[0]
     for key, size in self.batches(run):
       if size is not None and train is not None and size > train:
-        yield (f"{key}={size} is more than the {train} training examples "
-               f"of dataset {run.problem.data.name!r}: lower it.")
-      elif size is not None and run.devices > 1 and (
-          complaint := devices.split_complaint(size, run.devices,
-                                               key)) is not None:
+        yield (
+          f"{key}={size} is more than the {train} training examples "
+          f"of dataset {run.problem.data.name!r}: lower it."
+        )
+      elif (
+        size is not None
+        and run.devices > 1
+        and (complaint := devices.split_complaint(size, run.devices, key))
+        is not None
+      ):
         yield complaint
 
   def method_label(self, run, curvature) -> str:
     """The records' `method`: what was measured."""
-    return run.optimizer.label(curvature if self.uses_curvature(run)
-                               else None)
+    return run.optimizer.label(curvature if self.uses_curvature(run) else None)
 
   @abc.abstractmethod
   def measure(self, ctx: Context) -> Outcome:
@@ -154,8 +169,9 @@ class Measurement(Settings, abc.ABC):
     return None
 
 
-MEASUREMENTS = Registry("measurement", Measurement, package=__name__,
-                        group="measure")
+MEASUREMENTS = Registry(
+  "measurement", Measurement, package=__name__, group="measure"
+)
 
 
 @dataclasses.dataclass
@@ -163,11 +179,14 @@ class MeasureSettings(Settings):
   """The `measure` section: which measurement runs, the batch it measures
   on, and (in fields that `schema` adds) every measurement's settings."""
 
-  kind: str = setting("spectra", OneOf(MEASUREMENTS.names),
-                      "the measurement that runs")
+  kind: str = setting(
+    "spectra", OneOf(MEASUREMENTS.names), "the measurement that runs"
+  )
   batch_size: int | None = setting(
-      None, Whole(1, null=True), "the spectra and timing batch (null: the "
-      "problem's batch size)")
+    None,
+    Whole(1, null=True),
+    "the spectra and timing batch (null: the problem's batch size)",
+  )
 
   @property
   def chosen(self) -> Measurement:
@@ -187,12 +206,23 @@ def schema() -> type[MeasureSettings]:
 
 @functools.cache
 def _schema(names: tuple[str, ...]) -> type[MeasureSettings]:
-  fields = [(name, MEASUREMENTS.get(name),
-             dataclasses.field(default_factory=MEASUREMENTS.get(name)))
-            for name in names]
-  return dataclasses.make_dataclass("Measure", fields,
-                                    bases=(MeasureSettings,))
+  fields = [
+    (
+      name,
+      MEASUREMENTS.get(name),
+      dataclasses.field(default_factory=MEASUREMENTS.get(name)),
+    )
+    for name in names
+  ]
+  return dataclasses.make_dataclass("Measure", fields, bases=(MeasureSettings,))
 
 
-__all__ = ["Context", "MEASUREMENTS", "MeasureSettings", "Measurement",
-           "Outcome", "PRECISIONS", "schema"]
+__all__ = [
+  "Context",
+  "MEASUREMENTS",
+  "MeasureSettings",
+  "Measurement",
+  "Outcome",
+  "PRECISIONS",
+  "schema",
+]

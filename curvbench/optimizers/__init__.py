@@ -34,8 +34,12 @@ class OptimizerSettings(Component, abc.ABC):
   needs_block_diagonal: ClassVar[bool] = False
 
   @abc.abstractmethod
-  def make(self, loss_fn: Callable, curvature: Curvature | None = None,
-           mesh: Mesh | None = None):
+  def make(
+    self,
+    loss_fn: Callable,
+    curvature: Curvature | None = None,
+    mesh: Mesh | None = None,
+  ):
     """A trainer of `loss_fn` (see the module docstring); with a `mesh` of
     several devices (`devices.mesh`), for batches split over them."""
 
@@ -55,8 +59,12 @@ OPTIMIZERS = Registry("optimizer", OptimizerSettings, package=__name__)
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
-def make(settings, loss_fn: Callable, curvature: Curvature | None = None,
-         mesh: Mesh | None = None):
+def make(
+  settings,
+  loss_fn: Callable,
+  curvature: Curvature | None = None,
+  mesh: Mesh | None = None,
+):
   """The trainer of `settings` (a mapping with `name`, or the settings)."""
   if not isinstance(settings, OptimizerSettings):
     settings = OPTIMIZERS.load(settings, "optimizer")

@@ -14,8 +14,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import estimators as kfac
-from curvbench.components import (Flag, ListOf, Number, OneOf, Settings, Whole,
-                                  setting)
+from curvbench.components import (
+  Flag,
+  ListOf,
+  Number,
+  OneOf,
+  Settings,
+  Whole,
+  setting,
+)
 from curvbench import costs, devices
 from curvbench.curvatures import Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
@@ -26,40 +33,40 @@ POSITIVE = Number(0, low_in=False)
 FRACTION = Number(0, 1)
 # Keys of estimators.Optimizer that the run decides, and what decides them.
 _SET_BY_THE_RUN = {
-    "value_and_grad_func": "the problem's loss gives it",
-    "value_func_has_aux": "the problem's loss gives it",
-    "value_func_has_state": "the problem's loss gives it",
-    "value_func_has_rng": "the problem's loss gives it",
-    "estimation_mode": "curvature.mode sets the estimation mode",
-    "layer_tag_to_block_ctor": "the curvature group (e.g. curvature=ekfac) "
-                               "sets the blocks",
-    "estimator_ctor": "the curvature group (e.g. curvature=kfac_tridiagonal) "
-                      "sets the estimator",
-    "multi_device": "devices=N sets it",
-    "pmap_axis_name": "devices=N sets it",
-    "batch_size_extractor": "the harness's batches set it",
-    "batch_process_func": "a function: the problem's batches are used as "
-                          "they come",
-    "auto_register_kwargs": "register_only_generic and patterns_to_skip are "
-                            "the graph matcher's options a config can set",
-    "forbid_setting_attributes_after_finalize": "it guards the Python "
-                                                "object, not the algorithm",
-    "modifiable_attribute_exceptions": "it guards the Python object, not "
-                                       "the algorithm",
-    "learning_rate_schedule": "schedules are functions a config cannot "
-                              "give; use use_adaptive_learning_rate or "
-                              "step.learning_rate",
-    "momentum_schedule": "schedules are functions a config cannot give; "
-                         "use use_adaptive_momentum or step.momentum",
-    "damping_schedule": "schedules are functions a config cannot give; use "
-                        "use_adaptive_damping or step.damping",
-    "learning_rate": "K-FAC takes it as step.learning_rate, where "
-                     "use_adaptive_learning_rate=false",
-    "momentum": "K-FAC takes it as step.momentum, where "
-                "use_adaptive_momentum=false",
-    "damping": "K-FAC takes it as step.damping, where "
-               "use_adaptive_damping=false (initial_damping starts the "
-               "adaptive rule)",
+  "value_and_grad_func": "the problem's loss gives it",
+  "value_func_has_aux": "the problem's loss gives it",
+  "value_func_has_state": "the problem's loss gives it",
+  "value_func_has_rng": "the problem's loss gives it",
+  "estimation_mode": "curvature.mode sets the estimation mode",
+  "layer_tag_to_block_ctor": "the curvature group (e.g. curvature=ekfac) "
+  "sets the blocks",
+  "estimator_ctor": "the curvature group (e.g. curvature=kfac_tridiagonal) "
+  "sets the estimator",
+  "multi_device": "devices=N sets it",
+  "pmap_axis_name": "devices=N sets it",
+  "batch_size_extractor": "the harness's batches set it",
+  "batch_process_func": "a function: the problem's batches are used as "
+  "they come",
+  "auto_register_kwargs": "register_only_generic and patterns_to_skip are "
+  "the graph matcher's options a config can set",
+  "forbid_setting_attributes_after_finalize": "it guards the Python "
+  "object, not the algorithm",
+  "modifiable_attribute_exceptions": "it guards the Python object, not "
+  "the algorithm",
+  "learning_rate_schedule": "schedules are functions a config cannot "
+  "give; use use_adaptive_learning_rate or "
+  "step.learning_rate",
+  "momentum_schedule": "schedules are functions a config cannot give; "
+  "use use_adaptive_momentum or step.momentum",
+  "damping_schedule": "schedules are functions a config cannot give; use "
+  "use_adaptive_damping or step.damping",
+  "learning_rate": "K-FAC takes it as step.learning_rate, where "
+  "use_adaptive_learning_rate=false",
+  "momentum": "K-FAC takes it as step.momentum, where "
+  "use_adaptive_momentum=false",
+  "damping": "K-FAC takes it as step.damping, where "
+  "use_adaptive_damping=false (initial_damping starts the "
+  "adaptive rule)",
 }
 
 
@@ -68,7 +75,8 @@ class KFACStep(Settings):
   """Values `Optimizer.step` takes for the rules that are not adaptive."""
 
   learning_rate: float = setting(
-      0.05, POSITIVE, "with use_adaptive_learning_rate=false")
+    0.05, POSITIVE, "with use_adaptive_learning_rate=false"
+  )
   momentum: float = setting(0.9, FRACTION, "with use_adaptive_momentum=false")
   damping: float = setting(0.1, POSITIVE, "with use_adaptive_damping=false")
 
@@ -88,62 +96,98 @@ class KFAC(OptimizerSettings):
   (adaptive learning rate, momentum and damping), not the constructor's."""
 
   name: str = "kfac"
-  l2_reg: float = setting(0.0, Number(0), "coefficient of an L2 term the "
-                          "loss already holds (added to the damping)")
+  l2_reg: float = setting(
+    0.0,
+    Number(0),
+    "coefficient of an L2 term the loss already holds (added to the damping)",
+  )
   use_adaptive_learning_rate: bool = setting(
-      True, Flag(), "choose the learning rate from the quadratic model")
+    True, Flag(), "choose the learning rate from the quadratic model"
+  )
   use_adaptive_momentum: bool = setting(
-      True, Flag(), "choose the momentum from the quadratic model")
+    True, Flag(), "choose the momentum from the quadratic model"
+  )
   use_adaptive_damping: bool = setting(
-      True, Flag(), "adapt the damping by the Levenberg-Marquardt rule")
-  initial_damping: float = setting(0.1, POSITIVE,
-                                   "the adaptive damping's start")
-  min_damping: float = setting(1e-8, Number(0), "the adaptive damping's "
-                               "lower bound")
-  max_damping: float = setting(float("inf"), Number(0, finite=False),
-                               "the adaptive damping's upper bound")
+    True, Flag(), "adapt the damping by the Levenberg-Marquardt rule"
+  )
+  initial_damping: float = setting(
+    0.1, POSITIVE, "the adaptive damping's start"
+  )
+  min_damping: float = setting(
+    1e-8, Number(0), "the adaptive damping's lower bound"
+  )
+  max_damping: float = setting(
+    float("inf"), Number(0, finite=False), "the adaptive damping's upper bound"
+  )
   include_damping_in_quad_change: bool = setting(
-      False, Flag(), "the reduction ratio's predicted change includes the "
-      "damping term")
+    False,
+    Flag(),
+    "the reduction ratio's predicted change includes the damping term",
+  )
   damping_adaptation_interval: int = setting(
-      5, Whole(1), "steps between damping adaptations")
+    5, Whole(1), "steps between damping adaptations"
+  )
   damping_adaptation_decay: float = setting(
-      0.9, Number(0, 1, low_in=False), "the damping is multiplied or "
-      "divided by this to the power damping_adaptation_interval")
+    0.9,
+    Number(0, 1, low_in=False),
+    "the damping is multiplied or "
+    "divided by this to the power damping_adaptation_interval",
+  )
   damping_lower_threshold: float = setting(
-      0.25, POSITIVE, "below this reduction ratio the damping grows")
+    0.25, POSITIVE, "below this reduction ratio the damping grows"
+  )
   damping_upper_threshold: float = setting(
-      0.75, POSITIVE, "above this reduction ratio the damping shrinks")
+    0.75, POSITIVE, "above this reduction ratio the damping shrinks"
+  )
   always_use_exact_qmodel_for_damping_adjustment: bool = setting(
-      False, Flag(), "the reduction ratio always uses the exact curvature")
+    False, Flag(), "the reduction ratio always uses the exact curvature"
+  )
   norm_constraint: float | None = setting(
-      None, Number(0, low_in=False, null=True), "bound on the update's "
-      "squared norm under the estimate (null: none)")
-  num_burnin_steps: int = setting(5, Whole(0), "curvature updates without "
-                                  "parameter updates at the first step")
-  curvature_ema: float = setting(0.95, FRACTION,
-                                 "the old estimate's weight in the average")
-  inverse_update_period: int = setting(5, Whole(1),
-                                       "steps between inverse refreshes")
+    None,
+    Number(0, low_in=False, null=True),
+    "bound on the update's squared norm under the estimate (null: none)",
+  )
+  num_burnin_steps: int = setting(
+    5, Whole(0), "curvature updates without parameter updates at the first step"
+  )
+  curvature_ema: float = setting(
+    0.95, FRACTION, "the old estimate's weight in the average"
+  )
+  inverse_update_period: int = setting(
+    5, Whole(1), "steps between inverse refreshes"
+  )
   use_exact_inverses: bool = setting(
-      False, Flag(), "exact inverses (eigendecompositions) rather than the "
-      "factored-damping approximation")
+    False,
+    Flag(),
+    "exact inverses (eigendecompositions) rather than the "
+    "factored-damping approximation",
+  )
   register_only_generic: bool = setting(
-      False, Flag(), "tag every parameter generically instead of matching "
-      "layers")
+    False, Flag(), "tag every parameter generically instead of matching layers"
+  )
   patterns_to_skip: list[str] = setting(
-      [], ListOf(OneOf(_pattern_names)), "graph-matcher patterns not to use")
+    [], ListOf(OneOf(_pattern_names)), "graph-matcher patterns not to use"
+  )
   include_norms_in_stats: bool = setting(
-      False, Flag(), "add gradient, preconditioned-gradient and update norms "
-      "to the step's stats")
+    False,
+    Flag(),
+    "add gradient, preconditioned-gradient and update norms "
+    "to the step's stats",
+  )
   include_per_param_norms_in_stats: bool = setting(
-      False, Flag(), "the same per parameter array")
+    False, Flag(), "the same per parameter array"
+  )
   distributed_precon_apply: bool = setting(
-      True, Flag(), "with devices > 1, each device applies the inverses of "
-      "its share of the blocks")
+    True,
+    Flag(),
+    "with devices > 1, each device applies the inverses of "
+    "its share of the blocks",
+  )
   distributed_inverses: bool = setting(
-      True, Flag(), "with devices > 1, each device refreshes its share of "
-      "the inverses")
+    True,
+    Flag(),
+    "with devices > 1, each device refreshes its share of the inverses",
+  )
   debug: bool = setting(False, Flag(), "run the step without jit (slow)")
   step: KFACStep = dataclasses.field(default_factory=KFACStep)
 
@@ -152,51 +196,74 @@ class KFAC(OptimizerSettings):
   set_elsewhere = _SET_BY_THE_RUN
 
   def ignored(self):
-    out = {f"step.{rule}": f"use_adaptive_{rule}=true chooses the {what} "
-                           f"(use_adaptive_{rule}=false takes this value)"
-           for rule, what in (("learning_rate", "learning rate"),
-                              ("momentum", "momentum"),
-                              ("damping", "damping"))
-           if getattr(self, f"use_adaptive_{rule}")}
+    out = {
+      f"step.{rule}": f"use_adaptive_{rule}=true chooses the {what} "
+      f"(use_adaptive_{rule}=false takes this value)"
+      for rule, what in (
+        ("learning_rate", "learning rate"),
+        ("momentum", "momentum"),
+        ("damping", "damping"),
+      )
+      if getattr(self, f"use_adaptive_{rule}")
+    }
     if not self.use_adaptive_damping:
-      out.update({key: "use_adaptive_damping=false: the damping is "
-                  "step.damping" for key in (
-                      "initial_damping", "min_damping", "max_damping",
-                      "damping_adaptation_interval",
-                      "damping_adaptation_decay", "damping_lower_threshold",
-                      "damping_upper_threshold")})
+      out.update(
+        {
+          key: "use_adaptive_damping=false: the damping is step.damping"
+          for key in (
+            "initial_damping",
+            "min_damping",
+            "max_damping",
+            "damping_adaptation_interval",
+            "damping_adaptation_decay",
+            "damping_lower_threshold",
+            "damping_upper_threshold",
+          )
+        }
+      )
     return out
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     key = f"{prefix}." if prefix else ""
     if self.norm_constraint is not None and self.use_adaptive_learning_rate:
-      yield (f"{key}norm_constraint={self.norm_constraint} cannot be used "
-             f"with {key}use_adaptive_learning_rate=true: the adaptive rule "
-             "sets the step length itself.")
+      yield (
+        f"{key}norm_constraint={self.norm_constraint} cannot be used "
+        f"with {key}use_adaptive_learning_rate=true: the adaptive rule "
+        "sets the step length itself."
+      )
     if not self.damping_lower_threshold < self.damping_upper_threshold:
-      yield (f"{key}damping_lower_threshold={self.damping_lower_threshold} "
-             f"must be below {key}damping_upper_threshold="
-             f"{self.damping_upper_threshold}.")
+      yield (
+        f"{key}damping_lower_threshold={self.damping_lower_threshold} "
+        f"must be below {key}damping_upper_threshold="
+        f"{self.damping_upper_threshold}."
+      )
 
   def optimizer_kwargs(self) -> dict:
     """The keyword arguments of `estimators.Optimizer` these settings give."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("name", "step")}
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name not in ("name", "step")
+    }
 
   def step_kwargs(self) -> dict:
     """The values `Optimizer.step` takes: one per rule that is not
     adaptive."""
-    return {rule: getattr(self.step, rule)
-            for rule in ("learning_rate", "momentum", "damping")
-            if not getattr(self, f"use_adaptive_{rule}")}
+    return {
+      rule: getattr(self.step, rule)
+      for rule in ("learning_rate", "momentum", "damping")
+      if not getattr(self, f"use_adaptive_{rule}")
+    }
 
   def make(self, loss_fn, curvature=None, mesh=None):
     return KFACTrainer(loss_fn, curvature, self, mesh)
 
 
-QUICK_CPU_COMPILE = {"xla_backend_optimization_level": 1,
-                      "xla_cpu_use_fusion_emitters": False}
+QUICK_CPU_COMPILE = {
+  "xla_backend_optimization_level": 1,
+  "xla_cpu_use_fusion_emitters": False,
+}
 
 
 class KFACTrainer:
@@ -213,21 +280,32 @@ class KFACTrainer:
   optimizer's layout, a leading device axis.
   """
 
-  def __init__(self, loss_fn: Callable, curvature: Curvature,
-               settings: "KFAC", mesh: Mesh | None = None):
+  def __init__(
+    self,
+    loss_fn: Callable,
+    curvature: Curvature,
+    settings: "KFAC",
+    mesh: Mesh | None = None,
+  ):
     if not curvature.is_block_diagonal:
       raise ValueError(
-          f"optimizer=kfac runs estimators.Optimizer, which needs a "
-          f"block-diagonal curvature, not {curvature.name!r}; use "
-          "optimizer=preconditioned_sgd to train with that curvature.")
+        f"optimizer=kfac runs estimators.Optimizer, which needs a "
+        f"block-diagonal curvature, not {curvature.name!r}; use "
+        "optimizer=preconditioned_sgd to train with that curvature."
+      )
     kwargs = settings.optimizer_kwargs()
     refresh = settings.inverse_update_period
-    adapt = (settings.damping_adaptation_interval
-             if settings.use_adaptive_damping else None)
+    adapt = (
+      settings.damping_adaptation_interval
+      if settings.use_adaptive_damping
+      else None
+    )
     self.cycle = math.lcm(refresh, adapt or 1)
     # (refreshes the inverses, adapts the damping) of each kind of step.
-    self._kind = lambda s: (s % refresh == 0,
-                            adapt is not None and s % adapt == 0)
+    self._kind = lambda s: (
+      s % refresh == 0,
+      adapt is not None and s % adapt == 0,
+    )
     self.kinds = sorted({self._kind(s) for s in range(self.cycle)})
     self.curvature = curvature
     self.step_kwargs = settings.step_kwargs()
@@ -238,11 +316,14 @@ class KFACTrainer:
     # parameters, or timing's fixed batch, are not converted again.
     self._last = {}
     self.opt = kfac.Optimizer(
-        jax.value_and_grad(loss_fn), estimation_mode=curvature.mode,
-        layer_tag_to_block_ctor=curvature.block_ctors or None,
-        estimator_ctor=functools.partial(type(curvature.estimator),
-                                         **curvature.estimator_options),
-        **kwargs)
+      jax.value_and_grad(loss_fn),
+      estimation_mode=curvature.mode,
+      layer_tag_to_block_ctor=curvature.block_ctors or None,
+      estimator_ctor=functools.partial(
+        type(curvature.estimator), **curvature.estimator_options
+      ),
+      **kwargs,
+    )
 
   def _per_device(self, name, tree, convert):
     last = self._last.get(name)
@@ -255,9 +336,11 @@ class KFACTrainer:
     """The optimizer's inputs: with a mesh, with a leading device axis."""
     if self.mesh is None:
       return params, batch, rng
-    return (self._per_device("params", params, devices.stack),
-            self._per_device("batch", batch, devices.stack_split),
-            devices.device_keys(rng, self.mesh))
+    return (
+      self._per_device("params", params, devices.stack),
+      self._per_device("batch", batch, devices.stack_split),
+      devices.device_keys(rng, self.mesh),
+    )
 
   def init(self, params, batch, rng):
     # The curvature's state is the bulk of the optimizer's: refuse one that
@@ -278,23 +361,31 @@ class KFACTrainer:
     state, _ = opt_state
     params, batch, rng = self._inputs(params, batch, rng)
     shape = () if self.mesh is None else (self.mesh.size,)
-    hyper = {k: jnp.full(shape, v, state.damping.dtype)
-             for k, v in self.step_kwargs.items()}
+    hyper = {
+      k: jnp.full(shape, v, state.damping.dtype)
+      for k, v in self.step_kwargs.items()
+    }
     # Only the memory figure is wanted: the CPU's quicker code generation
     # halves the compile time and leaves the buffers as they are.
-    options = (staging.supported_cpu_options(QUICK_CPU_COMPILE)
-               if staging.target_platform() == "cpu" else None)
+    options = (
+      staging.supported_cpu_options(QUICK_CPU_COMPILE)
+      if staging.target_platform() == "cpu"
+      else None
+    )
 
     def compiled(refresh, adapt):
-      step = costs.without_passthrough(functools.partial(
-          self.opt.uncompiled_step, refresh_cache=refresh,
-          update_damping=adapt))
+      step = costs.without_passthrough(
+        functools.partial(
+          self.opt.uncompiled_step, refresh_cache=refresh, update_damping=adapt
+        )
+      )
       program = lambda p, s, r, b, h: step(p, s, r, b, **h)
       if self.mesh is None:
         program = jax.jit(program)
       else:
-        program = jax.pmap(program, axis_name=devices.AXIS,
-                           devices=list(self.mesh.devices.flat))
+        program = jax.pmap(
+          program, axis_name=devices.AXIS, devices=list(self.mesh.devices.flat)
+        )
       return program.lower(params, state, rng, batch, hyper).compile(options)
 
     programs = {kind: compiled(*kind) for kind in self.kinds}
@@ -304,8 +395,8 @@ class KFACTrainer:
     state, count = opt_state
     params, batch, rng = self._inputs(params, batch, rng)
     params, state, stats = self.opt.step(
-        params, state, rng, batch=batch, global_step_int=count,
-        **self.step_kwargs)
+      params, state, rng, batch=batch, global_step_int=count, **self.step_kwargs
+    )
     loss = stats["loss"]
     if self.mesh is not None:
       # Every device holds the same parameters and (averaged) loss.
@@ -321,10 +412,12 @@ class KFACTrainer:
     bad = estimator.newton_failures(opt_state[0].estimator_state)
     if not bad:
       return None
-    return (f"The Newton iteration (curvature.matrix_power_method=newton) did "
-            f"not converge in {estimator.newton_max_iterations} steps for "
-            f"the damped factors of {', '.join(bad)}: they are too badly "
-            "conditioned for it. Raise the damping (optimizer.min_damping, "
-            "optimizer.initial_damping), raise "
-            "curvature.newton_max_iterations, or use "
-            "curvature.matrix_power_method=decomposition.")
+    return (
+      f"The Newton iteration (curvature.matrix_power_method=newton) did "
+      f"not converge in {estimator.newton_max_iterations} steps for "
+      f"the damped factors of {', '.join(bad)}: they are too badly "
+      "conditioned for it. Raise the damping (optimizer.min_damping, "
+      "optimizer.initial_damping), raise "
+      "curvature.newton_max_iterations, or use "
+      "curvature.matrix_power_method=decomposition."
+    )

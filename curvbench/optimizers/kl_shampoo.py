@@ -45,11 +45,17 @@ import optax
 from curvbench import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
-from curvbench.optimizers.kronecker import (as_matrix, decay_after_step,
-                                            per_parameter_update,
-                                            eigenbasis, matrix_shape,
-                                            power_qr, rotate, unit_rms,
-                                            unrotate)
+from curvbench.optimizers.kronecker import (
+  as_matrix,
+  decay_after_step,
+  per_parameter_update,
+  eigenbasis,
+  matrix_shape,
+  power_qr,
+  rotate,
+  unit_rms,
+  unrotate,
+)
 
 BASES = ("qr", "eigh")
 
@@ -78,30 +84,45 @@ class KLShampoo(OptimizerSettings):
 
   name: str = "kl_shampoo"
   colour = "maroon"
-  learning_rate: float = setting(3e-3, Number(0, low_in=False),
-                                 "the step size")
+  learning_rate: float = setting(3e-3, Number(0, low_in=False), "the step size")
   b1: float = setting(0.9, Number(0, 1), "decay of the gradients' average")
-  shampoo_beta: float = setting(0.98, Number(0, 1), "decay of the factors' "
-                                "and eigenvalues' averages")
-  eps: float = setting(1e-8, Number(0), "damping: added to √(λ_a λ_b) in "
-                       "the step")
-  weight_decay: float = setting(0.01, Number(0), "decoupled weight decay, "
-                                "times the learning rate, after the step")
-  precondition_frequency: int = setting(10, Whole(1), "steps between "
-                                        "eigenbasis refreshes")
-  eigenvalue_init: float = setting(0.1, Number(0, low_in=False), "the "
-                                   "eigenvalue estimates' start")
-  clamping: bool = setting(True, Flag(), "bound λ^(-1/2) by max(10, min(d, "
-                           "max_clamp_value)) on a side of d")
+  shampoo_beta: float = setting(
+    0.98, Number(0, 1), "decay of the factors' and eigenvalues' averages"
+  )
+  eps: float = setting(
+    1e-8, Number(0), "damping: added to √(λ_a λ_b) in the step"
+  )
+  weight_decay: float = setting(
+    0.01,
+    Number(0),
+    "decoupled weight decay, times the learning rate, after the step",
+  )
+  precondition_frequency: int = setting(
+    10, Whole(1), "steps between eigenbasis refreshes"
+  )
+  eigenvalue_init: float = setting(
+    0.1, Number(0, low_in=False), "the eigenvalue estimates' start"
+  )
+  clamping: bool = setting(
+    True,
+    Flag(),
+    "bound λ^(-1/2) by max(10, min(d, max_clamp_value)) on a side of d",
+  )
   max_clamp_value: int = setting(4000, Whole(1), "the bound's cap")
-  max_precond_dim: int = setting(10000, Whole(1), "longest side given a "
-                                 "factor (longer: the standard basis)")
+  max_precond_dim: int = setting(
+    10000, Whole(1), "longest side given a factor (longer: the standard basis)"
+  )
   precondition_1d: bool = setting(False, Flag(), "give vectors a factor")
-  normalize_grads: bool = setting(False, Flag(), "scale each parameter's "
-                                  "direction to unit RMS")
-  eigenbasis: str = setting("qr", OneOf(BASES), "refresh the bases by one "
-                            "power-iteration step and QR (the paper's), or "
-                            "by an eigendecomposition")
+  normalize_grads: bool = setting(
+    False, Flag(), "scale each parameter's direction to unit RMS"
+  )
+  eigenbasis: str = setting(
+    "qr",
+    OneOf(BASES),
+    "refresh the bases by one "
+    "power-iteration step and QR (the paper's), or "
+    "by an eigendecomposition",
+  )
 
   def ignored(self):
     if self.clamping:
@@ -114,17 +135,16 @@ class KLShampoo(OptimizerSettings):
 
   def make(self, loss_fn, curvature=None, mesh=None):
     del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(loss_fn,
-                                 lambda batch, rng: self.transformation())
+    return training.OptaxTrainer(
+      loss_fn, lambda batch, rng: self.transformation()
+    )
 
 
-def kl_shampoo(learning_rate: float, **options
-               ) -> optax.GradientTransformation:
+def kl_shampoo(learning_rate: float, **options) -> optax.GradientTransformation:
   """KL-Shampoo (see the module docstring) as an optax transformation;
   `options` are the `KLShampoo` settings (bad ones raise `SettingsError`
   naming them)."""
-  settings = KLShampoo.from_values({"learning_rate": learning_rate,
-                                    **options})
+  settings = KLShampoo.from_values({"learning_rate": learning_rate, **options})
   return settings.transformation()
 
 
@@ -134,9 +154,10 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
   def factored(shape) -> tuple[bool, bool]:
     rows, cols = matrix_shape(shape)
     vector = cols == 1
-    return tuple(1 < d <= s.max_precond_dim and (s.precondition_1d
-                                                  or not vector)
-                 for d in (rows, cols))
+    return tuple(
+      1 < d <= s.max_precond_dim and (s.precondition_1d or not vector)
+      for d in (rows, cols)
+    )
 
   def floor(d: int) -> float:
     """The least eigenvalue estimate on a side of `d` (clamping)."""
@@ -148,14 +169,20 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
     eye = lambda d, side: jnp.eye(d, dtype=p.dtype) if side else None
     # Eigenvalues of one before the first call make its factor update the
     # reference's plain G Gᵀ / d_b.
-    return ParameterState(square(rows, sides[0]), square(cols, sides[1]),
-                          eye(rows, sides[0]), eye(cols, sides[1]),
-                          jnp.ones(rows, p.dtype), jnp.ones(cols, p.dtype),
-                          jnp.zeros((rows, cols), p.dtype))
+    return ParameterState(
+      square(rows, sides[0]),
+      square(cols, sides[1]),
+      eye(rows, sides[0]),
+      eye(cols, sides[1]),
+      jnp.ones(rows, p.dtype),
+      jnp.ones(cols, p.dtype),
+      jnp.zeros((rows, cols), p.dtype),
+    )
 
   def init(params):
-    return KLShampooState(jnp.zeros([], jnp.int32),
-                          jax.tree.map(init_one, params))
+    return KLShampooState(
+      jnp.zeros([], jnp.int32), jax.tree.map(init_one, params)
+    )
 
   def step(g, st, p, count):
     """The update of one parameter, its average, factors and eigenvalues."""
@@ -163,16 +190,20 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
     gm = as_matrix(g)
     (rows, cols) = gm.shape
     qa, qb = st.left_basis, st.right_basis
-    sa, sb = st.left_eigenvalues ** -0.5, st.right_eigenvalues ** -0.5
+    sa, sb = st.left_eigenvalues**-0.5, st.right_eigenvalues**-0.5
     momentum = s.b1 * st.momentum + (1 - s.b1) * gm
     x = sa[:, None] * sb[None, :]
-    direction = unrotate(rotate(momentum, qa, qb) * (x / (1 + s.eps * x)),
-                         qa, qb)
+    direction = unrotate(
+      rotate(momentum, qa, qb) * (x / (1 + s.eps * x)), qa, qb
+    )
     if s.normalize_grads:
       direction = unit_rms(direction)
-    update = decay_after_step(direction.reshape(g.shape), p,
-                              s.learning_rate,
-                              s.learning_rate * s.weight_decay)
+    update = decay_after_step(
+      direction.reshape(g.shape),
+      p,
+      s.learning_rate,
+      s.learning_rate * s.weight_decay,
+    )
     # The factors and eigenvalues, whitened by the other side's inverse.
     left, right = st.left, st.right
     if left is not None:
@@ -183,17 +214,20 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
       right = beta * right + (1 - beta) * (half.T @ half) / rows
     squares = rotate(gm, qa, qb) ** 2
     lam_a = beta * st.left_eigenvalues + (1 - beta) * jnp.mean(
-        squares * sb[None, :] ** 2, axis=1)
+      squares * sb[None, :] ** 2, axis=1
+    )
     lam_b = beta * st.right_eigenvalues + (1 - beta) * jnp.mean(
-        squares * sa[:, None] ** 2, axis=0)
-    lam_a = jnp.where(first, s.eigenvalue_init,
-                      jnp.maximum(lam_a, floor(rows)))
-    lam_b = jnp.where(first, s.eigenvalue_init,
-                      jnp.maximum(lam_b, floor(cols)))
+      squares * sa[:, None] ** 2, axis=0
+    )
+    lam_a = jnp.where(first, s.eigenvalue_init, jnp.maximum(lam_a, floor(rows)))
+    lam_b = jnp.where(first, s.eigenvalue_init, jnp.maximum(lam_b, floor(cols)))
     return jnp.where(first, jnp.zeros_like(update), update), st._replace(
-        left=left, right=right, left_eigenvalues=lam_a,
-        right_eigenvalues=lam_b,
-        momentum=jnp.where(first, st.momentum, momentum))
+      left=left,
+      right=right,
+      left_eigenvalues=lam_a,
+      right_eigenvalues=lam_b,
+      momentum=jnp.where(first, st.momentum, momentum),
+    )
 
   def bases(fresh: bool):
     def new(factor, basis):
@@ -202,10 +236,19 @@ def _transformation(s: KLShampoo) -> optax.GradientTransformation:
       if fresh or s.eigenbasis == "eigh":
         return eigenbasis(factor)
       return power_qr(factor, basis)
-    return lambda st: st._replace(left_basis=new(st.left, st.left_basis),
-                                  right_basis=new(st.right, st.right_basis))
+
+    return lambda st: st._replace(
+      left_basis=new(st.left, st.left_basis),
+      right_basis=new(st.right, st.right_basis),
+    )
 
   update = per_parameter_update(
-      "kl_shampoo", s.weight_decay, s.precondition_frequency, step,
-      bases(fresh=True), bases(fresh=False), KLShampooState)
+    "kl_shampoo",
+    s.weight_decay,
+    s.precondition_frequency,
+    step,
+    bases(fresh=True),
+    bases(fresh=False),
+    KLShampooState,
+  )
   return optax.GradientTransformation(init, update)

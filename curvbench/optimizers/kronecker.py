@@ -88,8 +88,15 @@ def decay_after_step(direction, params, step_size, decay):
   return stepped - decay * (params + stepped)
 
 
-def per_parameter_update(name: str, weight_decay: float, frequency: int,
-                         step, first, refresh, state_type):
+def per_parameter_update(
+  name: str,
+  weight_decay: float,
+  frequency: int,
+  step,
+  first,
+  refresh,
+  state_type,
+):
   """The optax `update` of an optimizer whose state is `state_type(count,
   parameters)`: `step(g, st, p, count) -> (update, st)` for each parameter,
   then every parameter's state through `first` at the first call and
@@ -97,21 +104,33 @@ def per_parameter_update(name: str, weight_decay: float, frequency: int,
 
   def update(grads, state, params=None):
     if params is None and weight_decay:
-      raise ValueError(f"{name} with weight_decay needs the parameters: "
-                       "call update(grads, state, params).")
+      raise ValueError(
+        f"{name} with weight_decay needs the parameters: "
+        "call update(grads, state, params)."
+      )
     count = state.count
     leaves, treedef = jax.tree.flatten(grads)
-    ps = (treedef.flatten_up_to(params) if params is not None
-          else [None] * len(leaves))
-    out = [step(g, st, p, count) for g, st, p in zip(
-        leaves, treedef.flatten_up_to(state.parameters), ps)]
+    ps = (
+      treedef.flatten_up_to(params)
+      if params is not None
+      else [None] * len(leaves)
+    )
+    out = [
+      step(g, st, p, count)
+      for g, st, p in zip(leaves, treedef.flatten_up_to(state.parameters), ps)
+    ]
     every = lambda fn: lambda sts: [fn(st) for st in sts]
     states = jax.lax.cond(
-        count == 0, every(first),
-        lambda sts: jax.lax.cond(count % frequency == 0, every(refresh),
-                                 lambda x: x, sts),
-        [st for _, st in out])
-    return (treedef.unflatten([u for u, _ in out]),
-            state_type(count + 1, treedef.unflatten(states)))
+      count == 0,
+      every(first),
+      lambda sts: jax.lax.cond(
+        count % frequency == 0, every(refresh), lambda x: x, sts
+      ),
+      [st for _, st in out],
+    )
+    return (
+      treedef.unflatten([u for u, _ in out]),
+      state_type(count + 1, treedef.unflatten(states)),
+    )
 
   return update

@@ -22,8 +22,14 @@ class PreconditionState(NamedTuple):
 
 
 def precondition_by_curvature(
-    curvature: Curvature, batch, rng, *, damping: float, curvature_ema: float,
-    curvature_update_period: int, inverse_update_period: int,
+  curvature: Curvature,
+  batch,
+  rng,
+  *,
+  damping: float,
+  curvature_ema: float,
+  curvature_update_period: int,
+  inverse_update_period: int,
 ) -> optax.GradientTransformationExtraArgs:
   """Maps a gradient g to `(C + damping I)^-1 g`, C an EMA of `curvature`.
 
@@ -46,8 +52,9 @@ def precondition_by_curvature(
   """
 
   def init(params):
-    return PreconditionState(jnp.zeros([], jnp.int32),
-                             curvature.init(rng, params, batch))
+    return PreconditionState(
+      jnp.zeros([], jnp.int32), curvature.init(rng, params, batch)
+    )
 
   def update(grads, state, params=None, *, batch, rng, **extra):
     del extra
@@ -56,11 +63,18 @@ def precondition_by_curvature(
     def estimate(curv):
       return curvature.update(curv, params, batch, rng, ema_old, 1 - ema_old)
 
-    curv = jax.lax.cond(state.count % curvature_update_period == 0, estimate,
-                        lambda c: c, state.curvature)
-    curv = jax.lax.cond(state.count % inverse_update_period == 0,
-                        lambda c: curvature.refresh(c, damping), lambda c: c,
-                        curv)
+    curv = jax.lax.cond(
+      state.count % curvature_update_period == 0,
+      estimate,
+      lambda c: c,
+      state.curvature,
+    )
+    curv = jax.lax.cond(
+      state.count % inverse_update_period == 0,
+      lambda c: curvature.refresh(c, damping),
+      lambda c: c,
+      curv,
+    )
     direction = curvature.precondition(curv, grads, damping)
     return direction, PreconditionState(state.count + 1, curv)
 
@@ -73,17 +87,20 @@ class PreconditionedSGD(OptimizerSettings):
   """`precondition_by_curvature` chained with `optax.sgd`."""
 
   name: str = "preconditioned_sgd"
-  learning_rate: float = setting(0.05, Number(0, low_in=False),
-                                 "the step size")
+  learning_rate: float = setting(0.05, Number(0, low_in=False), "the step size")
   momentum: float = setting(0.9, Number(0, 1), "heavy-ball momentum")
-  damping: float = setting(0.1, Number(0, low_in=False),
-                           "added to the curvature before inverting")
-  curvature_ema: float = setting(0.95, Number(0, 1),
-                                 "weight of the old estimate in the average")
-  curvature_update_period: int = setting(1, Whole(1),
-                                         "steps between curvature estimates")
-  inverse_update_period: int = setting(5, Whole(1),
-                                       "steps between inverse refreshes")
+  damping: float = setting(
+    0.1, Number(0, low_in=False), "added to the curvature before inverting"
+  )
+  curvature_ema: float = setting(
+    0.95, Number(0, 1), "weight of the old estimate in the average"
+  )
+  curvature_update_period: int = setting(
+    1, Whole(1), "steps between curvature estimates"
+  )
+  inverse_update_period: int = setting(
+    5, Whole(1), "steps between inverse refreshes"
+  )
 
   uses_curvature = True
 
@@ -92,11 +109,16 @@ class PreconditionedSGD(OptimizerSettings):
 
     def transformation(batch, rng):
       return optax.chain(
-          precondition_by_curvature(
-              curvature, batch, rng, damping=self.damping,
-              curvature_ema=self.curvature_ema,
-              curvature_update_period=self.curvature_update_period,
-              inverse_update_period=self.inverse_update_period),
-          optax.sgd(self.learning_rate, momentum=self.momentum))
+        precondition_by_curvature(
+          curvature,
+          batch,
+          rng,
+          damping=self.damping,
+          curvature_ema=self.curvature_ema,
+          curvature_update_period=self.curvature_update_period,
+          inverse_update_period=self.inverse_update_period,
+        ),
+        optax.sgd(self.learning_rate, momentum=self.momentum),
+      )
 
     return training.OptaxTrainer(loss_fn, transformation)

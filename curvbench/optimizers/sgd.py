@@ -21,8 +21,10 @@ def sutskever_momentum(mu_max: float) -> optax.Schedule:
   updates, then 3/4, 5/6, 7/8, ... growing towards 1 like Nesterov's
   `1 - 3 / (t + 5)`, capped at `mu_max`."""
   if mu_max is None:
-    raise ValueError("momentum_schedule=sutskever2013 needs a momentum cap: "
-                     "set momentum (not null).")
+    raise ValueError(
+      "momentum_schedule=sutskever2013 needs a momentum cap: "
+      "set momentum (not null)."
+    )
 
   def schedule(count):
     return jnp.minimum(1 - 0.5 / (count // 250 + 1), mu_max)
@@ -38,38 +40,54 @@ class SGD(OptimizerSettings):
 
   name: str = "sgd"
   colour = "tab:cyan"
-  learning_rate: float = setting(0.1, Number(0, low_in=False),
-                                 "the step size")
-  momentum: float | None = setting(0.9, Number(0, 1, null=True),
-                                   "momentum (null: none); under "
-                                   "momentum_schedule=sutskever2013 its cap")
+  learning_rate: float = setting(0.1, Number(0, low_in=False), "the step size")
+  momentum: float | None = setting(
+    0.9,
+    Number(0, 1, null=True),
+    "momentum (null: none); under momentum_schedule=sutskever2013 its cap",
+  )
   nesterov: bool = setting(False, Flag(), "Nesterov momentum")
   accumulator_dtype: str | None = setting(
-      None, OneOf(DTYPES, null=True), "the momentum's dtype (null: the "
-      "parameters')")
+    None,
+    OneOf(DTYPES, null=True),
+    "the momentum's dtype (null: the parameters')",
+  )
   momentum_schedule: str = setting(
-      "constant", OneOf(MOMENTUM_SCHEDULES), "constant: `momentum` at every "
-      "update; sutskever2013: Sutskever et al.'s (2013) momentum, 0.5 "
-      "rising towards 1 every 250 updates, capped at `momentum`")
+    "constant",
+    OneOf(MOMENTUM_SCHEDULES),
+    "constant: `momentum` at every "
+    "update; sutskever2013: Sutskever et al.'s (2013) momentum, 0.5 "
+    "rising towards 1 every 250 updates, capped at `momentum`",
+  )
 
   def ignored(self):
     if self.momentum is None:
-      return {"momentum_schedule": "momentum=null: there is no momentum to "
-                                   "schedule (set momentum, its cap)"}
+      return {
+        "momentum_schedule": "momentum=null: there is no momentum to "
+        "schedule (set momentum, its cap)"
+      }
     return {}
 
   def transformation(self) -> optax.GradientTransformation:
     """The optax transformation of these settings."""
     if self.momentum_schedule == "constant":
-      return optax.sgd(self.learning_rate, momentum=self.momentum,
-                       nesterov=self.nesterov,
-                       accumulator_dtype=self.accumulator_dtype)
-    return optax.inject_hyperparams(optax.sgd, static_args=(
-        "learning_rate", "nesterov", "accumulator_dtype"))(
-            self.learning_rate, momentum=sutskever_momentum(self.momentum),
-            nesterov=self.nesterov, accumulator_dtype=self.accumulator_dtype)
+      return optax.sgd(
+        self.learning_rate,
+        momentum=self.momentum,
+        nesterov=self.nesterov,
+        accumulator_dtype=self.accumulator_dtype,
+      )
+    return optax.inject_hyperparams(
+      optax.sgd, static_args=("learning_rate", "nesterov", "accumulator_dtype")
+    )(
+      self.learning_rate,
+      momentum=sutskever_momentum(self.momentum),
+      nesterov=self.nesterov,
+      accumulator_dtype=self.accumulator_dtype,
+    )
 
   def make(self, loss_fn, curvature=None, mesh=None):
     del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(loss_fn,
-                                 lambda batch, rng: self.transformation())
+    return training.OptaxTrainer(
+      loss_fn, lambda batch, rng: self.transformation()
+    )

@@ -75,6 +75,7 @@ class ShampooState(NamedTuple):
 class Blocks:
   """How a parameter's matrix splits into blocks of at most `size` rows
   and columns (zero-padded at the ends)."""
+
   shape: tuple
   size: int
 
@@ -113,10 +114,14 @@ class Blocks:
 
 
 def _unit_interval(value) -> None:
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or not 0 <= value <= 1):
-    raise ValueError(f"must be a number in [0, 1] (1: a plain sum), not "
-                     f"{value!r}")
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float))
+    or not 0 <= value <= 1
+  ):
+    raise ValueError(
+      f"must be a number in [0, 1] (1: a plain sum), not {value!r}"
+    )
 
 
 @OPTIMIZERS.register
@@ -128,55 +133,83 @@ class Shampoo(OptimizerSettings):
 
   name: str = "shampoo"
   colour = "teal"
-  learning_rate: float = setting(1e-2, Number(0, low_in=False),
-                                 "the step size")
-  beta1: float = setting(0.9, Number(0, 1), "decay of the gradient's "
-                         "average (0: the gradient itself)")
-  beta2: float = setting(0.999, Parsed(_unit_interval, "a number in [0, 1]"),
-                         "decay of the factors' averages (1: their sums, "
-                         "as the original Shampoo)")
-  epsilon: float = setting(1e-12, Number(0, low_in=False), "added to the "
-                           "factors' eigenvalues before the root")
-  momentum: float = setting(0.0, Number(0, 1), "heavy-ball momentum on the "
-                            "grafted direction (0: none)")
+  learning_rate: float = setting(1e-2, Number(0, low_in=False), "the step size")
+  beta1: float = setting(
+    0.9,
+    Number(0, 1),
+    "decay of the gradient's average (0: the gradient itself)",
+  )
+  beta2: float = setting(
+    0.999,
+    Parsed(_unit_interval, "a number in [0, 1]"),
+    "decay of the factors' averages (1: their sums, as the original Shampoo)",
+  )
+  epsilon: float = setting(
+    1e-12,
+    Number(0, low_in=False),
+    "added to the factors' eigenvalues before the root",
+  )
+  momentum: float = setting(
+    0.0, Number(0, 1), "heavy-ball momentum on the grafted direction (0: none)"
+  )
   nesterov: bool = setting(False, Flag(), "Nesterov momentum")
-  weight_decay: float = setting(0.0, Number(0), "decoupled weight decay "
-                                "(added to the direction)")
+  weight_decay: float = setting(
+    0.0, Number(0), "decoupled weight decay (added to the direction)"
+  )
   max_preconditioner_dim: int = setting(
-      1024, Whole(1), "longest side of a factor: longer sides are cut into "
-      "blocks")
-  precondition_frequency: int = setting(1, Whole(1),
-                                        "steps between root refreshes")
+    1024, Whole(1), "longest side of a factor: longer sides are cut into blocks"
+  )
+  precondition_frequency: int = setting(
+    1, Whole(1), "steps between root refreshes"
+  )
   start_preconditioning_step: int | None = setting(
-      None, Whole(1, null=True), "the step of the first roots (null: "
-      "precondition_frequency); before it the grafting method steps")
+    None,
+    Whole(1, null=True),
+    "the step of the first roots (null: "
+    "precondition_frequency); before it the grafting method steps",
+  )
   exponent_override: int = setting(
-      0, Whole(0), "the root p of each factor, X = F^(-1/p) (0: twice the "
-      "number of factors, 4 for a matrix; 2 on a matrix gives Shampoo²)")
+    0,
+    Whole(0),
+    "the root p of each factor, X = F^(-1/p) (0: twice the "
+    "number of factors, 4 for a matrix; 2 on a matrix gives Shampoo²)",
+  )
   exponent_multiplier: float = setting(
-      1.0, Number(0, low_in=False), "multiplies the roots' exponent")
+    1.0, Number(0, low_in=False), "multiplies the roots' exponent"
+  )
   use_bias_correction: bool = setting(
-      True, Flag(), "divide the averages by 1 - β^t (gradient and factors)")
-  grafting_type: str = setting("adam", OneOf(GRAFTING), "the method whose "
-                               "per-block step length Shampoo takes")
-  grafting_epsilon: float = setting(1e-8, Number(0, low_in=False),
-                                    "the grafting method's epsilon")
-  grafting_beta2: float = setting(0.999, Number(0, 1), "decay of the "
-                                  "grafting method's second moment")
+    True, Flag(), "divide the averages by 1 - β^t (gradient and factors)"
+  )
+  grafting_type: str = setting(
+    "adam",
+    OneOf(GRAFTING),
+    "the method whose per-block step length Shampoo takes",
+  )
+  grafting_epsilon: float = setting(
+    1e-8, Number(0, low_in=False), "the grafting method's epsilon"
+  )
+  grafting_beta2: float = setting(
+    0.999, Number(0, 1), "decay of the grafting method's second moment"
+  )
   matrix_power_method: str = setting(
-      "eigh", OneOf(ROOT_METHODS), "eigendecomposition, or the coupled "
-      "Newton iteration (matrix products only)")
+    "eigh",
+    OneOf(ROOT_METHODS),
+    "eigendecomposition, or the coupled "
+    "Newton iteration (matrix products only)",
+  )
 
   def ignored(self):
     out = {}
     if self.momentum == 0:
       out["nesterov"] = "momentum=0: there is no momentum to look ahead with"
     if self.grafting_type in ("none", "sgd"):
-      out["grafting_epsilon"] = (f"grafting_type={self.grafting_type} keeps "
-                                 "no second moment")
+      out["grafting_epsilon"] = (
+        f"grafting_type={self.grafting_type} keeps no second moment"
+      )
     if self.grafting_type in ("none", "sgd", "adagrad"):
-      out["grafting_beta2"] = (f"grafting_type={self.grafting_type} has no "
-                               "second-moment decay")
+      out["grafting_beta2"] = (
+        f"grafting_type={self.grafting_type} has no second-moment decay"
+      )
     return out
 
   def disagreements(self, prefix):
@@ -184,14 +217,18 @@ class Shampoo(OptimizerSettings):
     key = f"{prefix}." if prefix else ""
     start = self.start_preconditioning_step
     if start is not None and start < self.precondition_frequency:
-      yield (f"{key}start_preconditioning_step={start} is below "
-             f"{key}precondition_frequency={self.precondition_frequency}: "
-             "Distributed Shampoo needs the first roots no earlier than the "
-             "first refresh; raise it or leave it null.")
+      yield (
+        f"{key}start_preconditioning_step={start} is below "
+        f"{key}precondition_frequency={self.precondition_frequency}: "
+        "Distributed Shampoo needs the first roots no earlier than the "
+        "first refresh; raise it or leave it null."
+      )
     if self.matrix_power_method == "newton" and self.exponent_multiplier != 1:
-      yield (f"{key}matrix_power_method=newton computes inverse p-th roots "
-             f"only, not the power of {key}exponent_multiplier="
-             f"{self.exponent_multiplier}: use matrix_power_method=eigh.")
+      yield (
+        f"{key}matrix_power_method=newton computes inverse p-th roots "
+        f"only, not the power of {key}exponent_multiplier="
+        f"{self.exponent_multiplier}: use matrix_power_method=eigh."
+      )
 
   def transformation(self) -> optax.GradientTransformation:
     """The optax transformation of these settings."""
@@ -199,8 +236,9 @@ class Shampoo(OptimizerSettings):
 
   def make(self, loss_fn, curvature=None, mesh=None):
     del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(loss_fn,
-                                 lambda batch, rng: self.transformation())
+    return training.OptaxTrainer(
+      loss_fn, lambda batch, rng: self.transformation()
+    )
 
 
 def shampoo(learning_rate: float, **options) -> optax.GradientTransformation:
@@ -228,14 +266,17 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
 
     diagonal = s.grafting_type in ("adagrad", "rmsprop", "adam")
     return ParameterState(
-        factor(bm), factor(bn) if factors(p.shape) == 2 else None,
-        jnp.zeros_like(p) if diagonal else None,
-        jnp.zeros_like(p) if s.beta1 > 0 else None,
-        jnp.zeros_like(p) if s.momentum > 0 else None)
+      factor(bm),
+      factor(bn) if factors(p.shape) == 2 else None,
+      jnp.zeros_like(p) if diagonal else None,
+      jnp.zeros_like(p) if s.beta1 > 0 else None,
+      jnp.zeros_like(p) if s.momentum > 0 else None,
+    )
 
   def init(params):
-    return ShampooState(jnp.zeros([], jnp.int32),
-                        jax.tree.map(init_one, params))
+    return ShampooState(
+      jnp.zeros([], jnp.int32), jax.tree.map(init_one, params)
+    )
 
   def average(old, new, beta):
     return old + new if beta == 1 else beta * old + (1 - beta) * new
@@ -245,11 +286,13 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
     gb = Blocks(g.shape, s.max_preconditioner_dim).split(g)
     gt = jnp.swapaxes(gb, -1, -2)
     left = state.left._replace(
-        statistics=average(state.left.statistics, gb @ gt, s.beta2))
+      statistics=average(state.left.statistics, gb @ gt, s.beta2)
+    )
     right = state.right
     if right is not None:
       right = right._replace(
-          statistics=average(right.statistics, gt @ gb, s.beta2))
+        statistics=average(right.statistics, gt @ gb, s.beta2)
+      )
     second = state.grafting
     if second is not None:
       decay = 1.0 if s.grafting_type == "adagrad" else s.grafting_beta2
@@ -257,8 +300,9 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
     filtered = state.filtered
     if filtered is not None:
       filtered = s.beta1 * filtered + (1 - s.beta1) * g
-    return state._replace(left=left, right=right, grafting=second,
-                          filtered=filtered)
+    return state._replace(
+      left=left, right=right, grafting=second, filtered=filtered
+    )
 
   def refresh(state, shape, t):
     """New inverse roots of the factors."""
@@ -271,22 +315,24 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
 
     def one(factor, side):
       matrix = factor.statistics / scale + blocks.padding(
-          side, factor.statistics.dtype)
+        side, factor.statistics.dtype
+      )
       eye = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
       if s.matrix_power_method == "newton":
         roots = newton.inverse_root(matrix + s.epsilon * eye, root)
-        new = jnp.where(roots.converged[..., None, None], roots.roots,
-                        factor.root)
+        new = jnp.where(
+          roots.converged[..., None, None], roots.roots, factor.root
+        )
       else:
         values, vectors = safe_psd_eigh(matrix)
         powered = (values + s.epsilon) ** (-s.exponent_multiplier / root)
-        new = (vectors * powered[..., None, :]) @ jnp.swapaxes(vectors, -1,
-                                                               -2)
+        new = (vectors * powered[..., None, :]) @ jnp.swapaxes(vectors, -1, -2)
       return factor._replace(root=new)
 
     return state._replace(
-        left=one(state.left, 0),
-        right=None if state.right is None else one(state.right, 1))
+      left=one(state.left, 0),
+      right=None if state.right is None else one(state.right, 1),
+    )
 
   def direction(g, state, p, t):
     blocks = Blocks(g.shape, s.max_preconditioner_dim)
@@ -295,7 +341,7 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
     if state.filtered is not None:
       avg = state.filtered
       if s.use_bias_correction:
-        avg = avg / (1 - s.beta1 ** t)
+        avg = avg / (1 - s.beta1**t)
     d = state.left.root @ blocks.split(avg)
     if state.right is not None:
       d = d @ state.right.root
@@ -304,11 +350,13 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
       if state.grafting is not None:
         second = state.grafting
         if s.grafting_type == "adam":
-          second = second / (1 - s.grafting_beta2 ** t)
+          second = second / (1 - s.grafting_beta2**t)
         graft = avg / (jnp.sqrt(second) + s.grafting_epsilon)
       norms = jnp.linalg.norm(blocks.split(graft), axis=(-2, -1))
-      d = d * (norms / (jnp.linalg.norm(d, axis=(-2, -1)) + 1e-16))[
-          ..., None, None]
+      d = (
+        d
+        * (norms / (jnp.linalg.norm(d, axis=(-2, -1)) + 1e-16))[..., None, None]
+      )
       d = jnp.where(t < start, graft, blocks.join(d))
     else:
       d = blocks.join(d)
@@ -322,22 +370,33 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
 
   def update(grads, state, params=None):
     if s.weight_decay and params is None:
-      raise ValueError("shampoo with weight_decay needs the parameters: "
-                       "call update(grads, state, params).")
+      raise ValueError(
+        "shampoo with weight_decay needs the parameters: "
+        "call update(grads, state, params)."
+      )
     t = state.count + 1
     leaves, treedef = jax.tree.flatten(grads)
-    states = [accumulate(g, st) for g, st in
-              zip(leaves, treedef.flatten_up_to(state.parameters))]
+    states = [
+      accumulate(g, st)
+      for g, st in zip(leaves, treedef.flatten_up_to(state.parameters))
+    ]
     shapes = [g.shape for g in leaves]
     due = ((t % s.precondition_frequency == 0) & (t > start)) | (t == start)
     states = jax.lax.cond(
-        due, lambda sts: [refresh(st, shape, t)
-                          for st, shape in zip(sts, shapes)],
-        lambda sts: sts, states)
-    ps = (treedef.flatten_up_to(params) if params is not None
-          else [None] * len(leaves))
+      due,
+      lambda sts: [refresh(st, shape, t) for st, shape in zip(sts, shapes)],
+      lambda sts: sts,
+      states,
+    )
+    ps = (
+      treedef.flatten_up_to(params)
+      if params is not None
+      else [None] * len(leaves)
+    )
     out = [direction(g, st, p, t) for g, st, p in zip(leaves, states, ps)]
-    return (treedef.unflatten([u for u, _ in out]),
-            ShampooState(t, treedef.unflatten([st for _, st in out])))
+    return (
+      treedef.unflatten([u for u, _ in out]),
+      ShampooState(t, treedef.unflatten([st for _, st in out])),
+    )
 
   return optax.GradientTransformation(init, update)

@@ -37,11 +37,18 @@ import optax
 from curvbench import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
-from curvbench.optimizers.kronecker import (as_matrix, decay_after_step,
-                                            per_parameter_update,
-                                            eigenbasis, matrix_shape,
-                                            outer_products, power_qr, rotate,
-                                            unit_rms, unrotate)
+from curvbench.optimizers.kronecker import (
+  as_matrix,
+  decay_after_step,
+  per_parameter_update,
+  eigenbasis,
+  matrix_shape,
+  outer_products,
+  power_qr,
+  rotate,
+  unit_rms,
+  unrotate,
+)
 
 BASES = ("qr", "eigh")
 
@@ -67,28 +74,38 @@ class SOAP(OptimizerSettings):
 
   name: str = "soap"
   colour = "magenta"
-  learning_rate: float = setting(3e-3, Number(0, low_in=False),
-                                 "the step size")
+  learning_rate: float = setting(3e-3, Number(0, low_in=False), "the step size")
   b1: float = setting(0.95, Number(0, 1), "decay of Adam's first moment")
   b2: float = setting(0.95, Number(0, 1), "decay of Adam's second moment")
   shampoo_beta: float | None = setting(
-      None, Number(0, 1, null=True), "decay of the factors' averages (null: "
-      "b2)")
-  eps: float = setting(1e-8, Number(0, low_in=False), "added to the root "
-                       "of the second moment")
-  weight_decay: float = setting(0.01, Number(0), "decoupled weight decay, "
-                                "times the learning rate, after the step")
-  precondition_frequency: int = setting(10, Whole(1), "steps between "
-                                        "eigenbasis refreshes")
-  max_precond_dim: int = setting(10000, Whole(1), "longest side given a "
-                                 "factor (longer: the standard basis)")
+    None, Number(0, 1, null=True), "decay of the factors' averages (null: b2)"
+  )
+  eps: float = setting(
+    1e-8, Number(0, low_in=False), "added to the root of the second moment"
+  )
+  weight_decay: float = setting(
+    0.01,
+    Number(0),
+    "decoupled weight decay, times the learning rate, after the step",
+  )
+  precondition_frequency: int = setting(
+    10, Whole(1), "steps between eigenbasis refreshes"
+  )
+  max_precond_dim: int = setting(
+    10000, Whole(1), "longest side given a factor (longer: the standard basis)"
+  )
   precondition_1d: bool = setting(False, Flag(), "give vectors a factor")
-  normalize_grads: bool = setting(False, Flag(), "scale each parameter's "
-                                  "direction to unit RMS")
+  normalize_grads: bool = setting(
+    False, Flag(), "scale each parameter's direction to unit RMS"
+  )
   correct_bias: bool = setting(True, Flag(), "Adam's bias correction")
-  eigenbasis: str = setting("qr", OneOf(BASES), "refresh the bases by one "
-                            "power-iteration step and QR (the paper's), or "
-                            "by an eigendecomposition")
+  eigenbasis: str = setting(
+    "qr",
+    OneOf(BASES),
+    "refresh the bases by one "
+    "power-iteration step and QR (the paper's), or "
+    "by an eigendecomposition",
+  )
 
   def transformation(self) -> optax.GradientTransformation:
     """The optax transformation of these settings."""
@@ -96,8 +113,9 @@ class SOAP(OptimizerSettings):
 
   def make(self, loss_fn, curvature=None, mesh=None):
     del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(loss_fn,
-                                 lambda batch, rng: self.transformation())
+    return training.OptaxTrainer(
+      loss_fn, lambda batch, rng: self.transformation()
+    )
 
 
 def soap(learning_rate: float, **options) -> optax.GradientTransformation:
@@ -114,22 +132,27 @@ def _transformation(s: SOAP) -> optax.GradientTransformation:
   def factored(shape) -> tuple[bool, bool]:
     rows, cols = matrix_shape(shape)
     vector = cols == 1
-    return tuple(1 < d <= s.max_precond_dim and (s.precondition_1d
-                                                  or not vector)
-                 for d in (rows, cols))
+    return tuple(
+      1 < d <= s.max_precond_dim and (s.precondition_1d or not vector)
+      for d in (rows, cols)
+    )
 
   def init_one(p):
     (rows, cols), sides = matrix_shape(p.shape), factored(p.shape)
     square = lambda d, side: jnp.zeros((d, d), p.dtype) if side else None
     eye = lambda d, side: jnp.eye(d, dtype=p.dtype) if side else None
     zeros = jnp.zeros((rows, cols), p.dtype)
-    return ParameterState(square(rows, sides[0]), square(cols, sides[1]),
-                          eye(rows, sides[0]), eye(cols, sides[1]), zeros,
-                          zeros)
+    return ParameterState(
+      square(rows, sides[0]),
+      square(cols, sides[1]),
+      eye(rows, sides[0]),
+      eye(cols, sides[1]),
+      zeros,
+      zeros,
+    )
 
   def init(params):
-    return SoapState(jnp.zeros([], jnp.int32),
-                     jax.tree.map(init_one, params))
+    return SoapState(jnp.zeros([], jnp.int32), jax.tree.map(init_one, params))
 
   def step(g, st, p, count):
     """The update of one parameter and its moments and factors."""
@@ -139,46 +162,60 @@ def _transformation(s: SOAP) -> optax.GradientTransformation:
     rotated = rotate(gm, st.left_basis, st.right_basis)
     mu = s.b1 * st.mu + (1 - s.b1) * rotated
     nu = s.b2 * st.nu + (1 - s.b2) * rotated * rotated
-    direction = unrotate(mu / (jnp.sqrt(nu) + s.eps), st.left_basis,
-                         st.right_basis)
+    direction = unrotate(
+      mu / (jnp.sqrt(nu) + s.eps), st.left_basis, st.right_basis
+    )
     if s.normalize_grads:
       direction = unit_rms(direction)
     size = s.learning_rate
     if s.correct_bias:
-      size = size * jnp.sqrt(1 - s.b2 ** t) / (1 - s.b1 ** t)
-    update = decay_after_step(direction.reshape(g.shape), p, size,
-                              s.learning_rate * s.weight_decay)
+      size = size * jnp.sqrt(1 - s.b2**t) / (1 - s.b1**t)
+    update = decay_after_step(
+      direction.reshape(g.shape), p, size, s.learning_rate * s.weight_decay
+    )
     left, right = outer_products(gm)
-    ema = lambda old, new: None if old is None else (
-        beta * old + (1 - beta) * new)
+    ema = (
+      lambda old, new: None if old is None else (beta * old + (1 - beta) * new)
+    )
     return jnp.where(first, jnp.zeros_like(update), update), st._replace(
-        left=ema(st.left, left), right=ema(st.right, right),
-        mu=jnp.where(first, st.mu, mu), nu=jnp.where(first, st.nu, nu))
+      left=ema(st.left, left),
+      right=ema(st.right, right),
+      mu=jnp.where(first, st.mu, mu),
+      nu=jnp.where(first, st.nu, nu),
+    )
 
   def first_bases(st):
     basis = lambda f: None if f is None else eigenbasis(f)
-    return st._replace(left_basis=basis(st.left),
-                       right_basis=basis(st.right))
+    return st._replace(left_basis=basis(st.left), right_basis=basis(st.right))
 
   def refresh(st):
     """New bases, the moments following them."""
     mu = unrotate(st.mu, st.left_basis, st.right_basis)
     nu, bases = st.nu, []
     for axis, (factor, basis) in enumerate(
-        ((st.left, st.left_basis), (st.right, st.right_basis))):
+      ((st.left, st.left_basis), (st.right, st.right_basis))
+    ):
       if factor is not None:
         if s.eigenbasis == "eigh":
           basis = eigenbasis(factor)
         else:
-          order = jnp.argsort(-jnp.diagonal(basis.T @ factor @ basis),
-                              stable=True)
+          order = jnp.argsort(
+            -jnp.diagonal(basis.T @ factor @ basis), stable=True
+          )
           nu = jnp.take(nu, order, axis=axis)
           basis = power_qr(factor, basis[:, order])
       bases.append(basis)
-    return st._replace(left_basis=bases[0], right_basis=bases[1],
-                       mu=rotate(mu, *bases), nu=nu)
+    return st._replace(
+      left_basis=bases[0], right_basis=bases[1], mu=rotate(mu, *bases), nu=nu
+    )
 
   update = per_parameter_update(
-      "soap", s.weight_decay, s.precondition_frequency, step,
-      first_bases, refresh, SoapState)
+    "soap",
+    s.weight_decay,
+    s.precondition_frequency,
+    step,
+    first_bases,
+    refresh,
+    SoapState,
+  )
   return optax.GradientTransformation(init, update)

@@ -39,6 +39,7 @@ import numpy as np
 
 from estimators import tags
 from estimators import utils
+
 # Numeric: weights, scales, EMA factors. ScalarOrSequence: what `init` and
 # `update_cache` accept for powers (None, one or several).
 from estimators.utils.types import Array, Numeric, ScalarOrSequence
@@ -46,7 +47,7 @@ from estimators.utils.types import Array, Numeric, ScalarOrSequence
 # A vector of a block: one array per parameter, shaped like it.
 BlockVector = tuple[jax.Array, ...]
 
-_MAX_PARALLEL_ELEMENTS = 2 ** 23
+_MAX_PARALLEL_ELEMENTS = 2**23
 _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
 
 
@@ -63,8 +64,9 @@ def set_max_parallel_elements(value: int) -> None:
   """
   global _MAX_PARALLEL_ELEMENTS
   if not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError("max parallel elements must be a positive int, got "
-                     f"{value!r}.")
+    raise ValueError(
+      f"max parallel elements must be a positive int, got {value!r}."
+    )
   _MAX_PARALLEL_ELEMENTS = int(value)
 
 
@@ -84,8 +86,10 @@ def set_default_eigen_decomposition_threshold(value: int) -> None:
   """
   global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
   if not isinstance(value, numbers.Integral) or value < 0:
-    raise ValueError("the eigen decomposition threshold must be a non-negative "
-                     f"int, got {value!r}.")
+    raise ValueError(
+      "the eigen decomposition threshold must be a non-negative "
+      f"int, got {value!r}."
+    )
   _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = int(value)
 
 
@@ -97,17 +101,21 @@ def get_default_eigen_decomposition_threshold() -> int:
 def canonical_power(power: float) -> int | float:
   """A static matrix power as an int when integral, else a float."""
   if utils.is_tracer(power):
-    raise ValueError("Matrix powers must be Python numbers known at trace time "
-                     "(they select cache entries and code paths); got a traced "
-                     "value.")
+    raise ValueError(
+      "Matrix powers must be Python numbers known at trace time "
+      "(they select cache entries and code paths); got a traced "
+      "value."
+    )
   try:
     value = float(power)
   except (TypeError, ValueError):
-    raise ValueError(f"A matrix power must be a real number, got {power!r}.") \
-        from None
+    raise ValueError(
+      f"A matrix power must be a real number, got {power!r}."
+    ) from None
   if isinstance(power, bool) or not math.isfinite(value):
-    raise ValueError("A matrix power must be a finite real number, got "
-                     f"{power!r}.")
+    raise ValueError(
+      f"A matrix power must be a finite real number, got {power!r}."
+    )
   return int(value) if value.is_integer() else value
 
 
@@ -127,12 +135,13 @@ def cache_key(power: float, exact: bool) -> str:
   return f"{'exact' if exact else 'approx'}_pow_{canonical_power(power)}"
 
 
-def power_cache_keys(exact_powers: Sequence[float],
-                     approx_powers: Sequence[float]
-                     ) -> list[tuple[str, Any]]:
+def power_cache_keys(
+  exact_powers: Sequence[float], approx_powers: Sequence[float]
+) -> list[tuple[str, Any]]:
   """(cache key, power) for each exact and approximate power."""
-  return ([(cache_key(p, exact=True), p) for p in exact_powers]
-          + [(cache_key(p, exact=False), p) for p in approx_powers])
+  return [(cache_key(p, exact=True), p) for p in exact_powers] + [
+    (cache_key(p, exact=False), p) for p in approx_powers
+  ]
 
 
 def _concrete_float(value):
@@ -163,6 +172,7 @@ class CurvatureBlock(abc.ABC):
         only `update_cache` refreshes, so they may be older than the
         statistics. The key set is fixed by `init`.
     """
+
     cache: dict[str, Any]
 
   # Estimation data keys a family reads (checked before `_batch_statistics`).
@@ -184,8 +194,9 @@ class CurvatureBlock(abc.ABC):
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
-    if ("update_curvature_matrix_estimate" in vars(cls)
-        and "estimation_data_has_sample_axis" not in vars(cls)):
+    if "update_curvature_matrix_estimate" in vars(
+      cls
+    ) and "estimation_data_has_sample_axis" not in vars(cls):
       cls.estimation_data_has_sample_axis = False
 
   def __init__(self, layer_tag_eq: Any, name: str):
@@ -201,13 +212,19 @@ class CurvatureBlock(abc.ABC):
     """
     if not tags.is_layer_tag_eqn(layer_tag_eq):
       primitive = getattr(layer_tag_eq, "primitive", None)
-      raise TypeError(f"{type(self).__name__} needs a layer tag equation, got "
-                      f"one with primitive {primitive}.")
-    if (self._TAG_PRIMITIVES is not None
-        and layer_tag_eq.primitive not in self._TAG_PRIMITIVES):
+      raise TypeError(
+        f"{type(self).__name__} needs a layer tag equation, got "
+        f"one with primitive {primitive}."
+      )
+    if (
+      self._TAG_PRIMITIVES is not None
+      and layer_tag_eq.primitive not in self._TAG_PRIMITIVES
+    ):
       wanted = ", ".join(p.name for p in self._TAG_PRIMITIVES)
-      raise ValueError(f"{type(self).__name__} handles {wanted} equations, not "
-                       f"{layer_tag_eq.primitive.name} (block {name!r}).")
+      raise ValueError(
+        f"{type(self).__name__} handles {wanted} equations, not "
+        f"{layer_tag_eq.primitive.name} (block {name!r})."
+      )
     self._layer_tag_eq = layer_tag_eq
     self._name = name
     self._parameter_positions = None
@@ -282,8 +299,9 @@ class CurvatureBlock(abc.ABC):
     """
     if self._parameter_positions is None:
       return tuple(range(self.number_of_parameters))
-    return tuple(int(i) for i in np.argsort(self._parameter_positions,
-                                            kind="stable"))
+    return tuple(
+      int(i) for i in np.argsort(self._parameter_positions, kind="stable")
+    )
 
   def set_parameter_positions(self, positions: Sequence[int]) -> None:
     """Records where the tag's parameters sit among the model's leaves.
@@ -296,11 +314,13 @@ class CurvatureBlock(abc.ABC):
       ValueError: unless there is one distinct position per parameter.
     """
     positions = tuple(int(i) for i in positions)
-    if (len(positions) != self.number_of_parameters
-        or len(set(positions)) != len(positions)):
+    if len(positions) != self.number_of_parameters or len(
+      set(positions)
+    ) != len(positions):
       raise ValueError(
-          f"Block {self._name!r}: expected {self.number_of_parameters} "
-          f"distinct parameter positions, got {positions}.")
+        f"Block {self._name!r}: expected {self.number_of_parameters} "
+        f"distinct parameter positions, got {positions}."
+      )
     self._parameter_positions = positions
 
   @property
@@ -358,9 +378,13 @@ class CurvatureBlock(abc.ABC):
 
   # --- state --------------------------------------------------------------
 
-  def init(self, rng: Array, exact_powers_to_cache: ScalarOrSequence,
-           approx_powers_to_cache: ScalarOrSequence,
-           cache_eigenvalues: bool) -> "CurvatureBlock.State":
+  def init(
+    self,
+    rng: Array,
+    exact_powers_to_cache: ScalarOrSequence,
+    approx_powers_to_cache: ScalarOrSequence,
+    cache_eigenvalues: bool,
+  ) -> "CurvatureBlock.State":
     """Zero statistics and a cache with one entry per requested power.
 
     The cache's keys are fixed here, so later states have the same pytree
@@ -385,22 +409,33 @@ class CurvatureBlock(abc.ABC):
     for power in exact + approx:
       self._check_power(power, identity_weight=None)
     cache_eigenvalues = bool(cache_eigenvalues)
-    state = self._init(rng, exact, approx,
-                       cache_eigenvalues=cache_eigenvalues)
+    state = self._init(rng, exact, approx, cache_eigenvalues=cache_eigenvalues)
     # The entries' shapes are those `_update_cache` produces.
     shapes = jax.eval_shape(
-        lambda s: self._update_cache(
-            s, identity_weight=1.0, exact_powers=exact, approx_powers=approx,
-            eigenvalues=cache_eigenvalues, state_scale=1.0), state)
-    entries = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                     shapes)
+      lambda s: self._update_cache(
+        s,
+        identity_weight=1.0,
+        exact_powers=exact,
+        approx_powers=approx,
+        eigenvalues=cache_eigenvalues,
+        state_scale=1.0,
+      ),
+      state,
+    )
+    entries = jax.tree_util.tree_map(
+      lambda s: jnp.zeros(s.shape, s.dtype), shapes
+    )
     return dataclasses.replace(state, cache={**state.cache, **entries})
 
   def update_curvature_matrix_estimate(
-      self, state: "CurvatureBlock.State",
-      estimation_data: Mapping[str, Sequence[Array]], ema_old: Numeric,
-      ema_new: Numeric, batch_size: Numeric,
-      pmap_axis_name: str | None) -> "CurvatureBlock.State":
+    self,
+    state: "CurvatureBlock.State",
+    estimation_data: Mapping[str, Sequence[Array]],
+    ema_old: Numeric,
+    ema_new: Numeric,
+    batch_size: Numeric,
+    pmap_axis_name: str | None,
+  ) -> "CurvatureBlock.State":
     """Folds this batch's statistics into the moving averages.
 
     Each average becomes `(ema_old * w * old + ema_new * new) / (ema_old * w
@@ -432,10 +467,14 @@ class CurvatureBlock(abc.ABC):
       stats = jax.lax.pmean(stats, pmap_axis_name)
     return self._fold_statistics(state, stats, ema_old, ema_new)
 
-  def update_cache(self, state: "CurvatureBlock.State",
-                   identity_weight: Numeric, exact_powers: ScalarOrSequence,
-                   approx_powers: ScalarOrSequence,
-                   eigenvalues: bool) -> "CurvatureBlock.State":
+  def update_cache(
+    self,
+    state: "CurvatureBlock.State",
+    identity_weight: Numeric,
+    exact_powers: ScalarOrSequence,
+    approx_powers: ScalarOrSequence,
+    eigenvalues: bool,
+  ) -> "CurvatureBlock.State":
     """Recomputes the named cache entries from the current estimate.
 
     Args:
@@ -465,22 +504,33 @@ class CurvatureBlock(abc.ABC):
       self._check_cached(state, power, exact=False)
       self._check_power(power, identity_weight)
     if eigenvalues and "eigenvalues" not in state.cache:
-      raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
-                       "cache_eigenvalues=True to init to cache them.")
+      raise ValueError(
+        f"Block {self.name!r} does not cache eigenvalues; pass "
+        "cache_eigenvalues=True to init to cache them."
+      )
     if not (exact or approx or eigenvalues):
       return state
     updates = self._update_cache(
-        state, identity_weight / self.fixed_scale(), exact, approx,
-        eigenvalues=bool(eigenvalues),
-        state_scale=self.state_dependent_scale(state))
+      state,
+      identity_weight / self.fixed_scale(),
+      exact,
+      approx,
+      eigenvalues=bool(eigenvalues),
+      state_scale=self.state_dependent_scale(state),
+    )
     return dataclasses.replace(state, cache={**state.cache, **updates})
 
   # --- products -------------------------------------------------------------
 
-  def multiply_matpower(self, state: "CurvatureBlock.State",
-                        vector: Sequence[Array], identity_weight: Numeric,
-                        power: float, exact_power: bool,
-                        use_cached: bool) -> BlockVector:
+  def multiply_matpower(
+    self,
+    state: "CurvatureBlock.State",
+    vector: Sequence[Array],
+    identity_weight: Numeric,
+    power: float,
+    exact_power: bool,
+    use_cached: bool,
+  ) -> BlockVector:
     """`(block + identity_weight I) ** power @ vector`.
 
     Args:
@@ -514,25 +564,50 @@ class CurvatureBlock(abc.ABC):
       self._check_power(power, identity_weight)
       identity_weight = identity_weight / scale
     result = self._multiply_matpower_unscaled(
-        state, vector, identity_weight, power, exact_power=bool(exact_power),
-        use_cached=bool(use_cached))
+      state,
+      vector,
+      identity_weight,
+      power,
+      exact_power=bool(exact_power),
+      use_cached=bool(use_cached),
+    )
     return utils.scalar_mul(result, self._scale_power(scale, power))
 
-  def multiply(self, state: "CurvatureBlock.State", vector: Sequence[Array],
-               identity_weight: Numeric, exact_power: bool,
-               use_cached: bool) -> BlockVector:
+  def multiply(
+    self,
+    state: "CurvatureBlock.State",
+    vector: Sequence[Array],
+    identity_weight: Numeric,
+    exact_power: bool,
+    use_cached: bool,
+  ) -> BlockVector:
     """`(block + identity_weight I) @ vector`; see `multiply_matpower`."""
-    return self.multiply_matpower(state, vector, identity_weight, 1,
-                                  exact_power=exact_power,
-                                  use_cached=use_cached)
+    return self.multiply_matpower(
+      state,
+      vector,
+      identity_weight,
+      1,
+      exact_power=exact_power,
+      use_cached=use_cached,
+    )
 
-  def multiply_inverse(self, state: "CurvatureBlock.State",
-                       vector: Sequence[Array], identity_weight: Numeric,
-                       exact_power: bool, use_cached: bool) -> BlockVector:
+  def multiply_inverse(
+    self,
+    state: "CurvatureBlock.State",
+    vector: Sequence[Array],
+    identity_weight: Numeric,
+    exact_power: bool,
+    use_cached: bool,
+  ) -> BlockVector:
     """`(block + identity_weight I) ** -1 @ vector`; see `multiply_matpower`."""
-    return self.multiply_matpower(state, vector, identity_weight, -1,
-                                  exact_power=exact_power,
-                                  use_cached=use_cached)
+    return self.multiply_matpower(
+      state,
+      vector,
+      identity_weight,
+      -1,
+      exact_power=exact_power,
+      use_cached=use_cached,
+    )
 
   def outer_sum_is_cheaper(self) -> bool:
     """Whether to precondition the layer's gradient from its rows.
@@ -545,8 +620,9 @@ class CurvatureBlock(abc.ABC):
     """
     return False
 
-  def eigenvalues(self, state: "CurvatureBlock.State",
-                  use_cached: bool) -> Array:
+  def eigenvalues(
+    self, state: "CurvatureBlock.State", use_cached: bool
+  ) -> Array:
     """Eigenvalues of the undamped, scaled block.
 
     Args:
@@ -563,8 +639,10 @@ class CurvatureBlock(abc.ABC):
     """
     if use_cached:
       if "eigenvalues" not in state.cache:
-        raise ValueError(f"Block {self.name!r} does not cache eigenvalues; pass "
-                         "cache_eigenvalues=True to init, or use_cached=False.")
+        raise ValueError(
+          f"Block {self.name!r} does not cache eigenvalues; pass "
+          "cache_eigenvalues=True to init, or use_cached=False."
+        )
       values = state.cache["eigenvalues"]
     else:
       values = self._eigenvalues_unscaled(state)
@@ -584,8 +662,9 @@ class CurvatureBlock(abc.ABC):
 
     def column(e):
       v = utils.unflatten_vector(e, self.parameters_shapes)
-      return utils.flatten_arrays(self.multiply(
-          state, v, 0.0, exact_power=True, use_cached=False))
+      return utils.flatten_arrays(
+        self.multiply(state, v, 0.0, exact_power=True, use_cached=False)
+      )
 
     return jax.vmap(column, out_axes=1)(eye)
 
@@ -601,9 +680,10 @@ class CurvatureBlock(abc.ABC):
     if key not in state.cache:
       kind = "exact" if exact else "approx"
       raise ValueError(
-          f"Block {self.name!r} has no cached {kind} power {power} (cache key "
-          f"{key!r}); pass it in {kind}_powers_to_cache to init, or use "
-          "use_cached=False.")
+        f"Block {self.name!r} has no cached {kind} power {power} (cache key "
+        f"{key!r}); pass it in {kind}_powers_to_cache to init, or use "
+        "use_cached=False."
+      )
 
   def _check_power(self, power, identity_weight):
     """Rejects powers whose result would be NaN/inf for a reason known now."""
@@ -612,57 +692,70 @@ class CurvatureBlock(abc.ABC):
       return
     if power < 0 and weight == 0 and self._MAY_BE_SINGULAR:
       raise ValueError(
-          f"Block {self.name!r}: power {power} of an undamped "
-          f"{type(self).__name__} block; estimates from a batch are usually "
-          "singular, so this would give inf/NaN. Pass a positive "
-          "identity_weight (damping).")
+        f"Block {self.name!r}: power {power} of an undamped "
+        f"{type(self).__name__} block; estimates from a batch are usually "
+        "singular, so this would give inf/NaN. Pass a positive "
+        "identity_weight (damping)."
+      )
     if weight < 0 and not float(power).is_integer():
       raise ValueError(
-          f"Block {self.name!r}: the non-integer power {power} needs a PSD "
-          f"matrix, but identity_weight={weight} is negative.")
+        f"Block {self.name!r}: the non-integer power {power} needs a PSD "
+        f"matrix, but identity_weight={weight} is negative."
+      )
 
   def _check_vector(self, vector) -> tuple[jax.Array, ...]:
     if not isinstance(vector, (tuple, list)):
-      raise TypeError(f"Block {self.name!r}: vectors are tuples of arrays shaped "
-                      f"like the parameters {self.parameters_shapes}, got "
-                      f"{type(vector).__name__}.")
+      raise TypeError(
+        f"Block {self.name!r}: vectors are tuples of arrays shaped "
+        f"like the parameters {self.parameters_shapes}, got "
+        f"{type(vector).__name__}."
+      )
     shapes = tuple(tuple(jnp.shape(v)) for v in vector)
     if shapes != self.parameters_shapes:
-      raise ValueError(f"Block {self.name!r}: vector shapes {shapes} do not match "
-                       f"the parameter shapes {self.parameters_shapes}.")
+      raise ValueError(
+        f"Block {self.name!r}: vector shapes {shapes} do not match "
+        f"the parameter shapes {self.parameters_shapes}."
+      )
     return tuple(jnp.asarray(v) for v in vector)
 
   def _check_estimation_data(self, data, batch_size) -> None:
     missing = [k for k in self._REQUIRED_DATA if not data.get(k)]
     if missing:
       raise ValueError(
-          f"{type(self).__name__} block {self.name!r} needs {missing} in the "
-          "estimation data; this block type cannot be used for tags (such as "
-          "generic_tag) that do not provide them.")
+        f"{type(self).__name__} block {self.name!r} needs {missing} in the "
+        "estimation data; this block type cannot be used for tags (such as "
+        "generic_tag) that do not provide them."
+      )
     b = _concrete_float(batch_size)
-    expected = {"inputs": self.inputs_shapes, "outputs": self.outputs_shapes,
-                "outputs_tangent": self.outputs_shapes,
-                "params": self.parameters_shapes,
-                "params_tangent": self.parameters_shapes}
+    expected = {
+      "inputs": self.inputs_shapes,
+      "outputs": self.outputs_shapes,
+      "outputs_tangent": self.outputs_shapes,
+      "params": self.parameters_shapes,
+      "params_tangent": self.parameters_shapes,
+    }
     for key, shapes in expected.items():
       values = data.get(key) or ()
       if values and len(values) != len(shapes):
-        raise ValueError(f"Block {self.name!r}: estimation_data[{key!r}] has "
-                         f"{len(values)} arrays, the tag has {len(shapes)}.")
+        raise ValueError(
+          f"Block {self.name!r}: estimation_data[{key!r}] has "
+          f"{len(values)} arrays, the tag has {len(shapes)}."
+        )
       batched = int(key in ("inputs", "outputs", "outputs_tangent"))
       for value, shape in zip(values, shapes):
         # Tangents carry a leading sample axis; batched arrays may have any
         # batch size but must agree with `batch_size` when it is known.
-        got = tuple(jnp.shape(value))[1 if key.endswith("_tangent") else 0:]
+        got = tuple(jnp.shape(value))[1 if key.endswith("_tangent") else 0 :]
         ok = len(got) == len(shape) and got[batched:] == tuple(shape)[batched:]
         if ok and batched and b is not None:
           ok = got[0] == b
         if not ok:
           lead = "(S, " if key.endswith("_tangent") else "("
           raise ValueError(
-              f"Block {self.name!r}: estimation_data[{key!r}] has an array of "
-              f"shape {jnp.shape(value)}; expected {lead}*{shape}) with batch "
-              f"size {batch_size}.")
+            f"Block {self.name!r}: estimation_data[{key!r}] has an array of "
+            f"shape {jnp.shape(value)}; expected {lead}*{shape}) with batch "
+            f"size {batch_size}."
+          )
 
   # --- hooks ------------------------------------------------------------------
 
@@ -677,16 +770,18 @@ class CurvatureBlock(abc.ABC):
     (as the reference's guide does) never calls it.
     """
     raise NotImplementedError(
-        f"{type(self).__name__} must implement _batch_statistics, or "
-        "override update_curvature_matrix_estimate.")
+      f"{type(self).__name__} must implement _batch_statistics, or "
+      "override update_curvature_matrix_estimate."
+    )
 
   @abc.abstractmethod
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     """The state with `stats` folded into its moving averages."""
 
   @abc.abstractmethod
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     """`(M + identity_weight I) ** power @ vector` or its cached version."""
 
   @abc.abstractmethod
@@ -694,6 +789,13 @@ class CurvatureBlock(abc.ABC):
     """Eigenvalues of `M`."""
 
   @abc.abstractmethod
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale) -> dict[str, Any]:
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ) -> dict[str, Any]:
     """New cache entries for `state_scale * M + identity_weight I`."""

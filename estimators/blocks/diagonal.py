@@ -30,29 +30,41 @@ class Diagonal(base.CurvatureBlock):
       diagonal_factors: one WeightedMovingAverage per parameter, shaped like
         it, holding the estimated diagonal.
     """
+
     diagonal_factors: tuple[utils.WeightedMovingAverage, ...]
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
-    return Diagonal.State(cache={}, diagonal_factors=tuple(
+    return Diagonal.State(
+      cache={},
+      diagonal_factors=tuple(
         utils.WeightedMovingAverage.zeros(s, self.parameters_dtype)
-        for s in self.parameters_shapes))
+        for s in self.parameters_shapes
+      ),
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
     grads = self._per_example_gradients(estimation_data)
     return tuple(jnp.sum(g * g, axis=0) / batch_size for g in grads)
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
-    return dataclasses.replace(state, diagonal_factors=tuple(
+    return dataclasses.replace(
+      state,
+      diagonal_factors=tuple(
         f.update(s, ema_old, ema_new)
-        for f, s in zip(state.diagonal_factors, stats)))
+        for f, s in zip(state.diagonal_factors, stats)
+      ),
+    )
 
   def _powers(self, state, identity_weight, power, scale=1):
-    return tuple(jnp.power(scale * f.value + identity_weight, power)
-                 for f in state.diagonal_factors)
+    return tuple(
+      jnp.power(scale * f.value + identity_weight, power)
+      for f in state.diagonal_factors
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     if use_cached:
       factors = state.cache[base.cache_key(power, exact=exact_power)]
     else:
@@ -62,10 +74,19 @@ class Diagonal(base.CurvatureBlock):
   def _eigenvalues_unscaled(self, state):
     return utils.flatten_arrays([f.value for f in state.diagonal_factors])
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
-    updates = {key: self._powers(state, identity_weight, p, state_scale)
-               for key, p in base.power_cache_keys(exact_powers, approx_powers)}
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
+    updates = {
+      key: self._powers(state, identity_weight, p, state_scale)
+      for key, p in base.power_cache_keys(exact_powers, approx_powers)
+    }
     if eigenvalues:
       updates["eigenvalues"] = state_scale * self._eigenvalues_unscaled(state)
     return updates
@@ -83,8 +104,10 @@ class NaiveDiagonal(Diagonal):
   _REQUIRED_DATA = ("params_tangent",)
 
   def _batch_statistics(self, estimation_data, batch_size):
-    return tuple(jnp.sum(p * p, axis=0) / batch_size
-                 for p in estimation_data["params_tangent"])
+    return tuple(
+      jnp.sum(p * p, axis=0) / batch_size
+      for p in estimation_data["params_tangent"]
+    )
 
 
 class DenseDiagonal(layers.DenseMixin, Diagonal):
@@ -97,8 +120,9 @@ class DenseDiagonal(layers.DenseMixin, Diagonal):
     dy2 = jnp.sum(dy * dy, axis=0)  # samples add up: sum_s dy_si^2
     stats = [self.weight_from_matrix((x * x).T @ dy2 / batch_size)]
     if self.has_bias:
-      stats.append(jnp.sum(dy2, axis=0).reshape(self.parameters_shapes[1])
-                   / batch_size)
+      stats.append(
+        jnp.sum(dy2, axis=0).reshape(self.parameters_shapes[1]) / batch_size
+      )
     return tuple(stats)
 
 

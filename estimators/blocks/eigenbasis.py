@@ -33,16 +33,19 @@ from estimators.blocks import base
 from estimators.blocks import kronecker
 
 
-def restarted_scalings(scalings: utils.WeightedMovingAverage
-                       ) -> utils.WeightedMovingAverage:
+def restarted_scalings(
+  scalings: utils.WeightedMovingAverage,
+) -> utils.WeightedMovingAverage:
   """The scalings' average restarted for a new basis: its value kept as the
   starting point, its weight zeroed."""
-  return utils.WeightedMovingAverage(weight=jnp.zeros_like(scalings.weight),
-                                     raw_value=scalings.value)
+  return utils.WeightedMovingAverage(
+    weight=jnp.zeros_like(scalings.weight), raw_value=scalings.value
+  )
 
 
-def damped_scalings(block, state, identity_weight, power, exact_power: bool,
-                    use_cached: bool) -> jax.Array:
+def damped_scalings(
+  block, state, identity_weight, power, exact_power: bool, use_cached: bool
+) -> jax.Array:
   """`(scalings + damping) ** power`, the eigenvalues of the damped power in
   the block's eigenbasis (exact and approximate powers alike: the damping
   adds to the scalings); with `use_cached`, the damping and the state
@@ -94,6 +97,7 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       outputs_basis: the same for `G`, `(output_size, output_size)`.
       scalings: a WeightedMovingAverage of `s`, `(input_size, output_size)`.
     """
+
     inputs_basis: jax.Array
     outputs_basis: jax.Array
     scalings: utils.WeightedMovingAverage
@@ -117,18 +121,19 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     return False
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
-    factors = super()._init(rng, exact_powers, approx_powers,
-                            cache_eigenvalues)
+    factors = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
     dtype = self.parameters_dtype
     i, o = self.input_size(), self.output_size()
     # Before any data the factors are zero, and the identity is a basis of
     # eigenvectors; the first update replaces it.
     return EKFAC.State(
-        cache={}, inputs_factor=factors.inputs_factor,
-        outputs_factor=factors.outputs_factor,
-        inputs_basis=jnp.eye(i, dtype=dtype),
-        outputs_basis=jnp.eye(o, dtype=dtype),
-        scalings=utils.WeightedMovingAverage.zeros((i, o), dtype))
+      cache={},
+      inputs_factor=factors.inputs_factor,
+      outputs_factor=factors.outputs_factor,
+      inputs_basis=jnp.eye(i, dtype=dtype),
+      outputs_basis=jnp.eye(o, dtype=dtype),
+      scalings=utils.WeightedMovingAverage.zeros((i, o), dtype),
+    )
 
   def _factor_bases(self, state):
     """Eigenvectors of the current factors, `(U_A, U_G)`."""
@@ -144,11 +149,14 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     return jnp.square(px).T @ summed / (batch_size * rows_per_example)
 
   def update_curvature_matrix_estimate(
-      self, state: "EKFAC.State",
-      estimation_data: Mapping[str, Sequence[jax.Array]],
-      ema_old: base.Numeric, ema_new: base.Numeric,
-      batch_size: base.Numeric,
-      pmap_axis_name: str | None) -> "EKFAC.State":
+    self,
+    state: "EKFAC.State",
+    estimation_data: Mapping[str, Sequence[jax.Array]],
+    ema_old: base.Numeric,
+    ema_new: base.Numeric,
+    batch_size: base.Numeric,
+    pmap_axis_name: str | None,
+  ) -> "EKFAC.State":
     """Folds this batch into the factors and the scalings.
 
     The factors are folded as K-FAC folds them. If the block had seen no
@@ -175,11 +183,15 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     """
     fresh = state.inputs_factor.weight == 0
     state = super().update_curvature_matrix_estimate(
-        state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name)
+      state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    )
     # Only the taken branch runs, so later updates cost no eigensolve.
     u_a, u_g = jax.lax.cond(
-        fresh, self._factor_bases,
-        lambda s: (s.inputs_basis, s.outputs_basis), state)
+      fresh,
+      self._factor_bases,
+      lambda s: (s.inputs_basis, s.outputs_basis),
+      state,
+    )
     scalings = self._batch_scalings(estimation_data, batch_size, u_a, u_g)
     if pmap_axis_name is not None:
       scalings = jax.lax.pmean(scalings, pmap_axis_name)
@@ -188,13 +200,20 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     # must not enter the new average.
     ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
-        state, inputs_basis=u_a, outputs_basis=u_g,
-        scalings=old.update(scalings, ema_old, ema_new))
+      state,
+      inputs_basis=u_a,
+      outputs_basis=u_g,
+      scalings=old.update(scalings, ema_old, ema_new),
+    )
 
-  def update_cache(self, state: "EKFAC.State", identity_weight: base.Numeric,
-                   exact_powers: base.ScalarOrSequence,
-                   approx_powers: base.ScalarOrSequence,
-                   eigenvalues: bool) -> "EKFAC.State":
+  def update_cache(
+    self,
+    state: "EKFAC.State",
+    identity_weight: base.Numeric,
+    exact_powers: base.ScalarOrSequence,
+    approx_powers: base.ScalarOrSequence,
+    eigenvalues: bool,
+  ) -> "EKFAC.State":
     """Recomputes the basis, restarts the scalings, refreshes the entries.
 
     The basis becomes the eigenvectors of the current factors, even when no
@@ -218,28 +237,44 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       ValueError: as `CurvatureBlock.update_cache`.
     """
     u_a, u_g = self._factor_bases(state)
-    state = dataclasses.replace(state, inputs_basis=u_a, outputs_basis=u_g,
-                                scalings=restarted_scalings(state.scalings))
-    return super().update_cache(state, identity_weight, exact_powers,
-                                approx_powers, eigenvalues)
+    state = dataclasses.replace(
+      state,
+      inputs_basis=u_a,
+      outputs_basis=u_g,
+      scalings=restarted_scalings(state.scalings),
+    )
+    return super().update_cache(
+      state, identity_weight, exact_powers, approx_powers, eigenvalues
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
-    grid = damped_scalings(self, state, identity_weight, power, exact_power,
-                           use_cached)
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
+    grid = damped_scalings(
+      self, state, identity_weight, power, exact_power, use_cached
+    )
     result = utils.kronecker_eigen_multiply(
-        state.inputs_basis, state.outputs_basis, grid, self._to_matrix(vector))
+      state.inputs_basis, state.outputs_basis, grid, self._to_matrix(vector)
+    )
     return self._from_matrix(result)
 
   def _eigenvalues_unscaled(self, state):
     return state.scalings.value.reshape(-1)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     dtype = self.parameters_dtype
-    updates = {key: jnp.asarray(identity_weight, dtype)
-               for key, _ in base.power_cache_keys(exact_powers,
-                                                   approx_powers)}
+    updates = {
+      key: jnp.asarray(identity_weight, dtype)
+      for key, _ in base.power_cache_keys(exact_powers, approx_powers)
+    }
     if eigenvalues:
       updates["eigenvalues"] = state_scale * state.scalings.value.reshape(-1)
     return updates
@@ -261,8 +296,11 @@ class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):
     return x @ inputs_basis, dy_rows @ outputs_basis, self.num_repeats
 
   def multiply_inverse_outer_sum(
-      self, state: EKFAC.State, inputs: Sequence[jax.Array],
-      outputs_cotangent: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    self,
+    state: EKFAC.State,
+    inputs: Sequence[jax.Array],
+    outputs_cotangent: Sequence[jax.Array],
+  ) -> tuple[jax.Array, ...]:
     """The cached inverse times the gradient `X̃ᵀ dY`, assembled first.
 
     Unlike K-FAC's, EKFAC's inverse does not factor over the rows, so this
@@ -283,8 +321,9 @@ class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):
     """
     x, dy = self._rows(inputs, outputs_cotangent)
     gradient = self._from_matrix(x.T @ dy)
-    return self.multiply_inverse(state, gradient, 0.0, exact_power=False,
-                                 use_cached=True)
+    return self.multiply_inverse(
+      state, gradient, 0.0, exact_power=False, use_cached=True
+    )
 
 
 class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
@@ -316,8 +355,9 @@ class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
     """
     if scalings not in self.SCALINGS:
       raise ValueError(
-          f"Conv2DEKFAC(scalings={scalings!r}) for block {name!r}: choose "
-          f"one of {', '.join(map(repr, self.SCALINGS))}.")
+        f"Conv2DEKFAC(scalings={scalings!r}) for block {name!r}: choose "
+        f"one of {', '.join(map(repr, self.SCALINGS))}."
+      )
     self._scalings = scalings
     super().__init__(layer_tag_eq, name)
 
@@ -340,8 +380,9 @@ class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
     # over locations of the projected rows' outer products: one (i, o)
     # matrix per sample and example, never a dense (P, P) one.
     projected = jnp.einsum("nli,snlo->snio", px, pg)
-    return (jnp.sum(jnp.square(projected), axis=(0, 1))
-            / (batch_size * locations))
+    return jnp.sum(jnp.square(projected), axis=(0, 1)) / (
+      batch_size * locations
+    )
 
   def _projected_rows(self, estimation_data, inputs_basis, outputs_basis):
     (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
@@ -351,8 +392,7 @@ class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
     # keep the locations those of the tangents.
     axes = self._kernel_axes()
     spatial = tuple(self.parameters_shapes[0][a] for a in axes[:2])
-    kernel = inputs_basis[:k].reshape(
-        spatial + (self.num_inputs_channels, -1))
+    kernel = inputs_basis[:k].reshape(spatial + (self.num_inputs_channels, -1))
     kernel = jnp.transpose(kernel, tuple(axes.index(a) for a in range(4)))
     channel = self.outputs_channel_index
     px = jnp.moveaxis(self._conv(x, kernel), channel, -1)

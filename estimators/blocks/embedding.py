@@ -52,9 +52,11 @@ class EmbeddingMixin:
   def _check_layer(self):
     (w,), (ids,) = self.parameters_shapes, self.inputs_shapes
     if len(w) != 2 or not ids:
-      raise ValueError(f"Block {self.name!r}: an embedding tag needs ids "
-                       f"(batch, ...) and a (vocab, d_out) table, got ids "
-                       f"{ids} and table {w}.")
+      raise ValueError(
+        f"Block {self.name!r}: an embedding tag needs ids "
+        f"(batch, ...) and a (vocab, d_out) table, got ids "
+        f"{ids} and table {w}."
+      )
 
   @property
   def vocab_size(self) -> int:
@@ -84,17 +86,26 @@ class EmbeddingMixin:
     # new segment starts wherever the token changes.
     order = jnp.argsort(ids, axis=1)
     sorted_ids = jnp.take_along_axis(ids, order, axis=1)
-    starts = jnp.concatenate([jnp.ones((batch, 1), bool),
-                              sorted_ids[:, 1:] != sorted_ids[:, :-1]], axis=1)
-    segments = (jnp.cumsum(starts, axis=1) - 1
-                + per_example * jnp.arange(batch)[:, None]).reshape(-1)
+    starts = jnp.concatenate(
+      [jnp.ones((batch, 1), bool), sorted_ids[:, 1:] != sorted_ids[:, :-1]],
+      axis=1,
+    )
+    segments = (
+      jnp.cumsum(starts, axis=1) - 1 + per_example * jnp.arange(batch)[:, None]
+    ).reshape(-1)
     dy = dy.reshape(samples, batch, per_example, d)
     dy = jnp.take_along_axis(dy, order[None, :, :, None], axis=2)
     rows = jax.ops.segment_sum(
-        jnp.moveaxis(dy.reshape(samples, -1, d), 0, 1), segments,
-        num_segments=segments.size, indices_are_sorted=True)
-    tokens = jnp.zeros(segments.size, jnp.int32).at[segments].set(
-        sorted_ids.reshape(-1))
+      jnp.moveaxis(dy.reshape(samples, -1, d), 0, 1),
+      segments,
+      num_segments=segments.size,
+      indices_are_sorted=True,
+    )
+    tokens = (
+      jnp.zeros(segments.size, jnp.int32)
+      .at[segments]
+      .set(sorted_ids.reshape(-1))
+    )
     return tokens, jnp.moveaxis(rows, 1, 0)
 
   def _per_example_gradients(self, data):
@@ -102,9 +113,11 @@ class EmbeddingMixin:
     (ids,), (dy,) = data["inputs"], data["outputs_tangent"]
     batch, samples = ids.shape[0], dy.shape[0]
     one_hot = jax.nn.one_hot(ids, self.vocab_size, dtype=dy.dtype)
-    grads = jnp.einsum("brv,sbro->sbvo", one_hot.reshape(batch, -1,
-                                                        self.vocab_size),
-                       dy.reshape(samples, batch, -1, dy.shape[-1]))
+    grads = jnp.einsum(
+      "brv,sbro->sbvo",
+      one_hot.reshape(batch, -1, self.vocab_size),
+      dy.reshape(samples, batch, -1, dy.shape[-1]),
+    )
     return (grads.reshape((-1,) + self.parameters_shapes[0]),)
 
 
@@ -123,6 +136,7 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
   class State(base.CurvatureBlock.State):
     """Attributes: `inputs_factor`, the moving average of `a`, `(V,)`;
     `outputs_factor`, that of `G`, `(D, D)`."""
+
     inputs_factor: utils.WeightedMovingAverage
     outputs_factor: utils.WeightedMovingAverage
 
@@ -134,11 +148,17 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
     zeros = utils.WeightedMovingAverage.zeros
     v, d = self.parameters_shapes[0]
     dtype = self.parameters_dtype
-    return EmbeddingKFAC.State(cache={}, inputs_factor=zeros([v], dtype),
-                               outputs_factor=zeros([d, d], dtype))
+    return EmbeddingKFAC.State(
+      cache={},
+      inputs_factor=zeros([v], dtype),
+      outputs_factor=zeros([d, d], dtype),
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
-    (ids,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+    (ids,), (dy,) = (
+      estimation_data["inputs"],
+      estimation_data["outputs_tangent"],
+    )
     rows = batch_size * self.num_repeats
     ids = jnp.asarray(ids).reshape(-1).astype(jnp.int32)
     counts = jnp.zeros(self.vocab_size, dy.dtype).at[ids].add(1)
@@ -148,16 +168,21 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     a, g = stats
     return dataclasses.replace(
-        state, inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
-        outputs_factor=state.outputs_factor.update(g, ema_old, ema_new))
+      state,
+      inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
+      outputs_factor=state.outputs_factor.update(g, ema_old, ema_new),
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     (w,) = vector
     a, g = state.inputs_factor.value, state.outputs_factor.value
     if exact_power and use_cached:
-      vals, vecs = (state.cache["outputs_factor_eigenvalues"],
-                    state.cache["outputs_factor_eigenvectors"])
+      vals, vecs = (
+        state.cache["outputs_factor_eigenvalues"],
+        state.cache["outputs_factor_eigenvectors"],
+      )
       a = state.cache["inputs_factor_eigenvalues"]
       damping = state.cache[base.cache_key(power, exact=True)]
       return (_eigen_multiply(a, vals, vecs, damping, power, w),)
@@ -166,17 +191,27 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
     if exact_power:
       vals, vecs = utils.safe_psd_eigh(g)
       return (_eigen_multiply(a, vals, vecs, identity_weight, power, w),)
-    entry = (state.cache[base.cache_key(power, exact=False)] if use_cached
-             else _approx_power_entry(a, g, identity_weight, power))
+    entry = (
+      state.cache[base.cache_key(power, exact=False)]
+      if use_cached
+      else _approx_power_entry(a, g, identity_weight, power)
+    )
     return (entry["inputs_factor"][:, None] * (w @ entry["outputs_factor"]),)
 
   def _eigenvalues_unscaled(self, state):
     return utils.kronecker_product_eigenvalues(
-        state.inputs_factor.value,
-        utils.psd_eigvalsh(state.outputs_factor.value))
+      state.inputs_factor.value, utils.psd_eigvalsh(state.outputs_factor.value)
+    )
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     a = state.inputs_factor.value
     g = state_scale * state.outputs_factor.value
     updates = {}
@@ -185,15 +220,19 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
       if eigenvalues:
         updates["eigenvalues"] = utils.kronecker_product_eigenvalues(a, vals)
       if exact_powers:
-        updates.update(inputs_factor_eigenvalues=a,
-                       outputs_factor_eigenvalues=vals,
-                       outputs_factor_eigenvectors=vecs)
+        updates.update(
+          inputs_factor_eigenvalues=a,
+          outputs_factor_eigenvalues=vals,
+          outputs_factor_eigenvectors=vecs,
+        )
       for p in exact_powers:
         updates[base.cache_key(p, exact=True)] = jnp.asarray(
-            identity_weight, a.dtype)
+          identity_weight, a.dtype
+        )
     for p in approx_powers:
       updates[base.cache_key(p, exact=False)] = _approx_power_entry(
-          a, g, identity_weight, p)
+        a, g, identity_weight, p
+      )
     return updates
 
 
@@ -211,8 +250,10 @@ def _approx_power_entry(a, g, identity_weight, power):
   pi = jnp.sqrt(jnp.where(ok, a_norm, 1) / jnp.where(ok, g_norm, 1))
   root = jnp.sqrt(jnp.asarray(identity_weight, a.dtype))
   g_damped = g + root / pi * jnp.eye(g.shape[0], dtype=g.dtype)
-  return {"inputs_factor": jnp.power(a + pi * root, power),
-          "outputs_factor": utils.psd_matrix_power(g_damped, power)}
+  return {
+    "inputs_factor": jnp.power(a + pi * root, power),
+    "outputs_factor": utils.psd_matrix_power(g_damped, power),
+  }
 
 
 class EmbeddingEKFAC(EmbeddingKFAC):
@@ -243,21 +284,23 @@ class EmbeddingEKFAC(EmbeddingKFAC):
   class State(EmbeddingKFAC.State):
     """Attributes: `outputs_basis`, the eigenvectors of `G` (columns),
     `(D, D)`; `scalings`, a WeightedMovingAverage of `s`, `(V, D)`."""
+
     outputs_basis: jax.Array
     scalings: utils.WeightedMovingAverage
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
-    factors = super()._init(rng, exact_powers, approx_powers,
-                            cache_eigenvalues)
+    factors = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
     v, d = self.parameters_shapes[0]
     dtype = self.parameters_dtype
     # Before any data `G` is zero and the identity is a basis of its
     # eigenvectors; the first update replaces it.
     return EmbeddingEKFAC.State(
-        cache={}, inputs_factor=factors.inputs_factor,
-        outputs_factor=factors.outputs_factor,
-        outputs_basis=jnp.eye(d, dtype=dtype),
-        scalings=utils.WeightedMovingAverage.zeros((v, d), dtype))
+      cache={},
+      inputs_factor=factors.inputs_factor,
+      outputs_factor=factors.outputs_factor,
+      outputs_basis=jnp.eye(d, dtype=dtype),
+      scalings=utils.WeightedMovingAverage.zeros((v, d), dtype),
+    )
 
   def _outputs_basis(self, state):
     return utils.safe_psd_eigh(state.outputs_factor.value)[1]
@@ -265,19 +308,23 @@ class EmbeddingEKFAC(EmbeddingKFAC):
   def _batch_scalings(self, estimation_data, batch_size, basis):
     tokens, rows = self._example_rows(estimation_data)
     squares = jnp.sum(jnp.square(rows @ basis), axis=0)
-    return (jnp.zeros(self.parameters_shapes[0], squares.dtype)
-            .at[tokens].add(squares) / (batch_size * self.num_repeats))
+    return jnp.zeros(self.parameters_shapes[0], squares.dtype).at[tokens].add(
+      squares
+    ) / (batch_size * self.num_repeats)
 
-  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
-                                       ema_new, batch_size, pmap_axis_name):
+  def update_curvature_matrix_estimate(
+    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+  ):
     """Folds this batch into the factors and the scalings, as
     `EKFAC.update_curvature_matrix_estimate` does."""
     fresh = state.inputs_factor.weight == 0
     state = super().update_curvature_matrix_estimate(
-        state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name)
+      state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    )
     # Only the taken branch runs, so later updates cost no eigensolve.
-    basis = jax.lax.cond(fresh, self._outputs_basis,
-                         lambda s: s.outputs_basis, state)
+    basis = jax.lax.cond(
+      fresh, self._outputs_basis, lambda s: s.outputs_basis, state
+    )
     scalings = self._batch_scalings(estimation_data, batch_size, basis)
     if pmap_axis_name is not None:
       scalings = jax.lax.pmean(scalings, pmap_axis_name)
@@ -285,34 +332,50 @@ class EmbeddingEKFAC(EmbeddingKFAC):
     # Weight 0 after a refresh: the kept value is from the old basis.
     ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
-        state, outputs_basis=basis,
-        scalings=old.update(scalings, ema_old, ema_new))
+      state,
+      outputs_basis=basis,
+      scalings=old.update(scalings, ema_old, ema_new),
+    )
 
-  def update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                   eigenvalues):
+  def update_cache(
+    self, state, identity_weight, exact_powers, approx_powers, eigenvalues
+  ):
     """Recomputes the basis, restarts the scalings and refreshes the
     entries, as `EKFAC.update_cache` does."""
     state = dataclasses.replace(
-        state, outputs_basis=self._outputs_basis(state),
-        scalings=eigenbasis.restarted_scalings(state.scalings))
-    return super().update_cache(state, identity_weight, exact_powers,
-                                approx_powers, eigenvalues)
+      state,
+      outputs_basis=self._outputs_basis(state),
+      scalings=eigenbasis.restarted_scalings(state.scalings),
+    )
+    return super().update_cache(
+      state, identity_weight, exact_powers, approx_powers, eigenvalues
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
-    grid = eigenbasis.damped_scalings(self, state, identity_weight, power,
-                                      exact_power, use_cached)
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
+    grid = eigenbasis.damped_scalings(
+      self, state, identity_weight, power, exact_power, use_cached
+    )
     u = state.outputs_basis
     return (((vector[0] @ u) * grid) @ u.T,)
 
   def _eigenvalues_unscaled(self, state):
     return state.scalings.value.reshape(-1)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
-    updates = {key: jnp.asarray(identity_weight, self.parameters_dtype)
-               for key, _ in base.power_cache_keys(exact_powers,
-                                                   approx_powers)}
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
+    updates = {
+      key: jnp.asarray(identity_weight, self.parameters_dtype)
+      for key, _ in base.power_cache_keys(exact_powers, approx_powers)
+    }
     if eigenvalues:
       updates["eigenvalues"] = state_scale * state.scalings.value.reshape(-1)
     return updates
@@ -339,8 +402,9 @@ class EmbeddingTNT(EmbeddingKFAC):
     """`1 / tr(A)` (1 for a zero estimate, whose matrix is zero anyway)."""
     a = state.inputs_factor.value
     trace = jnp.sum(a)
-    return 1 / jnp.where(trace >= jnp.finfo(a.dtype).tiny, trace,
-                         jnp.ones_like(trace))
+    return 1 / jnp.where(
+      trace >= jnp.finfo(a.dtype).tiny, trace, jnp.ones_like(trace)
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
     tokens, rows = self._example_rows(estimation_data)
@@ -357,8 +421,12 @@ class EmbeddingDiagonal(EmbeddingMixin, diagonal.Diagonal):
   def _batch_statistics(self, estimation_data, batch_size):
     tokens, rows = self._example_rows(estimation_data)
     squares = jnp.sum(jnp.square(rows), axis=0)
-    return (jnp.zeros(self.parameters_shapes[0], squares.dtype)
-            .at[tokens].add(squares) / batch_size,)
+    return (
+      jnp.zeros(self.parameters_shapes[0], squares.dtype)
+      .at[tokens]
+      .add(squares)
+      / batch_size,
+    )
 
 
 class EmbeddingFull(EmbeddingMixin, full.Full):

@@ -31,6 +31,7 @@ from estimators.blocks import layers
 
 # --- input factors that may be diagonal --------------------------------------
 
+
 def factor_trace(factor: jax.Array) -> jax.Array:
   """The trace of a factor, a matrix or the vector of its diagonal."""
   return jnp.trace(factor) if factor.ndim == 2 else jnp.sum(factor)
@@ -73,8 +74,9 @@ def moving_shares(weight, ema_old, ema_new) -> tuple[jax.Array, ...]:
   return old, 1 - old, total
 
 
-def eigen_multiply(q_l: jax.Array | None, q_r: jax.Array, grid: jax.Array,
-                   v: jax.Array) -> jax.Array:
+def eigen_multiply(
+  q_l: jax.Array | None, q_r: jax.Array, grid: jax.Array, v: jax.Array
+) -> jax.Array:
   """`(q_l ⊗ q_r) diag(vec grid) (q_l ⊗ q_r)ᵀ vec(v)`, `q_l` None for the
   identity."""
   if q_l is not None:
@@ -83,6 +85,7 @@ def eigen_multiply(q_l: jax.Array | None, q_r: jax.Array, grid: jax.Array,
 
 
 # --- dense, repeated dense and conv tags -------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class ExampleGradients:
@@ -113,11 +116,12 @@ class ExampleGradients:
       return tree.tree_map(lambda t: t / self.batch_size, fn(self.matrices))
     add = lambda chunk: fn(self.chunk_matrices(*chunk))
     first = tree.tree_map(lambda a: a[0], self.chunks)
-    zeros = tree.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                          jax.eval_shape(add, first))
+    zeros = tree.tree_map(
+      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(add, first)
+    )
     total, _ = jax.lax.scan(
-        lambda t, c: (tree.tree_map(jnp.add, t, add(c)), None), zeros,
-        self.chunks)
+      lambda t, c: (tree.tree_map(jnp.add, t, add(c)), None), zeros, self.chunks
+    )
     return tree.tree_map(lambda t: t / self.batch_size, total)
 
   def left(self, b: jax.Array) -> jax.Array:
@@ -141,8 +145,10 @@ class ExampleGradients:
     if self.inputs is None:
       return self._mean(lambda m: jnp.sum(jnp.square(m)))
     x_norms = jnp.sum(jnp.square(self.inputs), axis=1)
-    return jnp.vdot(x_norms, jnp.sum(jnp.square(self.tangents), axis=(0, 2))
-                    ) / self.batch_size
+    return (
+      jnp.vdot(x_norms, jnp.sum(jnp.square(self.tangents), axis=(0, 2)))
+      / self.batch_size
+    )
 
   def projected_squares(self, q_l: jax.Array, q_r: jax.Array) -> jax.Array:
     """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(input_size, output_size)`:
@@ -154,24 +160,30 @@ class ExampleGradients:
     pg = jnp.sum(jnp.square(self.tangents @ q_r), axis=0)
     return px.T @ pg / self.batch_size
 
-  def shampoo_moments(self, q_l: jax.Array, q_r: jax.Array
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def shampoo_moments(
+    self, q_l: jax.Array, q_r: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(L, R, E_n[(q_lᵀ G_n q_r)²])`, `L = E[G Gᵀ]`, `R = E[Gᵀ G]`, with
     the gradients formed once: in one pass over the chunks when they are
     formed chunk by chunk."""
     if self.chunks is None:  # held, or never formed: one average at a time
-      return (self.left(jnp.eye(q_r.shape[0], dtype=q_r.dtype)),
-              self.right(jnp.eye(q_l.shape[0], dtype=q_l.dtype)),
-              self.projected_squares(q_l, q_r))
-    return self._mean(lambda m: (jnp.einsum("nio,njo->ij", m, m),
-                                 jnp.einsum("nio,nip->op", m, m),
-                                 _squares(q_l, m, q_r)))
+      return (
+        self.left(jnp.eye(q_r.shape[0], dtype=q_r.dtype)),
+        self.right(jnp.eye(q_l.shape[0], dtype=q_l.dtype)),
+        self.projected_squares(q_l, q_r),
+      )
+    return self._mean(
+      lambda m: (
+        jnp.einsum("nio,njo->ij", m, m),
+        jnp.einsum("nio,nip->op", m, m),
+        _squares(q_l, m, q_r),
+      )
+    )
 
 
 def _squares(q_l, m, q_r):
   """`Σ_n (q_lᵀ m_n q_r)²` (elementwise) over the leading axis of `m`."""
-  return jnp.sum(jnp.square(jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)),
-                 axis=0)
+  return jnp.sum(jnp.square(jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)), axis=0)
 
 
 class ExampleGradientsMixin:
@@ -191,12 +203,14 @@ class ExampleGradientsMixin:
   def _example_gradients(self, data, batch_size) -> ExampleGradients:
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
     if isinstance(self, layers.DenseMixin) and x.ndim == 2:
-      return ExampleGradients(batch_size, tangents=dy,
-                              inputs=self._rows((x,), (dy,))[0])
+      return ExampleGradients(
+        batch_size, tangents=dy, inputs=self._rows((x,), (dy,))[0]
+      )
 
     def matrices(xc, dyc):
       grads = self._per_example_gradients(
-          dict(data, inputs=(xc,), outputs_tangent=(dyc,)))
+        dict(data, inputs=(xc,), outputs_tangent=(dyc,))
+      )
       return jax.vmap(self._to_matrix)(grads)
 
     samples, batch = dy.shape[:2]
@@ -207,9 +221,10 @@ class ExampleGradientsMixin:
     pad = -batch % chunk  # zero examples have zero gradients
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     dy = jnp.pad(dy, [(0, 0), (0, pad)] + [(0, 0)] * (dy.ndim - 2))
-    chunks = (x.reshape((-1, chunk) + x.shape[1:]),
-              jnp.swapaxes(dy.reshape((samples, -1, chunk) + dy.shape[2:]),
-                           0, 1))
+    chunks = (
+      x.reshape((-1, chunk) + x.shape[1:]),
+      jnp.swapaxes(dy.reshape((samples, -1, chunk) + dy.shape[2:]), 0, 1),
+    )
     return ExampleGradients(batch_size, chunks=chunks, chunk_matrices=matrices)
 
 
@@ -245,20 +260,26 @@ class EmbeddingGradients:
     projected = self.rows @ b
     if self.diagonal:
       weights = jnp.sum(projected * self.rows, axis=(0, 3))  # (B, T)
-      return (jnp.zeros(self.vocab_size, weights.dtype)
-              .at[self.tokens].add(weights) / self.batch_size)
+      return (
+        jnp.zeros(self.vocab_size, weights.dtype).at[self.tokens].add(weights)
+        / self.batch_size
+      )
     pairs = jnp.einsum("snid,snjd->nij", projected, self.rows)
     tokens = self.tokens
-    return (jnp.zeros((self.vocab_size,) * 2, pairs.dtype)
-            .at[tokens[:, :, None], tokens[:, None, :]].add(pairs)
-            / self.batch_size)
+    return (
+      jnp.zeros((self.vocab_size,) * 2, pairs.dtype)
+      .at[tokens[:, :, None], tokens[:, None, :]]
+      .add(pairs)
+      / self.batch_size
+    )
 
   def right(self, a: jax.Array) -> jax.Array:
     """`E_n[G_nᵀ a G_n]`, `(D, D)`, for `a` `(V, V)` or a diagonal `(V,)`."""
     tokens, rows = self.tokens, self.rows
     if a.ndim == 1:
-      return jnp.einsum("snid,ni,snie->de", rows, a[tokens], rows
-                        ) / self.batch_size
+      return (
+        jnp.einsum("snid,ni,snie->de", rows, a[tokens], rows) / self.batch_size
+      )
     among = a[tokens[:, :, None], tokens[:, None, :]]  # (B, T, T)
     return jnp.einsum("snid,nij,snje->de", rows, among, rows) / self.batch_size
 
@@ -266,8 +287,9 @@ class EmbeddingGradients:
     """`E_n[||G_n||²_F]`, the trace of the exact block."""
     return jnp.sum(jnp.square(self.rows)) / self.batch_size
 
-  def projected_squares(self, q_l: jax.Array | None,
-                        q_r: jax.Array) -> jax.Array:
+  def projected_squares(
+    self, q_l: jax.Array | None, q_r: jax.Array
+  ) -> jax.Array:
     """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(V, D)`; `q_l` None for the
     identity.
 
@@ -279,39 +301,57 @@ class EmbeddingGradients:
     vocab, d = self.vocab_size, q_r.shape[1]
     if q_l is None:
       squares = jnp.sum(jnp.square(projected), axis=0)  # (B, T, D)
-      return (jnp.zeros((vocab, d), squares.dtype).at[self.tokens]
-              .add(squares) / self.batch_size)
+      return (
+        jnp.zeros((vocab, d), squares.dtype).at[self.tokens].add(squares)
+        / self.batch_size
+      )
     samples, batch, slots = projected.shape[:3]
-    chunk = max(1, min(batch, base.get_max_parallel_elements()
-                       // (samples * vocab * d)))
+    chunk = max(
+      1, min(batch, base.get_max_parallel_elements() // (samples * vocab * d))
+    )
     pad = -batch % chunk  # zero rows add nothing
     tokens = jnp.pad(self.tokens, [(0, pad), (0, 0)]).reshape(-1, chunk, slots)
-    projected = jnp.swapaxes(jnp.pad(
-        projected, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(
-            samples, -1, chunk, slots, d), 0, 1)
+    projected = jnp.swapaxes(
+      jnp.pad(projected, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(
+        samples, -1, chunk, slots, d
+      ),
+      0,
+      1,
+    )
 
     def add(total, part):
       chunk_tokens, chunk_rows = part
       rotated = jnp.einsum("ntv,sntd->snvd", q_l[chunk_tokens], chunk_rows)
       return total + jnp.sum(jnp.square(rotated), axis=(0, 1)), None
 
-    total, _ = jax.lax.scan(add, jnp.zeros((vocab, d), projected.dtype),
-                            (tokens, projected))
+    total, _ = jax.lax.scan(
+      add, jnp.zeros((vocab, d), projected.dtype), (tokens, projected)
+    )
     return total / self.batch_size
 
-  def shampoo_moments(self, q_l: jax.Array | None, q_r: jax.Array
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def shampoo_moments(
+    self, q_l: jax.Array | None, q_r: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(L, R, E_n[(q_lᵀ G_n q_r)²])` from the rows held, `L` (or its
     diagonal) as `left`."""
     eye = jnp.eye(q_r.shape[0], dtype=q_r.dtype)
-    identity = (jnp.ones(self.vocab_size, q_r.dtype) if self.diagonal
-                else jnp.eye(self.vocab_size, dtype=q_r.dtype))
-    return (self.left(eye), self.right(identity),
-            self.projected_squares(q_l, q_r))
+    identity = (
+      jnp.ones(self.vocab_size, q_r.dtype)
+      if self.diagonal
+      else jnp.eye(self.vocab_size, dtype=q_r.dtype)
+    )
+    return (
+      self.left(eye),
+      self.right(identity),
+      self.projected_squares(q_l, q_r),
+    )
 
 
-class EmbeddingFactors(ExampleGradientsMixin, embedding.EmbeddingMixin,
-                       kronecker.TwoKroneckerFactored):
+class EmbeddingFactors(
+  ExampleGradientsMixin,
+  embedding.EmbeddingMixin,
+  kronecker.TwoKroneckerFactored,
+):
   """An embedding tag in the Shampoo family's layout: the table `(V, D)` is
   the `(input_size, output_size)` matrix (no bias), an example's gradient
   `G_n = Σ_t e_(ids_t) dy_tᵀ` sums over its positions, and the statistics
@@ -333,8 +373,13 @@ class EmbeddingFactors(ExampleGradientsMixin, embedding.EmbeddingMixin,
   rotated ones excepted, see `EmbeddingGradients.projected_squares`).
   """
 
-  def __init__(self, layer_tag_eq, name: str,
-               max_full_vocab: int = MAX_FULL_VOCAB, **kwargs):
+  def __init__(
+    self,
+    layer_tag_eq,
+    name: str,
+    max_full_vocab: int = MAX_FULL_VOCAB,
+    **kwargs,
+  ):
     """Builds the block.
 
     Args:
@@ -348,10 +393,15 @@ class EmbeddingFactors(ExampleGradientsMixin, embedding.EmbeddingMixin,
       ValueError: for a negative or non-integer `max_full_vocab`, or a tag
         the block cannot take.
     """
-    if (not isinstance(max_full_vocab, numbers.Integral)
-        or isinstance(max_full_vocab, bool) or max_full_vocab < 0):
-      raise ValueError(f"Block {name!r}: max_full_vocab must be an int >= 0, "
-                       f"got {max_full_vocab!r}.")
+    if (
+      not isinstance(max_full_vocab, numbers.Integral)
+      or isinstance(max_full_vocab, bool)
+      or max_full_vocab < 0
+    ):
+      raise ValueError(
+        f"Block {name!r}: max_full_vocab must be an int >= 0, "
+        f"got {max_full_vocab!r}."
+      )
     self._max_full_vocab = int(max_full_vocab)
     super().__init__(layer_tag_eq, name, **kwargs)
 
@@ -387,16 +437,21 @@ class EmbeddingFactors(ExampleGradientsMixin, embedding.EmbeddingMixin,
     d = self.output_size()
     dtype = self.parameters_dtype
     return kronecker.TwoKroneckerFactored.State(
-        cache={}, inputs_factor=zeros(self._inputs_identity().shape, dtype),
-        outputs_factor=zeros((d, d), dtype))
+      cache={},
+      inputs_factor=zeros(self._inputs_identity().shape, dtype),
+      outputs_factor=zeros((d, d), dtype),
+    )
 
   def _example_gradients(self, data, batch_size) -> EmbeddingGradients:
     tokens, rows = self._example_rows(data)
     batch = data["inputs"][0].shape[0]
     return EmbeddingGradients(
-        batch_size, tokens=tokens.reshape(batch, -1),
-        rows=rows.reshape(rows.shape[0], batch, -1, rows.shape[-1]),
-        vocab_size=self.vocab_size, diagonal=not self.full_inputs_factor)
+      batch_size,
+      tokens=tokens.reshape(batch, -1),
+      rows=rows.reshape(rows.shape[0], batch, -1, rows.shape[-1]),
+      vocab_size=self.vocab_size,
+      diagonal=not self.full_inputs_factor,
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
     grads = self._example_gradients(estimation_data, batch_size)

@@ -35,10 +35,15 @@ class Full(base.CurvatureBlock):
     Attributes:
       matrix: a WeightedMovingAverage of the `(dim, dim)` curvature.
     """
+
     matrix: utils.WeightedMovingAverage
 
-  def __init__(self, layer_tag_eq: Any, name: str,
-               eigen_decomposition_threshold: int | None = None):
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str,
+    eigen_decomposition_threshold: int | None = None,
+  ):
     """Builds the block.
 
     Args:
@@ -51,7 +56,8 @@ class Full(base.CurvatureBlock):
     super().__init__(layer_tag_eq, name)
     if eigen_decomposition_threshold is None:
       eigen_decomposition_threshold = (
-          base.get_default_eigen_decomposition_threshold())
+        base.get_default_eigen_decomposition_threshold()
+      )
     self._eigen_decomposition_threshold = int(eigen_decomposition_threshold)
 
   @property
@@ -60,7 +66,8 @@ class Full(base.CurvatureBlock):
     return self._eigen_decomposition_threshold
 
   def parameters_list_to_single_vector(
-      self, parameters_shaped_list: Sequence[jax.Array]) -> jax.Array:
+    self, parameters_shaped_list: Sequence[jax.Array]
+  ) -> jax.Array:
     """Flattens a block vector to `(dim,)`, the order of `State.matrix`.
 
     Args:
@@ -72,7 +79,8 @@ class Full(base.CurvatureBlock):
     return utils.flatten_arrays(parameters_shaped_list)
 
   def single_vector_to_parameters_list(
-      self, vector: jax.Array) -> tuple[jax.Array, ...]:
+    self, vector: jax.Array
+  ) -> tuple[jax.Array, ...]:
     """Inverts `parameters_list_to_single_vector`.
 
     Args:
@@ -89,22 +97,28 @@ class Full(base.CurvatureBlock):
     cache = {}
     num_powers = len(exact_powers) + len(approx_powers)
     if num_powers > self.eigen_decomposition_threshold:
-      cache[_EIGEN] = {"eigenvalues": jnp.zeros([n], dtype),
-                       "eigenvectors": jnp.zeros([n, n], dtype)}
-    return Full.State(cache=cache,
-                      matrix=utils.WeightedMovingAverage.zeros([n, n], dtype))
+      cache[_EIGEN] = {
+        "eigenvalues": jnp.zeros([n], dtype),
+        "eigenvectors": jnp.zeros([n, n], dtype),
+      }
+    return Full.State(
+      cache=cache, matrix=utils.WeightedMovingAverage.zeros([n, n], dtype)
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
     grads = utils.flatten_arrays(
-        self._per_example_gradients(estimation_data), leading=1)
+      self._per_example_gradients(estimation_data), leading=1
+    )
     return grads.T @ grads / batch_size
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     return dataclasses.replace(
-        state, matrix=state.matrix.update(stats, ema_old, ema_new))
+      state, matrix=state.matrix.update(stats, ema_old, ema_new)
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     v = self.parameters_list_to_single_vector(vector)
     matrix = state.matrix.value
     if use_cached:
@@ -125,8 +139,15 @@ class Full(base.CurvatureBlock):
   def _eigenvalues_unscaled(self, state):
     return utils.psd_eigvalsh(state.matrix.value)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     matrix = state_scale * state.matrix.value
     keys = base.power_cache_keys(exact_powers, approx_powers)
     updates = {}
@@ -172,9 +193,13 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
   `get_max_parallel_elements()`) and looped over the rest.
   """
 
-  def __init__(self, layer_tag_eq: Any, name: str,
-               max_elements_for_vmap: int | None = None,
-               eigen_decomposition_threshold: int | None = None):
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str,
+    max_elements_for_vmap: int | None = None,
+    eigen_decomposition_threshold: int | None = None,
+  ):
     """Builds the block.
 
     Args:
@@ -185,8 +210,11 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
       eigen_decomposition_threshold: as for `Full`.
     """
     super().__init__(
-        layer_tag_eq, name, max_elements_for_vmap=max_elements_for_vmap,
-        eigen_decomposition_threshold=eigen_decomposition_threshold)
+      layer_tag_eq,
+      name,
+      max_elements_for_vmap=max_elements_for_vmap,
+      eigen_decomposition_threshold=eigen_decomposition_threshold,
+    )
 
 
 class ScaleAndShiftFull(layers.ScaleAndShiftMixin, Full):
@@ -219,24 +247,30 @@ class ExplicitFull(NaiveFull):
         `factor_is_exact`.
       factor_is_exact: a boolean array.
     """
+
     factor: jax.Array
     factor_is_exact: jax.Array
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     state = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
     return ExplicitFull.State(
-        cache=state.cache, matrix=state.matrix,
-        factor=jnp.zeros((0, self.dim), self.parameters_dtype),
-        factor_is_exact=jnp.array(False))
+      cache=state.cache,
+      matrix=state.matrix,
+      factor=jnp.zeros((0, self.dim), self.parameters_dtype),
+      factor_is_exact=jnp.array(False),
+    )
 
-  def with_factor_rows(self, state: "ExplicitFull.State",
-                       num_rows: int) -> "ExplicitFull.State":
+  def with_factor_rows(
+    self, state: "ExplicitFull.State", num_rows: int
+  ) -> "ExplicitFull.State":
     """`state` with room for `num_rows` rows of the latest batch."""
     return dataclasses.replace(
-        state, factor=jnp.zeros((num_rows, self.dim), state.factor.dtype))
+      state, factor=jnp.zeros((num_rows, self.dim), state.factor.dtype)
+    )
 
-  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
-                                       ema_new, batch_size, pmap_axis_name):
+  def update_curvature_matrix_estimate(
+    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+  ):
     """As `CurvatureBlock`'s; also keeps the rows (on a single device)."""
     self._check_estimation_data(estimation_data, batch_size)
     rows = utils.flatten_arrays(estimation_data["params_tangent"], leading=1)
@@ -253,14 +287,19 @@ class ExplicitFull(NaiveFull):
       factor = jnp.pad(rows, ((0, room - rows.shape[0]), (0, 0)))
       exact = (jnp.asarray(ema_old) == 0) | (state.matrix.weight == 0)
     return dataclasses.replace(
-        state, matrix=state.matrix.update(matrix, ema_old, ema_new),
-        factor=factor.astype(state.factor.dtype), factor_is_exact=exact)
+      state,
+      matrix=state.matrix.update(matrix, ema_old, ema_new),
+      factor=factor.astype(state.factor.dtype),
+      factor_is_exact=exact,
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     if use_cached or power != -1:
       return super()._multiply_matpower_unscaled(
-          state, vector, identity_weight, power, exact_power, use_cached)
+        state, vector, identity_weight, power, exact_power, use_cached
+      )
     # A solve is cheaper than the eigendecomposition of a general power.
     matrix = state.matrix.value
     damped = matrix + identity_weight * jnp.eye(self.dim, dtype=matrix.dtype)
@@ -277,9 +316,13 @@ class ExplicitFull(NaiveFull):
     try:
       use_gram = bool(state.factor_is_exact)
     except jax.errors.ConcretizationTypeError:
-      return jax.lax.cond(state.factor_is_exact, _gram_eigenvalues,
-                          lambda f, m: _dense_eigenvalues(m), state.factor,
-                          state.matrix.value)
+      return jax.lax.cond(
+        state.factor_is_exact,
+        _gram_eigenvalues,
+        lambda f, m: _dense_eigenvalues(m),
+        state.factor,
+        state.matrix.value,
+      )
     if use_gram:
       return _gram_eigenvalues(state.factor)
     return _dense_eigenvalues(state.matrix.value)
@@ -296,10 +339,15 @@ def _symmetric_gram(rows: jax.Array, tiles: int = 8) -> jax.Array:
     return rows.T @ rows
   bounds = np.linspace(0, dim, tiles + 1).astype(int)
   cols = [rows[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-  upper = {(i, j): cols[i].T @ cols[j]
-           for i in range(tiles) for j in range(i, tiles)}
-  return jnp.block([[upper[i, j] if j >= i else upper[j, i].T
-                     for j in range(tiles)] for i in range(tiles)])
+  upper = {
+    (i, j): cols[i].T @ cols[j] for i in range(tiles) for j in range(i, tiles)
+  }
+  return jnp.block(
+    [
+      [upper[i, j] if j >= i else upper[j, i].T for j in range(tiles)]
+      for i in range(tiles)
+    ]
+  )
 
 
 @jax.jit

@@ -18,8 +18,7 @@ class ScaledIdentity(base.CurvatureBlock):
 
   _MAY_BE_SINGULAR = False
 
-  def __init__(self, layer_tag_eq: Any, name: str,
-               scale: base.Numeric = 1.0):
+  def __init__(self, layer_tag_eq: Any, name: str, scale: base.Numeric = 1.0):
     """Builds the block.
 
     Args:
@@ -44,8 +43,9 @@ class ScaledIdentity(base.CurvatureBlock):
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     return state
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     if use_cached:
       factor = state.cache[base.cache_key(power, exact=exact_power)]
     else:
@@ -56,11 +56,20 @@ class ScaledIdentity(base.CurvatureBlock):
   def _eigenvalues_unscaled(self, state):
     return jnp.ones([self.dim], self.parameters_dtype)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     one = jnp.asarray(state_scale, self.parameters_dtype)
-    updates = {key: jnp.power(one + identity_weight, p) for key, p in
-               base.power_cache_keys(exact_powers, approx_powers)}
+    updates = {
+      key: jnp.power(one + identity_weight, p)
+      for key, p in base.power_cache_keys(exact_powers, approx_powers)
+    }
     if eigenvalues:
       updates["eigenvalues"] = one * jnp.ones([self.dim], self.parameters_dtype)
     return updates

@@ -61,8 +61,9 @@ def _is_number(value):
   return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-class KLShampooMixin(shampoo.KroneckerSpectrum,
-                     example_gradients.ExampleGradientsMixin):
+class KLShampooMixin(
+  shampoo.KroneckerSpectrum, example_gradients.ExampleGradientsMixin
+):
   """`S_a ⊗ S_b`, the KL-nearest Kronecker product (see the module).
 
   Mixed in before a TNT layer class (or `EmbeddingFactors`, whose diagonal
@@ -118,15 +119,22 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
       iterations: the fixed-point steps of the last update.
       change: how far (Frobenius) the unit-norm `S_a` moved in the last.
     """
+
     kl_inputs: jax.Array
     kl_outputs: jax.Array
     weight: jax.Array
     iterations: jax.Array
     change: jax.Array
 
-  def __init__(self, layer_tag_eq, name: str, max_iterations: int = 100,
-               tolerance: float | None = None, damping: float = 1e-3,
-               **kwargs):
+  def __init__(
+    self,
+    layer_tag_eq,
+    name: str,
+    max_iterations: int = 100,
+    tolerance: float | None = None,
+    damping: float = 1e-3,
+    **kwargs,
+  ):
     """Builds the block.
 
     Args:
@@ -144,17 +152,33 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
     Raises:
       ValueError: for an invalid setting or a layer the block cannot take.
     """
-    _check_setting(name, max_iterations, lambda v: isinstance(
-        v, numbers.Integral) and not isinstance(v, bool) and v >= 1,
-                   "max_iterations must be an int >= 1")
-    _check_setting(name, tolerance, lambda v: v is None or (
-        _is_number(v) and v >= 0), "tolerance must be a number >= 0 or None")
-    _check_setting(name, damping, lambda v: _is_number(v) and v >= 0,
-                   "damping must be a number >= 0")
+    _check_setting(
+      name,
+      max_iterations,
+      lambda v: isinstance(v, numbers.Integral)
+      and not isinstance(v, bool)
+      and v >= 1,
+      "max_iterations must be an int >= 1",
+    )
+    _check_setting(
+      name,
+      tolerance,
+      lambda v: v is None or (_is_number(v) and v >= 0),
+      "tolerance must be a number >= 0 or None",
+    )
+    _check_setting(
+      name,
+      damping,
+      lambda v: _is_number(v) and v >= 0,
+      "damping must be a number >= 0",
+    )
     self._max_iterations = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance = (float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
-                       if tolerance is None else float(tolerance))
+    self._tolerance = (
+      float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
+      if tolerance is None
+      else float(tolerance)
+    )
     self._damping = float(damping)
 
   @property
@@ -178,15 +202,23 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
     o = self.output_size()
     zero = jnp.zeros([], dtype)
     return KLShampooMixin.State(
-        cache={}, kl_inputs=jnp.zeros_like(self._inputs_identity()),
-        kl_outputs=jnp.zeros((o, o), dtype), weight=zero,
-        iterations=jnp.zeros([], jnp.int32), change=zero)
+      cache={},
+      kl_inputs=jnp.zeros_like(self._inputs_identity()),
+      kl_outputs=jnp.zeros((o, o), dtype),
+      weight=zero,
+      iterations=jnp.zeros([], jnp.int32),
+      change=zero,
+    )
 
   def update_curvature_matrix_estimate(
-      self, state: "KLShampooMixin.State",
-      estimation_data: Mapping[str, Sequence[jax.Array]],
-      ema_old: base.Numeric, ema_new: base.Numeric, batch_size: base.Numeric,
-      pmap_axis_name: str | None) -> "KLShampooMixin.State":
+    self,
+    state: "KLShampooMixin.State",
+    estimation_data: Mapping[str, Sequence[jax.Array]],
+    ema_old: base.Numeric,
+    ema_new: base.Numeric,
+    batch_size: base.Numeric,
+    pmap_axis_name: str | None,
+  ) -> "KLShampooMixin.State":
     """Refits `S_a ⊗ S_b` to the previous estimate and this batch (see the
     class).
 
@@ -216,14 +248,17 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
     size = d_a * d_b
     old_a, old_b = state.kl_inputs, state.kl_outputs
     share, new_share, total = example_gradients.moving_shares(
-        state.weight, ema_old, ema_new)
+      state.weight, ema_old, ema_new
+    )
     trace_c = mean(grads.mean_squared_norm())
     kappa = self._damping * trace_c / size
     # The target's mean eigenvalue; the iteration runs on the target over
     # it (the fixed point scales with the target), the identity for a zero
     # target, whose estimate is then set to zero.
-    trace = (share * _trace(old_a) * jnp.trace(old_b)
-             + new_share * (1 + self._damping) * trace_c)
+    trace = (
+      share * _trace(old_a) * jnp.trace(old_b)
+      + new_share * (1 + self._damping) * trace_c
+    )
     scale = trace / size
     nonzero = scale >= jnp.finfo(dtype).tiny
     scale = jnp.where(nonzero, scale, jnp.ones_like(scale))
@@ -234,11 +269,9 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
       return jnp.where(nonzero, value / scale, jnp.trace(m) * eye_a)
 
     def right(m):  # E_T[Gᵀ m G] / scale
-      batch = (mean(grads.right(m))
-               + kappa * _trace(m) * eye_b)
+      batch = mean(grads.right(m)) + kappa * _trace(m) * eye_b
       value = new_share * batch + share * jnp.vdot(old_a, m) * old_b
-      return jnp.where(nonzero, value / scale,
-                       _trace(m) * eye_b)
+      return jnp.where(nonzero, value / scale, _trace(m) * eye_b)
 
     b0 = jax.lax.cond(share > 0, lambda: old_b, lambda: right(eye_a) / d_a)
 
@@ -253,18 +286,28 @@ class KLShampooMixin(shampoo.KroneckerSpectrum,
       return (steps < self._max_iterations) & (change > self._tolerance)
 
     a, b, change, steps = jax.lax.while_loop(
-        unfinished, step, (jnp.zeros_like(eye_a), b0,
-                           jnp.full([], jnp.inf, dtype),
-                           jnp.zeros([], jnp.int32)))
+      unfinished,
+      step,
+      (
+        jnp.zeros_like(eye_a),
+        b0,
+        jnp.full([], jnp.inf, dtype),
+        jnp.zeros([], jnp.int32),
+      ),
+    )
     # Back to the target's units, balanced: tr S_a / d_a = tr S_b / d_b.
     mean_a = _trace(a) / d_a
     mean_b = jnp.trace(b) / d_b
     balance = jnp.sqrt(scale * mean_b / jnp.where(mean_a > 0, mean_a, 1))
     kept = jnp.where(nonzero, 1, 0).astype(dtype)
     return dataclasses.replace(
-        state, kl_inputs=kept * balance * a,
-        kl_outputs=kept * scale * b / jnp.where(balance > 0, balance, 1),
-        weight=jnp.asarray(total, dtype), iterations=steps, change=change)
+      state,
+      kl_inputs=kept * balance * a,
+      kl_outputs=kept * scale * b / jnp.where(balance > 0, balance, 1),
+      weight=jnp.asarray(total, dtype),
+      iterations=steps,
+      change=change,
+    )
 
   def _kronecker_multiply(self, state, v):
     return example_gradients.factor_apply(state.kl_inputs, v) @ state.kl_outputs

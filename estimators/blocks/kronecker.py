@@ -49,6 +49,7 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       outputs_factor: a WeightedMovingAverage of `G`, `(output_size,
         output_size)`.
     """
+
     inputs_factor: utils.WeightedMovingAverage
     outputs_factor: utils.WeightedMovingAverage
 
@@ -83,37 +84,46 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   def _from_matrix(self, matrix):
     if not self.has_bias:
       return (self._kernel_from_matrix(matrix),)
-    return (self._kernel_from_matrix(matrix[:-1]),
-            matrix[-1].reshape(self.parameters_shapes[1]))
+    return (
+      self._kernel_from_matrix(matrix[:-1]),
+      matrix[-1].reshape(self.parameters_shapes[1]),
+    )
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
     zeros = utils.WeightedMovingAverage.zeros
     dtype = self.parameters_dtype
     return TwoKroneckerFactored.State(
-        cache={},
-        inputs_factor=zeros([self.input_size()] * 2, dtype),
-        outputs_factor=zeros([self.output_size()] * 2, dtype))
+      cache={},
+      inputs_factor=zeros([self.input_size()] * 2, dtype),
+      outputs_factor=zeros([self.output_size()] * 2, dtype),
+    )
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     a, g = stats
     return dataclasses.replace(
-        state, inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
-        outputs_factor=state.outputs_factor.update(g, ema_old, ema_new))
+      state,
+      inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
+      outputs_factor=state.outputs_factor.update(g, ema_old, ema_new),
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     v = self._to_matrix(vector)
     cache = state.cache
     a, g = state.inputs_factor.value, state.outputs_factor.value
     if exact_power and use_cached:
-      grid = jnp.outer(cache["inputs_factor_eigenvalues"],
-                       cache["outputs_factor_eigenvalues"])
-      grid = jnp.power(grid + cache[base.cache_key(power, exact=True)],
-                       power)
+      grid = jnp.outer(
+        cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
+      )
+      grid = jnp.power(grid + cache[base.cache_key(power, exact=True)], power)
       result = utils.kronecker_eigen_multiply(
-          cache["inputs_factor_eigenvectors"],
-          cache["outputs_factor_eigenvectors"], grid, v)
+        cache["inputs_factor_eigenvectors"],
+        cache["outputs_factor_eigenvectors"],
+        grid,
+        v,
+      )
     elif exact_power and power == 1:  # cheap without eigendecompositions
       result = a @ v @ g + identity_weight * v
     elif exact_power:
@@ -122,18 +132,29 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       grid = jnp.power(jnp.outer(a_vals, g_vals) + identity_weight, power)
       result = utils.kronecker_eigen_multiply(a_vecs, g_vecs, grid, v)
     else:
-      entry = (cache[base.cache_key(power, exact=False)] if use_cached else
-               _approx_power_entry(a, g, identity_weight, power))
+      entry = (
+        cache[base.cache_key(power, exact=False)]
+        if use_cached
+        else _approx_power_entry(a, g, identity_weight, power)
+      )
       result = _apply_approx_power(entry, v)
     return self._from_matrix(result)
 
   def _eigenvalues_unscaled(self, state):
     return utils.kronecker_product_eigenvalues(
-        utils.psd_eigvalsh(state.inputs_factor.value),
-        utils.psd_eigvalsh(state.outputs_factor.value))
+      utils.psd_eigvalsh(state.inputs_factor.value),
+      utils.psd_eigvalsh(state.outputs_factor.value),
+    )
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     # The state dependent scale is folded into G; A is left as is.
     a = state.inputs_factor.value
     g = state_scale * state.outputs_factor.value
@@ -142,21 +163,26 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       a_vals, a_vecs = utils.safe_psd_eigh(a)
       g_vals, g_vecs = utils.safe_psd_eigh(g)
       if eigenvalues:
-        updates["eigenvalues"] = utils.kronecker_product_eigenvalues(a_vals,
-                                                                     g_vals)
+        updates["eigenvalues"] = utils.kronecker_product_eigenvalues(
+          a_vals, g_vals
+        )
       if exact_powers:
         # Shared by all exact powers, so refreshing one power keeps the
         # others consistent (they keep their own identity weights).
-        updates.update(inputs_factor_eigenvalues=a_vals,
-                       inputs_factor_eigenvectors=a_vecs,
-                       outputs_factor_eigenvalues=g_vals,
-                       outputs_factor_eigenvectors=g_vecs)
+        updates.update(
+          inputs_factor_eigenvalues=a_vals,
+          inputs_factor_eigenvectors=a_vecs,
+          outputs_factor_eigenvalues=g_vals,
+          outputs_factor_eigenvectors=g_vecs,
+        )
       for p in exact_powers:
         updates[base.cache_key(p, exact=True)] = jnp.asarray(
-            identity_weight, a.dtype)
+          identity_weight, a.dtype
+        )
     for p in approx_powers:
       updates[base.cache_key(p, exact=False)] = _approx_power_entry(
-          a, g, identity_weight, p)
+        a, g, identity_weight, p
+      )
     return updates
 
 
@@ -171,9 +197,12 @@ _ROOT_MIN_RATIO = 8
 def _approx_power_entry(a, g, identity_weight, power):
   """Both pi-damped factors raised to `power`, keyed as in the cache."""
   a_damped, g_damped = utils.pi_adjusted_kronecker_damping(
-      a, g, identity_weight)
-  return {**_factor_power("inputs_factor", a_damped, power, g.shape[0]),
-          **_factor_power("outputs_factor", g_damped, power, a.shape[0])}
+    a, g, identity_weight
+  )
+  return {
+    **_factor_power("inputs_factor", a_damped, power, g.shape[0]),
+    **_factor_power("outputs_factor", g_damped, power, a.shape[0]),
+  }
 
 
 def _factor_power(name, factor, power, other_size):
@@ -204,8 +233,9 @@ def _outputs_side(entry, v):
 
 def _solve_with_root(root, v):
   """`factor⁻¹ v = L⁻ᵀ (L⁻¹ v)` for the factor's inverse Cholesky root."""
-  return utils.inverse_root_multiply(root, utils.inverse_root_multiply(root, v),
-                                     transpose=True)
+  return utils.inverse_root_multiply(
+    root, utils.inverse_root_multiply(root, v), transpose=True
+  )
 
 
 class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
@@ -236,8 +266,9 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
     return x, dy
 
   def _batch_statistics(self, estimation_data, batch_size):
-    x, dy = self._rows(estimation_data["inputs"],
-                       estimation_data["outputs_tangent"])
+    x, dy = self._rows(
+      estimation_data["inputs"], estimation_data["outputs_tangent"]
+    )
     return x.T @ x / batch_size, dy.T @ dy / batch_size
 
   def outer_sum_is_cheaper(self) -> bool:
@@ -246,8 +277,11 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
     return rows * (i * i + o * o + i * o) < i * o * (i + o)
 
   def multiply_inverse_outer_sum(
-      self, state: TwoKroneckerFactored.State, inputs: Sequence[jax.Array],
-      outputs_cotangent: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    self,
+    state: TwoKroneckerFactored.State,
+    inputs: Sequence[jax.Array],
+    outputs_cotangent: Sequence[jax.Array],
+  ) -> tuple[jax.Array, ...]:
     """The cached approximate inverse times the gradient `X̃ᵀ dY`.
 
     The gradient is never formed: `A⁻¹ (X̃ᵀ dY) G⁻¹ = (A⁻¹ X̃ᵀ)(dY G⁻¹)`
@@ -270,10 +304,12 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
     self._check_cached(state, -1, exact=False)
     x, dy = self._rows(inputs, outputs_cotangent)
     entry = state.cache[base.cache_key(-1, exact=False)]
-    result = self._from_matrix(_inputs_side(entry, x.T) @
-                               _outputs_side(entry, dy))
-    return utils.scalar_mul(result, self._scale_power(
-        self.scale(state, use_cache=True), -1))
+    result = self._from_matrix(
+      _inputs_side(entry, x.T) @ _outputs_side(entry, dy)
+    )
+    return utils.scalar_mul(
+      result, self._scale_power(self.scale(state, use_cache=True), -1)
+    )
 
 
 class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
@@ -294,8 +330,9 @@ class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
     return self.num_repeats
 
   def _batch_statistics(self, estimation_data, batch_size):
-    return super()._batch_statistics(estimation_data,
-                                     batch_size * self.num_repeats)
+    return super()._batch_statistics(
+      estimation_data, batch_size * self.num_repeats
+    )
 
 
 class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
@@ -311,17 +348,22 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
   def _check_layer(self):
     super()._check_layer()
     p = self.layer_tag_extra_params
-    if (p["feature_group_count"] != 1 or p["batch_group_count"] != 1
-        or tuple(p["lhs_dilation"]) != (1, 1)
-        or tuple(p["rhs_dilation"]) != (1, 1)):
+    if (
+      p["feature_group_count"] != 1
+      or p["batch_group_count"] != 1
+      or tuple(p["lhs_dilation"]) != (1, 1)
+      or tuple(p["rhs_dilation"]) != (1, 1)
+    ):
       raise ValueError(
-          f"Block {self.name!r}: {type(self).__name__} supports only "
-          "convolutions without grouping or dilation; use Conv2DDiagonal or "
-          "Conv2DFull for this layer.")
+        f"Block {self.name!r}: {type(self).__name__} supports only "
+        "convolutions without grouping or dilation; use Conv2DDiagonal or "
+        "Conv2DFull for this layer."
+      )
 
   def input_size(self) -> int:
     return self.weights_spatial_size * self.num_inputs_channels + int(
-        self.has_bias)
+      self.has_bias
+    )
 
   def output_size(self) -> int:
     return self.num_outputs_channels
@@ -351,14 +393,18 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
     # memory-saving loop over kernel offsets; use it when the patches fit the
     # same element budget the conv blocks use for vmapping.
     rows = x.shape[self.dimension_numbers.lhs_spec[0]] * self.num_locations
-    explicit = (rows * self.input_size()
-                <= base.get_max_parallel_elements())
-    moments = (patches.patches_moments_explicit if explicit
-               else patches.patches_moments)
+    explicit = rows * self.input_size() <= base.get_max_parallel_elements()
+    moments = (
+      patches.patches_moments_explicit if explicit else patches.patches_moments
+    )
     second, first = moments(
-        x, self.weights_spatial_shape, strides=p["window_strides"],
-        padding=p["padding"], data_format=None,
-        dim_numbers=self.dimension_numbers)
+      x,
+      self.weights_spatial_shape,
+      strides=p["window_strides"],
+      padding=p["padding"],
+      data_format=None,
+      dim_numbers=self.dimension_numbers,
+    )
     k = second.shape[0] * second.shape[1] * second.shape[2]
     a = second.reshape(k, k)
     if self.has_bias:

@@ -38,20 +38,27 @@ class DenseMixin:
     (x_shape,) = self.inputs_shapes
     d_in, d_out = self.weight_matrix_shape
     shapes = self.parameters_shapes
-    if (n not in (1, 2) or len(shapes[0]) < 2
-        or tags.dense_weight_split(shapes[0], d_in,
-                                   self.transposed_weight) is None
-        or utils.product(shapes[0]) != d_in * d_out
-        or n == 2 and utils.product(shapes[1]) != d_out):
+    if (
+      n not in (1, 2)
+      or len(shapes[0]) < 2
+      or tags.dense_weight_split(shapes[0], d_in, self.transposed_weight)
+      is None
+      or utils.product(shapes[0]) != d_in * d_out
+      or n == 2
+      and utils.product(shapes[1]) != d_out
+    ):
       raise ValueError(
-          f"Block {self.name!r}: a dense tag with {d_in} input and {d_out} "
-          "output features needs a weight of d_in * d_out entries (at least "
-          "2 axes) and an optional bias of d_out entries, got shapes "
-          f"{shapes}.")
+        f"Block {self.name!r}: a dense tag with {d_in} input and {d_out} "
+        "output features needs a weight of d_in * d_out entries (at least "
+        "2 axes) and an optional bias of d_out entries, got shapes "
+        f"{shapes}."
+      )
     if self.layer_tag_primitive is tags.dense and len(x_shape) != 2:
-      raise ValueError(f"Block {self.name!r}: dense inputs must be (batch, d_in),"
-                       f" got {x_shape}; tag the layer with "
-                       "register_repeated_dense instead.")
+      raise ValueError(
+        f"Block {self.name!r}: dense inputs must be (batch, d_in),"
+        f" got {x_shape}; tag the layer with "
+        "register_repeated_dense instead."
+      )
 
   @property
   def has_bias(self) -> bool:
@@ -79,7 +86,7 @@ class DenseMixin:
       orientation.
     """
     d_in, d_out = self.weight_matrix_shape
-    lead = w.shape[:w.ndim - len(self.parameters_shapes[0])]
+    lead = w.shape[: w.ndim - len(self.parameters_shapes[0])]
     if self.transposed_weight:
       return jnp.swapaxes(w.reshape(lead + (d_out, d_in)), -1, -2)
     return w.reshape(lead + (d_in, d_out))
@@ -101,11 +108,17 @@ class DenseMixin:
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
     d_in, d_out = self.weight_matrix_shape
     s, b = dy.shape[:2]
-    grads = [self.weight_from_matrix(jnp.einsum(
-        "b...i,sb...o->sbio", x, dy).reshape(s * b, d_in, d_out))]
+    grads = [
+      self.weight_from_matrix(
+        jnp.einsum("b...i,sb...o->sbio", x, dy).reshape(s * b, d_in, d_out)
+      )
+    ]
     if self.has_bias:
-      grads.append(dy.reshape(s * b, -1, d_out).sum(axis=1).reshape(
-          (s * b,) + self.parameters_shapes[1]))
+      grads.append(
+        dy.reshape(s * b, -1, d_out)
+        .sum(axis=1)
+        .reshape((s * b,) + self.parameters_shapes[1])
+      )
     return tuple(grads)
 
 
@@ -127,9 +140,11 @@ class ScaleAndShiftMixin:
 
   def _check_layer(self):
     if self.number_of_parameters != self.has_scale + self.has_shift:
-      raise ValueError(f"Block {self.name!r}: has_scale={self.has_scale} and "
-                       f"has_shift={self.has_shift} do not match the "
-                       f"{self.number_of_parameters} parameters of the tag.")
+      raise ValueError(
+        f"Block {self.name!r}: has_scale={self.has_scale} and "
+        f"has_shift={self.has_shift} do not match the "
+        f"{self.number_of_parameters} parameters of the tag."
+      )
 
   def _reduce_to(self, values, param_shape):
     """Sums `(N, *x_shape[1:])` over the axes a parameter broadcasts along."""
@@ -138,8 +153,9 @@ class ScaleAndShiftMixin:
     if len(core) == len(features) + 1:  # a leading 1 aligned with the batch
       core = core[1:]
     core = (1,) * (len(features) - len(core)) + core
-    axes = tuple(i + 1 for i, (c, f) in enumerate(zip(core, features))
-                 if c == 1 and f != 1)
+    axes = tuple(
+      i + 1 for i, (c, f) in enumerate(zip(core, features)) if c == 1 and f != 1
+    )
     summed = jnp.sum(values, axis=axes, keepdims=True)
     return summed.reshape((values.shape[0],) + tuple(param_shape))
 
@@ -164,16 +180,24 @@ class Conv2DMixin:
   def _check_layer(self):
     dn = self.dimension_numbers
     if self.number_of_parameters not in (1, 2):
-      raise ValueError(f"Block {self.name!r}: a conv2d tag has a kernel and an "
-                       f"optional bias, got {self.number_of_parameters} params.")
+      raise ValueError(
+        f"Block {self.name!r}: a conv2d tag has a kernel and an "
+        f"optional bias, got {self.number_of_parameters} params."
+      )
     if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
-      raise ValueError(f"Block {self.name!r}: the batch must be the leading axis "
-                       "of the convolution's inputs and outputs.")
-    if self.has_bias and utils.product(
-        self.parameters_shapes[1]) != self.num_outputs_channels:
-      raise ValueError(f"Block {self.name!r}: the bias must have one entry per "
-                       f"output channel ({self.num_outputs_channels}), got "
-                       f"shape {self.parameters_shapes[1]}.")
+      raise ValueError(
+        f"Block {self.name!r}: the batch must be the leading axis "
+        "of the convolution's inputs and outputs."
+      )
+    if (
+      self.has_bias
+      and utils.product(self.parameters_shapes[1]) != self.num_outputs_channels
+    ):
+      raise ValueError(
+        f"Block {self.name!r}: the bias must have one entry per "
+        f"output channel ({self.num_outputs_channels}), got "
+        f"shape {self.parameters_shapes[1]}."
+      )
 
   @property
   def dimension_numbers(self) -> lax.ConvDimensionNumbers:
@@ -240,16 +264,28 @@ class Conv2DMixin:
   def _conv(self, x, kernel):
     p = self.layer_tag_extra_params
     return lax.conv_general_dilated(
-        x, kernel, p["window_strides"], p["padding"], p["lhs_dilation"],
-        p["rhs_dilation"], p["dimension_numbers"], p["feature_group_count"],
-        p["batch_group_count"])
+      x,
+      kernel,
+      p["window_strides"],
+      p["padding"],
+      p["lhs_dilation"],
+      p["rhs_dilation"],
+      p["dimension_numbers"],
+      p["feature_group_count"],
+      p["batch_group_count"],
+    )
 
 
 class PerExampleConv2DMixin(Conv2DMixin):
   """Per-example kernel gradients via the convolution's VJP, in chunks."""
 
-  def __init__(self, layer_tag_eq: Any, name: str,
-               max_elements_for_vmap: int | None = None, **kwargs):
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str,
+    max_elements_for_vmap: int | None = None,
+    **kwargs,
+  ):
     """Builds the block.
 
     Args:
@@ -265,8 +301,10 @@ class PerExampleConv2DMixin(Conv2DMixin):
   def _check_layer(self):
     super()._check_layer()
     if self.layer_tag_extra_params["batch_group_count"] != 1:
-      raise ValueError(f"Block {self.name!r}: batch_group_count > 1 mixes "
-                       "examples, so per-example gradients are undefined.")
+      raise ValueError(
+        f"Block {self.name!r}: batch_group_count > 1 mixes "
+        "examples, so per-example gradients are undefined."
+      )
 
   @property
   def max_elements_for_vmap(self) -> int:
@@ -274,8 +312,11 @@ class PerExampleConv2DMixin(Conv2DMixin):
     return self._max_elements_for_vmap or base.get_max_parallel_elements()
 
   def _per_example_gradients(self, data):
-    (x,), (dy,), kernel = data["inputs"], data["outputs_tangent"], \
-        data["params"][0]
+    (x,), (dy,), kernel = (
+      data["inputs"],
+      data["outputs_tangent"],
+      data["params"][0],
+    )
     spatial_axes = tuple(self.dimension_numbers.out_spec[2:])
 
     def one_example(args):
@@ -283,8 +324,11 @@ class PerExampleConv2DMixin(Conv2DMixin):
       _, vjp = jax.vjp(lambda k: self._conv(xi[None], k), kernel)
       grads = [jax.vmap(lambda d: vjp(d[None])[0])(dyi)]
       if self.has_bias:  # in the bias's own shape, e.g. (C,) or (C, 1, 1)
-        grads.append(jnp.sum(dyi, axis=spatial_axes).reshape(
-            (dyi.shape[0],) + self.parameters_shapes[1]))
+        grads.append(
+          jnp.sum(dyi, axis=spatial_axes).reshape(
+            (dyi.shape[0],) + self.parameters_shapes[1]
+          )
+        )
       return tuple(grads)
 
     chunk = max(1, min(x.shape[0], self.max_elements_for_vmap))

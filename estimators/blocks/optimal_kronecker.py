@@ -40,8 +40,9 @@ def _normalized(matrix):
   return matrix / jnp.where(norm >= tiny, norm, jnp.ones_like(norm)), norm
 
 
-class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
-                            example_gradients.ExampleGradientsMixin):
+class OptimalKroneckerMixin(
+  shampoo.KroneckerSpectrum, example_gradients.ExampleGradientsMixin
+):
   """`σ A ⊗ B`, the Frobenius-nearest Kronecker product to the exact block.
 
   Mixed in before a TNT layer class (or `EmbeddingFactors`, whose diagonal
@@ -90,6 +91,7 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
       iterations: the power iteration's steps at the last update.
       change: how far (Frobenius) `A` moved in the last of them.
     """
+
     kronecker_inputs: jax.Array
     kronecker_outputs: jax.Array
     kronecker_scale: jax.Array
@@ -97,8 +99,14 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     iterations: jax.Array
     change: jax.Array
 
-  def __init__(self, layer_tag_eq, name: str, max_iterations: int = 100,
-               tolerance: float | None = None, **kwargs):
+  def __init__(
+    self,
+    layer_tag_eq,
+    name: str,
+    max_iterations: int = 100,
+    tolerance: float | None = None,
+    **kwargs,
+  ):
     """Builds the block.
 
     Args:
@@ -116,19 +124,31 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
       ValueError: for a negative or non-integer `max_iterations`, a negative
         `tolerance`, or a layer the block cannot take.
     """
-    if (not isinstance(max_iterations, numbers.Integral)
-        or isinstance(max_iterations, bool) or max_iterations < 0):
-      raise ValueError(f"Block {name!r}: max_iterations must be an int >= 0, "
-                       f"got {max_iterations!r}.")
+    if (
+      not isinstance(max_iterations, numbers.Integral)
+      or isinstance(max_iterations, bool)
+      or max_iterations < 0
+    ):
+      raise ValueError(
+        f"Block {name!r}: max_iterations must be an int >= 0, "
+        f"got {max_iterations!r}."
+      )
     if tolerance is not None and (
-        not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool)
-        or not tolerance >= 0):
-      raise ValueError(f"Block {name!r}: tolerance must be a number >= 0 or "
-                       f"None, got {tolerance!r}.")
+      not isinstance(tolerance, numbers.Real)
+      or isinstance(tolerance, bool)
+      or not tolerance >= 0
+    ):
+      raise ValueError(
+        f"Block {name!r}: tolerance must be a number >= 0 or "
+        f"None, got {tolerance!r}."
+      )
     self._max_iterations = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance = (float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
-                       if tolerance is None else float(tolerance))
+    self._tolerance = (
+      float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
+      if tolerance is None
+      else float(tolerance)
+    )
 
   @property
   def max_iterations(self) -> int:
@@ -141,24 +161,31 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     return self._tolerance
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
-    factors = super()._init(rng, exact_powers, approx_powers,
-                            cache_eigenvalues)
+    factors = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
     dtype = self.parameters_dtype
     o = self.output_size()
     zero = jnp.zeros([], dtype)
     return OptimalKroneckerMixin.State(
-        cache={}, inputs_factor=factors.inputs_factor,
-        outputs_factor=factors.outputs_factor,
-        kronecker_inputs=jnp.zeros_like(self._inputs_identity()),
-        kronecker_outputs=jnp.zeros((o, o), dtype), kronecker_scale=zero,
-        kronecker_weight=zero, iterations=jnp.zeros([], jnp.int32),
-        change=zero)
+      cache={},
+      inputs_factor=factors.inputs_factor,
+      outputs_factor=factors.outputs_factor,
+      kronecker_inputs=jnp.zeros_like(self._inputs_identity()),
+      kronecker_outputs=jnp.zeros((o, o), dtype),
+      kronecker_scale=zero,
+      kronecker_weight=zero,
+      iterations=jnp.zeros([], jnp.int32),
+      change=zero,
+    )
 
   def update_curvature_matrix_estimate(
-      self, state: "OptimalKroneckerMixin.State",
-      estimation_data: Mapping[str, Sequence[jax.Array]],
-      ema_old: base.Numeric, ema_new: base.Numeric, batch_size: base.Numeric,
-      pmap_axis_name: str | None) -> "OptimalKroneckerMixin.State":
+    self,
+    state: "OptimalKroneckerMixin.State",
+    estimation_data: Mapping[str, Sequence[jax.Array]],
+    ema_old: base.Numeric,
+    ema_new: base.Numeric,
+    batch_size: base.Numeric,
+    pmap_axis_name: str | None,
+  ) -> "OptimalKroneckerMixin.State":
     """Folds `L` and `R` in, then refits `σ A ⊗ B` (see the class).
 
     Args:
@@ -185,22 +212,28 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     eye_out = jnp.eye(self.output_size(), dtype=dtype)
     old = state
     state = self._fold_statistics(
-        state, (mean(grads.left(eye_out)), mean(grads.right(eye_in))),
-        ema_old, ema_new)
+      state,
+      (mean(grads.left(eye_out)), mean(grads.right(eye_in))),
+      ema_old,
+      ema_new,
+    )
     # The target: (w_old σ A ⊗ B + ema_new C_batch) / (w_old + ema_new).
     share, new_share, total = example_gradients.moving_shares(
-        old.kronecker_weight, ema_old, ema_new)
+      old.kronecker_weight, ema_old, ema_new
+    )
     old_term = share * old.kronecker_scale
 
     def left(b):
-      return (new_share * mean(grads.left(b))
-              + old_term * jnp.vdot(old.kronecker_outputs, b)
-              * old.kronecker_inputs)
+      return (
+        new_share * mean(grads.left(b))
+        + old_term * jnp.vdot(old.kronecker_outputs, b) * old.kronecker_inputs
+      )
 
     def right(a):
-      return (new_share * mean(grads.right(a))
-              + old_term * jnp.vdot(old.kronecker_inputs, a)
-              * old.kronecker_outputs)
+      return (
+        new_share * mean(grads.right(a))
+        + old_term * jnp.vdot(old.kronecker_inputs, a) * old.kronecker_outputs
+      )
 
     a0 = _normalized(state.inputs_factor.value)[0]
     b0 = _normalized(state.outputs_factor.value)[0]
@@ -208,6 +241,7 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
       a, b, scale = a0, b0, jnp.vdot(a0, left(b0))
       steps, change = jnp.zeros([], jnp.int32), jnp.zeros([], dtype)
     else:
+
       def step(carry):
         a_prev, b, _, _, steps = carry
         a = _normalized(left(b))[0]
@@ -219,18 +253,32 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
         return (steps < self._max_iterations) & (change > self._tolerance)
 
       a, b, scale, change, steps = jax.lax.while_loop(
-          unfinished, step, (a0, b0, jnp.zeros([], dtype),
-                             jnp.full([], jnp.inf, dtype),
-                             jnp.zeros([], jnp.int32)))
+        unfinished,
+        step,
+        (
+          a0,
+          b0,
+          jnp.zeros([], dtype),
+          jnp.full([], jnp.inf, dtype),
+          jnp.zeros([], jnp.int32),
+        ),
+      )
     return dataclasses.replace(
-        state, kronecker_inputs=a, kronecker_outputs=b,
-        kronecker_scale=scale,
-        kronecker_weight=jnp.asarray(total, dtype),
-        iterations=steps, change=change)
+      state,
+      kronecker_inputs=a,
+      kronecker_outputs=b,
+      kronecker_scale=scale,
+      kronecker_weight=jnp.asarray(total, dtype),
+      iterations=steps,
+      change=change,
+    )
 
   def _kronecker_multiply(self, state, v):
-    return (state.kronecker_scale * example_gradients.factor_apply(
-        state.kronecker_inputs, v) @ state.kronecker_outputs)
+    return (
+      state.kronecker_scale
+      * example_gradients.factor_apply(state.kronecker_inputs, v)
+      @ state.kronecker_outputs
+    )
 
   def _kronecker_spectrum(self, state):
     a_values, q_a = example_gradients.factor_eigh(state.kronecker_inputs)
@@ -238,8 +286,9 @@ class OptimalKroneckerMixin(shampoo.KroneckerSpectrum,
     return q_a, q_b, state.kronecker_scale * jnp.outer(a_values, b_values)
 
 
-class DenseOptimalKronecker(OptimalKroneckerMixin, shampoo.AssembledOuterSum,
-                            tnt.DenseTNT):
+class DenseOptimalKronecker(
+  OptimalKroneckerMixin, shampoo.AssembledOuterSum, tnt.DenseTNT
+):
   """The nearest Kronecker product to a dense or repeated dense tag's exact
   block (Van Loan and Pitsianis, 1993); see `OptimalKroneckerMixin`."""
 
@@ -250,8 +299,9 @@ class Conv2DOptimalKronecker(OptimalKroneckerMixin, tnt.Conv2DTNT):
   `OptimalKroneckerMixin`."""
 
 
-class EmbeddingOptimalKronecker(OptimalKroneckerMixin,
-                                example_gradients.EmbeddingFactors):
+class EmbeddingOptimalKronecker(
+  OptimalKroneckerMixin, example_gradients.EmbeddingFactors
+):
   """The nearest Kronecker product to an embedding tag's exact block (Van
   Loan and Pitsianis, 1993), from the table's sparse per-example
   gradients; above `max_full_vocab` tokens the nearest `σ diag(a) ⊗ B`

@@ -54,8 +54,11 @@ class AssembledOuterSum:
     return False
 
   def multiply_inverse_outer_sum(
-      self, state: base.CurvatureBlock.State, inputs: Sequence[jax.Array],
-      outputs_cotangent: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    self,
+    state: base.CurvatureBlock.State,
+    inputs: Sequence[jax.Array],
+    outputs_cotangent: Sequence[jax.Array],
+  ) -> tuple[jax.Array, ...]:
     """The cached approximate inverse times the gradient `X̃ᵀ dY`.
 
     Args:
@@ -71,8 +74,13 @@ class AssembledOuterSum:
       ValueError: if the approximate inverse is not cached.
     """
     x, dy = self._rows(inputs, outputs_cotangent)
-    return self.multiply_inverse(state, self._from_matrix(x.T @ dy), 0.0,
-                                 exact_power=False, use_cached=True)
+    return self.multiply_inverse(
+      state,
+      self._from_matrix(x.T @ dy),
+      0.0,
+      exact_power=False,
+      use_cached=True,
+    )
 
 
 class KroneckerSpectrum:
@@ -99,38 +107,52 @@ class KroneckerSpectrum:
     """`(q_l, q_r, s)`: the block is `(q_l ⊗ q_r) diag(vec s) (q_l ⊗ q_r)ᵀ`,
     `s` of shape `(input_size, output_size)`. The one hook a family gives."""
     raise NotImplementedError(
-        f"{type(self).__name__} must give its Kronecker eigenbasis and "
-        "spectrum (`_kronecker_spectrum`).")
+      f"{type(self).__name__} must give its Kronecker eigenbasis and "
+      "spectrum (`_kronecker_spectrum`)."
+    )
 
   def _kronecker_multiply(self, state, v):
     """The block times the `(input_size, output_size)` matrix `v`."""
     q_l, q_r, s = self._kronecker_spectrum(state)
     return example_gradients.eigen_multiply(q_l, q_r, s, v)
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     v = self._to_matrix(vector)
     if use_cached:
       cache = state.cache
-      q_l, q_r, s = (cache.get("inputs_eigenvectors"),
-                     cache["outputs_eigenvectors"], cache["spectrum"])
+      q_l, q_r, s = (
+        cache.get("inputs_eigenvectors"),
+        cache["outputs_eigenvectors"],
+        cache["spectrum"],
+      )
       identity_weight = cache[base.cache_key(power, exact=exact_power)]
     elif power == 1:
-      return self._from_matrix(self._kronecker_multiply(state, v)
-                               + identity_weight * v)
+      return self._from_matrix(
+        self._kronecker_multiply(state, v) + identity_weight * v
+      )
     else:
       q_l, q_r, s = self._kronecker_spectrum(state)
     grid = s + identity_weight
     if power != 1:
       grid = jnp.power(grid, power)
     return self._from_matrix(
-        example_gradients.eigen_multiply(q_l, q_r, grid, v))
+      example_gradients.eigen_multiply(q_l, q_r, grid, v)
+    )
 
   def _eigenvalues_unscaled(self, state):
     return self._kronecker_spectrum(state)[2].reshape(-1)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     del state_scale  # 1: the scale is part of the spectrum
     keys = base.power_cache_keys(exact_powers, approx_powers)
     if not (keys or eigenvalues):
@@ -151,11 +173,13 @@ class KroneckerSpectrum:
 def _positive_or_one(value):
   """`value`, or 1 where it is below the dtype's `tiny` (a zero estimate,
   whose matrix is zero whatever it is multiplied by)."""
-  return jnp.where(value >= jnp.finfo(value.dtype).tiny, value,
-                   jnp.ones_like(value))
+  return jnp.where(
+    value >= jnp.finfo(value.dtype).tiny, value, jnp.ones_like(value)
+  )
 
 
 # --- Shampoo² -----------------------------------------------------------------
+
 
 class DenseShampoo2(tnt.DenseTNT):
   """Shampoo² for dense and repeated dense tags: `L ⊗ R / tr L`.
@@ -182,15 +206,22 @@ class Shampoo2Spectrum(KroneckerSpectrum):
 
   def _kronecker_multiply(self, state, v):
     left = state.inputs_factor.value
-    return (example_gradients.factor_apply(left, v) @ state.outputs_factor.value
-            / _positive_or_one(example_gradients.factor_trace(left)))
+    return (
+      example_gradients.factor_apply(left, v)
+      @ state.outputs_factor.value
+      / _positive_or_one(example_gradients.factor_trace(left))
+    )
 
   def _kronecker_spectrum(self, state):
     left = state.inputs_factor.value
     l_values, q_l = example_gradients.factor_eigh(left)
     r_values, q_r = utils.safe_psd_eigh(state.outputs_factor.value)
-    return q_l, q_r, jnp.outer(l_values, r_values) / _positive_or_one(
-        example_gradients.factor_trace(left))
+    return (
+      q_l,
+      q_r,
+      jnp.outer(l_values, r_values)
+      / _positive_or_one(example_gradients.factor_trace(left)),
+    )
 
 
 class EmbeddingShampoo2(Shampoo2Spectrum, example_gradients.EmbeddingFactors):
@@ -201,6 +232,7 @@ class EmbeddingShampoo2(Shampoo2Spectrum, example_gradients.EmbeddingFactors):
 
 
 # --- Shampoo ------------------------------------------------------------------
+
 
 def _root_of_spectrum(values):
   """`sqrt(values)` of a PSD factor's eigenvalues, with those under
@@ -220,7 +252,8 @@ class ShampooSpectrum(KroneckerSpectrum):
     r_values, q_r = utils.safe_psd_eigh(state.outputs_factor.value)
     l_roots, r_roots = _root_of_spectrum(l_values), _root_of_spectrum(r_values)
     scale = jnp.sum(l_values) / _positive_or_one(
-        jnp.sum(l_roots) * jnp.sum(r_roots))
+      jnp.sum(l_roots) * jnp.sum(r_roots)
+    )
     return q_l, q_r, scale * jnp.outer(l_roots, r_roots)
 
 
@@ -247,6 +280,7 @@ class EmbeddingShampoo(ShampooSpectrum, example_gradients.EmbeddingFactors):
 
 # --- SOAP ---------------------------------------------------------------------
 
+
 class SOAPScalings:
   """EKFAC's scalings refitted to per-example gradients in the eigenbasis of
   Shampoo's `L` and `R` (Vyas et al., 2024; George et al., 2018).
@@ -262,8 +296,9 @@ class SOAPScalings:
     del state
     return 1
 
-  def update_curvature_matrix_estimate(self, state, estimation_data, ema_old,
-                                       ema_new, batch_size, pmap_axis_name):
+  def update_curvature_matrix_estimate(
+    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+  ):
     """Folds this batch into `L`, `R` and the scalings with EKFAC's cadence
     (`eigenbasis.EKFAC.update_curvature_matrix_estimate`), forming the
     per-example gradients once for all three. Formed chunk by chunk, they
@@ -290,37 +325,51 @@ class SOAPScalings:
     mean = example_gradients.device_mean(pmap_axis_name)
     grads = self._example_gradients(estimation_data, batch_size)
     fresh = state.inputs_factor.weight == 0
-    left, right, squares = mean(grads.shampoo_moments(state.inputs_basis,
-                                                      state.outputs_basis))
+    left, right, squares = mean(
+      grads.shampoo_moments(state.inputs_basis, state.outputs_basis)
+    )
     state = self._fold_statistics(state, (left, right), ema_old, ema_new)
     # Only the taken branches run: later updates cost no eigensolve and no
     # second pass.
     u_a, u_g = jax.lax.cond(
-        fresh, self._factor_bases,
-        lambda s: (s.inputs_basis, s.outputs_basis), state)
+      fresh,
+      self._factor_bases,
+      lambda s: (s.inputs_basis, s.outputs_basis),
+      state,
+    )
     squares = jax.lax.cond(
-        fresh, lambda: mean(grads.projected_squares(u_a, u_g)),
-        lambda: squares)
+      fresh, lambda: mean(grads.projected_squares(u_a, u_g)), lambda: squares
+    )
     old = state.scalings
     # Weight 0 after a refresh: the kept value is from the old basis.
     ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
-        state, inputs_basis=u_a, outputs_basis=u_g,
-        scalings=old.update(squares, ema_old, ema_new))
+      state,
+      inputs_basis=u_a,
+      outputs_basis=u_g,
+      scalings=old.update(squares, ema_old, ema_new),
+    )
 
   def _batch_scalings(self, estimation_data, batch_size, u_a, u_g):
     # EKFAC's hook for a batch's scalings in a basis; the update above
     # takes them from the moments instead.
     return self._example_gradients(
-        estimation_data, batch_size).projected_squares(u_a, u_g)
+      estimation_data, batch_size
+    ).projected_squares(u_a, u_g)
 
   def _projected_rows(self, estimation_data, inputs_basis, outputs_basis):
     raise NotImplementedError(  # EKFAC's hook; `_batch_scalings` replaces it
-        f"{type(self).__name__} fits its scalings to per-example gradients.")
+      f"{type(self).__name__} fits its scalings to per-example gradients."
+    )
 
 
-class DenseSOAP(SOAPScalings, example_gradients.ExampleGradientsMixin,
-                AssembledOuterSum, eigenbasis.EKFAC, tnt.DenseTNT):
+class DenseSOAP(
+  SOAPScalings,
+  example_gradients.ExampleGradientsMixin,
+  AssembledOuterSum,
+  eigenbasis.EKFAC,
+  tnt.DenseTNT,
+):
   """SOAP's curvature for dense and repeated dense tags (Vyas et al., 2024):
   `(Q_L ⊗ Q_R) diag(vec D) (Q_L ⊗ Q_R)ᵀ`, `Q_L`, `Q_R` the eigenvectors of
   Shampoo's `L` and `R` and `D = E_n[(Q_Lᵀ G_n Q_R)²]` (George et al.'s
@@ -332,14 +381,19 @@ class DenseSOAP(SOAPScalings, example_gradients.ExampleGradientsMixin,
   """
 
 
-class Conv2DSOAP(SOAPScalings, example_gradients.ExampleGradientsMixin,
-                 eigenbasis.EKFAC, tnt.Conv2DTNT):
+class Conv2DSOAP(
+  SOAPScalings,
+  example_gradients.ExampleGradientsMixin,
+  eigenbasis.EKFAC,
+  tnt.Conv2DTNT,
+):
   """SOAP's curvature for 2-D convolutions (Vyas et al., 2024): as
   `DenseSOAP`, from per-example kernel gradients."""
 
 
-class EmbeddingSOAP(SOAPScalings, eigenbasis.EKFAC,
-                    example_gradients.EmbeddingFactors):
+class EmbeddingSOAP(
+  SOAPScalings, eigenbasis.EKFAC, example_gradients.EmbeddingFactors
+):
   """SOAP's curvature for an embedding tag (Vyas et al., 2024): as
   `DenseSOAP` over the table's per-example gradients, with `L` whole up to
   `max_full_vocab` tokens. Above, `L` is its diagonal, whose eigenbasis is
@@ -350,26 +404,37 @@ class EmbeddingSOAP(SOAPScalings, eigenbasis.EKFAC,
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     # Not EKFAC's `_init`: its identity basis would be V x V.
     factors = example_gradients.EmbeddingFactors._init(
-        self, rng, exact_powers, approx_powers, cache_eigenvalues)
+      self, rng, exact_powers, approx_powers, cache_eigenvalues
+    )
     dtype = self.parameters_dtype
     d = self.output_size()
     return eigenbasis.EKFAC.State(
-        cache={}, inputs_factor=factors.inputs_factor,
-        outputs_factor=factors.outputs_factor,
-        inputs_basis=(jnp.eye(self.vocab_size, dtype=dtype)
-                      if self.full_inputs_factor else None),
-        outputs_basis=jnp.eye(d, dtype=dtype),
-        scalings=utils.WeightedMovingAverage.zeros((self.vocab_size, d),
-                                                   dtype))
+      cache={},
+      inputs_factor=factors.inputs_factor,
+      outputs_factor=factors.outputs_factor,
+      inputs_basis=(
+        jnp.eye(self.vocab_size, dtype=dtype)
+        if self.full_inputs_factor
+        else None
+      ),
+      outputs_basis=jnp.eye(d, dtype=dtype),
+      scalings=utils.WeightedMovingAverage.zeros((self.vocab_size, d), dtype),
+    )
 
   def _factor_bases(self, state):
-    return (example_gradients.factor_eigh(state.inputs_factor.value)[1],
-            utils.safe_psd_eigh(state.outputs_factor.value)[1])
+    return (
+      example_gradients.factor_eigh(state.inputs_factor.value)[1],
+      utils.safe_psd_eigh(state.outputs_factor.value)[1],
+    )
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
-    grid = eigenbasis.damped_scalings(self, state, identity_weight, power,
-                                      exact_power, use_cached)
-    return self._from_matrix(example_gradients.eigen_multiply(
-        state.inputs_basis, state.outputs_basis, grid,
-        self._to_matrix(vector)))
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
+    grid = eigenbasis.damped_scalings(
+      self, state, identity_weight, power, exact_power, use_cached
+    )
+    return self._from_matrix(
+      example_gradients.eigen_multiply(
+        state.inputs_basis, state.outputs_basis, grid, self._to_matrix(vector)
+      )
+    )

@@ -71,10 +71,10 @@ class TwoFactorTNT:
 
     def sums(xc, dyc):
       grads = self._per_example_gradients(
-          dict(data, inputs=(xc,), outputs_tangent=(dyc,)))
+        dict(data, inputs=(xc,), outputs_tangent=(dyc,))
+      )
       m = jax.vmap(self._to_matrix)(grads)  # (rows, input_size, output_size)
-      return (jnp.einsum("nio,njo->ij", m, m),
-              jnp.einsum("nio,nip->op", m, m))
+      return (jnp.einsum("nio,njo->ij", m, m), jnp.einsum("nio,nip->op", m, m))
 
     if chunk >= batch:
       return sums(x, dy)
@@ -88,8 +88,9 @@ class TwoFactorTNT:
       a, g = sums(*args)
       return (carry[0] + a, carry[1] + g), None
 
-    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                   jax.eval_shape(sums, xs[0], dys[0]))
+    zeros = jax.tree_util.tree_map(
+      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sums, xs[0], dys[0])
+    )
     return lax.scan(step, zeros, (xs, dys))[0]
 
 
@@ -107,8 +108,9 @@ class DenseTNT(TwoFactorTNT, kronecker.DenseTwoKroneckerFactored):
   def _batch_statistics(self, estimation_data, batch_size):
     if len(self.inputs_shapes[0]) != 2:  # repeated: no rank-one shortcut
       return super()._batch_statistics(estimation_data, batch_size)
-    x, rows = self._rows(estimation_data["inputs"],
-                         estimation_data["outputs_tangent"])
+    x, rows = self._rows(
+      estimation_data["inputs"], estimation_data["outputs_tangent"]
+    )
     (dy,) = estimation_data["outputs_tangent"]  # (S, B, d_out)
     dy_norms = jnp.sum(dy * dy, axis=(0, 2))  # (B,)
     x_norms = jnp.sum(x * x, axis=1)  # (B,)
@@ -117,8 +119,11 @@ class DenseTNT(TwoFactorTNT, kronecker.DenseTwoKroneckerFactored):
     return a / batch_size, weighted.T @ rows / batch_size
 
 
-class Conv2DTNT(TwoFactorTNT, layers.PerExampleConv2DMixin,
-                kronecker.Conv2DTwoKroneckerFactored):
+class Conv2DTNT(
+  TwoFactorTNT,
+  layers.PerExampleConv2DMixin,
+  kronecker.Conv2DTwoKroneckerFactored,
+):
   """TNT for 2-D convolutions (Ren & Goldfarb, NeurIPS 2021).
 
   `A ⊗ G / tr(A)` in the layout of `Conv2DTwoKroneckerFactored` (rows:
@@ -156,6 +161,7 @@ class NaiveTNT(base.CurvatureBlock):
     Attributes:
       factors: one WeightedMovingAverage per factor, `(d_j, d_j)`.
     """
+
     factors: tuple[utils.WeightedMovingAverage, ...]
 
   _REQUIRED_DATA = ("params_tangent",)
@@ -163,10 +169,11 @@ class NaiveTNT(base.CurvatureBlock):
   def _check_layer(self):
     if self.number_of_parameters != 1:
       raise ValueError(
-          f"Block {self.name!r}: NaiveTNT needs a tag with exactly one "
-          f"parameter, got {self.number_of_parameters} with shapes "
-          f"{self.parameters_shapes}; tag each parameter on its own (e.g. "
-          "register_generic(w)) or use NaiveFull / NaiveDiagonal.")
+        f"Block {self.name!r}: NaiveTNT needs a tag with exactly one "
+        f"parameter, got {self.number_of_parameters} with shapes "
+        f"{self.parameters_shapes}; tag each parameter on its own (e.g. "
+        "register_generic(w)) or use NaiveFull / NaiveDiagonal."
+      )
 
   @property
   def factor_sizes(self) -> tuple[int, ...]:
@@ -176,8 +183,12 @@ class NaiveTNT(base.CurvatureBlock):
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
     zeros = utils.WeightedMovingAverage.zeros
-    return NaiveTNT.State(cache={}, factors=tuple(
-        zeros((n, n), self.parameters_dtype) for n in self.factor_sizes))
+    return NaiveTNT.State(
+      cache={},
+      factors=tuple(
+        zeros((n, n), self.parameters_dtype) for n in self.factor_sizes
+      ),
+    )
 
   def _batch_statistics(self, estimation_data, batch_size):
     (p,) = estimation_data["params_tangent"]
@@ -189,8 +200,12 @@ class NaiveTNT(base.CurvatureBlock):
     return tuple(stats)
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
-    return dataclasses.replace(state, factors=tuple(
-        f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)))
+    return dataclasses.replace(
+      state,
+      factors=tuple(
+        f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)
+      ),
+    )
 
   def _normalized_factors(self, state, state_scale=1):
     """The factors whose Kronecker product is `state_scale` times the block."""
@@ -202,8 +217,10 @@ class NaiveTNT(base.CurvatureBlock):
     """Applies `matrices[j]` (or its transpose) along axis j of `tensor`."""
     for axis, m in enumerate(matrices):
       tensor = jnp.moveaxis(
-          jnp.tensordot(m.T if transpose else m, tensor, axes=([1], [axis])),
-          0, axis)
+        jnp.tensordot(m.T if transpose else m, tensor, axes=([1], [axis])),
+        0,
+        axis,
+      )
     return tensor
 
   def _eigen_grid(self, values):
@@ -213,23 +230,27 @@ class NaiveTNT(base.CurvatureBlock):
       grid = jnp.multiply.outer(grid, v)
     return grid
 
-  def _multiply_matpower_unscaled(self, state, vector, identity_weight, power,
-                                  exact_power, use_cached):
+  def _multiply_matpower_unscaled(
+    self, state, vector, identity_weight, power, exact_power, use_cached
+  ):
     # Approximate powers are exact for this block: the flag only picks the
     # cache entry.
     v = vector[0].reshape(self.factor_sizes)
     if use_cached:
       cache = state.cache
-      values, vectors = (cache["factors_eigenvalues"],
-                         cache["factors_eigenvectors"])
+      values, vectors = (
+        cache["factors_eigenvalues"],
+        cache["factors_eigenvectors"],
+      )
       identity_weight = cache[base.cache_key(power, exact=exact_power)]
     elif power == 1:  # cheap without eigendecompositions
       factors = self._normalized_factors(state)
       result = self._along_axes(factors, v) + identity_weight * v
       return (result.reshape(self.parameters_shapes[0]),)
     else:
-      values, vectors = zip(*[utils.safe_psd_eigh(f)
-                              for f in self._normalized_factors(state)])
+      values, vectors = zip(
+        *[utils.safe_psd_eigh(f) for f in self._normalized_factors(state)]
+      )
     grid = jnp.power(self._eigen_grid(values) + identity_weight, power)
     rotated = self._along_axes(vectors, v, transpose=True)
     result = self._along_axes(vectors, grid * rotated)
@@ -239,16 +260,28 @@ class NaiveTNT(base.CurvatureBlock):
     values = [utils.psd_eigvalsh(f) for f in self._normalized_factors(state)]
     return self._eigen_grid(values).reshape(-1)
 
-  def _update_cache(self, state, identity_weight, exact_powers, approx_powers,
-                    eigenvalues, state_scale):
+  def _update_cache(
+    self,
+    state,
+    identity_weight,
+    exact_powers,
+    approx_powers,
+    eigenvalues,
+    state_scale,
+  ):
     keys = base.power_cache_keys(exact_powers, approx_powers)
-    values, vectors = zip(*[utils.safe_psd_eigh(f) for f in
-                            self._normalized_factors(state, state_scale)])
+    values, vectors = zip(
+      *[
+        utils.safe_psd_eigh(f)
+        for f in self._normalized_factors(state, state_scale)
+      ]
+    )
     updates = {}
     if keys:
       weight = jnp.asarray(identity_weight, self.parameters_dtype)
-      updates.update(factors_eigenvalues=tuple(values),
-                     factors_eigenvectors=tuple(vectors))
+      updates.update(
+        factors_eigenvalues=tuple(values), factors_eigenvectors=tuple(vectors)
+      )
       updates.update({key: weight for key, _ in keys})
     if eigenvalues:
       updates["eigenvalues"] = self._eigen_grid(values).reshape(-1)

@@ -64,8 +64,7 @@ class RepeatedDenseKFACReduce(kronecker.DenseTwoKroneckerFactored):
     # (S, B, r1, ..., d_out) -> one summed tangent per (sample, example).
     dy_sum = jnp.sum(dy, axis=tuple(range(2, dy.ndim - 1)))
     dy_sum = dy_sum.reshape(-1, dy_sum.shape[-1])
-    return (x_mean.T @ x_mean / batch_size,
-            dy_sum.T @ dy_sum / batch_size)
+    return (x_mean.T @ x_mean / batch_size, dy_sum.T @ dy_sum / batch_size)
 
 
 class Conv2DKFACReduce(kronecker.Conv2DTwoKroneckerFactored):
@@ -104,8 +103,13 @@ class Conv2DKFACReduce(kronecker.Conv2DTwoKroneckerFactored):
     # The sum over locations of the patch entry at kernel offset (i, j) is the
     # sum of one strided view of the padded input; each view is reduced as
     # it is read, so the patches are never stored.
-    sums = [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw]
-            .sum(axis=(1, 2)) for i in range(kh) for j in range(kw)]
+    sums = [
+      x[:, i : i + (oh - 1) * sh + 1 : sh, j : j + (ow - 1) * sw + 1 : sw].sum(
+        axis=(1, 2)
+      )
+      for i in range(kh)
+      for j in range(kw)
+    ]
     return jnp.stack(sums, axis=1).reshape(x.shape[0], -1) / (oh * ow)
 
   def _batch_statistics(self, estimation_data, batch_size):

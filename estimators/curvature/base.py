@@ -23,17 +23,18 @@ from estimators.utils.types import FuncArgs, Params, StateType
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
-    "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
-    "repeated_dense_tag": curvature_blocks.RepeatedDenseTwoKroneckerFactored,
-    "conv2d_tag": curvature_blocks.Conv2DTwoKroneckerFactored,
-    "generic_tag": curvature_blocks.NaiveDiagonal,
-    "scale_and_shift_tag": curvature_blocks.ScaleAndShiftDiagonal,
-    "embedding_tag": curvature_blocks.EmbeddingKFAC,
+  "dense_tag": curvature_blocks.DenseTwoKroneckerFactored,
+  "repeated_dense_tag": curvature_blocks.RepeatedDenseTwoKroneckerFactored,
+  "conv2d_tag": curvature_blocks.Conv2DTwoKroneckerFactored,
+  "generic_tag": curvature_blocks.NaiveDiagonal,
+  "scale_and_shift_tag": curvature_blocks.ScaleAndShiftDiagonal,
+  "embedding_tag": curvature_blocks.EmbeddingKFAC,
 }
 
 
-def set_default_tag_to_block_ctor(tag_name: str,
-                                  block_ctor: CurvatureBlockCtor) -> None:
+def set_default_tag_to_block_ctor(
+  tag_name: str, block_ctor: CurvatureBlockCtor
+) -> None:
   """Sets the block class used by default for layers with this tag name.
 
   Args:
@@ -53,8 +54,6 @@ def get_default_tag_to_block_ctor(tag_name: str) -> CurvatureBlockCtor | None:
     The block constructor, or None for an unknown tag.
   """
   return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
-
-
 
 
 def powers_tuple(powers) -> tuple:
@@ -80,8 +79,9 @@ class _InPlaceMovingAverage(utils.WeightedMovingAverage):
 def _map_averages(fn, state):
   """`state` with `fn` applied to each of its moving averages."""
   is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
-  return jax.tree.map(lambda x: fn(x) if is_average(x) else x, state,
-                      is_leaf=is_average)
+  return jax.tree.map(
+    lambda x: fn(x) if is_average(x) else x, state, is_leaf=is_average
+  )
 
 
 def _with_averages(state, cls):
@@ -89,11 +89,15 @@ def _with_averages(state, cls):
   return _map_averages(lambda x: cls(x.weight, x.raw_value), state)
 
 
-def update_block_estimate(block: curvature_blocks.CurvatureBlock, state: Any,
-                          estimation_data: Mapping[str, tuple],
-                          ema_old: Numeric, ema_new: Numeric,
-                          batch_size: Numeric,
-                          pmap_axis_name: str | None = None) -> Any:
+def update_block_estimate(
+  block: curvature_blocks.CurvatureBlock,
+  state: Any,
+  estimation_data: Mapping[str, tuple],
+  ema_old: Numeric,
+  ema_new: Numeric,
+  batch_size: Numeric,
+  pmap_axis_name: str | None = None,
+) -> Any:
   """`block.update_curvature_matrix_estimate`, fed as the block expects.
 
   A block with `estimation_data_has_sample_axis` takes all samples at
@@ -119,32 +123,39 @@ def update_block_estimate(block: curvature_blocks.CurvatureBlock, state: Any,
   """
   if block.estimation_data_has_sample_axis:
     return block.update_curvature_matrix_estimate(
-        state, estimation_data, ema_old, ema_new, batch_size,
-        pmap_axis_name)
+      state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    )
   tangents = ("outputs_tangent", "params_tangent")
   num = jax.tree.leaves([estimation_data[k] for k in tangents])[0].shape[0]
 
   def one_sample(state, sample, ema_old):
     data = dict(estimation_data)
     for key in tangents:
-      data[key] = tuple(t[sample] * np.sqrt(num).astype(t.dtype)
-                        for t in estimation_data[key])
+      data[key] = tuple(
+        t[sample] * np.sqrt(num).astype(t.dtype) for t in estimation_data[key]
+      )
     state = block.update_curvature_matrix_estimate(
-        _with_averages(state, _InPlaceMovingAverage), data, ema_old,
-        ema_new / num, batch_size, pmap_axis_name)
+      _with_averages(state, _InPlaceMovingAverage),
+      data,
+      ema_old,
+      ema_new / num,
+      batch_size,
+      pmap_axis_name,
+    )
     return _with_averages(state, utils.WeightedMovingAverage)
 
   state = one_sample(state, 0, ema_old)
-  return jax.lax.fori_loop(1, num, lambda s, st: one_sample(st, s, 1.0),
-                           state)
+  return jax.lax.fori_loop(1, num, lambda s, st: one_sample(st, s, 1.0), state)
 
 
 def check_params_tree(expected, vector, what):
   """Refuses a `vector` whose tree structure is not `expected`."""
   got = jax.tree.structure(vector)
   if got != expected:
-    raise ValueError(f"The {what} does not have the structure of the model's "
-                     f"params: expected {expected}, got {got}.")
+    raise ValueError(
+      f"The {what} does not have the structure of the model's "
+      f"params: expected {expected}, got {got}."
+    )
 
 
 class CurvatureEstimator(abc.ABC, Generic[StateType]):
@@ -163,8 +174,12 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       uses when given none.
   """
 
-  def __init__(self, func: Callable, params_index: int = 0,
-               default_estimation_mode: str = "fisher_gradients"):
+  def __init__(
+    self,
+    func: Callable,
+    params_index: int = 0,
+    default_estimation_mode: str = "fisher_gradients",
+  ):
     """Stores the model function and checks the estimation mode.
 
     Args:
@@ -179,7 +194,8 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     self.func = func
     self.params_index = params_index
     self.default_estimation_mode = estimation_modes.check_estimation_mode(
-        default_estimation_mode)
+      default_estimation_mode
+    )
 
   @property
   def default_mat_type(self) -> str:
@@ -194,10 +210,14 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     """Number of parameter elements."""
 
   @abc.abstractmethod
-  def init(self, rng: jax.Array, func_args: FuncArgs,
-           exact_powers_to_cache: ScalarOrSequence,
-           approx_powers_to_cache: ScalarOrSequence,
-           cache_eigenvalues: bool = False) -> Any:
+  def init(
+    self,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    exact_powers_to_cache: ScalarOrSequence,
+    approx_powers_to_cache: ScalarOrSequence,
+    cache_eigenvalues: bool = False,
+  ) -> Any:
     """The initial state: a zero estimate and an empty cache.
 
     Args:
@@ -215,11 +235,17 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
 
   @abc.abstractmethod
   def update_curvature_matrix_estimate(
-      self, state: Any, ema_old: Numeric, ema_new: Numeric,
-      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
-      pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None,
-      identity_weight: Numeric | None = None) -> Any:
+    self,
+    state: Any,
+    ema_old: Numeric,
+    ema_new: Numeric,
+    batch_size: Numeric,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    pmap_axis_name: str | None = None,
+    estimation_mode: str | None = None,
+    identity_weight: Numeric | None = None,
+  ) -> Any:
     """Folds one batch's estimate into the moving average.
 
     The new estimate is `(ema_old * w * old + ema_new * batch) / (ema_old * w
@@ -245,10 +271,15 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     """
 
   @abc.abstractmethod
-  def update_cache(self, state: Any, identity_weight: Numeric,
-                   exact_powers: ScalarOrSequence,
-                   approx_powers: ScalarOrSequence, eigenvalues: bool,
-                   pmap_axis_name: str | None = None) -> Any:
+  def update_cache(
+    self,
+    state: Any,
+    identity_weight: Numeric,
+    exact_powers: ScalarOrSequence,
+    approx_powers: ScalarOrSequence,
+    eigenvalues: bool,
+    pmap_axis_name: str | None = None,
+  ) -> Any:
     """Refreshes cached powers and eigenvalues from the current estimate.
 
     Args:
@@ -268,10 +299,16 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     """
 
   @abc.abstractmethod
-  def multiply_matpower(self, state: Any, parameter_structured_vector: Params,
-                        identity_weight: Numeric, power: float,
-                        exact_power: bool, use_cached: bool,
-                        pmap_axis_name: str | None = None) -> Params:
+  def multiply_matpower(
+    self,
+    state: Any,
+    parameter_structured_vector: Params,
+    identity_weight: Numeric,
+    power: float,
+    exact_power: bool,
+    use_cached: bool,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     """`(C + identity_weight I) ** power @ v`.
 
     Args:
@@ -293,25 +330,45 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       The product, shaped like the parameters.
     """
 
-  def multiply(self, state: Any, parameter_structured_vector: Params,
-               identity_weight: Numeric = 0.0, exact_power: bool = True,
-               use_cached: bool = False,
-               pmap_axis_name: str | None = None) -> Params:
+  def multiply(
+    self,
+    state: Any,
+    parameter_structured_vector: Params,
+    identity_weight: Numeric = 0.0,
+    exact_power: bool = True,
+    use_cached: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     """`(C + identity_weight I) @ v`; see `multiply_matpower`."""
-    return self.multiply_matpower(state, parameter_structured_vector,
-                                  identity_weight, 1, exact_power=exact_power,
-                                  use_cached=use_cached,
-                                  pmap_axis_name=pmap_axis_name)
+    return self.multiply_matpower(
+      state,
+      parameter_structured_vector,
+      identity_weight,
+      1,
+      exact_power=exact_power,
+      use_cached=use_cached,
+      pmap_axis_name=pmap_axis_name,
+    )
 
-  def multiply_inverse(self, state: Any, parameter_structured_vector: Params,
-                       identity_weight: Numeric = 0.0,
-                       exact_power: bool = True, use_cached: bool = False,
-                       pmap_axis_name: str | None = None) -> Params:
+  def multiply_inverse(
+    self,
+    state: Any,
+    parameter_structured_vector: Params,
+    identity_weight: Numeric = 0.0,
+    exact_power: bool = True,
+    use_cached: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     """`(C + identity_weight I) ** -1 @ v`; see `multiply_matpower`."""
-    return self.multiply_matpower(state, parameter_structured_vector,
-                                  identity_weight, -1, exact_power=exact_power,
-                                  use_cached=use_cached,
-                                  pmap_axis_name=pmap_axis_name)
+    return self.multiply_matpower(
+      state,
+      parameter_structured_vector,
+      identity_weight,
+      -1,
+      exact_power=exact_power,
+      use_cached=use_cached,
+      pmap_axis_name=pmap_axis_name,
+    )
 
   @abc.abstractmethod
   def eigenvalues(self, state: Any, use_cached: bool = False) -> jax.Array:
@@ -343,7 +400,8 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       NotImplementedError: unless the estimator provides it.
     """
     raise NotImplementedError(
-        f"{type(self).__name__} does not provide to_dense_matrix.")
+      f"{type(self).__name__} does not provide to_dense_matrix."
+    )
 
   def sync(self, state: StateType, pmap_axis_name: str | None) -> StateType:
     """The state with its statistics averaged across the devices of
@@ -366,4 +424,5 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
 
   def _mode(self, estimation_mode):
     return estimation_modes.check_estimation_mode(
-        estimation_mode or self.default_estimation_mode)
+      estimation_mode or self.default_estimation_mode
+    )

@@ -17,10 +17,14 @@ from estimators import distributed, estimation_modes, graph_matcher
 from estimators import tracer
 from estimators.utils import newton
 from estimators.blocks.base import Numeric, ScalarOrSequence
-from estimators.curvature.base import (CurvatureBlockCtor, CurvatureEstimator,
-                                       check_params_tree,
-                                       get_default_tag_to_block_ctor,
-                                       powers_tuple, update_block_estimate)
+from estimators.curvature.base import (
+  CurvatureBlockCtor,
+  CurvatureEstimator,
+  check_params_tree,
+  get_default_tag_to_block_ctor,
+  powers_tuple,
+  update_block_estimate,
+)
 from estimators.utils.types import FuncArgs, Params
 
 
@@ -32,6 +36,7 @@ class BlockDiagonalState:
   Attributes:
     blocks_states: one `CurvatureBlock.State` per block, in `blocks` order.
   """
+
   blocks_states: tuple
 
 
@@ -58,19 +63,22 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
   State = BlockDiagonalState
 
-  def __init__(self, func: Callable, params_index: int = 0,
-               default_estimation_mode: str = "fisher_gradients",
-               layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor]
-               | None = None,
-               index_to_block_ctor: Mapping[tuple[int, ...],
-                                            CurvatureBlockCtor] | None = None,
-               auto_register_tags: bool = True,
-               distributed_multiplies: bool = True,
-               distributed_cache_updates: bool = True,
-               matrix_power_method: str = "decomposition",
-               newton_max_iterations: int = newton.DEFAULT_MAX_ITERATIONS,
-               fisher_empirical_normalization: str = "batch_squared",
-               **auto_register_kwargs):
+  def __init__(
+    self,
+    func: Callable,
+    params_index: int = 0,
+    default_estimation_mode: str = "fisher_gradients",
+    layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
+    index_to_block_ctor: Mapping[tuple[int, ...], CurvatureBlockCtor]
+    | None = None,
+    auto_register_tags: bool = True,
+    distributed_multiplies: bool = True,
+    distributed_cache_updates: bool = True,
+    matrix_power_method: str = "decomposition",
+    newton_max_iterations: int = newton.DEFAULT_MAX_ITERATIONS,
+    fisher_empirical_normalization: str = "batch_squared",
+    **auto_register_kwargs,
+  ):
     """Prepares the tracing of `func`; blocks are built by `init`.
 
     Args:
@@ -116,16 +124,19 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     super().__init__(func, params_index, default_estimation_mode)
     if matrix_power_method not in MATRIX_POWER_METHODS:
       raise ValueError(
-          f"matrix_power_method={matrix_power_method!r}: choose one of "
-          f"{', '.join(map(repr, MATRIX_POWER_METHODS))}.")
+        f"matrix_power_method={matrix_power_method!r}: choose one of "
+        f"{', '.join(map(repr, MATRIX_POWER_METHODS))}."
+      )
     if int(newton_max_iterations) < 1:
-      raise ValueError(f"newton_max_iterations={newton_max_iterations}: "
-                       "give at least 1.")
+      raise ValueError(
+        f"newton_max_iterations={newton_max_iterations}: give at least 1."
+      )
     if fisher_empirical_normalization not in ("batch_squared", "batch"):
       raise ValueError(
-          f"fisher_empirical_normalization={fisher_empirical_normalization!r}"
-          ": choose 'batch_squared' (KFAC-JAX's block-diagonal estimator) or "
-          "'batch' (the mean of per-example outer products).")
+        f"fisher_empirical_normalization={fisher_empirical_normalization!r}"
+        ": choose 'batch_squared' (KFAC-JAX's block-diagonal estimator) or "
+        "'batch' (the mean of per-example outer products)."
+      )
     self.fisher_empirical_normalization = fisher_empirical_normalization
     self.matrix_power_method = matrix_power_method
     self.newton_max_iterations = int(newton_max_iterations)
@@ -134,20 +145,24 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self.distributed_multiplies = distributed_multiplies
     self.distributed_cache_updates = distributed_cache_updates
     graph_matcher.check_patterns_to_skip(
-        auto_register_kwargs.get("patterns_to_skip", ()),
-        auto_register_kwargs.get("graph_patterns",
-                                 graph_matcher.DEFAULT_GRAPH_PATTERNS))
+      auto_register_kwargs.get("patterns_to_skip", ()),
+      auto_register_kwargs.get(
+        "graph_patterns", graph_matcher.DEFAULT_GRAPH_PATTERNS
+      ),
+    )
     if not auto_register_tags:
       auto_register_kwargs["auto_register_tags"] = False
-    self._traced = tracer.traced_function(func, params_index,
-                                          **auto_register_kwargs)
+    self._traced = tracer.traced_function(
+      func, params_index, **auto_register_kwargs
+    )
     # The same tags on a trace that keeps the function's value (the one
     # above computes only the loss tags' operands).
     value_kwargs = dict(auto_register_kwargs)
     if auto_register_tags:
       value_kwargs["compute_only_loss_tags"] = False
-    self._value_traced = tracer.traced_function(func, params_index,
-                                                **value_kwargs)
+    self._value_traced = tracer.traced_function(
+      func, params_index, **value_kwargs
+    )
     self._blocks = None
     self._jaxpr = None
 
@@ -169,12 +184,17 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     ctor = self._layer_tag_to_block_ctor.get(name)
     ctor = ctor or get_default_tag_to_block_ctor(name)
     if ctor is None:
-      raise ValueError(f"No curvature block is known for the tag {name!r}: pass"
-                       " layer_tag_to_block_ctor={" f"'{name}': <block class>" "}.")
+      raise ValueError(
+        f"No curvature block is known for the tag {name!r}: pass"
+        " layer_tag_to_block_ctor={"
+        f"'{name}': <block class>"
+        "}."
+      )
     return ctor
 
   def index_to_block_ctor(
-      self, indices: Sequence[int]) -> CurvatureBlockCtor | None:
+    self, indices: Sequence[int]
+  ) -> CurvatureBlockCtor | None:
     """The constructor given for the tag on these flat parameter indices.
 
     Args:
@@ -197,20 +217,27 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       ctor = self.index_to_block_ctor(idx) or self.layer_tag_to_block_ctor(eqn)
       stacked = isinstance(eqn, tracer.StackedLayerTag)
       try:
-        block = ctor(eqn.inner if stacked else eqn,
-                     _block_name(paths, idx, eqn.primitive.name))
+        block = ctor(
+          eqn.inner if stacked else eqn,
+          _block_name(paths, idx, eqn.primitive.name),
+        )
         if not stacked:
           block.set_parameter_positions(idx)
-        blocks.append(curvature_blocks.Stacked(block, eqn.length)
-                      if stacked else block)
+        blocks.append(
+          curvature_blocks.Stacked(block, eqn.length) if stacked else block
+        )
       except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(
-            f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "
-            f"{eqn.primitive.name} on params {idx}: {e}") from e
+          f"Cannot build a {getattr(ctor, '__name__', ctor)} block for the "
+          f"{eqn.primitive.name} on params {idx}: {e}"
+        ) from e
     self._jaxpr = jaxpr
-    self._set_structure(tuple(blocks), jaxpr.params_tree,
-                        [v.aval for v in jaxpr.params_vars_flat],
-                        jaxpr.layer_indices)
+    self._set_structure(
+      tuple(blocks),
+      jaxpr.params_tree,
+      [v.aval for v in jaxpr.params_vars_flat],
+      jaxpr.layer_indices,
+    )
 
   def _set_structure(self, blocks, params_tree, params_avals, layer_indices):
     """Records the blocks and which parameters each covers."""
@@ -219,13 +246,16 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self._param_shapes = [tuple(a.shape) for a in params_avals]
     self._params_dtype = jnp.result_type(*[a.dtype for a in params_avals])
     self._layer_indices = tuple(tuple(idx) for idx in layer_indices)
-    self._param_sizes = [int(np.prod(shape, dtype=np.int64))
-                         for shape in self._param_shapes]
+    self._param_sizes = [
+      int(np.prod(shape, dtype=np.int64)) for shape in self._param_shapes
+    ]
 
   def _require_finalized(self):
     if self._blocks is None:
-      raise RuntimeError("The estimator has not seen the model yet: call "
-                         "init(rng, func_args, ...) first.")
+      raise RuntimeError(
+        "The estimator has not seen the model yet: call "
+        "init(rng, func_args, ...) first."
+      )
 
   @property
   def blocks(self) -> tuple[curvature_blocks.CurvatureBlock, ...] | None:
@@ -265,12 +295,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   @property
   def params_structure_vector_of_indices(self) -> Params:
     """The params pytree with each leaf replaced by its flat index."""
-    return jax.tree.unflatten(self._params_tree,
-                              list(range(self.num_params_variables)))
+    return jax.tree.unflatten(
+      self._params_tree, list(range(self.num_params_variables))
+    )
 
   @property
   def indices_to_block_map(
-      self) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
+    self,
+  ) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
     """Each block keyed by the flat indices of its parameters."""
     self._require_finalized()
     return dict(zip(self._layer_indices, self._blocks))
@@ -285,7 +317,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     return jax.tree.unflatten(self._params_tree, which)
 
   def params_vector_to_blocks_vectors(
-      self, parameter_structured_vector: Params
+    self, parameter_structured_vector: Params
   ) -> tuple[tuple[jax.Array, ...], ...]:
     """Splits a params-shaped pytree into block vectors.
 
@@ -299,13 +331,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       ValueError: if the pytree does not have the parameters' structure.
     """
     self._require_finalized()
-    check_params_tree(self._params_tree, parameter_structured_vector,
-                       "vector")
+    check_params_tree(self._params_tree, parameter_structured_vector, "vector")
     leaves = jax.tree.leaves(parameter_structured_vector)
     return tuple(tuple(leaves[i] for i in idx) for idx in self._layer_indices)
 
   def blocks_vectors_to_params_vector(
-      self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    self, blocks_vectors: Sequence[Sequence[jax.Array]]
+  ) -> Params:
     """Inverts `params_vector_to_blocks_vectors`.
 
     Args:
@@ -323,49 +355,84 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   def _per_block(self, value, what):
     if isinstance(value, (list, tuple)):
       if len(value) != self.num_blocks:
-        raise ValueError(f"{what} has {len(value)} entries but the estimator "
-                         f"has {self.num_blocks} blocks.")
+        raise ValueError(
+          f"{what} has {len(value)} entries but the estimator "
+          f"has {self.num_blocks} blocks."
+        )
       return tuple(value)
     return (value,) * self.num_blocks
 
   # --- state -------------------------------------------------------------
 
-  def init(self, rng: jax.Array, func_args: FuncArgs,
-           exact_powers_to_cache: ScalarOrSequence = None,
-           approx_powers_to_cache: ScalarOrSequence = None,
-           cache_eigenvalues: bool = False) -> BlockDiagonalState:
+  def init(
+    self,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    exact_powers_to_cache: ScalarOrSequence = None,
+    approx_powers_to_cache: ScalarOrSequence = None,
+    cache_eigenvalues: bool = False,
+  ) -> BlockDiagonalState:
     """Builds the blocks on the first call; see `CurvatureEstimator.init`."""
     self._finalize(func_args)
     rngs = jax.random.split(rng, self.num_blocks)
-    states = [b.init(r, powers_tuple(exact_powers_to_cache),
-                     powers_tuple(approx_powers_to_cache),
-                     cache_eigenvalues=cache_eigenvalues)
-              for b, r in zip(self._blocks, rngs)]
+    states = [
+      b.init(
+        r,
+        powers_tuple(exact_powers_to_cache),
+        powers_tuple(approx_powers_to_cache),
+        cache_eigenvalues=cache_eigenvalues,
+      )
+      for b, r in zip(self._blocks, rngs)
+    ]
     if self.matrix_power_method == "newton":
-      states = [dataclasses.replace(s, cache={**s.cache, NEWTON_FAILED:
-                                              jnp.zeros((), bool)})
-                for s in states]
+      states = [
+        dataclasses.replace(
+          s, cache={**s.cache, NEWTON_FAILED: jnp.zeros((), bool)}
+        )
+        for s in states
+      ]
     return self.State(tuple(states))
 
   def update_curvature_matrix_estimate(
-      self, state: BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
-      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
-      pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None,
-      identity_weight: Numeric | None = None) -> BlockDiagonalState:
+    self,
+    state: BlockDiagonalState,
+    ema_old: Numeric,
+    ema_new: Numeric,
+    batch_size: Numeric,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    pmap_axis_name: str | None = None,
+    estimation_mode: str | None = None,
+    identity_weight: Numeric | None = None,
+  ) -> BlockDiagonalState:
     del identity_weight  # the estimates do not depend on the damping
-    data = self.blocks_estimation_data(func_args, rng, estimation_mode,
-                                       batch_size)
-    return self.State(tuple(
-        update_block_estimate(block, block_state, block_data, ema_old,
-                              ema_new, batch_size, pmap_axis_name)
+    data = self.blocks_estimation_data(
+      func_args, rng, estimation_mode, batch_size
+    )
+    return self.State(
+      tuple(
+        update_block_estimate(
+          block,
+          block_state,
+          block_data,
+          ema_old,
+          ema_new,
+          batch_size,
+          pmap_axis_name,
+        )
         for block, block_state, block_data in zip(
-            self._blocks, state.blocks_states, data)))
+          self._blocks, state.blocks_states, data
+        )
+      )
+    )
 
-  def blocks_estimation_data(self, func_args: FuncArgs, rng: jax.Array,
-                             estimation_mode: str | None = None,
-                             batch_size: Numeric | None = None
-                             ) -> list[dict[str, tuple]]:
+  def blocks_estimation_data(
+    self,
+    func_args: FuncArgs,
+    rng: jax.Array,
+    estimation_mode: str | None = None,
+    batch_size: Numeric | None = None,
+  ) -> list[dict[str, tuple]]:
     """Each block's estimation data for one batch, from one vmapped pass.
 
     Args:
@@ -383,37 +450,54 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     mode = self._mode(estimation_mode)
     self._finalize(func_args)
     _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
-        self._traced, tuple(func_args))
+      self._traced, tuple(func_args)
+    )
     loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
-    if (mode == "fisher_empirical" and batch_size is not None
-        and self.fisher_empirical_normalization == "batch_squared"):
+    if (
+      mode == "fisher_empirical"
+      and batch_size is not None
+      and self.fisher_empirical_normalization == "batch_squared"
+    ):
       # The blocks divide the tangents' second moments by the batch size;
       # this makes it the square of the batch size (see `__init__`).
       loss_tangents = jax.tree.map(
-          lambda t: t / jnp.sqrt(jnp.asarray(batch_size, t.dtype)),
-          loss_tangents)
+        lambda t: t / jnp.sqrt(jnp.asarray(batch_size, t.dtype)), loss_tangents
+      )
     layer_tangents = jax.vmap(tangents_fn)(loss_tangents)
-    return [dict(value, outputs_tangent=outs_t, params_tangent=params_t)
-            for value, (outs_t, params_t) in zip(values, layer_tangents)]
+    return [
+      dict(value, outputs_tangent=outs_t, params_tangent=params_t)
+      for value, (outs_t, params_t) in zip(values, layer_tangents)
+    ]
 
-  def update_cache(self, state: BlockDiagonalState,
-                   identity_weight: Numeric | Sequence[Numeric],
-                   exact_powers: ScalarOrSequence = None,
-                   approx_powers: ScalarOrSequence = None,
-                   eigenvalues: bool = False,
-                   pmap_axis_name: str | None = None) -> BlockDiagonalState:
+  def update_cache(
+    self,
+    state: BlockDiagonalState,
+    identity_weight: Numeric | Sequence[Numeric],
+    exact_powers: ScalarOrSequence = None,
+    approx_powers: ScalarOrSequence = None,
+    eigenvalues: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> BlockDiagonalState:
     self._require_finalized()
     weights = self._per_block(identity_weight, "identity_weight")
-    fns = [functools.partial(b.update_cache, identity_weight=w,
-                             exact_powers=powers_tuple(exact_powers),
-                             approx_powers=powers_tuple(approx_powers),
-                             eigenvalues=eigenvalues)
-           for b, w in zip(self._blocks, weights)]
+    fns = [
+      functools.partial(
+        b.update_cache,
+        identity_weight=w,
+        exact_powers=powers_tuple(exact_powers),
+        approx_powers=powers_tuple(approx_powers),
+        eigenvalues=eigenvalues,
+      )
+      for b, w in zip(self._blocks, weights)
+    ]
     costs = [distributed.refresh_cost(s) for s in state.blocks_states]
     axis = pmap_axis_name if self.distributed_cache_updates else None
-    return self.State(self._newton_verdicts(
-        state.blocks_states, self._refresh(fns, state.blocks_states, costs,
-                                           axis)))
+    return self.State(
+      self._newton_verdicts(
+        state.blocks_states,
+        self._refresh(fns, state.blocks_states, costs, axis),
+      )
+    )
 
   def _refresh(self, fns, args, costs, axis):
     """`distributed.map_blocks` of refreshes, their damped powers by
@@ -423,8 +507,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       return refresh()
     # Shared among devices, each block's refresh is traced inside its own
     # branch, out of reach of one batched iteration.
-    return newton.by_products(refresh, batched=axis is None,
-                              max_iterations=self.newton_max_iterations)
+    return newton.by_products(
+      refresh, batched=axis is None, max_iterations=self.newton_max_iterations
+    )
 
   def _newton_verdicts(self, old_states, new_states) -> tuple:
     """The refreshed block states, each with its sticky NEWTON_FAILED flag
@@ -434,16 +519,21 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     new_states = tuple(new_states)
     if self.matrix_power_method != "newton":
       return new_states
-    finite = lambda tree: jnp.all(jnp.stack(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)] or
-        [jnp.asarray(True)]))
+    finite = lambda tree: jnp.all(
+      jnp.stack(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+        or [jnp.asarray(True)]
+      )
+    )
     out = []
     for old, new in zip(old_states, new_states):
       powers = {k: v for k, v in new.cache.items() if k != NEWTON_FAILED}
       failed = old.cache[NEWTON_FAILED] | (
-          ~finite(powers) & finite(dataclasses.replace(new, cache={})))
-      out.append(dataclasses.replace(new, cache={**powers,
-                                                 NEWTON_FAILED: failed}))
+        ~finite(powers) & finite(dataclasses.replace(new, cache={}))
+      )
+      out.append(
+        dataclasses.replace(new, cache={**powers, NEWTON_FAILED: failed})
+      )
     return tuple(out)
 
   def newton_failures(self, state: BlockDiagonalState) -> list[str]:
@@ -451,44 +541,77 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     refresh (`matrix_power_method='newton'`; reads the device)."""
     if self.matrix_power_method != "newton":
       return []
-    return [b.name for b, s in zip(self._blocks, state.blocks_states)
-            if bool(np.any(s.cache[NEWTON_FAILED]))]
+    return [
+      b.name
+      for b, s in zip(self._blocks, state.blocks_states)
+      if bool(np.any(s.cache[NEWTON_FAILED]))
+    ]
 
-  def _blocks_matpower(self, which, states, vectors, weights, power,
-                       exact_power, use_cached, pmap_axis_name):
+  def _blocks_matpower(
+    self,
+    which,
+    states,
+    vectors,
+    weights,
+    power,
+    exact_power,
+    use_cached,
+    pmap_axis_name,
+  ):
     """The products of the blocks `which`, shared among the devices of
     `pmap_axis_name` when `distributed_multiplies`."""
+
     def product(block, weight):
       return lambda args: block.multiply_matpower(
-          *args, weight, power, exact_power=exact_power, use_cached=use_cached)
+        *args, weight, power, exact_power=exact_power, use_cached=use_cached
+      )
 
     fns = [product(self._blocks[j], weights[j]) for j in which]
     args = [(states[j], vectors[j]) for j in which]
-    costs = [distributed.product_cost(states[j], self._blocks[j].dim)
-             for j in which]
+    costs = [
+      distributed.product_cost(states[j], self._blocks[j].dim) for j in which
+    ]
     axis = pmap_axis_name if self.distributed_multiplies else None
     return dict(zip(which, distributed.map_blocks(fns, args, costs, axis)))
 
   # --- products ------------------------------------------------------------
 
-  def multiply_matpower(self, state: BlockDiagonalState,
-                        parameter_structured_vector: Params,
-                        identity_weight: Numeric | Sequence[Numeric],
-                        power: float, exact_power: bool, use_cached: bool,
-                        pmap_axis_name: str | None = None) -> Params:
+  def multiply_matpower(
+    self,
+    state: BlockDiagonalState,
+    parameter_structured_vector: Params,
+    identity_weight: Numeric | Sequence[Numeric],
+    power: float,
+    exact_power: bool,
+    use_cached: bool,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
     results = self._blocks_matpower(
-        range(self.num_blocks), state.blocks_states, vectors, weights, power,
-        exact_power, use_cached, pmap_axis_name)
+      range(self.num_blocks),
+      state.blocks_states,
+      vectors,
+      weights,
+      power,
+      exact_power,
+      use_cached,
+      pmap_axis_name,
+    )
     return self.blocks_vectors_to_params_vector(
-        tuple(results[j] for j in range(self.num_blocks)))
+      tuple(results[j] for j in range(self.num_blocks))
+    )
 
   def multiply_inverse_of_gradient(
-      self, state: BlockDiagonalState, grads: Params, func_args: FuncArgs,
-      identity_weight: Numeric | Sequence[Numeric] = 0.0,
-      exact_power: bool = True, use_cached: bool = False,
-      pmap_axis_name: str | None = None) -> Params:
+    self,
+    state: BlockDiagonalState,
+    grads: Params,
+    func_args: FuncArgs,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
+    exact_power: bool = True,
+    use_cached: bool = False,
+    pmap_axis_name: str | None = None,
+  ) -> Params:
     """`multiply_inverse(grads)` for the gradient of `func` at `func_args`.
 
     A dense layer's gradient is a sum of outer products, one per input row.
@@ -517,39 +640,60 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self._finalize(func_args)
     chosen = []
     if use_cached and not exact_power:
-      chosen = [j for j, b in enumerate(self._blocks)
-                if b.outer_sum_is_cheaper()]
+      chosen = [
+        j for j, b in enumerate(self._blocks) if b.outer_sum_is_cheaper()
+      ]
     if chosen:
       proc = self._value_traced.processed(func_args)
       same_tags = proc.layer_indices == self._jaxpr.layer_indices
-      chosen = [j for j in chosen if same_tags
-                and proc.params_reach_outputs_only_through_layer(j)]
+      chosen = [
+        j
+        for j in chosen
+        if same_tags and proc.params_reach_outputs_only_through_layer(j)
+      ]
     if not chosen:
-      return self.multiply_inverse(state, grads, identity_weight,
-                                   exact_power=exact_power,
-                                   use_cached=use_cached)
-    rows = dict(zip(chosen, tracer.layer_tags_value_vjp(
-        self._value_traced, func_args, chosen)))
+      return self.multiply_inverse(
+        state,
+        grads,
+        identity_weight,
+        exact_power=exact_power,
+        use_cached=use_cached,
+      )
+    rows = dict(
+      zip(
+        chosen,
+        tracer.layer_tags_value_vjp(self._value_traced, func_args, chosen),
+      )
+    )
     vectors = self.params_vector_to_blocks_vectors(grads)
     weights = self._per_block(identity_weight, "identity_weight")
     results = self._blocks_matpower(
-        [j for j in range(self.num_blocks) if j not in rows],
-        state.blocks_states, vectors, weights, -1, exact_power, use_cached,
-        pmap_axis_name)
+      [j for j in range(self.num_blocks) if j not in rows],
+      state.blocks_states,
+      vectors,
+      weights,
+      -1,
+      exact_power,
+      use_cached,
+      pmap_axis_name,
+    )
     for j, block_rows in rows.items():
       # Each device has its own rows; the product is linear in the gradient,
       # so the mean of the devices' results is the result for the mean
       # gradient.
       result = self._blocks[j].multiply_inverse_outer_sum(
-          state.blocks_states[j], *block_rows)
+        state.blocks_states[j], *block_rows
+      )
       if pmap_axis_name is not None:
         result = jax.lax.pmean(result, pmap_axis_name)
       results[j] = result
     return self.blocks_vectors_to_params_vector(
-        tuple(results[j] for j in range(self.num_blocks)))
+      tuple(results[j] for j in range(self.num_blocks))
+    )
 
-  def block_eigenvalues(self, state: BlockDiagonalState,
-                        use_cached: bool = False) -> tuple[jax.Array, ...]:
+  def block_eigenvalues(
+    self, state: BlockDiagonalState, use_cached: bool = False
+  ) -> tuple[jax.Array, ...]:
     """Each block's eigenvalues.
 
     Args:
@@ -560,18 +704,25 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       One `(block_dim,)` array per block, in `blocks` order.
     """
     self._require_finalized()
-    return tuple(b.eigenvalues(s, use_cached=use_cached)
-                 for b, s in zip(self._blocks, state.blocks_states))
+    return tuple(
+      b.eigenvalues(s, use_cached=use_cached)
+      for b, s in zip(self._blocks, state.blocks_states)
+    )
 
-  def eigenvalues(self, state: BlockDiagonalState,
-                  use_cached: bool = False) -> jax.Array:
+  def eigenvalues(
+    self, state: BlockDiagonalState, use_cached: bool = False
+  ) -> jax.Array:
     """The blocks' eigenvalues concatenated in `blocks` order, unsorted."""
     return jnp.concatenate(self.block_eigenvalues(state, use_cached=use_cached))
 
-  def to_dense_matrix(self, state: BlockDiagonalState,
-                      use_cached: bool = False,
-                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
-                      exact_power: bool = True, power: float = 1) -> jax.Array:
+  def to_dense_matrix(
+    self,
+    state: BlockDiagonalState,
+    use_cached: bool = False,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
+    exact_power: bool = True,
+    power: float = 1,
+  ) -> jax.Array:
     """The block-diagonal matrix `(C + identity_weight I) ** power`, densely.
 
     Args:
@@ -590,21 +741,23 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     matrix = jnp.zeros((self.dim, self.dim), dtype)
     shapes = self._param_shapes
     weights = self._per_block(identity_weight, "identity_weight")
-    for block, s, idx, w in zip(self._blocks, state.blocks_states,
-                                self._layer_indices, weights):
+    for block, s, idx, w in zip(
+      self._blocks, state.blocks_states, self._layer_indices, weights
+    ):
       sizes = [self._param_sizes[i] for i in idx]
       split = np.cumsum(sizes)[:-1]
 
       def apply(col, block=block, s=s, idx=idx, w=w, split=split):
         parts = jnp.split(col, split)
         vec = tuple(p.reshape(shapes[i]) for p, i in zip(parts, idx))
-        out = block.multiply_matpower(s, vec, w, power,
-                                      exact_power=exact_power,
-                                      use_cached=use_cached)
+        out = block.multiply_matpower(
+          s, vec, w, power, exact_power=exact_power, use_cached=use_cached
+        )
         return jnp.concatenate([o.ravel() for o in out])
 
       dense = jax.vmap(apply, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))
-      where = np.concatenate([np.arange(offsets[i], offsets[i + 1])
-                              for i in idx])
+      where = np.concatenate(
+        [np.arange(offsets[i], offsets[i + 1]) for i in idx]
+      )
       matrix = matrix.at[np.ix_(where, where)].set(dense)
     return matrix

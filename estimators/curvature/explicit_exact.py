@@ -13,10 +13,15 @@ import numpy as np
 from estimators import blocks as curvature_blocks
 from estimators import estimation_modes, tags, tracer
 from estimators.blocks.base import Numeric, ScalarOrSequence
-from estimators.curvature.base import (CurvatureBlockCtor, check_params_tree,
-                                       update_block_estimate)
-from estimators.curvature.block_diagonal import (BlockDiagonalCurvature,
-                                                 BlockDiagonalState)
+from estimators.curvature.base import (
+  CurvatureBlockCtor,
+  check_params_tree,
+  update_block_estimate,
+)
+from estimators.curvature.block_diagonal import (
+  BlockDiagonalCurvature,
+  BlockDiagonalState,
+)
 from estimators.utils.tree_math import default_batch_size_extractor
 from estimators.utils.types import FuncArgs
 
@@ -37,14 +42,18 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
   block-diagonal introspection (`blocks`, `block_dims`, ...) describes it.
   """
 
-  def __init__(self, func: Callable, params_index: int = 0,
-               batch_index: int = 1,
-               default_estimation_mode: str = "fisher_exact",
-               layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor]
-               | None = None,
-               index_to_block_ctor: Mapping[tuple[int, ...],
-                                            CurvatureBlockCtor] | None = None,
-               auto_register_tags: bool = True, **auto_register_kwargs):
+  def __init__(
+    self,
+    func: Callable,
+    params_index: int = 0,
+    batch_index: int = 1,
+    default_estimation_mode: str = "fisher_exact",
+    layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
+    index_to_block_ctor: Mapping[tuple[int, ...], CurvatureBlockCtor]
+    | None = None,
+    auto_register_tags: bool = True,
+    **auto_register_kwargs,
+  ):
     """Prepares the per-example tracing of `func`.
 
     Args:
@@ -64,15 +73,24 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     Raises:
       ValueError: for an unknown estimation mode.
     """
-    if auto_register_kwargs.get("fisher_empirical_normalization",
-                                "batch") != "batch":
+    if (
+      auto_register_kwargs.get("fisher_empirical_normalization", "batch")
+      != "batch"
+    ):
       raise ValueError(
-          "ExplicitExactCurvature's empirical Fisher is always the mean of "
-          "per-example outer products, as KFAC-JAX's is: leave out "
-          "fisher_empirical_normalization (BlockDiagonalCurvature takes it).")
-    super().__init__(func, params_index, default_estimation_mode,
-                     layer_tag_to_block_ctor, index_to_block_ctor,
-                     auto_register_tags, **auto_register_kwargs)
+        "ExplicitExactCurvature's empirical Fisher is always the mean of "
+        "per-example outer products, as KFAC-JAX's is: leave out "
+        "fisher_empirical_normalization (BlockDiagonalCurvature takes it)."
+      )
+    super().__init__(
+      func,
+      params_index,
+      default_estimation_mode,
+      layer_tag_to_block_ctor,
+      index_to_block_ctor,
+      auto_register_tags,
+      **auto_register_kwargs,
+    )
     self._batch_index = batch_index
     self._loss_vjp = tracer.loss_tags_vjp(func, params_index)
 
@@ -85,49 +103,72 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     """The block class of all parameters: the user's for "generic_tag", else
     `ExplicitFull`."""
     name = layer_tag_eq.primitive.name
-    return (self._layer_tag_to_block_ctor.get(name)
-            or curvature_blocks.ExplicitFull)
+    return (
+      self._layer_tag_to_block_ctor.get(name) or curvature_blocks.ExplicitFull
+    )
 
   def _finalize(self, func_args):
     func_args = tuple(func_args)
     if self._blocks is not None:
-      check_params_tree(self._params_tree, func_args[self.params_index],
-                         "params argument")
+      check_params_tree(
+        self._params_tree, func_args[self.params_index], "params argument"
+      )
       return
     if not 0 <= self._batch_index < len(func_args):
-      raise ValueError(f"batch_index={self._batch_index} but the function "
-                       f"takes {len(func_args)} arguments.")
+      raise ValueError(
+        f"batch_index={self._batch_index} but the function "
+        f"takes {len(func_args)} arguments."
+      )
     jaxpr = self._traced.processed(func_args)  # checks the registration
     leaves = jax.tree.leaves(func_args[self.params_index])
     # One generic tag over every parameter: the equation the block reads.
     tag_eqn = jax.make_jaxpr(lambda *p: tags.register_generic(*p))(
-        *leaves).eqns[0]
+      *leaves
+    ).eqns[0]
     indices = tuple(range(len(leaves)))
-    ctor = (self.index_to_block_ctor(indices)
-            or self.layer_tag_to_block_ctor(tag_eqn))
+    ctor = self.index_to_block_ctor(indices) or self.layer_tag_to_block_ctor(
+      tag_eqn
+    )
     try:
       block = ctor(tag_eqn, "all parameters [generic_tag]")
     except (ValueError, TypeError, NotImplementedError) as e:
-      raise ValueError(f"Cannot build a {getattr(ctor, '__name__', ctor)} "
-                       f"block over all parameters: {e}") from e
+      raise ValueError(
+        f"Cannot build a {getattr(ctor, '__name__', ctor)} "
+        f"block over all parameters: {e}"
+      ) from e
     self._jaxpr = jaxpr
-    self._set_structure((block,), jaxpr.params_tree,
-                        [v.aval for v in jaxpr.params_vars_flat], [indices])
+    self._set_structure(
+      (block,),
+      jaxpr.params_tree,
+      [v.aval for v in jaxpr.params_vars_flat],
+      [indices],
+    )
 
-  def init(self, rng: jax.Array, func_args: FuncArgs,
-           exact_powers_to_cache: ScalarOrSequence = None,
-           approx_powers_to_cache: ScalarOrSequence = None,
-           cache_eigenvalues: bool = False) -> BlockDiagonalState:
+  def init(
+    self,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    exact_powers_to_cache: ScalarOrSequence = None,
+    approx_powers_to_cache: ScalarOrSequence = None,
+    cache_eigenvalues: bool = False,
+  ) -> BlockDiagonalState:
     """As `BlockDiagonalCurvature.init`; an `ExplicitFull` block gets room
     for the rows of a batch like `func_args`' in the default mode."""
-    state = super().init(rng, func_args, exact_powers_to_cache,
-                         approx_powers_to_cache, cache_eigenvalues)
+    state = super().init(
+      rng,
+      func_args,
+      exact_powers_to_cache,
+      approx_powers_to_cache,
+      cache_eigenvalues,
+    )
     block = self._blocks[0]
     if not isinstance(block, curvature_blocks.ExplicitFull):
       return state
-    rows = jax.eval_shape(lambda: self._per_example_rows(
-        jax.random.PRNGKey(0), tuple(func_args),
-        self.default_estimation_mode)).shape[0]
+    rows = jax.eval_shape(
+      lambda: self._per_example_rows(
+        jax.random.PRNGKey(0), tuple(func_args), self.default_estimation_mode
+      )
+    ).shape[0]
     return self.State((block.with_factor_rows(state.blocks_states[0], rows),))
 
   def _per_example_rows(self, rng, func_args, mode):
@@ -148,11 +189,17 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     return rows.reshape((-1, rows.shape[-1]))
 
   def update_curvature_matrix_estimate(
-      self, state: BlockDiagonalState, ema_old: Numeric, ema_new: Numeric,
-      batch_size: Numeric, rng: jax.Array, func_args: FuncArgs,
-      pmap_axis_name: str | None = None,
-      estimation_mode: str | None = None,
-      identity_weight: Numeric | None = None) -> BlockDiagonalState:
+    self,
+    state: BlockDiagonalState,
+    ema_old: Numeric,
+    ema_new: Numeric,
+    batch_size: Numeric,
+    rng: jax.Array,
+    func_args: FuncArgs,
+    pmap_axis_name: str | None = None,
+    estimation_mode: str | None = None,
+    identity_weight: Numeric | None = None,
+  ) -> BlockDiagonalState:
     """As `CurvatureEstimator`'s: the block sees every example's rows as
     samples, averaged over `batch_size`."""
     del identity_weight  # the estimates do not depend on the damping
@@ -160,29 +207,54 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     self._finalize(func_args)
     rows = self._per_example_rows(rng, func_args, self._mode(estimation_mode))
     split = np.cumsum(self._param_sizes)[:-1]
-    data = dict(params_tangent=tuple(
-        part.reshape((rows.shape[0],) + shape) for part, shape in
-        zip(jnp.split(rows, split, axis=1), self._param_shapes)))
-    return self.State((update_block_estimate(
-        self._blocks[0], state.blocks_states[0], data, ema_old, ema_new,
-        batch_size, pmap_axis_name),))
+    data = dict(
+      params_tangent=tuple(
+        part.reshape((rows.shape[0],) + shape)
+        for part, shape in zip(
+          jnp.split(rows, split, axis=1), self._param_shapes
+        )
+      )
+    )
+    return self.State(
+      (
+        update_block_estimate(
+          self._blocks[0],
+          state.blocks_states[0],
+          data,
+          ema_old,
+          ema_new,
+          batch_size,
+          pmap_axis_name,
+        ),
+      )
+    )
 
-  def eigenvalues(self, state: BlockDiagonalState,
-                  use_cached: bool = False) -> jax.Array:
+  def eigenvalues(
+    self, state: BlockDiagonalState, use_cached: bool = False
+  ) -> jax.Array:
     """The block's eigenvalues (ascending for `ExplicitFull`; see its Gram
     route, which needs a concrete state)."""
     return self.block_eigenvalues(state, use_cached=use_cached)[0]
 
-  def to_dense_matrix(self, state: BlockDiagonalState,
-                      use_cached: bool = False,
-                      identity_weight: Numeric | Sequence[Numeric] = 0.0,
-                      exact_power: bool = True, power: float = 1) -> jax.Array:
+  def to_dense_matrix(
+    self,
+    state: BlockDiagonalState,
+    use_cached: bool = False,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
+    exact_power: bool = True,
+    power: float = 1,
+  ) -> jax.Array:
     """As `BlockDiagonalCurvature.to_dense_matrix`; the estimate itself,
     without products, for an `ExplicitFull` block and the defaults."""
     block_state = state.blocks_states[0]
-    if (isinstance(self._blocks[0], curvature_blocks.ExplicitFull)
-        and not use_cached and power == 1
-        and isinstance(identity_weight, (int, float)) and identity_weight == 0):
+    if (
+      isinstance(self._blocks[0], curvature_blocks.ExplicitFull)
+      and not use_cached
+      and power == 1
+      and isinstance(identity_weight, (int, float))
+      and identity_weight == 0
+    ):
       return block_state.matrix.value
-    return super().to_dense_matrix(state, use_cached, identity_weight,
-                                   exact_power, power)
+    return super().to_dense_matrix(
+      state, use_cached, identity_weight, exact_power, power
+    )

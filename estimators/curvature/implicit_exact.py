@@ -24,9 +24,12 @@ class ImplicitExactCurvature:
   is the last of `func`'s arguments.
   """
 
-  def __init__(self, func: Callable, params_index: int = 0,
-               batch_size_extractor: Callable[[Any], int]
-               = default_batch_size_extractor):
+  def __init__(
+    self,
+    func: Callable,
+    params_index: int = 0,
+    batch_size_extractor: Callable[[Any], int] = default_batch_size_extractor,
+  ):
     """Prepares the loss tags' Jacobian and Hessian products of `func`.
 
     Args:
@@ -47,8 +50,9 @@ class ImplicitExactCurvature:
     """The number of examples in `func_args`' batch (its last argument)."""
     return self._batch_size_extractor(func_args[-1])
 
-  def multiply_hessian(self, func_args: FuncArgs,
-                       parameter_structured_vector: Params) -> Params:
+  def multiply_hessian(
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> Params:
     """`H v`, `H` the Hessian of the batch-averaged loss w.r.t. the params.
 
     Args:
@@ -62,8 +66,8 @@ class ImplicitExactCurvature:
     return jax.tree.map(lambda x: x / self.batch_size(func_args), hvp)
 
   def multiply_jacobian_transpose(
-      self, func_args: FuncArgs,
-      loss_input_vectors: Sequence[Sequence[jax.Array]]) -> Params:
+    self, func_args: FuncArgs, loss_input_vectors: Sequence[Sequence[jax.Array]]
+  ) -> Params:
     """`Jᵀ u`, `J` the Jacobian of the losses' inputs w.r.t. the params.
 
     Args:
@@ -85,19 +89,20 @@ class ImplicitExactCurvature:
     """
     losses, vjp = self._vjp(func_args)
     like = tuple(tuple(loss.parameter_dependants) for loss in losses)
-    tangents, = jax.linear_transpose(vjp, like)(vector)
+    (tangents,) = jax.linear_transpose(vjp, like)(vector)
     return losses, tangents, vjp
 
   def _multiply(self, func_args, vector, kind):
     losses, tangents, vjp = self._jacobian_products(func_args, vector)
     products = tuple(
-        loss.multiply_fisher(t) if kind == "fisher" else loss.multiply_ggn(t)
-        for loss, t in zip(losses, tangents))
-    return jax.tree.map(lambda x: x / self.batch_size(func_args),
-                        vjp(products))
+      loss.multiply_fisher(t) if kind == "fisher" else loss.multiply_ggn(t)
+      for loss, t in zip(losses, tangents)
+    )
+    return jax.tree.map(lambda x: x / self.batch_size(func_args), vjp(products))
 
-  def multiply_fisher(self, func_args: FuncArgs,
-                      parameter_structured_vector: Params) -> Params:
+  def multiply_fisher(
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> Params:
     """`F v`, `F` the Fisher of the batch-averaged loss w.r.t. the params.
 
     Args:
@@ -109,8 +114,9 @@ class ImplicitExactCurvature:
     """
     return self._multiply(func_args, parameter_structured_vector, "fisher")
 
-  def multiply_ggn(self, func_args: FuncArgs,
-                   parameter_structured_vector: Params) -> Params:
+  def multiply_ggn(
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> Params:
     """`G v`, `G` the GGN of the batch-averaged loss w.r.t. the params.
 
     Args:
@@ -122,9 +128,9 @@ class ImplicitExactCurvature:
     """
     return self._multiply(func_args, parameter_structured_vector, "ggn")
 
-  def multiply_empirical_fisher(self, func_args: FuncArgs,
-                                parameter_structured_vector: Params
-                                ) -> Params:
+  def multiply_empirical_fisher(
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> Params:
     """`E v`, `E` the empirical Fisher at the data targets.
 
     `E = mean_i d_i d_iᵀ`, where `d_i` is the parameter gradient of example
@@ -148,43 +154,52 @@ class ImplicitExactCurvature:
         inputs do not share one leading (batch) axis.
     """
     losses, tangents, vjp = self._jacobian_products(
-        func_args, parameter_structured_vector)
+      func_args, parameter_structured_vector
+    )
     grads = []
     for loss in losses:
       if loss.targets is None:
         raise ValueError(
-            "The empirical Fisher needs the data targets, but a "
-            f"{type(loss).__name__} was registered without them: pass "
-            "targets= to its register_* call.")
+          "The empirical Fisher needs the data targets, but a "
+          f"{type(loss).__name__} was registered without them: pass "
+          "targets= to its register_* call."
+        )
       grads.append(loss.grad_of_evaluate(None, "regular"))
     leading = {x.shape[0] for gs in grads for x in gs}
     if len(leading) != 1:
       raise ValueError(
-          "The empirical Fisher needs per-example gradients, but the "
-          f"registered losses' inputs have leading axes {sorted(leading)}: "
-          "give every loss input the batch as its leading axis.")
+        "The empirical Fisher needs per-example gradients, but the "
+        f"registered losses' inputs have leading axes {sorted(leading)}: "
+        "give every loss input the batch as its leading axis."
+      )
     # s_i: the directional derivative of example i's total loss along v.
     per_example = sum(
-        jnp.sum(g * t, axis=tuple(range(1, g.ndim)))
-        for gs, ts in zip(grads, tangents) for g, t in zip(gs, ts))
+      jnp.sum(g * t, axis=tuple(range(1, g.ndim)))
+      for gs, ts in zip(grads, tangents)
+      for g, t in zip(gs, ts)
+    )
     products = tuple(
-        tuple(g * per_example.reshape((-1,) + (1,) * (g.ndim - 1))
-              for g in gs)
-        for gs in grads)
-    return jax.tree.map(lambda x: x / self.batch_size(func_args),
-                        vjp(products))
+      tuple(g * per_example.reshape((-1,) + (1,) * (g.ndim - 1)) for g in gs)
+      for gs in grads
+    )
+    return jax.tree.map(lambda x: x / self.batch_size(func_args), vjp(products))
 
   def _factor_transpose(self, func_args, vector, kind):
     losses, tangents = self._jvp(func_args, vector)
     scale = 1 / jnp.sqrt(self.batch_size(func_args))
     return tuple(
-        scale * (loss.multiply_fisher_factor_transpose(t) if kind == "fisher"
-                 else loss.multiply_ggn_factor_transpose(t))
-        for loss, t in zip(losses, tangents))
+      scale
+      * (
+        loss.multiply_fisher_factor_transpose(t)
+        if kind == "fisher"
+        else loss.multiply_ggn_factor_transpose(t)
+      )
+      for loss, t in zip(losses, tangents)
+    )
 
   def multiply_fisher_factor_transpose(
-      self, func_args: FuncArgs,
-      parameter_structured_vector: Params) -> tuple[jax.Array, ...]:
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> tuple[jax.Array, ...]:
     """`Bᵀ v` for the factor `B` with `B Bᵀ = F`.
 
     Args:
@@ -194,12 +209,13 @@ class ImplicitExactCurvature:
     Returns:
       One array per registered loss, of its `fisher_factor_inner_shape`.
     """
-    return self._factor_transpose(func_args, parameter_structured_vector,
-                                  "fisher")
+    return self._factor_transpose(
+      func_args, parameter_structured_vector, "fisher"
+    )
 
   def multiply_ggn_factor_transpose(
-      self, func_args: FuncArgs,
-      parameter_structured_vector: Params) -> tuple[jax.Array, ...]:
+    self, func_args: FuncArgs, parameter_structured_vector: Params
+  ) -> tuple[jax.Array, ...]:
     """`Bᵀ v` for the factor `B` with `B Bᵀ = G`.
 
     Args:
@@ -209,24 +225,27 @@ class ImplicitExactCurvature:
     Returns:
       One array per registered loss, of its `ggn_factor_inner_shape`.
     """
-    return self._factor_transpose(func_args, parameter_structured_vector,
-                                  "ggn")
+    return self._factor_transpose(func_args, parameter_structured_vector, "ggn")
 
   def _factor(self, func_args, loss_inner_vectors, kind):
     losses, vjp = self._vjp(func_args)
     if len(loss_inner_vectors) != len(losses):
-      raise ValueError(f"Got {len(loss_inner_vectors)} inner vectors for "
-                       f"{len(losses)} registered losses.")
+      raise ValueError(
+        f"Got {len(loss_inner_vectors)} inner vectors for "
+        f"{len(losses)} registered losses."
+      )
     products = tuple(
-        loss.multiply_fisher_factor(v) if kind == "fisher"
-        else loss.multiply_ggn_factor(v)
-        for loss, v in zip(losses, loss_inner_vectors))
+      loss.multiply_fisher_factor(v)
+      if kind == "fisher"
+      else loss.multiply_ggn_factor(v)
+      for loss, v in zip(losses, loss_inner_vectors)
+    )
     scale = 1 / jnp.sqrt(self.batch_size(func_args))
     return jax.tree.map(lambda x: scale * x, vjp(products))
 
-  def multiply_fisher_factor(self, func_args: FuncArgs,
-                             loss_inner_vectors: Sequence[jax.Array]
-                             ) -> Params:
+  def multiply_fisher_factor(
+    self, func_args: FuncArgs, loss_inner_vectors: Sequence[jax.Array]
+  ) -> Params:
     """`B u` for the factor `B` with `B Bᵀ = F`.
 
     Args:
@@ -242,8 +261,9 @@ class ImplicitExactCurvature:
     """
     return self._factor(func_args, loss_inner_vectors, "fisher")
 
-  def multiply_ggn_factor(self, func_args: FuncArgs,
-                          loss_inner_vectors: Sequence[jax.Array]) -> Params:
+  def multiply_ggn_factor(
+    self, func_args: FuncArgs, loss_inner_vectors: Sequence[jax.Array]
+  ) -> Params:
     """`B u` for the factor `B` with `B Bᵀ = G`.
 
     Args:
@@ -260,8 +280,8 @@ class ImplicitExactCurvature:
     return self._factor(func_args, loss_inner_vectors, "ggn")
 
   def get_loss_inner_vector_shapes_and_batch_size(
-      self, func_args: FuncArgs,
-      mode: str) -> tuple[tuple[tuple[int, ...], ...], int]:
+    self, func_args: FuncArgs, mode: str
+  ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The shapes the factor products take, and the batch size.
 
     Args:
@@ -277,12 +297,13 @@ class ImplicitExactCurvature:
     if mode not in ("fisher", "ggn"):
       raise ValueError(f"mode must be 'fisher' or 'ggn', got {mode!r}.")
     losses, _ = self._vjp(func_args)
-    shapes = tuple(tuple(getattr(loss, f"{mode}_factor_inner_shape"))
-                   for loss in losses)
+    shapes = tuple(
+      tuple(getattr(loss, f"{mode}_factor_inner_shape")) for loss in losses
+    )
     return shapes, self.batch_size(func_args)
 
   def get_loss_input_shapes_and_batch_size(
-      self, func_args: FuncArgs
+    self, func_args: FuncArgs
   ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], int]:
     """The shapes of the losses' inputs, and the batch size.
 
@@ -294,12 +315,15 @@ class ImplicitExactCurvature:
       inputs, and the batch size.
     """
     losses, _ = self._vjp(func_args)
-    shapes = tuple(tuple(tuple(x.shape) for x in loss.parameter_dependants)
-                   for loss in losses)
+    shapes = tuple(
+      tuple(tuple(x.shape) for x in loss.parameter_dependants)
+      for loss in losses
+    )
     return shapes, self.batch_size(func_args)
 
-  def to_dense_matrix(self, func_args: FuncArgs,
-                      mat_type: str = "ggn") -> jax.Array:
+  def to_dense_matrix(
+    self, func_args: FuncArgs, mat_type: str = "ggn"
+  ) -> jax.Array:
     """An exact curvature matrix formed column by column, for small models.
 
     Args:
@@ -312,17 +336,22 @@ class ImplicitExactCurvature:
     Raises:
       ValueError: for another matrix type.
     """
-    products = dict(hessian=self.multiply_hessian, fisher=self.multiply_fisher,
-                    ggn=self.multiply_ggn,
-                    empirical_fisher=self.multiply_empirical_fisher)
+    products = dict(
+      hessian=self.multiply_hessian,
+      fisher=self.multiply_fisher,
+      ggn=self.multiply_ggn,
+      empirical_fisher=self.multiply_empirical_fisher,
+    )
     if mat_type not in products:
-      raise ValueError(f"mat_type must be one of {sorted(products)}, got "
-                       f"{mat_type!r}.")
+      raise ValueError(
+        f"mat_type must be one of {sorted(products)}, got {mat_type!r}."
+      )
     params = func_args[self.params_index]
     flat, unravel = jax.flatten_util.ravel_pytree(params)
 
     def column(e):
       return jax.flatten_util.ravel_pytree(
-          products[mat_type](func_args, unravel(e)))[0]
+        products[mat_type](func_args, unravel(e))
+      )[0]
 
     return jax.vmap(column, out_axes=1)(jnp.eye(flat.size, dtype=flat.dtype))

@@ -82,7 +82,7 @@ def psd_matrix_power(matrix: jax.Array, power: float) -> jax.Array:
   if power == -1:
     return psd_inverse(matrix)
   values, vectors = safe_psd_eigh(matrix)
-  return (vectors * values ** power) @ vectors.T
+  return (vectors * values**power) @ vectors.T
 
 
 # Largest matrix inverted through one LAPACK Cholesky factor; bigger ones are
@@ -150,8 +150,9 @@ def _inverse_root_blocks(matrix):
   return top, below, _inverse_root_blocks(matrix[h:, h:] - below @ below.T)
 
 
-def inverse_root_multiply(root: InverseRoot, matrix: jax.Array,
-                          transpose: bool = False) -> jax.Array:
+def inverse_root_multiply(
+  root: InverseRoot, matrix: jax.Array, transpose: bool = False
+) -> jax.Array:
   """Multiplies by an inverse Cholesky root, or by its transpose.
 
   Args:
@@ -168,8 +169,9 @@ def inverse_root_multiply(root: InverseRoot, matrix: jax.Array,
   h = below.shape[1]
   if transpose:
     last = inverse_root_multiply(bottom, matrix[h:], transpose=True)
-    first = inverse_root_multiply(top, matrix[:h] - below.T @ last,
-                                  transpose=True)
+    first = inverse_root_multiply(
+      top, matrix[:h] - below.T @ last, transpose=True
+    )
     return jnp.concatenate([first, last])
   first = inverse_root_multiply(top, matrix[:h])
   last = inverse_root_multiply(bottom, matrix[h:] - below @ first)
@@ -183,8 +185,11 @@ def _leaf_root(matrix):
   # transposing copy of a big factor.
   lower = jax.lax.linalg.cholesky(matrix.T, symmetrize_input=False)
   return jax.lax.linalg.triangular_solve(
-      lower, jnp.eye(matrix.shape[-1], dtype=matrix.dtype), left_side=True,
-      lower=True)
+    lower,
+    jnp.eye(matrix.shape[-1], dtype=matrix.dtype),
+    left_side=True,
+    lower=True,
+  )
 
 
 def _inverse_from_root(root):
@@ -234,7 +239,8 @@ def limit_lapack_threads() -> None:
     return
   for lib in threadpoolctl.ThreadpoolController().lib_controllers:
     if lib.internal_api == "openblas" and "scipy" in os.path.basename(
-        os.path.dirname(lib.filepath)):
+      os.path.dirname(lib.filepath)
+    ):
       lib.set_num_threads(1)
 
 
@@ -245,12 +251,12 @@ limit_lapack_threads()
 
 def _trace(matrix):
   # A strided slice of the diagonal: `jnp.trace` masks the whole matrix.
-  return jnp.sum(matrix.reshape(-1)[::matrix.shape[0] + 1])
+  return jnp.sum(matrix.reshape(-1)[:: matrix.shape[0] + 1])
 
 
 def pi_adjusted_kronecker_damping(
-    a: jax.Array, g: jax.Array,
-    damping: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+  a: jax.Array, g: jax.Array, damping: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Splits `damping` between the factors of `a ⊗ g` (Martens & Grosse, 2015).
 
   With `pi = sqrt((tr a / dim a) / (tr g / dim g))` the Kronecker product of
@@ -270,12 +276,15 @@ def pi_adjusted_kronecker_damping(
   ok = (a_norm > 0) & (g_norm > 0)
   pi = jnp.sqrt(jnp.where(ok, a_norm, 1) / jnp.where(ok, g_norm, 1))
   root = jnp.sqrt(jnp.asarray(damping, a.dtype))
-  return (a + pi * root * jnp.eye(a.shape[0], dtype=a.dtype),
-          g + root / pi * jnp.eye(g.shape[0], dtype=g.dtype))
+  return (
+    a + pi * root * jnp.eye(a.shape[0], dtype=a.dtype),
+    g + root / pi * jnp.eye(g.shape[0], dtype=g.dtype),
+  )
 
 
-def kronecker_product_eigenvalues(a_eigenvalues: jax.Array,
-                                  g_eigenvalues: jax.Array) -> jax.Array:
+def kronecker_product_eigenvalues(
+  a_eigenvalues: jax.Array, g_eigenvalues: jax.Array
+) -> jax.Array:
   """The eigenvalues of a Kronecker product from those of its factors.
 
   Args:
@@ -289,9 +298,9 @@ def kronecker_product_eigenvalues(a_eigenvalues: jax.Array,
   return jnp.outer(a_eigenvalues, g_eigenvalues).reshape(-1)
 
 
-def kronecker_eigen_multiply(u_a: jax.Array, u_g: jax.Array,
-                             diagonal: jax.Array,
-                             matrix: jax.Array) -> jax.Array:
+def kronecker_eigen_multiply(
+  u_a: jax.Array, u_g: jax.Array, diagonal: jax.Array, matrix: jax.Array
+) -> jax.Array:
   """Applies a spectral function of a Kronecker product to a matrix.
 
   With row-major `vec` and `(a ⊗ g) vec(V) = vec(a V g)`, this computes

@@ -22,8 +22,9 @@ class WeightedMovingAverage:
   raw_value: jax.Array
 
   @classmethod
-  def zeros(cls, shape: Sequence[int],
-            dtype: jnp.dtype = jnp.float32) -> "WeightedMovingAverage":
+  def zeros(
+    cls, shape: Sequence[int], dtype: jnp.dtype = jnp.float32
+  ) -> "WeightedMovingAverage":
     """An average with no terms yet.
 
     Args:
@@ -40,12 +41,17 @@ class WeightedMovingAverage:
     """The current average, `raw_value / weight` (zeros before any update)."""
     # Before any update the weight is 0; report the (zero) raw value rather
     # than 0/0, so an untouched estimate reads as the zero matrix.
-    weight = jnp.where(self.weight == 0, jnp.ones_like(self.weight),
-                       self.weight)
+    weight = jnp.where(
+      self.weight == 0, jnp.ones_like(self.weight), self.weight
+    )
     return self.raw_value / weight.astype(self.raw_value.dtype)
 
-  def update(self, value: jax.Array, ema_old: float | jax.Array,
-             ema_new: float | jax.Array) -> "WeightedMovingAverage":
+  def update(
+    self,
+    value: jax.Array,
+    ema_old: float | jax.Array,
+    ema_new: float | jax.Array,
+  ) -> "WeightedMovingAverage":
     """Adds a new term to the average.
 
     Args:
@@ -58,15 +64,20 @@ class WeightedMovingAverage:
     """
     value = jnp.asarray(value, self.raw_value.dtype)
     if value.shape != self.raw_value.shape:
-      raise ValueError(f"WeightedMovingAverage.update: value of shape "
-                       f"{value.shape} does not match the average's shape "
-                       f"{self.raw_value.shape}.")
+      raise ValueError(
+        f"WeightedMovingAverage.update: value of shape "
+        f"{value.shape} does not match the average's shape "
+        f"{self.raw_value.shape}."
+      )
     if isinstance(ema_old, (int, float)) and ema_old == 0:
       # A fresh estimate: skip reading the old value (large for dense blocks).
       return WeightedMovingAverage(
-          weight=jnp.asarray(ema_new, self.weight.dtype) + 0 * self.weight,
-          raw_value=(ema_new * value).astype(self.raw_value.dtype))
+        weight=jnp.asarray(ema_new, self.weight.dtype) + 0 * self.weight,
+        raw_value=(ema_new * value).astype(self.raw_value.dtype),
+      )
     return WeightedMovingAverage(
-        weight=(ema_old * self.weight + ema_new).astype(self.weight.dtype),
-        raw_value=(ema_old * self.raw_value + ema_new * value).astype(
-            self.raw_value.dtype))
+      weight=(ema_old * self.weight + ema_new).astype(self.weight.dtype),
+      raw_value=(ema_old * self.raw_value + ema_new * value).astype(
+        self.raw_value.dtype
+      ),
+    )

@@ -39,9 +39,10 @@ def root_order(power: float) -> int:
   p = -1 / power if power < 0 else 0
   if p < 1 or abs(p - round(p)) > 1e-9:
     raise ValueError(
-        f"The Newton iteration computes inverse p-th roots, powers -1/p for "
-        f"an integer p >= 1 (-1, -0.5, -0.25, ...), not {power}; use "
-        "matrix_power_method='decomposition' for other powers.")
+      f"The Newton iteration computes inverse p-th roots, powers -1/p for "
+      f"an integer p >= 1 (-1, -0.5, -0.25, ...), not {power}; use "
+      "matrix_power_method='decomposition' for other powers."
+    )
   return round(p)
 
 
@@ -72,14 +73,16 @@ class Roots(NamedTuple):
     converged: whether it converged (residual below 1e-3).
     steps: the Newton steps taken (the stack's slowest matrix's).
   """
+
   roots: jax.Array
   residuals: jax.Array
   converged: jax.Array
   steps: jax.Array
 
 
-def inverse_root(matrices: jax.Array, p: int,
-                 max_iterations: int = DEFAULT_MAX_ITERATIONS) -> Roots:
+def inverse_root(
+  matrices: jax.Array, p: int, max_iterations: int = DEFAULT_MAX_ITERATIONS
+) -> Roots:
   """`matrix^(-1/p)` of each positive definite matrix of a stack.
 
   With `z = (1 + p) / (2 c)` for an upper bound `c` on the largest
@@ -108,24 +111,28 @@ def inverse_root(matrices: jax.Array, p: int,
   return inverse_roots([(matrices, p)], max_iterations)[0]
 
 
-def inverse_roots(stacks: Sequence[tuple[jax.Array, int]],
-                  max_iterations: int = DEFAULT_MAX_ITERATIONS
-                  ) -> list[Roots]:
+def inverse_roots(
+  stacks: Sequence[tuple[jax.Array, int]],
+  max_iterations: int = DEFAULT_MAX_ITERATIONS,
+) -> list[Roots]:
   """`inverse_root` of several stacks (each with its own size, dtype and
   root) in one loop, which stops when all are done: on an accelerator each
   step's test of the loop condition waits for the device, so one loop waits
   once per step instead of once per stack and step."""
   starts = [_start(matrices, p) for matrices, p in stacks]
-  floors = [_tolerance(matrices.dtype, matrices.shape[-1])
-            for matrices, _ in stacks]
+  floors = [
+    _tolerance(matrices.dtype, matrices.shape[-1]) for matrices, _ in stacks
+  ]
 
   def more(carry):
     i, states = carry
     # Go on while some matrix is above the floor and still improving (or
     # still far from converged: the small eigenvalues' doubling phase can
     # leave the largest entry flat for a while).
-    going = [jnp.any((err > floor) & ((err < last) | (err > 1e-2)))
-             for (_, _, err, last), floor in zip(states, floors)]
+    going = [
+      jnp.any((err > floor) & ((err < last) | (err > 1e-2)))
+      for (_, _, err, last), floor in zip(states, floors)
+    ]
     return (i < max_iterations) & jnp.any(jnp.stack(going))
 
   def step(carry):
@@ -136,14 +143,18 @@ def inverse_roots(stacks: Sequence[tuple[jax.Array, int]],
   out = []
   for x, _, err, _ in states:
     converged = err < 1e-3
-    out.append(Roots(jnp.where(converged[..., None, None], x, jnp.nan), err,
-                     converged, steps))
+    out.append(
+      Roots(
+        jnp.where(converged[..., None, None], x, jnp.nan), err, converged, steps
+      )
+    )
   return out
 
 
 def _residual(m):
-  return jnp.max(jnp.abs(m - jnp.eye(m.shape[-1], dtype=m.dtype)),
-                 axis=(-2, -1))
+  return jnp.max(
+    jnp.abs(m - jnp.eye(m.shape[-1], dtype=m.dtype)), axis=(-2, -1)
+  )
 
 
 def _start(matrices, p):
@@ -158,8 +169,12 @@ def _start(matrices, p):
   eye = jnp.eye(a.shape[-1], dtype=a.dtype)
   m = z * a
   err = _residual(m)
-  return jnp.broadcast_to(z ** (1 / p) * eye, a.shape), m, err, \
-      jnp.full_like(err, jnp.inf)
+  return (
+    jnp.broadcast_to(z ** (1 / p) * eye, a.shape),
+    m,
+    err,
+    jnp.full_like(err, jnp.inf),
+  )
 
 
 def _step(state, p):
@@ -176,15 +191,17 @@ def _check(converged, shape, max_iterations) -> None:
     return
   if not bool(np.all(converged)):
     raise ValueError(
-        f"The Newton iteration for an inverse root of a {shape[-2]}x"
-        f"{shape[-1]} matrix did not converge in {max_iterations} steps: the "
-        "matrix is singular, indefinite or too badly conditioned. Add damping "
-        "(identity weight) to it, raise max_iterations, or use "
-        "matrix_power_method='decomposition'.")
+      f"The Newton iteration for an inverse root of a {shape[-2]}x"
+      f"{shape[-1]} matrix did not converge in {max_iterations} steps: the "
+      "matrix is singular, indefinite or too badly conditioned. Add damping "
+      "(identity weight) to it, raise max_iterations, or use "
+      "matrix_power_method='decomposition'."
+    )
 
 
-def psd_power(matrix: jax.Array, power: float,
-              max_iterations: int = DEFAULT_MAX_ITERATIONS) -> jax.Array:
+def psd_power(
+  matrix: jax.Array, power: float, max_iterations: int = DEFAULT_MAX_ITERATIONS
+) -> jax.Array:
   """`matrix ** power` for a power -1/p, by the Newton iteration.
 
   Raises:
@@ -234,8 +251,10 @@ def requested_power(matrix: jax.Array, p: int) -> jax.Array:
   request = state.requests[state.position]
   state.position += 1
   if request.p != p or request.matrix.shape != matrix.shape:
-    raise RuntimeError("by_products: the function asked for different "
-                       "powers on its second call; it must be deterministic.")
+    raise RuntimeError(
+      "by_products: the function asked for different "
+      "powers on its second call; it must be deterministic."
+    )
   return request.result
 
 
@@ -258,18 +277,24 @@ def _solve_batched(requests: Sequence[_Request], max_iterations: int) -> None:
   groups: dict[Any, list[_Request]] = {}
   for r in requests:
     groups.setdefault((r.matrix.shape, r.matrix.dtype, r.p), []).append(r)
-  results = inverse_roots([(jnp.stack([r.matrix for r in members]), p)
-                           for (_, _, p), members in groups.items()],
-                          max_iterations)
-  for (shape, _, _), members, result in zip(groups, groups.values(),
-                                            results):
+  results = inverse_roots(
+    [
+      (jnp.stack([r.matrix for r in members]), p)
+      for (_, _, p), members in groups.items()
+    ],
+    max_iterations,
+  )
+  for (shape, _, _), members, result in zip(groups, groups.values(), results):
     _check(result.converged, shape, max_iterations)
     for r, root in zip(members, result.roots):
       r.result = root
 
 
-def by_products(fn: Callable[[], Any], batched: bool = True,
-                max_iterations: int = DEFAULT_MAX_ITERATIONS) -> Any:
+def by_products(
+  fn: Callable[[], Any],
+  batched: bool = True,
+  max_iterations: int = DEFAULT_MAX_ITERATIONS,
+) -> Any:
   """Calls `fn()` with its damped powers computed by the Newton iteration.
 
   Every `utils.psd_matrix_power(matrix, -1/p)` that `fn` makes returns

@@ -34,11 +34,13 @@ def flatten_arrays(arrays: Sequence[jax.Array], leading: int = 0) -> jax.Array:
     the first flattened axis.
   """
   return jnp.concatenate(
-      [a.reshape(a.shape[:leading] + (-1,)) for a in arrays], axis=leading)
+    [a.reshape(a.shape[:leading] + (-1,)) for a in arrays], axis=leading
+  )
 
 
-def unflatten_vector(vector: jax.Array,
-                     shapes: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
+def unflatten_vector(
+  vector: jax.Array, shapes: Sequence[Sequence[int]]
+) -> tuple[jax.Array, ...]:
   """Splits a vector into arrays; undoes `flatten_arrays(..., leading=0)`.
 
   Args:
@@ -53,11 +55,12 @@ def unflatten_vector(vector: jax.Array,
   """
   sizes = [product(s) for s in shapes]
   if vector.shape != (sum(sizes),):
-    raise ValueError(f"Expected a vector of shape ({sum(sizes)},), got "
-                     f"{vector.shape}.")
+    raise ValueError(
+      f"Expected a vector of shape ({sum(sizes)},), got {vector.shape}."
+    )
   parts, start = [], 0
   for shape, size in zip(shapes, sizes):
-    parts.append(vector[start:start + size].reshape(tuple(shape)))
+    parts.append(vector[start : start + size].reshape(tuple(shape)))
     start += size
   return tuple(parts)
 
@@ -84,8 +87,9 @@ def inner_product(a: Any, b: Any) -> jax.Array:
   Returns:
     The sum over leaves of `vdot(leaf_a, leaf_b)` (0 for empty trees).
   """
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a),
-                                            jax.tree.leaves(b)))
+  return sum(
+    jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 # Leaves up to this size are stacked and multiplied in one matrix product;
@@ -115,15 +119,18 @@ def gram_matrix(trees: Sequence, others: Sequence | None = None) -> jax.Array:
   rows = [jax.tree.leaves(t) for t in trees]
   cols = [jax.tree.leaves(t) for t in others]
   if len({len(leaves) for leaves in rows + cols}) > 1:
-    raise ValueError("gram_matrix needs pytrees with the same leaves, got "
-                     f"{[jax.tree.structure(t) for t in [*trees, *others]]}.")
+    raise ValueError(
+      "gram_matrix needs pytrees with the same leaves, got "
+      f"{[jax.tree.structure(t) for t in [*trees, *others]]}."
+    )
   dtype = jnp.result_type(*[x for leaves in rows + cols for x in leaves])
   total = jnp.zeros((len(rows), len(cols)), dtype)
   for left, right in zip(zip(*rows), zip(*cols)):
     if left[0].size <= _STACKED_LEAF_MAX_SIZE:
       a = jnp.stack([x.ravel() for x in left]).astype(dtype)
-      b = a if symmetric else jnp.stack([x.ravel() for x in right]).astype(
-          dtype)
+      b = (
+        a if symmetric else jnp.stack([x.ravel() for x in right]).astype(dtype)
+      )
       total += jnp.matmul(a, b.T, precision="highest")
       continue
     pairs = [[None] * len(cols) for _ in rows]

@@ -23,6 +23,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class _Forwarding:
   """Static part of a staged output: where each output leaf comes from."""
+
   tree: Any  # treedef of the full output
   sources: tuple  # per output leaf: the index of the input leaf it is, or None
 
@@ -35,7 +36,8 @@ _CPU_OPTIONS = {"xla_backend_optimization_level": 1}
 
 def _dynamic_leaves(args, static_argnums):
   return jax.tree.leaves(
-      [a for i, a in enumerate(args) if i not in static_argnums])
+    [a for i, a in enumerate(args) if i not in static_argnums]
+  )
 
 
 def _as_array(x):
@@ -63,7 +65,8 @@ def _cpu_option_known(name: str, value: Any) -> bool:
   probe = jax.device_put(np.float32(0), jax.devices("cpu")[0])
   try:
     jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(
-        probe).compile()
+      probe
+    ).compile()
   except jax.errors.JaxRuntimeError:
     return False
   return True
@@ -87,9 +90,12 @@ def supported_cpu_options(options: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in options.items() if _cpu_option_known(k, v)}
 
 
-def stage(fn: Callable, static_argnums: Sequence[int] = (),
-          pmap_axis_name: str | None = None,
-          cpu_options: dict | None = None) -> Callable:
+def stage(
+  fn: Callable,
+  static_argnums: Sequence[int] = (),
+  pmap_axis_name: str | None = None,
+  cpu_options: dict | None = None,
+) -> Callable:
   """Compiles `fn` like `jax.jit` (or `jax.pmap`), minus passthrough copies.
 
   Args:
@@ -108,8 +114,9 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
 
   def pruned(*args):
     out = fn(*args)
-    position = {id(x): i for i, x in
-                enumerate(_dynamic_leaves(args, static_argnums))}
+    position = {
+      id(x): i for i, x in enumerate(_dynamic_leaves(args, static_argnums))
+    }
     leaves, tree = jax.tree.flatten(out)
     sources = tuple(position.get(id(x)) for x in leaves)
     computed = [x for x, s in zip(leaves, sources) if s is None]
@@ -118,19 +125,31 @@ def stage(fn: Callable, static_argnums: Sequence[int] = (),
   @functools.cache
   def compiled_for(platform):
     if pmap_axis_name is not None:
-      return jax.pmap(pruned, axis_name=pmap_axis_name, backend=platform,
-                      static_broadcasted_argnums=static_argnums)
-    options = (supported_cpu_options({**_CPU_OPTIONS, **(cpu_options or {})})
-               if platform == "cpu" else None)
-    return jax.jit(pruned, static_argnums=static_argnums,
-                   compiler_options=options)
+      return jax.pmap(
+        pruned,
+        axis_name=pmap_axis_name,
+        backend=platform,
+        static_broadcasted_argnums=static_argnums,
+      )
+    options = (
+      supported_cpu_options({**_CPU_OPTIONS, **(cpu_options or {})})
+      if platform == "cpu"
+      else None
+    )
+    return jax.jit(
+      pruned, static_argnums=static_argnums, compiler_options=options
+    )
 
   def call(*args):
     computed, forwarding = compiled_for(target_platform())(*args)
     inputs = _dynamic_leaves(args, static_argnums)
     computed = iter(computed)
-    return jax.tree.unflatten(forwarding.tree, [
+    return jax.tree.unflatten(
+      forwarding.tree,
+      [
         next(computed) if s is None else _as_array(inputs[s])
-        for s in forwarding.sources])
+        for s in forwarding.sources
+      ],
+    )
 
   return call

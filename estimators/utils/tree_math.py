@@ -41,8 +41,9 @@ def scalar_div(obj: Any, scalar: Any) -> Any:
   return jax.tree.map(lambda x: x / scalar, obj)
 
 
-def weighted_sum_of_objects(objects: Sequence[Any],
-                            coefficients: Sequence[Any]) -> Any:
+def weighted_sum_of_objects(
+  objects: Sequence[Any], coefficients: Sequence[Any]
+) -> Any:
   """`sum_i coefficients[i] * objects[i]` for pytrees of one structure.
 
   Args:
@@ -57,11 +58,14 @@ def weighted_sum_of_objects(objects: Sequence[Any],
   """
   objects, coefficients = list(objects), list(coefficients)
   if not objects or len(objects) != len(coefficients):
-    raise ValueError("weighted_sum_of_objects needs as many coefficients as "
-                     f"objects (at least one); got {len(objects)} objects and "
-                     f"{len(coefficients)} coefficients.")
-  return jax.tree.map(lambda *leaves: sum(c * x for c, x in zip(
-      coefficients, leaves)), *objects)
+    raise ValueError(
+      "weighted_sum_of_objects needs as many coefficients as "
+      f"objects (at least one); got {len(objects)} objects and "
+      f"{len(coefficients)} coefficients."
+    )
+  return jax.tree.map(
+    lambda *leaves: sum(c * x for c, x in zip(coefficients, leaves)), *objects
+  )
 
 
 def squared_norm(obj: Any) -> jax.Array:
@@ -99,6 +103,7 @@ def first_dim_is_size(size: int, *args: jax.Array) -> bool:
     True when all leading sizes equal `size`.
   """
   return all(jnp.ndim(a) > 0 and jnp.shape(a)[0] == size for a in args)
+
 
 def default_batch_size_extractor(batch: Any) -> int:
   """The batch size of a batch pytree.

@@ -16,12 +16,15 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class TuningSweeperConf:
-  _target_: str = (
-      "hydra_plugins.curvbench_sweeper.tuning_sweeper.TuningSweeper")
+  _target_: str = "hydra_plugins.curvbench_sweeper.tuning_sweeper.TuningSweeper"
   max_batch_size: Any = None
   params: Any = None
   sweeps: Any = None  # a list of `params`-like mappings: their union
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="tuning",
-                             node=TuningSweeperConf, provider="curvbench")
+ConfigStore.instance().store(
+  group="hydra/sweeper",
+  name="tuning",
+  node=TuningSweeperConf,
+  provider="curvbench",
+)

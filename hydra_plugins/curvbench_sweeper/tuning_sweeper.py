@@ -76,17 +76,20 @@ def product(overrides: list[str]) -> list[list[str]]:
       choices[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
     else:
       raise HydraException(
-          f"{key}: the curvbench sweeper takes lists of values (a=1,2) and "
-          "choice(...)/range(...), not intervals.")
+        f"{key}: the curvbench sweeper takes lists of values (a=1,2) and "
+        "choice(...)/range(...), not intervals."
+      )
   return [list(job) for job in itertools.product(*choices.values())]
 
 
-def union(params: dict, sweeps: list | None,
-          arguments: list[str]) -> list[list[str]]:
+def union(
+  params: dict, sweeps: list | None, arguments: list[str]
+) -> list[list[str]]:
   """The jobs of a sweep: the product of `params` and the command line's
   `arguments`, or, with `sweeps` (a list of mappings), the union of the
   products of each with `params` and `arguments` added (the command line
   wins where both give a key), a point listed twice run once."""
+
   def items(mapping):
     return [f"{k}={v}" for k, v in mapping.items()]
 
@@ -94,9 +97,10 @@ def union(params: dict, sweeps: list | None,
     return product(items(params) + list(arguments))
   if not sweeps or not all(isinstance(s, dict) for s in sweeps):
     raise HydraException(
-        "hydra.sweeper.sweeps is a non-empty list of mappings of swept "
-        f"values (e.g. [{{measure: spectra, curvature: 'kfac,ekfac'}}]), "
-        f"not {sweeps!r}.")
+      "hydra.sweeper.sweeps is a non-empty list of mappings of swept "
+      f"values (e.g. [{{measure: spectra, curvature: 'kfac,ekfac'}}]), "
+      f"not {sweeps!r}."
+    )
   jobs = {}
   for sweep in sweeps:
     for job in product(items(params) + items(sweep) + list(arguments)):
@@ -104,8 +108,12 @@ def union(params: dict, sweeps: list | None,
   return list(jobs.values())
 
 
-def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
-           default_measure: str) -> list[list[str]]:
+def expand(
+  jobs: list[list[str]],
+  grid: dict,
+  default_optimizer: str,
+  default_measure: str,
+) -> list[list[str]]:
   """Each job of a tuned measurement (`jobs`: lists of `key=value`
   overrides) once per point of its optimizer's grid; other jobs
   unchanged."""
@@ -120,28 +128,33 @@ def expand(jobs: list[list[str]], grid: dict, default_optimizer: str,
   out = []
   for job in jobs:
     points = config.grid_points(grid).get(
-        choice(job, "optimizer", default_optimizer), {})
+      choice(job, "optimizer", default_optimizer), {}
+    )
     measure = choice(job, "measure", default_measure)
-    tuned = (measure in measurements.MEASUREMENTS
-             and measurements.MEASUREMENTS.get(measure).tuned)
+    tuned = (
+      measure in measurements.MEASUREMENTS
+      and measurements.MEASUREMENTS.get(measure).tuned
+    )
     if not tuned or not points:
       out.append(job)
       continue
     taken = {item.partition("=")[0] for item in job}
-    clash = sorted(f"optimizer.{k}" for k in points
-                   if f"optimizer.{k}" in taken)
+    clash = sorted(
+      f"optimizer.{k}" for k in points if f"optimizer.{k}" in taken
+    )
     if clash:
       raise ValueError(
-          f"{', '.join(clash)} is both swept on the command line and in "
-          "tuning.grid; give it in one place.")
+        f"{', '.join(clash)} is both swept on the command line and in "
+        "tuning.grid; give it in one place."
+      )
     for values in itertools.product(*points.values()):
-      out.append(job + [f"optimizer.{k}={v}"
-                        for k, v in zip(points, values)])
+      out.append(job + [f"optimizer.{k}={v}" for k, v in zip(points, values)])
   return out
 
 
-def device_sharing(launcher: DictConfig,
-                   max_batch_size: Optional[int]) -> Optional[tuple]:
+def device_sharing(
+  launcher: DictConfig, max_batch_size: Optional[int]
+) -> Optional[tuple]:
   """How `launcher` (the `hydra.launcher` config) runs several jobs of one
   batch at the same time on one machine: `(what it does, the setting that
   stops it)`; None when each job has the device to itself.
@@ -160,38 +173,46 @@ def device_sharing(launcher: DictConfig,
     workers = n_jobs if n_jobs > 0 else (os.cpu_count() or 1) + 1 + n_jobs
     if workers <= 1:
       return None
-    return (f"launcher=joblib runs {workers} jobs at once "
-            f"(hydra.launcher.n_jobs={n_jobs})", "hydra.launcher.n_jobs=1")
+    return (
+      f"launcher=joblib runs {workers} jobs at once "
+      f"(hydra.launcher.n_jobs={n_jobs})",
+      "hydra.launcher.n_jobs=1",
+    )
   if name == "LocalLauncher" and "submitit" in target:
-    return ("launcher=submitit_local starts every job of a batch at once "
-            f"(hydra.sweeper.max_batch_size={max_batch_size})", batch_fix)
-  return (f"the launcher {target or 'in use'} may run jobs at once",
-          batch_fix)
+    return (
+      "launcher=submitit_local starts every job of a batch at once "
+      f"(hydra.sweeper.max_batch_size={max_batch_size})",
+      batch_fix,
+    )
+  return (f"the launcher {target or 'in use'} may run jobs at once", batch_fix)
 
 
 def batches(jobs: list, max_batch_size: Optional[int]) -> list[list]:
   """`jobs` in launches of at most `max_batch_size` (None or -1: one)."""
   size = len(jobs) if max_batch_size in (None, -1) else max_batch_size
-  return [jobs[i:i + size] for i in range(0, len(jobs), max(size, 1))]
+  return [jobs[i : i + size] for i in range(0, len(jobs), max(size, 1))]
 
 
-def check_alone(alone: list[bool], launcher: DictConfig,
-                max_batch_size: Optional[int]) -> None:
+def check_alone(
+  alone: list[bool], launcher: DictConfig, max_batch_size: Optional[int]
+) -> None:
   """Refuses a sweep whose runs that need the device alone (`alone[i]`:
   job i does) would run beside other jobs on one machine, naming the
   setting to change."""
   sharing = device_sharing(launcher, max_batch_size)
   if sharing is None:
     return
-  shared = sum(sum(batch) for batch in batches(alone, max_batch_size)
-               if len(batch) > 1)
+  shared = sum(
+    sum(batch) for batch in batches(alone, max_batch_size) if len(batch) > 1
+  )
   if shared:
     what, fix = sharing
     raise ValueError(
-        f"Timing runs need the device to themselves, but {what}: {shared} "
-        f"timing run(s) of this sweep would share it. Use launcher=basic, or "
-        f"{fix} (on a cluster, launcher=submitit_slurm gives each job its "
-        "own allocation).")
+      f"Timing runs need the device to themselves, but {what}: {shared} "
+      f"timing run(s) of this sweep would share it. Use launcher=basic, or "
+      f"{fix} (on a cluster, launcher=submitit_slurm gives each job its "
+      "own allocation)."
+    )
 
 
 def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
@@ -205,9 +226,9 @@ def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
   more = f"\n  and {len(bad) - 10} more" if len(bad) > 10 else ""
   # The message alone, on stderr: a traceback through Hydra would hide it.
   raise SystemExit(
-      f"curvbench: {len(bad)} of {len(jobs)} sweep points have a setting "
-      "that is not allowed; nothing was launched:\n" + "\n".join(lines)
-      + more)
+    f"curvbench: {len(bad)} of {len(jobs)} sweep points have a setting "
+    "that is not allowed; nothing was launched:\n" + "\n".join(lines) + more
+  )
 
 
 def refuse_shared_folders(jobs: list[list[str]], out_dirs: list) -> None:
@@ -216,15 +237,17 @@ def refuse_shared_folders(jobs: list[list[str]], out_dirs: list) -> None:
   first, shared = {}, []
   for job, out_dir in zip(jobs, out_dirs):
     if out_dir in first:
-      shared.append(f"  {' '.join(first[out_dir])} and {' '.join(job)}: "
-                    f"{out_dir}")
+      shared.append(
+        f"  {' '.join(first[out_dir])} and {' '.join(job)}: {out_dir}"
+      )
     first.setdefault(out_dir, job)
   if shared:
     raise SystemExit(
-        f"curvbench: {len(shared)} sweep point(s) would write into the "
-        "folder of another (each point needs its own: keep ${hydra:job."
-        "override_dirname} in hydra.sweep.subdir); nothing was launched:\n"
-        + "\n".join(shared[:10]))
+      f"curvbench: {len(shared)} sweep point(s) would write into the "
+      "folder of another (each point needs its own: keep ${hydra:job."
+      "override_dirname} in hydra.sweep.subdir); nothing was launched:\n"
+      + "\n".join(shared[:10])
+    )
 
 
 def _devices(cfg) -> tuple | None:
@@ -236,7 +259,8 @@ def _earlier_sweep(folder: Path) -> bool:
   """Whether `folder` is a sweep directory of a curvbench from before the
   sweep marker: its `multirun.yaml` beside run directories."""
   return (folder / "multirun.yaml").exists() and any(
-      (run / records.MARKER).exists() for run in folder.iterdir())
+    (run / records.MARKER).exists() for run in folder.iterdir()
+  )
 
 
 class TuningSweeper(Sweeper):
@@ -248,21 +272,28 @@ class TuningSweeper(Sweeper):
     super().__init__()
     self.max_batch_size = max_batch_size
     self.params = dict(params or {})
-    self.sweeps = (OmegaConf.to_container(sweeps, resolve=True)
-                   if OmegaConf.is_config(sweeps) else sweeps)
+    self.sweeps = (
+      OmegaConf.to_container(sweeps, resolve=True)
+      if OmegaConf.is_config(sweeps)
+      else sweeps
+    )
     self.hydra_context = self.config = self.launcher = None
 
   def setup(self, *, hydra_context, task_function, config) -> None:
     self.hydra_context, self.config = hydra_context, config
     self.launcher = Plugins.instance().instantiate_launcher(
-        hydra_context=hydra_context, task_function=task_function,
-        config=config)
+      hydra_context=hydra_context, task_function=task_function, config=config
+    )
 
   def sweep(self, arguments):
     sweep_dir = Path(self.config.hydra.sweep.dir)
     claim = lambda check_only: records.claim(
-        sweep_dir, SWEEP_MARKER, "a sweep directory", legacy=_earlier_sweep,
-        check_only=check_only)
+      sweep_dir,
+      SWEEP_MARKER,
+      "a sweep directory",
+      legacy=_earlier_sweep,
+      check_only=check_only,
+    )
     fix = "choose another folder with hydra.sweep.dir=..."
     try:  # before anything is written
       claim(check_only=True)
@@ -270,18 +301,21 @@ class TuningSweeper(Sweeper):
     except (records.ForeignFolder, records.UnwritableFolder) as e:
       raise SystemExit(f"curvbench: {e}") from None
     except OSError as e:  # e.g. a folder that may not be listed
-      raise SystemExit(f"curvbench: cannot use {sweep_dir} "
-                       f"({e.strerror or e}): {fix}") from None
+      raise SystemExit(
+        f"curvbench: cannot use {sweep_dir} ({e.strerror or e}): {fix}"
+      ) from None
     jobs = union(self.params, self.sweeps, arguments)
     grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
-    jobs = self.planned(expand(jobs, grid, self.config.optimizer.name,
-                               self.config.measure.kind))
+    jobs = self.planned(
+      expand(jobs, grid, self.config.optimizer.name, self.config.measure.kind)
+    )
     try:
       claim(check_only=False)
       OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
     except OSError as e:  # the disk filled, or turned read-only, since
-      raise SystemExit(f"curvbench: cannot write to {sweep_dir} "
-                       f"({e.strerror or e}): {fix}") from None
+      raise SystemExit(
+        f"curvbench: cannot write to {sweep_dir} ({e.strerror or e}): {fix}"
+      ) from None
     returns, start = [], 0
     for batch in batches(jobs, self.max_batch_size):
       results = self.launcher.launch(batch, initial_job_idx=start)
@@ -295,7 +329,8 @@ class TuningSweeper(Sweeper):
     """The config a job's task gets (Hydra's node removed) and its output
     directory, composed as the launcher will compose them."""
     cfg = self.hydra_context.config_loader.load_sweep_config(
-        self.config, list(overrides))
+      self.config, list(overrides)
+    )
     with open_dict(cfg):  # as the launchers do; a subdir may use them
       cfg.hydra.job.id = num
       cfg.hydra.job.num = num
@@ -305,8 +340,9 @@ class TuningSweeper(Sweeper):
     saved = hydra_config.cfg
     hydra_config.set_config(cfg)
     try:
-      out_dir = os.path.abspath(os.path.join(
-          str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)))
+      out_dir = os.path.abspath(
+        os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
+      )
     finally:
       hydra_config.cfg = saved
     with read_write(cfg), open_dict(cfg):  # a fresh copy per job
@@ -351,31 +387,49 @@ class TuningSweeper(Sweeper):
     device of the runs that need it alone, before anything is written; the
     points that repeat another, or finished earlier, left out."""
     if len(jobs) >= 100:  # about 0.1 s each
-      print(f"[curvbench] composing the configs of {len(jobs)} sweep points "
-            "before launching.", flush=True)
+      print(
+        f"[curvbench] composing the configs of {len(jobs)} sweep points "
+        "before launching.",
+        flush=True,
+      )
     composed = [self.composed(job, num) for num, job in enumerate(jobs)]
     missing = self.missing_devices([cfg for cfg, _, _ in composed])
-    refuse_bad_points(jobs, [refusal or missing.get(_devices(cfg))
-                             for cfg, _, refusal in composed])
+    refuse_bad_points(
+      jobs,
+      [refusal or missing.get(_devices(cfg)) for cfg, _, refusal in composed],
+    )
     refuse_shared_folders(jobs, [out_dir for _, out_dir, _ in composed])
     settings = [config.load(cfg) for cfg, _, _ in composed]
     reasons = [runs.skip_reason(run) for run in settings]
     skip = [reason is not None for reason in reasons]
-    done = [not skipped and runs.cached(cfg, out_dir)
-            for (cfg, out_dir, _), skipped in zip(composed, skip)]
-    keep = [(job, run.measure.chosen.needs_device_alone)
-            for job, run, skipped, finished in zip(jobs, settings, skip, done)
-            if not (skipped or finished)]
-    check_alone([alone for _, alone in keep], self.config.hydra.launcher,
-                self.max_batch_size)
+    done = [
+      not skipped and runs.cached(cfg, out_dir)
+      for (cfg, out_dir, _), skipped in zip(composed, skip)
+    ]
+    keep = [
+      (job, run.measure.chosen.needs_device_alone)
+      for job, run, skipped, finished in zip(jobs, settings, skip, done)
+      if not (skipped or finished)
+    ]
+    check_alone(
+      [alone for _, alone in keep],
+      self.config.hydra.launcher,
+      self.max_batch_size,
+    )
     if any(skip):
-      print(f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
-            "another and are left out ("
-            + "; ".join(sorted({r for r in reasons if r})) + ").",
-            flush=True)
+      print(
+        f"[curvbench] {sum(skip)} of {len(jobs)} sweep points repeat "
+        "another and are left out ("
+        + "; ".join(sorted({r for r in reasons if r}))
+        + ").",
+        flush=True,
+      )
     if any(done):
       # A restarted sweep goes straight to the runs it has left.
-      print(f"[curvbench] {sum(done)} of {len(jobs)} sweep points finished "
-            "earlier with this config, code and data and were not launched "
-            "(force=true redoes them).", flush=True)
+      print(
+        f"[curvbench] {sum(done)} of {len(jobs)} sweep points finished "
+        "earlier with this config, code and data and were not launched "
+        "(force=true redoes them).",
+        flush=True,
+      )
     return [job for job, _ in keep]

@@ -20,9 +20,11 @@ class DatasetSettings(Component, abc.ABC):
   # every position (for sequence models, `ProblemSettings.sequence_model`).
   tokens: ClassVar[bool] = False
   num_train: int | None = setting(
-      None, Whole(1, null=True), "the first N training examples (null: all)")
+    None, Whole(1, null=True), "the first N training examples (null: all)"
+  )
   num_test: int | None = setting(
-      None, Whole(1, null=True), "the first N test examples (null: all)")
+    None, Whole(1, null=True), "the first N test examples (null: all)"
+  )
 
   @abc.abstractmethod
   def input_shape(self) -> tuple[int, ...]:
@@ -43,19 +45,25 @@ class DatasetSettings(Component, abc.ABC):
     available = self.available()
     if available is None:
       return None
-    return tuple(asked if asked is not None else have for asked, have in
-                 zip((self.num_train, self.num_test), available))
+    return tuple(
+      asked if asked is not None else have
+      for asked, have in zip((self.num_train, self.num_test), available)
+    )
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     available = self.available()
-    for split, asked, have in zip(("train", "test"),
-                                  (self.num_train, self.num_test),
-                                  available or (None, None)):
+    for split, asked, have in zip(
+      ("train", "test"),
+      (self.num_train, self.num_test),
+      available or (None, None),
+    ):
       if asked is not None and have is not None and asked > have:
-        yield (f"{prefix}.num_{split}={asked} asks for more {split} "
-               f"examples than {self.name} has ({have}); choose at most "
-               f"{have}.")
+        yield (
+          f"{prefix}.num_{split}={asked} asks for more {split} "
+          f"examples than {self.name} has ({have}); choose at most "
+          f"{have}."
+        )
 
   def available(self) -> tuple[int, int] | None:
     """The training and test examples there are before `num_train` and
@@ -79,12 +87,16 @@ class DatasetSettings(Component, abc.ABC):
     stand_in = self.stand_in()
     if stand_in is not None:  # the examples are the generator's settings
       return data.fingerprint(self.source(), dataclasses.asdict(stand_in))
-    spec = {k: v for k, v in dataclasses.asdict(self).items()
-            if k not in ("cache", "data_dir")}
+    spec = {
+      k: v
+      for k, v in dataclasses.asdict(self).items()
+      if k not in ("cache", "data_dir")
+    }
     return data.fingerprint(self.source(), spec, self.files())
 
 
-DATASETS = Registry("dataset", DatasetSettings, package=__name__,
-                    group="problem/data")
+DATASETS = Registry(
+  "dataset", DatasetSettings, package=__name__, group="problem/data"
+)
 
 __all__ = ["DATASETS", "DatasetSettings"]

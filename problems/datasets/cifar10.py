@@ -14,8 +14,13 @@ import numpy as np
 
 from curvbench.components import OneOf, Text, setting
 from problems import data
-from problems.datafiles import (SPLIT_KEYS, DataFileError, check_splits,
-                                leading_lengths, read_npz)
+from problems.datafiles import (
+  SPLIT_KEYS,
+  DataFileError,
+  check_splits,
+  leading_lengths,
+  read_npz,
+)
 from problems.datasets import DATASETS, DatasetSettings, synthetic_images
 
 SHAPES = ((32, 32, 3),)
@@ -27,20 +32,24 @@ PYTHON = "cifar-10-batches-py"  # pickled dicts
 
 def layout(root: Path) -> str:
   """Which files to put in `root`."""
-  return (f"Put {root / 'cifar10.npz'} (arrays x_train, y_train, x_test, "
-          f"y_test; images NHWC), or the binary-version batches "
-          f"{root / BINARY}/data_batch_1..5.bin and test_batch.bin, or the "
-          f"python-version batches {root / PYTHON}/data_batch_1..5 and "
-          "test_batch.")
+  return (
+    f"Put {root / 'cifar10.npz'} (arrays x_train, y_train, x_test, "
+    f"y_test; images NHWC), or the binary-version batches "
+    f"{root / BINARY}/data_batch_1..5.bin and test_batch.bin, or the "
+    f"python-version batches {root / PYTHON}/data_batch_1..5 and "
+    "test_batch."
+  )
 
 
 def fix(root: Path) -> str:
   """How to get a good copy into `root` (ends every file error)."""
-  return (f"Replace it with a good copy: CIFAR-10's binary or python "
-          f"version (cifar-10-binary.tar.gz or cifar-10-python.tar.gz from "
-          f"https://www.cs.toronto.edu/~kriz/cifar.html, unpacked in "
-          f"{root}), or {root / 'cifar10.npz'} with x_train, y_train, "
-          f"x_test, y_test (uint8 NHWC images, labels 0..9).")
+  return (
+    f"Replace it with a good copy: CIFAR-10's binary or python "
+    f"version (cifar-10-binary.tar.gz or cifar-10-python.tar.gz from "
+    f"https://www.cs.toronto.edu/~kriz/cifar.html, unpacked in "
+    f"{root}), or {root / 'cifar10.npz'} with x_train, y_train, "
+    f"x_test, y_test (uint8 NHWC images, labels 0..9)."
+  )
 
 
 @DATASETS.register
@@ -49,13 +58,16 @@ class CIFAR10(DatasetSettings):
   """CIFAR-10's 32x32 colour images, pixels scaled to [0, 1]."""
 
   name: str = "cifar10"
-  data_dir: str | None = setting(None, Text(null=True),
-                                 "the directory of the files (null: "
-                                 "$CURVBENCH_DATA)")
+  data_dir: str | None = setting(
+    None, Text(null=True), "the directory of the files (null: $CURVBENCH_DATA)"
+  )
   when_missing: str = setting(
-      "error", OneOf(("error", "synthetic")), "no CIFAR-10 files found: "
-      "stop with an error saying where to put them, or use synthetic "
-      "images of CIFAR-10's shape (the data's source says which)")
+    "error",
+    OneOf(("error", "synthetic")),
+    "no CIFAR-10 files found: "
+    "stop with an error saying where to put them, or use synthetic "
+    "images of CIFAR-10's shape (the data's source says which)",
+  )
 
   def input_shape(self):
     return (32, 32, 3)
@@ -63,8 +75,10 @@ class CIFAR10(DatasetSettings):
   def source(self):
     if self.stand_in() is None:
       return "CIFAR-10"
-    return (f"synthetic images of CIFAR-10's shape (no CIFAR-10 files "
-            f"found), {synthetic_images.source()}")
+    return (
+      f"synthetic images of CIFAR-10's shape (no CIFAR-10 files "
+      f"found), {synthetic_images.source()}"
+    )
 
   def stand_in(self) -> synthetic_images.SyntheticImages | None:
     """The synthetic images used instead, where `when_missing=synthetic`
@@ -75,8 +89,12 @@ class CIFAR10(DatasetSettings):
       self._found()
     except FileNotFoundError:
       return synthetic_images.SyntheticImages(
-          num_train=self.num_train or 50000, num_test=self.num_test or 10000,
-          size=32, channels=3, num_classes=10)
+        num_train=self.num_train or 50000,
+        num_test=self.num_test or 10000,
+        size=32,
+        channels=3,
+        num_classes=10,
+      )
     return None
 
   def _found(self) -> tuple[Path, str, list[Path]]:
@@ -84,11 +102,16 @@ class CIFAR10(DatasetSettings):
     root = data.data_dir(self.data_dir, "CIFAR-10", layout)
     if (root / "cifar10.npz").exists():
       return root, "npz", [root / "cifar10.npz"]
-    for form, folder, suffix in (("binary", BINARY, ".bin"),
-                                 ("python", PYTHON, "")):
+    for form, folder, suffix in (
+      ("binary", BINARY, ".bin"),
+      ("python", PYTHON, ""),
+    ):
       if (root / folder).is_dir():
-        return root, form, [root / folder / f"{n}{suffix}"
-                            for n in TRAIN + TEST]
+        return (
+          root,
+          form,
+          [root / folder / f"{n}{suffix}" for n in TRAIN + TEST],
+        )
     raise FileNotFoundError(f"No CIFAR-10 files in {root}. {layout(root)}")
 
   def available(self):
@@ -105,7 +128,7 @@ class CIFAR10(DatasetSettings):
       return None if lengths is None else tuple(lengths.values())
     if form == "binary":
       count = [f.stat().st_size // 3073 for f in files]
-      return (sum(count[:len(TRAIN)]), sum(count[len(TRAIN):]))
+      return (sum(count[: len(TRAIN)]), sum(count[len(TRAIN) :]))
     return (10000 * len(TRAIN), 10000 * len(TEST))  # the python version's
 
   def files(self):
@@ -125,16 +148,19 @@ class CIFAR10(DatasetSettings):
       source = files[0].parent
       read = _binary_batch if form == "binary" else _python_batch
       parts = [read(f, fix(root)) for f in files]
-      train, test = parts[:len(TRAIN)], parts[len(TRAIN):]
-      arrays = dict(x_train=np.concatenate([x for x, _ in train]),
-                    y_train=np.concatenate([y for _, y in train]),
-                    x_test=np.concatenate([x for x, _ in test]),
-                    y_test=np.concatenate([y for _, y in test]))
+      train, test = parts[: len(TRAIN)], parts[len(TRAIN) :]
+      arrays = dict(
+        x_train=np.concatenate([x for x, _ in train]),
+        y_train=np.concatenate([y for _, y in train]),
+        x_test=np.concatenate([x for x, _ in test]),
+        y_test=np.concatenate([y for _, y in test]),
+      )
     arrays = check_splits(arrays, source, SHAPES, 10, fix(root))
     for split in ("train", "test"):
       arrays[f"x_{split}"] = arrays[f"x_{split}"] / np.float32(255)
-    return data.finished("cifar10", data.subset(
-        arrays, self.num_train, self.num_test, source), 10)
+    return data.finished(
+      "cifar10", data.subset(arrays, self.num_train, self.num_test, source), 10
+    )
 
 
 def _present(path: Path, fix_text: str) -> bytes:
@@ -148,27 +174,34 @@ def _binary_batch(path: Path, fix_text: str):
   raw = np.frombuffer(_present(path, fix_text), np.uint8)
   if raw.size == 0 or raw.size % 3073:
     raise DataFileError(
-        f"{path} holds {raw.size} bytes, not a whole number of CIFAR-10 "
-        f"records (1 label byte and 3072 pixel bytes each). {fix_text}")
+      f"{path} holds {raw.size} bytes, not a whole number of CIFAR-10 "
+      f"records (1 label byte and 3072 pixel bytes each). {fix_text}"
+    )
   records = raw.reshape(-1, 3073)
-  return (records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1),
-          records[:, 0])
+  return (
+    records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1),
+    records[:, 0],
+  )
 
 
 class _ArraysOnly(pickle.Unpickler):
   """Unpickles numpy arrays and plain values; refuses every other global,
   so unpickling runs no code of the file's choosing."""
 
-  ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
-             ("numpy.core.multiarray", "_reconstruct"),
-             ("numpy._core.multiarray", "_reconstruct"),
-             ("_codecs", "encode")}  # bytes, as Python 3 pickles them
+  ALLOWED = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("_codecs", "encode"),
+  }  # bytes, as Python 3 pickles them
 
   def find_class(self, module, name):
     if (module, name) not in self.ALLOWED:
       raise pickle.UnpicklingError(
-          f"it asks for {module}.{name}, which a CIFAR-10 batch never holds "
-          "(only numpy arrays and plain values are read)")
+        f"it asks for {module}.{name}, which a CIFAR-10 batch never holds "
+        "(only numpy arrays and plain values are read)"
+      )
     return super().find_class(module, name)
 
 
@@ -180,11 +213,14 @@ def _python_batch(path: Path, fix_text: str):
     x = np.asarray(part[b"data"])
     y = np.asarray(part[b"labels"])
   except Exception as e:  # noqa: BLE001 - a damaged pickle fails many ways
-    raise DataFileError(f"{path} is not a CIFAR-10 batch (a pickled dict "
-                        f"with b'data' and b'labels'): {e}. "
-                        f"{fix_text}") from e
+    raise DataFileError(
+      f"{path} is not a CIFAR-10 batch (a pickled dict "
+      f"with b'data' and b'labels'): {e}. "
+      f"{fix_text}"
+    ) from e
   if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or len(y) != len(x):
     raise DataFileError(
-        f"{path} holds data of shape {x.shape} and {len(y)} labels; a "
-        f"CIFAR-10 batch has (N, 3072) and N labels. {fix_text}")
+      f"{path} holds data of shape {x.shape} and {len(y)} labels; a "
+      f"CIFAR-10 batch has (N, 3072) and N labels. {fix_text}"
+    )
   return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y

@@ -13,38 +13,54 @@ from problems.datasets import DATASETS, DatasetSettings
 GENERATOR = 1
 
 
-def ink_curves(points: np.ndarray, size: int = 28, width: float = 0.7,
-               samples: int = 128) -> np.ndarray:
+def ink_curves(
+  points: np.ndarray, size: int = 28, width: float = 0.7, samples: int = 128
+) -> np.ndarray:
   """Images `(n, size, size)` of natural cubic splines through `points`.
 
   `points` is `(n, k, 2)` in pixel units; a pixel's ink is
   `exp(-d^2 / (2 width^2))` with `d` its distance to the curve.
   """
   from scipy.interpolate import CubicSpline
+
   n, k, _ = points.shape
   t = np.linspace(0.0, 1.0, k)
   spline = CubicSpline(t, points, axis=1, bc_type="natural")
   curve = spline(np.linspace(0.0, 1.0, samples))  # (n, samples, 2)
-  centres = np.stack(np.meshgrid(np.arange(size), np.arange(size),
-                                 indexing="ij"), -1).reshape(-1, 2) + 0.5
+  centres = (
+    np.stack(
+      np.meshgrid(np.arange(size), np.arange(size), indexing="ij"), -1
+    ).reshape(-1, 2)
+    + 0.5
+  )
   images = np.empty((n, size * size), np.float32)
   for start in range(0, n, 256):
-    c = curve[start:start + 256]
+    c = curve[start : start + 256]
     d2 = ((centres[None, :, None, :] - c[:, None, :, :]) ** 2).sum(-1).min(-1)
-    images[start:start + 256] = np.exp(-d2 / (2 * width ** 2))
+    images[start : start + 256] = np.exp(-d2 / (2 * width**2))
   return images.reshape(n, size, size)
 
 
-def _build(num_train: int, num_test: int, seed: int, num_points: int,
-           size: int, width: float) -> dict:
+def _build(
+  num_train: int,
+  num_test: int,
+  seed: int,
+  num_points: int,
+  size: int,
+  width: float,
+) -> dict:
   rng = np.random.default_rng(seed)
   margin = 2.0
   n = num_train + num_test
   points = rng.uniform(margin, size - margin, (n, num_points, 2))
   x = ink_curves(points, size, width)[..., None]
   zeros = np.zeros(n, np.int32)  # unlabelled: the task is reconstruction
-  return dict(x_train=x[:num_train], y_train=zeros[:num_train],
-              x_test=x[num_train:], y_test=zeros[num_train:])
+  return dict(
+    x_train=x[:num_train],
+    y_train=zeros[:num_train],
+    x_test=x[num_train:],
+    y_test=zeros[num_train:],
+  )
 
 
 @DATASETS.register
@@ -60,8 +76,9 @@ class Curves(DatasetSettings):
   num_points: int = setting(3, Whole(2), "points each curve passes through")
   size: int = setting(28, Whole(1), "image side in pixels")
   width: float = setting(0.7, Number(0, low_in=False), "pen width in pixels")
-  cache: str | None = setting(None, Text(null=True),
-                              "cache directory of generated images")
+  cache: str | None = setting(
+    None, Text(null=True), "cache directory of generated images"
+  )
 
   def source(self):
     return f"curvbench CURVES generator {GENERATOR}"
@@ -73,8 +90,14 @@ class Curves(DatasetSettings):
     return (self.size, self.size, 1)
 
   def load(self):
-    spec = dict(num_train=self.num_train, num_test=self.num_test,
-                seed=self.seed, num_points=self.num_points, size=self.size,
-                width=float(self.width))
-    return data.finished("curves", data.cached("curves", spec, _build,
-                                               self.cache), 1)
+    spec = dict(
+      num_train=self.num_train,
+      num_test=self.num_test,
+      seed=self.seed,
+      num_points=self.num_points,
+      size=self.size,
+      width=float(self.width),
+    )
+    return data.finished(
+      "curves", data.cached("curves", spec, _build, self.cache), 1
+    )

@@ -14,10 +14,12 @@ NUM_DIGITS = 1797
 
 def _build(size: int, num_test: int, seed: int) -> dict:
   from sklearn.datasets import load_digits  # bundled with scikit-learn
+
   raw = load_digits()
   x = (raw.images / 16.0).astype(np.float32)
   if size != 8:
     from scipy.ndimage import zoom
+
     x = np.clip(zoom(x, (1, size / 8, size / 8), order=1), 0.0, 1.0)
   return data.shuffle_split(x[..., None], raw.target, num_test, seed)
 
@@ -32,16 +34,19 @@ class Digits(DatasetSettings):
   size: int = setting(8, Whole(1), "image side in pixels (8: as bundled)")
   num_test: int = setting(297, Whole(1), "examples held out for testing")
   seed: int = setting(0, Whole(0, 2**32 - 1), "the shuffle before the split")
-  cache: str | None = setting(None, Text(null=True),
-                              "cache directory of upsampled images")
+  cache: str | None = setting(
+    None, Text(null=True), "cache directory of upsampled images"
+  )
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     if self.num_test >= NUM_DIGITS:
-      yield (f"{dotted(prefix, 'num_test')}={self.num_test} leaves no "
-             "training "
-             f"examples: the digits set has {NUM_DIGITS} in all; choose "
-             f"num_test between 1 and {NUM_DIGITS - 1}.")
+      yield (
+        f"{dotted(prefix, 'num_test')}={self.num_test} leaves no "
+        "training "
+        f"examples: the digits set has {NUM_DIGITS} in all; choose "
+        f"num_test between 1 and {NUM_DIGITS - 1}."
+      )
 
   def source(self):
     return f"scikit-learn {importlib.metadata.version('scikit-learn')} digits"
@@ -58,5 +63,8 @@ class Digits(DatasetSettings):
       arrays = _build(**spec)
     else:
       arrays = data.cached("digits", spec, _build, self.cache)
-    return data.finished(f"digits{self.size}", data.subset(
-        arrays, self.num_train, None, "the digits split"), 10)
+    return data.finished(
+      f"digits{self.size}",
+      data.subset(arrays, self.num_train, None, "the digits split"),
+      10,
+    )

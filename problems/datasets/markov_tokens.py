@@ -47,7 +47,7 @@ class Chain:
   def context(self, tokens: np.ndarray) -> np.ndarray:
     """The context index of each row's last `order` tokens."""
     c = np.zeros(len(tokens), np.int64)
-    for t in tokens[:, -self.order:].T:
+    for t in tokens[:, -self.order :].T:
       c = c * self.vocab + t
     return c
 
@@ -57,13 +57,14 @@ class Chain:
     p = self.probs
     h = -np.sum(p * np.log(np.maximum(p, 1e-300)), axis=1)
     windows = np.lib.stride_tricks.sliding_window_view(
-        tokens, self.order, axis=1)[:, :-1]
+      tokens, self.order, axis=1
+    )[:, :-1]
     return float(np.mean(h[self.context(windows.reshape(-1, self.order))]))
 
   def walks(self, rng, count: int, length: int) -> np.ndarray:
     """`count` walks of `length` tokens, each from uniform first tokens."""
     out = np.empty((count, length), np.int32)
-    out[:, :self.order] = rng.integers(self.vocab, size=(count, self.order))
+    out[:, : self.order] = rng.integers(self.vocab, size=(count, self.order))
     cumulative = np.cumsum(self.probs, axis=1)
     for t in range(self.order, length):
       c = self.context(out[:, :t])
@@ -72,11 +73,13 @@ class Chain:
     return out
 
 
-def sequences(chain: Chain, num_train: int, num_test: int, seq_len: int,
-              seed: int) -> dict:
+def sequences(
+  chain: Chain, num_train: int, num_test: int, seq_len: int, seed: int
+) -> dict:
   """Split arrays of walks: inputs the first `seq_len` tokens, targets the
   next token at every position; the first N walks of a split do not depend
   on how many are made."""
+
   def make(rng, n):
     walks = chain.walks(rng, data.CHUNK, seq_len + 1)[:n]  # whole chunks
     return walks[:, :-1], walks[:, 1:]
@@ -97,26 +100,35 @@ class MarkovTokens(DatasetSettings):
   num_train: int = setting(10000, Whole(1), "training sequences generated")
   num_test: int = setting(1000, Whole(1), "test sequences generated")
   vocab: int = setting(256, Whole(2), "tokens (256: as many as bytes)")
-  order: int = setting(2, Whole(1, 2), "tokens the next one depends on "
-                       "(1 or 2)")
-  branching: int = setting(8, Whole(1), "possible next tokens of each "
-                           "context (entropy at most log(branching))")
-  seq_len: int = setting(16, Whole(1), "tokens per example (256: "
-                         "nanoGPT's context for characters)")
+  order: int = setting(
+    2, Whole(1, 2), "tokens the next one depends on (1 or 2)"
+  )
+  branching: int = setting(
+    8,
+    Whole(1),
+    "possible next tokens of each context (entropy at most log(branching))",
+  )
+  seq_len: int = setting(
+    16, Whole(1), "tokens per example (256: nanoGPT's context for characters)"
+  )
   seed: int = setting(0, Whole(0, 2**32 - 1), "the generator's seed")
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     if self.branching > self.vocab:
-      yield (f"{dotted(prefix, 'branching')}={self.branching} is more "
-             f"than the vocab={self.vocab} tokens; choose at most "
-             f"{self.vocab}.")
+      yield (
+        f"{dotted(prefix, 'branching')}={self.branching} is more "
+        f"than the vocab={self.vocab} tokens; choose at most "
+        f"{self.vocab}."
+      )
     entries = self.vocab**self.order * self.branching
     if entries > 2**26:  # about 800 MB of transition table
-      yield (f"{dotted(prefix, 'vocab')}={self.vocab} with order "
-             f"{self.order} and branching {self.branching} makes a "
-             f"transition table of {entries} entries, too many to keep; "
-             "lower the vocab, the order or the branching.")
+      yield (
+        f"{dotted(prefix, 'vocab')}={self.vocab} with order "
+        f"{self.order} and branching {self.branching} makes a "
+        f"transition table of {entries} entries, too many to keep; "
+        "lower the vocab, the order or the branching."
+      )
 
   def source(self):
     return f"curvbench Markov-chain token generator {GENERATOR}"
@@ -131,6 +143,7 @@ class MarkovTokens(DatasetSettings):
     return Chain.random(self.vocab, self.order, self.branching, self.seed)
 
   def load(self):
-    arrays = sequences(self.chain(), self.num_train, self.num_test,
-                       self.seq_len, self.seed)
+    arrays = sequences(
+      self.chain(), self.num_train, self.num_test, self.seq_len, self.seed
+    )
     return data.finished("markov_tokens", arrays, self.vocab)

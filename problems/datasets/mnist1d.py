@@ -12,6 +12,7 @@ from problems.datasets import DATASETS, DatasetSettings
 
 def _build(num_samples: int, seed: int, length: int) -> dict:
   from mnist1d.data import get_dataset_args, make_dataset
+
   args = get_dataset_args()
   args.num_samples, args.seed, args.final_seq_length = num_samples, seed, length
   state = np.random.get_state()  # make_dataset reseeds numpy's global RNG
@@ -19,8 +20,12 @@ def _build(num_samples: int, seed: int, length: int) -> dict:
     made = make_dataset(args)
   finally:
     np.random.set_state(state)
-  return dict(x_train=made["x"][..., None], y_train=made["y"],
-              x_test=made["x_test"][..., None], y_test=made["y_test"])
+  return dict(
+    x_train=made["x"][..., None],
+    y_train=made["y"],
+    x_test=made["x_test"][..., None],
+    y_test=made["y_test"],
+  )
 
 
 @DATASETS.register
@@ -33,8 +38,9 @@ class MNIST1D(DatasetSettings):
   num_samples: int = setting(4000, Whole(2), "signals generated in all")
   seed: int = setting(42, Whole(0, 2**32 - 1), "the generator's seed")
   length: int = setting(40, Whole(1), "samples per signal")
-  cache: str | None = setting(None, Text(null=True),
-                              "cache directory of generated signals")
+  cache: str | None = setting(
+    None, Text(null=True), "cache directory of generated signals"
+  )
 
   def source(self):
     return f"mnist1d {importlib.metadata.version('mnist1d')}"
@@ -47,9 +53,17 @@ class MNIST1D(DatasetSettings):
     return (self.length, 1)
 
   def load(self):
-    spec = dict(num_samples=self.num_samples, seed=self.seed,
-                length=self.length)
+    spec = dict(
+      num_samples=self.num_samples, seed=self.seed, length=self.length
+    )
     arrays = data.cached("mnist1d", spec, _build, self.cache)
-    return data.finished("mnist1d", data.subset(
-        arrays, self.num_train, self.num_test,
-        f"MNIST-1D of {self.num_samples} samples"), 10)
+    return data.finished(
+      "mnist1d",
+      data.subset(
+        arrays,
+        self.num_train,
+        self.num_test,
+        f"MNIST-1D of {self.num_samples} samples",
+      ),
+      10,
+    )

@@ -32,23 +32,37 @@ def smooth(rng, count: int, size: int, channels: int) -> np.ndarray:
   return np.einsum("ia,jb,nabc->nijc", up, up, grid, optimize=True)
 
 
-def prototypes(size: int, channels: int, num_classes: int,
-               seed: int) -> np.ndarray:
+def prototypes(
+  size: int, channels: int, num_classes: int, seed: int
+) -> np.ndarray:
   """Each class's prototype, `(num_classes, size, size, channels)` in [0, 1]."""
   return smooth(np.random.default_rng([seed, 1]), num_classes, size, channels)
 
 
-def images(num_train: int, num_test: int, *, size: int, channels: int,
-           num_classes: int, clutter: float, noise: float, seed: int) -> dict:
+def images(
+  num_train: int,
+  num_test: int,
+  *,
+  size: int,
+  channels: int,
+  num_classes: int,
+  clutter: float,
+  noise: float,
+  seed: int,
+) -> dict:
   """The split arrays: float32 images `(N, size, size, channels)` in [0, 1]
   and int32 labels; the first N examples of a split do not depend on how
   many are made."""
   protos = prototypes(size, channels, num_classes, seed)
   reach = size // 8  # the largest shift, in pixels
   # Every prototype at every shift: (shift, class, size, size, channels).
-  moved = np.stack([np.roll(protos, (dy, dx), axis=(1, 2))
-                    for dy in range(-reach, reach + 1)
-                    for dx in range(-reach, reach + 1)])
+  moved = np.stack(
+    [
+      np.roll(protos, (dy, dx), axis=(1, 2))
+      for dy in range(-reach, reach + 1)
+      for dx in range(-reach, reach + 1)
+    ]
+  )
 
   def make(rng, n):
     n_made = data.CHUNK  # always a whole chunk: the same draws for any n
@@ -81,20 +95,30 @@ class SyntheticImages(DatasetSettings):
   size: int = setting(32, Whole(1), "image side in pixels")
   channels: int = setting(3, Whole(1), "colour channels")
   num_classes: int = setting(10, Whole(2), "classes (one prototype each)")
-  clutter: float = setting(0.65, Number(0, 1), "share of each image that "
-                           "is a random smooth image of its own (the rest "
-                           "is its class's prototype): higher is harder")
-  noise: float = setting(0.2, Number(0), "standard deviation of the pixel "
-                         "noise added to each example (before clipping)")
+  clutter: float = setting(
+    0.65,
+    Number(0, 1),
+    "share of each image that "
+    "is a random smooth image of its own (the rest "
+    "is its class's prototype): higher is harder",
+  )
+  noise: float = setting(
+    0.2,
+    Number(0),
+    "standard deviation of the pixel "
+    "noise added to each example (before clipping)",
+  )
   seed: int = setting(0, Whole(0, 2**32 - 1), "the generator's seed")
 
   def disagreements(self, prefix):
     yield from super().disagreements(prefix)
     pixels = (self.num_train + self.num_test) * self.size**2 * self.channels
     if pixels > 2**31:  # float32: 8 GiB and more
-      yield (f"{dotted(prefix, 'num_train')}: {pixels} pixels would take "
-             f"{4 * pixels / 2**30:.0f} GiB of memory; generate fewer or "
-             "smaller images.")
+      yield (
+        f"{dotted(prefix, 'num_train')}: {pixels} pixels would take "
+        f"{4 * pixels / 2**30:.0f} GiB of memory; generate fewer or "
+        "smaller images."
+      )
 
   def source(self):
     return source()
@@ -106,7 +130,14 @@ class SyntheticImages(DatasetSettings):
     return (self.size, self.size, self.channels)
 
   def load(self):
-    arrays = images(self.num_train, self.num_test, size=self.size,
-                    channels=self.channels, num_classes=self.num_classes,
-                    clutter=self.clutter, noise=self.noise, seed=self.seed)
+    arrays = images(
+      self.num_train,
+      self.num_test,
+      size=self.size,
+      channels=self.channels,
+      num_classes=self.num_classes,
+      clutter=self.clutter,
+      noise=self.noise,
+      seed=self.seed,
+    )
     return data.finished("synthetic_images", arrays, self.num_classes)

@@ -17,8 +17,10 @@ from problems import data
 from problems.datafiles import DataFileError
 from problems.datasets import DATASETS, DatasetSettings, markov_tokens
 
-FORMAT = ("a plain text file (any text, e.g. a book as .txt; UTF-8 for "
-          "level=char; a few thousand characters or more)")
+FORMAT = (
+  "a plain text file (any text, e.g. a book as .txt; UTF-8 for "
+  "level=char; a few thousand characters or more)"
+)
 
 
 def _where(path: str | None) -> Path | None:
@@ -46,11 +48,12 @@ def _file(path: str | None) -> Path:
   why = _missing(path)
   if why is not None:
     raise FileNotFoundError(
-        f"The text dataset reads a file you supply: {why}. Put {FORMAT} "
-        "where you like and set problem.data.path=/path/to/file.txt (a "
-        "relative path is read from $CURVBENCH_DATA when set, else from the "
-        "working directory), or set problem.data.when_missing=synthetic "
-        "for generated tokens.")
+      f"The text dataset reads a file you supply: {why}. Put {FORMAT} "
+      "where you like and set problem.data.path=/path/to/file.txt (a "
+      "relative path is read from $CURVBENCH_DATA when set, else from the "
+      "working directory), or set problem.data.when_missing=synthetic "
+      "for generated tokens."
+    )
   return _where(path)
 
 
@@ -61,8 +64,10 @@ def read_text(path: str | None) -> str:
   try:
     return where.read_text(encoding="utf-8")
   except UnicodeDecodeError as e:
-    raise DataFileError(f"{where} is not UTF-8 text ({e}); level=char needs "
-                        f"{FORMAT}, level=byte reads any file.") from e
+    raise DataFileError(
+      f"{where} is not UTF-8 text ({e}); level=char needs "
+      f"{FORMAT}, level=byte reads any file."
+    ) from e
 
 
 def token_ids(path: str | None, level: str) -> tuple[np.ndarray, int]:
@@ -74,7 +79,8 @@ def token_ids(path: str | None, level: str) -> tuple[np.ndarray, int]:
   text = read_text(path)
   vocab = sorted(set(text))
   return np.searchsorted(np.array(vocab), np.array(list(text))).astype(
-      np.int32), len(vocab)
+    np.int32
+  ), len(vocab)
 
 
 def windows(ids: np.ndarray, seq_len: int, test_fraction: float) -> dict:
@@ -86,8 +92,12 @@ def windows(ids: np.ndarray, seq_len: int, test_fraction: float) -> dict:
   w = ids[starts[:, None] + np.arange(seq_len + 1)]
   num_test = int(round(test_fraction * count))
   cut = count - num_test
-  return dict(x_train=w[:cut, :-1], y_train=w[:cut, 1:],
-              x_test=w[cut:, :-1], y_test=w[cut:, 1:])
+  return dict(
+    x_train=w[:cut, :-1],
+    y_train=w[:cut, 1:],
+    x_test=w[cut:, :-1],
+    y_test=w[cut:, 1:],
+  )
 
 
 @DATASETS.register
@@ -98,19 +108,29 @@ class TextFile(DatasetSettings):
 
   name: str = "text"
   tokens = True
-  path: str | None = setting(None, Text(null=True),
-                             "the text file to model (required)")
-  level: str = setting("char", OneOf(("char", "byte")), "what a token is: "
-                       "a character (the vocabulary: those in the file) or "
-                       "a byte (vocabulary 256)")
+  path: str | None = setting(
+    None, Text(null=True), "the text file to model (required)"
+  )
+  level: str = setting(
+    "char",
+    OneOf(("char", "byte")),
+    "what a token is: "
+    "a character (the vocabulary: those in the file) or "
+    "a byte (vocabulary 256)",
+  )
   seq_len: int = setting(16, Whole(1), "tokens per example")
-  test_fraction: float = setting(0.1, Number(0, 1, low_in=False),
-                                 "share of the windows (the last ones) "
-                                 "held out for testing")
+  test_fraction: float = setting(
+    0.1,
+    Number(0, 1, low_in=False),
+    "share of the windows (the last ones) held out for testing",
+  )
   when_missing: str = setting(
-      "error", OneOf(("error", "synthetic")), "no file at path: stop with "
-      "an error saying what to supply, or use synthetic Markov-chain tokens "
-      "(markov_tokens, vocabulary 256; the data's source says which)")
+    "error",
+    OneOf(("error", "synthetic")),
+    "no file at path: stop with "
+    "an error saying what to supply, or use synthetic Markov-chain tokens "
+    "(markov_tokens, vocabulary 256; the data's source says which)",
+  )
 
   def stand_in(self) -> markov_tokens.MarkovTokens | None:
     """The generated tokens used instead, where `when_missing=synthetic`
@@ -119,13 +139,17 @@ class TextFile(DatasetSettings):
       return None
     defaults = markov_tokens.MarkovTokens()
     return markov_tokens.MarkovTokens(
-        num_train=self.num_train or defaults.num_train,
-        num_test=self.num_test or defaults.num_test, seq_len=self.seq_len)
+      num_train=self.num_train or defaults.num_train,
+      num_test=self.num_test or defaults.num_test,
+      seq_len=self.seq_len,
+    )
 
   def source(self):
     if (stand_in := self.stand_in()) is not None:
-      return (f"synthetic Markov-chain tokens (no text file found), "
-              f"{stand_in.source()}")
+      return (
+        f"synthetic Markov-chain tokens (no text file found), "
+        f"{stand_in.source()}"
+      )
     return f"{'character' if self.level == 'char' else 'byte'}-level text"
 
   def files(self):
@@ -136,8 +160,9 @@ class TextFile(DatasetSettings):
       return stand_in.available()
     if not self.files():
       return None
-    arrays = windows(token_ids(self.path, self.level)[0], self.seq_len,
-                     self.test_fraction)
+    arrays = windows(
+      token_ids(self.path, self.level)[0], self.seq_len, self.test_fraction
+    )
     return (len(arrays["x_train"]), len(arrays["x_test"]))
 
   def input_shape(self):
@@ -148,6 +173,10 @@ class TextFile(DatasetSettings):
       return dataclasses.replace(stand_in.load(), name="text")
     ids, vocab = token_ids(self.path, self.level)
     arrays = windows(ids, self.seq_len, self.test_fraction)
-    return data.finished("text", data.subset(
-        arrays, self.num_train, self.num_test, f"the text in {self.path}"),
-        vocab)
+    return data.finished(
+      "text",
+      data.subset(
+        arrays, self.num_train, self.num_test, f"the text in {self.path}"
+      ),
+      vocab,
+    )

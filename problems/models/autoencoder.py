@@ -20,34 +20,49 @@ class Autoencoder(ProblemSettings):
   """A CPU-sized autoencoder on the 8x8 digits by default: 64-16-8-4-8-16-64."""
 
   name: str = "autoencoder"
-  encoder: list[int] = setting([16, 8], ListOf(Whole(1)),
-                               "the encoder's layer widths (mirrored)")
+  encoder: list[int] = setting(
+    [16, 8], ListOf(Whole(1)), "the encoder's layer widths (mirrored)"
+  )
   code: int = setting(4, Whole(1), "width of the linear code layer")
-  activation: str = setting("sigmoid", OneOf(tuple(layers.ACTIVATIONS)),
-                            "nonlinearity of every layer but the code")
-  loss: str = setting("sigmoid_cross_entropy", OneOf(tuple(LOSSES)),
-                      "the reconstruction loss")
+  activation: str = setting(
+    "sigmoid",
+    OneOf(tuple(layers.ACTIVATIONS)),
+    "nonlinearity of every layer but the code",
+  )
+  loss: str = setting(
+    "sigmoid_cross_entropy", OneOf(tuple(LOSSES)), "the reconstruction loss"
+  )
   init: str = setting(
-      "gaussian", OneOf(("gaussian", "sparse")),
-      "weight initialisation of every layer: gaussian draws each weight from "
-      "N(0, 1/fan_in); sparse (Martens 2010, as in the K-FAC paper) gives "
-      "each unit sparse_connections N(0, 1) incoming weights at random "
-      "inputs and zeros elsewhere; biases start at zero either way")
+    "gaussian",
+    OneOf(("gaussian", "sparse")),
+    "weight initialisation of every layer: gaussian draws each weight from "
+    "N(0, 1/fan_in); sparse (Martens 2010, as in the K-FAC paper) gives "
+    "each unit sparse_connections N(0, 1) incoming weights at random "
+    "inputs and zeros elsewhere; biases start at zero either way",
+  )
   sparse_connections: int = setting(
-      15, Whole(1), "non-zero incoming weights per unit with init=sparse "
-      "(all inputs where a layer has fewer)")
+    15,
+    Whole(1),
+    "non-zero incoming weights per unit with init=sparse "
+    "(all inputs where a layer has fewer)",
+  )
 
   def ignored(self):
     if self.init == "gaussian":
-      return {"sparse_connections": "init=gaussian draws every weight "
-                                    "(init=sparse uses it)"}
+      return {
+        "sparse_connections": "init=gaussian draws every weight "
+        "(init=sparse uses it)"
+      }
     return {}
 
   def build(self, data):
     act = layers.activation(self.activation)
     out_dim = math.prod(data.input_shape)
-    w_init = (layers.SparseInit(self.sparse_connections)
-              if self.init == "sparse" else None)
+    w_init = (
+      layers.SparseInit(self.sparse_connections)
+      if self.init == "sparse"
+      else None
+    )
 
     def dense(size, name):
       return layers.Dense(size, name=name, w_init=w_init)
@@ -61,5 +76,6 @@ class Autoencoder(ProblemSettings):
         h = act(dense(size, f"dec_{i}")(h))
       return dense(out_dim, "logits")(h)
 
-    return Problem.from_model(model, data, self, task="reconstruction",
-                              loss_name=self.loss)
+    return Problem.from_model(
+      model, data, self, task="reconstruction", loss_name=self.loss
+    )

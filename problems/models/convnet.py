@@ -17,14 +17,19 @@ class ConvNet(ProblemSettings):
   layers to the class logits."""
 
   name: str = "convnet"
-  channels: list[int] = setting([4, 8], ListOf(Whole(1)),
-                                "output channels of each conv block")
+  channels: list[int] = setting(
+    [4, 8], ListOf(Whole(1)), "output channels of each conv block"
+  )
   kernel: int = setting(3, Whole(1), "side of the square conv kernels")
-  dense: list[int] = setting([16], ListOf(Whole(1)),
-                             "widths of the dense layers after the blocks")
+  dense: list[int] = setting(
+    [16], ListOf(Whole(1)), "widths of the dense layers after the blocks"
+  )
   normalize: bool = setting(False, Flag(), "normalise after each conv")
-  activation: str = setting("relu", OneOf(tuple(layers.ACTIVATIONS)),
-                            "nonlinearity of every block and dense layer")
+  activation: str = setting(
+    "relu",
+    OneOf(tuple(layers.ACTIVATIONS)),
+    "nonlinearity of every block and dense layer",
+  )
 
   def disagreements_with(self, data, prefix):
     refusal = self.not_images(data, prefix)
@@ -34,10 +39,12 @@ class ConvNet(ProblemSettings):
     shape = data.input_shape()
     side, blocks = min(shape[:2]), len(self.channels)
     if side >> blocks < 1:  # each block halves the side (2x2 max-pooling)
-      yield (f"{dotted(prefix, 'channels')}={self.channels}: {blocks} conv "
-             f"blocks halve the {shape[0]}x{shape[1]} images of dataset "
-             f"{data.name!r} to nothing; use at most "
-             f"{side.bit_length() - 1} blocks, or larger images.")
+      yield (
+        f"{dotted(prefix, 'channels')}={self.channels}: {blocks} conv "
+        f"blocks halve the {shape[0]}x{shape[1]} images of dataset "
+        f"{data.name!r} to nothing; use at most "
+        f"{side.bit_length() - 1} blocks, or larger images."
+      )
 
   def build(self, data):
     act = layers.activation(self.activation)
@@ -49,12 +56,18 @@ class ConvNet(ProblemSettings):
         if self.normalize:
           h = layers.Normalize(name=f"norm_{i}")(h)
         h = act(h)
-        h = hk.max_pool(h, window_shape=(2, 2, 1), strides=(2, 2, 1),
-                        padding="VALID")
+        h = hk.max_pool(
+          h, window_shape=(2, 2, 1), strides=(2, 2, 1), padding="VALID"
+        )
       h = h.reshape(h.shape[0], -1)
       for i, size in enumerate(self.dense):
         h = act(layers.Dense(size, name=f"dense_{i}")(h))
       return layers.Dense(data.num_classes, name="logits")(h)
 
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="softmax_cross_entropy")
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="softmax_cross_entropy",
+    )

@@ -30,10 +30,10 @@ from problems.models.transformer import Decoder, Transformer
 
 # name: (blocks, width, heads); every head 64 wide except tiny's.
 SIZES = {
-    "tiny": (2, 16, 2),  # for tests
-    "10M": (6, 384, 6),  # nanoGPT's character-level Shakespeare model
-    "30M": (8, 576, 9),
-    "gpt2-small": (12, 768, 12),  # GPT-2 small (124M at its vocabulary)
+  "tiny": (2, 16, 2),  # for tests
+  "10M": (6, 384, 6),  # nanoGPT's character-level Shakespeare model
+  "30M": (8, 576, 9),
+  "gpt2-small": (12, 768, 12),  # GPT-2 small (124M at its vocabulary)
 }
 
 
@@ -45,13 +45,18 @@ class GPT(ProblemSettings):
   position."""
 
   name: str = "gpt"
-  size: str = setting("tiny", OneOf(tuple(SIZES)), "the model's shape, "
-                      "(blocks, width, heads): tiny (2, 16, 2), 10M (6, 384, "
-                      "6), 30M (8, 576, 9), gpt2-small (12, 768, 12); "
-                      "parameters at 256 tokens of a 256-token vocabulary: "
-                      "14,784, 10.8M, 32.2M, 85.4M")
-  tied: bool = setting(True, Flag(), "output layer reuses the token table "
-                       "(as GPT-2)")
+  size: str = setting(
+    "tiny",
+    OneOf(tuple(SIZES)),
+    "the model's shape, "
+    "(blocks, width, heads): tiny (2, 16, 2), 10M (6, 384, "
+    "6), 30M (8, 576, 9), gpt2-small (12, 768, 12); "
+    "parameters at 256 tokens of a 256-token vocabulary: "
+    "14,784, 10.8M, 32.2M, 85.4M",
+  )
+  tied: bool = setting(
+    True, Flag(), "output layer reuses the token table (as GPT-2)"
+  )
   default_data = "markov_tokens"
   sequence_model = True
   accelerator_sized = True  # its sizes are papers'; the default for tests
@@ -59,7 +64,20 @@ class GPT(ProblemSettings):
 
   def build(self, data):
     layers, width, heads = SIZES[self.size]
-    model = Decoder(data.num_classes, data.input_shape[0], width, layers,
-                    heads, mlp_ratio=4, tied=self.tied, gpt2_init=True)
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="sequence_softmax_cross_entropy")
+    model = Decoder(
+      data.num_classes,
+      data.input_shape[0],
+      width,
+      layers,
+      heads,
+      mlp_ratio=4,
+      tied=self.tied,
+      gpt2_init=True,
+    )
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="sequence_softmax_cross_entropy",
+    )

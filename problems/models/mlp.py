@@ -16,10 +16,15 @@ class MLP(ProblemSettings):
   width: int = setting(16, Whole(1), "units of each hidden layer")
   depth: int = setting(2, Whole(0), "hidden layers")
   hidden: list[int] | None = setting(
-      None, ListOf(Whole(1), null=True),
-      "the hidden layers' units, one per layer (overrides width x depth)")
-  activation: str = setting("tanh", OneOf(tuple(layers.ACTIVATIONS)),
-                            "nonlinearity after each hidden layer")
+    None,
+    ListOf(Whole(1), null=True),
+    "the hidden layers' units, one per layer (overrides width x depth)",
+  )
+  activation: str = setting(
+    "tanh",
+    OneOf(tuple(layers.ACTIVATIONS)),
+    "nonlinearity after each hidden layer",
+  )
 
   def hidden_sizes(self) -> list[int]:
     """`hidden` if given, else `depth` layers of `width` units."""
@@ -37,5 +42,10 @@ class MLP(ProblemSettings):
         h = act(layers.Dense(size, name=f"dense_{i}")(h))
       return layers.Dense(data.num_classes, name="logits")(h)
 
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="softmax_cross_entropy")
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="softmax_cross_entropy",
+    )

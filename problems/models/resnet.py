@@ -56,8 +56,9 @@ class BatchNorm(hk.Module):
       m = self.momentum
       hk.set_state("mean", (1 - m) * mean_avg + m * mean)
       # PyTorch's running variance is the unbiased one.
-      hk.set_state("var", (1 - m) * var_avg
-                   + m * var * count / max(count - 1, 1))
+      hk.set_state(
+        "var", (1 - m) * var_avg + m * var * count / max(count - 1, 1)
+      )
     else:
       mean, var = mean_avg, var_avg
     return _scale_and_shift((x - mean) * jax.lax.rsqrt(var + self.eps))
@@ -92,17 +93,26 @@ class ResNet(ProblemSettings):
 
   name: str = "resnet"
   widths: list[int] = setting(
-      [4, 8, 16], ListOf(Whole(1)), "channels of each stage (He et al.: 16, "
-      "32, 64)")
-  blocks: int = setting(1, Whole(1), "residual blocks per stage: depth "
-                        "6 * blocks + 2 with three stages (1: ResNet-8, 3: "
-                        "ResNet-20)")
-  norm: str = setting("batch", OneOf(NORMS), "the normalisation after each "
-                      "convolution")
+    [4, 8, 16],
+    ListOf(Whole(1)),
+    "channels of each stage (He et al.: 16, 32, 64)",
+  )
+  blocks: int = setting(
+    1,
+    Whole(1),
+    "residual blocks per stage: depth "
+    "6 * blocks + 2 with three stages (1: ResNet-8, 3: "
+    "ResNet-20)",
+  )
+  norm: str = setting(
+    "batch", OneOf(NORMS), "the normalisation after each convolution"
+  )
   groups: int = setting(2, Whole(1), "channel groups of norm=group")
-  momentum: float = setting(0.1, Number(0, 1, low_in=False), "batch norm: "
-                            "the batch statistics' weight in the running "
-                            "averages")
+  momentum: float = setting(
+    0.1,
+    Number(0, 1, low_in=False),
+    "batch norm: the batch statistics' weight in the running averages",
+  )
 
   @property
   def couples_examples(self):
@@ -115,9 +125,11 @@ class ResNet(ProblemSettings):
     if self.norm == "group":
       odd = [w for w in self.widths if w % self.groups]
       if odd:
-        yield (f"{dotted(prefix, 'groups')}={self.groups} does not divide "
-               f"the widths {odd} of {dotted(prefix, 'widths')}; choose "
-               "groups that divide every width.")
+        yield (
+          f"{dotted(prefix, 'groups')}={self.groups} does not divide "
+          f"the widths {odd} of {dotted(prefix, 'widths')}; choose "
+          "groups that divide every width."
+        )
 
   def norm_layer(self, name):
     if self.norm == "batch":
@@ -130,9 +142,14 @@ class ResNet(ProblemSettings):
     bias = self.norm == "none"  # a normalisation's shift replaces the bias
 
     def conv(channels, kernel, stride, name):
-      return hk.Conv2D(channels, kernel, stride, with_bias=bias,
-                       w_init=hk.initializers.VarianceScaling(2.0),
-                       name=name)
+      return hk.Conv2D(
+        channels,
+        kernel,
+        stride,
+        with_bias=bias,
+        w_init=hk.initializers.VarianceScaling(2.0),
+        name=name,
+      )
 
     def model(x, is_training=True):
       h = conv(self.widths[0], 3, 1, "conv_in")(x)
@@ -152,6 +169,11 @@ class ResNet(ProblemSettings):
       h = jnp.mean(h, axis=(1, 2))
       return hk.Linear(data.num_classes, name="logits")(h)
 
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="softmax_cross_entropy",
-                              with_state=self.couples_examples)
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="softmax_cross_entropy",
+      with_state=self.couples_examples,
+    )

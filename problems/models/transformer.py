@@ -34,8 +34,12 @@ class Embed(hk.Module):
     self.vocab, self.width, self.stddev = vocab, width, stddev
 
   def table(self, dtype):
-    return hk.get_parameter("embeddings", (self.vocab, self.width), dtype,
-                            init=hk.initializers.RandomNormal(self.stddev))
+    return hk.get_parameter(
+      "embeddings",
+      (self.vocab, self.width),
+      dtype,
+      init=hk.initializers.RandomNormal(self.stddev),
+    )
 
   def __call__(self, ids, dtype):
     table = self.table(dtype)
@@ -47,19 +51,21 @@ def attention(x, heads: int, name: str, w_init=None, out_init=None):
   the query, key and value weights start from `w_init`, the output's from
   `out_init` (None: Haiku's default)."""
   b, t, d = x.shape
-  q, k, v = (hk.Linear(d, w_init=w_init, name=f"{name}_{n}")(x).reshape(
-      b, t, heads, -1) for n in ("query", "key", "value"))
+  q, k, v = (
+    hk.Linear(d, w_init=w_init, name=f"{name}_{n}")(x).reshape(b, t, heads, -1)
+    for n in ("query", "key", "value")
+  )
   scores = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(q.shape[-1])
   causal = jnp.tril(jnp.ones((t, t), bool))
   scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
   mixed = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores), v)
   return hk.Linear(d, w_init=out_init, name=f"{name}_out")(
-      mixed.reshape(b, t, d))
+    mixed.reshape(b, t, d)
+  )
 
 
 def layer_norm(name):
-  return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True,
-                      name=name)
+  return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +102,28 @@ class Decoder:
     w_init = out_init = None
     if self.gpt2_init:
       w_init = hk.initializers.RandomNormal(0.02)
-      out_init = hk.initializers.RandomNormal(0.02 / (2 * self.layers)**0.5)
+      out_init = hk.initializers.RandomNormal(0.02 / (2 * self.layers) ** 0.5)
     tokens = Embed(self.vocab, self.width, std, name="token_embed")
-    positions = jnp.broadcast_to(jnp.arange(self.seq_len, dtype=ids.dtype),
-                                 ids.shape)
-    h = tokens(ids, dtype) + Embed(self.seq_len, self.width, std,
-                                   name="position_embed")(positions, dtype)
+    positions = jnp.broadcast_to(
+      jnp.arange(self.seq_len, dtype=ids.dtype), ids.shape
+    )
+    h = tokens(ids, dtype) + Embed(
+      self.seq_len, self.width, std, name="position_embed"
+    )(positions, dtype)
     for i in range(self.layers):
-      h = h + attention(layer_norm(f"block{i}_norm1")(h), self.heads,
-                        f"block{i}_attention", w_init, out_init)
-      u = hk.Linear(self.mlp_ratio * self.width, w_init=w_init,
-                    name=f"block{i}_mlp_in")(layer_norm(f"block{i}_norm2")(h))
-      h = h + hk.Linear(self.width, w_init=out_init,
-                        name=f"block{i}_mlp_out")(jax.nn.gelu(u))
+      h = h + attention(
+        layer_norm(f"block{i}_norm1")(h),
+        self.heads,
+        f"block{i}_attention",
+        w_init,
+        out_init,
+      )
+      u = hk.Linear(
+        self.mlp_ratio * self.width, w_init=w_init, name=f"block{i}_mlp_in"
+      )(layer_norm(f"block{i}_norm2")(h))
+      h = h + hk.Linear(self.width, w_init=out_init, name=f"block{i}_mlp_out")(
+        jax.nn.gelu(u)
+      )
     h = layer_norm("final_norm")(h)
     if self.tied:
       logits = h @ tokens.table(dtype).T
@@ -136,12 +151,26 @@ class Transformer(ProblemSettings):
 
   def disagreements_with(self, data, prefix):
     if self.width % self.heads:
-      yield (f"{dotted(prefix, 'heads')}={self.heads} does not divide "
-             f"{dotted(prefix, 'width')}={self.width}; choose heads that do.")
+      yield (
+        f"{dotted(prefix, 'heads')}={self.heads} does not divide "
+        f"{dotted(prefix, 'width')}={self.width}; choose heads that do."
+      )
 
   def build(self, data):
     vocab, (seq_len,) = data.num_classes, data.input_shape
-    model = Decoder(vocab, seq_len, self.width, self.layers, self.heads,
-                    self.mlp_ratio, self.tied)
-    return Problem.from_model(model, data, self, task="classification",
-                              loss_name="sequence_softmax_cross_entropy")
+    model = Decoder(
+      vocab,
+      seq_len,
+      self.width,
+      self.layers,
+      self.heads,
+      self.mlp_ratio,
+      self.tied,
+    )
+    return Problem.from_model(
+      model,
+      data,
+      self,
+      task="classification",
+      loss_name="sequence_softmax_cross_entropy",
+    )

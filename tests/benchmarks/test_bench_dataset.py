@@ -57,8 +57,10 @@ def _setup(name):
   problem = problems.make(config.compose(f"problem={name}").problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float32)
   examples = data.select(problem, "train", dtype=np.float32)
-  batches = [jax.tree.map(lambda x: x[i], examples.chunks)
-             for i in range(examples.num_chunks)]
+  batches = [
+    jax.tree.map(lambda x: x[i], examples.chunks)
+    for i in range(examples.num_chunks)
+  ]
   if examples.rest is not None:
     batches.append(examples.rest)
   return problem, params, examples, batches
@@ -69,10 +71,14 @@ def _programs(name, work):
   """The compiled dataset program, the batch program per batch size, and
   the vector (the split's gradient)."""
   problem, params, examples, batches = _setup(name)
-  vector = jax.jit(_dataset_product(problem, "gradient"))(params, None,
-                                                          examples)
-  whole = jax.jit(_dataset_product(problem, work)).lower(
-      params, vector, examples).compile()
+  vector = jax.jit(_dataset_product(problem, "gradient"))(
+    params, None, examples
+  )
+  whole = (
+    jax.jit(_dataset_product(problem, work))
+    .lower(params, vector, examples)
+    .compile()
+  )
   one = jax.jit(_batch_product(problem, work))
   by_size = {}
   for batch in batches:
@@ -90,25 +96,35 @@ def test_dataset_product_against_its_batches(benchmark, name, work):
     pytest.skip("timed by `make bench` only")
   _, params, examples, batches = _setup(name)
   whole, by_size, vector = _programs(name, work)
-  runs = [functools.partial(by_size[jax.tree.leaves(b)[0].shape[0]], params,
-                            vector, b) for b in batches]
+  runs = [
+    functools.partial(
+      by_size[jax.tree.leaves(b)[0].shape[0]], params, vector, b
+    )
+    for b in batches
+  ]
   batch_times = []
 
   def run_batches():
     batch_times.append(sum(_timed(run) for run in runs))
 
   result = benchmark.pedantic(
-      lambda: jax.block_until_ready(whole(params, vector, examples)),
-      setup=run_batches, rounds=ROUNDS, warmup_rounds=WARMUP)
+    lambda: jax.block_until_ready(whole(params, vector, examples)),
+    setup=run_batches,
+    rounds=ROUNDS,
+    warmup_rounds=WARMUP,
+  )
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(result))
   if not benchmark.disabled:
     own = np.asarray(benchmark.stats.stats.data)
     ratios = own / np.asarray(batch_times[WARMUP:])
-    temp = lambda c: c.memory_analysis().temp_size_in_bytes / 2 ** 20
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
     benchmark.extra_info.update(
-        batches_ms=1e3 * float(np.median(batch_times[WARMUP:])),
-        time_ratio=float(np.median(ratios)),
-        time_ratio_iqr=[float(q) for q in np.quantile(ratios, [.25, .75])],
-        num_chunks=examples.num_chunks, chunk_size=examples.chunk_size,
-        rest_size=examples.rest_size, dataset_temp_mib=temp(whole),
-        batch_temp_mib=max(temp(c) for c in by_size.values()))
+      batches_ms=1e3 * float(np.median(batch_times[WARMUP:])),
+      time_ratio=float(np.median(ratios)),
+      time_ratio_iqr=[float(q) for q in np.quantile(ratios, [0.25, 0.75])],
+      num_chunks=examples.num_chunks,
+      chunk_size=examples.chunk_size,
+      rest_size=examples.rest_size,
+      dataset_temp_mib=temp(whole),
+      batch_temp_mib=max(temp(c) for c in by_size.values()),
+    )

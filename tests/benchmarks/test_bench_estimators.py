@@ -35,19 +35,23 @@ def mlp_problem(sizes=(100, 50, 50, 50, 10), batch=128, seed=0):
   rng = jax.random.PRNGKey(seed)
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"w{i}"] = jax.random.normal(jax.random.fold_in(rng, i), (a, b),
-                                        F32) / jnp.sqrt(a)
+    params[f"w{i}"] = jax.random.normal(
+      jax.random.fold_in(rng, i), (a, b), F32
+    ) / jnp.sqrt(a)
     params[f"b{i}"] = jnp.zeros((b,), F32)
   x = jax.random.normal(jax.random.fold_in(rng, 100), (batch, sizes[0]), F32)
-  labels = jax.random.randint(jax.random.fold_in(rng, 101), (batch,), 0,
-                              sizes[-1])
+  labels = jax.random.randint(
+    jax.random.fold_in(rng, 101), (batch,), 0, sizes[-1]
+  )
 
   def loss_fn(p, data):
     x, labels = data
     logits = kfac.register_softmax_cross_entropy_loss(
-        _dense_stack(p, x, sizes), labels)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         labels[:, None], 1))
+      _dense_stack(p, x, sizes), labels
+    )
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1)
+    )
 
   return loss_fn, params, (x, labels)
 
@@ -60,24 +64,38 @@ def convnet_problem(batch=32, seed=0):
   for i, (c_in, c_out) in enumerate(zip(channels[:-1], channels[1:])):
     shapes |= {f"k{i}": (3, 3, c_in, c_out), f"kb{i}": (c_out,)}
   shapes |= {"w": (4 * 4 * 16, 10), "b": (10,)}
-  params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
-            for i, (n, s) in enumerate(shapes.items())}
+  params = {
+    n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
+    for i, (n, s) in enumerate(shapes.items())
+  }
   x = jax.random.normal(jax.random.fold_in(rng, 100), (batch, 28, 28, 1), F32)
   labels = jax.random.randint(jax.random.fold_in(rng, 101), (batch,), 0, 10)
 
   def loss_fn(p, data):
     h, labels = data
     for i in range(3):
-      y = lax.conv_general_dilated(h, p[f"k{i}"], (2, 2), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
-      y = kfac.register_conv2d(y + p[f"kb{i}"], h, p[f"k{i}"], p[f"kb{i}"],
-                               window_strides=2, padding="SAME")
+      y = lax.conv_general_dilated(
+        h,
+        p[f"k{i}"],
+        (2, 2),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      )
+      y = kfac.register_conv2d(
+        y + p[f"kb{i}"],
+        h,
+        p[f"k{i}"],
+        p[f"kb{i}"],
+        window_strides=2,
+        padding="SAME",
+      )
       h = jax.nn.relu(y)
     h = h.reshape(h.shape[0], -1)
     logits = kfac.register_dense(h @ p["w"] + p["b"], h, p["w"], p["b"])
     kfac.register_softmax_cross_entropy_loss(logits, labels)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         labels[:, None], 1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1)
+    )
 
   return loss_fn, params, (x, labels)
 
@@ -87,26 +105,35 @@ PROBLEMS = {"mlp": mlp_problem, "convnet": convnet_problem}
 
 def _run(benchmark, fn, *args):
   jax.block_until_ready(fn(*args))  # compile outside the timed rounds
-  benchmark.pedantic(lambda: jax.block_until_ready(fn(*args)), rounds=10,
-                     warmup_rounds=1)
+  benchmark.pedantic(
+    lambda: jax.block_until_ready(fn(*args)), rounds=10, warmup_rounds=1
+  )
 
 
 @functools.lru_cache(maxsize=None)
 def _setup(problem, family, matrix_power_method="decomposition"):
   loss_fn, params, batch = PROBLEMS[problem]()
-  settings = dataclasses.replace(CURVATURES.defaults(family),
-                                 matrix_power_method=matrix_power_method)
+  settings = dataclasses.replace(
+    CURVATURES.defaults(family), matrix_power_method=matrix_power_method
+  )
   est = settings.make(loss_fn).estimator
   coupled = isinstance(est, kfac.BlockTridiagonalCurvature)
   args = (params, batch)
   rng = jax.random.PRNGKey(0)
-  state = est.init(rng, args, exact_powers_to_cache=None if coupled else -1,
-                   approx_powers_to_cache=-1)
+  state = est.init(
+    rng,
+    args,
+    exact_powers_to_cache=None if coupled else -1,
+    approx_powers_to_cache=-1,
+  )
   batch_size = batch[0].shape[0]
   # The data are arguments, not closed-over constants, so XLA does not try
   # to constant-fold the statistics at compile time.
-  update_jit = jax.jit(lambda s, a: est.update_curvature_matrix_estimate(
-      s, 0.95, 0.05, batch_size, rng, a, estimation_mode="fisher_gradients"))
+  update_jit = jax.jit(
+    lambda s, a: est.update_curvature_matrix_estimate(
+      s, 0.95, 0.05, batch_size, rng, a, estimation_mode="fisher_gradients"
+    )
+  )
   update = lambda s: update_jit(s, args)
   state = update(state)
   return est, state, params, update
@@ -158,9 +185,12 @@ def _explicit_ggn():
   fresh_state = lambda: est.init(jax.random.PRNGKey(0), args)
   # The state is donated, as in a training loop (state = update(state)), so
   # the 10,660² output reuses the input's memory instead of fresh pages.
-  update_jit = jax.jit(lambda s, a: est.update_curvature_matrix_estimate(
-      s, 0.0, 1.0, 128, jax.random.PRNGKey(0), a,
-      estimation_mode="ggn_exact"), donate_argnums=0)
+  update_jit = jax.jit(
+    lambda s, a: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, 128, jax.random.PRNGKey(0), a, estimation_mode="ggn_exact"
+    ),
+    donate_argnums=0,
+  )
   return est, fresh_state, lambda s: update_jit(s, args)
 
 
@@ -183,8 +213,9 @@ def test_explicit_exact_ggn_eigenvalues(benchmark):
   eig = est.eigenvalues  # not under jit: it picks the Gram route itself
   values = jax.block_until_ready(eig(state))
   assert values.shape == (10_660,)
-  benchmark.pedantic(lambda: jax.block_until_ready(eig(state)), rounds=3,
-                     warmup_rounds=0)
+  benchmark.pedantic(
+    lambda: jax.block_until_ready(eig(state)), rounds=3, warmup_rounds=0
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,10 +225,14 @@ def _fresh_estimate(family):
   loss_fn, params, batch = mlp_problem()
   est = CURVATURES.defaults(family).make(loss_fn).estimator
   args, rng = (params, batch), jax.random.PRNGKey(0)
-  state = est.init(rng, args, exact_powers_to_cache=None,
-                   approx_powers_to_cache=None)
-  update = jax.jit(lambda s, a: est.update_curvature_matrix_estimate(
-      s, 0.0, 1.0, batch[0].shape[0], rng, a, estimation_mode="ggn_exact"))
+  state = est.init(
+    rng, args, exact_powers_to_cache=None, approx_powers_to_cache=None
+  )
+  update = jax.jit(
+    lambda s, a: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, batch[0].shape[0], rng, a, estimation_mode="ggn_exact"
+    )
+  )
   run = lambda: jax.block_until_ready(update(state, args))
   run()
   return run
@@ -218,8 +253,10 @@ def test_ekfac_estimate_against_kfac_factors(benchmark):
   benchmark.pedantic(ekfac, setup=time_factors, rounds=21, warmup_rounds=1)
   if not benchmark.disabled:
     ratios = np.asarray(benchmark.stats.stats.data) / np.asarray(
-        factor_times[1:])
+      factor_times[1:]
+    )
     benchmark.extra_info.update(
-        kfac_factors_ms=1e3 * float(np.median(factor_times[1:])),
-        time_ratio=float(np.median(ratios)),
-        time_ratio_iqr=[float(q) for q in np.quantile(ratios, [.25, .75])])
+      kfac_factors_ms=1e3 * float(np.median(factor_times[1:])),
+      time_ratio=float(np.median(ratios)),
+      time_ratio_iqr=[float(q) for q in np.quantile(ratios, [0.25, 0.75])],
+    )

@@ -29,8 +29,9 @@ def _mlp(x):
 
 def _mlp_layer_stack(x):
   x = jax.nn.relu(hk.Linear(128)(x))
-  x = hk.experimental.layer_stack(18)(
-      lambda h: jax.nn.relu(hk.Linear(128)(h)))(x)
+  x = hk.experimental.layer_stack(18)(lambda h: jax.nn.relu(hk.Linear(128)(h)))(
+    x
+  )
   return hk.Linear(10)(x)
 
 
@@ -46,8 +47,7 @@ def _resnet(x):
 
   x = jax.nn.relu(bn(hk.Conv2D(16, 3, with_bias=False)(x)))
   for width, stride in [(16, 1), (16, 1), (32, 2), (32, 1), (64, 2), (64, 1)]:
-    h = jax.nn.relu(bn(hk.Conv2D(width, 3, stride=stride,
-                                 with_bias=False)(x)))
+    h = jax.nn.relu(bn(hk.Conv2D(width, 3, stride=stride, with_bias=False)(x)))
     h = bn(hk.Conv2D(width, 3, with_bias=False)(h))
     if stride != 1 or x.shape[-1] != width:
       x = bn(hk.Conv2D(width, 1, stride=stride, with_bias=False)(x))
@@ -57,10 +57,10 @@ def _resnet(x):
 
 
 MODELS = {
-    "mlp_20_layers": (_mlp, (128, 256)),
-    "mlp_20_layers_layer_stack": (_mlp_layer_stack, (128, 256)),
-    "convnet_10_layers": (_convnet, (32, 32, 32, 3)),
-    "resnet_batchnorm_layernorm": (_resnet, (32, 32, 32, 3)),
+  "mlp_20_layers": (_mlp, (128, 256)),
+  "mlp_20_layers_layer_stack": (_mlp_layer_stack, (128, 256)),
+  "convnet_10_layers": (_convnet, (32, 32, 32, 3)),
+  "resnet_batchnorm_layernorm": (_resnet, (32, 32, 32, 3)),
 }
 
 
@@ -74,8 +74,9 @@ def _problem(name):
   def loss_fn(p, s, x, labels):
     logits, _ = model.apply(p, s, None, x)
     logits = kfac.register_softmax_cross_entropy_loss(logits, labels)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         labels[:, None], 1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1)
+    )
 
   return loss_fn, (params, state, x, labels)
 
@@ -95,14 +96,23 @@ def _compile_seconds(loss_fn, args, repeats=2):
 def test_auto_register_tags(benchmark, name):
   loss_fn, args = _problem(name)
   tagged = benchmark.pedantic(
-      lambda: graph_matcher.auto_register_tags(loss_fn, args), rounds=5,
-      iterations=1, warmup_rounds=1)
+    lambda: graph_matcher.auto_register_tags(loss_fn, args),
+    rounds=5,
+    iterations=1,
+    warmup_rounds=1,
+  )
   report = tagged.registrations(*args)
   assert not [r for r in report if r["tag"] == "generic_tag"]
   compile_s = _compile_seconds(loss_fn, args)
-  register_s = float(np.median(benchmark.stats.stats.data)) if (
-      benchmark.stats is not None) else float("nan")
+  register_s = (
+    float(np.median(benchmark.stats.stats.data))
+    if (benchmark.stats is not None)
+    else float("nan")
+  )
   benchmark.extra_info.update(
-      num_params=len(report), num_layers=len({r["layer"] for r in report}),
-      compile_seconds=compile_s, register_seconds=register_s,
-      register_over_compile=register_s / compile_s)
+    num_params=len(report),
+    num_layers=len({r["layer"] for r in report}),
+    compile_seconds=compile_s,
+    register_seconds=register_s,
+    register_over_compile=register_s / compile_s,
+  )

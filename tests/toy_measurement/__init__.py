@@ -26,10 +26,17 @@ class GradientNorms(Measurement):
 
   def measure(self, ctx):
     grads = jax.grad(ctx.problem.loss_fn)(ctx.params, ctx.batch)
-    return Outcome({"toy_gradient_norms": [
-        dict(leaf=jax.tree_util.keystr(path),
-             norm=self.scale * float(jnp.linalg.norm(g)))
-        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]]})
+    return Outcome(
+      {
+        "toy_gradient_norms": [
+          dict(
+            leaf=jax.tree_util.keystr(path),
+            norm=self.scale * float(jnp.linalg.norm(g)),
+          )
+          for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+        ]
+      }
+    )
 
   def section(self, report, out):
     rows = report.tables.get("toy_gradient_norms")
@@ -38,9 +45,14 @@ class GradientNorms(Measurement):
     norms = rows.groupby(["problem", "leaf"]).norm.median().reset_index()
     largest = norms.loc[norms.norm.idxmax()]
     return Section(
-        "Gradient norms", "How large is the gradient at the start?",
-        findings=[f"{largest.problem}: the largest gradient is "
-                  f"{largest.leaf}'s, norm {largest.norm:.3g}."],
-        tables=[Table("toy_gradient_norms", "Gradient norms at the start",
-                      norms)],
-        figures=figures.norms(rows, out))
+      "Gradient norms",
+      "How large is the gradient at the start?",
+      findings=[
+        f"{largest.problem}: the largest gradient is "
+        f"{largest.leaf}'s, norm {largest.norm:.3g}."
+      ],
+      tables=[
+        Table("toy_gradient_norms", "Gradient norms at the start", norms)
+      ],
+      figures=figures.norms(rows, out),
+    )

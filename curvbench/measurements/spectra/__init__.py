@@ -15,8 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from curvbench.components import (Choice, Flag, ListOf, Number, OneOf,
-                                  Parsed, Text, Whole, setting)
+from curvbench.components import (
+  Choice,
+  Flag,
+  ListOf,
+  Number,
+  OneOf,
+  Parsed,
+  Text,
+  Whole,
+  setting,
+)
 from curvbench import checkpoints, curvatures, devices, plots, training
 from curvbench.costs import Costs
 from curvbench.data import parse_scope, select
@@ -33,8 +42,10 @@ COUNT = Whole(1)
 
 def _measured_steps(value) -> None:
   if not training.measurement_steps(value, 2**62):
-    raise ValueError("measure.spectra.steps is empty: give at least one "
-                     "training step to measure at (0: initialisation).")
+    raise ValueError(
+      "measure.spectra.steps is empty: give at least one "
+      "training step to measure at (0: initialisation)."
+    )
 
 
 @MEASUREMENTS.register
@@ -49,93 +60,147 @@ class Spectra(Measurement):
   name = "spectra"
   tables = (*compute.TABLES, "cost")
 
-  precision: str = setting("float64", OneOf(("float32", "float64")),
-                           "the floating-point precision it runs in")
-  method: str = setting("dense", OneOf(tuple(compute.METHODS)),
-                        "dense (small models) or lanczos (matrix-free)")
-  data: str = setting("batch", Parsed(parse_scope, "batch, batches:N "
-                                      "(N >= 1) or train"),
-                      "batch, batches:N (the first N) or train (the split)")
+  precision: str = setting(
+    "float64",
+    OneOf(("float32", "float64")),
+    "the floating-point precision it runs in",
+  )
+  method: str = setting(
+    "dense",
+    OneOf(tuple(compute.METHODS)),
+    "dense (small models) or lanczos (matrix-free)",
+  )
+  data: str = setting(
+    "batch",
+    Parsed(parse_scope, "batch, batches:N (N >= 1) or train"),
+    "batch, batches:N (the first N) or train (the split)",
+  )
   samples: int = setting(
-      3, COUNT, "draws of that data measured apart at each step (batch: "
-      "consecutive batches; batches:N: consecutive sets of N), each a "
-      "sample of every table, so the report can give a spread; data=train "
-      "has one")
+    3,
+    COUNT,
+    "draws of that data measured apart at each step (batch: "
+    "consecutive batches; batches:N: consecutive sets of N), each a "
+    "sample of every table, so the report can give a spread; data=train "
+    "has one",
+  )
   chunk_size: int | None = setting(
-      None, Whole(1, null=True), "examples per chunk with data=train "
-      "(null: the batch size)")
-  steps: Any = setting([0], Parsed(_measured_steps, "a non-empty list of "
-                                   "whole numbers >= 0, or 'log:N' (N >= 2)"),
-                       "training steps to measure at (0: the "
-                       "initialisation; later ones train with the optimizer "
-                       "group for measure.training.num_steps steps)")
+    None,
+    Whole(1, null=True),
+    "examples per chunk with data=train (null: the batch size)",
+  )
+  steps: Any = setting(
+    [0],
+    Parsed(
+      _measured_steps,
+      "a non-empty list of whole numbers >= 0, or 'log:N' (N >= 2)",
+    ),
+    "training steps to measure at (0: the "
+    "initialisation; later ones train with the optimizer "
+    "group for measure.training.num_steps steps)",
+  )
   trainer: Any = setting(
-      None, Choice(OPTIMIZERS), "the optimizer that trains to the measured "
-      "steps (measure/spectra/trainer=NAME, its settings "
-      "measure.spectra.trainer.KEY), so that a sweep over the optimizer "
-      "group measures every approximation at one training run's "
-      "parameters; null: the run's optimizer group")
+    None,
+    Choice(OPTIMIZERS),
+    "the optimizer that trains to the measured "
+    "steps (measure/spectra/trainer=NAME, its settings "
+    "measure.spectra.trainer.KEY), so that a sweep over the optimizer "
+    "group measures every approximation at one training run's "
+    "parameters; null: the run's optimizer group",
+  )
   checkpoint: str | None = setting(
-      None, Text(null=True), "measure saved parameters instead: a "
-      ".safetensors file, or a run directory (its checkpoints at steps)")
-  save_checkpoints: bool = setting(False, Flag(),
-                                   "save the parameters of each measured step")
+    None,
+    Text(null=True),
+    "measure saved parameters instead: a "
+    ".safetensors file, or a run directory (its checkpoints at steps)",
+  )
+  save_checkpoints: bool = setting(
+    False, Flag(), "save the parameters of each measured step"
+  )
   references: list[str] = setting(
-      ["ggn", "fisher", "empirical_fisher", "hessian"],
-      ListOf(OneOf(curvatures.EXACT_MATRICES), 1),
-      "the exact matrices measured (and the approximation's own), the "
-      "approximation's quality against each")
+    ["ggn", "fisher", "empirical_fisher", "hessian"],
+    ListOf(OneOf(curvatures.EXACT_MATRICES), 1),
+    "the exact matrices measured (and the approximation's own), the "
+    "approximation's quality against each",
+  )
   relative_dampings: list[float] = setting(
-      [1e-4, 1e-3, 1e-2], ListOf(POSITIVE, 1), "the natural-gradient "
-      "cosine's dampings rho: each matrix damped by rho times its own "
-      "largest eigenvalue, so matrices of different scale are compared at "
-      "the same effective damping")
-  damping: float = setting(1e-3, POSITIVE, "the absolute damping of the "
-                           "heatmaps' inverses and the damped condition "
-                           "number")
-  top_k: int = setting(10, COUNT, "eigenspace overlap; outliers among the "
-                       "top k")
+    [1e-4, 1e-3, 1e-2],
+    ListOf(POSITIVE, 1),
+    "the natural-gradient "
+    "cosine's dampings rho: each matrix damped by rho times its own "
+    "largest eigenvalue, so matrices of different scale are compared at "
+    "the same effective damping",
+  )
+  damping: float = setting(
+    1e-3,
+    POSITIVE,
+    "the absolute damping of the "
+    "heatmaps' inverses and the damped condition "
+    "number",
+  )
+  top_k: int = setting(
+    10, COUNT, "eigenspace overlap; outliers among the top k"
+  )
   relative_floor: float = setting(
-      1e-8, Number(0, 1), "|eigenvalue| below this times the largest counts "
-      "as zero (at least 10 round-offs of the precision)")
-  num_samples: int = setting(1, COUNT, "draws averaged for sampled "
-                             "estimation modes")
+    1e-8,
+    Number(0, 1),
+    "|eigenvalue| below this times the largest counts "
+    "as zero (at least 10 round-offs of the precision)",
+  )
+  num_samples: int = setting(
+    1, COUNT, "draws averaged for sampled estimation modes"
+  )
   lanczos_iters: int = setting(60, COUNT, "Lanczos steps (lanczos method)")
   slq_probes: int = setting(4, COUNT, "SLQ probes (lanczos method)")
   frobenius_probes: int = setting(8, COUNT, "probes of Frobenius errors")
   trace_probes: int = setting(30, COUNT, "Hutchinson and XTrace probes")
   diagonal_probes: int = setting(30, COUNT, "stochastic-diagonal probes")
   target_precision: float = setting(
-      0.05, POSITIVE, "lanczos method: the relative standard error its "
-      "probe-estimated quality metrics are to reach (0.05: 5 % of the "
-      "value); each such quality row records its stderr and "
-      "probes_needed, the probes that would reach it")
+    0.05,
+    POSITIVE,
+    "lanczos method: the relative standard error its "
+    "probe-estimated quality metrics are to reach (0.05: 5 % of the "
+    "value); each such quality row records its stderr and "
+    "probes_needed, the probes that would reach it",
+  )
   probe_batch: int | None = setting(
-      None, Whole(1, null=True), "lanczos method: probes the SLQ, "
-      "Frobenius and diagonal-error estimates evaluate at once (null: all "
-      "of them); fewer bound the memory at that many probes' vectors")
-  per_block: bool = setting(True, Flag(), "lanczos method: quality per layer "
-                            "block too")
+    None,
+    Whole(1, null=True),
+    "lanczos method: probes the SLQ, "
+    "Frobenius and diagonal-error estimates evaluate at once (null: all "
+    "of them); fewer bound the memory at that many probes' vectors",
+  )
+  per_block: bool = setting(
+    True, Flag(), "lanczos method: quality per layer block too"
+  )
   # On by default: a handful of types, each costing no more than a layer
   # block's quality (dense: eigendecompositions of sizes that sum to the
   # parameter count; lanczos: one masked top-k and Frobenius estimate).
   per_block_type: bool = setting(
-      True, Flag(), "quality per block type too (attention, mlp, embedding, "
-      "norm, conv, dense, other): the sub-matrices over all layers of a "
-      "type (none where one type holds every layer)")
-  heatmap_blocks: int = setting(4, Whole(0), "middle layer blocks drawn as "
-                                "heatmaps (0: none)")
-  heatmap_units: int = setting(8, COUNT, "parameters subsampled per drawn "
-                               "block")
+    True,
+    Flag(),
+    "quality per block type too (attention, mlp, embedding, "
+    "norm, conv, dense, other): the sub-matrices over all layers of a "
+    "type (none where one type holds every layer)",
+  )
+  heatmap_blocks: int = setting(
+    4, Whole(0), "middle layer blocks drawn as heatmaps (0: none)"
+  )
+  heatmap_units: int = setting(
+    8, COUNT, "parameters subsampled per drawn block"
+  )
   cg_iters: int = setting(100, COUNT, "conjugate-gradient steps")
-  max_dense_gib: float = setting(2.0, POSITIVE, "refuse a dense matrix "
-                                 "larger than this")
+  max_dense_gib: float = setting(
+    2.0, POSITIVE, "refuse a dense matrix larger than this"
+  )
   share_references: bool = setting(
-      True, Flag(), "dense method in a sweep: keep each exact reference "
-      "(matrix, eigendecompositions of the whole, its blocks and block "
-      "types), the mean gradient and the training trajectory in the sweep "
-      "folder's .references, keyed by the content they were computed "
-      "from, so the sweep's other runs at the same point read them instead")
+    True,
+    Flag(),
+    "dense method in a sweep: keep each exact reference "
+    "(matrix, eigendecompositions of the whole, its blocks and block "
+    "types), the mean gradient and the training trajectory in the sweep "
+    "folder's .references, keyed by the content they were computed "
+    "from, so the sweep's other runs at the same point read them instead",
+  )
 
   def trains(self) -> bool:
     """Whether it trains to its steps (rather than starting from the
@@ -171,18 +236,22 @@ class Spectra(Measurement):
     train = (run.problem.data.sizes() or (None,))[0]
     size = run.measure.batch_size or run.problem.batch_size
     if kind == "batches" and train is not None and count * size > train:
-      yield (f"{prefix}.data={self.data!r} asks for {count} batches of "
-             f"{size}, more than the {train} training examples of dataset "
-             f"{run.problem.data.name!r}: ask for fewer, or use 'train' for "
-             "the whole split.")
+      yield (
+        f"{prefix}.data={self.data!r} asks for {count} batches of "
+        f"{size}, more than the {train} training examples of dataset "
+        f"{run.problem.data.name!r}: ask for fewer, or use 'train' for "
+        "the whole split."
+      )
 
   def method_label(self, run, curvature):
     return curvature.label
 
   def ignored(self):
     if parse_scope(self.data)[0] == "train" and self.samples > 1:
-      return {"samples": "data=train measures the whole training split, "
-                         "which is one sample (seeds give the spread)"}
+      return {
+        "samples": "data=train measures the whole training split, "
+        "which is one sample (seeds give the spread)"
+      }
     return {}
 
   def sample_count(self) -> int:
@@ -194,18 +263,30 @@ class Spectra(Measurement):
     steps = training.measurement_steps(self.steps, num_steps)
     dtype = jax.tree.leaves(ctx.params)[0].dtype
     split = self.batches(ctx.run)[-1][0]
-    samples = [select(ctx.problem, self.data, ctx.run.measure.batch_size,
-                      self.chunk_size, dtype, seed=ctx.run.data_seed,
-                      sample=j).split(ctx.mesh, split)
-               for j in range(self.sample_count())]
+    samples = [
+      select(
+        ctx.problem,
+        self.data,
+        ctx.run.measure.batch_size,
+        self.chunk_size,
+        dtype,
+        seed=ctx.run.data_seed,
+        sample=j,
+      ).split(ctx.mesh, split)
+      for j in range(self.sample_count())
+    ]
     # Heatmaps of the first sample only: they show structure, not spread.
-    settings = [self] + [dataclasses.replace(self, heatmap_blocks=0)
-                         ] * (len(samples) - 1)
+    settings = [self] + [dataclasses.replace(self, heatmap_blocks=0)] * (
+      len(samples) - 1
+    )
     scope = dict(data=self.data)
     tables = {name: [] for name in (*self.tables, "training")}
 
-    store = (ReferenceStore.of_run(ctx.run_dir.path)
-             if self.share_references else ReferenceStore(None))
+    store = (
+      ReferenceStore.of_run(ctx.run_dir.path)
+      if self.share_references
+      else ReferenceStore(None)
+    )
     key = dict(problem=dataclasses.asdict(ctx.run.problem))
     programs = {}  # compiled once per run, whatever the step and sample
     log = ctx.log if ctx.run.progress else None
@@ -215,58 +296,86 @@ class Spectra(Measurement):
       point = devices.replicate(point, ctx.mesh)
       phases = []
       for j, (examples, spec) in enumerate(zip(samples, settings)):
-        costs = Costs(log=log, programs=programs, step=step, sample=j,
-                      **scope)
+        costs = Costs(log=log, programs=programs, step=step, sample=j, **scope)
         for name, rows in compute.measure(
-            ctx.problem.loss_fn, ctx.curvature, point, examples, spec,
-            jax.random.fold_in(ctx.rng, j), costs, store, key,
-            ctx.problem.layer_roles,
-            examples_interact=ctx.problem.has_state).items():
-          tables[name] += [dict(step=step, sample=j, **scope, **row)
-                           for row in rows]
+          ctx.problem.loss_fn,
+          ctx.curvature,
+          point,
+          examples,
+          spec,
+          jax.random.fold_in(ctx.rng, j),
+          costs,
+          store,
+          key,
+          ctx.problem.layer_roles,
+          examples_interact=ctx.problem.has_state,
+        ).items():
+          tables[name] += [
+            dict(step=step, sample=j, **scope, **row) for row in rows
+          ]
         phases += costs.rows
       Costs(log=log, step=step, samples=len(samples), **scope).summary(phases)
       # What the phases leave out (host work between them), so that the
       # table adds up to the measurement's wall time.
       rest = Costs(step=step, sample=0, **scope)
-      rest.record("unaccounted", time.perf_counter() - start - sum(
-          row["compile_s"] + row["run_s"] for row in phases))
+      rest.record(
+        "unaccounted",
+        time.perf_counter()
+        - start
+        - sum(row["compile_s"] + row["run_s"] for row in phases),
+      )
       tables["cost"] += phases + rest.rows
       if self.save_checkpoints:
         save_checkpoint(ctx, step, point, model_state)
 
     if self.checkpoint is not None:
-      for step, point in checkpoint_params(self.checkpoint, steps,
-                                           ctx.problem, ctx.params).items():
+      for step, point in checkpoint_params(
+        self.checkpoint, steps, ctx.problem, ctx.params
+      ).items():
         at(step, point)
     elif not self.trains():
       at(0, ctx.params)
     else:
       optimizer = self.trainer or ctx.run.optimizer
       # Training stops at the last step measured.
-      until = dataclasses.replace(ctx.run.measure.training,
-                                  num_steps=steps[-1], budget_s=None)
+      until = dataclasses.replace(
+        ctx.run.measure.training, num_steps=steps[-1], budget_s=None
+      )
 
       def train(on_step):
         return training.run(
-            ctx.problem, optimizer.make(ctx.problem.loss_fn, ctx.curvature,
-                                        ctx.mesh), ctx.params, until,
-            jax.random.fold_in(ctx.rng, 2), ctx.run.data_seed,
-            progress=ctx.run.progress, at_steps=steps, on_step=on_step,
-            mesh=ctx.mesh)
+          ctx.problem,
+          optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh),
+          ctx.params,
+          until,
+          jax.random.fold_in(ctx.rng, 2),
+          ctx.run.data_seed,
+          progress=ctx.run.progress,
+          at_steps=steps,
+          on_step=on_step,
+          mesh=ctx.mesh,
+        )
 
       if store.keeps and self.method == "dense":
         # The sweep's other approximations trained the same way read the
         # trajectory instead of training again.
         trajectory = dict(
-            key, trainer=dataclasses.asdict(optimizer),
-            curvature=(dataclasses.asdict(ctx.run.curvature)
-                       if optimizer.uses_curvature else None),
-            training=dataclasses.asdict(until), steps=steps,
-            start=content_hash(ctx.params, ctx.rng),
-            data_seed=ctx.run.data_seed, devices=ctx.run.devices)
-        rows, points = shared_training(store, trajectory, train,
-                                       ctx.params, ctx.problem, dtype)
+          key,
+          trainer=dataclasses.asdict(optimizer),
+          curvature=(
+            dataclasses.asdict(ctx.run.curvature)
+            if optimizer.uses_curvature
+            else None
+          ),
+          training=dataclasses.asdict(until),
+          steps=steps,
+          start=content_hash(ctx.params, ctx.rng),
+          data_seed=ctx.run.data_seed,
+          devices=ctx.run.devices,
+        )
+        rows, points = shared_training(
+          store, trajectory, train, ctx.params, ctx.problem, dtype
+        )
         for step, (point, model_state) in points.items():
           at(step, point, model_state)
       else:
@@ -283,9 +392,11 @@ class Spectra(Measurement):
     if not any(name in tables for name in self.tables):
       return None
     found = Section(
-        "Curvature", "How close is each approximation to the exact "
-        "curvature, over the whole network, per layer and per block type, "
-        "and how do their spectra compare?")
+      "Curvature",
+      "How close is each approximation to the exact "
+      "curvature, over the whole network, per layer and per block type, "
+      "and how do their spectra compare?",
+    )
     quality = tables.get("quality")
     pairs = tables.get("references")
     if quality is not None:
@@ -296,8 +407,9 @@ class Spectra(Measurement):
       for level, name, title in summary.LEVELS:
         part = q[q.level == level]
         if not part.empty:
-          found.tables.append(summary.quality_table(name, title, part,
-                                                    detail=level != "network"))
+          found.tables.append(
+            summary.quality_table(name, title, part, detail=level != "network")
+          )
       found.tables += [table] if table is not None else []
       found.notes += summary.shared_blocks(quality)
       if (quality.reference == "empirical_fisher").any():
@@ -358,13 +470,19 @@ def shared_training(store, key, train, params, problem, dtype):
   """`(rows, {step: (params, model state)})` of `train(on_step)` (a
   `training.run` that calls `on_step` at the measured steps), from the
   `store` where another run trained from the same content (`key`)."""
+
   def compute():
     points = {}
-    rows = train(lambda step, point, model_state: points.update(
-        {step: (point, model_state)}))
+    rows = train(
+      lambda step, point, model_state: points.update(
+        {step: (point, model_state)}
+      )
+    )
     scalar = lambda x: x.item()  # numpy and JAX scalars
-    found = dict(rows=np.array(json.dumps(rows, default=scalar)),
-                 steps=np.array(sorted(points), np.int64))
+    found = dict(
+      rows=np.array(json.dumps(rows, default=scalar)),
+      steps=np.array(sorted(points), np.int64),
+    )
     for step, (point, model_state) in points.items():
       found[f"params{step}"] = np.asarray(ravel_pytree(point)[0])
       found[f"state{step}"] = np.asarray(ravel_pytree(model_state)[0])
@@ -373,9 +491,13 @@ def shared_training(store, key, train, params, problem, dtype):
   found, _ = store.get(dict(key, quantity="training trajectory"), compute)
   unravel_params = ravel_pytree(params)[1]
   unravel_state = ravel_pytree(problem.init_model_state(dtype))[1]
-  points = {int(step): (unravel_params(jnp.asarray(found[f"params{step}"])),
-                        unravel_state(jnp.asarray(found[f"state{step}"])))
-            for step in found["steps"]}
+  points = {
+    int(step): (
+      unravel_params(jnp.asarray(found[f"params{step}"])),
+      unravel_state(jnp.asarray(found[f"state{step}"])),
+    )
+    for step in found["steps"]
+  }
   return json.loads(str(found["rows"])), points
 
 
@@ -388,8 +510,9 @@ def checkpoint_params(path, steps, problem, params) -> dict:
     missing = [s for s in steps if s not in found]
     if missing:
       raise ValueError(
-          f"No checkpoint for steps {missing} in {path} (it has steps "
-          f"{sorted(found)}): measure at those, or train further.")
+        f"No checkpoint for steps {missing} in {path} (it has steps "
+        f"{sorted(found)}): measure at those, or train further."
+      )
     files = {s: found[s] for s in steps}
   else:
     files = {None: path}
@@ -398,12 +521,17 @@ def checkpoint_params(path, steps, problem, params) -> dict:
     loaded, info = checkpoints.load(file)
     if step is not None and info["step"] != step:
       raise ValueError(
-          f"checkpoint {file} is named for step {step} but its header says "
-          f"step {info['step']}: it was renamed or damaged; measure from "
-          "the run's own checkpoints.")
-    checkpoints.check_matches(loaded, params, path=file,
-                              problem=info["problem"],
-                              expected_problem=problem.name)
+        f"checkpoint {file} is named for step {step} but its header says "
+        f"step {info['step']}: it was renamed or damaged; measure from "
+        "the run's own checkpoints."
+      )
+    checkpoints.check_matches(
+      loaded,
+      params,
+      path=file,
+      problem=info["problem"],
+      expected_problem=problem.name,
+    )
     dtype = jax.tree.leaves(params)[0].dtype
     out[info["step"]] = jax.tree.map(lambda x: jnp.asarray(x, dtype), loaded)
   return out

@@ -91,15 +91,32 @@ def _symmetric(matrix):
 
 def _spectrum_rows(source, matrix, values, weights=None, reference=None):
   values = np.asarray(values, np.float64)
-  weights = (np.full(len(values), 1 / len(values)) if weights is None
-             else np.asarray(weights, np.float64))
-  return [dict(source=source, matrix=matrix, reference=reference or matrix,
-               index=i, eigenvalue=float(v), weight=float(w))
-          for i, (v, w) in enumerate(zip(values, weights))]
+  weights = (
+    np.full(len(values), 1 / len(values))
+    if weights is None
+    else np.asarray(weights, np.float64)
+  )
+  return [
+    dict(
+      source=source,
+      matrix=matrix,
+      reference=reference or matrix,
+      index=i,
+      eigenvalue=float(v),
+      weight=float(w),
+    )
+    for i, (v, w) in enumerate(zip(values, weights))
+  ]
 
 
-def _quality_rows(reference, level, block, values: dict,
-                  errors: dict | None = None, precision: float = np.nan):
+def _quality_rows(
+  reference,
+  level,
+  block,
+  values: dict,
+  errors: dict | None = None,
+  precision: float = np.nan,
+):
   """Rows of `values`, `{metric: value}` or `{(metric, rho): value}` for
   metrics taken at a relative damping; `errors`, `{metric: (standard
   error, probes)}` of the probe estimates among them, fills their
@@ -109,11 +126,23 @@ def _quality_rows(reference, level, block, values: dict,
   for key, v in values.items():
     metric, rho = key if isinstance(key, tuple) else (key, np.nan)
     stderr, probes = errors.get(key, (np.nan, None))
-    needed = (np.nan if probes is None else matrix_free.probes_needed(
-        v, stderr, probes, precision))
-    rows.append(dict(reference=reference, level=level, block=block,
-                     metric=metric, relative_damping=rho, value=float(v),
-                     stderr=float(stderr), probes_needed=needed))
+    needed = (
+      np.nan
+      if probes is None
+      else matrix_free.probes_needed(v, stderr, probes, precision)
+    )
+    rows.append(
+      dict(
+        reference=reference,
+        level=level,
+        block=block,
+        metric=metric,
+        relative_damping=rho,
+        value=float(v),
+        stderr=float(stderr),
+        probes_needed=needed,
+      )
+    )
   return rows
 
 
@@ -139,8 +168,16 @@ def role_indices(blocks, roles: dict[str, str]) -> dict[str, np.ndarray]:
 
 def _statistic_rows(source, matrix, values: dict, stderr: dict = None):
   stderr = stderr or {}
-  return [dict(source=source, matrix=matrix, statistic=k, value=float(v),
-               stderr=float(stderr.get(k, 0.0))) for k, v in values.items()]
+  return [
+    dict(
+      source=source,
+      matrix=matrix,
+      statistic=k,
+      value=float(v),
+      stderr=float(stderr.get(k, 0.0)),
+    )
+    for k, v in values.items()
+  ]
 
 
 def floor(cfg, values) -> float:
@@ -173,22 +210,25 @@ def spectrum_statistics(values, cfg, weights=None, top=None) -> dict:
   lowest = float(values.min())
   kept = np.abs(values)[np.abs(values) > zero]
   at_floor = kept.size and kept.min() < 10 * zero
-  condition = ("condition_number_at_least" if at_floor
-               else "condition_number")
-  return {"max_eigenvalue": float(top[0]), "min_eigenvalue": lowest,
-          condition: metrics.condition_number(values, zero),
-          # What a damped preconditioner sees; undefined when indefinite.
-          "damped_condition_number": (top[0] + damping) / (lowest + damping)
-          if lowest + damping > 0 else np.nan,
-          "num_outliers": metrics.num_outliers(top, cfg.top_k),
-          "negative_mass": metrics.negative_mass(values, weights, zero),
-          "negative_ratio": metrics.negative_ratio(values, top[0])}
+  condition = "condition_number_at_least" if at_floor else "condition_number"
+  return {
+    "max_eigenvalue": float(top[0]),
+    "min_eigenvalue": lowest,
+    condition: metrics.condition_number(values, zero),
+    # What a damped preconditioner sees; undefined when indefinite.
+    "damped_condition_number": (top[0] + damping) / (lowest + damping)
+    if lowest + damping > 0
+    else np.nan,
+    "num_outliers": metrics.num_outliers(top, cfg.top_k),
+    "negative_mass": metrics.negative_mass(values, weights, zero),
+    "negative_ratio": metrics.negative_ratio(values, top[0]),
+  }
 
 
 # --- dense method ------------------------------------------------------------
 
-def dense_exact(loss_fn, matrix, params, data, rng, costs,
-                examples_interact):
+
+def dense_exact(loss_fn, matrix, params, data, rng, costs, examples_interact):
   """The exact `matrix` over `data` as a dense array, a phase of `costs`.
 
   Per-example rows take each example alone, which a loss coupling its
@@ -196,11 +236,18 @@ def dense_exact(loss_fn, matrix, params, data, rng, costs,
   matrices come from products through the whole batch.
   """
   exact = curvatures.exact(
-      matrix, loss_fn, matrix_free=examples_interact
-      or matrix in curvatures.DENSE_FROM_PRODUCTS)
+    matrix,
+    loss_fn,
+    matrix_free=examples_interact or matrix in curvatures.DENSE_FROM_PRODUCTS,
+  )
 
-  return costs.call(f"exact {matrix}", lambda p, d, k: _symmetric(
-      exact.to_dense(exact.estimate(k, p, d))), params, data, rng)
+  return costs.call(
+    f"exact {matrix}",
+    lambda p, d, k: _symmetric(exact.to_dense(exact.estimate(k, p, d))),
+    params,
+    data,
+    rng,
+  )
 
 
 def _stored(store, key, compute, costs, what):
@@ -209,49 +256,87 @@ def _stored(store, key, compute, costs, what):
   start = time.perf_counter()
   found, shared = store.get(key, compute)
   if shared:
-    costs.record(f"{what} (read from the reference store)",
-                 time.perf_counter() - start)
+    costs.record(
+      f"{what} (read from the reference store)", time.perf_counter() - start
+    )
   return found
 
 
-def _exact_reference(loss_fn, matrix, params, data, rng, costs, store, key,
-                     examples_interact, parts=()):
+def _exact_reference(
+  loss_fn,
+  matrix,
+  params,
+  data,
+  rng,
+  costs,
+  store,
+  key,
+  examples_interact,
+  parts=(),
+):
   """`(dense matrix, (eigenvalues, eigenvectors), {part: its eigh})` of the
   exact `matrix` and of its diagonal sub-matrices over `parts` (`(name,
   indices)`: layer blocks, block types), from the `store` where another
   run computed them from the same content: they are the same whatever
   approximation a run compares with them."""
+
   def compute():
-    dense = dense_exact(loss_fn, matrix, params, data, rng, costs,
-                         examples_interact)
+    dense = dense_exact(
+      loss_fn, matrix, params, data, rng, costs, examples_interact
+    )
     values, vectors = _eigh(costs, f"exact {matrix}", dense)
-    found = dict(matrix=np.asarray(dense, np.float64), eigenvalues=values,
-                 eigenvectors=vectors)
+    found = dict(
+      matrix=np.asarray(dense, np.float64),
+      eigenvalues=values,
+      eigenvectors=vectors,
+    )
     for i, (name, idx) in enumerate(parts):
       found[f"values{i}"], found[f"vectors{i}"] = _eigh(
-          costs, f"exact {matrix} {name}", dense[np.ix_(idx, idx)])
+        costs, f"exact {matrix} {name}", dense[np.ix_(idx, idx)]
+      )
     return found
 
-  found = _stored(store, dict(key or {}, matrix=matrix, parts=[
-      (name, content_hash(idx)) for name, idx in parts]), compute, costs,
-                  f"exact {matrix}")
-  return found["matrix"], (found["eigenvalues"], found["eigenvectors"]), {
+  found = _stored(
+    store,
+    dict(
+      key or {},
+      matrix=matrix,
+      parts=[(name, content_hash(idx)) for name, idx in parts],
+    ),
+    compute,
+    costs,
+    f"exact {matrix}",
+  )
+  return (
+    found["matrix"],
+    (found["eigenvalues"], found["eigenvectors"]),
+    {
       name: (found[f"values{i}"], found[f"vectors{i}"])
-      for i, (name, _) in enumerate(parts)}
+      for i, (name, _) in enumerate(parts)
+    },
+  )
 
 
 def _shared_mean_gradient(loss_fn, params, data, costs, store, key):
   """The mean gradient over `data`, a pytree like `params`, from the
   `store` where another run at the same point computed it."""
+
   def compute():
-    grads = costs.call("mean gradient", functools.partial(
-        _mean_gradient, loss_fn), params, data)
+    grads = costs.call(
+      "mean gradient", functools.partial(_mean_gradient, loss_fn), params, data
+    )
     return dict(gradient=np.asarray(jax.flatten_util.ravel_pytree(grads)[0]))
 
-  found = _stored(store, dict(key or {}, quantity="mean gradient"), compute,
-                  costs, "mean gradient")
+  found = _stored(
+    store,
+    dict(key or {}, quantity="mean gradient"),
+    compute,
+    costs,
+    "mean gradient",
+  )
   return jax.flatten_util.ravel_pytree(params)[1](
-      jnp.asarray(found["gradient"]))
+    jnp.asarray(found["gradient"])
+  )
 
 
 # From this size on, a dense eigendecomposition runs LAPACK on every core.
@@ -269,8 +354,9 @@ def _lapack_on(size: int):
   if size < MANY_CORES or "OPENBLAS_NUM_THREADS" in os.environ:
     yield
     return
-  with threadpoolctl.threadpool_limits(len(os.sched_getaffinity(0)),
-                                       user_api="blas"):
+  with threadpoolctl.threadpool_limits(
+    len(os.sched_getaffinity(0)), user_api="blas"
+  ):
     yield
 
 
@@ -300,7 +386,7 @@ def joined_eigh(approx, blocks, eighs):
   vectors = np.zeros(approx.shape)
   start = 0
   for name, idx in blocks:
-    vectors[idx, start:start + len(idx)] = eighs[name][1]
+    vectors[idx, start : start + len(idx)] = eighs[name][1]
     start += len(idx)
   order = np.argsort(values, kind="stable")
   return values[order], vectors[:, order]
@@ -318,8 +404,9 @@ def _blockwise_eigh(costs, what, matrix, blocks, eighs):
   return found
 
 
-def dense_metrics(approx, exact, approx_dirs, exact_dirs, k, floor,
-                  approx_eigh, exact_eigh) -> dict:
+def dense_metrics(
+  approx, exact, approx_dirs, exact_dirs, k, floor, approx_eigh, exact_eigh
+) -> dict:
   """Quality of the dense `approx` against `exact`, given both damped
   natural-gradient directions at each relative damping (`{rho: vector}`)
   and both eigendecompositions; `{metric or (metric, rho): value}`."""
@@ -328,18 +415,22 @@ def dense_metrics(approx, exact, approx_dirs, exact_dirs, k, floor,
   exact_eigs, exact_vecs = exact_eigh
   k = min(k, len(exact_eigs))
   out = dict(
-      relative_frobenius=metrics.relative_frobenius(approx, exact),
-      spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
-      log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
-      top_k_overlap=metrics.subspace_overlap(approx_vecs[:, ::-1][:, :k],
-                                             exact_vecs[:, ::-1][:, :k]),
-      top_eigenvalue_ratio=approx_eigs[-1] / exact_eigs[-1],
-      trace_ratio=np.trace(approx) / np.trace(exact),
-      diagonal_relative_error=metrics.relative_frobenius(
-          np.diag(approx), np.diag(exact)))
+    relative_frobenius=metrics.relative_frobenius(approx, exact),
+    spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
+    log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
+    top_k_overlap=metrics.subspace_overlap(
+      approx_vecs[:, ::-1][:, :k], exact_vecs[:, ::-1][:, :k]
+    ),
+    top_eigenvalue_ratio=approx_eigs[-1] / exact_eigs[-1],
+    trace_ratio=np.trace(approx) / np.trace(exact),
+    diagonal_relative_error=metrics.relative_frobenius(
+      np.diag(approx), np.diag(exact)
+    ),
+  )
   for rho, direction in exact_dirs.items():
-    out["natural_gradient_cosine", rho] = metrics.cosine(approx_dirs[rho],
-                                                         direction)
+    out["natural_gradient_cosine", rho] = metrics.cosine(
+      approx_dirs[rho], direction
+    )
   return out
 
 
@@ -361,17 +452,33 @@ def heatmap_units(blocks, num_blocks: int, units: int) -> list[tuple]:
   if num_blocks < 1 or units < 1:
     return []
   start = max(0, (len(blocks) - num_blocks) // 2)
-  chosen = blocks[start:start + num_blocks]
-  return [(name, idx[np.unique(np.linspace(0, len(idx) - 1, units)
-                               .round().astype(int))]) for name, idx in chosen]
+  chosen = blocks[start : start + num_blocks]
+  return [
+    (
+      name,
+      idx[np.unique(np.linspace(0, len(idx) - 1, units).round().astype(int))],
+    )
+    for name, idx in chosen
+  ]
 
 
 def _heatmap_rows(source, kind, reference, sub, units):
   """Rows of `sub`, a matrix over the concatenated indices of `units`."""
   names = np.concatenate([[n] * len(i) for n, i in units])
-  return [dict(source=source, kind=kind, reference=reference, row=r, col=c,
-               row_block=names[r], col_block=names[c], value=float(sub[r, c]))
-          for r in range(len(names)) for c in range(len(names))]
+  return [
+    dict(
+      source=source,
+      kind=kind,
+      reference=reference,
+      row=r,
+      col=c,
+      row_block=names[r],
+      col_block=names[c],
+      value=float(sub[r, c]),
+    )
+    for r in range(len(names))
+    for c in range(len(names))
+  ]
 
 
 def _distinct(references, exact: dict, rows: list) -> list[str]:
@@ -379,18 +486,31 @@ def _distinct(references, exact: dict, rows: list) -> list[str]:
   relative Frobenius distance of each pair (`references` table)."""
   kept = []
   for i, m in enumerate(references):
-    distances = {o: metrics.relative_frobenius(exact[m], exact[o])
-                 for o in references[:i]}
-    rows += [dict(matrix=m, reference=o, relative_frobenius=d)
-             for o, d in distances.items()]
+    distances = {
+      o: metrics.relative_frobenius(exact[m], exact[o]) for o in references[:i]
+    }
+    rows += [
+      dict(matrix=m, reference=o, relative_frobenius=d)
+      for o, d in distances.items()
+    ]
     if all(distances[o] > SAME for o in kept):
       kept.append(m)
   return kept
 
 
-def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                  store=ReferenceStore(None), key=None, layer_roles=(),
-                  examples_interact=False):
+def measure_dense(
+  loss_fn,
+  curvature,
+  params,
+  data,
+  cfg,
+  rng,
+  costs,
+  store=ReferenceStore(None),
+  key=None,
+  layer_roles=(),
+  examples_interact=False,
+):
   """Every table, from dense matrices (small models); the exact references
   from `store` where a run with the same content (`key` plus the
   parameters and examples) computed them; block types from the problem's
@@ -398,48 +518,67 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   examples of a batch (`examples_interact`: batch norm), every exact
   matrix comes from products through the whole batch."""
   curvatures.check_dense_fits(
-      curvatures.num_params(params), 8, cfg.max_dense_gib,
-      "The dense spectra method",
-      "use measure.spectra.method=lanczos (matrix-free)")
+    curvatures.num_params(params),
+    8,
+    cfg.max_dense_gib,
+    "The dense spectra method",
+    "use measure.spectra.method=lanczos (matrix-free)",
+  )
   references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
   if store.keeps:  # hashing the examples costs a pass over them
-    key = dict(key or {}, params=content_hash(params),
-               data=content_hash(data.chunks, data.rest),
-               precision=cfg.precision)
+    key = dict(
+      key or {},
+      params=content_hash(params),
+      data=content_hash(data.chunks, data.rest),
+      precision=cfg.precision,
+    )
   blocks = curvatures.layer_blocks(loss_fn, params, data.first)
   roles = curvatures.block_roles(loss_fn, params, data.first, layer_roles)
   types = role_indices(blocks, roles) if cfg.per_block_type else {}
-  parts = ([(f"block {name}", idx) for name, idx in blocks]
-           + [(f"block type {role}", idx) for role, idx in types.items()])
+  parts = [(f"block {name}", idx) for name, idx in blocks] + [
+    (f"block type {role}", idx) for role, idx in types.items()
+  ]
   exact, exact_eighs, part_eighs = {}, {}, {}
   for m in references:
     exact[m], exact_eighs[m], part_eighs[m] = _exact_reference(
-        loss_fn, m, params, data, rng, costs, store, key, examples_interact,
-        parts)
+      loss_fn, m, params, data, rng, costs, store, key, examples_interact, parts
+    )
   tables = {name: [] for name in TABLES}
   for m, matrix in exact.items():
     values = exact_eighs[m][0]
     tables["spectra"] += _spectrum_rows("exact", m, values)
     tables["statistics"] += _statistic_rows(
-        "exact", m, dict(trace=np.trace(matrix),
-                         **spectrum_statistics(values, cfg)))
+      "exact",
+      m,
+      dict(trace=np.trace(matrix), **spectrum_statistics(values, cfg)),
+    )
   compared = _distinct(references, exact, tables["references"])
 
-  state = costs.call("approx estimate", lambda p, d, k: curvature.estimate(
-      k, p, d, cfg.num_samples), params, data, rng)
-  approx = costs.call("approx dense", lambda s: _symmetric(
-      curvature.to_dense(s)), state)
-  block_eighs = {name: _eigh(costs, f"approx block {name}",
-                             approx[np.ix_(idx, idx)])
-                 for name, idx in blocks}
+  state = costs.call(
+    "approx estimate",
+    lambda p, d, k: curvature.estimate(k, p, d, cfg.num_samples),
+    params,
+    data,
+    rng,
+  )
+  approx = costs.call(
+    "approx dense", lambda s: _symmetric(curvature.to_dense(s)), state
+  )
+  block_eighs = {
+    name: _eigh(costs, f"approx block {name}", approx[np.ix_(idx, idx)])
+    for name, idx in blocks
+  }
   approx = np.asarray(approx, np.float64)
   approx_eigh = _blockwise_eigh(costs, "approx", approx, blocks, block_eighs)
   approx_eigs = approx_eigh[0]
-  tables["spectra"] += _spectrum_rows("approx", curvature.label, approx_eigs,
-                                      reference=curvature.matrix)
+  tables["spectra"] += _spectrum_rows(
+    "approx", curvature.label, approx_eigs, reference=curvature.matrix
+  )
   tables["statistics"] += _statistic_rows(
-      "approx", curvature.label, dict(trace=np.trace(approx),
-                                      **spectrum_statistics(approx_eigs, cfg)))
+    "approx",
+    curvature.label,
+    dict(trace=np.trace(approx), **spectrum_statistics(approx_eigs, cfg)),
+  )
 
   damping, k, rhos = cfg.damping, cfg.top_k, cfg.relative_dampings
   grads = _shared_mean_gradient(loss_fn, params, data, costs, store, key)
@@ -447,18 +586,38 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   for m, (values, vectors) in exact_eighs.items():
     top = vectors[:, np.argsort(values)[::-1][:k]]
     tables["statistics"] += _statistic_rows(
-        "exact", m, {GRADIENT_SHARE: metrics.share_in_span(top, g)})
+      "exact", m, {GRADIENT_SHARE: metrics.share_in_span(top, g)}
+    )
   # The approximation's own damped inverse, as its optimizer applies it.
   approx_scale = scale(approx_eigs)
-  approx_dirs = {rho: _flat(costs.call(
-      "approx direction", lambda s, v, d: curvature.precondition(
-          curvature.refresh(s, d), v, d), state, grads, rho * approx_scale))
-                 for rho in rhos}
+  approx_dirs = {
+    rho: _flat(
+      costs.call(
+        "approx direction",
+        lambda s, v, d: curvature.precondition(curvature.refresh(s, d), v, d),
+        state,
+        grads,
+        rho * approx_scale,
+      )
+    )
+    for rho in rhos
+  }
   for m in compared:
-    tables["quality"] += _quality_rows(m, "network", "all", dense_metrics(
-        approx, exact[m], approx_dirs, _relative_solves(exact_eighs[m], g,
-                                                        rhos),
-        k, floor(cfg, exact_eighs[m][0]), approx_eigh, exact_eighs[m]))
+    tables["quality"] += _quality_rows(
+      m,
+      "network",
+      "all",
+      dense_metrics(
+        approx,
+        exact[m],
+        approx_dirs,
+        _relative_solves(exact_eighs[m], g, rhos),
+        k,
+        floor(cfg, exact_eighs[m][0]),
+        approx_eigh,
+        exact_eighs[m],
+      ),
+    )
 
   def quality_of(level, name, idx, what, a_eigh):
     """Quality rows of the sub-matrices over parameters `idx` against each
@@ -469,18 +628,31 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
     for m in compared:
       e_eigh = part_eighs[m][what]
       values = dense_metrics(
-          a, exact[m][np.ix_(idx, idx)], a_dirs,
-          _relative_solves(e_eigh, g[idx], rhos), k,
-          floor(cfg, exact_eighs[m][0]), a_eigh, e_eigh)
+        a,
+        exact[m][np.ix_(idx, idx)],
+        a_dirs,
+        _relative_solves(e_eigh, g[idx], rhos),
+        k,
+        floor(cfg, exact_eighs[m][0]),
+        a_eigh,
+        e_eigh,
+      )
       tables["quality"] += _quality_rows(m, level, name, values)
 
   for name, idx in blocks:
     quality_of("layer", name, idx, f"block {name}", block_eighs[name])
   for role, idx in types.items():
     a_eigh = _blockwise_eigh(
-        costs, f"approx block type {role}", approx[np.ix_(idx, idx)],
-        [(name, np.searchsorted(idx, i)) for name, i in blocks
-         if roles[name] == role], block_eighs)
+      costs,
+      f"approx block type {role}",
+      approx[np.ix_(idx, idx)],
+      [
+        (name, np.searchsorted(idx, i))
+        for name, i in blocks
+        if roles[name] == role
+      ],
+      block_eighs,
+    )
     quality_of("role", role, idx, f"block type {role}", a_eigh)
 
   reference, exact_eigh = exact[curvature.matrix], exact_eighs[curvature.matrix]
@@ -488,27 +660,35 @@ def measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
   if units:
     idx = np.concatenate([i for _, i in units])
     unravel = jax.flatten_util.ravel_pytree(grads)[1]
-    refreshed = costs.call("approx refresh", lambda s: curvature.refresh(
-        s, damping), state)
+    refreshed = costs.call(
+      "approx refresh", lambda s: curvature.refresh(s, damping), state
+    )
     # Columns idx of the approximation's own damped inverse (symmetric).
-    columns = costs.call("approx inverse columns", lambda s: jax.vmap(
-        lambda e: jax.flatten_util.ravel_pytree(curvature.precondition(
-            s, unravel(e), damping))[0])(
-                jnp.eye(len(g), dtype=jnp.result_type(g))[idx]), refreshed)
+    columns = costs.call(
+      "approx inverse columns",
+      lambda s: jax.vmap(
+        lambda e: jax.flatten_util.ravel_pytree(
+          curvature.precondition(s, unravel(e), damping)
+        )[0]
+      )(jnp.eye(len(g), dtype=jnp.result_type(g))[idx]),
+      refreshed,
+    )
     vecs = exact_eigh[1][idx]
     exact_inverse = (vecs / (exact_eigh[0] + damping)) @ vecs.T
     for source, kind, sub in (
-        ("exact", "matrix", reference[np.ix_(idx, idx)]),
-        ("exact", "inverse", exact_inverse),
-        ("approx", "matrix", approx[np.ix_(idx, idx)]),
-        ("approx", "inverse", np.asarray(columns, np.float64)[:, idx])):
-      tables["heatmaps"] += _heatmap_rows(source, kind, curvature.matrix, sub,
-                                          units)
+      ("exact", "matrix", reference[np.ix_(idx, idx)]),
+      ("exact", "inverse", exact_inverse),
+      ("approx", "matrix", approx[np.ix_(idx, idx)]),
+      ("approx", "inverse", np.asarray(columns, np.float64)[:, idx]),
+    ):
+      tables["heatmaps"] += _heatmap_rows(
+        source, kind, curvature.matrix, sub, units
+      )
   return tables
 
 
-
 # --- matrix-free method ------------------------------------------------------
+
 
 def _columns(vectors) -> np.ndarray:
   """A pytree of k stacked vectors as a (dim, k) float64 matrix."""
@@ -524,8 +704,9 @@ def _block_mask(params, idx):
 def _masked(v, operator, mask):
   """`mask * (C (mask * v))`: an operator (`Curvature.operator`) restricted
   to a block (the whole network for a mask of ones)."""
-  return jax.tree.map(jnp.multiply, mask,
-                      operator(jax.tree.map(jnp.multiply, mask, v)))
+  return jax.tree.map(
+    jnp.multiply, mask, operator(jax.tree.map(jnp.multiply, mask, v))
+  )
 
 
 def _estimators(of, cfg) -> dict:
@@ -536,15 +717,26 @@ def _estimators(of, cfg) -> dict:
   k, iters = cfg.top_k, cfg.lanczos_iters
   probes, traces = cfg.slq_probes, cfg.trace_probes
   return dict(
-      density=lambda s, m, key: matrix_free.slq_density(
-          _masked, m, iters, probes, key, of.operator(s), m,
-          batch_size=cfg.probe_batch),
-      top=lambda s, m, key: matrix_free.top_k_eigenpairs(
-          _masked, m, k, iters, key, of.operator(s), m),
-      trace=lambda s, m, key: matrix_free.hutchinson_trace(
-          _masked, m, traces, key, of.operator(s), m),
-      xtrace=lambda s, m, key: matrix_free.xtrace(
-          _masked, m, traces, key, of.operator(s), m))
+    density=lambda s, m, key: matrix_free.slq_density(
+      _masked,
+      m,
+      iters,
+      probes,
+      key,
+      of.operator(s),
+      m,
+      batch_size=cfg.probe_batch,
+    ),
+    top=lambda s, m, key: matrix_free.top_k_eigenpairs(
+      _masked, m, k, iters, key, of.operator(s), m
+    ),
+    trace=lambda s, m, key: matrix_free.hutchinson_trace(
+      _masked, m, traces, key, of.operator(s), m
+    ),
+    xtrace=lambda s, m, key: matrix_free.xtrace(
+      _masked, m, traces, key, of.operator(s), m
+    ),
+  )
 
 
 def _cells(params, blocks, groups: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -572,13 +764,17 @@ def _slq_distances(approx, exact, floor_, num_probes: int) -> tuple:
   the spectral distances between two SLQ densities (`(nodes, weights)`,
   probe by probe as `matrix_free.slq_density` gives them) drawn with the
   same probes: the error of leaving out each probe from both."""
-  per_probe = [np.asarray(x, np.float64).reshape(num_probes, -1)
-               for x in (*approx, *exact)]
+  per_probe = [
+    np.asarray(x, np.float64).reshape(num_probes, -1) for x in (*approx, *exact)
+  ]
   metrics_of = dict(
-      spectral_distance=lambda an, aw, en, ew: metrics.spectral_distance(
-          an, en, aw, ew),
-      log_wasserstein=lambda an, aw, en, ew: metrics.log_wasserstein(
-          an, en, floor_, aw, ew))
+    spectral_distance=lambda an, aw, en, ew: metrics.spectral_distance(
+      an, en, aw, ew
+    ),
+    log_wasserstein=lambda an, aw, en, ew: metrics.log_wasserstein(
+      an, en, floor_, aw, ew
+    ),
+  )
   values, errors = {}, {}
   for name, fn in metrics_of.items():
     of = lambda keep, fn=fn: fn(*(x[keep].ravel() for x in per_probe))
@@ -587,8 +783,9 @@ def _slq_distances(approx, exact, floor_, num_probes: int) -> tuple:
   return values, errors
 
 
-def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
-                    layer_roles=()):
+def measure_lanczos(
+  loss_fn, curvature, params, data, cfg, rng, costs, layer_roles=()
+):
   """Every table but the heatmaps, from matrix-vector products only: the
   density, top-k and statistics of each reference matrix and of the
   approximation, and the approximation's quality against each distinct
@@ -599,14 +796,19 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
   operators, states = {}, {}
   references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
   for m in references:
-    operators[m] = curvatures.exact(m, loss_fn, matrix_free=True,
-                                    cg_iters=cfg.cg_iters)
+    operators[m] = curvatures.exact(
+      m, loss_fn, matrix_free=True, cg_iters=cfg.cg_iters
+    )
     states[m] = operators[m].estimate(rng, params, data)
   label = curvature.label
   operators[label] = curvature
-  states[label] = costs.call("approx estimate", lambda p, d, k:
-                             curvature.estimate(k, p, d, cfg.num_samples),
-                             params, data, rng)
+  states[label] = costs.call(
+    "approx estimate",
+    lambda p, d, k: curvature.estimate(k, p, d, cfg.num_samples),
+    params,
+    data,
+    rng,
+  )
   estimators = {name: _estimators(of, cfg) for name, of in operators.items()}
 
   def run(name, kind, key, mask=ones, block=""):
@@ -621,13 +823,26 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
 
     def fn(a, e, m, key):
       return matrix_free.relative_frobenius(
-          lambda v, a, e, m: _masked(v, a, m),
-          lambda v, a, e, m: _masked(v, e, m), m, cfg.frobenius_probes, key,
-          first.operator(a), second.operator(e), m,
-          batch_size=cfg.probe_batch)
+        lambda v, a, e, m: _masked(v, a, m),
+        lambda v, a, e, m: _masked(v, e, m),
+        m,
+        cfg.frobenius_probes,
+        key,
+        first.operator(a),
+        second.operator(e),
+        m,
+        batch_size=cfg.probe_batch,
+      )
+
     what = "frobenius" if of == label else f"frobenius {of}"
-    value, stderr = costs.call(" ".join(filter(None, (what, against, block))),
-                               fn, states[of], states[against], mask, keys[2])
+    value, stderr = costs.call(
+      " ".join(filter(None, (what, against, block))),
+      fn,
+      states[of],
+      states[against],
+      mask,
+      keys[2],
+    )
     return float(value), float(stderr)
 
   # A reference equal to an earlier one (the Fisher of a softmax cross-
@@ -636,9 +851,15 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
   compared, twin = [], {}
   for i, m in enumerate(references):
     distances = {o: frobenius(m, o, ones) for o in references[:i]}
-    tables["references"] += [dict(matrix=m, reference=o, relative_frobenius=d,
-                                  relative_frobenius_stderr=se)
-                             for o, (d, se) in distances.items()]
+    tables["references"] += [
+      dict(
+        matrix=m,
+        reference=o,
+        relative_frobenius=d,
+        relative_frobenius_stderr=se,
+      )
+      for o, (d, se) in distances.items()
+    ]
     equal = [o for o in compared if distances[o][0] <= same]
     if equal:
       twin[m] = equal[0]
@@ -651,36 +872,65 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
       spectra_of[name] = spectra_of[twin[name]]
       traces_of[name] = traces_of[twin[name]]
     else:
-      spectra_of[name] = (*run(name, "density", keys[0]),
-                          *run(name, "top", keys[1]))
-      traces_of[name] = (run(name, "trace", keys[4]),
-                         run(name, "xtrace", keys[5]))
+      spectra_of[name] = (
+        *run(name, "density", keys[0]),
+        *run(name, "top", keys[1]),
+      )
+      traces_of[name] = (
+        run(name, "trace", keys[4]),
+        run(name, "xtrace", keys[5]),
+      )
     nodes, weights, top, _ = spectra_of[name]
     (hutch, xtr), top_of[name] = traces_of[name], scale(top)
     source = "approx" if name == label else "exact"
     reference = curvature.matrix if name == label else name
-    tables["spectra"] += _spectrum_rows(source, name, nodes, weights,
-                                        reference=reference)
-    tables["spectra"] += [dict(source=f"{source}_top_k", matrix=name,
-                               reference=reference, index=i,
-                               eigenvalue=float(v), weight=np.nan)
-                          for i, v in enumerate(np.asarray(top))]
+    tables["spectra"] += _spectrum_rows(
+      source, name, nodes, weights, reference=reference
+    )
+    tables["spectra"] += [
+      dict(
+        source=f"{source}_top_k",
+        matrix=name,
+        reference=reference,
+        index=i,
+        eigenvalue=float(v),
+        weight=np.nan,
+      )
+      for i, v in enumerate(np.asarray(top))
+    ]
     tables["statistics"] += _statistic_rows(
-        source, name, dict(trace=hutch[0], trace_xtrace=xtr[0],
-                           **spectrum_statistics(nodes, cfg, weights, top)),
-        dict(trace=hutch[1], trace_xtrace=xtr[1]))
+      source,
+      name,
+      dict(
+        trace=hutch[0],
+        trace_xtrace=xtr[0],
+        **spectrum_statistics(nodes, cfg, weights, top),
+      ),
+      dict(trace=hutch[1], trace_xtrace=xtr[1]),
+    )
 
   grads = mean_gradient(loss_fn, params, data)
   g = _flat(grads)
   for name in references:
     _, _, top, vectors = spectra_of[name]
-    tables["statistics"] += _statistic_rows("exact", name, {
+    tables["statistics"] += _statistic_rows(
+      "exact",
+      name,
+      {
         GRADIENT_SHARE: metrics.share_in_span(
-            _columns(vectors)[:, np.isfinite(top)], g)})
+          _columns(vectors)[:, np.isfinite(top)], g
+        )
+      },
+    )
   rhos = cfg.relative_dampings
-  approx_dirs = {rho: _flat(jax.jit(lambda s, g, d: curvature.precondition(
-      curvature.refresh(s, d), g, d))(states[label], grads,
-                                      rho * top_of[label])) for rho in rhos}
+  approx_dirs = {
+    rho: _flat(
+      jax.jit(
+        lambda s, g, d: curvature.precondition(curvature.refresh(s, d), g, d)
+      )(states[label], grads, rho * top_of[label])
+    )
+    for rho in rhos
+  }
   blocks, types = [], {}
   if cfg.per_block or cfg.per_block_type:
     blocks = curvatures.layer_blocks(loss_fn, params, data.first)
@@ -690,25 +940,48 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
   # The diagonal errors of every level from one set of probes per
   # reference, over the layer blocks as cells.
   groups = {("network", "all"): None}
-  groups.update({("layer", name): [name] for name, _ in blocks}
-                if cfg.per_block else {})
-  groups.update({("role", role): [n for n, _ in blocks if roles[n] == role]
-                 for role in types})
+  groups.update(
+    {("layer", name): [name] for name, _ in blocks} if cfg.per_block else {}
+  )
+  groups.update(
+    {
+      ("role", role): [n for n, _ in blocks if roles[n] == role]
+      for role in types
+    }
+  )
   cells, membership = _cells(params, blocks, groups)
 
   def diagonal_errors(m):
     """`{group: (value, standard error)}` of the approximation's diagonal
     against reference `m`'s."""
+
     def fn(a, e, c, g, key):
       return matrix_free.relative_diagonal_error(
-          lambda v, a, e: a(v), lambda v, a, e: e(v), ones,
-          cfg.diagonal_probes, key, curvature.operator(a),
-          operators[m].operator(e), cells=c, groups=g,
-          batch_size=cfg.probe_batch)
-    found = costs.call(f"diagonal error {m}", fn, states[label], states[m],
-                       cells, membership, keys[3])
-    return {key: (float(v), float(se)) for key, v, se in
-            zip(groups, *(np.asarray(x, np.float64) for x in found))}
+        lambda v, a, e: a(v),
+        lambda v, a, e: e(v),
+        ones,
+        cfg.diagonal_probes,
+        key,
+        curvature.operator(a),
+        operators[m].operator(e),
+        cells=c,
+        groups=g,
+        batch_size=cfg.probe_batch,
+      )
+
+    found = costs.call(
+      f"diagonal error {m}",
+      fn,
+      states[label],
+      states[m],
+      cells,
+      membership,
+      keys[3],
+    )
+    return {
+      key: (float(v), float(se))
+      for key, v, se in zip(groups, *(np.asarray(x, np.float64) for x in found))
+    }
 
   target = cfg.target_precision
   ap_nodes, ap_w, ap_top, ap_vecs = spectra_of[label]
@@ -717,24 +990,36 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
     ex_nodes, ex_w, ex_top, ex_vecs = spectra_of[m]
     diagonal[m] = diagonal_errors(m)
     frob, diag = frobenius(label, m, ones), diagonal[m]["network", "all"]
-    distances, errors = _slq_distances((ap_nodes, ap_w), (ex_nodes, ex_w),
-                                       floor(cfg, ex_top), cfg.slq_probes)
+    distances, errors = _slq_distances(
+      (ap_nodes, ap_w), (ex_nodes, ex_w), floor(cfg, ex_top), cfg.slq_probes
+    )
     values = dict(
-        relative_frobenius=frob[0], **distances,
-        top_k_overlap=metrics.subspace_overlap(_columns(ap_vecs),
-                                               _columns(ex_vecs)),
-        top_eigenvalue_ratio=ap_top[0] / ex_top[0],
-        diagonal_relative_error=diag[0])
-    errors.update(relative_frobenius=(frob[1], cfg.frobenius_probes),
-                  diagonal_relative_error=(diag[1], cfg.diagonal_probes))
+      relative_frobenius=frob[0],
+      **distances,
+      top_k_overlap=metrics.subspace_overlap(
+        _columns(ap_vecs), _columns(ex_vecs)
+      ),
+      top_eigenvalue_ratio=ap_top[0] / ex_top[0],
+      diagonal_relative_error=diag[0],
+    )
+    errors.update(
+      relative_frobenius=(frob[1], cfg.frobenius_probes),
+      diagonal_relative_error=(diag[1], cfg.diagonal_probes),
+    )
     for rho in rhos:
       direction = costs.call(
-          f"exact {m} direction", lambda s, g, d, of=operators[m]:
-          of.precondition(s, g, d), states[m], grads, rho * top_of[m])
+        f"exact {m} direction",
+        lambda s, g, d, of=operators[m]: of.precondition(s, g, d),
+        states[m],
+        grads,
+        rho * top_of[m],
+      )
       values["natural_gradient_cosine", rho] = metrics.cosine(
-          approx_dirs[rho], _flat(direction))
-    tables["quality"] += _quality_rows(m, "network", "all", values, errors,
-                                       target)
+        approx_dirs[rho], _flat(direction)
+      )
+    tables["quality"] += _quality_rows(
+      m, "network", "all", values, errors, target
+    )
 
   def restricted(level, name, idx, what):
     """The quality of both matrices restricted to parameters `idx`, against
@@ -745,15 +1030,18 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
       ex_b, ex_bv = run(m, "top", keys[1], mask, what)
       frob, diag = frobenius(label, m, mask, what), diagonal[m][level, name]
       values = dict(
-          relative_frobenius=frob[0],
-          top_k_overlap=metrics.subspace_overlap(_columns(ap_bv)[idx],
-                                                 _columns(ex_bv)[idx]),
-          top_eigenvalue_ratio=ap_b[0] / ex_b[0],
-          diagonal_relative_error=diag[0])
-      errors = dict(relative_frobenius=(frob[1], cfg.frobenius_probes),
-                    diagonal_relative_error=(diag[1], cfg.diagonal_probes))
-      tables["quality"] += _quality_rows(m, level, name, values, errors,
-                                         target)
+        relative_frobenius=frob[0],
+        top_k_overlap=metrics.subspace_overlap(
+          _columns(ap_bv)[idx], _columns(ex_bv)[idx]
+        ),
+        top_eigenvalue_ratio=ap_b[0] / ex_b[0],
+        diagonal_relative_error=diag[0],
+      )
+      errors = dict(
+        relative_frobenius=(frob[1], cfg.frobenius_probes),
+        diagonal_relative_error=(diag[1], cfg.diagonal_probes),
+      )
+      tables["quality"] += _quality_rows(m, level, name, values, errors, target)
 
   if cfg.per_block:
     for name, idx in blocks:
@@ -766,22 +1054,44 @@ def measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
 METHODS = {"dense": measure_dense, "lanczos": measure_lanczos}
 
 
-def measure(loss_fn, curvature, params, data, cfg, rng,
-            costs: Costs | None = None, store: ReferenceStore | None = None,
-            key: dict | None = None, layer_roles=(),
-            examples_interact: bool = False) -> dict[str, list[dict]]:
+def measure(
+  loss_fn,
+  curvature,
+  params,
+  data,
+  cfg,
+  rng,
+  costs: Costs | None = None,
+  store: ReferenceStore | None = None,
+  key: dict | None = None,
+  layer_roles=(),
+  examples_interact: bool = False,
+) -> dict[str, list[dict]]:
   """The tables of `TABLES` by `cfg.method` (one of `METHODS`; `cfg` the
   spectra settings), over `data` (a batch or a `Data`); the dense method
   shares its exact references through `store` and forms them from
   products where the examples interact (see `measure_dense`); block types
   from the problem's `layer_roles` (`curvatures.block_role`)."""
   if cfg.method not in METHODS:
-    raise ValueError(f"Unknown measure.spectra.method {cfg.method!r}; "
-                     f"choose one of {', '.join(METHODS)}.")
+    raise ValueError(
+      f"Unknown measure.spectra.method {cfg.method!r}; "
+      f"choose one of {', '.join(METHODS)}."
+    )
   data, costs = Data.of(data), costs or Costs()
   if cfg.method == "dense":
-    return measure_dense(loss_fn, curvature, params, data, cfg, rng, costs,
-                         store or ReferenceStore(None), key, layer_roles,
-                         examples_interact)
-  return measure_lanczos(loss_fn, curvature, params, data, cfg, rng, costs,
-                         layer_roles)
+    return measure_dense(
+      loss_fn,
+      curvature,
+      params,
+      data,
+      cfg,
+      rng,
+      costs,
+      store or ReferenceStore(None),
+      key,
+      layer_roles,
+      examples_interact,
+    )
+  return measure_lanczos(
+    loss_fn, curvature, params, data, cfg, rng, costs, layer_roles
+  )

@@ -30,14 +30,16 @@ from curvbench import metrics, plots
 from curvbench.measurements.spectra import summary
 
 # Which way each approximation-quality metric is better.
-BETTER = {"relative_frobenius": "lower is better",
-          "spectral_distance": "lower is better",
-          "log_wasserstein": "lower is better",
-          "diagonal_relative_error": "lower is better",
-          "natural_gradient_cosine": "higher is better",
-          "top_k_overlap": "higher is better",
-          "top_eigenvalue_ratio": "1 is best",
-          "trace_ratio": "1 is best"}
+BETTER = {
+  "relative_frobenius": "lower is better",
+  "spectral_distance": "lower is better",
+  "log_wasserstein": "lower is better",
+  "diagonal_relative_error": "lower is better",
+  "natural_gradient_cosine": "higher is better",
+  "top_k_overlap": "higher is better",
+  "top_eigenvalue_ratio": "1 is best",
+  "trace_ratio": "1 is best",
+}
 
 
 def symlog(values, linthresh: float) -> np.ndarray:
@@ -53,9 +55,14 @@ def symlog_inverse(u, linthresh: float) -> np.ndarray:
   return t.transform(np.asarray(u, np.float64) * linthresh)
 
 
-def symlog_density(eigenvalues, weights, grid, linthresh: float,
-                   bandwidth: float = 0.1,
-                   nonnegative: bool = False) -> np.ndarray:
+def symlog_density(
+  eigenvalues,
+  weights,
+  grid,
+  linthresh: float,
+  bandwidth: float = 0.1,
+  nonnegative: bool = False,
+) -> np.ndarray:
   """Gaussian-smoothed density of a signed spectrum per unit of the symlog
   coordinate, at `grid` (in that coordinate); NaN weights count as uniform.
   A `nonnegative` spectrum (a PSD matrix's) is smoothed with its kernels
@@ -75,8 +82,9 @@ def symlog_density(eigenvalues, weights, grid, linthresh: float,
     return metrics.density(u, w, grid, bandwidth)
   u = np.maximum(u, 0.0)  # round-off below zero
   grid = np.asarray(grid, np.float64)
-  reflected = (metrics.density(u, w, grid, bandwidth)
-               + metrics.density(-u, w, grid, bandwidth))
+  reflected = metrics.density(u, w, grid, bandwidth) + metrics.density(
+    -u, w, grid, bandwidth
+  )
   return np.where(grid >= 0, reflected, 0.0)
 
 
@@ -109,8 +117,13 @@ def _spectra_rows(df: pd.DataFrame) -> pd.DataFrame:
     df["reference"] = np.nan
   df["reference"] = df.reference.where(~exact, df.matrix)
   df["series"] = plots.series(df).where(~exact, "exact")
-  same = ["problem", "data", "matrix", "step", *(["seed"] if "seed" in df
-                                                 else [])]
+  same = [
+    "problem",
+    "data",
+    "matrix",
+    "step",
+    *(["seed"] if "seed" in df else []),
+  ]
   df = pd.concat([plots.one_run(df[exact], same), df[~exact]])
   run = [c for c in ("seed", "run", "run_dir") if c in df]
   df["w"] = _pooled_weights(df, ["step", "series", *run]) if len(df) else []
@@ -121,33 +134,41 @@ def _symlog_axis(ax, linthresh: float):
   """x = eigenvalue on a symlog axis with ticks at whole decades."""
   ax.axvline(0, color="0.4", lw=0.6, ls=":")
   ax.set_xscale("symlog", linthresh=linthresh)
-  ax.xaxis.set_major_locator(ticker.SymmetricalLogLocator(
-      base=10, linthresh=linthresh, subs=[1.0]))
+  ax.xaxis.set_major_locator(
+    ticker.SymmetricalLogLocator(base=10, linthresh=linthresh, subs=[1.0])
+  )
   ax.xaxis.get_major_locator().set_params(numticks=7)
   ax.xaxis.set_minor_locator(ticker.NullLocator())
   ax.set(xlabel="eigenvalue", ylabel="density (per symlog unit)")
   ax.tick_params(labelsize=6)
 
 
-def _overlay(ax, x, curves: dict, floor: float, colour: dict[str, str],
-             reference: str):
+def _overlay(
+  ax, x, curves: dict, floor: float, colour: dict[str, str], reference: str
+):
   """One step's panel: the exact density filled grey, each approximation's
   a coloured line over it."""
   if "exact" in curves:
     exact = np.maximum(curves["exact"], floor)
-    ax.fill_between(x, floor, exact, color="0.82", lw=0,
-                    label=f"exact {reference}")
+    ax.fill_between(
+      x, floor, exact, color="0.82", lw=0, label=f"exact {reference}"
+    )
     ax.plot(x, exact, color="0.45", lw=0.7)
   for name in sorted(set(curves) - {"exact"}):
-    ax.plot(x, np.maximum(curves[name], floor), lw=1.2, color=colour[name],
-            label=name)
+    ax.plot(
+      x, np.maximum(curves[name], floor), lw=1.2, color=colour[name], label=name
+    )
   if not curves:
     plots.no_values(ax, "no spectrum")
 
 
-def spectra(df: pd.DataFrame, out: Path, linthresh_fraction: float = 1e-4,
-            bandwidth: float = 0.1,
-            colour: dict[str, str] | None = None) -> list[Path]:
+def spectra(
+  df: pd.DataFrame,
+  out: Path,
+  linthresh_fraction: float = 1e-4,
+  bandwidth: float = 0.1,
+  colour: dict[str, str] | None = None,
+) -> list[Path]:
   """Per problem, data and exact matrix, a panel per training step: the
   exact matrix's signed density with each approximation's over it
   (`colour`: the report's, by label). A PSD matrix's density stays at or
@@ -165,17 +186,25 @@ def spectra(df: pd.DataFrame, out: Path, linthresh_fraction: float = 1e-4,
     u = symlog(p.eigenvalue, linthresh)
     low = 0.0 if all(psd.values()) else u.min() - 4 * bandwidth
     grid = np.linspace(low, u.max() + 4 * bandwidth, 600)
-    curves = {k: symlog_density(q.eigenvalue, q.w, grid, linthresh,
-                                bandwidth, nonnegative=psd[k])
-              for k, q in groups.items()}
+    curves = {
+      k: symlog_density(
+        q.eigenvalue, q.w, grid, linthresh, bandwidth, nonnegative=psd[k]
+      )
+      for k, q in groups.items()
+    }
     peak = max((c.max() for c in curves.values()), default=1.0) or 1.0
     floor = 1e-5 * peak
     steps = sorted(p.step.unique())
     fig, axes = plots.grid(len(steps), width=4.5, sharex=True, sharey=True)
     for ax, step in zip(axes, steps):
-      _overlay(ax, symlog_inverse(grid, linthresh),
-               {s: c for (t, s), c in curves.items() if t == step}, floor,
-               colours, ref)
+      _overlay(
+        ax,
+        symlog_inverse(grid, linthresh),
+        {s: c for (t, s), c in curves.items() if t == step},
+        floor,
+        colours,
+        ref,
+      )
       _symlog_axis(ax, linthresh)
       if low == 0.0:
         ax.set_xlim(left=0.0)
@@ -201,12 +230,16 @@ def block_boundaries(blocks) -> tuple[list[float], list[tuple[float, str]]]:
 def _square(rows: pd.DataFrame):
   """The matrix of `rows` (row, col, value) and its row and column blocks."""
   n = int(max(rows.row.max(), rows.col.max())) + 1
-  m = rows.pivot_table(index="row", columns="col", values="value",
-                       aggfunc="mean").reindex(index=range(n), columns=range(n))
+  m = rows.pivot_table(
+    index="row", columns="col", values="value", aggfunc="mean"
+  ).reindex(index=range(n), columns=range(n))
   row_blocks = rows.groupby("row").row_block.first().reindex(range(n))
   col_blocks = rows.groupby("col").col_block.first().reindex(range(n))
-  return (m.to_numpy(np.float64), row_blocks.fillna("?").tolist(),
-          col_blocks.fillna("?").tolist())
+  return (
+    m.to_numpy(np.float64),
+    row_blocks.fillna("?").tolist(),
+    col_blocks.fillna("?").tolist(),
+  )
 
 
 def draw_blocks(ax, row_blocks, col_blocks):
@@ -217,16 +250,22 @@ def draw_blocks(ax, row_blocks, col_blocks):
     ax.axhline(y, color="k", lw=0.4)
   for x in cols:
     ax.axvline(x, color="k", lw=0.4)
-  ax.set_yticks([c for c, _ in row_names], [n for _, n in row_names],
-                fontsize=5)
-  ax.set_xticks([c for c, _ in col_names], [n for _, n in col_names],
-                fontsize=5, rotation=90)
+  ax.set_yticks(
+    [c for c, _ in row_names], [n for _, n in row_names], fontsize=5
+  )
+  ax.set_xticks(
+    [c for c, _ in col_names],
+    [n for _, n in col_names],
+    fontsize=5,
+    rotation=90,
+  )
   return rows, cols
 
 
 def _log_norm(mats) -> colors.LogNorm:
-  vals = np.concatenate([m[np.isfinite(m) & (m > 0)] for m in mats]
-                        + [np.empty(0)])
+  vals = np.concatenate(
+    [m[np.isfinite(m) & (m > 0)] for m in mats] + [np.empty(0)]
+  )
   if vals.size == 0:
     return colors.LogNorm(1e-12, 1.0)
   hi = vals.max()
@@ -241,31 +280,38 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
   where = ["problem", "step", "data", "reference"]
   exact, approx = df[df.source == "exact"], df[df.source == "approx"]
   for (problem, method, ref, step, data), a in approx.groupby(
-      ["problem", "method", "reference", "step", "data"]):
-    e = exact[(exact.problem == problem) & (exact.reference == ref)
-              & (exact.step == step) & (exact.data == data)]
+    ["problem", "method", "reference", "step", "data"]
+  ):
+    e = exact[
+      (exact.problem == problem)
+      & (exact.reference == ref)
+      & (exact.step == step)
+      & (exact.data == data)
+    ]
     if (e.method == method).any():
       e = e[e.method == method]
     e, a = plots.one_run(e, where), plots.one_run(a, where)
-    fig, axes = plt.subplots(2, 3, figsize=(8.6, 7.6),
-                             gridspec_kw=dict(width_ratios=[1, 1, 0.05]))
+    fig, axes = plt.subplots(
+      2, 3, figsize=(8.6, 7.6), gridspec_kw=dict(width_ratios=[1, 1, 0.05])
+    )
     for r, kind in enumerate(["matrix", "inverse"]):
       parts = [(f"exact {ref}", e[e.kind == kind]), (method, a[a.kind == kind])]
       mats = [_square(rows) if len(rows) else None for _, rows in parts]
       norm = _log_norm([np.abs(m[0]) for m in mats if m is not None])
       image = None
       for ax, (title, _), m in zip(axes[r, :2], parts, mats):
-        ax.set_title(f"{title}{' inverse' if kind == 'inverse' else ''}",
-                     fontsize=8)
+        ax.set_title(
+          f"{title}{' inverse' if kind == 'inverse' else ''}", fontsize=8
+        )
         if m is None:
-          ax.text(0.5, 0.5, "not measured", ha="center",
-                  transform=ax.transAxes)
+          ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
           ax.set(xticks=[], yticks=[])
           continue
         mag = np.abs(m[0])
         mag = np.ma.masked_where(~np.isfinite(mag) | (mag <= 0), mag)
-        image = ax.imshow(mag, norm=norm, cmap="magma_r",
-                          interpolation="nearest")
+        image = ax.imshow(
+          mag, norm=norm, cmap="magma_r", interpolation="nearest"
+        )
         draw_blocks(ax, m[1], m[2])
       if image is not None:
         fig.colorbar(image, cax=axes[r, 2]).ax.tick_params(labelsize=6)
@@ -297,8 +343,7 @@ def _context(p: pd.DataFrame, head: pd.Series | None = None) -> pd.Series:
   its data and step where these vary within `p`: the x groups of a bar
   chart."""
   parts = [] if head is None else [head.astype(str)]
-  for col, prefix in (("reference", "vs "), ("data", "on "),
-                      ("step", "step ")):
+  for col, prefix in (("reference", "vs "), ("data", "on "), ("step", "step ")):
     if p[col].nunique() > 1 or (col == "reference" and head is None):
       parts.append(prefix + p[col].astype(str))
   return parts[0].str.cat(parts[1:], sep="\n") if parts[1:] else parts[0]
@@ -308,12 +353,16 @@ def quality_levels(df: pd.DataFrame) -> pd.DataFrame:
   """A quality table with its `level` filled in where older records lack
   it: "network" on block "all", else "layer" (block types came later)."""
   level = np.where(df["block"] == "all", "network", "layer")
-  return df.assign(level=df["level"].fillna(pd.Series(level, df.index))
-                   if "level" in df else level)
+  return df.assign(
+    level=df["level"].fillna(pd.Series(level, df.index))
+    if "level" in df
+    else level
+  )
 
 
-def _metric_bars(ax, rows: pd.DataFrame, metric: str, colours: dict,
-                 order=None):
+def _metric_bars(
+  ax, rows: pd.DataFrame, metric: str, colours: dict, order=None
+):
   """A metric's panel: a bar per `series` grouped by `context` (in `order`
   where given), the median over the samples with its quartiles as error
   bars."""
@@ -330,15 +379,22 @@ def _metric_bars(ax, rows: pd.DataFrame, metric: str, colours: dict,
   width = 0.8 / len(table.columns)
   x = np.arange(len(table))
   for i, name in enumerate(table.columns):
-    ax.bar(x + (i - (len(table.columns) - 1) / 2) * width, table[name],
-           width, color=colours[name], label=name,
-           yerr=np.clip([low[name].fillna(0), high[name].fillna(0)], 0,
-                        None), capsize=2, error_kw=dict(lw=0.8))
+    ax.bar(
+      x + (i - (len(table.columns) - 1) / 2) * width,
+      table[name],
+      width,
+      color=colours[name],
+      label=name,
+      yerr=np.clip([low[name].fillna(0), high[name].fillna(0)], 0, None),
+      capsize=2,
+      error_kw=dict(lw=0.8),
+    )
   ax.set_xticks(x, table.index, fontsize=7)
 
 
-def quality(df: pd.DataFrame, out: Path,
-            colour: dict[str, str] | None = None) -> list[Path]:
+def quality(
+  df: pd.DataFrame, out: Path, colour: dict[str, str] | None = None
+) -> list[Path]:
   """Per problem: a panel per metric on the whole network ("all"), a bar per
   method and setting (`colour`: the report's, by label), grouped by
   exact reference (and data and step where they vary)."""
@@ -361,8 +417,7 @@ def quality(df: pd.DataFrame, out: Path,
 # The order block types are drawn in; others (a problem's own) follow by name.
 
 
-ROLE_ORDER = ("attention", "mlp", "embedding", "norm", "conv", "dense",
-              "other")
+ROLE_ORDER = ("attention", "mlp", "embedding", "norm", "conv", "dense", "other")
 
 
 def role_order(roles) -> list[str]:
@@ -372,28 +427,33 @@ def role_order(roles) -> list[str]:
   return known + sorted(roles - set(known))
 
 
-def quality_per_block_type(df: pd.DataFrame, out: Path,
-                           colour: dict[str, str] | None = None
-                           ) -> list[Path]:
+def quality_per_block_type(
+  df: pd.DataFrame, out: Path, colour: dict[str, str] | None = None
+) -> list[Path]:
   """Per problem: a panel per metric on each block type (the quality rows
   of `level` "role", `block` the type), a bar group per type (with the
   exact reference, data and step where they vary) and a bar per method
   and setting (`colour`: the report's, by label)."""
   paths = []
-  df = plots.finite(quality_levels(plots.complete(df, "step", "data", "block")),
-               "value")
+  df = plots.finite(
+    quality_levels(plots.complete(df, "step", "data", "block")), "value"
+  )
   df = df[df.level == "role"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
   for problem, p in df.groupby("problem"):
     p = p.assign(context=_context(p, head=p.block))
-    order = [c for role in role_order(p.block)
-             for c in sorted(set(p.context[p.block.astype(str) == role]))]
+    order = [
+      c
+      for role in role_order(p.block)
+      for c in sorted(set(p.context[p.block.astype(str) == role]))
+    ]
     metric_names = summary.metric_order(p.metric)
     fig, axes = plots.grid(len(metric_names), width=max(4.0, 0.9 * len(order)))
     for ax, metric in zip(axes, metric_names):
       _metric_bars(ax, p[p.metric == metric], metric, colours, order)
-    fig.suptitle(plots.title("approximation quality per block type", p),
-                 fontsize=9)
+    fig.suptitle(
+      plots.title("approximation quality per block type", p), fontsize=9
+    )
     plots.legend_below(fig, axes[0])
     paths += plots.save(fig, out / f"quality_block_types_{problem}")
   return paths
@@ -402,41 +462,53 @@ def quality_per_block_type(df: pd.DataFrame, out: Path,
 BLOCK_STYLES = ("--", ":", "-.", (0, (3, 1, 1, 1)))
 
 
-def _quality_legend(series: list[str], blocks: list[str],
-                    colours: dict[str, str]) -> tuple[list, list[str]]:
+def _quality_legend(
+  series: list[str], blocks: list[str], colours: dict[str, str]
+) -> tuple[list, list[str]]:
   """Legend entries: a thick line per method and setting (the whole
   network), a thin grey one per block's line style."""
-  handles = [Line2D([], [], color=colours[s], lw=2.2, marker="o", ms=3)
-             for s in series]
-  handles += [Line2D([], [], color="0.4", lw=0.8,
-                     ls=BLOCK_STYLES[i % len(BLOCK_STYLES)])
-              for i in range(len(blocks))]
+  handles = [
+    Line2D([], [], color=colours[s], lw=2.2, marker="o", ms=3) for s in series
+  ]
+  handles += [
+    Line2D([], [], color="0.4", lw=0.8, ls=BLOCK_STYLES[i % len(BLOCK_STYLES)])
+    for i in range(len(blocks))
+  ]
   return handles, [*series, *(f"block {b}" for b in blocks)]
 
 
-def _quality_lines(ax, rows: pd.DataFrame, blocks: list[str],
-                   colours: dict[str, str]):
+def _quality_lines(
+  ax, rows: pd.DataFrame, blocks: list[str], colours: dict[str, str]
+):
   """A metric against the step, a line per method and block (the whole
   network, "all", thicker)."""
   mean = rows.groupby(["series", "block", "step"]).value.mean().dropna()
   for (name, block), s in mean.groupby(level=["series", "block"]):
     s = s.droplevel(["series", "block"]).sort_index()
     whole = block == "all"
-    ax.plot(s.index, s.to_numpy(), marker="o", ms=3 if whole else 2,
-            lw=2.2 if whole else 0.8, alpha=1 if whole else 0.7,
-            ls="-" if whole else BLOCK_STYLES[blocks.index(block) % 4],
-            color=colours[name])
+    ax.plot(
+      s.index,
+      s.to_numpy(),
+      marker="o",
+      ms=3 if whole else 2,
+      lw=2.2 if whole else 0.8,
+      alpha=1 if whole else 0.7,
+      ls="-" if whole else BLOCK_STYLES[blocks.index(block) % 4],
+      color=colours[name],
+    )
   if mean.empty:
     plots.no_values(ax)
 
 
-def quality_through_training(df: pd.DataFrame, out: Path,
-                             colour: dict[str, str]) -> list[Path]:
+def quality_through_training(
+  df: pd.DataFrame, out: Path, colour: dict[str, str]
+) -> list[Path]:
   """Per problem, reference and data: each metric against the step, a line
   per method and setting and block (the whole network, "all", thicker)."""
   paths = []
-  df = plots.finite(quality_levels(plots.complete(df, "step", "data", "block")),
-               "value")
+  df = plots.finite(
+    quality_levels(plots.complete(df, "step", "data", "block")), "value"
+  )
   df = df[df.level != "role"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
   for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
@@ -448,19 +520,26 @@ def quality_through_training(df: pd.DataFrame, out: Path,
       _metric_panel(ax, metric)
       plots.step_axis(ax, p.step.unique())
     fig.suptitle(plots.title("approximation quality", p), fontsize=9)
-    plots.legend_below(fig, axes[0], *_quality_legend(sorted(set(p.series)),
-                                                 blocks, colours),
-                  title="thick: whole network; thin: one layer block")
+    plots.legend_below(
+      fig,
+      axes[0],
+      *_quality_legend(sorted(set(p.series)), blocks, colours),
+      title="thick: whole network; thin: one layer block",
+    )
     paths += plots.save(
-        fig, out / f"quality_steps_{plots.slug(problem, ref, data)}")
+      fig, out / f"quality_steps_{plots.slug(problem, ref, data)}"
+    )
   return paths
 
 
 def _statistic_rows(df: pd.DataFrame) -> pd.DataFrame:
   """The statistics with finite values and `stderr`, each row's `series`:
   "exact <matrix>" or the approximation's name (and data where several)."""
-  df = plots.finite(plots.complete(df, "step", "data"), "value",
-               *(["stderr"] if "stderr" in df else []))
+  df = plots.finite(
+    plots.complete(df, "step", "data"),
+    "value",
+    *(["stderr"] if "stderr" in df else []),
+  )
   if "stderr" not in df:
     df["stderr"] = np.nan
   exact = df.source.astype(str).str.startswith("exact")
@@ -471,12 +550,14 @@ def _statistic_rows(df: pd.DataFrame) -> pd.DataFrame:
   return df
 
 
-def _statistic_colours(df: pd.DataFrame,
-                       colour: dict[str, str] | None) -> dict[str, str]:
+def _statistic_colours(
+  df: pd.DataFrame, colour: dict[str, str] | None
+) -> dict[str, str]:
   """Exact matrices in greys; approximations in their method's colour."""
   greys = sorted(set(df.series[df.exact]))
-  out = {s: str(0.15 + 0.5 * i / max(len(greys) - 1, 1))
-         for i, s in enumerate(greys)}
+  out = {
+    s: str(0.15 + 0.5 * i / max(len(greys) - 1, 1)) for i, s in enumerate(greys)
+  }
   if (~df.exact).any():
     out.update(plots.series_colours(df[~df.exact], colour))
   return out
@@ -485,25 +566,42 @@ def _statistic_colours(df: pd.DataFrame,
 def _statistic_bars(ax, s: pd.DataFrame, colours: dict[str, str]):
   """One measured step: a bar per matrix, error bars from `stderr`."""
   x = np.arange(len(s))
-  ax.bar(x, s.value, 0.6, yerr=s.stderr.abs().fillna(0), capsize=2,
-         color=[colours[n] for n in s.index])
-  ax.set_xticks(x, s.index, rotation=30, ha="right", rotation_mode="anchor",
-                fontsize=6)
+  ax.bar(
+    x,
+    s.value,
+    0.6,
+    yerr=s.stderr.abs().fillna(0),
+    capsize=2,
+    color=[colours[n] for n in s.index],
+  )
+  ax.set_xticks(
+    x, s.index, rotation=30, ha="right", rotation_mode="anchor", fontsize=6
+  )
 
 
-def _statistic_lines(ax, s: pd.DataFrame, colours: dict[str, str],
-                     exact: set[str]):
+def _statistic_lines(
+  ax, s: pd.DataFrame, colours: dict[str, str], exact: set[str]
+):
   """Several steps: a line per matrix against the step (exact solid,
   approximations dashed), error bars from `stderr`."""
   for name, q in s.groupby(level="series"):
-    ax.errorbar(q.index.get_level_values("step"), q.value,
-                yerr=q.stderr.abs().fillna(0), marker="o", ms=3, lw=1,
-                capsize=2, label=name, color=colours[name],
-                ls="-" if name in exact else "--")
+    ax.errorbar(
+      q.index.get_level_values("step"),
+      q.value,
+      yerr=q.stderr.abs().fillna(0),
+      marker="o",
+      ms=3,
+      lw=1,
+      capsize=2,
+      label=name,
+      color=colours[name],
+      ls="-" if name in exact else "--",
+    )
 
 
-def statistics(df: pd.DataFrame, out: Path,
-               colour: dict[str, str] | None = None) -> list[Path]:
+def statistics(
+  df: pd.DataFrame, out: Path, colour: dict[str, str] | None = None
+) -> list[Path]:
   """Per problem, a panel per spectral statistic: with one measured step a
   bar per matrix, with several a line per matrix against the step (exact
   matrices grey; approximations in the report's `colour`, by label); error
@@ -517,9 +615,14 @@ def statistics(df: pd.DataFrame, out: Path,
     exact = set(p.series[p.exact])
     fig, axes = plots.grid(len(names))
     for ax, name in zip(axes, names):
-      s = p[p.statistic == name].groupby(
-          ["series"] if one_step else ["series", "step"])[
-              ["value", "stderr"]].mean().dropna(subset=["value"])
+      s = (
+        p[p.statistic == name]
+        .groupby(["series"] if one_step else ["series", "step"])[
+          ["value", "stderr"]
+        ]
+        .mean()
+        .dropna(subset=["value"])
+      )
       if one_step:
         _statistic_bars(ax, s, colours)
         ax.set_title(name, fontsize=8)

@@ -17,43 +17,76 @@ from curvbench.sections import Table, number, spread, wide
 
 # The relation a reader comparing with KFAC-JAX needs (README, porting).
 EMPIRICAL_FISHER_SCALE = (
-    "empirical_fisher, reference and estimates alike, is the mean of "
-    "per-example gradient outer products: B (the batch size) times what "
-    "KFAC-JAX's block-diagonal estimator, or ours at its default, holds.")
+  "empirical_fisher, reference and estimates alike, is the mean of "
+  "per-example gradient outer products: B (the batch size) times what "
+  "KFAC-JAX's block-diagonal estimator, or ours at its default, holds."
+)
 
 # Why two exact matrices coincide, where the mathematics says.
 WHY_SAME = {
-    frozenset({"fisher", "ggn"}): (
-        "for a loss that is the negative log-likelihood of an exponential "
-        "family in its natural parameters, as every registered loss is "
-        "(softmax and sigmoid cross-entropy, squared error), the Fisher is "
-        "the GGN"),
-    frozenset({"ggn", "hessian"}): (
-        "the Hessian is the GGN where the network's outputs are linear in "
-        "its parameters (the network's second-derivative term vanishes)")}
+  frozenset({"fisher", "ggn"}): (
+    "for a loss that is the negative log-likelihood of an exponential "
+    "family in its natural parameters, as every registered loss is "
+    "(softmax and sigmoid cross-entropy, squared error), the Fisher is "
+    "the GGN"
+  ),
+  frozenset({"ggn", "hessian"}): (
+    "the Hessian is the GGN where the network's outputs are linear in "
+    "its parameters (the network's second-derivative term vanishes)"
+  ),
+}
 
-LEVELS = (("network", "quality", "Approximation quality against each exact "
-           "matrix, whole network"),
-          ("layer", "quality_blocks", "Approximation quality per layer block"),
-          ("role", "quality_block_types", "Approximation quality per block "
-           "type (the sub-matrices over every layer of that type)"))
+LEVELS = (
+  (
+    "network",
+    "quality",
+    "Approximation quality against each exact matrix, whole network",
+  ),
+  ("layer", "quality_blocks", "Approximation quality per layer block"),
+  (
+    "role",
+    "quality_block_types",
+    "Approximation quality per block "
+    "type (the sub-matrices over every layer of that type)",
+  ),
+)
 
 # The order the tables show the metrics in: the headline ones first.
-METRICS = ("relative_frobenius", "natural_gradient_cosine",
-           "spectral_distance", "top_k_overlap", "top_eigenvalue_ratio",
-           "trace_ratio", "diagonal_relative_error", "log_wasserstein")
+METRICS = (
+  "relative_frobenius",
+  "natural_gradient_cosine",
+  "spectral_distance",
+  "top_k_overlap",
+  "top_eigenvalue_ratio",
+  "trace_ratio",
+  "diagonal_relative_error",
+  "log_wasserstein",
+)
 
 # A sample: one seed's measurement of one draw of the data at one step.
 SAMPLE = ["run_id", "sample"]
-INDEX = ["problem", "data", "step", "reference", "level", "block", "label",
-         "metric", "relative_damping"]
+INDEX = [
+  "problem",
+  "data",
+  "step",
+  "reference",
+  "level",
+  "block",
+  "label",
+  "metric",
+  "relative_damping",
+]
 
 
 def metric_order(names) -> list[str]:
   """`names` (metric names, dampings included) once each, headline ones
   first (`METRICS`), then by name."""
-  rank = lambda m: (METRICS.index(m.split(" (")[0]) if m.split(" (")[0]
-                    in METRICS else len(METRICS), m)
+  rank = lambda m: (
+    METRICS.index(m.split(" (")[0])
+    if m.split(" (")[0] in METRICS
+    else len(METRICS),
+    m,
+  )
   return sorted(set(names), key=rank)
 
 
@@ -64,12 +97,14 @@ def metric_name(metric: str, rho) -> str:
 
 def named(q: pd.DataFrame) -> pd.DataFrame:
   """Quality rows with each metric named by `metric_name`."""
-  return q.assign(metric=[metric_name(m, r) for m, r in
-                          zip(q.metric, q.relative_damping)])
+  return q.assign(
+    metric=[metric_name(m, r) for m, r in zip(q.metric, q.relative_damping)]
+  )
 
 
-def _summarise(df: pd.DataFrame, index: list[str], value: str = "value"
-               ) -> pd.DataFrame:
+def _summarise(
+  df: pd.DataFrame, index: list[str], value: str = "value"
+) -> pd.DataFrame:
   """Per `index`: median and quartiles, mean and its bootstrap interval of
   `value` over the samples (runs x draws), `n` samples and `seeds`."""
   out = []
@@ -77,12 +112,33 @@ def _summarise(df: pd.DataFrame, index: list[str], value: str = "value"
     values = pd.to_numeric(group[value], errors="coerce").to_numpy(float)
     median, q25, q75 = stats.quartiles(values)
     mean, low, high = stats.interval(values[np.isfinite(values)])
-    out.append(dict(zip(index, key), median=median, q25=q25, q75=q75,
-                    mean=mean, ci_low=low, ci_high=high,
-                    n=int(np.isfinite(values).sum()),
-                    seeds=group.run_id.nunique()))
-  return pd.DataFrame(out, columns=[*index, "median", "q25", "q75", "mean",
-                                    "ci_low", "ci_high", "n", "seeds"])
+    out.append(
+      dict(
+        zip(index, key),
+        median=median,
+        q25=q25,
+        q75=q75,
+        mean=mean,
+        ci_low=low,
+        ci_high=high,
+        n=int(np.isfinite(values).sum()),
+        seeds=group.run_id.nunique(),
+      )
+    )
+  return pd.DataFrame(
+    out,
+    columns=[
+      *index,
+      "median",
+      "q25",
+      "q75",
+      "mean",
+      "ci_low",
+      "ci_high",
+      "n",
+      "seeds",
+    ],
+  )
 
 
 def quality(q: pd.DataFrame) -> pd.DataFrame:
@@ -96,20 +152,24 @@ def quality(q: pd.DataFrame) -> pd.DataFrame:
   rows = named(q)
   out = _summarise(rows, index)
   # Records from before the probe errors lack their columns.
-  groups = rows.assign(**{c: pd.to_numeric(rows.get(c, np.nan))
-                          for c in ("stderr", "probes_needed")}).groupby(
-                              index, dropna=False, sort=True)
+  groups = rows.assign(
+    **{
+      c: pd.to_numeric(rows.get(c, np.nan)) for c in ("stderr", "probes_needed")
+    }
+  ).groupby(index, dropna=False, sort=True)
   out["stderr"] = groups.stderr.median().to_numpy()
   out["probes_needed"] = groups.probes_needed.max().to_numpy()
   shared = _shared(q)
   out["same_in_every_method"] = [
-      (p, lvl, b) in shared for p, lvl, b in zip(out.problem, out.level,
-                                                 out.block)]
+    (p, lvl, b) in shared
+    for p, lvl, b in zip(out.problem, out.level, out.block)
+  ]
   return out
 
 
-def quality_table(name: str, title: str, part: pd.DataFrame,
-                  detail: bool) -> Table:
+def quality_table(
+  name: str, title: str, part: pd.DataFrame, detail: bool
+) -> Table:
   """A quality table: CSV long, the page a row per method (and block) and
   a column per metric, each cell the median [quartiles] over samples."""
   index = ["problem", "reference", "step", "label"]
@@ -124,18 +184,30 @@ def quality_table(name: str, title: str, part: pd.DataFrame,
   if np.isfinite(stderr).any():
     # A probe estimate's cell ends in its standard error; text as the
     # centre and no ends make `wide` show the cell as it is.
-    part = part.assign(_cell=[
+    part = part.assign(
+      _cell=[
         spread(c, lo, hi) + (f" ±{number(se, 2)}" if np.isfinite(se) else "")
-        for c, lo, hi, se in zip(part["median"], part.q25, part.q75, stderr)],
-                       _none=np.nan)
-    errors = ("; ± a matrix-free probe estimate's standard error (median "
-              "over the samples)")
-  view = (wide(part, index, "metric", centre="_cell", low="_none",
-               high="_none") if errors else wide(part, index, "metric"))
-  return Table(name, f"{title}: median [quartiles] over the samples "
-               f"(seeds x data draws; n per row){errors}",
-               part.drop(columns=["level", "_cell", "_none"],
-                         errors="ignore"), view=view, detail=detail)
+        for c, lo, hi, se in zip(part["median"], part.q25, part.q75, stderr)
+      ],
+      _none=np.nan,
+    )
+    errors = (
+      "; ± a matrix-free probe estimate's standard error (median "
+      "over the samples)"
+    )
+  view = (
+    wide(part, index, "metric", centre="_cell", low="_none", high="_none")
+    if errors
+    else wide(part, index, "metric")
+  )
+  return Table(
+    name,
+    f"{title}: median [quartiles] over the samples "
+    f"(seeds x data draws; n per row){errors}",
+    part.drop(columns=["level", "_cell", "_none"], errors="ignore"),
+    view=view,
+    detail=detail,
+  )
 
 
 def _shared(q: pd.DataFrame) -> set[tuple]:
@@ -145,12 +217,23 @@ def _shared(q: pd.DataFrame) -> set[tuple]:
   parts = q[q.level != "network"]
   if parts.empty:
     return set()
-  where = ["problem", "data", "step", "reference", "level", "block",
-           "metric", "relative_damping", "seed", "sample"]
+  where = [
+    "problem",
+    "data",
+    "step",
+    "reference",
+    "level",
+    "block",
+    "metric",
+    "relative_damping",
+    "seed",
+    "sample",
+  ]
   where = [c for c in where if c in parts]
   groups = parts.groupby(where, dropna=False).value
   values = groups.agg(["min", "max", "size"]).join(
-      parts.groupby(where, dropna=False).label.nunique().rename("methods"))
+    parts.groupby(where, dropna=False).label.nunique().rename("methods")
+  )
   scale = np.maximum(values["max"].abs(), values["min"].abs())
   agree = (values["max"] - values["min"] <= 1e-9 * scale) | (scale == 0)
   values = values.assign(agree=agree & (values.methods > 1))
@@ -165,13 +248,20 @@ def shared_blocks(q: pd.DataFrame) -> list[str]:
   for problem in sorted({p for p, _, _ in shared}):
     layers = [b for p, lvl, b in shared if p == problem and lvl == "layer"]
     types = [b for p, lvl, b in shared if p == problem and lvl == "role"]
-    named = ", ".join(filter(None, (
-        f"layer blocks {', '.join(layers)}" if layers else "",
-        f"block types {', '.join(types)}" if types else "")))
+    named = ", ".join(
+      filter(
+        None,
+        (
+          f"layer blocks {', '.join(layers)}" if layers else "",
+          f"block types {', '.join(types)}" if types else "",
+        ),
+      )
+    )
     notes.append(
-        f"{problem}: {named} score the same in every approximation "
-        "compared: all of them give these layers the same block, so these "
-        "rows cannot tell the methods apart (column same_in_every_method).")
+      f"{problem}: {named} score the same in every approximation "
+      "compared: all of them give these layers the same block, so these "
+      "rows cannot tell the methods apart (column same_in_every_method)."
+    )
   return notes
 
 
@@ -179,18 +269,21 @@ def same_references(pairs: pd.DataFrame) -> list[str]:
   """A note per pair of exact references that coincide in every run."""
   notes = []
   for (problem, matrix, reference), group in pairs.groupby(
-      ["problem", "matrix", "reference"]):
+    ["problem", "matrix", "reference"]
+  ):
     largest = group.relative_frobenius.max()
     if largest > SAME:
       continue
-    why = WHY_SAME.get(frozenset({matrix, reference}),
-                       "they coincide on these runs")
-    distance = ("0" if largest == 0 else f"at most {largest:.1g}")
+    why = WHY_SAME.get(
+      frozenset({matrix, reference}), "they coincide on these runs"
+    )
+    distance = "0" if largest == 0 else f"at most {largest:.1g}"
     notes.append(
-        f"{problem}: the exact {matrix} equals the exact {reference} here "
-        f"(relative Frobenius distance {distance} in all {len(group)} "
-        f"samples): {why}. Quality against {matrix} is the quality against "
-        f"{reference}, so it is given once.")
+      f"{problem}: the exact {matrix} equals the exact {reference} here "
+      f"(relative Frobenius distance {distance} in all {len(group)} "
+      f"samples): {why}. Quality against {matrix} is the quality against "
+      f"{reference}, so it is given once."
+    )
   return notes
 
 
@@ -201,40 +294,52 @@ def findings(q: pd.DataFrame) -> list[str]:
   by seed and data draw where both were measured alike."""
   out = []
   network = q[(q.level == "network") & (q.metric == "relative_frobenius")]
-  for (problem, reference), part in network.groupby(["problem",
-                                                     "reference"]):
+  for (problem, reference), part in network.groupby(["problem", "reference"]):
     part = part[part.step == part.step.min()]
-    values = {label: g.set_index(["seed", "sample", "data"]).value
-              for label, g in part.groupby("label")}
+    values = {
+      label: g.set_index(["seed", "sample", "data"]).value
+      for label, g in part.groupby("label")
+    }
     ranked = sorted(values, key=lambda m: values[m].mean())
     best = ranked[0]
     n = len(values[best])
     # Ranked by the mean, so the figures quoted are means too: a median
     # could put the runner-up first while the difference of means does not.
     mean = spread(*stats.interval(values[best]))
-    where = (f"{problem} vs exact {reference}"
-             + (f" at step {part.step.min()}" if part.step.max() else ""))
+    where = f"{problem} vs exact {reference}" + (
+      f" at step {part.step.min()}" if part.step.max() else ""
+    )
     if len(ranked) == 1:
-      out.append(f"{where}: {best} has relative Frobenius error {mean} "
-                 f"(mean [95 % interval] of {n} samples).")
+      out.append(
+        f"{where}: {best} has relative Frobenius error {mean} "
+        f"(mean [95 % interval] of {n} samples)."
+      )
       continue
     runner = ranked[1]
     both = values[best].index.intersection(values[runner].index)
-    diff = (stats.paired_difference(values[best][both], values[runner][both])
-            if len(both) == max(n, len(values[runner]))
-            else stats.difference(values[best], values[runner]))
+    diff = (
+      stats.paired_difference(values[best][both], values[runner][both])
+      if len(both) == max(n, len(values[runner]))
+      else stats.difference(values[best], values[runner])
+    )
     other = spread(*stats.interval(values[runner]))
-    verdict = (f"not told apart from {runner}'s {other}"
-               if stats.ordering(diff) == "tied"
-               else f"lower than {runner}'s {other}")
-    interval = ("no interval from one sample: measure more seeds or "
-                "samples" if not np.isfinite(diff[1]) else
-                f"difference {number(diff[0])} [{number(diff[1])}, "
-                f"{number(diff[2])}], 95 % bootstrap interval over "
-                f"{len(both)} {'paired ' if len(both) else ''}samples")
-    out.append(f"{where}: {best} comes closest, relative Frobenius error "
-               f"{mean} (mean [95 % interval], n={n}), {verdict} "
-               f"({interval}).")
+    verdict = (
+      f"not told apart from {runner}'s {other}"
+      if stats.ordering(diff) == "tied"
+      else f"lower than {runner}'s {other}"
+    )
+    interval = (
+      "no interval from one sample: measure more seeds or samples"
+      if not np.isfinite(diff[1])
+      else f"difference {number(diff[0])} [{number(diff[1])}, "
+      f"{number(diff[2])}], 95 % bootstrap interval over "
+      f"{len(both)} {'paired ' if len(both) else ''}samples"
+    )
+    out.append(
+      f"{where}: {best} comes closest, relative Frobenius error "
+      f"{mean} (mean [95 % interval], n={n}), {verdict} "
+      f"({interval})."
+    )
   return out
 
 
@@ -259,8 +364,10 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   # A claim is about the matrix an approximation estimates (its estimation
   # mode's): a cell against another reference does not bear on it.
   estimated = frob["mode"].map(  # a mode named after its matrix: itself
-      lambda m: estimation_modes.matrix_type(m)
-      if m in estimation_modes.ESTIMATION_MODES else m)
+    lambda m: estimation_modes.matrix_type(m)
+    if m in estimation_modes.ESTIMATION_MODES
+    else m
+  )
   frob = frob[estimated.isna() | (estimated == frob.reference)]
   names = set(frob.curvature.dropna())
   rows, lines = [], []
@@ -268,55 +375,82 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
     for claim in CURVATURES.get(name).claims:
       if claim.than not in names:
         continue
-      cells = [_claim_cell(cell, name, claim) for _, cell in
-               frob.groupby(CELL, dropna=False)]
+      cells = [
+        _claim_cell(cell, name, claim)
+        for _, cell in frob.groupby(CELL, dropna=False)
+      ]
       cells = [c for c in cells if c is not None]
       if not cells:
         continue
       for c in cells:
-        c.update(claim=f"{name} nearer than {claim.than}",
-                 source=claim.source)
+        c.update(claim=f"{name} nearer than {claim.than}", source=claim.source)
       rows += cells
       counts = pd.Series([c["verdict"] for c in cells]).value_counts()
-      tally = ", ".join(f"{verdict} in {counts.get(verdict, 0)}" for verdict
-                        in ("holds", "does not hold", "not settled"))
+      tally = ", ".join(
+        f"{verdict} in {counts.get(verdict, 0)}"
+        for verdict in ("holds", "does not hold", "not settled")
+      )
       floor = ""
       if claim.floor is not None and "gap_mean" in cells[0]:
         gaps = pd.DataFrame(cells)
-        floor = (f" Over {claim.floor}, {name}'s gap in relative Frobenius "
-                 f"error has median {number(gaps.gap_mean.median())} over "
-                 f"the cells, {claim.than}'s "
-                 f"{number(gaps.than_gap_mean.median())}.")
+        floor = (
+          f" Over {claim.floor}, {name}'s gap in relative Frobenius "
+          f"error has median {number(gaps.gap_mean.median())} over "
+          f"the cells, {claim.than}'s "
+          f"{number(gaps.than_gap_mean.median())}."
+        )
       lines.append(
-          f"Claim ({claim.source}): {name} is nearer the exact matrix than "
-          f"{claim.than} (relative Frobenius error, per block type and whole "
-          f"network). On these runs it {tally} of {len(cells)} (problem, "
-          "reference, block type, step) cells, each a 95 % bootstrap "
-          "interval of the paired difference (table claims)." + floor)
+        f"Claim ({claim.source}): {name} is nearer the exact matrix than "
+        f"{claim.than} (relative Frobenius error, per block type and whole "
+        f"network). On these runs it {tally} of {len(cells)} (problem, "
+        "reference, block type, step) cells, each a 95 % bootstrap "
+        "interval of the paired difference (table claims)." + floor
+      )
   if not rows:
     return [], None
   data = pd.DataFrame(rows)
   view = data.assign(
-      difference=[spread(m, lo, hi) for m, lo, hi in zip(
-          data.diff_mean, data.diff_ci_low, data.diff_ci_high)])
-  shown = ["claim", "problem", "reference", "block", "step", "difference",
-           "verdict", "n"]
+    difference=[
+      spread(m, lo, hi)
+      for m, lo, hi in zip(data.diff_mean, data.diff_ci_low, data.diff_ci_high)
+    ]
+  )
+  shown = [
+    "claim",
+    "problem",
+    "reference",
+    "block",
+    "step",
+    "difference",
+    "verdict",
+    "n",
+  ]
   for gap in ("gap", "than_gap"):
     if f"{gap}_mean" in data:
-      view[gap] = [spread(m, lo, hi) for m, lo, hi in zip(
-          data[f"{gap}_mean"], data[f"{gap}_ci_low"], data[f"{gap}_ci_high"])]
+      view[gap] = [
+        spread(m, lo, hi)
+        for m, lo, hi in zip(
+          data[f"{gap}_mean"], data[f"{gap}_ci_low"], data[f"{gap}_ci_high"]
+        )
+      ]
       shown.insert(-2, gap)
   return lines, Table(
-      "claims", "Published claims checked: the difference of relative "
-      "Frobenius errors (claimed nearer minus the other; mean [95 % "
-      "bootstrap interval] over paired samples) and each one's gap over the "
-      "claim's floor", data, view=view[shown])
+    "claims",
+    "Published claims checked: the difference of relative "
+    "Frobenius errors (claimed nearer minus the other; mean [95 % "
+    "bootstrap interval] over paired samples) and each one's gap over the "
+    "claim's floor",
+    data,
+    view=view[shown],
+  )
 
 
 def _claim_cell(cell: pd.DataFrame, name: str, claim) -> dict | None:
   """One cell of a claim (see `claims`); None where it cannot bear on it."""
-  values = {n: g.set_index(["seed", "sample", "data"]).value
-            for n, g in cell.groupby("curvature")}
+  values = {
+    n: g.set_index(["seed", "sample", "data"]).value
+    for n, g in cell.groupby("curvature")
+  }
   if name not in values or claim.than not in values:
     return None
   both = values[name].index.intersection(values[claim.than].index)
@@ -324,14 +458,23 @@ def _claim_cell(cell: pd.DataFrame, name: str, claim) -> dict | None:
   if len(both) == 0 or np.allclose(own, other, rtol=1e-9, atol=0):
     return None
   diff = stats.paired_difference(own, other)
-  row = dict(zip(CELL, cell[CELL].iloc[0]), n=len(both),
-             diff_mean=diff[0], diff_ci_low=diff[1], diff_ci_high=diff[2],
-             verdict=VERDICTS.get(stats.ordering(diff), "not settled"))
+  row = dict(
+    zip(CELL, cell[CELL].iloc[0]),
+    n=len(both),
+    diff_mean=diff[0],
+    diff_ci_low=diff[1],
+    diff_ci_high=diff[2],
+    verdict=VERDICTS.get(stats.ordering(diff), "not settled"),
+  )
   floor = values.get(claim.floor)
   if floor is not None and both.isin(floor.index).all():
     for key, series in (("gap", own), ("than_gap", other)):
-      row.update(zip((f"{key}_mean", f"{key}_ci_low", f"{key}_ci_high"),
-                     stats.paired_difference(series, floor[both])))
+      row.update(
+        zip(
+          (f"{key}_mean", f"{key}_ci_low", f"{key}_ci_high"),
+          stats.paired_difference(series, floor[both]),
+        )
+      )
   return row
 
 
@@ -342,36 +485,66 @@ def statistics_table(statistics: pd.DataFrame) -> Table:
   in how many."""
   index = ["problem", "label", "data", "step", "source", "matrix"]
   bound = statistics.statistic == "condition_number_at_least"
-  rows = statistics.assign(statistic=statistics.statistic.where(
-      ~bound, "condition_number"), bound=bound)
+  rows = statistics.assign(
+    statistic=statistics.statistic.where(~bound, "condition_number"),
+    bound=bound,
+  )
   data = _summarise(rows, [*index, "statistic"])
-  data["bounds"] = rows.groupby([*index, "statistic"], dropna=False,
-                                sort=True).bound.sum().to_numpy()
-  view = wide(data, [c for c in index if data[c].nunique() > 1 or c in (
-      "problem", "source", "matrix")], "statistic")
-  return Table("statistics", "Spectrum statistics: median [quartiles] over "
-               "the samples (a condition number whose spectrum runs into the "
-               "relative floor is only a lower bound: bounds counts those "
-               "samples)", data, view=view, detail=True)
+  data["bounds"] = (
+    rows.groupby([*index, "statistic"], dropna=False, sort=True)
+    .bound.sum()
+    .to_numpy()
+  )
+  view = wide(
+    data,
+    [
+      c
+      for c in index
+      if data[c].nunique() > 1 or c in ("problem", "source", "matrix")
+    ],
+    "statistic",
+  )
+  return Table(
+    "statistics",
+    "Spectrum statistics: median [quartiles] over "
+    "the samples (a condition number whose spectrum runs into the "
+    "relative floor is only a lower bound: bounds counts those "
+    "samples)",
+    data,
+    view=view,
+    detail=True,
+  )
 
 
 def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
   """The cost table long: one row per run, sample, phase and cost
   (`compile_s`, `run_s`, `program_mib`), a sample's repeated phases
   summed."""
-  cost = cost.assign(program_mib=cost.program_bytes / 2 ** 20,
-                     sample=cost.get("sample", 0))
+  cost = cost.assign(
+    program_mib=cost.program_bytes / 2**20, sample=cost.get("sample", 0)
+  )
   index = ["problem", "label", "data", "step", "phase", "run_id", "sample"]
-  summed = cost.groupby(index, dropna=False).agg(
-      compile_s=("compile_s", "sum"), run_s=("run_s", "sum"),
-      program_mib=("program_mib", "max")).reset_index()
+  summed = (
+    cost.groupby(index, dropna=False)
+    .agg(
+      compile_s=("compile_s", "sum"),
+      run_s=("run_s", "sum"),
+      program_mib=("program_mib", "max"),
+    )
+    .reset_index()
+  )
   return summed.melt(index, var_name="cost", value_name="value")
 
 
 def cost_table(cost: pd.DataFrame) -> Table:
-  data = _summarise(cost_rows(cost), ["problem", "label", "data", "step",
-                                      "phase", "cost"])
-  return Table("cost", "Cost of each measured phase: seconds (compile "
-               "apart) and MiB, median [quartiles] over the samples", data,
-               view=wide(data, ["problem", "label", "phase"], "cost"),
-               detail=True)
+  data = _summarise(
+    cost_rows(cost), ["problem", "label", "data", "step", "phase", "cost"]
+  )
+  return Table(
+    "cost",
+    "Cost of each measured phase: seconds (compile "
+    "apart) and MiB, median [quartiles] over the samples",
+    data,
+    view=wide(data, ["problem", "label", "phase"], "cost"),
+    detail=True,
+  )

@@ -72,8 +72,13 @@ from tqdm.auto import tqdm
 from curvbench import costs, devices, stats, training
 from curvbench.measurements.timing import load
 
-PHASES = ("grad_step", "curvature_update", "cache_update", "precondition",
-          "optimizer_step")  # the choices of measure.timing.phases
+PHASES = (
+  "grad_step",
+  "curvature_update",
+  "cache_update",
+  "precondition",
+  "optimizer_step",
+)  # the choices of measure.timing.phases
 CURVATURE_PHASES = ("curvature_update", "cache_update", "precondition")
 BASELINE_PHASE = "baseline_step"  # always timed: the unit of every ratio
 
@@ -81,8 +86,13 @@ BASELINE_PHASE = "baseline_step"  # always timed: the unit of every ratio
 def statistics(times) -> dict:
   """Median, minimum, quartiles and count of the timed samples."""
   median, q25, q75 = stats.quartiles(times)
-  return dict(median_s=median, min_s=float(np.min(times)), q25_s=q25,
-              q75_s=q75, repeats=len(times))
+  return dict(
+    median_s=median,
+    min_s=float(np.min(times)),
+    q25_s=q25,
+    q75_s=q75,
+    repeats=len(times),
+  )
 
 
 class Call:
@@ -122,8 +132,7 @@ class Stepper:
   def __init__(self, trainer, params, batch, rng, steps: int):
     self.trainer, self.batch, self.rng, self.steps = trainer, batch, rng, steps
     state = trainer.init(params, batch, rng)
-    self.compile_s = training.compile_steps(trainer, params, state, batch,
-                                            rng)
+    self.compile_s = training.compile_steps(trainer, params, state, batch, rng)
     params, state, loss = trainer.step(params, state, batch, rng)
     jax.block_until_ready((params, state, loss))
     self.params, self.state, self.count = params, state, 1
@@ -132,8 +141,9 @@ class Stepper:
 
   def sample(self) -> float:
     """Seconds per step, averaged over one sample of `steps` steps."""
-    keys = [jax.random.fold_in(self.rng, self.count + i)
-            for i in range(self.steps)]
+    keys = [
+      jax.random.fold_in(self.rng, self.count + i) for i in range(self.steps)
+    ]
     jax.block_until_ready(keys)
     params, state, step = self.params, self.state, self.trainer.step
     start = time.perf_counter()
@@ -146,8 +156,13 @@ class Stepper:
     return elapsed / self.steps
 
 
-def phase_functions(loss_fn, curvature, damping: float, learning_rate: float,
-                    mesh: Mesh | None = None):
+def phase_functions(
+  loss_fn,
+  curvature,
+  damping: float,
+  learning_rate: float,
+  mesh: Mesh | None = None,
+):
   """The jittable function of each single-call phase, keyed by name.
 
   With a `mesh` of several devices and a curvature that takes an axis name,
@@ -165,9 +180,10 @@ def phase_functions(loss_fn, curvature, damping: float, learning_rate: float,
     return fns
   if mesh is None or mesh.size == 1 or not curvature.takes_axis_name:
     fns.update(
-        curvature_update=lambda s, p, b, r: curvature.update(s, p, b, r),
-        cache_update=lambda s: curvature.refresh(s, damping),
-        precondition=lambda s, g: curvature.precondition(s, g, damping))
+      curvature_update=lambda s, p, b, r: curvature.update(s, p, b, r),
+      cache_update=lambda s: curvature.refresh(s, damping),
+      precondition=lambda s, g: curvature.precondition(s, g, damping),
+    )
     return fns
   axis = devices.AXIS
 
@@ -176,18 +192,27 @@ def phase_functions(loss_fn, curvature, damping: float, learning_rate: float,
     return curvature.update(state, params, batch, rng, axis_name=axis)
 
   fns.update(
-      curvature_update=devices.per_device(update, mesh, split_args=(2,)),
-      cache_update=devices.per_device(
-          lambda s: curvature.refresh(s, damping, axis_name=axis), mesh),
-      precondition=devices.per_device(
-          lambda s, g: curvature.precondition(s, g, damping, axis_name=axis),
-          mesh))
+    curvature_update=devices.per_device(update, mesh, split_args=(2,)),
+    cache_update=devices.per_device(
+      lambda s: curvature.refresh(s, damping, axis_name=axis), mesh
+    ),
+    precondition=devices.per_device(
+      lambda s, g: curvature.precondition(s, g, damping, axis_name=axis), mesh
+    ),
+  )
   return fns
 
 
-def phase_calls(loss_fn, curvature, params, batch, damping: float,
-                learning_rate: float, rng, mesh: Mesh | None = None
-                ) -> dict[str, tuple]:
+def phase_calls(
+  loss_fn,
+  curvature,
+  params,
+  batch,
+  damping: float,
+  learning_rate: float,
+  rng,
+  mesh: Mesh | None = None,
+) -> dict[str, tuple]:
   """`{phase: (fn, args)}` of the single-call phases: the phase functions
   (`phase_functions`; the curvature's only when `curvature` is given) and
   the arguments they are timed on. With a `mesh`, `batch` is split over its
@@ -209,15 +234,20 @@ def phase_calls(loss_fn, curvature, params, batch, damping: float,
     if mesh is not None and curvature.takes_axis_name:
       # What each device gets whole under shard_map. (An implicit_exact
       # state holds the batch, which stays split.)
-      state, grads, refreshed = devices.replicate((state, grads, refreshed),
-                                                  mesh)
-    args.update(curvature_update=(state, params, batch, rng),
-                cache_update=(state,), precondition=(refreshed, grads))
+      state, grads, refreshed = devices.replicate(
+        (state, grads, refreshed), mesh
+      )
+    args.update(
+      curvature_update=(state, params, batch, rng),
+      cache_update=(state,),
+      precondition=(refreshed, grads),
+    )
   return {phase: (fns[phase], args[phase]) for phase in fns}
 
 
-def rounds(timed: dict, warmup: int, repeats: int, progress: bool = False
-           ) -> tuple[dict[str, list[float]], load.Load]:
+def rounds(
+  timed: dict, warmup: int, repeats: int, progress: bool = False
+) -> tuple[dict[str, list[float]], load.Load]:
   """`warmup` untimed rounds, then `repeats` timed ones, each taking one
   sample of every entry of `timed` in turn; the timed samples per entry
   and the machine's load over the timed rounds."""
@@ -226,8 +256,9 @@ def rounds(timed: dict, warmup: int, repeats: int, progress: bool = False
     for timer in timed.values():
       timer.sample()
   with load.Monitor() as monitor:
-    for _ in tqdm(range(repeats), desc="timing", disable=not progress,
-                  leave=False):
+    for _ in tqdm(
+      range(repeats), desc="timing", disable=not progress, leave=False
+    ):
       for name, timer in timed.items():
         samples[name].append(timer.sample())
   return samples, monitor.load
@@ -242,9 +273,19 @@ def selected_phases(phases, uses_curvature: bool) -> list[str]:
   return ["grad_step", *(p for p in phases if p != "grad_step")]
 
 
-def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
-            progress: bool = False, mesh: Mesh | None = None,
-            model_state_update=None, log=None) -> dict[str, list[dict]]:
+def measure(
+  loss_fn,
+  curvature,
+  params,
+  batch,
+  settings,
+  optimizer,
+  rng,
+  progress: bool = False,
+  mesh: Mesh | None = None,
+  model_state_update=None,
+  log=None,
+) -> dict[str, list[dict]]:
   """The `timing` and `timing_samples` tables; see the module docstring.
 
   Args:
@@ -280,30 +321,46 @@ def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
   """
   uses_curvature = optimizer.uses_curvature
   phases = selected_phases(settings.phases, uses_curvature)
-  calls = phase_calls(loss_fn, curvature if uses_curvature else None, params,
-                      batch, settings.damping, settings.learning_rate, rng,
-                      mesh)
+  calls = phase_calls(
+    loss_fn,
+    curvature if uses_curvature else None,
+    params,
+    batch,
+    settings.damping,
+    settings.learning_rate,
+    rng,
+    mesh,
+  )
   params, batch = calls["grad_step"][1]  # placed on the mesh
   if model_state_update is not None:
     fn, model_state = model_state_update
     calls["model_state_update"] = (fn, (params, model_state, batch[0]))
 
-  timed = {phase: Call(*calls[phase]) for phase in tqdm(
-      calls, desc="compiling", disable=not progress, leave=False)
-           if phase in phases or phase == "model_state_update"}
+  timed = {
+    phase: Call(*calls[phase])
+    for phase in tqdm(
+      calls, desc="compiling", disable=not progress, leave=False
+    )
+    if phase in phases or phase == "model_state_update"
+  }
   trainer = optimizer.make(loss_fn, curvature, mesh)
   steps = int(trainer.cycle)
   if "optimizer_step" in phases:
-    timed["optimizer_step"] = Stepper(trainer, params, batch,
-                                      jax.random.fold_in(rng, 1), steps)
-  timed[BASELINE_PHASE] = Stepper(settings.baseline.make(loss_fn, mesh=mesh),
-                                  params, batch, jax.random.fold_in(rng, 2),
-                                  steps)
+    timed["optimizer_step"] = Stepper(
+      trainer, params, batch, jax.random.fold_in(rng, 1), steps
+    )
+  timed[BASELINE_PHASE] = Stepper(
+    settings.baseline.make(loss_fn, mesh=mesh),
+    params,
+    batch,
+    jax.random.fold_in(rng, 2),
+    steps,
+  )
 
-  load.settle(settings.when_busy, settings.busy_share, settings.busy_wait_s,
-              log)
-  samples, measured = rounds(timed, settings.warmup, settings.repeats,
-                             progress)
+  load.settle(
+    settings.when_busy, settings.busy_share, settings.busy_wait_s, log
+  )
+  samples, measured = rounds(timed, settings.warmup, settings.repeats, progress)
   base = np.asarray(samples[BASELINE_PHASE])
   base_flops = timed[BASELINE_PHASE].flops
   grad = np.asarray(samples["grad_step"])
@@ -313,16 +370,26 @@ def measure(loss_fn, curvature, params, batch, settings, optimizer, rng,
     seconds = np.asarray(samples[phase])
     ratios = seconds / base
     median, q25, q75 = stats.quartiles(ratios)
-    rows.append(dict(
-        phase=phase, compile_s=timer.compile_s,
-        first_call_s=timer.first_call_s, steps_per_sample=timer.steps,
-        **statistics(seconds), **costs.memory_columns(*timer.programs),
-        baseline=settings.baseline.label(None), ratio_to_baseline=median,
-        ratio_q25=q25, ratio_q75=q75,
+    rows.append(
+      dict(
+        phase=phase,
+        compile_s=timer.compile_s,
+        first_call_s=timer.first_call_s,
+        steps_per_sample=timer.steps,
+        **statistics(seconds),
+        **costs.memory_columns(*timer.programs),
+        baseline=settings.baseline.label(None),
+        ratio_to_baseline=median,
+        ratio_q25=q25,
+        ratio_q75=q75,
         ratio_to_grad_step=stats.quartiles(seconds / grad)[0],
-        flops=timer.flops, flop_ratio_to_baseline=timer.flops / base_flops,
-        **loaded))
-    sample_rows += [dict(phase=phase, repeat=i, seconds=float(s),
-                         ratio_to_baseline=float(r))
-                    for i, (s, r) in enumerate(zip(seconds, ratios))]
+        flops=timer.flops,
+        flop_ratio_to_baseline=timer.flops / base_flops,
+        **loaded,
+      )
+    )
+    sample_rows += [
+      dict(phase=phase, repeat=i, seconds=float(s), ratio_to_baseline=float(r))
+      for i, (s, r) in enumerate(zip(seconds, ratios))
+    ]
   return dict(timing=rows, timing_samples=sample_rows)

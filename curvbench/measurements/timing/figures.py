@@ -26,8 +26,10 @@ def _phase_bars(ax, ratios: pd.DataFrame):
   phase with its interquartile error bar; runs and rounds under each
   group."""
   several = ratios.device_kind.nunique() > 1
-  ratios = ratios.assign(group=ratios.label.astype(str) + np.where(
-      several, " on " + ratios.device_kind.astype(str), ""))
+  ratios = ratios.assign(
+    group=ratios.label.astype(str)
+    + np.where(several, " on " + ratios.device_kind.astype(str), "")
+  )
   groups = sorted(ratios.group.unique())
   phases = _phase_order(ratios.phase)
   width = 0.8 / len(phases)
@@ -35,15 +37,24 @@ def _phase_bars(ax, ratios: pd.DataFrame):
   for i, phase in enumerate(phases):
     r = ratios[ratios.phase == phase].set_index("group").reindex(groups)
     err = np.clip([r["median"] - r.q25, r.q75 - r["median"]], 0, None)
-    ax.bar(np.arange(len(groups)) + (i - (len(phases) - 1) / 2) * width,
-           r["median"], width, yerr=np.nan_to_num(err), capsize=2,
-           label=phase, color=cmap(ORDER.index(phase) if phase in ORDER
-                                   else i))
+    ax.bar(
+      np.arange(len(groups)) + (i - (len(phases) - 1) / 2) * width,
+      r["median"],
+      width,
+      yerr=np.nan_to_num(err),
+      capsize=2,
+      label=phase,
+      color=cmap(ORDER.index(phase) if phase in ORDER else i),
+    )
   counts = ratios.groupby("group")[["n", "samples"]].max()
-  ax.set_xticks(np.arange(len(groups)), [
-      f"{g}\n({counts.n[g]} runs, {counts.samples[g]} rounds)"
-      for g in groups], rotation=20, ha="right", rotation_mode="anchor",
-      fontsize=7)
+  ax.set_xticks(
+    np.arange(len(groups)),
+    [f"{g}\n({counts.n[g]} runs, {counts.samples[g]} rounds)" for g in groups],
+    rotation=20,
+    ha="right",
+    rotation_mode="anchor",
+    fontsize=7,
+  )
 
 
 def timing(ratios: pd.DataFrame, out: Path) -> list[Path]:
@@ -54,18 +65,25 @@ def timing(ratios: pd.DataFrame, out: Path) -> list[Path]:
   for problem, p in ratios.groupby("problem"):
     shown = p[p.phase != clock.BASELINE_PHASE]
     baseline = plots.listed(p, "baseline")
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * shown.label.nunique()
-                                        + 2), 4.2), layout="constrained")
+    fig, ax = plt.subplots(
+      figsize=(max(6.0, 1.4 * shown.label.nunique() + 2), 4.2),
+      layout="constrained",
+    )
     if shown.empty:
       plots.no_values(ax, f"only the {baseline} step was timed")
     else:
       _phase_bars(ax, shown)
     plots.log_if_decades(ax, shown["median"], decades=1)
     ax.axhline(1.0, color="k", lw=0.6, ls="--", label=f"one {baseline} step")
-    ax.set(ylabel=f"× {baseline} step (median, IQR)",
-           title=f"{problem}: time per phase "
-                 f"({plots.listed(p, 'device_kind')})")
-    plots.legend_below(fig, ax, title="error bars: interquartile range of "
-                       "the ratios paired round by round")
+    ax.set(
+      ylabel=f"× {baseline} step (median, IQR)",
+      title=f"{problem}: time per phase ({plots.listed(p, 'device_kind')})",
+    )
+    plots.legend_below(
+      fig,
+      ax,
+      title="error bars: interquartile range of "
+      "the ratios paired round by round",
+    )
     paths += plots.save(fig, out / f"timing_{problem}")
   return paths

@@ -48,16 +48,21 @@ class Load:
   def columns(self, threshold: float) -> dict:
     """The load as a timing record's columns; `contended` where others
     used more than `threshold` of the CPUs."""
-    return dict(load_window_s=self.seconds, cpu_count=self.cpu_count,
-                others_cpu_share=self.others_share,
-                process_cores=self.process_cores,
-                load_average=self.load_average,
-                contended=bool(self.others_share > threshold))
+    return dict(
+      load_window_s=self.seconds,
+      cpu_count=self.cpu_count,
+      others_cpu_share=self.others_share,
+      process_cores=self.process_cores,
+      load_average=self.load_average,
+      contended=bool(self.others_share > threshold),
+    )
 
   def describe(self) -> str:
-    return (f"other processes used {100 * self.others_share:.0f} % of the "
-            f"{self.cpu_count} CPUs over {self.seconds:.1f} s (load average "
-            f"{self.load_average:.2f})")
+    return (
+      f"other processes used {100 * self.others_share:.0f} % of the "
+      f"{self.cpu_count} CPUs over {self.seconds:.1f} s (load average "
+      f"{self.load_average:.2f})"
+    )
 
 
 def _busy(times) -> float:
@@ -92,8 +97,11 @@ class Monitor:
 
   def __enter__(self) -> Monitor:
     self._process = psutil.Process()
-    self._start = (time.perf_counter(), _busy(psutil.cpu_times()),
-                   _own(self._process))
+    self._start = (
+      time.perf_counter(),
+      _busy(psutil.cpu_times()),
+      _own(self._process),
+    )
     self.load = None
     return self
 
@@ -106,9 +114,13 @@ class Monitor:
     cpus = psutil.cpu_count() or 1
     # The kernel's counters tick every 10 ms: clip what round-off leaves.
     others = min(max(busy - own, 0.0) / max(wall * cpus, 1e-9), 1.0)
-    self.load = Load(seconds=wall, cpu_count=cpus, others_share=others,
-                     process_cores=own / max(wall, 1e-9),
-                     load_average=_load_average())
+    self.load = Load(
+      seconds=wall,
+      cpu_count=cpus,
+      others_share=others,
+      process_cores=own / max(wall, 1e-9),
+      load_average=_load_average(),
+    )
 
 
 def sample(seconds: float = 1.0) -> Load:
@@ -118,8 +130,9 @@ def sample(seconds: float = 1.0) -> Load:
   return monitor.load
 
 
-def settle(when_busy: str, threshold: float, wait_s: float,
-           log=None) -> Load | None:
+def settle(
+  when_busy: str, threshold: float, wait_s: float, log=None
+) -> Load | None:
   """The load before a timing, as `when_busy` asks of a busy machine (one
   whose other processes use more than `threshold` of the CPUs):
   'measure' goes on without looking (the timing's own `Monitor` records
@@ -134,19 +147,23 @@ def settle(when_busy: str, threshold: float, wait_s: float,
     return None
   load = sample()
   deadline = time.monotonic() + wait_s
-  while (when_busy == "wait" and load.others_share > threshold
-         and time.monotonic() < deadline):
+  while (
+    when_busy == "wait"
+    and load.others_share > threshold
+    and time.monotonic() < deadline
+  ):
     if log is not None:
       log(f"[curvbench] waiting for a quiet machine: {load.describe()}")
     load = sample()
   if when_busy == "refuse" and load.others_share > threshold:
     raise MachineBusy(
-        f"the machine is busy: {load.describe()}, more than "
-        f"measure.timing.busy_share={threshold:g} allows. Timing now would "
-        "measure the other processes as much as this one: stop them, or "
-        "set measure.timing.when_busy=wait (waits up to "
-        "measure.timing.busy_wait_s) or =measure (times anyway, every "
-        "figure flagged).")
+      f"the machine is busy: {load.describe()}, more than "
+      f"measure.timing.busy_share={threshold:g} allows. Timing now would "
+      "measure the other processes as much as this one: stop them, or "
+      "set measure.timing.when_busy=wait (waits up to "
+      "measure.timing.busy_wait_s) or =measure (times anyway, every "
+      "figure flagged)."
+    )
   return load
 
 

@@ -16,9 +16,12 @@ import numpy as np
 import pandas as pd
 
 
-def outcomes(rows: pd.DataFrame, column: str = "train_error",
-             target: float | None = None,
-             at_time: float | None = None) -> pd.DataFrame:
+def outcomes(
+  rows: pd.DataFrame,
+  column: str = "train_error",
+  target: float | None = None,
+  at_time: float | None = None,
+) -> pd.DataFrame:
   """One row per run (`run_id`) of training `rows`: `final` and `best`
   value of `column` over its evaluations, `steps`, `seconds` (steady-state
   wall time at its end), `diverged`, and where given, `steps_to_target`
@@ -26,27 +29,39 @@ def outcomes(rows: pd.DataFrame, column: str = "train_error",
   `value_at_time` (at its time-grid point `at_time`; infinite where the
   run diverged by then, NaN where it has no such point)."""
   out = []
-  for run_id, run in rows.sort_values("step", kind="stable").groupby(
-      "run_id"):
+  for run_id, run in rows.sort_values("step", kind="stable").groupby("run_id"):
     evaluated = run.dropna(subset=[column])
     diverged = bool(run.diverged.any()) if "diverged" in run else False
-    row = dict(run_id=run_id, steps=int(run.step.iloc[-1]),
-               seconds=float(run.wall_s.iloc[-1]), diverged=diverged,
-               final=np.inf if diverged else evaluated[column].iloc[-1],
-               best=evaluated[column].min())
+    row = dict(
+      run_id=run_id,
+      steps=int(run.step.iloc[-1]),
+      seconds=float(run.wall_s.iloc[-1]),
+      diverged=diverged,
+      final=np.inf if diverged else evaluated[column].iloc[-1],
+      best=evaluated[column].min(),
+    )
     if target is not None:
       reached = evaluated[evaluated[column] <= target].sort_values(
-          "wall_s", kind="stable")
-      row.update(steps_to_target=reached.step.iloc[0] if len(reached)
-                 else np.nan,
-                 seconds_to_target=reached.wall_s.iloc[0] if len(reached)
-                 else np.nan)
+        "wall_s", kind="stable"
+      )
+      row.update(
+        steps_to_target=reached.step.iloc[0] if len(reached) else np.nan,
+        seconds_to_target=reached.wall_s.iloc[0] if len(reached) else np.nan,
+      )
     if at_time is not None:
-      point = evaluated[np.isclose(evaluated.get(
-          "time_point_s", pd.Series(np.nan, evaluated.index)), at_time)]
+      point = evaluated[
+        np.isclose(
+          evaluated.get("time_point_s", pd.Series(np.nan, evaluated.index)),
+          at_time,
+        )
+      ]
       row["value_at_time"] = (
-          np.inf if diverged and run.wall_s.iloc[-1] <= at_time
-          else point[column].iloc[-1] if len(point) else np.nan)
+        np.inf
+        if diverged and run.wall_s.iloc[-1] <= at_time
+        else point[column].iloc[-1]
+        if len(point)
+        else np.nan
+      )
     out.append(row)
   return pd.DataFrame(out)
 
@@ -55,15 +70,21 @@ def grid_edges(settings: pd.Series, best: str) -> list[str]:
   """The tuned keys whose value in the `best` setting lies at an edge of
   the values tried (`settings`: every tried setting, as `key=value, ...`);
   a best value at an edge says the grid should go further."""
-  parsed = [dict(kv.split("=", 1) for kv in s.split(", ") if "=" in kv)
-            for s in settings]
+  parsed = [
+    dict(kv.split("=", 1) for kv in s.split(", ") if "=" in kv)
+    for s in settings
+  ]
   chosen = dict(kv.split("=", 1) for kv in best.split(", ") if "=" in kv)
   edges = []
   for key, value in chosen.items():
-    tried = sorted({float(p[key]) for p in parsed if key in p
-                    and _number(p[key])})
-    if len(tried) > 1 and _number(value) and float(value) in (tried[0],
-                                                              tried[-1]):
+    tried = sorted(
+      {float(p[key]) for p in parsed if key in p and _number(p[key])}
+    )
+    if (
+      len(tried) > 1
+      and _number(value)
+      and float(value) in (tried[0], tried[-1])
+    ):
       end = "lowest" if float(value) == tried[0] else "highest"
       edges.append(f"{key}={value} (the {end} of {len(tried)} tried)")
   return edges

@@ -13,9 +13,11 @@ import pandas as pd
 
 from curvbench import plots
 
-TRAINING_CURVES = (("train_error", "training error"),
-                   ("train_loss", "training loss"),
-                   ("batch_loss", "minibatch loss"))
+TRAINING_CURVES = (
+  ("train_error", "training error"),
+  ("train_loss", "training loss"),
+  ("batch_loss", "minibatch loss"),
+)
 
 
 def _common_steps(runs: pd.DataFrame) -> pd.DataFrame:
@@ -40,12 +42,17 @@ def _seconds_curve(runs: pd.DataFrame, y: str):
     steps = _common_steps(runs)
     g = steps.groupby(steps.groupby("step").wall_s.transform("median"))[y]
   curve = g.median().dropna()
-  return (curve.index, curve, g.quantile(0.25)[curve.index],
-          g.quantile(0.75)[curve.index])
+  return (
+    curve.index,
+    curve,
+    g.quantile(0.25)[curve.index],
+    g.quantile(0.75)[curve.index],
+  )
 
 
-def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
-             name: str = "training") -> list[Path]:
+def training(
+  df: pd.DataFrame, out: Path, colour: dict[str, str], name: str = "training"
+) -> list[Path]:
   """Per problem: the training error (else loss) against the step and
   against steady-state seconds (on the time grid where the runs had one),
   the median over seeds with the interquartile band, test error as dots;
@@ -53,14 +60,17 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
   report's, by label (`colour`); a method's settings differ in line
   style."""
   paths = []
-  y, what = next(((c, w) for c, w in TRAINING_CURVES
-                  if c in df and df[c].notna().any()), TRAINING_CURVES[-1])
+  y, what = next(
+    ((c, w) for c, w in TRAINING_CURVES if c in df and df[c].notna().any()),
+    TRAINING_CURVES[-1],
+  )
   test = y.replace("train_", "test_") if y.startswith("train_") else None
   styles = ["-", "--", ":", "-."]
   colours = plots.series_colours(df.assign(series=df.label), colour)
   for problem, p in df.groupby("problem"):
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+      1, 2, figsize=(10, 3.8), sharey=True, layout="constrained"
+    )
     grid = "time_point_s" in p and p.time_point_s.notna().any()
     for method, m in p.groupby("method"):
       for i, (label, runs) in enumerate(m.groupby("label")):
@@ -72,66 +82,105 @@ def training(df: pd.DataFrame, out: Path, colour: dict[str, str],
         curve = g[y].median().dropna()
         if curve.empty:
           continue
-        lines = [(curve.index, curve, g[y].quantile(0.25)[curve.index],
-                  g[y].quantile(0.75)[curve.index]),
-                 _seconds_curve(runs, y)]
+        lines = [
+          (
+            curve.index,
+            curve,
+            g[y].quantile(0.25)[curve.index],
+            g[y].quantile(0.75)[curve.index],
+          ),
+          _seconds_curve(runs, y),
+        ]
         for ax, (x, mid, lo, hi) in zip(axes, lines):
-          ax.plot(x, mid, color=c, ls=styles[i % 4], lw=1.4,
-                  marker="." if ax is axes[1] and grid else None,
-                  label=f"{label} (n={n})")
+          ax.plot(
+            x,
+            mid,
+            color=c,
+            ls=styles[i % 4],
+            lw=1.4,
+            marker="." if ax is axes[1] and grid else None,
+            label=f"{label} (n={n})",
+          )
           if n > 1:
             plots.band(ax, x, lo, hi, c)
         if test and test in runs:
           t = g[test].median().dropna()
           axes[0].plot(t.index, t, color=c, ls="none", marker="o", ms=3)
-        diverged = runs[runs.diverged.astype(bool)] if "diverged" in runs \
-            else runs.iloc[:0]
+        diverged = (
+          runs[runs.diverged.astype(bool)]
+          if "diverged" in runs
+          else runs.iloc[:0]
+        )
         for ax, x in zip(axes, ("step", "wall_s")):
-          ax.plot(diverged[x], np.full(len(diverged), curve.max()), "x",
-                  color=c, ms=7)
-    axes[0].set(xlabel="iteration", ylabel=what, yscale="log",
-                title=f"{problem}")
-    axes[1].set(xlabel="seconds of training" + (
-        " (the time grid)" if grid else ""), yscale="log", title=f"{problem}")
-    plots.legend_below(fig, axes[0],
-                       title="median over seeds (to the step all reached), "
-                       "band: quartiles; dots: test; seconds exclude "
-                       "compilation and evaluation")
+          ax.plot(
+            diverged[x], np.full(len(diverged), curve.max()), "x", color=c, ms=7
+          )
+    axes[0].set(
+      xlabel="iteration", ylabel=what, yscale="log", title=f"{problem}"
+    )
+    axes[1].set(
+      xlabel="seconds of training" + (" (the time grid)" if grid else ""),
+      yscale="log",
+      title=f"{problem}",
+    )
+    plots.legend_below(
+      fig,
+      axes[0],
+      title="median over seeds (to the step all reached), "
+      "band: quartiles; dots: test; seconds exclude "
+      "compilation and evaluation",
+    )
     paths += plots.save(fig, out / f"{name}_{problem}")
   return paths
 
 
-def sensitivity(table: pd.DataFrame, out: Path,
-                colour: dict[str, str]) -> list[Path]:
+def sensitivity(
+  table: pd.DataFrame, out: Path, colour: dict[str, str]
+) -> list[Path]:
   """Per problem: each method's tuning score against each tuned
   hyperparameter, the others held at the method's best setting."""
   paths = []
   for problem, p in table.groupby("problem"):
-    keys = sorted({k.split("=")[0] for s in p.setting for k in s.split(", ")
-                   if "=" in k})
+    keys = sorted(
+      {k.split("=")[0] for s in p.setting for k in s.split(", ") if "=" in k}
+    )
     if not keys:
       continue
     fig, axes = plots.grid(len(keys), width=4.5, height=3.5)
     for ax, key in zip(axes, keys):
       for method, m in p.groupby("method"):
-        parsed = m.setting.map(lambda s: dict(
-            kv.split("=", 1) for kv in s.split(", ") if "=" in kv))
+        parsed = m.setting.map(
+          lambda s: dict(kv.split("=", 1) for kv in s.split(", ") if "=" in kv)
+        )
         if not parsed.map(lambda d: key in d).all():
           continue
         best = parsed[m.best].iloc[0]
-        same = parsed.map(lambda d: all(d.get(k) == v for k, v in
-                                        best.items() if k != key))
-        points = sorted((float(d[key]), score) for d, score in
-                        zip(parsed[same], m.score[same]))
+        same = parsed.map(
+          lambda d: all(d.get(k) == v for k, v in best.items() if k != key)
+        )
+        points = sorted(
+          (float(d[key]), score)
+          for d, score in zip(parsed[same], m.score[same])
+        )
         xs = [x for x, _ in points]
         ys = [v if np.isfinite(v) else np.nan for _, v in points]
         ax.plot(xs, ys, "o-", color=colour[method], label=method)
-        ax.plot([float(best[key])], [m.score[m.best].iloc[0]], "*",
-                ms=12, color=colour[method])
+        ax.plot(
+          [float(best[key])],
+          [m.score[m.best].iloc[0]],
+          "*",
+          ms=12,
+          color=colour[method],
+        )
         diverged = [x for x, v in points if not np.isfinite(v)]
         if diverged:
-          ax.plot(diverged, [np.nanmax(ys) if np.isfinite(ys).any() else 1]
-                  * len(diverged), "x", color=colour[method], ms=8)
+          ax.plot(
+            diverged,
+            [np.nanmax(ys) if np.isfinite(ys).any() else 1] * len(diverged),
+            "x",
+            color=colour[method],
+            ms=8,
+          )
       xs = np.concatenate([line.get_xdata() for line in ax.lines] or [[]])
       ys = np.concatenate([line.get_ydata() for line in ax.lines] or [[]])
       plots.log_if_decades(ax, xs, "x", decades=1)
@@ -146,9 +195,13 @@ def tuned_curves(train: pd.DataFrame, tuning: pd.DataFrame) -> pd.DataFrame:
   """The training rows of each problem's chosen settings (and of methods
   that were not tuned)."""
   best = tuning[tuning.best]
-  chosen = {(p, f"{m} ({s})" if s else str(m))
-            for p, m, s in zip(best.problem, best.method, best.setting)}
+  chosen = {
+    (p, f"{m} ({s})" if s else str(m))
+    for p, m, s in zip(best.problem, best.method, best.setting)
+  }
   tuned = set(zip(tuning.problem, tuning.method))
-  keep = [(p, m) not in tuned or (p, label) in chosen
-          for p, m, label in zip(train.problem, train.method, train.label)]
+  keep = [
+    (p, m) not in tuned or (p, label) in chosen
+    for p, m, label in zip(train.problem, train.method, train.label)
+  ]
   return train[keep]
