@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint browser bench bench-accelerator bench-against cuda clean-venv
+.PHONY: run test lint typecheck docs browser bench bench-accelerator bench-against cuda clean-venv
 
 # Quiet (-qq): errors only; a machine's pip configuration may name package
 # folders it lacks, which pip would otherwise report on every install.
@@ -24,7 +24,7 @@ run: $(STAMP)
 # Tests check values, not speed: XLA's CPU code generation at its lowest
 # optimisation level compiles about a fifth faster (runs and benchmarks keep
 # the default).
-test: $(STAMP) browser lint
+test: $(STAMP) browser lint typecheck
 	XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  $(PY) -m pytest -n 2 --benchmark-disable -q
 
@@ -33,6 +33,16 @@ test: $(STAMP) browser lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The type checker; what it checks and how strictly is in pyproject.toml
+# ([tool.mypy]).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# The documentation site, warnings as errors: docs/_build/html/index.html.
+# The tutorials run while it builds (a few minutes on 2 cores).
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 # Debian's chromium, for the tests that open generated HTML pages in a headless
 # browser; installed only where we are root with apt-get, else those tests skip.

@@ -1,6 +1,6 @@
 """curvbench from Python: your model, your data, the harness's
 approximations and measurements, the same records and report as the
-command line's.
+command line's::
 
     import curvbench
     results = curvbench.measure(
@@ -163,7 +163,7 @@ class Results:
     return report.write(self.path, out)
 
 
-def _task(task, loss):
+def _task(task: str | None, loss: str | None) -> tuple[str, str]:
   if task is None:
     task = next(
       (t for t, name in DEFAULT_LOSS.items() if name == loss), "classification"
@@ -196,8 +196,8 @@ def register_model(
 ) -> str:
   """Registers `model` on `examples` as problem `name` (its data as dataset
   `name_data`), so that `problem=name` chooses it; returns the name."""
-  task, loss = _task(task, loss)
-  dataset = examples.dataset(f"{name}_data", task)
+  task_name, loss_name = _task(task, loss)
+  dataset = examples.dataset(f"{name}_data", task_name)
   sequences = bool(np.issubdtype(dataset.x_train.dtype, np.integer))
 
   @dataclasses.dataclass
@@ -249,13 +249,15 @@ def register_model(
 
     def build(self, data):
       return problems.Problem.from_functions(
-        model.network(), data, self, task=task, loss_name=loss
+        model.network(), data, self, task=task_name, loss_name=loss_name
       )
 
     @classmethod
     @functools.cache
     def source_identity(cls) -> str:
-      return f"{task}:{loss}:" + model.fingerprint(dataset.x_train[:2])
+      return f"{task_name}:{loss_name}:" + model.fingerprint(
+        dataset.x_train[:2]
+      )
 
   YourProblem.__qualname__ = YourProblem.__name__ = f"Problem_{name}"
   YourData.__qualname__ = YourData.__name__ = f"Dataset_{name}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import hydra
 import jax
@@ -63,7 +64,8 @@ def check_command_line(argv: list[str]) -> None:
     elif not arg.startswith("-"):
       overrides.append(arg)
   parsed = OverridesParser.create().parse_overrides(overrides)
-  fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+  # (Overrides parsed from lines keep them.)
+  fixed = [cast(str, o.input_line) for o in parsed if not o.is_sweep_override()]
   try:
     cfg = config.compose(*fixed, check=not multirun, with_hydra=True)
     if not multirun:

@@ -28,6 +28,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -95,7 +96,7 @@ def flatten(params) -> dict[str, np.ndarray]:
 
 def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
   """`{"a/b/c": array}` -> `{"a": {"b": {"c": array}}}`."""
-  params = {}
+  params: dict[str, Any] = {}
   for key, array in flat.items():
     *modules, name = key.split(SEP)
     node = params

@@ -6,7 +6,6 @@ the presets' first comment lines, so it prints without importing JAX;
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib.util
 import shutil
 import sys
@@ -50,31 +49,32 @@ def _first_line(text: str | None) -> str:
   return flat if end < 0 else flat[: end + 1]
 
 
-def _package_dir(parts: tuple[str, str]) -> Path | None:
+def _package_dir(parts: tuple[str, str]) -> Path:
   """The folder of `top.sub`, found without importing `top`."""
   spec = importlib.util.find_spec(parts[0])
   if spec is None or not spec.submodule_search_locations:
-    return None
+    raise ModuleNotFoundError(f"curvbench needs the package {parts[0]!r}.")
   return Path(list(spec.submodule_search_locations)[0]) / parts[1]
 
 
 def _name_field(node: ast.ClassDef) -> str | None:
   """The string a class body gives `name`, if any."""
+  target: ast.expr
+  value: ast.expr | None
   for item in node.body:
-    target = (
-      item.target
-      if isinstance(item, ast.AnnAssign)
-      else item.targets[0]
-      if isinstance(item, ast.Assign) and len(item.targets) == 1
-      else None
-    )
+    if isinstance(item, ast.AnnAssign):
+      target, value = item.target, item.value
+    elif isinstance(item, ast.Assign) and len(item.targets) == 1:
+      target, value = item.targets[0], item.value
+    else:
+      continue
     if (
       isinstance(target, ast.Name)
       and target.id == "name"
-      and isinstance(item.value, ast.Constant)
-      and isinstance(item.value.value, str)
+      and isinstance(value, ast.Constant)
+      and isinstance(value.value, str)
     ):
-      return item.value.value
+      return value.value
   return None
 
 
@@ -92,18 +92,18 @@ def _registered(tree: ast.Module) -> dict[str, str]:
       for d in node.decorator_list
     ):
       found[name] = _first_line(ast.get_docstring(node))
-  for node in ast.walk(tree):
+  for call in ast.walk(tree):
     if not (
-      isinstance(node, ast.Call)
-      and isinstance(node.func, ast.Attribute)
-      and node.func.attr == "register"
-      and node.args
-      and isinstance(node.args[0], ast.Name)
-      and node.args[0].id in classes
+      isinstance(call, ast.Call)
+      and isinstance(call.func, ast.Attribute)
+      and call.func.attr == "register"
+      and call.args
+      and isinstance(call.args[0], ast.Name)
+      and call.args[0].id in classes
     ):
       continue
-    cls = classes[node.args[0].id]
-    values = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    cls = classes[call.args[0].id]
+    values = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     name = values.pop("name", None) or _name_field(cls)
     if name:
       found[name] = " ".join(
@@ -155,9 +155,10 @@ def _gallery() -> dict[str, str]:
         "Entry"
       ):
         kw = {k.arg: k.value for k in node.keywords}
-        if isinstance(kw.get("name"), ast.Constant):
+        name = kw.get("name")
+        if isinstance(name, ast.Constant):
           title = kw.get("title")
-          out[f"repro_{kw['name'].value}"] = (
+          out[f"repro_{name.value!s}"] = (
             ast.literal_eval(title) if title is not None else ""
           )
   return out
@@ -201,31 +202,15 @@ def usage() -> str:
   return "\n".join(lines)
 
 
-def _default(field):
-  if field.default is not dataclasses.MISSING:
-    return field.default
-  if field.default_factory is not dataclasses.MISSING:
-    return field.default_factory()
-  return "(required)"
+def _settings(cls) -> list[str]:
+  """Two lines per setting of `cls`: key, default and what it accepts;
+  its doc."""
+  from curvbench.components import documented  # noqa: PLC0415
 
-
-def _settings(cls, prefix: str = "") -> list[str]:
-  """A line per setting of `cls` (nested ones under their dotted key):
-  key, default, what it accepts, its doc."""
-  lines = []
-  for field in dataclasses.fields(cls):
-    nested = cls.nested().get(field.name)
-    if nested is not None:
-      lines += _settings(nested, f"{prefix}{field.name}.")
-      continue
-    check = field.metadata.get("check")
-    if check is None:
-      continue
-    lines.append(
-      f"    {prefix}{field.name} = {_default(field)!r}  "
-      f"[{check.describe()}]\n        {field.metadata['doc']}"
-    )
-  return lines
+  return [
+    f"    {d.key} = {d.default!r}  [{d.accepts}]\n        {d.doc}"
+    for d in documented(cls)
+  ]
 
 
 def group_help(group: str, overrides=()) -> str:

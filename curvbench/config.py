@@ -22,7 +22,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -171,9 +171,22 @@ class Canonical(Settings):
   training only with this curvature and mode); the other points are
   recorded as skipped."""
 
-  optimizer: str = setting("kfac", OneOf(OPTIMIZERS.names))
-  curvature: str = setting("kfac", OneOf(CURVATURES.names))
-  mode: str = setting("ggn_exact", OneOf(estimators.ESTIMATION_MODES))
+  optimizer: str = setting(
+    "kfac",
+    OneOf(OPTIMIZERS.names),
+    "the optimizer that trains runs whose measurement does not compare "
+    "optimizers (spectra)",
+  )
+  curvature: str = setting(
+    "kfac",
+    OneOf(CURVATURES.names),
+    "the curvature of runs whose optimizer uses none (sgd, adam)",
+  )
+  mode: str = setting(
+    "ggn_exact",
+    OneOf(estimators.ESTIMATION_MODES),
+    "the estimation mode of runs whose optimizer uses no curvature",
+  )
   train_every_curvature: bool = setting(
     True,
     Flag(),
@@ -348,7 +361,7 @@ REGISTRIES = (
   OPTIMIZERS,
   measurements.MEASUREMENTS,
 )
-_stored = []  # the registered names when `store` last ran
+_stored: list[tuple] = []  # the registered names when `store` last ran
 
 
 def options(group: str) -> list[str]:
@@ -438,8 +451,8 @@ def measure_groups() -> dict[str, Choice]:
 def plain(node) -> dict:
   """A config (section) as a plain dict, interpolations resolved."""
   if isinstance(node, DictConfig):
-    return OmegaConf.to_container(node, resolve=True)
-  if dataclasses.is_dataclass(node):
+    return cast(dict, OmegaConf.to_container(node, resolve=True))
+  if dataclasses.is_dataclass(node) and not isinstance(node, type):
     return dataclasses.asdict(node)
   return dict(node)
 
@@ -556,7 +569,11 @@ def explain(error: Exception, overrides=()) -> str:
       r"Could not override 'measure\.(\w+)\.(\w+)\.", str(error)
     )
     path = unchosen and f"{unchosen[1]}/{unchosen[2]}"
-    if path in measure_groups() and measure_groups()[path].default is None:
+    if (
+      unchosen
+      and path in measure_groups()
+      and measure_groups()[path].default is None
+    ):
       return (
         f"measure.{unchosen[1]}.{unchosen[2]} is null until chosen: "
         f"give measure/{path}=NAME before its settings (one of "

@@ -51,6 +51,16 @@ def _traced(loss_fn: Callable, params, batch) -> kfac.BlockDiagonalCurvature:
   return estimator
 
 
+def _blocks(
+  estimator: kfac.BlockDiagonalCurvature,
+) -> tuple[kfac.CurvatureBlock, ...]:
+  """The blocks of an estimator that has built them (`init`)."""
+  blocks = estimator.blocks
+  if blocks is None:
+    raise RuntimeError("The estimator has not built its blocks: init it.")
+  return blocks
+
+
 def layer_blocks(
   loss_fn: Callable, params, batch
 ) -> list[tuple[str, np.ndarray]]:
@@ -112,7 +122,7 @@ def block_roles(
   return {
     name: block_role(name, block.layer_tag_primitive, layer_roles)
     for (name, _), block in zip(
-      _block_leaves(estimator, params), estimator.blocks
+      _block_leaves(estimator, params), _blocks(estimator)
     )
   }
 
@@ -280,7 +290,10 @@ class _Estimator(Curvature):
   estimator as `axis_name` (see `Curvature.takes_axis_name`).
   """
 
-  estimator: kfac.CurvatureEstimator = None
+  # Always given: the default only follows the base class's defaults. Every
+  # estimator here is block-diagonal (the explicit exact one and K-FAC's
+  # tridiagonal one too).
+  estimator: kfac.BlockDiagonalCurvature = None  # type: ignore[assignment]
   takes_axis_name = True
 
   def init(self, rng, params, batch):
@@ -357,7 +370,8 @@ def _describe(block) -> str:
 class BlockDiagonal(_Estimator):
   """One block per tagged layer, of the configured block type."""
 
-  block_type: str = "kfac"
+  # A setting here, where `Curvature` has a class attribute (None).
+  block_type: str = "kfac"  # type: ignore[assignment]
   # The layer-tag to block-constructor map (empty: the library's defaults).
   block_ctors: Mapping = dataclasses.field(default_factory=dict)
   # The estimator's other arguments from the settings (how it refreshes,
@@ -395,7 +409,7 @@ class BlockDiagonal(_Estimator):
           dict.fromkeys(s for s, w in zip(sources, which) if w == index)
         ),
       )
-      for index, b in enumerate(estimator.blocks)
+      for index, b in enumerate(_blocks(estimator))
     ]
 
   def init(self, rng, params, batch):
@@ -416,7 +430,7 @@ class BlockDiagonal(_Estimator):
       MemoryError: naming the largest block, its size and what to change.
     """
     shapes = jax.eval_shape(self.empty_state, rng, params, batch)
-    blocks = self.estimator.blocks
+    blocks = _blocks(self.estimator)
     names = [name for name, _ in _block_leaves(self.estimator, params)]
     parts = [
       (f"block {name!r} ({_describe(b)})", _nbytes(s))
@@ -444,7 +458,7 @@ class BlockDiagonal(_Estimator):
   def estimate(self, rng, params, data, num_samples=1):
     state = super().estimate(rng, params, data, num_samples)
     if not any(
-      block.statistics_in_cached_basis for block in self.estimator.blocks
+      block.statistics_in_cached_basis for block in _blocks(self.estimator)
     ):
       return state
     # The basis of the whole-data factors, then the statistics in it (the
@@ -497,7 +511,8 @@ class _Linearized:
     known.update(
       (id(x), ("params", i)) for i, x in enumerate(jax.tree.leaves(params))
     )
-    residuals, sources = [], []
+    residuals: list[Any] = []
+    sources = []
     for leaf in leaves:
       if id(leaf) not in known:
         known[id(leaf)] = ("residuals", len(residuals))
@@ -534,7 +549,8 @@ class ImplicitExact(Curvature):
   products; `precondition` uses it.
   """
 
-  implicit: kfac.ImplicitExactCurvature = None
+  # Always given: the default only follows the base class's defaults.
+  implicit: kfac.ImplicitExactCurvature = None  # type: ignore[assignment]
 
   @classmethod
   def of_matrix(cls, matrix: str, loss_fn: Callable, **common):
@@ -666,7 +682,9 @@ def exact(
       f"Unknown exact matrix {matrix!r}; choose from "
       f"{', '.join(EXACT_MATRICES)}."
     )
-  common = dict(name="exact", cg_iters=cg_iters, max_dense_gib=max_dense_gib)
+  common: dict[str, Any] = dict(
+    name="exact", cg_iters=cg_iters, max_dense_gib=max_dense_gib
+  )
   if matrix_free or matrix not in estimation_modes.EXACT_MODE_OF_MATRIX:
     return ImplicitExact.of_matrix(matrix, loss_fn, **common)
   mode = estimation_modes.exact_mode(matrix)

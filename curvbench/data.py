@@ -158,7 +158,8 @@ def canonical_cpu_convolutions() -> bool:
   """
   conv = jax.lax.conv_general_dilated_p
   try:  # jax's rule, to lower the canonical convolution itself
-    entry = (
+    # (jax's private tables: a rule, or an entry holding it, by version)
+    entry: Any = (
       mlir._platform_specific_lowerings["cpu"].get(conv)
       or mlir._lowerings[conv]
     )
@@ -197,7 +198,8 @@ def canonical_cpu_convolutions() -> bool:
 
     return mlir.lower_fun(transposed, multiple_results=False)(ctx, lhs, rhs)
 
-  rule.canonicalizes = True
+  # Marks our rule, so that a second call keeps it (read back above).
+  rule.canonicalizes = True  # type: ignore[attr-defined]
   mlir.register_lowering(conv, rule, platform="cpu")
   return True
 

@@ -43,7 +43,9 @@ _INSTALL = {
 }
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # The devices of the innermost `use` block (None outside one).
-_IN_USE = contextvars.ContextVar("devices_in_use", default=None)
+_IN_USE: contextvars.ContextVar[list[jax.Device] | None] = (
+  contextvars.ContextVar("devices_in_use", default=None)
+)
 
 
 def select(platform: str) -> jax.Device:

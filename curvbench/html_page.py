@@ -22,6 +22,7 @@ import dataclasses
 import math
 import numbers
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
@@ -59,7 +60,7 @@ class Paragraph:
 class Bullets:
   """A bulleted list of plain-text items."""
 
-  items: tuple[str, ...]
+  items: Sequence[str]  # kept as a tuple
 
   def __post_init__(self):
     if isinstance(self.items, str):
@@ -98,7 +99,7 @@ class Details:
   """Blocks collapsed behind `summary`, shown when it is clicked."""
 
   summary: str
-  blocks: tuple
+  blocks: Sequence[Paragraph | Bullets | Table | Figure]  # kept as a tuple
 
   def __post_init__(self):
     inner = tuple(self.blocks)
@@ -119,7 +120,7 @@ class Details:
 Block = Heading | Paragraph | Bullets | Table | Figure | Details
 
 
-def write(path: str | Path, title: str, blocks: list[Block]) -> Path:
+def write(path: str | Path, title: str, blocks: Sequence[Block]) -> Path:
   """Writes the page atomically to `path` and returns `path`."""
   path = Path(path)
   text = render(title, blocks)
@@ -128,7 +129,7 @@ def write(path: str | Path, title: str, blocks: list[Block]) -> Path:
   )
 
 
-def render(title: str, blocks: list[Block]) -> str:
+def render(title: str, blocks: Sequence[Block]) -> str:
   """The page as one HTML string."""
   anchors = _anchors(blocks)
   shown = [_block(block, anchors.get(i)) for i, block in enumerate(blocks)]
@@ -210,7 +211,7 @@ def _table(table: Table) -> dict:
     [_cell(v) for v in row] for row in df.itertuples(index=False, name=None)
   ]
   numeric = [
-    all(r[j] is None or r[j]["value"] is not None for r in rows)
+    all(c is None or c["value"] is not None for c in [r[j] for r in rows])
     for j in range(len(names))
   ]
   return dict(

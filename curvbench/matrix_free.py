@@ -74,7 +74,7 @@ def _per_probe(
   return jax.lax.map(fn, keys, batch_size=batch_size)
 
 
-def _sq_norm(tree: PyTree) -> jax.Array:
+def _sq_norm(tree: PyTree) -> jax.Array | int:
   return sum(jnp.vdot(x, x) for x in jax.tree.leaves(tree))
 
 
@@ -394,7 +394,9 @@ def relative_diagonal_error(
   single = groups is None
   if single or cells is None:
     cells = jnp.zeros(x.shape[1], int)
-  groups = jnp.ones((1, 1), x.dtype) if single else groups.astype(x.dtype)
+  groups = (
+    jnp.ones((1, 1), x.dtype) if groups is None else groups.astype(x.dtype)
+  )
   num_cells, m = groups.shape[1], num_probes
   by_cell = lambda t: jax.ops.segment_sum(t.T, cells, num_cells).T
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -25,6 +26,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib import colors, layout_engine  # noqa: E402
+
+if TYPE_CHECKING:
+  from matplotlib.typing import RcKeyType
 
 DEFAULTS = dict(step=0, data="batch", block="all")
 LEGEND_FONTSIZE = 7
@@ -98,7 +102,7 @@ def title(what: str, rows: pd.DataFrame) -> str:
 
 def _figure_handles(fig) -> tuple[list, list[str]]:
   """The labelled artists of every panel of `fig`, once per label."""
-  found = {}
+  found: dict[str, Any] = {}
   for ax in fig.axes:
     for handle, label in zip(*ax.get_legend_handles_labels()):
       found.setdefault(label, handle)
@@ -210,7 +214,9 @@ def variant(label: str) -> str:
 def _hues() -> list[str]:
   """Distinct hues: tab10's, then tab20's lighter ones (greys left out:
   the exact matrices are drawn in grey)."""
-  tab20 = [colors.to_hex(c) for c in plt.get_cmap("tab20").colors]
+  # A listed colormap's colours; `get_cmap` is typed as giving any colormap.
+  palette = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
+  tab20 = [colors.to_hex(c) for c in palette]
   return [
     c for c in tab20[0::2] + tab20[1::2] if len(set(colors.to_rgb(c))) > 1
   ]
@@ -222,7 +228,7 @@ def shade(colour: str, i: int, n: int) -> str:
     return colors.to_hex(colour)
   t = -0.45 + 0.9 * i / (n - 1)
   rgb = np.asarray(colors.to_rgb(colour))
-  return colors.to_hex(rgb + abs(t) * (float(t > 0) - rgb))
+  return colors.to_hex(tuple(rgb + abs(t) * (float(t > 0) - rgb)))
 
 
 def colours(labels, fixed: dict[str, str] | None = None) -> dict[str, str]:
@@ -291,7 +297,7 @@ def band(ax, x, lo, hi, colour):
   ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
 
 
-STYLE = {
+STYLE: dict[RcKeyType, Any] = {
   "font.size": 10,
   "axes.titlesize": 10,
   "axes.labelsize": 10,

@@ -39,7 +39,7 @@ ENTRY_POINTS = "curvbench.plugins"
 # The packages whose code the run's `code` (the commit) already names.
 OWN_PACKAGES = ("curvbench", "problems", "estimators", "hydra_plugins")
 
-_installed_loaded = []  # [True] once the entry points were imported
+_installed_loaded: list[bool] = []  # [True] once the entry points were imported
 
 
 class PluginError(ValueError):
@@ -108,6 +108,8 @@ def _module(name: str):
   if module_name in sys.modules:
     return sys.modules[module_name]
   spec = importlib.util.spec_from_file_location(module_name, path)
+  if spec is None or spec.loader is None:  # not for a .py file
+    raise ImportError(f"cannot load {path} as a module")
   module = importlib.util.module_from_spec(spec)
   sys.modules[module_name] = module
   try:
@@ -135,14 +137,15 @@ def source(cls: type) -> str | None:
   if top in OWN_PACKAGES or module is None:
     return None
   folders = getattr(sys.modules.get(top), "__path__", None)
+  file = getattr(module, "__file__", None)
   if folders:  # a package: all of it (a component may import its helpers)
     texts = [
       f"{f.relative_to(d)}\n{f.read_text()}"
       for d in folders
       for f in sorted(Path(d).rglob("*.py"))
     ]
-  elif getattr(module, "__file__", None):
-    texts = [Path(module.__file__).read_text()]
+  elif file:
+    texts = [Path(file).read_text()]
   else:  # defined in a notebook: its class's own code
     texts = [inspect.getsource(cls)]
   return _digest("\0".join(texts))[:12]

@@ -174,7 +174,7 @@ def code_version() -> dict:
 
 
 def versions() -> dict:
-  out = {}
+  out: dict[str, str | None] = {}
   for pkg in LIBRARIES:
     try:
       out[pkg] = importlib.metadata.version(pkg)

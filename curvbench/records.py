@@ -116,6 +116,7 @@ def check_writable(folder, fix: str) -> None:
   # The nearest folder that exists (os.path.exists, unlike Path.exists,
   # answers False where a parent may not be searched).
   existing = next(p for p in (absolute, *absolute.parents) if os.path.exists(p))
+  code: int | None
   if not existing.is_dir():
     code = errno.ENOTDIR
   else:

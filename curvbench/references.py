@@ -31,6 +31,7 @@ import json
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -78,7 +79,7 @@ class ReferenceStore:
   ) -> tuple[dict[str, np.ndarray], bool]:
     """`(arrays, shared)`: the entry for `key`, read from the store where an
     earlier run wrote it (`shared` True), else `compute()`d and stored."""
-    if not self.keeps:
+    if self.folder is None:  # keeps nothing
       return compute(), False
     text = json.dumps(
       dict(key, code=provenance.code_version()["code"]),
@@ -100,6 +101,8 @@ class ReferenceStore:
   def prune(self, keep: Path | None = None) -> None:
     """Removes the oldest entries until the store holds at most
     `KEEP_BYTES` (`keep`, the entry just written, stays)."""
+    if self.folder is None:  # keeps nothing
+      return
     entries = []
     for path in self.folder.glob("*.npz"):
       try:
@@ -130,6 +133,6 @@ class ReferenceStore:
       return None
 
 
-def _save(tmp: str, text: str, arrays: dict[str, np.ndarray]) -> None:
+def _save(tmp: str, text: str, arrays: dict[str, Any]) -> None:
   with open(tmp, "wb") as f:
     np.savez(f, key=np.array(text), **arrays)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -63,16 +64,16 @@ class Report:
 def colour_map(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
   """A colour for every label and method of `tables`: the hue each
   curvature and optimizer declares (`Component.colour`; `plots.colours`)."""
-  names = set()
+  names: set[str] = set()
   for df in tables.values():
     for column in ("label", "method"):
       if column in df:
         names.update(str(v) for v in df[column].dropna().unique())
   declared = {
-    name: registry.get(name).colour
+    name: colour
     for registry in (CURVATURES, OPTIMIZERS)
     for name in registry
-    if registry.get(name).colour is not None
+    if (colour := registry.get(name).colour) is not None
   }
   return plots.colours(names, declared)
 
@@ -158,7 +159,7 @@ def write(root, out=None) -> dict:
     sections[-1].notes += notes
   checked = self_check(sections, done)
 
-  written = {
+  written: dict[str, Any] = {
     "tables": [],
     "figures": [],
     "self_check": checked,
@@ -194,7 +195,7 @@ def write(root, out=None) -> dict:
 
 def _provenance_line(tables, runs: pd.DataFrame) -> str:
   """The devices, code versions and runs the records come from."""
-  found = {"device_kind": set(), "commit": set()}
+  found: dict[str, set[str]] = {"device_kind": set(), "commit": set()}
   for df in tables.values():
     for column, values in found.items():
       if column in df:
@@ -229,7 +230,10 @@ def _write_pages(root, out, sections, checked, header) -> list[Path]:
   """`report.md` (answers first, detailed tables as links to their CSV)
   and `report.html` (the same, detailed tables collapsed)."""
   lines = [f"# curvbench report: {root}", "", header, "", "## Summary", ""]
-  blocks = [html_page.Paragraph(header), html_page.Heading("Summary")]
+  blocks: list[html_page.Block] = [
+    html_page.Paragraph(header),
+    html_page.Heading("Summary"),
+  ]
   for section in sections:
     if section.findings:
       lines += [

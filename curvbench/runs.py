@@ -15,6 +15,7 @@ import gc
 import logging
 import traceback
 from pathlib import Path
+from typing import cast
 
 import jax
 import numpy as np
@@ -190,7 +191,7 @@ def measure(cfg, run_dir) -> dict:
 def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   """Why a finished run's records do not answer `cfg` (None when they do):
   another config, other code, or other data (see `provenance.run_id`)."""
-  marker = run_dir.marker()
+  marker = cast(dict, run_dir.marker())  # a finished run has one
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)

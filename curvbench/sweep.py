@@ -25,6 +25,7 @@ import fnmatch
 import json
 import os
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ def _status(run: records.RunDir) -> tuple[str, str, dict | None]:
     damage = run.damage()
     if damage:
       return "damaged", f"{damage}; a rerun of the sweep redoes it", None
-    marker = run.marker()
+    marker = cast(dict, run.marker())  # there, and intact
     return marker["status"], marker.get("reason", ""), marker
   error = run.path / records.ERROR
   if error.exists():
@@ -167,8 +168,8 @@ def _walk(root: Path, depth: int | None = None):
   levels down, Hydra's `.hydra` folders left out. Symbolic links are
   listed among the subfolders but not followed, so a link that loops
   cannot hold the walk up."""
-  for folder, subfolders, files in os.walk(root):
-    folder = Path(folder)
+  for name, subfolders, files in os.walk(root):
+    folder = Path(name)
     deep = depth is not None and len(folder.relative_to(root).parts) >= depth
     subfolders[:] = [] if deep else [n for n in subfolders if n != ".hydra"]
     yield folder, subfolders, files
@@ -304,14 +305,14 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
   done = runs[runs.status.isin(["complete", "diverged"])].copy()
   if done.empty:
     return done.assign(setting="", label="", trained_setting="")
-  keys = {
+  config_keys = {
     c: c.removeprefix("config:")
     for c in done.columns
     if c.startswith("config:")
   }
   candidates = [
     c
-    for c, key in keys.items()
+    for c, key in config_keys.items()
     if key.split(".")[0] not in provenance.NOT_IDENTITY
     and key not in provenance.SEED_KEYS
   ]

@@ -170,11 +170,11 @@ def batch_schedule(
   """
   if growth_steps is None or first >= total:
     return lambda k: first
-  rungs = [
+  powers = [
     first * ladder**j
     for j in range(int(np.floor(np.log(total / first) / np.log(ladder))) + 1)
   ]
-  rungs = sorted({int(r) for r in rungs if r < total} | {total})
+  rungs = sorted({int(r) for r in powers if r < total} | {total})
   rate = np.log(total / first) / max(growth_steps - 1, 1)
 
   def size(k: int) -> int:
@@ -293,7 +293,7 @@ def run(
     jax.block_until_ready(average(params, params))
   compile_s += time.perf_counter() - start_compile
   mean = params  # the iterates' running average (with average_decay)
-  if 0 in at_steps:
+  if on_step is not None and 0 in at_steps:
     on_step(0, params, model_state)
 
   def scores_of(params, mean, model_state):
@@ -390,7 +390,7 @@ def run(
         break
     else:
       held = (step, params, mean, model_state, elapsed, None)
-    if step in at_steps:
+    if on_step is not None and step in at_steps:
       on_step(step, params, model_state)
     batch = place(next(batches))
   # A run that stopped before its budget holds its last parameters from

@@ -164,6 +164,6 @@ def map_blocks(
   device computes every piece (nothing would be saved).
   """
   num_devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-  if num_devices < 2 or len(fns) < 2:
+  if axis_name is None or num_devices < 2 or len(fns) < 2:
     return [fn(arg) for fn, arg in zip(fns, args)]
   return run_on_owners(fns, args, balance(costs, num_devices), axis_name)

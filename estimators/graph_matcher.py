@@ -251,6 +251,14 @@ class _Graph:
   keys they stand for, so each value has one canonical key, made by one node.
   """
 
+  # Set on a pattern's graph only (`_pattern_graph`): its arguments, their
+  # roles by key, the producer of its output and whether params broadcast.
+  num_inputs: int
+  num_params: int
+  roles: dict[Any, tuple[str, int]]
+  root: tuple[int, int]
+  broadcasts: bool
+
   def __init__(self, jaxpr, consts=()):
     self.jaxpr = jaxpr  # keeps the equations, whose ids name paths, alive
     self.nodes: list[_Node] = []
@@ -1092,13 +1100,14 @@ class _Registration:
       )
     manual = [i for i, n in enumerate(g.nodes) if tags.is_layer_tag_eqn(n.eqn)]
     self.relevant = g.ancestors(self.loss_nodes + manual)
-    self.consumers = {}
+    self.consumers: dict[Any, set[int]] = {}
     for i in sorted(self.relevant):
       for k in g.nodes[i].inputs:
         if not isinstance(k, Literal):
           self.consumers.setdefault(k, set()).add(i)
 
-    self.owner = {}  # leaf index -> (tag name, source, layer number, stack)
+    # leaf index -> (tag name, source, layer number, stack)
+    self.owner: dict[int, tuple[Any, ...]] = {}
     self.matches, self.dropped = {}, set()  # root node -> _Match
     # leaf index -> matches left unclaimed because they share that leaf
     self.sharing = {}
@@ -1325,7 +1334,8 @@ class _Registration:
 
   def _calls_to_inline(self, manual):
     """Paths of the calls to evaluate equation by equation, not as a call."""
-    g, inline = self.graph, set()
+    g = self.graph
+    inline: set[tuple[int, ...]] = set()
     for n in list(self.matches) + self.loss_nodes + manual:
       ctx = g.nodes[n].path[:-1]
       inline.update(ctx[:i] for i in range(1, len(ctx) + 1))
@@ -1537,7 +1547,7 @@ def auto_register_tags(
 
   Args:
     func: the model function; it must register at least one loss.
-    func_args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    func_args: example arguments (arrays or `jax.ShapeDtypeStruct` values).
     params_index: which argument of `func` holds the parameters.
     register_only_generic: match no patterns; parameters outside hand-written
       tags all get generic tags.
@@ -1587,7 +1597,7 @@ def registration_report(
 
   Args:
     func: the model function.
-    func_args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    func_args: example arguments (arrays or `jax.ShapeDtypeStruct` values).
     params_index: which argument of `func` holds the parameters.
     **auto_register_kwargs: other options of `auto_register_tags`.
 

@@ -88,7 +88,8 @@ class LossFunction:
     Args:
       weight: a scalar multiplying the loss (and so its curvature).
     """
-    self._inputs = {"weight": weight}  # Subclasses add their arguments.
+    # Subclasses add their arguments (None for an absent one).
+    self._inputs: dict[str, Numeric | None] = {"weight": weight}
 
   weight = _input("weight", "The loss's relative weight (a scalar).")
   targets = _input("targets", "Default targets for `evaluate`, or None.")

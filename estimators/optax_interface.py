@@ -22,7 +22,7 @@ preconditioner's own state travels as the `precond_state` extra argument:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,8 @@ class OptaxPreconditionState(NamedTuple):
       cached inverse).
   """
 
-  count: jax.Array
+  # Shadows `tuple.count`, under KFAC-JAX's name for the field.
+  count: jax.Array  # type: ignore[assignment]
   estimator_state: Any
 
 
@@ -196,7 +197,7 @@ class OptaxPreconditioner:
       A scalar.
     """
     damping = (
-      self._damping
+      cast(utils.Numeric, self._damping)  # given, without a schedule
       if self._damping_schedule is None
       else self._damping_schedule(state.count)
     )

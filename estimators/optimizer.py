@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -116,7 +116,7 @@ class Optimizer:
     register_only_generic: bool = False,
     patterns_to_skip: Sequence[str] = (),
     auto_register_kwargs: dict[str, Any] | None = None,
-    layer_tag_to_block_ctor: dict[str, curvature.CurvatureBlockCtor]
+    layer_tag_to_block_ctor: Mapping[str, curvature.CurvatureBlockCtor]
     | None = None,
     multi_device: bool = False,
     debug: bool = False,
@@ -304,7 +304,7 @@ class Optimizer:
     self._compiled_burnin = self._stage(self._burnin_step, static_argnums=())
     # The counter array the last step returned and its value: a state passed
     # back in unchanged needs no device read to know its step.
-    self._last_counter = [None, None]
+    self._last_counter: list[Any] = [None, None]
     self._finalized = False
     self._modifiable = set(modifiable_attribute_exceptions)
     self._forbid_setting = forbid_setting_attributes_after_finalize
@@ -722,7 +722,8 @@ class Optimizer:
       self._known_step(counter) is not None
       or global_step_int == 0
       or self._debug
-      or counter.is_ready()
+      # A device array has it; `jax.Array`'s stub does not declare it.
+      or counter.is_ready()  # type: ignore[attr-defined]
     )
     if global_step_int is not None and verified:
       actual = self._read_step(counter)
@@ -740,7 +741,7 @@ class Optimizer:
       state, func_state = self.burnin(
         self._num_burnin_steps, params, state, rng, burnin_data, func_state
       )
-    if batch is None:
+    if data_iterator is not None:  # (exactly one of them was given)
       batch = next(data_iterator)
     batch = self._batch_process_func(batch)
     dtype = state.damping.dtype

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 
-def _pair(value, name):
+def _pair(value, name) -> tuple[int, int]:
   if isinstance(value, (int, np.integer)):
     return (int(value),) * 2
   value = tuple(int(v) for v in value)
@@ -61,7 +61,9 @@ def _prepare(
   feature_group_count,
   batch_group_count,
   weighting_array,
-):
+) -> tuple[
+  jax.Array, tuple[int, int], tuple[int, int], tuple[int, ...], jax.Array, bool
+]:
   """Validates arguments; returns the padded NHWC input and the geometry."""
   inputs = jnp.asarray(inputs)
   if inputs.ndim != 4:
@@ -97,6 +99,7 @@ def _prepare(
       "patches_moments supports feature_group_count 1 or the "
       f"number of channels ({c}), got {feature_group_count}."
     )
+  pads: Sequence[tuple[int, int]]
   if isinstance(padding, str):
     pads = lax.padtype_to_pads((h, w), kernel, strides, padding)
   else:
@@ -210,7 +213,7 @@ def patches_moments(
   k = kh * kw
   if unroll_loop:
     views = [view(i) for i in range(k)]
-    rows = [[None] * k for _ in range(k)]
+    rows: list[list[Any]] = [[None] * k for _ in range(k)]
     for i in range(k):
       for j in range(i, k):
         rows[i][j] = block(views[i], views[j])

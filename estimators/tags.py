@@ -454,7 +454,7 @@ def _check_dense(y, x, w, b, fn, repeated, transposed):
     )
 
 
-def _normalize_pairs(value, n, name):
+def _normalize_pairs(value, n: int, name: str) -> tuple[int, ...]:
   if value is None:
     return (1,) * n
   if isinstance(value, int):

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ def _eval_inlined(jaxpr, consts, *args):
   its layer tags (see `StackedLayerTag`); any other tag inside scan, while or
   cond is an error.
   """
-  env = {}
+  env: dict[Any, Any] = {}
 
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -170,7 +170,7 @@ class ProcessedJaxpr:
     in_tree: the tree structure of the function's positional arguments.
     params_index: which argument holds the parameters.
     loss_tags: the loss tag equations, in order.
-    layer_tags: the layer tags (equations, `StackedLayerTag`s or stand-in
+    layer_tags: the layer tags (equations, `StackedLayerTag` objects or stand-in
       generic tags), ordered by the position of their parameters.
     layer_indices: per layer tag, the positions of its parameters among the
       leaves of the params argument.
@@ -224,14 +224,16 @@ class ProcessedJaxpr:
         "estimators.register_softmax_cross_entropy_loss(logits, targets) "
         "(or another estimators.register_*_loss) on the model's output."
       )
-    layer_tags = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)]
-    self._stacked_in = {}  # id(scan eqn) -> [(layer, inner tag eqn)]
+    # Equations, and stand-ins for them (`StackedLayerTag`, generic tags).
+    layer_tags: list[Any] = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)]
+    # id(scan eqn) -> [(layer, inner tag eqn)]
+    self._stacked_in: dict[int, list[tuple[int, Any]]] = {}
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "scan" and _holds_tag(
         eqn.params["jaxpr"].jaxpr, tags.LayerTag
       ):
         layer_tags.extend(self._stacked_tags(eqn))
-    claimed = {}
+    claimed: dict[Any, Any] = {}  # parameter variable -> its tag
     for eqn in layer_tags:
       for var in _param_vars(eqn):
         if var not in self._param_position:
@@ -431,7 +433,7 @@ class ProcessedJaxpr:
 
   def _evaluate(self, flat_args, perturbations, eqns, outvars=()):
     """Runs `eqns`: (the values of `outvars`, loss operands, layer values)."""
-    env = {}
+    env: dict[Any, Any] = {}
 
     def read(v):
       return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -441,7 +443,7 @@ class ProcessedJaxpr:
     for var, val in zip(self.jaxpr.invars, flat_args):
       env[var] = val
     layer_position = {id(e): i for i, e in enumerate(self.layer_tags)}
-    layer_values = [None] * len(self.layer_tags)
+    layer_values: list[dict[str, Any] | None] = [None] * len(self.layer_tags)
     losses_args = []
     for eqn in eqns:
       invals = [read(v) for v in eqn.invars]
@@ -532,7 +534,7 @@ class ProcessedJaxpr:
       One `LossFunction` per loss tag.
     """
     return tuple(
-      eqn.primitive.loss(*args, **eqn.params)
+      cast(tags.LossTag, eqn.primitive).loss(*args, **eqn.params)
       for eqn, args in zip(self.loss_tags, losses_args)
     )
 
@@ -563,7 +565,7 @@ def _eval_stacked_scan(scan, invals, inner_tags, perturbations):
     def read(v):
       return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-    recorded = [None] * len(inner_tags)
+    recorded: list[tuple[Any, Any] | None] = [None] * len(inner_tags)
     for eqn in body.jaxpr.eqns:
       vals = [read(v) for v in eqn.invars]
       outvals = jaxpr_utils.bind_equation(eqn, vals)
@@ -609,7 +611,7 @@ class TracedFunction:
     self.auto_register_tags = auto_register_tags
     self.raise_error_on_diff_jaxpr = raise_error_on_diff_jaxpr
     self.kwargs = auto_registration_kwargs
-    self._cache = {}
+    self._cache: dict[Any, ProcessedJaxpr] = {}
 
   def processed(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
     """The processed jaxpr for these arguments, traced on first use.
@@ -674,7 +676,10 @@ def _with_params(flat_args, positions, params_flat):
   return flat
 
 
-_SHARED_TRACES = weakref.WeakKeyDictionary()
+# func -> {params_index: its TracedFunction}
+_SHARED_TRACES: weakref.WeakKeyDictionary[
+  Callable, dict[int, TracedFunction]
+] = weakref.WeakKeyDictionary()
 
 
 def traced_function(
@@ -894,7 +899,7 @@ def layer_tags_value_vjp(
     TracingError: if the function does not return one scalar.
   """
   proc, flat_args, _ = traced.split(func_args)
-  out_aval = proc.jaxpr.outvars[0].aval
+  out_aval = cast(jax.core.ShapedArray, proc.jaxpr.outvars[0].aval)
   if len(proc.jaxpr.outvars) != 1 or out_aval.shape != ():
     raise TracingError(
       "The function must return one scalar (the loss) to "

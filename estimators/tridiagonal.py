@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.flatten_util
@@ -145,6 +146,8 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
   always uses the current estimate.
   """
 
+  # The methods below take this State, narrower than the base class's (so
+  # each `state` is a `type: ignore[override]`).
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class State(curvature.BlockDiagonalCurvature.State):
@@ -162,6 +165,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     if self._blocks is not None:
       return
     super()._finalize(func_args)
+    blocks = self._require_finalized()
     position = {id(e): i for i, e in enumerate(self.jaxpr.jaxpr.eqns)}
     order = sorted(
       range(self.num_blocks),
@@ -169,13 +173,19 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     )
     chains, run = [], []
     for j in order + [None]:
-      if j is not None and _is_chain_layer(self.blocks[j]):
+      if j is not None and _is_chain_layer(blocks[j]):
         run.append(j)
         continue
       if len(run) > 1:
         chains.append(tuple(run))
       run = []
     self._chains = tuple(chains)
+
+  def _chain_block(self, j: int) -> curvature_blocks.DenseTwoKroneckerFactored:
+    """Block `j`, a layer of a chain (so a dense K-FAC block)."""
+    return cast(
+      curvature_blocks.DenseTwoKroneckerFactored, self._require_finalized()[j]
+    )
 
   @property
   def chains(self) -> tuple[tuple[int, ...], ...]:
@@ -216,9 +226,10 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     base = super().init(rng, func_args, None, approx, cache_eigenvalues)
     links = []
     for i, j in self.links:
-      a_i, g_i = self.blocks[i].input_size(), self.blocks[i].output_size()
-      a_j, g_j = self.blocks[j].input_size(), self.blocks[j].output_size()
-      dtype = self.blocks[i].parameters_dtype
+      block_i, block_j = self._chain_block(i), self._chain_block(j)
+      a_i, g_i = block_i.input_size(), block_i.output_size()
+      a_j, g_j = block_j.input_size(), block_j.output_size()
+      dtype = block_i.parameters_dtype
       cache = {}
       if approx:  # `_link_cache`'s entries, for the first layer's `Σ`
         shapes = dict(
@@ -238,7 +249,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def update_curvature_matrix_estimate(
     self,
-    state: "State",
+    state: "State",  # type: ignore[override]
     ema_old: Numeric,
     ema_new: Numeric,
     batch_size: Numeric,
@@ -252,16 +263,17 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     data = self.blocks_estimation_data(
       func_args, rng, estimation_mode, batch_size
     )
+    blocks = self._require_finalized()
     blocks_states = tuple(
       curvature.update_block_estimate(
         b, s, d, ema_old, ema_new, batch_size, pmap_axis_name
       )
-      for b, s, d in zip(self.blocks, state.blocks_states, data)
+      for b, s, d in zip(blocks, state.blocks_states, data)
     )
     links = []
     for (i, j), link in zip(self.links, state.links):
-      x_i, dy_i = _rows(self.blocks[i], data[i])
-      x_j, dy_j = _rows(self.blocks[j], data[j])
+      x_i, dy_i = _rows(blocks[i], data[i])
+      x_j, dy_j = _rows(blocks[j], data[j])
       cross = (
         x_i.T @ x_j / batch_size,
         jnp.einsum("sbo,sbp->op", dy_i, dy_j) / batch_size,
@@ -279,7 +291,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def update_cache(
     self,
-    state: "State",
+    state: "State",  # type: ignore[override]
     identity_weight: Numeric | Sequence[Numeric],
     exact_powers: ScalarOrSequence = None,
     approx_powers: ScalarOrSequence = None,
@@ -293,7 +305,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     block-diagonal K-FAC (with `matrix_power_method`; the links always use
     generalized eigendecompositions).
     """
-    self._require_finalized()
+    blocks = self._require_finalized()
     exact, approx = (
       canonical_powers(exact_powers),
       canonical_powers(approx_powers),
@@ -308,13 +320,13 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     # The pieces of work: each block refreshed as a block (all but a chain's
     # inner layers) and each chain's links.
     own = [j for j in range(self.num_blocks) if j not in inner]
-    fns = [
-      lambda s, j=j: self.blocks[j].update_cache(
+    fns: list[Callable[..., Any]] = [
+      lambda s, j=j: blocks[j].update_cache(
         s, weights[j], None, approx, eigenvalues=eigenvalues
       )
       for j in own
     ]
-    args = [state.blocks_states[j] for j in own]
+    args: list[Any] = [state.blocks_states[j] for j in own]
     costs = [distributed.refresh_cost(a) for a in args]
     chains = self.chains if approx else ()
     for chain in chains:
@@ -339,7 +351,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       ),
     ):
       blocks_states[j] = refreshed
-    caches = {}
+    caches: dict[int, dict[str, jax.Array]] = {}
     for chain in chains:
       caches.update(zip(chain, next(results)))
     links = tuple(
@@ -381,7 +393,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def multiply_matpower(
     self,
-    state: "State",
+    state: "State",  # type: ignore[override]
     parameter_structured_vector: Params,
     identity_weight: Numeric | Sequence[Numeric],
     power: float,
@@ -402,32 +414,41 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
         "for the inverse of the paper's damped approximation."
       )
     vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
+    blocks = self._require_finalized()
     weights = self._per_block(identity_weight, "identity_weight")
     in_chain = {j for chain in self.chains for j in chain}
     # The pieces of work: each uncoupled block's product, each chain's.
     single = [j for j in range(self.num_blocks) if j not in in_chain]
-    fns = [
-      lambda args, j=j: self.blocks[j].multiply_matpower(
-        *args, weights[j], power, exact_power=exact_power, use_cached=use_cached
+    # Each takes its (state, vector) or (estimator state, blocks' vectors).
+    fns: list[Callable[..., Any]] = [
+      lambda args, j=j: blocks[j].multiply_matpower(
+        args[0],
+        args[1],
+        weights[j],
+        power,
+        exact_power=exact_power,
+        use_cached=use_cached,
       )
       for j in single
     ]
-    args = [(state.blocks_states[j], vectors[j]) for j in single]
+    args: list[tuple[Any, Any]] = [
+      (state.blocks_states[j], vectors[j]) for j in single
+    ]
     costs = [
-      distributed.product_cost(a[0], self.blocks[j].dim)
+      distributed.product_cost(a[0], blocks[j].dim)
       for j, a in zip(single, args)
     ]
     for chain in self.chains:
       fns.append(
         lambda args, chain=chain: self._chain_product(
-          chain, *args, weights, power, exact_power, use_cached
+          chain, args[0], args[1], weights, power, exact_power, use_cached
         )
       )
       args.append((state, vectors))
       costs.append(
         distributed.product_cost(
           self._chain_states(state, chain),
-          sum(self.blocks[j].dim for j in chain),
+          sum(blocks[j].dim for j in chain),
         )
       )
     axis = pmap_axis_name if self.distributed_multiplies else None
@@ -472,7 +493,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
         caches,
         results,
         lambda v: (
-          self.blocks[root].multiply_inverse(
+          self._require_finalized()[root].multiply_inverse(
             state.blocks_states[root],
             v,
             weights[root],
@@ -485,7 +506,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def _chain_multiply(self, chain, factors, vectors):
     """`F̂ v = Ξ⁻¹ Λ⁻¹ Ξ⁻ᵀ v` over one chain, in place in `vectors`."""
-    blocks = [self.blocks[j] for j in chain]
+    blocks = [self._chain_block(j) for j in chain]
     v = [_as_matrix(b, vectors[j]) for b, j in zip(blocks, chain)]
     f = [factors[j] for j in chain]
     for k in range(1, len(v)):  # z = Ξ⁻ᵀ v
@@ -505,7 +526,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def _chain_inverse(self, chain, caches, vectors, root_inverse: Callable):
     """`F̆⁻¹ v = Ξᵀ Λ Ξ v` over one chain, in place in `vectors`."""
-    blocks = [self.blocks[j] for j in chain]
+    blocks = [self._chain_block(j) for j in chain]
     v = [_as_matrix(b, vectors[j]) for b, j in zip(blocks, chain)]
     c = [caches.get(j) for j in chain]
     u = [
@@ -529,7 +550,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def multiply_inverse_of_gradient(
     self,
-    state: "State",
+    state: "State",  # type: ignore[override]
     grads: Params,
     func_args: FuncArgs,
     identity_weight: Numeric | Sequence[Numeric] = 0.0,
@@ -552,7 +573,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def to_dense_matrix(
     self,
-    state: "State",
+    state: "State",  # type: ignore[override]
     use_cached: bool = False,
     identity_weight: Numeric | Sequence[Numeric] = 0.0,
     exact_power: bool = True,
@@ -583,7 +604,11 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
     return jax.vmap(column, out_axes=1)(jnp.eye(self.dim, dtype=dtype))
 
-  def eigenvalues(self, state: "State", use_cached: bool = False) -> jax.Array:
+  def eigenvalues(
+    self,
+    state: "State",  # type: ignore[override]
+    use_cached: bool = False,
+  ) -> jax.Array:
     """Eigenvalues of the undamped estimate: the uncoupled blocks' own, and
     each chain's from its dense matrix (so chains must be small enough)."""
     if use_cached:
@@ -594,7 +619,9 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     in_chain = {j for chain in self.chains for j in chain}
     values = [
       b.eigenvalues(s, use_cached=False)
-      for j, (b, s) in enumerate(zip(self.blocks, state.blocks_states))
+      for j, (b, s) in enumerate(
+        zip(self._require_finalized(), state.blocks_states)
+      )
       if j not in in_chain
     ]
     dense = self.to_dense_matrix(state)
@@ -613,12 +640,13 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
 def _link_cache(factors: _Factors) -> dict:
   """A link's cached terms for the inverse of its first layer's `Σ`."""
-  c, d = factors.cd
+  # A layer followed by another in its chain: `psi` and `cd` are set.
+  psi, (c, d) = cast(tuple, factors.psi), cast(tuple, factors.cd)
   a_values, a_basis = _generalized_eigh(c, factors.a)
   g_values, g_basis = _generalized_eigh(d, factors.g)
   return dict(
-    inputs_psi=factors.psi[0],
-    outputs_psi=factors.psi[1],
+    inputs_psi=psi[0],
+    outputs_psi=psi[1],
     inputs_basis=a_basis,
     inputs_values=a_values,
     outputs_basis=g_basis,

@@ -7,6 +7,8 @@ problem's defaults) and returns a `Problem`. The problems are the modules of
 `problems.models`, the datasets those of `problems.datasets`.
 """
 
+from typing import cast
+
 from problems import data, layers
 from problems.base import (
   LOSSES,
@@ -39,7 +41,7 @@ def _plain(settings) -> dict:
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(settings, DictConfig):
-      return OmegaConf.to_container(settings, resolve=True)
+      return cast(dict, OmegaConf.to_container(settings, resolve=True))
   except ImportError:
     pass
   return dict(settings)

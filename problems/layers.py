@@ -53,7 +53,8 @@ class SparseInit:
         f"SparseInit(connections={connections!r}): give a "
         "whole number of incoming weights per unit, >= 1."
       )
-    self.connections, self.stddev = connections, stddev
+    self.connections: int = connections
+    self.stddev: float = stddev
 
   def __call__(self, shape, dtype):
     if len(shape) < 2:

@@ -243,10 +243,10 @@ def test_a_file_that_is_no_record_is_refused_clearly(tmp_path):
     record.load(tmp_path / "x.json")
 
 
-def test_the_readme_table_is_the_record_files():
-  text = record.README.read_text()
-  assert record.readme_with_table(text, record.readme_table()) == text, (
-    "run `python -m curvbench.bench readme`"
+def test_the_documented_table_is_the_record_files():
+  text = record.TABLE_PAGE.read_text()
+  assert record.page_with_table(text, record.record_table()) == text, (
+    "run `python -m curvbench.bench table`"
   )
   assert list(record.RECORD_DIR.glob("*.json")), "no record committed"
 
@@ -265,7 +265,7 @@ def test_the_table_has_a_column_per_record(tmp_path):
     _record({"kfac_step/adam_step": {"mlp": 6.1}}, key="nvidia-h100-80gb-hbm3"),
     tmp_path,
   )
-  table = record.readme_table(tmp_path)
+  table = record.record_table(tmp_path)
   assert (
     "| figure | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |" in table
   )
@@ -273,7 +273,7 @@ def test_the_table_has_a_column_per_record(tmp_path):
   assert "| K-FAC step / Adam step | mlp | 3.46 | 6.1 |" in table
   assert "| exact GGN + eigh of a batch (s) | mlp | 0.0123 |  |" in table
   with pytest.raises(ValueError, match="no performance-record block"):
-    record.readme_with_table("# a README\n", table)
+    record.page_with_table("# a page\n", table)
 
 
 def test_interleaved_rounds_give_the_ratio_of_the_two_calls():

@@ -10,7 +10,7 @@ library's block classes, not of the config.
 import abc
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import estimators
 from curvbench.components import (
@@ -110,7 +110,15 @@ class BlockDiagonal(CurvatureSettings):
   """One block per tagged layer, each of the class `blocks` names for its
   tag (the library's default for tags it does not name)."""
 
-  blocks: ClassVar[Mapping[str, Any]] = {}
+  # `{tag name: block class}`: a class constant, or a property where the
+  # blocks take settings; read-only either way.
+  if TYPE_CHECKING:
+
+    @property
+    def blocks(self) -> Mapping[str, Any]: ...
+
+  else:
+    blocks: ClassVar[Mapping[str, Any]] = {}
   # A cheaper choice, for the message that refuses a state too large.
   smaller: ClassVar[str] = "curvature=diagonal"
   is_block_diagonal: ClassVar[bool] = True
@@ -173,7 +181,12 @@ class BlockDiagonal(CurvatureSettings):
     )
 
 
-CURVATURES = Registry("curvature", CurvatureSettings, package=__name__)
+CURVATURES = Registry(
+  "curvature",
+  # The components' base class: abstract, and never instantiated.
+  CurvatureSettings,  # type: ignore[type-abstract]
+  package=__name__,
+)
 
 
 def make(settings, loss_fn: Callable) -> curvatures.Curvature:

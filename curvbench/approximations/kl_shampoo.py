@@ -4,6 +4,7 @@ fixed-point iteration on the per-example weight gradients."""
 
 import dataclasses
 import functools
+from typing import Any
 
 import estimators as kfac
 from curvbench.components import Number, Whole, setting
@@ -43,7 +44,7 @@ class KLShampoo(BlockDiagonal):
   @property
   def blocks(self):
     # A property, not the usual class constant: the blocks take settings.
-    options = dict(
+    options: dict[str, Any] = dict(
       max_iterations=self.max_iterations,
       tolerance=self.tolerance,
       damping=self.damping,

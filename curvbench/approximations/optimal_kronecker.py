@@ -4,6 +4,7 @@ gradients, started from Shampoo²'s factors."""
 
 import dataclasses
 import functools
+from typing import Any
 
 import estimators as kfac
 from curvbench.components import Number, Whole, setting
@@ -38,7 +39,9 @@ class OptimalKronecker(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the blocks take settings.
     ctor = functools.partial
-    options = dict(max_iterations=self.max_iterations, tolerance=self.tolerance)
+    options: dict[str, Any] = dict(
+      max_iterations=self.max_iterations, tolerance=self.tolerance
+    )
     return {
       "dense_tag": ctor(kfac.DenseOptimalKronecker, **options),
       "repeated_dense_tag": ctor(kfac.DenseOptimalKronecker, **options),

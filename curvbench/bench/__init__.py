@@ -8,7 +8,7 @@ kind, and a side-by-side check against an earlier commit.
   writes one report folder (`make bench-accelerator`, `make bench`).
 - `record`: the figures as ratios, `benchmarks/record/<device>.json`, the
   comparison that names every figure more than 25 % worse, and the
-  README's table (`python -m curvbench.bench readme`).
+  documentation's table (`python -m curvbench.bench table`).
 - `against`: `python -m curvbench.bench against REF` times commit REF and
   the working tree in one process, interleaved (`make bench-against`).
 """

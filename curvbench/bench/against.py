@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +134,8 @@ def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
       del sys.modules[name]
     sys.modules.update(saved)
   for name, module in modules.items():
-    if not Path(module.__file__).resolve().is_relative_to(root.resolve()):
+    file = cast(str, module.__file__)  # imported from a file
+    if not Path(file).resolve().is_relative_to(root.resolve()):
       raise ValueError(
         f"{name} was imported from {module.__file__}, not "
         f"from the extracted commit in {root}."
@@ -238,7 +240,7 @@ def problem_kfac_step(name: str) -> Callable:
   `curvature=kfac` (the record's `kfac_step/adam_step`)."""
 
   def benchmark(version: Version, size: Size) -> Callable:
-    settings = {"name": name}
+    settings: dict[str, Any] = {"name": name}
     if size.problem_batch is not None:
       settings["batch_size"] = size.problem_batch
     problem = version.problems.make(settings)
@@ -394,7 +396,7 @@ def interleaved(
 
   slower = max(seconds(new, 1), seconds(old, 1))
   calls = max(1, math.ceil(round_s / slower))
-  times = {"new": [], "old": []}
+  times: dict[str, list[float]] = {"new": [], "old": []}
   for i in range(warmup + rounds):
     order = (("new", new), ("old", old))
     for which, fn in order if i % 2 == 0 else order[::-1]:
@@ -442,7 +444,7 @@ def compare(
   with tempfile.TemporaryDirectory(prefix="curvbench-against-") as folder:
     old = load(ref, Path(folder))
     for name in benchmarks:
-      row = dict(
+      row: dict[str, Any] = dict(
         benchmark=name,
         working_tree=new.name,
         ref=old.name,

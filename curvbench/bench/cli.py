@@ -1,6 +1,6 @@
 """The command line of `python -m curvbench.bench`: `run` (the benchmark
 and its report), `compare` (a report against a record), `against` (the
-side-by-side check), `scaling` (cost against model size) and `readme` (the
+side-by-side check), `scaling` (cost against model size) and `table` (the
 table from the records)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from curvbench import provenance
 from curvbench.bench import against, record, scaling, suite
@@ -56,7 +57,7 @@ def _run(args) -> int:
     path = record.save(today, args.records)
     print(f"record written: {path}")
     if Path(args.records).resolve() == record.RECORD_DIR:
-      _readme(check=False)
+      _table(check=False)
   return status
 
 
@@ -117,21 +118,21 @@ def _scaling(args) -> int:
   return 0
 
 
-def _readme(check: bool) -> int:
-  text = record.README.read_text()
-  new = record.readme_with_table(text, record.readme_table())
+def _table(check: bool) -> int:
+  text = record.TABLE_PAGE.read_text()
+  new = record.page_with_table(text, record.record_table())
   if check:
     if new != text:
       print(
-        f"{record.README}'s performance table differs from "
-        f"{record.RECORD_DIR}: run `python -m curvbench.bench readme`."
+        f"{record.TABLE_PAGE}'s performance table differs from "
+        f"{record.RECORD_DIR}: run `python -m curvbench.bench table`."
       )
       return 1
-    print("The README's performance table matches the records.")
+    print(f"{record.TABLE_PAGE}'s performance table matches the records.")
     return 0
   if new != text:
-    record.README.write_text(new)
-    print(f"{record.README}: performance table regenerated.")
+    record.TABLE_PAGE.write_text(new)
+    print(f"{record.TABLE_PAGE}: performance table regenerated.")
   return 0
 
 
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     prog="python -m curvbench.bench", description=__doc__
   )
   sub = parser.add_subparsers(dest="command", required=True)
-  tolerance = dict(
+  tolerance: dict[str, Any] = dict(
     type=float,
     default=record.TOLERANCE,
     help="name figures worse than the record by more than "
@@ -245,15 +246,16 @@ def main(argv=None) -> int:
   p.set_defaults(fn=_scaling)
 
   p = sub.add_parser(
-    "readme",
-    help="regenerate the README's performance table from benchmarks/record/",
+    "table",
+    help="regenerate the performance table of the docs' performance page "
+    "from benchmarks/record/",
   )
   p.add_argument(
     "--check",
     action="store_true",
     help="only check that it matches (exit 1 if not)",
   )
-  p.set_defaults(fn=lambda args: _readme(args.check))
+  p.set_defaults(fn=lambda args: _table(args.check))
 
   args = parser.parse_args(argv)
   try:

@@ -64,7 +64,7 @@ def measure(problem_name: str, rounds: int = 10, warmup: int = 1) -> list[dict]:
   grad_program, grad_compile_s = _compiled(gradient, params, examples)
   vector = jax.block_until_ready(grad_program(params, examples))
   prod_program, prod_compile_s = _compiled(product, params, vector, examples)
-  times = {"gradient": [], "product": []}
+  times: dict[str, list[float]] = {"gradient": [], "product": []}
   for i in range(warmup + rounds):
     g = _seconds(grad_program, params, examples)
     p = _seconds(prod_program, params, vector, examples)

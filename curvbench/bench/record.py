@@ -1,6 +1,6 @@
 """The performance record: the benchmark's figures, one committed JSON file
 per device kind under `benchmarks/record/`, today's figures compared with
-them, and the README's table generated from them.
+them, and the documentation's table generated from them.
 
 Every figure is a cost where lower is better:
 
@@ -39,10 +39,11 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD_DIR = ROOT / "benchmarks" / "record"
-README = ROOT / "README.md"
+# The page holding the records' table, between the START and END markers.
+TABLE_PAGE = ROOT / "docs" / "howto" / "performance_record.md"
 TOLERANCE = 0.25  # a figure more than this much worse is named
 
-FIGURES = {  # name: what the README calls it
+FIGURES = {  # name: what the table calls it
   "kfac_step/adam_step": "K-FAC step / Adam step",
   "kfac_step/adam_step_flops": "the same in XLA flops",
   "refresh/gradient": "K-FAC refresh / gradient step",
@@ -50,7 +51,7 @@ FIGURES = {  # name: what the README calls it
   "training split",
   "exact_ggn_spectrum_s": "exact GGN + eigh of a batch (s)",
 }
-START = "<!-- performance-record:start (python -m curvbench.bench readme) -->"
+START = "<!-- performance-record:start (python -m curvbench.bench table) -->"
 END = "<!-- performance-record:end -->"
 
 
@@ -84,7 +85,7 @@ def figures(
   """`{figure: {problem: value}}` from the records of one benchmark run
   (the harness's `timing` and spectra `cost` tables, the product rows);
   problems without a row are left out."""
-  out = {name: {} for name in FIGURES}
+  out: dict[str, dict[str, float]] = {name: {} for name in FIGURES}
 
   def rows(table, phase):
     if table.empty:
@@ -107,11 +108,11 @@ def figures(
       spectra_cost.phase.isin(["exact ggn", "eigh exact ggn"])
     ]
     keys = ["run_id", *(["sample"] if "sample" in exact else [])]
-    for problem, rows in exact.groupby("problem"):
+    for problem, phases in exact.groupby("problem"):
       # One spectrum's seconds each (a run's, per sample of its data);
       # those read from a store (one phase only) left out.
       per_run = [
-        run.run_s.sum() for _, run in rows.groupby(keys) if len(run) == 2
+        run.run_s.sum() for _, run in phases.groupby(keys) if len(run) == 2
       ]
       if per_run:
         out["exact_ggn_spectrum_s"][problem] = float(np.median(per_run))
@@ -257,15 +258,15 @@ def compare(
   )
 
 
-# --- the README's table ------------------------------------------------------
+# --- the records' table ------------------------------------------------------
 
 
 def _cell(value) -> str:
   return "" if value is None else f"{value:.3g}"
 
 
-def readme_table(folder: Path = RECORD_DIR) -> str:
-  """The README's performance table: a row per figure and problem, a
+def record_table(folder: Path = RECORD_DIR) -> str:
+  """The performance table: a row per figure and problem, a
   column per record file, then what made each record."""
   recs = records(folder)
   if not recs:
@@ -303,8 +304,8 @@ def readme_table(folder: Path = RECORD_DIR) -> str:
   return "\n".join(lines) + "\n"
 
 
-def readme_with_table(text: str, table: str) -> str:
-  """`text` (the README) with the block between the markers replaced by
+def page_with_table(text: str, table: str) -> str:
+  """`text` (a page) with the block between the markers replaced by
   `table`.
 
   Raises:
@@ -313,7 +314,7 @@ def readme_with_table(text: str, table: str) -> str:
   start, end = text.find(START), text.find(END)
   if start < 0 or end < start:
     raise ValueError(
-      f"the README has no performance-record block: put the "
+      f"the page has no performance-record block: put the "
       f"lines\n{START}\n{END}\nwhere the table goes."
     )
   return text[: start + len(START)] + "\n" + table + text[end:]

@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -197,7 +198,7 @@ def _steps(problem, overrides, params, batch, repeats: int) -> list[dict]:
     kfac_step=clock.Stepper(kfac, params, batch, rng, kfac.cycle),
     adam_step=clock.Stepper(adam, params, batch, rng, kfac.cycle),
   )
-  samples = {name: [] for name in steppers}
+  samples: dict[str, list[float]] = {name: [] for name in steppers}
   for _ in range(repeats):
     for name, stepper in steppers.items():
       samples[name].append(stepper.sample())
@@ -340,7 +341,8 @@ def run(
           size=i,
           overrides=" ".join(size),
           **row,
-          **monitor.load.columns(BUSY_SHARE),
+          # (set on leaving the block)
+          **cast(load.Load, monitor.load).columns(BUSY_SHARE),
         )
         for row in found
       ]
@@ -496,7 +498,7 @@ def _machine(env: dict, rows: pd.DataFrame) -> str:
 def by_family(table: pd.DataFrame) -> dict:
   """The record's form of `exponents`: `{family: {work: {'time', 'memory',
   'time_se', 'memory_se', 'params'}}}`."""
-  out = {}
+  out: dict[str, dict[str, dict]] = {}
   for row in table.itertuples():
     out.setdefault(row.family, {})[row.work] = dict(
       time=round(row.time_exponent, 3),

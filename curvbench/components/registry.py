@@ -22,7 +22,7 @@ import difflib
 import importlib
 import pkgutil
 from collections.abc import Iterator, Mapping
-from typing import ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from curvbench.components.settings import Settings, SettingsError, Text, setting
 
@@ -54,7 +54,11 @@ class Component(Settings):
       )
 
 
-class Registry:
+# The class a registry's components subclass (its `base`).
+S = TypeVar("S", bound=Settings)
+
+
+class Registry(Generic[S]):
   """The components of one `kind` (e.g. 'optimizer'), by name."""
 
   _instances: ClassVar[list] = []
@@ -62,7 +66,7 @@ class Registry:
   def __init__(
     self,
     kind: str,
-    base: type[Settings],
+    base: type[S],
     package: str | None = None,
     group: str | None = None,
   ):
@@ -70,7 +74,7 @@ class Registry:
     self.group = group or kind  # the config group that chooses one
     self.base = base
     self.package = package
-    self._entries: dict[str, tuple[type[Settings], dict]] = {}
+    self._entries: dict[str, tuple[type[S], dict]] = {}
     self._discovered = package is None
     Registry._instances.append(self)
 
@@ -120,17 +124,21 @@ class Registry:
         f"{sorted(unknown)} to register {name!r} with."
       )
     self._entries[name] = (cls, defaults)
-    cls.registered_names = (*cls.__dict__.get("registered_names", ()), name)
-    cls.kind, cls.group = self.kind, self.group
+    # Stamped on every registered class: a `Component` declares them,
+    # another `Settings` (a measurement) does not.
+    stamped: Any = cls
+    stamped.registered_names = (*cls.__dict__.get("registered_names", ()), name)
+    stamped.kind, stamped.group = self.kind, self.group
     return cls
 
   def unregister(self, name: str) -> None:
     """Removes `name` (a component a test registered for its own use)."""
+    cls: Any  # stamped by `register`
     cls, _ = self._entries.pop(name)
     cls.registered_names = tuple(n for n in cls.registered_names if n != name)
 
   def _discover(self) -> None:
-    if self._discovered:
+    if self._discovered or self.package is None:
       return
     self._discovered = True
     package = importlib.import_module(self.package)
@@ -148,7 +156,7 @@ class Registry:
   def __contains__(self, name) -> bool:
     return name in self.names()
 
-  def get(self, name: str) -> type[Settings]:
+  def get(self, name: str) -> type[S]:
     """The class registered as `name`.
 
     Raises:
@@ -167,7 +175,7 @@ class Registry:
   def _choices(self) -> str:
     return f"choose one of {', '.join(self.names())}."
 
-  def defaults(self, name: str) -> Settings:
+  def defaults(self, name: str) -> S:
     """The settings of `name` as registered: its class's defaults, with
     the registration's own."""
     cls = self.get(name)
@@ -185,7 +193,7 @@ class Registry:
       return
     yield from self.get(name).refusals(self._complete(values), prefix)
 
-  def load(self, values, prefix: str = "", checked: bool = False) -> Settings:
+  def load(self, values, prefix: str = "", checked: bool = False) -> S:
     """The component's settings from `values` (a mapping with `name`;
     missing keys take its defaults).
 

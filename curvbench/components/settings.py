@@ -303,12 +303,13 @@ class Settings:
   """A dataclass of settings, each a `setting(...)` field (or a nested
   `Settings`).
 
-  Subclasses may add:
-    set_elsewhere: keys that are not settings here because another setting
-      decides them, each with where (refused with that reason).
-    disagreements(prefix): messages for settings that do not agree.
-    ignored(): the keys the other settings make pointless, each with why;
-      such a key given other than its default is refused.
+  Subclasses may add
+
+  - `set_elsewhere`: keys that are not settings here because another
+    setting decides them, each with where (refused with that reason);
+  - `disagreements(prefix)`: messages for settings that do not agree;
+  - `ignored()`: the keys the other settings make pointless, each with
+    why; such a key given other than its default is refused.
   """
 
   set_elsewhere: ClassVar[Mapping[str, str]] = {}
@@ -453,3 +454,55 @@ def _lookup(tree, dotted_key: str):
       return _MISSING
     tree = tree[part]
   return tree
+
+
+# --- documentation ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingDoc:
+  """One setting as a user reads it: its dotted key, default, what it
+  accepts and what it means."""
+
+  key: str
+  default: Any
+  accepts: str
+  doc: str
+
+
+def _default(field: dataclasses.Field) -> Any:
+  if field.default is not dataclasses.MISSING:
+    return field.default
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return "(required)"
+
+
+def documented(cls: type[Settings], prefix: str = "") -> list[SettingDoc]:
+  """Every setting of `cls`, nested ones under their dotted key, in
+  declaration order; fields holding another section (no check) are left
+  to that section's own documentation.
+
+  Raises:
+    SettingsError: naming a setting declared without a doc, and how to
+      give it one.
+  """
+  found = []
+  nested = cls.nested()
+  for field in dataclasses.fields(cls):
+    key = f"{prefix}{field.name}"
+    if field.name in nested:
+      found += documented(nested[field.name], f"{key}.")
+      continue
+    check = field.metadata.get("check")
+    if check is None:
+      continue
+    if not field.metadata.get("doc"):
+      raise SettingsError(
+        f"setting {key} of {cls.what()} has no doc: declare it as "
+        f"setting(default, check, doc='what it means') in {cls.__module__}."
+      )
+    found.append(
+      SettingDoc(key, _default(field), check.describe(), field.metadata["doc"])
+    )
+  return found

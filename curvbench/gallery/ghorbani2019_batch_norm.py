@@ -28,7 +28,7 @@ def _tops(evidence: Evidence) -> dict[str, dict[int, np.ndarray]]:
   after training, on the first measured batch."""
   found = trained_eigenvalues(evidence, "hessian")
   runs = evidence.done.set_index("run_id")
-  out = {}
+  out: dict[str, dict[int, np.ndarray]] = {}
   for run_id, values in found.items():
     norm, seed = runs.loc[run_id, ["config:problem.norm", "config:seed"]]
     out.setdefault(norm, {})[int(seed)] = values

@@ -15,6 +15,8 @@ seeds (`curvbench.tuning`), and the chosen settings are compared at
 equal time.
 """
 
+from typing import Any
+
 import pandas as pd
 
 from curvbench import tuning
@@ -46,7 +48,7 @@ GRIDS = {
 # Each size: the problems, seeds, seconds per run, the step at which
 # K-FAC's batch has grown from the problem's batch size to the whole
 # training set (the paper: 500), and the grids.
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
   "cpu": dict(
     problems=["autoencoder_curves_small"],
     seeds="0,1,2",

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pandas as pd
 
@@ -82,7 +84,7 @@ def findings(judged: list[Judged]) -> list[str]:
 def _run_seconds(root: Path, runs: pd.DataFrame, tables) -> float:
   """The runs' wall time: from each one's first record's timestamp to
   the time its DONE.json says it finished."""
-  started = {}
+  started: dict[str, Any] = {}
   for df in tables.values():
     if "timestamp" in df and "run_id" in df:
       for run_id, t in df.groupby("run_id").timestamp.min().items():
@@ -125,8 +127,9 @@ def _runs_line(root: Path, found: Evidence) -> str:
 
 def _figure(judged: Judged, folder: Path) -> list[Path]:
   """The entry's own figure, one panel, as `gallery_<name>` PNG and PDF."""
+  draw = cast(Callable, judged.entry.draw)  # drawn for entries that draw
   fig, (ax,) = plots.grid(1, width=5.0, height=3.6)
-  judged.entry.draw(judged.evidence, ax)
+  draw(judged.evidence, ax)
   ax.legend(fontsize=7)
   return plots.save(fig, folder / f"gallery_{judged.entry.name}")
 
@@ -153,7 +156,7 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
     "holds 0, too few samples).",
     "",
   ]
-  blocks = [html_page.Paragraph(lines[2])]
+  blocks: list[html_page.Block] = [html_page.Paragraph(lines[2])]
   written = []
   with plots.style():
     for j in judged:

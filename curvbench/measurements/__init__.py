@@ -76,7 +76,7 @@ class Outcome:
   @property
   def marker(self) -> dict:
     """The fields of the run's completion marker."""
-    out = dict(status=self.status)
+    out: dict[str, Any] = dict(status=self.status)
     if self.reason:
       out["reason"] = self.reason
     if self.step is not None:
@@ -170,7 +170,11 @@ class Measurement(Settings, abc.ABC):
 
 
 MEASUREMENTS = Registry(
-  "measurement", Measurement, package=__name__, group="measure"
+  "measurement",
+  # The components' base class: abstract, and never instantiated.
+  Measurement,  # type: ignore[type-abstract]
+  package=__name__,
+  group="measure",
 )
 
 

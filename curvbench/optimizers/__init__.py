@@ -54,7 +54,12 @@ class OptimizerSettings(Component, abc.ABC):
     return self.name
 
 
-OPTIMIZERS = Registry("optimizer", OptimizerSettings, package=__name__)
+OPTIMIZERS = Registry(
+  "optimizer",
+  # The components' base class: abstract, and never instantiated.
+  OptimizerSettings,  # type: ignore[type-abstract]
+  package=__name__,
+)
 # Floating-point types an optimizer's own state may be kept in.
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 

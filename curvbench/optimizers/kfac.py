@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from curvbench.components import (
   setting,
 )
 from curvbench import costs, devices
-from curvbench.curvatures import Curvature
+from curvbench.curvatures import BlockDiagonal, Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from estimators import graph_matcher
 from estimators.utils import staging
@@ -293,6 +294,8 @@ class KFACTrainer:
         f"block-diagonal curvature, not {curvature.name!r}; use "
         "optimizer=preconditioned_sgd to train with that curvature."
       )
+    # (The curvatures that are block-diagonal are `BlockDiagonal`s.)
+    curvature = cast(BlockDiagonal, curvature)
     kwargs = settings.optimizer_kwargs()
     refresh = settings.inverse_update_period
     adapt = (
@@ -314,7 +317,7 @@ class KFACTrainer:
       kwargs.update(multi_device=True, pmap_axis_name=devices.AXIS)
     # Per input, the last (value given, its per-device layout): a step's own
     # parameters, or timing's fixed batch, are not converted again.
-    self._last = {}
+    self._last: dict[str, Any] = {}
     self.opt = kfac.Optimizer(
       jax.value_and_grad(loss_fn),
       estimation_mode=curvature.mode,

@@ -71,7 +71,9 @@ class ParameterState(NamedTuple):
 
 
 class KLShampooState(NamedTuple):
-  count: jax.Array  # calls so far (the first one takes no step)
+  # Calls so far (the first one takes no step); shadows `tuple.count`,
+  # under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]
   parameters: Any  # a ParameterState per parameter, in the params' tree
 
 
@@ -151,7 +153,7 @@ def kl_shampoo(learning_rate: float, **options) -> optax.GradientTransformation:
 def _transformation(s: KLShampoo) -> optax.GradientTransformation:
   beta = s.shampoo_beta
 
-  def factored(shape) -> tuple[bool, bool]:
+  def factored(shape) -> tuple[bool, ...]:
     rows, cols = matrix_shape(shape)
     vector = cols == 1
     return tuple(

@@ -14,6 +14,7 @@ the rows' factor and the step size already absorb.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,8 @@ def per_parameter_update(
         "call update(grads, state, params)."
       )
     count = state.count
+    # jax's stubs leave the tree definition's type unresolved.
+    treedef: Any
     leaves, treedef = jax.tree.flatten(grads)
     ps = (
       treedef.flatten_up_to(params)

@@ -17,7 +17,8 @@ from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 
 
 class PreconditionState(NamedTuple):
-  count: jax.Array  # steps taken
+  # Shadows `tuple.count`, under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]  # steps taken
   curvature: Any  # the curvature's state
 
 

@@ -13,7 +13,7 @@ from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
 MOMENTUM_SCHEDULES = ("constant", "sutskever2013")
 
 
-def sutskever_momentum(mu_max: float) -> optax.Schedule:
+def sutskever_momentum(mu_max: float | None) -> optax.Schedule:
   """The momentum schedule of Sutskever, Martens, Dahl & Hinton (2013), "On
   the importance of initialization and momentum in deep learning" (ICML),
   section 3: at update t (from 0), `min(1 - 2^(-1 - log2(n)), mu_max)` with

@@ -67,7 +67,8 @@ class ParameterState(NamedTuple):
 
 
 class ShampooState(NamedTuple):
-  count: jax.Array  # steps taken
+  # Shadows `tuple.count`, under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]  # steps taken
   parameters: Any  # a ParameterState per parameter, in the params' tree
 
 
@@ -84,11 +85,11 @@ class Blocks:
     return matrix_shape(self.shape)
 
   @property
-  def block(self) -> tuple[int, int]:
+  def block(self) -> tuple[int, ...]:
     return tuple(min(d, self.size) for d in self.matrix)
 
   @property
-  def grid(self) -> tuple[int, int]:
+  def grid(self) -> tuple[int, ...]:
     return tuple(math.ceil(d / b) for d, b in zip(self.matrix, self.block))
 
   def split(self, x: jax.Array) -> jax.Array:
@@ -375,6 +376,8 @@ def _transformation(s: Shampoo) -> optax.GradientTransformation:
         "call update(grads, state, params)."
       )
     t = state.count + 1
+    # jax's stubs leave the tree definition's type unresolved.
+    treedef: Any
     leaves, treedef = jax.tree.flatten(grads)
     states = [
       accumulate(g, st)

@@ -63,7 +63,9 @@ class ParameterState(NamedTuple):
 
 
 class SoapState(NamedTuple):
-  count: jax.Array  # calls so far (the first one takes no step)
+  # Calls so far (the first one takes no step); shadows `tuple.count`,
+  # under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]
   parameters: Any  # a ParameterState per parameter, in the params' tree
 
 
@@ -129,7 +131,7 @@ def soap(learning_rate: float, **options) -> optax.GradientTransformation:
 def _transformation(s: SOAP) -> optax.GradientTransformation:
   beta = s.b2 if s.shampoo_beta is None else s.shampoo_beta
 
-  def factored(shape) -> tuple[bool, bool]:
+  def factored(shape) -> tuple[bool, ...]:
     rows, cols = matrix_shape(shape)
     vector = cols == 1
     return tuple(
@@ -167,7 +169,7 @@ def _transformation(s: SOAP) -> optax.GradientTransformation:
     )
     if s.normalize_grads:
       direction = unit_rms(direction)
-    size = s.learning_rate
+    size: float | jax.Array = s.learning_rate
     if s.correct_bias:
       size = size * jnp.sqrt(1 - s.b2**t) / (1 - s.b1**t)
     update = decay_after_step(

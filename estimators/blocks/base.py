@@ -40,9 +40,9 @@ import numpy as np
 from estimators import tags
 from estimators import utils
 
-# Numeric: weights, scales, EMA factors. ScalarOrSequence: what `init` and
-# `update_cache` accept for powers (None, one or several).
-from estimators.utils.types import Array, Numeric, ScalarOrSequence
+# Numeric: weights, scales, EMA factors. Scalar: a power. ScalarOrSequence:
+# what `init` and `update_cache` accept for powers (None, one or several).
+from estimators.utils.types import Array, Numeric, Scalar, ScalarOrSequence
 
 # A vector of a block: one array per parameter, shaped like it.
 BlockVector = tuple[jax.Array, ...]
@@ -98,7 +98,7 @@ def get_default_eigen_decomposition_threshold() -> int:
   return _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
 
 
-def canonical_power(power: float) -> int | float:
+def canonical_power(power: Scalar) -> int | float:
   """A static matrix power as an int when integral, else a float."""
   if utils.is_tracer(power):
     raise ValueError(
@@ -168,7 +168,7 @@ class CurvatureBlock(abc.ABC):
     """Block state; families add their statistics as further fields.
 
     Attributes:
-      cache: maps keys such as "exact_pow_-1" or "eigenvalues" to values that
+      cache: maps keys such as `"exact_pow_-1"` or `"eigenvalues"` to values that
         only `update_cache` refreshes, so they may be older than the
         statistics. The key set is fixed by `init`.
     """
@@ -227,7 +227,7 @@ class CurvatureBlock(abc.ABC):
       )
     self._layer_tag_eq = layer_tag_eq
     self._name = name
-    self._parameter_positions = None
+    self._parameter_positions: tuple[int, ...] | None = None
     if not self.parameter_variables:
       raise ValueError(f"Block {name!r}: the tag has no parameters.")
     self._check_layer()

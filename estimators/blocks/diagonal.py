@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,11 @@ class Diagonal(base.CurvatureBlock):
     """
 
     diagonal_factors: tuple[utils.WeightedMovingAverage, ...]
+
+  if TYPE_CHECKING:
+    # Given by the layer mixin a concrete block puts first (`layers`,
+    # `embedding`): one `(rows, *shape)` array of gradients per parameter.
+    def _per_example_gradients(self, data) -> tuple[jax.Array, ...]: ...
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues

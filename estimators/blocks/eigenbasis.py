@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -93,12 +94,13 @@ class EKFAC(kronecker.TwoKroneckerFactored):
 
     Attributes:
       inputs_basis: the eigenvectors of `A` (columns) that define the basis,
-        `(input_size, input_size)`.
+        `(input_size, input_size)`; None for the identity (`EmbeddingSOAP`
+        above its `max_full_vocab`).
       outputs_basis: the same for `G`, `(output_size, output_size)`.
       scalings: a WeightedMovingAverage of `s`, `(input_size, output_size)`.
     """
 
-    inputs_basis: jax.Array
+    inputs_basis: jax.Array | None
     outputs_basis: jax.Array
     scalings: utils.WeightedMovingAverage
 
@@ -150,7 +152,8 @@ class EKFAC(kronecker.TwoKroneckerFactored):
 
   def update_curvature_matrix_estimate(
     self,
-    state: "EKFAC.State",
+    # Narrower than the base's: a family takes its own State.
+    state: "EKFAC.State",  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,
@@ -182,8 +185,12 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
     fresh = state.inputs_factor.weight == 0
-    state = super().update_curvature_matrix_estimate(
-      state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    # The base returns the state it is given, with the factors folded in.
+    state = cast(
+      EKFAC.State,
+      super().update_curvature_matrix_estimate(
+        state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+      ),
     )
     # Only the taken branch runs, so later updates cost no eigensolve.
     u_a, u_g = jax.lax.cond(
@@ -208,7 +215,8 @@ class EKFAC(kronecker.TwoKroneckerFactored):
 
   def update_cache(
     self,
-    state: "EKFAC.State",
+    # Narrower than the base's: a family takes its own State.
+    state: "EKFAC.State",  # type: ignore[override]
     identity_weight: base.Numeric,
     exact_powers: base.ScalarOrSequence,
     approx_powers: base.ScalarOrSequence,
@@ -243,8 +251,11 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       outputs_basis=u_g,
       scalings=restarted_scalings(state.scalings),
     )
-    return super().update_cache(
-      state, identity_weight, exact_powers, approx_powers, eigenvalues
+    return cast(
+      EKFAC.State,
+      super().update_cache(
+        state, identity_weight, exact_powers, approx_powers, eigenvalues
+      ),
     )
 
   def _multiply_matpower_unscaled(
@@ -297,7 +308,7 @@ class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):
 
   def multiply_inverse_outer_sum(
     self,
-    state: EKFAC.State,
+    state: kronecker.TwoKroneckerFactored.State,
     inputs: Sequence[jax.Array],
     outputs_cotangent: Sequence[jax.Array],
   ) -> tuple[jax.Array, ...]:

@@ -30,6 +30,7 @@ per distinct token it holds, the sum of `dy` over that token's positions.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,14 @@ from estimators.blocks import diagonal
 from estimators.blocks import eigenbasis
 from estimators.blocks import full
 
+if TYPE_CHECKING:
+  # As `layers`' mixins: the type checker sees the block it is mixed into.
+  _Block = base.CurvatureBlock
+else:
+  _Block = object
 
-class EmbeddingMixin:
+
+class EmbeddingMixin(_Block):
   """Embedding tags: inputs `(ids,)` of any shape `(B, ...)`, parameters
   `(table,)` of shape `(V, D)`, outputs `ids.shape + (D,)`."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,13 @@ from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import embedding
 from estimators.blocks import kronecker
-from estimators.blocks import layers
+
+if TYPE_CHECKING:
+  # A mixin's methods run on the Kronecker block it is mixed into: the type
+  # checker sees that block (at run time the mixin is a plain class).
+  _KroneckerBlock = kronecker.TwoKroneckerFactored
+else:
+  _KroneckerBlock = object
 
 
 # --- input factors that may be diagonal --------------------------------------
@@ -112,9 +119,10 @@ class ExampleGradients:
     sums over its argument's leading axis (into an array or a tuple of
     them, all from one pass over the chunks)."""
     tree = jax.tree_util
-    if self.chunks is None:
+    chunk_matrices = self.chunk_matrices
+    if self.chunks is None or chunk_matrices is None:
       return tree.tree_map(lambda t: t / self.batch_size, fn(self.matrices))
-    add = lambda chunk: fn(self.chunk_matrices(*chunk))
+    add = lambda chunk: fn(chunk_matrices(*chunk))
     first = tree.tree_map(lambda a: a[0], self.chunks)
     zeros = tree.tree_map(
       lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(add, first)
@@ -126,7 +134,7 @@ class ExampleGradients:
 
   def left(self, b: jax.Array) -> jax.Array:
     """`E_n[G_n b G_nᵀ]`, `(input_size, input_size)`; `L` for `b = I`."""
-    if self.inputs is None:
+    if self.inputs is None or self.tangents is None:
       return self._mean(lambda m: jnp.einsum("nio,njo->ij", m @ b, m))
     dy = self.tangents
     weights = jnp.einsum("sbo,op,sbp->b", dy, b, dy)
@@ -134,7 +142,7 @@ class ExampleGradients:
 
   def right(self, a: jax.Array) -> jax.Array:
     """`E_n[G_nᵀ a G_n]`, `(output_size, output_size)`; `R` for `a = I`."""
-    if self.inputs is None:
+    if self.inputs is None or self.tangents is None:
       return self._mean(lambda m: jnp.einsum("nio,nip->op", m, a @ m))
     x, dy = self.inputs, self.tangents
     weights = jnp.einsum("bi,ij,bj->b", x, a, x)
@@ -142,7 +150,7 @@ class ExampleGradients:
 
   def mean_squared_norm(self) -> jax.Array:
     """`E_n[||G_n||²_F]`, the trace of the exact block."""
-    if self.inputs is None:
+    if self.inputs is None or self.tangents is None:
       return self._mean(lambda m: jnp.sum(jnp.square(m)))
     x_norms = jnp.sum(jnp.square(self.inputs), axis=1)
     return (
@@ -153,7 +161,7 @@ class ExampleGradients:
   def projected_squares(self, q_l: jax.Array, q_r: jax.Array) -> jax.Array:
     """`E_n[(q_lᵀ G_n q_r)²]` (elementwise), `(input_size, output_size)`:
     the diagonal of `C` in the basis `q_l ⊗ q_r`."""
-    if self.inputs is None:
+    if self.inputs is None or self.tangents is None:
       return self._mean(lambda m: _squares(q_l, m, q_r))
     # A rank-one gradient projects to the outer product of the projections.
     px = jnp.square(self.inputs @ q_l)
@@ -186,7 +194,7 @@ def _squares(q_l, m, q_r):
   return jnp.sum(jnp.square(jnp.einsum("ia,nio,ob->nab", q_l, m, q_r)), axis=0)
 
 
-class ExampleGradientsMixin:
+class ExampleGradientsMixin(_KroneckerBlock):
   """Gives a dense or conv Kronecker block its batch's `ExampleGradients`.
 
   Dense tags without extra axes keep the rank-one form. Repeated dense and
@@ -196,13 +204,21 @@ class ExampleGradientsMixin:
   to whole chunks), formed again for every average.
   """
 
+  if TYPE_CHECKING:
+    # Given by the layer mixin a concrete block puts first (`layers`,
+    # `embedding`): one `(rows, *shape)` array of gradients per parameter.
+    def _per_example_gradients(self, data) -> tuple[jax.Array, ...]: ...
+
   def _inputs_identity(self) -> jax.Array:
     """The identity in the input factor's form, `(input_size, input_size)`."""
     return jnp.eye(self.input_size(), dtype=self.parameters_dtype)
 
-  def _example_gradients(self, data, batch_size) -> ExampleGradients:
+  def _example_gradients(
+    self, data, batch_size
+  ) -> ExampleGradients | EmbeddingGradients:
+    # (`EmbeddingFactors` gives an embedding's, from its nonzero rows.)
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
-    if isinstance(self, layers.DenseMixin) and x.ndim == 2:
+    if isinstance(self, kronecker.DenseTwoKroneckerFactored) and x.ndim == 2:
       return ExampleGradients(
         batch_size, tangents=dy, inputs=self._rows((x,), (dy,))[0]
       )
@@ -402,7 +418,7 @@ class EmbeddingFactors(
         f"Block {name!r}: max_full_vocab must be an int >= 0, "
         f"got {max_full_vocab!r}."
       )
-    self._max_full_vocab = int(max_full_vocab)
+    self._max_full_vocab: int = int(max_full_vocab)
     super().__init__(layer_tag_eq, name, **kwargs)
 
   @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,11 @@ class Full(base.CurvatureBlock):
     """
 
     matrix: utils.WeightedMovingAverage
+
+  if TYPE_CHECKING:
+    # Given by the layer mixin a concrete block puts first (`layers`,
+    # `embedding`): one `(rows, *shape)` array of gradients per parameter.
+    def _per_example_gradients(self, data) -> tuple[jax.Array, ...]: ...
 
   def __init__(
     self,
@@ -150,7 +155,7 @@ class Full(base.CurvatureBlock):
   ):
     matrix = state_scale * state.matrix.value
     keys = base.power_cache_keys(exact_powers, approx_powers)
-    updates = {}
+    updates: dict[str, Any] = {}
     if _EIGEN in state.cache:
       values, vectors = utils.safe_psd_eigh(matrix)
       updates[_EIGEN] = {"eigenvalues": values, "eigenvectors": vectors}

@@ -157,7 +157,7 @@ class KLShampooMixin(
       max_iterations,
       lambda v: isinstance(v, numbers.Integral)
       and not isinstance(v, bool)
-      and v >= 1,
+      and int(v) >= 1,
       "max_iterations must be an int >= 1",
     )
     _check_setting(
@@ -172,9 +172,9 @@ class KLShampooMixin(
       lambda v: _is_number(v) and v >= 0,
       "damping must be a number >= 0",
     )
-    self._max_iterations = int(max_iterations)
+    self._max_iterations: int = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance = (
+    self._tolerance: float = (
       float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
       if tolerance is None
       else float(tolerance)
@@ -212,7 +212,8 @@ class KLShampooMixin(
 
   def update_curvature_matrix_estimate(
     self,
-    state: "KLShampooMixin.State",
+    # Narrower than the base's: a family takes its own State.
+    state: "KLShampooMixin.State",  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,

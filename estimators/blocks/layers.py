@@ -8,7 +8,7 @@ every (sample, example) pair, so a batch contributes `(1/B) sum_rows g gᵀ`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,16 @@ from estimators import tags
 from estimators import utils
 from estimators.blocks import base
 
+if TYPE_CHECKING:
+  # A layer mixin's methods run on the block it is mixed into: the type
+  # checker sees that block (at run time the mixin is a plain class,
+  # placed before the family's class among a block's bases).
+  _Block = base.CurvatureBlock
+else:
+  _Block = object
 
-class DenseMixin:
+
+class DenseMixin(_Block):
   """Dense tags: `y = x @ w (+ b)`, parameters `(w, [b])`.
 
   Repeated dense tags (`x: (B, ..., d_in)`) are accepted too: an example's
@@ -122,7 +130,7 @@ class DenseMixin:
     return tuple(grads)
 
 
-class ScaleAndShiftMixin:
+class ScaleAndShiftMixin(_Block):
   """Scale-and-shift tags: `y = x * scale + shift`, broadcast on the right."""
 
   _TAG_PRIMITIVES = (tags.scale_and_shift,)
@@ -171,7 +179,7 @@ class ScaleAndShiftMixin:
     return tuple(grads)
 
 
-class Conv2DMixin:
+class Conv2DMixin(_Block):
   """2-D convolution tags: parameters `(kernel, [bias])`, batch axis first."""
 
   _TAG_PRIMITIVES = (tags.conv2d,)

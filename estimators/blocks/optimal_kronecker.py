@@ -142,9 +142,9 @@ class OptimalKroneckerMixin(
         f"Block {name!r}: tolerance must be a number >= 0 or "
         f"None, got {tolerance!r}."
       )
-    self._max_iterations = int(max_iterations)
+    self._max_iterations: int = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance = (
+    self._tolerance: float = (
       float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
       if tolerance is None
       else float(tolerance)
@@ -179,7 +179,8 @@ class OptimalKroneckerMixin(
 
   def update_curvature_matrix_estimate(
     self,
-    state: "OptimalKroneckerMixin.State",
+    # Narrower than the base's: a family takes its own State.
+    state: "OptimalKroneckerMixin.State",  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,

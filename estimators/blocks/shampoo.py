@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +43,21 @@ from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import eigenbasis
 from estimators.blocks import example_gradients
+from estimators.blocks import kronecker
 from estimators.blocks import tnt
 
+if TYPE_CHECKING:
+  # A mixin's methods run on the block it is mixed into: the type checker
+  # sees such a block (at run time the mixin is a plain class, placed
+  # before the family's and the layer's classes among a block's bases).
+  _KroneckerBlock = kronecker.TwoKroneckerFactored
+  _DenseKroneckerBlock = kronecker.DenseTwoKroneckerFactored
+  _ExampleGradientsBlock = example_gradients.ExampleGradientsMixin
+else:
+  _KroneckerBlock = _DenseKroneckerBlock = _ExampleGradientsBlock = object
 
-class AssembledOuterSum:
+
+class AssembledOuterSum(_DenseKroneckerBlock):
   """For dense blocks whose inverse does not split over the gradient's rows:
   `multiply_inverse_outer_sum` assembles the gradient first."""
 
@@ -83,7 +95,7 @@ class AssembledOuterSum:
     )
 
 
-class KroneckerSpectrum:
+class KroneckerSpectrum(_KroneckerBlock):
   """Mixin for a block `(Q_L ⊗ Q_R) diag(vec s) (Q_L ⊗ Q_R)ᵀ`.
 
   A family gives `_kronecker_spectrum(state) -> (Q_L, Q_R, s)` (orthogonal
@@ -281,7 +293,7 @@ class EmbeddingShampoo(ShampooSpectrum, example_gradients.EmbeddingFactors):
 # --- SOAP ---------------------------------------------------------------------
 
 
-class SOAPScalings:
+class SOAPScalings(_ExampleGradientsBlock):
   """EKFAC's scalings refitted to per-example gradients in the eigenbasis of
   Shampoo's `L` and `R` (Vyas et al., 2024; George et al., 2018).
 
@@ -289,6 +301,10 @@ class SOAPScalings:
   `L` and `R` (TNT's statistics), the scalings `D = E_n[(Q_Lᵀ G_n Q_R)²]`,
   the block `(Q_L ⊗ Q_R) diag(vec D) (Q_L ⊗ Q_R)ᵀ`, with scale 1.
   """
+
+  if TYPE_CHECKING:
+    # Given by `eigenbasis.EKFAC`, after it.
+    def _factor_bases(self, state): ...
 
   estimation_data_has_sample_axis = True
 

@@ -11,6 +11,7 @@ contracts the mode-j unfolding with itself over all other axes. Every
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,13 @@ from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import kronecker
 from estimators.blocks import layers
+
+if TYPE_CHECKING:
+  # A mixin's methods run on the Kronecker block it is mixed into: the type
+  # checker sees that block (at run time the mixin is a plain class).
+  _KroneckerBlock = kronecker.TwoKroneckerFactored
+else:
+  _KroneckerBlock = object
 
 
 def _inverse_trace(factor: jax.Array) -> jax.Array:
@@ -34,7 +42,7 @@ def _inverse_trace(factor: jax.Array) -> jax.Array:
   return 1 / jnp.where(trace >= tiny, trace, jnp.ones_like(trace))
 
 
-class TwoFactorTNT:
+class TwoFactorTNT(_KroneckerBlock):
   """TNT for layers with K-FAC's `(input_size, output_size)` layout.
 
   Mixed into a `TwoKroneckerFactored` layer class (before it): the block is
@@ -44,6 +52,11 @@ class TwoFactorTNT:
   inherited; `state_dependent_scale` is `1 / tr(A)` and `fixed_scale` is 1,
   since the statistics are per example, not per location or position.
   """
+
+  if TYPE_CHECKING:
+    # Given by the layer mixin a concrete block puts first (`layers`,
+    # `embedding`): one `(rows, *shape)` array of gradients per parameter.
+    def _per_example_gradients(self, data) -> tuple[jax.Array, ...]: ...
 
   def fixed_scale(self):
     return 1
@@ -276,7 +289,7 @@ class NaiveTNT(base.CurvatureBlock):
         for f in self._normalized_factors(state, state_scale)
       ]
     )
-    updates = {}
+    updates: dict[str, Any] = {}
     if keys:
       weight = jnp.asarray(identity_weight, self.parameters_dtype)
       updates.update(

@@ -8,7 +8,7 @@ Parameter vectors are pytrees shaped like the model's params. Dense exports
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic
 
 import jax
@@ -303,7 +303,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     self,
     state: Any,
     parameter_structured_vector: Params,
-    identity_weight: Numeric,
+    identity_weight: Numeric | Sequence[Numeric],
     power: float,
     exact_power: bool,
     use_cached: bool,
@@ -334,7 +334,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     self,
     state: Any,
     parameter_structured_vector: Params,
-    identity_weight: Numeric = 0.0,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
     exact_power: bool = True,
     use_cached: bool = False,
     pmap_axis_name: str | None = None,
@@ -354,7 +354,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     self,
     state: Any,
     parameter_structured_vector: Params,
-    identity_weight: Numeric = 0.0,
+    identity_weight: Numeric | Sequence[Numeric] = 0.0,
     exact_power: bool = True,
     use_cached: bool = False,
     pmap_axis_name: str | None = None,

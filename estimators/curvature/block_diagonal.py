@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeAlias, cast
 
 import jax
 import jax.flatten_util
@@ -40,6 +40,17 @@ class BlockDiagonalState:
   blocks_states: tuple
 
 
+class _OuterSumBlock(Protocol):
+  """What a block whose `outer_sum_is_cheaper()` is True offers."""
+
+  def multiply_inverse_outer_sum(
+    self,
+    state: Any,
+    inputs: Sequence[jax.Array],
+    outputs_cotangent: Sequence[jax.Array],
+  ) -> tuple[jax.Array, ...]: ...
+
+
 def _block_name(paths, indices, tag_name):
   keys = [jax.tree_util.keystr(paths[i]) for i in indices]
   return f"{keys[0] if len(keys) == 1 else ','.join(keys)} [{tag_name}]"
@@ -61,7 +72,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   Cross-layer curvature is dropped.
   """
 
-  State = BlockDiagonalState
+  State: TypeAlias = BlockDiagonalState
 
   def __init__(
     self,
@@ -163,8 +174,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self._value_traced = tracer.traced_function(
       func, params_index, **value_kwargs
     )
-    self._blocks = None
-    self._jaxpr = None
+    # Built from the traced model by the first `init` (`_finalize`).
+    self._blocks: tuple[curvature_blocks.CurvatureBlock, ...] | None = None
+    self._jaxpr: tracer.ProcessedJaxpr | None = None
 
   # --- structure ---------------------------------------------------------
 
@@ -250,12 +262,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       int(np.prod(shape, dtype=np.int64)) for shape in self._param_shapes
     ]
 
-  def _require_finalized(self):
+  def _require_finalized(self) -> tuple[curvature_blocks.CurvatureBlock, ...]:
+    """The blocks, once `init` has built them."""
     if self._blocks is None:
       raise RuntimeError(
         "The estimator has not seen the model yet: call "
         "init(rng, func_args, ...) first."
       )
+    return self._blocks
 
   @property
   def blocks(self) -> tuple[curvature_blocks.CurvatureBlock, ...] | None:
@@ -265,14 +279,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   @property
   def num_blocks(self) -> int:
     """The number of blocks."""
-    self._require_finalized()
-    return len(self._blocks)
+    return len(self._require_finalized())
 
   @property
   def block_dims(self) -> tuple[int, ...]:
     """Each block's number of parameter elements."""
-    self._require_finalized()
-    return tuple(b.dim for b in self._blocks)
+    return tuple(b.dim for b in self._require_finalized())
 
   @property
   def dim(self) -> int:
@@ -284,7 +296,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   def jaxpr(self) -> tracer.ProcessedJaxpr:
     """The traced model the blocks were built from."""
     self._require_finalized()
-    return self._jaxpr
+    # Set with the blocks.
+    return cast(tracer.ProcessedJaxpr, self._jaxpr)
 
   @property
   def num_params_variables(self) -> int:
@@ -304,13 +317,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self,
   ) -> dict[tuple[int, ...], curvature_blocks.CurvatureBlock]:
     """Each block keyed by the flat indices of its parameters."""
-    self._require_finalized()
-    return dict(zip(self._layer_indices, self._blocks))
+    return dict(zip(self._layer_indices, self._require_finalized()))
 
   @property
   def params_block_index(self) -> Params:
     """The params pytree with each leaf replaced by its block's index."""
-    which = [None] * self.num_params_variables
+    which: list[int | None] = [None] * self.num_params_variables
     for b, idx in enumerate(self._layer_indices):
       for i in idx:
         which[i] = b
@@ -382,7 +394,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         powers_tuple(approx_powers_to_cache),
         cache_eigenvalues=cache_eigenvalues,
       )
-      for b, r in zip(self._blocks, rngs)
+      for b, r in zip(self._require_finalized(), rngs)
     ]
     if self.matrix_power_method == "newton":
       states = [
@@ -421,7 +433,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           pmap_axis_name,
         )
         for block, block_state, block_data in zip(
-          self._blocks, state.blocks_states, data
+          self._require_finalized(), state.blocks_states, data
         )
       )
     )
@@ -478,7 +490,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     eigenvalues: bool = False,
     pmap_axis_name: str | None = None,
   ) -> BlockDiagonalState:
-    self._require_finalized()
+    blocks = self._require_finalized()
     weights = self._per_block(identity_weight, "identity_weight")
     fns = [
       functools.partial(
@@ -488,7 +500,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         approx_powers=powers_tuple(approx_powers),
         eigenvalues=eigenvalues,
       )
-      for b, w in zip(self._blocks, weights)
+      for b, w in zip(blocks, weights)
     ]
     costs = [distributed.refresh_cost(s) for s in state.blocks_states]
     axis = pmap_axis_name if self.distributed_cache_updates else None
@@ -543,7 +555,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       return []
     return [
       b.name
-      for b, s in zip(self._blocks, state.blocks_states)
+      for b, s in zip(self._require_finalized(), state.blocks_states)
       if bool(np.any(s.cache[NEWTON_FAILED]))
     ]
 
@@ -566,11 +578,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         *args, weight, power, exact_power=exact_power, use_cached=use_cached
       )
 
-    fns = [product(self._blocks[j], weights[j]) for j in which]
+    blocks = self._require_finalized()
+    fns = [product(blocks[j], weights[j]) for j in which]
     args = [(states[j], vectors[j]) for j in which]
-    costs = [
-      distributed.product_cost(states[j], self._blocks[j].dim) for j in which
-    ]
+    costs = [distributed.product_cost(states[j], blocks[j].dim) for j in which]
     axis = pmap_axis_name if self.distributed_multiplies else None
     return dict(zip(which, distributed.map_blocks(fns, args, costs, axis)))
 
@@ -638,14 +649,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     """
     func_args = tuple(func_args)
     self._finalize(func_args)
+    blocks = self._require_finalized()
     chosen = []
     if use_cached and not exact_power:
-      chosen = [
-        j for j, b in enumerate(self._blocks) if b.outer_sum_is_cheaper()
-      ]
+      chosen = [j for j, b in enumerate(blocks) if b.outer_sum_is_cheaper()]
     if chosen:
       proc = self._value_traced.processed(func_args)
-      same_tags = proc.layer_indices == self._jaxpr.layer_indices
+      same_tags = proc.layer_indices == self.jaxpr.layer_indices
       chosen = [
         j
         for j in chosen
@@ -681,7 +691,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       # Each device has its own rows; the product is linear in the gradient,
       # so the mean of the devices' results is the result for the mean
       # gradient.
-      result = self._blocks[j].multiply_inverse_outer_sum(
+      # Chosen for its `outer_sum_is_cheaper()`, so it offers the product.
+      block = cast(_OuterSumBlock, blocks[j])
+      result = block.multiply_inverse_outer_sum(
         state.blocks_states[j], *block_rows
       )
       if pmap_axis_name is not None:
@@ -703,10 +715,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     Returns:
       One `(block_dim,)` array per block, in `blocks` order.
     """
-    self._require_finalized()
     return tuple(
       b.eigenvalues(s, use_cached=use_cached)
-      for b, s in zip(self._blocks, state.blocks_states)
+      for b, s in zip(self._require_finalized(), state.blocks_states)
     )
 
   def eigenvalues(
@@ -735,14 +746,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     Returns:
       A `(dim, dim)` array in `ravel_pytree` order, zero between blocks.
     """
-    self._require_finalized()
+    blocks = self._require_finalized()
     offsets = np.concatenate([[0], np.cumsum(self._param_sizes)])
     dtype = self._params_dtype
     matrix = jnp.zeros((self.dim, self.dim), dtype)
     shapes = self._param_shapes
     weights = self._per_block(identity_weight, "identity_weight")
     for block, s, idx, w in zip(
-      self._blocks, state.blocks_states, self._layer_indices, weights
+      blocks, state.blocks_states, self._layer_indices, weights
     ):
       sizes = [self._param_sizes[i] for i in idx]
       split = np.cumsum(sizes)[:-1]

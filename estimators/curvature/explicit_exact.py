@@ -161,7 +161,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
       approx_powers_to_cache,
       cache_eigenvalues,
     )
-    block = self._blocks[0]
+    block = self._require_finalized()[0]
     if not isinstance(block, curvature_blocks.ExplicitFull):
       return state
     rows = jax.eval_shape(
@@ -218,7 +218,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     return self.State(
       (
         update_block_estimate(
-          self._blocks[0],
+          self._require_finalized()[0],
           state.blocks_states[0],
           data,
           ema_old,
@@ -248,7 +248,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     without products, for an `ExplicitFull` block and the defaults."""
     block_state = state.blocks_states[0]
     if (
-      isinstance(self._blocks[0], curvature_blocks.ExplicitFull)
+      isinstance(self._require_finalized()[0], curvature_blocks.ExplicitFull)
       and not use_cached
       and power == 1
       and isinstance(identity_weight, (int, float))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.flatten_util
@@ -172,11 +172,15 @@ class ImplicitExactCurvature:
         f"registered losses' inputs have leading axes {sorted(leading)}: "
         "give every loss input the batch as its leading axis."
       )
-    # s_i: the directional derivative of example i's total loss along v.
-    per_example = sum(
-      jnp.sum(g * t, axis=tuple(range(1, g.ndim)))
-      for gs, ts in zip(grads, tangents)
-      for g, t in zip(gs, ts)
+    # s_i: the directional derivative of example i's total loss along v
+    # (an array: there is at least one gradient, checked above).
+    per_example = cast(
+      jax.Array,
+      sum(
+        jnp.sum(g * t, axis=tuple(range(1, g.ndim)))
+        for gs, ts in zip(grads, tangents)
+        for g, t in zip(gs, ts)
+      ),
     )
     products = tuple(
       tuple(g * per_example.reshape((-1,) + (1,) * (g.ndim - 1)) for g in gs)

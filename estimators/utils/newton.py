@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,10 @@ def inverse_roots(
     converged = err < 1e-3
     out.append(
       Roots(
-        jnp.where(converged[..., None, None], x, jnp.nan), err, converged, steps
+        jnp.where(converged[..., None, None], x, jnp.nan),
+        err,
+        converged,
+        cast(jax.Array, steps),  # the loop's carry comes back as arrays
       )
     )
   return out
@@ -255,7 +258,8 @@ def requested_power(matrix: jax.Array, p: int) -> jax.Array:
       "by_products: the function asked for different "
       "powers on its second call; it must be deterministic."
     )
-  return request.result
+  # `_solve_batched` filled every request before the replay.
+  return cast(jax.Array, request.result)
 
 
 @contextlib.contextmanager

@@ -77,7 +77,7 @@ def is_tracer(value: object) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def inner_product(a: Any, b: Any) -> jax.Array:
+def inner_product(a: Any, b: Any) -> jax.Array | int:
   """The inner product of two pytrees with matching leaves.
 
   Args:
@@ -115,7 +115,7 @@ def gram_matrix(trees: Sequence, others: Sequence | None = None) -> jax.Array:
     ValueError: if the pytrees do not all have the same number of leaves.
   """
   symmetric = others is None
-  others = trees if symmetric else others
+  others = trees if others is None else others
   rows = [jax.tree.leaves(t) for t in trees]
   cols = [jax.tree.leaves(t) for t in others]
   if len({len(leaves) for leaves in rows + cols}) > 1:
@@ -133,7 +133,7 @@ def gram_matrix(trees: Sequence, others: Sequence | None = None) -> jax.Array:
       )
       total += jnp.matmul(a, b.T, precision="highest")
       continue
-    pairs = [[None] * len(cols) for _ in rows]
+    pairs: list[list[Any]] = [[None] * len(cols) for _ in rows]
     for i, x in enumerate(left):
       for j, y in enumerate(right):
         if symmetric and j < i:

@@ -52,7 +52,8 @@ def target_platform() -> str:
   `jax.pmap` would otherwise take the default backend's devices even inside
   `jax.default_device(cpu)` on a machine with a GPU.
   """
-  device = jax.config.jax_default_device
+  # jax.config's options are attributes added at run time.
+  device = jax.config.jax_default_device  # type: ignore[attr-defined]
   if device is None:
     return jax.default_backend()
   return device if isinstance(device, str) else device.platform

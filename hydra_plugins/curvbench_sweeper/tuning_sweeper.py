@@ -38,7 +38,7 @@ has left.
 import itertools
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -48,6 +48,10 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, devices, measurements, records, runs
+
+if TYPE_CHECKING:
+  from hydra.plugins.launcher import Launcher
+  from hydra.types import HydraContext
 
 SWEEP_MARKER = records.SWEEP_MARKER  # see `records.claim`
 
@@ -101,7 +105,7 @@ def union(
       f"values (e.g. [{{measure: spectra, curvature: 'kfac,ekfac'}}]), "
       f"not {sweeps!r}."
     )
-  jobs = {}
+  jobs: dict[tuple[str, ...], list[str]] = {}
   for sweep in sweeps:
     for job in product(items(params) + items(sweep) + list(arguments)):
       jobs.setdefault(tuple(sorted(job)), job)
@@ -234,7 +238,8 @@ def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
 def refuse_shared_folders(jobs: list[list[str]], out_dirs: list) -> None:
   """Exits, before anything is launched, when two points of the sweep would
   write into one folder (e.g. a fixed `hydra.sweep.subdir`), naming them."""
-  first, shared = {}, []
+  first: dict[Any, list[str]] = {}
+  shared = []
   for job, out_dir in zip(jobs, out_dirs):
     if out_dir in first:
       shared.append(
@@ -268,16 +273,21 @@ class TuningSweeper(Sweeper):
   optimizer's `tuning.grid` expanded and the points that repeat another
   left out."""
 
+  # Set by `setup`, which Hydra calls before `sweep`.
+  hydra_context: "HydraContext"
+  config: DictConfig
+  launcher: "Launcher"
+
   def __init__(self, max_batch_size=None, params=None, sweeps=None):
     super().__init__()
     self.max_batch_size = max_batch_size
     self.params = dict(params or {})
     self.sweeps = (
-      OmegaConf.to_container(sweeps, resolve=True)
+      cast(list, OmegaConf.to_container(sweeps, resolve=True))
       if OmegaConf.is_config(sweeps)
       else sweeps
     )
-    self.hydra_context = self.config = self.launcher = None
+    self.hydra_context = self.config = self.launcher = None  # type: ignore[assignment]
 
   def setup(self, *, hydra_context, task_function, config) -> None:
     self.hydra_context, self.config = hydra_context, config
@@ -305,7 +315,9 @@ class TuningSweeper(Sweeper):
         f"curvbench: cannot use {sweep_dir} ({e.strerror or e}): {fix}"
       ) from None
     jobs = union(self.params, self.sweeps, arguments)
-    grid = OmegaConf.to_container(self.config.tuning.grid, resolve=True)
+    grid = cast(
+      dict, OmegaConf.to_container(self.config.tuning.grid, resolve=True)
+    )
     jobs = self.planned(
       expand(jobs, grid, self.config.optimizer.name, self.config.measure.kind)
     )
@@ -357,7 +369,7 @@ class TuningSweeper(Sweeper):
     launcher = str(self.config.hydra.launcher.get("_target_", ""))
     if not launcher.endswith("BasicLauncher"):
       return {}
-    wanted = {_devices(cfg) for cfg in configs if cfg is not None}
+    wanted = {d for d in map(_devices, configs) if d is not None}
     devices.request_host_devices(max((n for _, n in wanted), default=1))
     missing = {}
     for platform, count in wanted:

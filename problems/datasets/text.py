@@ -9,6 +9,7 @@ vocabulary of 256: any file, UTF-8 text as its bytes); each example is
 import dataclasses
 import os
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def _file(path: str | None) -> Path:
       "working directory), or set problem.data.when_missing=synthetic "
       "for generated tokens."
     )
-  return _where(path)
+  return cast(Path, _where(path))  # a file there: `_missing` found it
 
 
 def read_text(path: str | None) -> str:

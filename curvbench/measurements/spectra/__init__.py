@@ -279,8 +279,10 @@ class Spectra(Measurement):
     settings = [self] + [dataclasses.replace(self, heatmap_blocks=0)] * (
       len(samples) - 1
     )
-    scope = dict(data=self.data)
-    tables = {name: [] for name in (*self.tables, "training")}
+    scope: dict[str, Any] = dict(data=self.data)
+    tables: dict[str, list[dict]] = {
+      name: [] for name in (*self.tables, "training")
+    }
 
     store = (
       ReferenceStore.of_run(ctx.run_dir.path)
@@ -288,7 +290,8 @@ class Spectra(Measurement):
       else ReferenceStore(None)
     )
     key = dict(problem=dataclasses.asdict(ctx.run.problem))
-    programs = {}  # compiled once per run, whatever the step and sample
+    # Compiled once per run, whatever the step and sample.
+    programs: dict[str, Any] = {}
     log = ctx.log if ctx.run.progress else None
 
     def at(step, point, model_state=None):

@@ -50,6 +50,7 @@ import contextlib
 import functools
 import os
 import time
+from typing import Any
 
 import jax
 import jax.flatten_util
@@ -158,7 +159,7 @@ def role_indices(blocks, roles: dict[str, str]) -> dict[str, np.ndarray]:
   indices)`, as `curvatures.layer_blocks`) of each role (`roles`, by block
   name: `curvatures.block_roles`). Empty where one role holds every block:
   its parameters are the whole network's, measured already."""
-  out = {}
+  out: dict[str, list[np.ndarray]] = {}
   for name, idx in blocks:
     out.setdefault(roles[name], []).append(idx)
   if len(out) < 2:
@@ -166,7 +167,7 @@ def role_indices(blocks, roles: dict[str, str]) -> dict[str, np.ndarray]:
   return {role: np.sort(np.concatenate(idx)) for role, idx in out.items()}
 
 
-def _statistic_rows(source, matrix, values: dict, stderr: dict = None):
+def _statistic_rows(source, matrix, values: dict, stderr: dict | None = None):
   stderr = stderr or {}
   return [
     dict(
@@ -414,7 +415,7 @@ def dense_metrics(
   approx_eigs, approx_vecs = approx_eigh
   exact_eigs, exact_vecs = exact_eigh
   k = min(k, len(exact_eigs))
-  out = dict(
+  out: dict[Any, Any] = dict(
     relative_frobenius=metrics.relative_frobenius(approx, exact),
     spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
     log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
@@ -484,7 +485,7 @@ def _heatmap_rows(source, kind, reference, sub, units):
 def _distinct(references, exact: dict, rows: list) -> list[str]:
   """The references that equal no earlier one, recording in `rows` the
   relative Frobenius distance of each pair (`references` table)."""
-  kept = []
+  kept: list[str] = []
   for i, m in enumerate(references):
     distances = {
       o: metrics.relative_frobenius(exact[m], exact[o]) for o in references[:i]
@@ -543,7 +544,7 @@ def measure_dense(
     exact[m], exact_eighs[m], part_eighs[m] = _exact_reference(
       loss_fn, m, params, data, rng, costs, store, key, examples_interact, parts
     )
-  tables = {name: [] for name in TABLES}
+  tables: dict[str, list[dict]] = {name: [] for name in TABLES}
   for m, matrix in exact.items():
     values = exact_eighs[m][0]
     tables["spectra"] += _spectrum_rows("exact", m, values)
@@ -792,7 +793,7 @@ def measure_lanczos(
   reference (block types as in `measure_dense`)."""
   keys = jax.random.split(rng, 6)
   ones = jax.tree.map(jnp.ones_like, params)
-  tables = {name: [] for name in TABLES}
+  tables: dict[str, list[dict]] = {name: [] for name in TABLES}
   operators, states = {}, {}
   references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
   for m in references:
@@ -848,7 +849,8 @@ def measure_lanczos(
   # A reference equal to an earlier one (the Fisher of a softmax cross-
   # entropy is its GGN) is measured once: its rows repeat its twin's.
   same = max(SAME, 100 * float(np.finfo(np.dtype(cfg.precision)).eps))
-  compared, twin = [], {}
+  compared: list[str] = []
+  twin = {}
   for i, m in enumerate(references):
     distances = {o: frobenius(m, o, ones) for o in references[:i]}
     tables["references"] += [
@@ -866,7 +868,9 @@ def measure_lanczos(
     else:
       compared.append(m)
 
-  spectra_of, top_of, traces_of = {}, {}, {}
+  spectra_of: dict[str, Any] = {}
+  top_of: dict[str, Any] = {}
+  traces_of: dict[str, Any] = {}
   for name in operators:
     if name in twin:
       spectra_of[name] = spectra_of[twin[name]]
@@ -939,7 +943,7 @@ def measure_lanczos(
     types = role_indices(blocks, roles)
   # The diagonal errors of every level from one set of probes per
   # reference, over the layer blocks as cells.
-  groups = {("network", "all"): None}
+  groups: dict[tuple[str, str], list[str] | None] = {("network", "all"): None}
   groups.update(
     {("layer", name): [name] for name, _ in blocks} if cfg.per_block else {}
   )

@@ -375,11 +375,11 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
     for claim in CURVATURES.get(name).claims:
       if claim.than not in names:
         continue
-      cells = [
+      judged = [
         _claim_cell(cell, name, claim)
         for _, cell in frob.groupby(CELL, dropna=False)
       ]
-      cells = [c for c in cells if c is not None]
+      cells = [c for c in judged if c is not None]
       if not cells:
         continue
       for c in cells:

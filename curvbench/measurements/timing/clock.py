@@ -63,6 +63,8 @@ optimizer's step is its multi-device step. Figures are per device.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import cast
 
 import jax
 import numpy as np
@@ -175,7 +177,7 @@ def phase_functions(
     grads = jax.grad(loss_fn)(params, batch)
     return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
 
-  fns = dict(grad_step=grad_step)
+  fns: dict[str, Callable] = dict(grad_step=grad_step)
   if curvature is None:
     return fns
   if mesh is None or mesh.size == 1 or not curvature.takes_axis_name:
@@ -225,7 +227,7 @@ def phase_calls(
     batch = devices.split(batch, mesh, "measure.batch_size")
     params = devices.replicate(params, mesh)
   fns = phase_functions(loss_fn, curvature, damping, learning_rate, mesh)
-  args = dict(grad_step=(params, batch))
+  args: dict[str, tuple] = dict(grad_step=(params, batch))
   if curvature is not None:
     state = curvature.init(rng, params, batch)
     state = jax.jit(curvature.update)(state, params, batch, rng)
@@ -251,7 +253,7 @@ def rounds(
   """`warmup` untimed rounds, then `repeats` timed ones, each taking one
   sample of every entry of `timed` in turn; the timed samples per entry
   and the machine's load over the timed rounds."""
-  samples = {name: [] for name in timed}
+  samples: dict[str, list[float]] = {name: [] for name in timed}
   for _ in range(warmup):
     for timer in timed.values():
       timer.sample()
@@ -261,7 +263,7 @@ def rounds(
     ):
       for name, timer in timed.items():
         samples[name].append(timer.sample())
-  return samples, monitor.load
+  return samples, cast(load.Load, monitor.load)  # set on leaving the block
 
 
 def selected_phases(phases, uses_curvature: bool) -> list[str]:
@@ -336,7 +338,7 @@ def measure(
     fn, model_state = model_state_update
     calls["model_state_update"] = (fn, (params, model_state, batch[0]))
 
-  timed = {
+  timed: dict[str, Call | Stepper] = {
     phase: Call(*calls[phase])
     for phase in tqdm(
       calls, desc="compiling", disable=not progress, leave=False

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import time
+from typing import cast
 
 import psutil
 
@@ -102,7 +103,7 @@ class Monitor:
       _busy(psutil.cpu_times()),
       _own(self._process),
     )
-    self.load = None
+    self.load: Load | None = None  # until the block is left
     return self
 
   def __exit__(self, *exc) -> None:
@@ -127,7 +128,7 @@ def sample(seconds: float = 1.0) -> Load:
   """The load over the next `seconds`, this process idle."""
   with Monitor(min_seconds=seconds) as monitor:
     pass
-  return monitor.load
+  return cast(Load, monitor.load)  # set on leaving the block
 
 
 def settle(

@@ -8,7 +8,7 @@ seeds (`comparison`, `curvbench.stats`). The loop itself is
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -174,8 +174,9 @@ class Training(Measurement):
         on_step=functools.partial(save_checkpoint, ctx),
         mesh=ctx.mesh,
       )
+    measured = cast(load.Load, monitor.load)  # set on leaving the block
     for row in rows:  # the load its seconds were read under
-      row["others_cpu_share"] = monitor.load.others_share
+      row["others_cpu_share"] = measured.others_share
     end = rows[-1]
     if end["diverged"]:
       return Outcome(

@@ -181,10 +181,10 @@ def sensitivity(
             color=colour[method],
             ms=8,
           )
-      xs = np.concatenate([line.get_xdata() for line in ax.lines] or [[]])
-      ys = np.concatenate([line.get_ydata() for line in ax.lines] or [[]])
-      plots.log_if_decades(ax, xs, "x", decades=1)
-      plots.log_if_decades(ax, ys, "y", decades=1)
+      all_x = np.concatenate([line.get_xdata() for line in ax.lines] or [[]])
+      all_y = np.concatenate([line.get_ydata() for line in ax.lines] or [[]])
+      plots.log_if_decades(ax, all_x, "x", decades=1)
+      plots.log_if_decades(ax, all_y, "y", decades=1)
       ax.set(xlabel=key, ylabel=p.metric.iloc[0], title=problem)
     plots.legend_below(fig, axes[0], title="star: chosen; x: diverged")
     paths += plots.save(fig, out / f"tuning_{problem}")
