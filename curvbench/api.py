@@ -340,6 +340,7 @@ def measure(
     swept.append(f"plugins=[{','.join(plugins)}]")
   jobs = tuning_sweeper.product(swept + list(settings))
   base = config.compose(*jobs[0], check=False, with_hydra=True)
+  runs.use_compilation_cache(base.compilation_cache)
   excluded = set(base.hydra.job.config.override_dirname.exclude_keys)
   jobs = tuning_sweeper.expand(
     jobs, config.plain(base.tuning.grid), base.optimizer.name, base.measure.kind

@@ -10,13 +10,11 @@ command keeps JAX's compiled programs in the `compilation_cache` directory.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import cast
 
 import hydra
-import jax
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -74,21 +72,6 @@ def check_command_line(argv: list[str]) -> None:
     raise SystemExit(f"curvbench: {e}") from None
 
 
-def use_compilation_cache(path: str | None) -> None:
-  """Keeps JAX's compiled programs in `path` (the `compilation_cache`
-  setting; None: no cache), so a restarted run loads what an earlier one
-  compiled. Every program is kept, however quick its compilation: a run
-  compiles many small ones. JAX fixes the directory at its first
-  compilation, so this is for the `curvbench` command, before any run."""
-  if path is None:
-    return
-  jax.config.update(
-    "jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path))
-  )
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
 def _hydra_main():
   tuning_sweeper.register()
   config.register_resolvers()
@@ -103,7 +86,7 @@ def _hydra_main():
       config.validate(cfg)
     except ValueError as e:  # ConfigError, PluginError: the message alone
       raise SystemExit(f"curvbench: {e}") from None
-    use_compilation_cache(cfg.compilation_cache)
+    runs.use_compilation_cache(cfg.compilation_cache)
     out_dir = HydraConfig.get().runtime.output_dir
     try:
       return runs.run(cfg, out_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import traceback
 from pathlib import Path
 from typing import cast
@@ -26,6 +27,22 @@ import problems
 from curvbench import config, devices, provenance, records
 from curvbench.measurements import Context
 from estimators import graph_matcher
+
+
+def use_compilation_cache(path: str | None) -> None:
+  """Keeps JAX's compiled programs in `path` (the `compilation_cache`
+  setting; None: no cache), so a restarted run, or the next seed, loads
+  what an earlier one compiled. Every program is kept, however quick its
+  compilation: a run compiles many small ones. JAX fixes the directory at
+  the process's first compilation, so the `curvbench` command and
+  `curvbench.measure` call this before any run."""
+  if path is None:
+    return
+  jax.config.update(
+    "jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path))
+  )
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def skip_reason(run: config.RunSettings) -> str | None:

@@ -71,6 +71,10 @@ def test_a_regression_model_of_plain_jax_runs_every_measurement(
   )
   status = results.runs.status.value_counts().to_dict()
   assert status["complete"] >= 6, status
+  # The seeds and runs shared compiled programs, as the command's do.
+  cache = tmp_path / "reports" / ".jax_cache"
+  assert jax.config.jax_compilation_cache_dir == str(cache)
+  assert any(cache.iterdir())
   quality = results.tables["quality"]
   assert {"kfac/ggn_exact", "diagonal/ggn_exact"} <= set(quality.method)
   assert set(quality.problem) == {"sine"}

@@ -34,7 +34,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 
 import curvbench
-from curvbench import app, stats
+from curvbench import stats
 
 net = hk.without_apply_rng(
   hk.transform(lambda x: hk.nets.MLP([6, 10], activation=jax.nn.tanh)(x))
@@ -59,7 +59,6 @@ data = curvbench.Data(x / 16.0, y)  # the last 20 % is held out as a test split
 # Fisher, the empirical Fisher and the Hessian), two batches per seed, one
 # damping for the natural-gradient cosine, no heatmaps.
 
-app.use_compilation_cache(tempfile.mkdtemp())
 results = curvbench.measure(
   model,
   data,
@@ -70,6 +69,7 @@ results = curvbench.measure(
   measurements=["spectra"],
   seeds=[0, 1],
   settings=[
+    f"compilation_cache={tempfile.mkdtemp()}",  # seeds share programs
     "measure.spectra.references=[ggn]",
     "measure.spectra.samples=2",
     "measure.spectra.relative_dampings=[1e-3]",

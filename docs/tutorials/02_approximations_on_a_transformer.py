@@ -42,9 +42,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import curvbench
-from curvbench import app, stats
+from curvbench import stats
 
-app.use_compilation_cache(tempfile.mkdtemp())  # seeds share compiled programs
 results = curvbench.measure(
   "transformer_small",
   name="transformer_tutorial",
@@ -53,6 +52,7 @@ results = curvbench.measure(
   measurements=["spectra"],
   seeds=[0, 1],
   settings=[
+    f"compilation_cache={tempfile.mkdtemp()}",  # seeds share programs
     "problem.width=6",
     "problem.data.modulus=7",
     "problem.data.train_fraction=0.8",

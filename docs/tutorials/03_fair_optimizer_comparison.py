@@ -37,9 +37,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 import curvbench
-from curvbench import app
 
-app.use_compilation_cache(tempfile.mkdtemp())  # seeds share compiled programs
 results = curvbench.measure(
   "mlp",
   name="fair_comparison",
@@ -48,6 +46,7 @@ results = curvbench.measure(
   optimizers=["kfac", "adam"],
   seeds=[0, 1, 2],
   settings=[
+    f"compilation_cache={tempfile.mkdtemp()}",  # seeds share programs
     "measure.training.num_steps=60",
     "measure.training.eval_every=10",
     "tuning.metric=final_train_loss",

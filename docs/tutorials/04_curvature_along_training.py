@@ -37,10 +37,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 import curvbench
-from curvbench import app
 
 STEPS = [0, 10, 40, 150]
-app.use_compilation_cache(tempfile.mkdtemp())  # seeds share compiled programs
 results = curvbench.measure(
   "mlp",
   name="along_training",
@@ -50,6 +48,7 @@ results = curvbench.measure(
   optimizers=["adam"],
   seeds=[0, 1],
   settings=[
+    f"compilation_cache={tempfile.mkdtemp()}",  # seeds share programs
     "problem.width=6",
     "problem.depth=1",
     "optimizer.learning_rate=0.01",
