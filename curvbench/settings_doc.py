@@ -15,16 +15,19 @@ from curvbench.conf_dir import CONF_DIR
 _GROUP_FIELDS = {group.split("/")[0] for group in cli.GROUPS}
 
 
-def _cell(text: str) -> str:
-  """`text` safe inside a Markdown table cell (no pipes, tags or stray
-  emphasis)."""
+def _text(text: str) -> str:
+  """`text` on one line, safe in Markdown (no tags or stray emphasis)."""
   return (
     " ".join(str(text).split())
     .replace("\\", "\\\\")
-    .replace("|", "\\|")
     .replace("<", "\\<")
     .replace("*", "\\*")
   )
+
+
+def _cell(text: str) -> str:
+  """`text` safe inside a Markdown table cell."""
+  return _text(text).replace("|", "\\|")
 
 
 def _table(rows: list[SettingDoc]) -> list[str]:
@@ -42,13 +45,13 @@ def _table(rows: list[SettingDoc]) -> list[str]:
 
 def _doc(cls) -> str:
   """A class's docstring as a paragraph."""
-  return _cell(inspect.getdoc(cls) or "").replace("\\|", "|")
+  return _text(inspect.getdoc(cls) or "")
 
 
-def _option(group: str, name: str, presets: dict[str, str]) -> list[str]:
-  """The section of one option of `group`."""
+def _registered(group: str, name: str):
+  """The settings class of option `name` of `group`, and its rows under
+  the keys a command line gives them; None for a preset."""
   prefix = "problem.data." if group == "problem/data" else f"{group}."
-  lines = [f"### {group}={name}", ""]
   for registry in config.REGISTRIES:
     if registry.group == group and name in registry.names():
       cls = registry.get(name)
@@ -57,7 +60,16 @@ def _option(group: str, name: str, presets: dict[str, str]) -> list[str]:
         for d in documented(cls)
         if d.key != "name"
       ]
-      return lines + [_doc(cls), ""] + _table(rows)
+      return cls, rows
+  return None
+
+
+def _option(group: str, name: str, presets: dict[str, str]) -> list[str]:
+  """The section of one option of `group`."""
+  lines = [f"### {group}={name}", ""]
+  if found := _registered(group, name):
+    cls, rows = found
+    return lines + [_doc(cls), ""] + _table(rows)
   path = CONF_DIR / group / f"{name}.yaml"
   return lines + [
     f"A preset (`conf/{group}/{name}.yaml`): {presets.get(name, '')}",
@@ -136,11 +148,7 @@ def keys() -> set[str]:
   found = {d.key for d in documented(config.RunSettings)}
   found |= {f"measure.{d.key}" for d in documented(measurements.schema())}
   for registry in config.REGISTRIES:
-    prefix = (
-      "problem.data."
-      if registry.group == "problem/data"
-      else (f"{registry.group}.")
-    )
     for name in registry.names():
-      found |= {prefix + d.key for d in documented(registry.get(name))}
+      _, rows = _registered(registry.group, name)
+      found |= {row.key for row in rows}
   return found

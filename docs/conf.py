@@ -31,7 +31,6 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "tutorials/README.txt", "generated/settings.md"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
-nitpicky = False
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
