@@ -152,7 +152,22 @@ def _overrides(command: str) -> list[list[str]] | None:
   return cases
 
 
-def test_every_command_the_pages_show_composes():
+@pytest.fixture
+def plugins_forgotten():
+  """Undoes what the pages' plugins register (their components and their
+  modules), so later tests in the process see the built-in ones only."""
+  names = {registry: set(registry.names()) for registry in config.REGISTRIES}
+  modules = set(sys.modules)
+  yield
+  for registry, before in names.items():
+    for name in set(registry.names()) - before:
+      registry.unregister(name)
+  for module in set(sys.modules) - modules:
+    if module.startswith("curvbench_plugin_"):
+      del sys.modules[module]
+
+
+def test_every_command_the_pages_show_composes(plugins_forgotten):
   problems, checked = [], 0
   for page in _pages():
     for command in _commands(page.read_text()):
