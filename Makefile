@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck docs browser bench bench-accelerator bench-against cuda clean-venv
+.PHONY: run test test-slow lint typecheck docs browser bench bench-accelerator bench-against cuda clean-venv
 
 # Quiet (-qq): errors only; a machine's pip configuration may name package
 # folders it lacks, which pip would otherwise report on every install.
@@ -24,9 +24,19 @@ run: $(STAMP)
 # Tests check values, not speed: XLA's CPU code generation at its lowest
 # optimisation level compiles about a fifth faster (runs and benchmarks keep
 # the default).
+TEST_XLA = XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS"
+
+# The checks and the fast tier of the tests, within 15 minutes on 2 cores:
+# everything but the tests marked slow and the timing benchmarks.
 test: $(STAMP) browser lint typecheck
-	XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" \
-	  $(PY) -m pytest -n 2 --benchmark-disable -q
+	$(TEST_XLA) $(PY) -m pytest -n 2 -q -m "not slow" --ignore=tests/benchmarks
+
+# The rest, which CI runs after `make test`: the slow tests (whole sweeps,
+# commands in their own processes, framework and paper-size models, the
+# site built and opened in a browser), and each benchmark run once, untimed.
+test-slow: $(STAMP) browser
+	$(TEST_XLA) $(PY) -m pytest -n 2 -q -m slow --ignore=tests/benchmarks
+	$(TEST_XLA) $(PY) -m pytest -n 2 -q --benchmark-disable tests/benchmarks
 
 # The linter's rules and the formatter's style are in pyproject.toml
 # ([tool.ruff]); `ruff format .` applies the style.

@@ -175,6 +175,7 @@ def test_a_sweep_over_approximations_and_optimizers_trains_each_once(
     config.compose("measure.spectra.trainer.learning_rate=0.1", *TINY)
 
 
+@pytest.mark.slow
 def test_a_sweeps_approximations_share_one_training_trajectory(
   tmp_path, monkeypatch
 ):
@@ -368,6 +369,7 @@ def test_a_failing_run_says_why_in_one_line(tmp_path, capsys):
     app.cli(["report", "/no/such/sweep"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   not Path("/proc/self/maps").exists(),
   reason="counts the memory maps Linux lists per process",

@@ -64,6 +64,7 @@ def train(problem_name, curvature_name, steps=STEPS):
   return start, float(loss(params, evaluation))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem_name,curvature_name", list(CASES))
 def test_optimizer_trains_with_each_approximation(problem_name, curvature_name):
   start, end = train(problem_name, curvature_name)

@@ -193,6 +193,7 @@ def _quality(tables, level):
   }
 
 
+@pytest.mark.slow
 def test_quality_of_a_type_is_that_of_its_sub_matrices(tiny):
   """K-FAC against the exact GGN over all parameters of each type (cross-
   layer entries included), not an average of its layers' numbers."""

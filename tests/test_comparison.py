@@ -271,6 +271,7 @@ def test_a_curve_along_a_spectra_run_is_labelled_by_its_optimizer():
   assert list(labelled.label) == ["adam", "adam"]
 
 
+@pytest.mark.slow
 def test_a_time_budgeted_run_is_evaluated_on_its_time_grid(tmp_path):
   """Each grid point evaluates the parameters the run held at that second:
   those of the last step finished by then."""

@@ -61,6 +61,7 @@ def _a_problem_reading(group, name):
   )
 
 
+@pytest.mark.slow
 def test_every_option_composes_and_equals_the_command_line(capsys):
   for group in GROUPS:
     assert config.options(group), group
@@ -603,6 +604,7 @@ REFUSED_COMMANDS = [
 ]
 
 
+@pytest.mark.slow
 def test_the_command_refuses_with_the_message_alone(tmp_path):
   """Refused on the command line, or for any point of a sweep, before
   Hydra writes a run or sweep directory: the message alone, exit status 1.
@@ -677,6 +679,7 @@ def test_single_runs_in_the_same_second_get_their_own_directories():
     setup_globals()  # Hydra's own `now` again
 
 
+@pytest.mark.slow
 def test_the_python_api_composes_from_any_directory(tmp_path):
   """Outside the repository (its root not on the path, the package found
   through the install) `config.compose` knows the sweeper's config, as the

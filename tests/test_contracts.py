@@ -58,6 +58,7 @@ def every_component(tmp_path_factory):
   return root, status, written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROBLEMS.names())
 def test_every_problem_builds_is_fully_registered_and_trains(name, tmp_path):
   # One kind of K-FAC step (refresh and damping every step): one program
@@ -95,6 +96,7 @@ def test_every_dataset_declares_its_settings_and_input_shape(name):
       assert cfg.problem.data.name == name
 
 
+@pytest.mark.slow
 def test_every_optimizer_and_measurement_runs_and_reports(every_component):
   root, status, written = every_component
   assert set(status.values()) == {"complete"}, status
@@ -160,6 +162,7 @@ def toys():
     MEASUREMENTS.unregister("toy_gradient_norms")
 
 
+@pytest.mark.slow
 def test_a_new_problem_block_type_and_measurement_are_one_file_each(
   toys, tmp_path
 ):

@@ -112,6 +112,7 @@ def _copy(good, path) -> records.RunDir:
   return records.RunDir(path)
 
 
+@pytest.mark.slow
 def test_report_lists_every_run_not_in_the_results(good, tmp_path):
   run, _ = good
   root = tmp_path / "sweep"
@@ -153,6 +154,7 @@ def test_report_lists_every_run_not_in_the_results(good, tmp_path):
   assert "Training: each quantity over seeds" in text
 
 
+@pytest.mark.slow
 def test_report_names_the_runs_not_in_the_results(good, tmp_path, capsys):
   run, _ = good
   _copy(run, tmp_path / "good")
@@ -162,6 +164,7 @@ def test_report_names_the_runs_not_in_the_results(good, tmp_path, capsys):
   assert "not in the results: 1 damaged, 1 killed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_rerun_redoes_damaged_runs_and_keeps_intact_ones(good, tmp_path):
   run, cfg = good
   intact = _copy(run, tmp_path / "intact")

@@ -82,6 +82,7 @@ def test_training_on_two_devices_matches_one(tmp_path, overrides):
   assert set(two["training"].devices_used) == {2}
 
 
+@pytest.mark.slow
 def test_kfac_trainer_steps_each_device_on_its_part(tiny, mesh):
   """The optimizer's multi-device step: state per device, params and loss
   back as ordinary arrays on every device, equal to one device's."""
@@ -148,6 +149,7 @@ def leaves_close(a, b, rtol):
     np.testing.assert_allclose(y, x, rtol=0, atol=rtol * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kfac", "implicit_exact"])
 def test_timed_phases_on_two_devices_compute_what_one_does(tiny, mesh, name):
   """Each single-call phase gives one device's result; the estimator's

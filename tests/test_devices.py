@@ -79,6 +79,7 @@ def test_a_fresh_process_gets_the_host_devices_it_asks_for():
   assert out.stdout.split() == ["3"]
 
 
+@pytest.mark.slow
 def test_a_sweep_asking_for_devices_the_machine_lacks_launches_nothing(
   tmp_path,
 ):

@@ -122,6 +122,7 @@ def _mapped(fn, how):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["pmap", "shard_map"])
 def test_each_device_refreshes_and_applies_only_its_share(how):
   problem = gt.deep_linear()
@@ -265,6 +266,7 @@ def _per_branch(jaxpr) -> list[int]:
   return counts
 
 
+@pytest.mark.slow
 def test_block_tridiagonal_shares_blocks_and_chains_among_devices():
   """Each device's program does part of the factorisations and solves, and
   the parts add up to the undistributed work; results are unchanged."""

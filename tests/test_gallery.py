@@ -489,6 +489,7 @@ def jobs(entry, size):
   return tuning_sweeper.union({}, entry.parts(size), [])
 
 
+@pytest.mark.slow
 def test_every_entry_composes_at_every_size_and_the_gallery_has_them_all():
   found = gallery.experiments()
   gallery_parts = found["gallery"]["hydra"]["sweeper"]["sweeps"]

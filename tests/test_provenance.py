@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pandas as pd
+import pytest
 
 import problems
 from curvbench import config, provenance, records, report, runs, training
@@ -76,6 +77,7 @@ def test_every_row_carries_the_run_id_and_provenance(sweep):
   assert run.marker()["run_id"] == provenance.run_id(cfg)
 
 
+@pytest.mark.slow
 def test_resume_reruns_when_the_config_or_code_changed(
   tmp_path, capsys, monkeypatch
 ):

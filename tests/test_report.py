@@ -144,6 +144,7 @@ def designed(tmp_path_factory):
   return root, status
 
 
+@pytest.mark.slow
 def test_settings_and_seeds_are_told_apart_and_aggregated(
   designed, tmp_path, monkeypatch
 ):
@@ -198,6 +199,7 @@ def test_settings_and_seeds_are_told_apart_and_aggregated(
   assert len(runs) == len(DESIGN) + 1
 
 
+@pytest.mark.slow
 def test_runs_not_in_the_results_are_listed_with_reasons(
   designed, tmp_path, chromium_page
 ):

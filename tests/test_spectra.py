@@ -120,6 +120,7 @@ def test_lanczos_method_agrees_with_dense(tiny, tiny_ggn):
   assert q["natural_gradient_cosine"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_lanczos_block_metrics_estimate_the_dense_ones(tiny):
   """The matrix-free metrics of a K-FAC estimate against the dense method's,
   at full Krylov depth (past the rank of the GGN, where Lanczos breaks down),
@@ -212,6 +213,7 @@ def _wasserstein_fraction(rows, exact):
   return metrics.spectral_distance(slq.eigenvalue, exact, slq.weight)
 
 
+@pytest.mark.slow
 def test_signed_hessian_density_and_top_k_match_the_exact_spectrum(tiny):
   """SLQ (40 Lanczos steps, 8 probes) of the indefinite Hessian lies within
   1% of the spectrum's width of its exact eigenvalues (1-Wasserstein), puts
@@ -392,6 +394,7 @@ def test_quality_against_every_reference_and_identical_ones_said_once(tiny):
   assert pairs[("hessian", "ggn")] > 1e-3
 
 
+@pytest.mark.slow
 def test_matrix_free_measures_a_reference_equal_to_an_earlier_one_once(tiny):
   """Matrix-free, the Fisher of softmax cross-entropy (the GGN) gets no
   products of its own: its spectrum and statistics rows repeat the GGN's,
@@ -430,6 +433,7 @@ def test_matrix_free_measures_a_reference_equal_to_an_earlier_one_once(tiny):
   assert set(pd.DataFrame(tables["quality"]).reference) == {"ggn", "hessian"}
 
 
+@pytest.mark.slow
 def test_gradient_share_in_the_top_eigenvectors_against_brute_force(tiny):
   """Dense and matrix-free alike: the share of the mean gradient's squared
   norm in the span of each exact matrix's top k eigenvectors."""

@@ -158,6 +158,7 @@ def test_the_report_shows_a_probe_estimate_with_its_error(both):
   assert "standard error" not in table.title
 
 
+@pytest.mark.slow
 def test_probes_taken_a_few_at_a_time_give_the_same_rows(tiny, both):
   """measure.spectra.probe_batch bounds the memory, not the estimates."""
   p, params, batch = tiny

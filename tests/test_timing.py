@@ -259,6 +259,7 @@ def test_load_counts_what_other_processes_use(hog):
   assert short.load.seconds >= 0.5 and short.load.others_share > 0.3
 
 
+@pytest.mark.slow
 def test_a_timing_beside_a_cpu_hog_is_flagged_in_the_report(hog, tmp_path):
   """Timed while two other processes keep cores busy: the records carry
   the load, and the report flags the figures and says by how much."""
