@@ -442,7 +442,9 @@ class BlockDiagonal(_Estimator):
         getattr(self.estimator, "links", ()), getattr(shapes, "links", ())
       )
     ]
-    total = sum(size for _, size in parts) / 2**30
+    # The whole state (its blocks, couplings and the estimator's own
+    # fields); the parts name where most of it is.
+    total = _nbytes(shapes) / 2**30
     if total <= self.max_state_gib:
       return
     what, size = max(parts, key=lambda part: part[1])

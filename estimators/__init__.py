@@ -9,6 +9,8 @@ optimizer and the optax preconditioner, and KFAC-JAX's module names
 from estimators import blocks, curvature, estimation_modes, losses, patches
 from estimators import tags, tracer, tridiagonal, utils
 from estimators.blocks import (
+  KroneckerFactored,
+  RepeatedDenseKroneckerFactored,
   EKFAC,
   Conv2DEKFAC,
   Conv2DKFACExpand,
@@ -70,6 +72,7 @@ from estimators.curvature import (
   default_batch_size_extractor,
   get_default_tag_to_block_ctor,
   set_default_tag_to_block_ctor,
+  set_multi_default_tag_to_block_ctor,
 )
 from estimators.tridiagonal import BlockTridiagonalCurvature
 from estimators import graph_matcher
@@ -82,7 +85,11 @@ from estimators.graph_matcher import (
   auto_register_tags,
   registration_report,
 )
-from estimators.optimizer import Optimizer
+from estimators.optimizer import (
+  HAIKU_BIASES,
+  HAIKU_BIASES_AND_NORMS,
+  Optimizer,
+)
 from estimators.losses import (
   CategoricalLogitsNegativeLogProbLoss,
   DistributionNegativeLogProbLoss,
@@ -137,6 +144,9 @@ from estimators import (
 )
 
 __all__ = [
+  "KroneckerFactored",
+  "RepeatedDenseKroneckerFactored",
+  "set_multi_default_tag_to_block_ctor",
   # modules, then KFAC-JAX's names for them
   "blocks",
   "curvature",
@@ -228,6 +238,8 @@ __all__ = [
   "registration_report",
   # optimizer and optax preconditioner
   "Optimizer",
+  "HAIKU_BIASES",
+  "HAIKU_BIASES_AND_NORMS",
   "OptaxPreconditionState",
   "OptaxPreconditioner",
   # losses

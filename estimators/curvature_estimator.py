@@ -1,6 +1,10 @@
 """KFAC-JAX's module name `curvature_estimator`: the estimators of
-`estimators.curvature`, their block-constructor settings and `StateType`."""
+`estimators.curvature`, their block-constructor settings, the optax
+preconditioner and the type names KFAC-JAX's module defines."""
 
+from collections.abc import Sequence
+
+from estimators import optax_interface
 from estimators.curvature import (
   BlockDiagonalCurvature,
   CurvatureBlockCtor,
@@ -9,9 +13,29 @@ from estimators.curvature import (
   ImplicitExactCurvature,
   get_default_tag_to_block_ctor,
   set_default_tag_to_block_ctor,
+  set_multi_default_tag_to_block_ctor,
 )
 from estimators.estimation_modes import ESTIMATION_MODES
-from estimators.utils.types import StateType
+from estimators.losses import LossFunction
+from estimators.optax_interface import (
+  OptaxPreconditioner,
+  OptaxPreconditionState,
+)
+from estimators.curvature import base as curvature_estimator
+from estimators.curvature import (
+  block_diagonal,
+  explicit_exact,
+  implicit_exact,
+)
+from estimators.utils.types import Array, StateType
+
+# Type names of KFAC-JAX's module, for annotations: a loss's inputs are a
+# tuple of arrays.
+LossFunctionInputs = tuple[Array, ...]
+LossFunctionsTuple = tuple[LossFunction, ...]
+LossFunctionsSequence = Sequence[LossFunction]
+LossFunctionInputsSequence = Sequence[LossFunctionInputs]
+LossFunctionInputsTuple = tuple[LossFunctionInputs, ...]
 
 __all__ = [
   "BlockDiagonalCurvature",
@@ -20,7 +44,21 @@ __all__ = [
   "ESTIMATION_MODES",
   "ExplicitExactCurvature",
   "ImplicitExactCurvature",
+  "LossFunction",
+  "LossFunctionInputs",
+  "LossFunctionInputsSequence",
+  "LossFunctionInputsTuple",
+  "LossFunctionsSequence",
+  "LossFunctionsTuple",
+  "OptaxPreconditionState",
+  "OptaxPreconditioner",
   "StateType",
+  "block_diagonal",
+  "curvature_estimator",
+  "explicit_exact",
+  "implicit_exact",
+  "optax_interface",
   "get_default_tag_to_block_ctor",
   "set_default_tag_to_block_ctor",
+  "set_multi_default_tag_to_block_ctor",
 ]

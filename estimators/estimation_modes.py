@@ -42,24 +42,57 @@ EXACT_MODE_OF_MATRIX = {
 }
 
 
-def check_estimation_mode(mode: str) -> str:
+# Modes that read the gradient of the model function itself instead of
+# backpropagating loss tangents: only `BlockDiagonalCurvature` has them.
+DIRECT_ESTIMATION_MODES = (
+  "fisher_empirical_direct",
+  "fisher_empirical_direct_synced",
+)
+
+
+def check_estimation_mode(
+  mode: str, valid: Sequence[str] = ESTIMATION_MODES
+) -> str:
   """Checks that `mode` names an estimation mode.
 
   Args:
     mode: the name to check.
+    valid: the modes accepted (an estimator's `valid_estimation_modes`).
 
   Returns:
     `mode`, unchanged.
 
   Raises:
-    ValueError: for a name not in `ESTIMATION_MODES`.
+    ValueError: for a name not in `valid`.
   """
-  if mode not in ESTIMATION_MODES:
+  if mode not in valid:
+    extra = ""
+    if mode in DIRECT_ESTIMATION_MODES:
+      extra = " (only BlockDiagonalCurvature has the direct modes)"
     raise ValueError(
-      f"Unknown estimation mode {mode!r}; choose one of "
-      f"{', '.join(ESTIMATION_MODES)}."
+      f"Unknown estimation mode {mode!r}{extra}; choose one of "
+      f"{', '.join(valid)}."
     )
   return mode
+
+
+def direct_gradient_scale(batch_size: Any, dtype: Any) -> jax.Array:
+  """The factor on the gradient of the (batch-averaged) loss in the
+  `fisher_empirical_direct*` modes: `sqrt(batch_size)`.
+
+  The blocks divide the square of what they get by the batch size, so the
+  estimate is `g gᵀ` (its diagonal for diagonal blocks), `g` the gradient
+  of the mean loss: the statistic of Adam's and RMSProp's second moments.
+  This follows KFAC-JAX after 0.0.8, which fixed 0.0.8's `g gᵀ / batch`.
+
+  Args:
+    batch_size: the number of examples the loss averages over.
+    dtype: the gradient's dtype.
+
+  Returns:
+    `sqrt(batch_size)`.
+  """
+  return jnp.sqrt(jnp.asarray(batch_size, dtype))
 
 
 def matrix_type(mode: str) -> str:
@@ -74,8 +107,8 @@ def matrix_type(mode: str) -> str:
   Raises:
     ValueError: for an unknown mode.
   """
-  check_estimation_mode(mode)
-  if mode == "fisher_empirical":
+  check_estimation_mode(mode, ESTIMATION_MODES + DIRECT_ESTIMATION_MODES)
+  if mode.startswith("fisher_empirical"):
     return "empirical_fisher"
   return mode.split("_")[0]
 

@@ -113,11 +113,13 @@ class OptaxPreconditioner:
         batch) to its size.
       distributed_inverses: share the cache refreshes among devices.
       distributed_precon_apply: share the products among devices.
-      num_samples: samples per example of the sampled modes; only 1.
-      should_vmap_samples: accepted for newer callers; with one sample it
-        changes nothing.
-      norm_to_scale_identity_weight_per_block: only None (the damping is
-        the same for every block).
+      num_samples: samples per example that the sampled estimation modes
+        average.
+      should_vmap_samples: draw those samples in one `jax.vmap` pass
+        instead of a loop.
+      norm_to_scale_identity_weight_per_block: None (one damping for every
+        block), or a norm name (see `BlockDiagonalCurvature.update_cache`)
+        scaling each block's damping by that norm of the block.
 
     Raises:
       ValueError: for a missing or doubled damping, periods below 1, an
@@ -137,16 +139,9 @@ class OptaxPreconditioner:
       raise ValueError(
         f"curvature_ema must lie in [0, 1], got {curvature_ema}."
       )
-    if num_samples != 1:
-      raise ValueError(
-        f"OptaxPreconditioner supports num_samples=1 only, got {num_samples}."
-      )
-    if norm_to_scale_identity_weight_per_block is not None:
-      raise ValueError(
-        "norm_to_scale_identity_weight_per_block is not supported; leave it "
-        "None (one damping for every block)."
-      )
-    del should_vmap_samples  # one sample: nothing to vectorise
+    if norm_to_scale_identity_weight_per_block == "none":
+      norm_to_scale_identity_weight_per_block = None
+    self._block_norm = norm_to_scale_identity_weight_per_block
     self._l2_reg = l2_reg
     self._norm_constraint = norm_constraint
     self._damping = damping
@@ -169,6 +164,8 @@ class OptaxPreconditioner:
       layer_tag_to_block_ctor=layer_tag_to_block_ctor,
       distributed_multiplies=distributed_precon_apply,
       distributed_cache_updates=distributed_inverses,
+      num_samples=num_samples,
+      should_vmap_samples=should_vmap_samples,
       **auto_kwargs,
     )
 
@@ -235,6 +232,11 @@ class OptaxPreconditioner:
       (self._power, None) if self._use_exact_inverses else (None, self._power)
     )
 
+  def _block_norm_kwargs(self) -> dict[str, Any]:
+    if self._block_norm is None:
+      return {}
+    return dict(norm_to_scale_identity_weight_per_block=self._block_norm)
+
   def _axis(self) -> str | None:
     return self._pmap_axis_name if utils.in_pmap(self._pmap_axis_name) else None
 
@@ -279,7 +281,9 @@ class OptaxPreconditioner:
     Returns:
       The new state (its count unchanged).
     """
-    state = self.maybe_update_estimator_curvature(state, func_args, rng)
+    state = self.maybe_update_estimator_curvature(
+      state, func_args, rng, sync=self.should_sync_estimate_curvature(state)
+    )
     return self.maybe_update_inverse_cache(state)
 
   def maybe_update_estimator_curvature(
@@ -287,7 +291,8 @@ class OptaxPreconditioner:
     state: OptaxPreconditionState,
     func_args: utils.FuncArgs,
     rng: jax.Array,
-    decay_old_ema: bool = True,
+    decay_old_ema: jax.Array | bool = True,
+    sync: jax.Array | bool = True,
   ) -> OptaxPreconditionState:
     """Folds this batch into the estimate on steps divisible by the period.
 
@@ -296,18 +301,24 @@ class OptaxPreconditioner:
       func_args: this step's arguments of `value_func`.
       rng: a PRNG key for the sampled estimation modes.
       decay_old_ema: decay the old estimate by `curvature_ema` (False adds
-        the batch without decaying it).
+        the batch without decaying it); may be a traced boolean.
+      sync: average the estimate over the devices of `pmap_axis_name`
+        afterwards (see `sync_estimator_state`); may be traced.
 
     Returns:
       The new state.
     """
-    ema_old = self._curvature_ema if decay_old_ema else 1.0
+    if isinstance(decay_old_ema, bool):
+      ema_old: Any = self._curvature_ema if decay_old_ema else 1.0
+    else:
+      ema_old = jnp.where(decay_old_ema, self._curvature_ema, 1.0)
     batch_size = self._batch_size_extractor(func_args[-1])
 
     def update(estimator_state):
-      return self._estimator.update_curvature_matrix_estimate(
+      estimator_state = self._estimator.update_curvature_matrix_estimate(
         estimator_state, ema_old, 1.0, batch_size, rng, func_args, self._axis()
       )
+      return _maybe(sync, self._sync, estimator_state)
 
     return OptaxPreconditionState(
       state.count,
@@ -317,6 +328,39 @@ class OptaxPreconditioner:
         state.estimator_state,
       ),
     )
+
+  def _sync(self, estimator_state: Any) -> Any:
+    return self._estimator.sync(estimator_state, self._axis())
+
+  def sync_estimator_state(
+    self, state: OptaxPreconditionState
+  ) -> OptaxPreconditionState:
+    """The state with its estimate averaged over the devices of
+    `pmap_axis_name` (unchanged outside such a mapped axis).
+
+    Args:
+      state: the preconditioner state.
+
+    Returns:
+      The synchronised state.
+    """
+    return OptaxPreconditionState(
+      state.count, self._sync(state.estimator_state)
+    )
+
+  def should_sync_estimate_curvature(
+    self, state: OptaxPreconditionState
+  ) -> jax.Array | bool:
+    """Whether `maybe_update` syncs the estimate: when the cached inverse
+    is refreshed from it next.
+
+    Args:
+      state: the preconditioner state.
+
+    Returns:
+      True (or a traced boolean).
+    """
+    return self.should_update_inverse_cache(state)
 
   def maybe_update_inverse_cache(
     self, state: OptaxPreconditionState
@@ -340,6 +384,7 @@ class OptaxPreconditioner:
         approx_powers=approx,
         eigenvalues=False,
         pmap_axis_name=self._axis(),
+        **self._block_norm_kwargs(),
       )
 
     return OptaxPreconditionState(
@@ -388,6 +433,7 @@ class OptaxPreconditioner:
       exact_power=self._use_exact_inverses,
       use_cached=True,
       pmap_axis_name=self._axis(),
+      **self._block_norm_kwargs(),
     )
     if self._norm_constraint is None:
       return result
@@ -415,6 +461,7 @@ class OptaxPreconditioner:
       exact_power=True,
       use_cached=False,
       pmap_axis_name=self._axis(),
+      **self._block_norm_kwargs(),
     )
 
   def as_gradient_transform(
@@ -464,5 +511,7 @@ def _maybe(
 ) -> Any:
   """`fn(value)` where `condition` holds, else `value`."""
   if condition is True:  # every step: no conditional in the program
-    return fn(value)
+    # New containers: estimator states may be updated in place (as
+    # KFAC-JAX's are), and the caller's state must stay as it came.
+    return fn(jax.tree.map(lambda x: x, value))
   return jax.lax.cond(condition, fn, lambda v: v, value)

@@ -138,6 +138,66 @@ def _finish(second, first, kernel, c, norm, depthwise):
   return second / norm, first.reshape(kh, kw, c) / norm
 
 
+def num_conv_locations(
+  inputs_spatial_shape: Sequence[int],
+  kernel_spatial_shape: int | Sequence[int],
+  spatial_strides: int | Sequence[int],
+  spatial_padding: str | int | Sequence[tuple[int, int]],
+) -> int:
+  """How many output locations a convolution has (the product over spatial
+  axes of `(padded size - kernel) // stride + 1`), for any number of
+  spatial axes.
+
+  Args:
+    inputs_spatial_shape: the input's spatial sizes.
+    kernel_spatial_shape: the kernel's, an int for every axis alike.
+    spatial_strides: the strides, an int or one per axis.
+    spatial_padding: "SAME", "VALID" (any case), an int for the same
+      padding on both sides of every axis, or `(low, high)` per axis.
+
+  Raises:
+    ValueError: for sizes or paddings whose number differs from the
+      input's spatial axes, or a kernel larger than the padded input.
+  """
+  shape = tuple(int(d) for d in inputs_spatial_shape)
+  rank = len(shape)
+
+  def per_axis(value, name):
+    if isinstance(value, (int, np.integer)):
+      return (int(value),) * rank
+    value = tuple(int(v) for v in value)
+    if len(value) != rank:
+      raise ValueError(
+        f"num_conv_locations: {name} has {len(value)} entries for "
+        f"{rank} spatial axes."
+      )
+    return value
+
+  kernel = per_axis(kernel_spatial_shape, "kernel_spatial_shape")
+  strides = per_axis(spatial_strides, "spatial_strides")
+  if isinstance(spatial_padding, str):
+    pads = lax.padtype_to_pads(shape, kernel, strides, spatial_padding.upper())
+  elif isinstance(spatial_padding, (int, np.integer)):
+    pads = [(int(spatial_padding), int(spatial_padding))] * rank
+  else:
+    pads = [(int(low), int(high)) for low, high in spatial_padding]
+    if len(pads) != rank:
+      raise ValueError(
+        f"num_conv_locations: spatial_padding has {len(pads)} pairs for "
+        f"{rank} spatial axes."
+      )
+  out = [
+    (d + lo + hi - k) // s + 1
+    for d, (lo, hi), k, s in zip(shape, pads, kernel, strides)
+  ]
+  if min(out) < 1:
+    raise ValueError(
+      f"num_conv_locations: a {kernel} kernel does not fit the padded "
+      f"input {shape} (padding {pads})."
+    )
+  return int(np.prod(out))
+
+
 def patches_moments(
   inputs: jax.Array,
   kernel_spatial_shape: int | Sequence[int],

@@ -729,6 +729,31 @@ def _loss_inputs_fn(traced: TracedFunction, func_args):
   return proc, [flat_args[i] for i in positions], f
 
 
+class TransformedFunction:
+  """A transformation of a model function (what `loss_tags_vjp` and its
+  siblings return), called as a function.
+
+  KFAC-JAX 0.0.8 returns the transformation together with a jaxpr
+  extractor, `(transformed, extractor)`; unpacking this object into two
+  names gives that pair, so code written for either form works. The
+  extractor maps `func_args` to the model's `ProcessedJaxpr`.
+  """
+
+  def __init__(self, transformed: Callable, traced: TracedFunction):
+    self._transformed = transformed
+    self._traced = traced
+
+  def __call__(self, *args, **kwargs):
+    return self._transformed(*args, **kwargs)
+
+  def jaxpr_extractor(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
+    """The processed jaxpr of the model for these arguments."""
+    return self._traced.processed(func_args)
+
+  def __iter__(self):
+    return iter((self, self.jaxpr_extractor))
+
+
 def loss_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
   """The VJP from the registered losses' inputs back to the parameters.
 
@@ -753,7 +778,7 @@ def loss_tags_vjp(func: Callable, params_index: int = 0) -> Callable:
 
     return proc.make_losses(losses_args), vjp_func
 
-  return transformed
+  return TransformedFunction(transformed, traced)
 
 
 def loss_tags_jvp(func: Callable, params_index: int = 0) -> Callable:
@@ -776,7 +801,7 @@ def loss_tags_jvp(func: Callable, params_index: int = 0) -> Callable:
     )
     return proc.make_losses(losses_args), tangents
 
-  return transformed
+  return TransformedFunction(transformed, traced)
 
 
 def loss_tags_linearize(func: Callable, params_index: int = 0) -> Callable:
@@ -801,7 +826,7 @@ def loss_tags_linearize(func: Callable, params_index: int = 0) -> Callable:
 
     return proc.make_losses(losses_args), jvp_func
 
-  return transformed
+  return TransformedFunction(transformed, traced)
 
 
 def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
@@ -838,7 +863,7 @@ def loss_tags_hvp(func: Callable, params_index: int = 0) -> Callable:
       losses_args
     )
 
-  return transformed
+  return TransformedFunction(transformed, traced)
 
 
 def layer_tags_vjp_parts(
@@ -958,4 +983,4 @@ def layer_tags_vjp(
 
     return losses, vjp_func
 
-  return transformed
+  return TransformedFunction(transformed, traced)

@@ -283,8 +283,8 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       links.append(
         dataclasses.replace(
           link,
-          inputs_cross=link.inputs_cross.update(cross[0], ema_old, ema_new),
-          outputs_cross=link.outputs_cross.update(cross[1], ema_old, ema_new),
+          inputs_cross=link.inputs_cross.updated(cross[0], ema_old, ema_new),
+          outputs_cross=link.outputs_cross.updated(cross[1], ema_old, ema_new),
         )
       )
     return self.State(blocks_states, tuple(links))
@@ -297,6 +297,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     approx_powers: ScalarOrSequence = None,
     eigenvalues: bool = False,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> "State":
     """Refreshes the cached damped inverse (`approx_powers=-1`).
 
@@ -305,6 +306,11 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     block-diagonal K-FAC (with `matrix_power_method`; the links always use
     generalized eigendecompositions).
     """
+    if norm_to_scale_identity_weight_per_block not in (None, "none"):
+      raise ValueError(
+        "BlockTridiagonalCurvature does not scale the damping by block "
+        "norms: leave norm_to_scale_identity_weight_per_block out."
+      )
     blocks = self._require_finalized()
     exact, approx = (
       canonical_powers(exact_powers),
@@ -400,7 +406,13 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     exact_power: bool,
     use_cached: bool,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
+    if norm_to_scale_identity_weight_per_block not in (None, "none"):
+      raise ValueError(
+        "BlockTridiagonalCurvature does not scale the damping by block "
+        "norms: leave norm_to_scale_identity_weight_per_block out."
+      )
     if power not in (1, -1):
       raise ValueError(
         "BlockTridiagonalCurvature multiplies by its estimate "

@@ -120,7 +120,9 @@ def test_explicit_exact_equals_brute_force(mode):
 
 def test_explicit_eigenvalues_fall_back_to_dense_after_averaging():
   problem = gt.mlp(loss="sigmoid", batch=2)
-  est = kfac.ExplicitExactCurvature(problem.tagged)
+  est = kfac.ExplicitExactCurvature(
+    problem.tagged, default_estimation_mode="ggn_exact"
+  )
   _, state = estimate(problem, "ggn_exact", estimator=est)
   state = est.update_curvature_matrix_estimate(
     state, 0.5, 0.5, 2, jax.random.PRNGKey(0), (problem.params, problem.batch)
@@ -488,7 +490,9 @@ def test_two_devices_equal_one_device(ctor_map):
 
 def test_two_devices_explicit_exact():
   problem = gt.mlp(loss="sigmoid", batch=8)
-  est = kfac.ExplicitExactCurvature(problem.tagged)
+  est = kfac.ExplicitExactCurvature(
+    problem.tagged, default_estimation_mode="ggn_exact"
+  )
   split = jax.tree.map(lambda x: x.reshape((2, 4) + x.shape[1:]), problem.batch)
   state0 = est.init(
     jax.random.PRNGKey(1), (problem.params, jax.tree.map(lambda x: x[0], split))

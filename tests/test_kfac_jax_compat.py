@@ -623,7 +623,9 @@ def test_a_thousand_sampled_updates_in_a_fori_loop_converge(name):
 def test_explicit_exact_is_a_block_diagonal_estimator_with_one_block():
   problem = gt.mlp(loss="softmax", batch=5, d_in=3, hidden=4, k=3)
   args = (problem.params, problem.batch)
-  est = kfac_jax.ExplicitExactCurvature(problem.tagged)
+  est = kfac_jax.ExplicitExactCurvature(
+    problem.tagged, default_estimation_mode="fisher_exact"
+  )
   assert isinstance(est, kfac_jax.BlockDiagonalCurvature)
   state = est.init(jax.random.PRNGKey(0), args)
   assert isinstance(state, kfac_jax.BlockDiagonalCurvature.State)

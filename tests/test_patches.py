@@ -3,11 +3,12 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
-from estimators import patches
+from estimators import patches, patches_second_moment
 
 
 def np_moments(x_nhwc, kernel, strides, pads, weights=None, depthwise=False):
@@ -165,3 +166,44 @@ def test_dilation_of_one_is_accepted():
   )(x)
   b = jax.jit(lambda x: patches.patches_moments_explicit(x, 2))(x)
   np.testing.assert_allclose(a[0], b[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+  "spatial,kernel,strides,padding",
+  [
+    ((8, 8), (3, 3), (1, 1), "SAME"),
+    ((9, 7), (2, 3), (2, 3), "valid"),
+    ((9, 9), (2, 2), (2, 2), ((0, 0), (2, 3))),
+    ((8, 8), 3, 2, 1),
+    ((10,), (4,), (3,), "SAME"),
+    ((5, 6, 7), (2, 3, 2), (1, 2, 3), "SAME"),
+  ],
+)
+def test_num_conv_locations_counts_the_patches(
+  spatial, kernel, strides, padding
+):
+  rank = len(spatial)
+  per_axis = lambda v: (v,) * rank if isinstance(v, int) else tuple(v)
+  pads = padding
+  if isinstance(padding, int):
+    pads = [(padding, padding)] * rank
+  elif isinstance(padding, str):
+    pads = padding.upper()
+  patches = jax.lax.conv_general_dilated_patches(
+    jnp.zeros((1, 1, *spatial)),
+    filter_shape=per_axis(kernel),
+    window_strides=per_axis(strides),
+    padding=pads,
+  )
+  expected = patches[0, 0].size
+  assert (
+    patches_second_moment.num_conv_locations(spatial, kernel, strides, padding)
+    == expected
+  )
+
+
+def test_num_conv_locations_refuses_mismatched_axes():
+  with pytest.raises(ValueError, match="spatial_strides has 3 entries"):
+    patches_second_moment.num_conv_locations((8, 8), 3, (1, 1, 1), "SAME")
+  with pytest.raises(ValueError, match="does not fit"):
+    patches_second_moment.num_conv_locations((2, 2), 3, 1, "VALID")

@@ -31,6 +31,27 @@ def test_loss_tags_linearize_equals_jvp_of_the_network_outputs():
     np.testing.assert_allclose(jvp(v)[0][0], expected, rtol=1e-10, atol=1e-12)
 
 
+def test_a_transformation_unpacks_into_itself_and_the_jaxpr_extractor():
+  """KFAC-JAX 0.0.8 returns `(transformed, extractor)`: both forms work."""
+  problem = gt.mlp()
+  args = (problem.params, problem.batch)
+  v = jax.tree.map(jnp.ones_like, problem.params)
+  u = [(jnp.ones_like(problem.forward(problem.params, problem.batch[0])),)]
+  calls = {
+    kfac.loss_tags_vjp: lambda f: f(args)[1](u),
+    kfac.loss_tags_jvp: lambda f: f(args, v)[1],
+    kfac.loss_tags_hvp: lambda f: f(args, v)[0],
+  }
+  for make, call in calls.items():
+    unpacked, extractor = make(problem.tagged)
+    direct = call(make(problem.tagged))
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(call(unpacked))):
+      np.testing.assert_array_equal(a, b)
+    processed = extractor(args)
+    assert isinstance(processed, kfac.ProcessedJaxpr)
+    assert len(processed.loss_tags) == 1
+
+
 def test_layer_in_a_scan_with_unstacked_parameters_is_an_error():
   params = gt.layer_stack_params()
 

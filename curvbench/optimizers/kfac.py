@@ -21,6 +21,7 @@ from curvbench.components import (
   Number,
   OneOf,
   Settings,
+  Text,
   Whole,
   setting,
 )
@@ -50,6 +51,18 @@ _SET_BY_THE_RUN = {
   "they come",
   "auto_register_kwargs": "register_only_generic and patterns_to_skip are "
   "the graph matcher's options a config can set",
+  "value_func_for_estimator": "a function: the estimator traces the "
+  "problem's loss",
+  "custom_estimator_ctor": "the curvature group (e.g. "
+  "curvature=kfac_tridiagonal) sets the estimator",
+  "precon_damping_schedule": "schedules are functions a config cannot "
+  "give; use precon_damping_mult",
+  "invalid_metric_value": "a metric a step does not compute stays NaN, "
+  "which the records read as missing",
+  "curvature_update_period": "the trainer pairs each step with its "
+  "compiled program assuming an estimate every step: not a setting yet",
+  "use_initial_damping_calibration": "the trainer times the first step as "
+  "it comes; calibrating repeats it: not a setting yet",
   "forbid_setting_attributes_after_finalize": "it guards the Python "
   "object, not the algorithm",
   "modifiable_attribute_exceptions": "it guards the Python object, not "
@@ -189,6 +202,48 @@ class KFAC(OptimizerSettings):
     Flag(),
     "with devices > 1, each device refreshes its share of the inverses",
   )
+  num_estimator_samples: int = setting(
+    1, Whole(0), "sampled estimates averaged in each curvature update"
+  )
+  should_vmap_estimator_samples: bool = setting(
+    False, Flag(), "draw those samples in one vectorised pass, not a loop"
+  )
+  precon_power: float = setting(
+    -1.0, Number(), "the power of the damped curvature the update applies"
+  )
+  precon_damping_mult: float = setting(
+    1.0, POSITIVE, "the preconditioner's damping over the damping"
+  )
+  use_step_rejection: bool = setting(
+    False,
+    Flag(),
+    "a step that raises the loss is undone and the damping raised",
+  )
+  reject_damping_increase_factor: float = setting(
+    1.0, Number(1), "what a rejected step multiplies the damping by"
+  )
+  regularized_parameters_path_exclusions: str | None = setting(
+    None,
+    Text(null=True),
+    "comma-separated parameter names (e.g. b,bias) left out of l2_reg in "
+    "the exact quadratic model (null: none)",
+  )
+  include_registered_loss_in_stats: bool = setting(
+    False, Flag(), "add the registered losses' value to the step's stats"
+  )
+  norm_to_scale_identity_weight_per_block: str | None = setting(
+    None,
+    OneOf(kfac.blocks.NORM_TYPES, null=True),
+    "scale each block's damping by this norm of the block (null: no)",
+  )
+  exact_quad_model_matrix_type: str | None = setting(
+    None,
+    OneOf(("fisher", "ggn"), null=True),
+    "the exact quadratic model's curvature (null: the estimation mode's)",
+  )
+  use_automatic_registration: bool = setting(
+    True, Flag(), "tag layers with the graph matcher (false: by hand only)"
+  )
   debug: bool = setting(False, Flag(), "run the step without jit (slow)")
   step: KFACStep = dataclasses.field(default_factory=KFACStep)
 
@@ -304,10 +359,11 @@ class KFACTrainer:
       else None
     )
     self.cycle = math.lcm(refresh, adapt or 1)
-    # (refreshes the inverses, adapts the damping) of each kind of step.
+    # (refreshes the inverses, adapts the damping) of each kind of step: the
+    # damping adapts on the last step of each interval, as in the optimizer.
     self._kind = lambda s: (
       s % refresh == 0,
-      adapt is not None and s % adapt == 0,
+      adapt is not None and (s + 1) % adapt == 0,
     )
     self.kinds = sorted({self._kind(s) for s in range(self.cycle)})
     self.curvature = curvature

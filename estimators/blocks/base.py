@@ -39,6 +39,7 @@ import numpy as np
 
 from estimators import tags
 from estimators import utils
+from estimators.blocks import norms
 
 # Numeric: weights, scales, EMA factors. Scalar: a power. ScalarOrSequence:
 # what `init` and `update_cache` accept for powers (None, one or several).
@@ -130,6 +131,34 @@ def canonical_powers(powers: ScalarOrSequence) -> tuple[int | float, ...]:
   return tuple(dict.fromkeys(canonical_power(p) for p in items))
 
 
+def to_real_set(number_or_sequence: ScalarOrSequence) -> set[Scalar]:
+  """None, a real number or a sequence of them, as a set of numbers.
+
+  Args:
+    number_or_sequence: what `init` and `update_cache` take for powers.
+
+  Returns:
+    The set of the numbers (empty for None).
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if number_or_sequence is None:
+    return set()
+  if isinstance(number_or_sequence, set):
+    return number_or_sequence
+  if isinstance(number_or_sequence, (int, float)):
+    return {number_or_sequence}
+  if isinstance(number_or_sequence, Sequence) and all(
+    isinstance(x, (int, float)) for x in number_or_sequence
+  ):
+    return set(number_or_sequence)
+  raise ValueError(
+    "Expected a real number or a sequence of real numbers, got "
+    f"{type(number_or_sequence).__name__}."
+  )
+
+
 def cache_key(power: float, exact: bool) -> str:
   """The cache key of a power, e.g. "exact_pow_-1" or "approx_pow_0.5"."""
   return f"{'exact' if exact else 'approx'}_pow_{canonical_power(power)}"
@@ -199,12 +228,14 @@ class CurvatureBlock(abc.ABC):
     ) and "estimation_data_has_sample_axis" not in vars(cls):
       cls.estimation_data_has_sample_axis = False
 
-  def __init__(self, layer_tag_eq: Any, name: str):
+  def __init__(self, layer_tag_eq: Any, name: str | None = None):
     """Checks that the family can handle the tag equation.
 
     Args:
       layer_tag_eq: the jaxpr equation of a layer tag, as the tracer finds it.
-      name: the block's name in messages, e.g. its parameters' path.
+      name: the block's name in messages, e.g. its parameters' path; None
+        names it after the tag and its parameters' shapes (as when KFAC-JAX
+        code builds a block from the equation alone).
 
     Raises:
       TypeError: if `layer_tag_eq` is not a layer tag equation.
@@ -225,6 +256,11 @@ class CurvatureBlock(abc.ABC):
         f"{type(self).__name__} handles {wanted} equations, not "
         f"{layer_tag_eq.primitive.name} (block {name!r})."
       )
+    if name is None:
+      shapes = [
+        tuple(v.aval.shape) for v in tags.layer_eqn_parts(layer_tag_eq)[2]
+      ]
+      name = f"{layer_tag_eq.primitive.name} {shapes}"
     self._layer_tag_eq = layer_tag_eq
     self._name = name
     self._parameter_positions: tuple[int, ...] | None = None
@@ -286,6 +322,11 @@ class CurvatureBlock(abc.ABC):
   def parameters_dtype(self) -> jnp.dtype:
     """The common dtype of the parameters; the block computes in it."""
     return jnp.result_type(*[v.aval.dtype for v in self.parameter_variables])
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The parameters' dtype (KFAC-JAX's name for `parameters_dtype`)."""
+    return self.parameters_dtype
 
   @property
   def parameters_canonical_order(self) -> tuple[int, ...]:
@@ -427,6 +468,35 @@ class CurvatureBlock(abc.ABC):
     )
     return dataclasses.replace(state, cache={**state.cache, **entries})
 
+  def with_cache_room(
+    self,
+    state: "CurvatureBlock.State",
+    exact_powers: ScalarOrSequence,
+    approx_powers: ScalarOrSequence,
+    eigenvalues: bool,
+  ) -> "CurvatureBlock.State":
+    """`state` with (zero) cache entries added for any of these powers and
+    the eigenvalues that `init` did not make room for, so that
+    `update_cache` takes them (as KFAC-JAX's estimators do). The state's
+    pytree structure changes, which loops and `jax.lax.cond` carrying it do
+    not allow: name the powers at `init` there.
+
+    Args:
+      state: the block state.
+      exact_powers: as for `update_cache`.
+      approx_powers: as for `update_cache`.
+      eigenvalues: as for `update_cache`.
+
+    Returns:
+      The state, with its existing entries unchanged.
+    """
+    rng = jax.random.PRNGKey(0)  # unused by the families' zero caches
+    fresh = self.init(rng, exact_powers, approx_powers, eigenvalues).cache
+    missing = {k: v for k, v in fresh.items() if k not in state.cache}
+    if not missing:
+      return state
+    return dataclasses.replace(state, cache={**state.cache, **missing})
+
   def update_curvature_matrix_estimate(
     self,
     state: "CurvatureBlock.State",
@@ -434,7 +504,8 @@ class CurvatureBlock(abc.ABC):
     ema_old: Numeric,
     ema_new: Numeric,
     batch_size: Numeric,
-    pmap_axis_name: str | None,
+    pmap_axis_name: str | None = None,
+    identity_weight: Numeric | None = None,
   ) -> "CurvatureBlock.State":
     """Folds this batch's statistics into the moving averages.
 
@@ -453,6 +524,8 @@ class CurvatureBlock(abc.ABC):
       batch_size: the number of examples the statistics average over.
       pmap_axis_name: when not None, the statistics are averaged over this
         axis before they are folded in.
+      identity_weight: the damping, taken for KFAC-JAX's signature (passed
+        by keyword there); the library's blocks estimate without it.
 
     Returns:
       The state with the new estimate.
@@ -461,6 +534,7 @@ class CurvatureBlock(abc.ABC):
       ValueError: if the data lacks arrays the family needs or has shapes
         that do not fit the tag.
     """
+    del identity_weight  # the statistics do not depend on the damping
     self._check_estimation_data(estimation_data, batch_size)
     stats = self._batch_statistics(estimation_data, batch_size)
     if pmap_axis_name is not None and jax.tree_util.tree_leaves(stats):
@@ -557,6 +631,13 @@ class CurvatureBlock(abc.ABC):
     """
     vector = self._check_vector(vector)
     power = canonical_power(power)
+    if (
+      use_cached
+      and power == 1
+      and cache_key(1, exact=exact_power) not in state.cache
+    ):
+      # Nothing to cache for the matrix itself (KFAC-JAX forms it anew).
+      use_cached = False
     scale = self.scale(state, use_cache=use_cached)
     if use_cached:
       self._check_cached(state, power, exact=exact_power)
@@ -647,6 +728,80 @@ class CurvatureBlock(abc.ABC):
     else:
       values = self._eigenvalues_unscaled(state)
     return values * self.scale(state, use_cache=use_cached)
+
+  def sync(
+    self, state: "CurvatureBlock.State", pmap_axis_name: str | None
+  ) -> "CurvatureBlock.State":
+    """The state with its statistics averaged over the devices of
+    `pmap_axis_name` (the cache is left as it is).
+
+    Args:
+      state: the block state.
+      pmap_axis_name: the mapped axis; the state is returned unchanged when
+        it is None or not bound here.
+
+    Returns:
+      The synchronised state.
+    """
+    if not utils.in_pmap(pmap_axis_name):
+      return state
+    cache = state.cache
+
+    def mean(x):
+      if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jax.lax.pmean(x, pmap_axis_name)
+      return x
+
+    synced = jax.tree_util.tree_map(mean, dataclasses.replace(state, cache={}))
+    return dataclasses.replace(synced, cache=cache)
+
+  def norm(self, state: "CurvatureBlock.State", norm_type: str) -> Numeric:
+    """A scalar size of the undamped, scaled block.
+
+    Used to scale the damping per block (the estimators'
+    `norm_to_scale_identity_weight_per_block`).
+
+    Args:
+      state: the block state.
+      norm_type: a kind from `norms.NORM_TYPES`, e.g. "avg_diag" (the mean
+        of the block's diagonal). Kronecker-factored blocks take the product
+        of their factors' values and diagonal blocks the product over their
+        parameters, as KFAC-JAX does; these are the block's own value for
+        the kinds that are multiplicative over Kronecker products.
+
+    Returns:
+      A scalar.
+    """
+    unscaled = self._norm_unscaled(state, norm_type)
+    return self.scale(state, use_cache=False) * unscaled
+
+  def _norm_unscaled(self, state, norm_type):
+    """`norm` without the block's scale; here from the dense block."""
+    scale = self.scale(state, use_cache=False)
+    return norms.psd_matrix_norm(
+      self.to_dense_matrix(state) / scale, norm_type=norm_type
+    )
+
+  def undamped_diagonal(self, state: "CurvatureBlock.State") -> BlockVector:
+    """The diagonal of the undamped, scaled block, shaped like the params.
+
+    Args:
+      state: the block state (its current estimate, not the cache).
+
+    Returns:
+      One array per parameter.
+    """
+    return utils.scalar_mul(
+      self._undamped_diagonal_unscaled(state),
+      self.scale(state, use_cache=False),
+    )
+
+  def _undamped_diagonal_unscaled(self, state):
+    """`undamped_diagonal` without the scale; here from the dense block."""
+    diagonal = jnp.diagonal(self.to_dense_matrix(state)) / self.scale(
+      state, use_cache=False
+    )
+    return utils.unflatten_vector(diagonal, self.parameters_shapes)
 
   def to_dense_matrix(self, state: "CurvatureBlock.State") -> Array:
     """The undamped scaled block as a matrix, for small blocks.

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import layers
+from estimators.blocks import norms
 
 
 class Diagonal(base.CurvatureBlock):
@@ -57,7 +58,7 @@ class Diagonal(base.CurvatureBlock):
     return dataclasses.replace(
       state,
       diagonal_factors=tuple(
-        f.update(s, ema_old, ema_new)
+        f.updated(s, ema_old, ema_new)
         for f, s in zip(state.diagonal_factors, stats)
       ),
     )
@@ -79,6 +80,15 @@ class Diagonal(base.CurvatureBlock):
 
   def _eigenvalues_unscaled(self, state):
     return utils.flatten_arrays([f.value for f in state.diagonal_factors])
+
+  def _norm_unscaled(self, state, norm_type):
+    return utils.product(
+      norms.psd_matrix_norm(f.value.ravel(), norm_type=norm_type)
+      for f in state.diagonal_factors
+    )
+
+  def _undamped_diagonal_unscaled(self, state):
+    return tuple(f.value for f in state.diagonal_factors)
 
   def _update_cache(
     self,

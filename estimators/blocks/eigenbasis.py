@@ -40,7 +40,7 @@ def restarted_scalings(
   """The scalings' average restarted for a new basis: its value kept as the
   starting point, its weight zeroed."""
   return utils.WeightedMovingAverage(
-    weight=jnp.zeros_like(scalings.weight), raw_value=scalings.value
+    weight=jnp.zeros_like(scalings.weight), value=scalings.value
   )
 
 
@@ -158,7 +158,8 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
-    pmap_axis_name: str | None,
+    pmap_axis_name: str | None = None,
+    identity_weight: float | jax.Array | None = None,
   ) -> "EKFAC.State":
     """Folds this batch into the factors and the scalings.
 
@@ -210,7 +211,7 @@ class EKFAC(kronecker.TwoKroneckerFactored):
       state,
       inputs_basis=u_a,
       outputs_basis=u_g,
-      scalings=old.update(scalings, ema_old, ema_new),
+      scalings=old.updated(scalings, ema_old, ema_new),
     )
 
   def update_cache(
@@ -350,7 +351,9 @@ class Conv2DEKFAC(EKFAC, kronecker.Conv2DTwoKroneckerFactored):
 
   SCALINGS = ("per_example", "per_location")
 
-  def __init__(self, layer_tag_eq, name: str, scalings: str = "per_example"):
+  def __init__(
+    self, layer_tag_eq, name: str | None = None, scalings: str = "per_example"
+  ):
     """Builds the block.
 
     Args:

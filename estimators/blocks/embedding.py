@@ -176,8 +176,8 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
     a, g = stats
     return dataclasses.replace(
       state,
-      inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
-      outputs_factor=state.outputs_factor.update(g, ema_old, ema_new),
+      inputs_factor=state.inputs_factor.updated(a, ema_old, ema_new),
+      outputs_factor=state.outputs_factor.updated(g, ema_old, ema_new),
     )
 
   def _multiply_matpower_unscaled(
@@ -320,7 +320,14 @@ class EmbeddingEKFAC(EmbeddingKFAC):
     ) / (batch_size * self.num_repeats)
 
   def update_curvature_matrix_estimate(
-    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    self,
+    state,
+    estimation_data,
+    ema_old,
+    ema_new,
+    batch_size,
+    pmap_axis_name=None,
+    identity_weight=None,
   ):
     """Folds this batch into the factors and the scalings, as
     `EKFAC.update_curvature_matrix_estimate` does."""
@@ -341,7 +348,7 @@ class EmbeddingEKFAC(EmbeddingKFAC):
     return dataclasses.replace(
       state,
       outputs_basis=basis,
-      scalings=old.update(scalings, ema_old, ema_new),
+      scalings=old.updated(scalings, ema_old, ema_new),
     )
 
   def update_cache(

@@ -392,7 +392,7 @@ class EmbeddingFactors(
   def __init__(
     self,
     layer_tag_eq,
-    name: str,
+    name: str | None = None,
     max_full_vocab: int = MAX_FULL_VOCAB,
     **kwargs,
   ):

@@ -13,6 +13,7 @@ import numpy as np
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import layers
+from estimators.blocks import norms
 
 _EIGEN = "eigendecomposition"
 
@@ -46,7 +47,7 @@ class Full(base.CurvatureBlock):
   def __init__(
     self,
     layer_tag_eq: Any,
-    name: str,
+    name: str | None = None,
     eigen_decomposition_threshold: int | None = None,
   ):
     """Builds the block.
@@ -118,7 +119,7 @@ class Full(base.CurvatureBlock):
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     return dataclasses.replace(
-      state, matrix=state.matrix.update(stats, ema_old, ema_new)
+      state, matrix=state.matrix.updated(stats, ema_old, ema_new)
     )
 
   def _multiply_matpower_unscaled(
@@ -143,6 +144,14 @@ class Full(base.CurvatureBlock):
 
   def _eigenvalues_unscaled(self, state):
     return utils.psd_eigvalsh(state.matrix.value)
+
+  def _norm_unscaled(self, state, norm_type):
+    return norms.psd_matrix_norm(state.matrix.value, norm_type=norm_type)
+
+  def _undamped_diagonal_unscaled(self, state):
+    return utils.unflatten_vector(
+      jnp.diagonal(state.matrix.value), self.parameters_shapes
+    )
 
   def _update_cache(
     self,
@@ -201,7 +210,7 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
   def __init__(
     self,
     layer_tag_eq: Any,
-    name: str,
+    name: str | None = None,
     max_elements_for_vmap: int | None = None,
     eigen_decomposition_threshold: int | None = None,
   ):
@@ -274,7 +283,14 @@ class ExplicitFull(NaiveFull):
     )
 
   def update_curvature_matrix_estimate(
-    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    self,
+    state,
+    estimation_data,
+    ema_old,
+    ema_new,
+    batch_size,
+    pmap_axis_name=None,
+    identity_weight=None,
   ):
     """As `CurvatureBlock`'s; also keeps the rows (on a single device)."""
     self._check_estimation_data(estimation_data, batch_size)
@@ -293,7 +309,7 @@ class ExplicitFull(NaiveFull):
       exact = (jnp.asarray(ema_old) == 0) | (state.matrix.weight == 0)
     return dataclasses.replace(
       state,
-      matrix=state.matrix.update(matrix, ema_old, ema_new),
+      matrix=state.matrix.updated(matrix, ema_old, ema_new),
       factor=factor.astype(state.factor.dtype),
       factor_is_exact=exact,
     )

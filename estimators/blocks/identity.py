@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from estimators.blocks import base
+from estimators.blocks import norms
 
 
 class ScaledIdentity(base.CurvatureBlock):
@@ -18,7 +19,9 @@ class ScaledIdentity(base.CurvatureBlock):
 
   _MAY_BE_SINGULAR = False
 
-  def __init__(self, layer_tag_eq: Any, name: str, scale: base.Numeric = 1.0):
+  def __init__(
+    self, layer_tag_eq: Any, name: str | None = None, scale: base.Numeric = 1.0
+  ):
     """Builds the block.
 
     Args:
@@ -55,6 +58,16 @@ class ScaledIdentity(base.CurvatureBlock):
 
   def _eigenvalues_unscaled(self, state):
     return jnp.ones([self.dim], self.parameters_dtype)
+
+  def _norm_unscaled(self, state, norm_type):
+    return norms.psd_matrix_norm(
+      jnp.ones([self.dim], self.parameters_dtype), norm_type=norm_type
+    )
+
+  def _undamped_diagonal_unscaled(self, state):
+    return tuple(
+      jnp.ones(s, self.parameters_dtype) for s in self.parameters_shapes
+    )
 
   def _update_cache(
     self,

@@ -129,7 +129,7 @@ class KLShampooMixin(
   def __init__(
     self,
     layer_tag_eq,
-    name: str,
+    name: str | None = None,
     max_iterations: int = 100,
     tolerance: float | None = None,
     damping: float = 1e-3,
@@ -218,7 +218,8 @@ class KLShampooMixin(
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
-    pmap_axis_name: str | None,
+    pmap_axis_name: str | None = None,
+    identity_weight: float | jax.Array | None = None,
   ) -> "KLShampooMixin.State":
     """Refits `S_a ⊗ S_b` to the previous estimate and this batch (see the
     class).

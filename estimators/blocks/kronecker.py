@@ -19,6 +19,7 @@ from estimators import patches
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import layers
+from estimators.blocks import norms
 
 
 class TwoKroneckerFactored(base.CurvatureBlock):
@@ -52,6 +53,11 @@ class TwoKroneckerFactored(base.CurvatureBlock):
 
     inputs_factor: utils.WeightedMovingAverage
     outputs_factor: utils.WeightedMovingAverage
+
+    @property
+    def factors(self) -> tuple[utils.WeightedMovingAverage, ...]:
+      """`(inputs_factor, outputs_factor)`, as KFAC-JAX's state lists them."""
+      return (self.inputs_factor, self.outputs_factor)
 
   @property
   def has_bias(self) -> bool:
@@ -99,12 +105,38 @@ class TwoKroneckerFactored(base.CurvatureBlock):
       outputs_factor=zeros([self.output_size()] * 2, dtype),
     )
 
+  def _is_plain_kronecker(self) -> bool:
+    """Whether the block is `A ⊗ G` itself (families built on this one,
+    such as EKFAC, hold other matrices)."""
+    cls = type(self)
+    return all(
+      getattr(cls, name) is getattr(TwoKroneckerFactored, name)
+      for name in ("_multiply_matpower_unscaled", "_eigenvalues_unscaled")
+    )
+
+  def _norm_unscaled(self, state, norm_type):
+    if not self._is_plain_kronecker():
+      return super()._norm_unscaled(state, norm_type)
+    return norms.psd_matrix_norm(
+      state.inputs_factor.value, norm_type=norm_type
+    ) * norms.psd_matrix_norm(state.outputs_factor.value, norm_type=norm_type)
+
+  def _undamped_diagonal_unscaled(self, state):
+    if not self._is_plain_kronecker():
+      return super()._undamped_diagonal_unscaled(state)
+    return self._from_matrix(
+      jnp.outer(
+        jnp.diagonal(state.inputs_factor.value),
+        jnp.diagonal(state.outputs_factor.value),
+      )
+    )
+
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     a, g = stats
     return dataclasses.replace(
       state,
-      inputs_factor=state.inputs_factor.update(a, ema_old, ema_new),
-      outputs_factor=state.outputs_factor.update(g, ema_old, ema_new),
+      inputs_factor=state.inputs_factor.updated(a, ema_old, ema_new),
+      outputs_factor=state.outputs_factor.updated(g, ema_old, ema_new),
     )
 
   def _multiply_matpower_unscaled(
@@ -415,3 +447,8 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
     dy = dy.reshape(-1, self.num_outputs_channels)
     g = dy.T @ dy / (batch_size * self.num_locations)
     return a, g
+
+
+# KFAC-JAX's names for the same blocks (their two-factor case).
+KroneckerFactored = TwoKroneckerFactored
+RepeatedDenseKroneckerFactored = RepeatedDenseTwoKroneckerFactored

@@ -233,6 +233,17 @@ class Conv2DMixin(_Block):
     return self.dimension_numbers.rhs_spec[0]
 
   @property
+  def kernel_output_axis(self) -> int:
+    """KFAC-JAX's name for `weights_output_channel_index`."""
+    return self.weights_output_channel_index
+
+  @property
+  def inputs_spatial_shape(self) -> tuple[int, ...]:
+    """The inputs' spatial extent."""
+    x = self.inputs_shapes[0]
+    return tuple(x[i] for i in self.dimension_numbers.lhs_spec[2:])
+
+  @property
   def weights_input_channel_index(self) -> int:
     """The input-channel axis of the kernel."""
     return self.dimension_numbers.rhs_spec[1]
@@ -290,7 +301,7 @@ class PerExampleConv2DMixin(Conv2DMixin):
   def __init__(
     self,
     layer_tag_eq: Any,
-    name: str,
+    name: str | None = None,
     max_elements_for_vmap: int | None = None,
     **kwargs,
   ):

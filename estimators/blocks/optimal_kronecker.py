@@ -102,7 +102,7 @@ class OptimalKroneckerMixin(
   def __init__(
     self,
     layer_tag_eq,
-    name: str,
+    name: str | None = None,
     max_iterations: int = 100,
     tolerance: float | None = None,
     **kwargs,
@@ -185,7 +185,8 @@ class OptimalKroneckerMixin(
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
-    pmap_axis_name: str | None,
+    pmap_axis_name: str | None = None,
+    identity_weight: float | jax.Array | None = None,
   ) -> "OptimalKroneckerMixin.State":
     """Folds `L` and `R` in, then refits `σ A ⊗ B` (see the class).
 

@@ -313,7 +313,14 @@ class SOAPScalings(_ExampleGradientsBlock):
     return 1
 
   def update_curvature_matrix_estimate(
-    self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+    self,
+    state,
+    estimation_data,
+    ema_old,
+    ema_new,
+    batch_size,
+    pmap_axis_name=None,
+    identity_weight=None,
   ):
     """Folds this batch into `L`, `R` and the scalings with EKFAC's cadence
     (`eigenbasis.EKFAC.update_curvature_matrix_estimate`), forming the
@@ -363,7 +370,7 @@ class SOAPScalings(_ExampleGradientsBlock):
       state,
       inputs_basis=u_a,
       outputs_basis=u_g,
-      scalings=old.update(squares, ema_old, ema_new),
+      scalings=old.updated(squares, ema_old, ema_new),
     )
 
   def _batch_scalings(self, estimation_data, batch_size, u_a, u_g):

@@ -216,7 +216,7 @@ class NaiveTNT(base.CurvatureBlock):
     return dataclasses.replace(
       state,
       factors=tuple(
-        f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats)
+        f.updated(s, ema_old, ema_new) for f, s in zip(state.factors, stats)
       ),
     )
 

@@ -6,6 +6,7 @@ from estimators.curvature.base import (
   CurvatureEstimator,
   get_default_tag_to_block_ctor,
   set_default_tag_to_block_ctor,
+  set_multi_default_tag_to_block_ctor,
   update_block_estimate,
 )
 from estimators.curvature.block_diagonal import (
@@ -26,5 +27,6 @@ __all__ = [
   "default_batch_size_extractor",
   "get_default_tag_to_block_ctor",
   "set_default_tag_to_block_ctor",
+  "set_multi_default_tag_to_block_ctor",
   "update_block_estimate",
 ]

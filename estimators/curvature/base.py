@@ -8,14 +8,16 @@ Parameter vectors are pytrees shaped like the model's params. Dense exports
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic
+from typing import Any, Generic, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from estimators import blocks as curvature_blocks
-from estimators import estimation_modes, utils
+from estimators import estimation_modes, tracer, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.utils.types import FuncArgs, Params, StateType
 
@@ -32,28 +34,65 @@ _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {
 }
 
 
+def canonical_tag_name(tag_name: str) -> str:
+  """A tag's primitive name: "dense" (KFAC-JAX's layer variant name) and
+  "dense_tag" both give "dense_tag"."""
+  return tag_name if tag_name.endswith("_tag") else f"{tag_name}_tag"
+
+
 def set_default_tag_to_block_ctor(
   tag_name: str, block_ctor: CurvatureBlockCtor
 ) -> None:
   """Sets the block class used by default for layers with this tag name.
 
   Args:
-    tag_name: a layer tag primitive's name, e.g. "dense_tag".
-    block_ctor: called as `block_ctor(layer_tag_eq, name)` to build a block.
+    tag_name: a layer tag primitive's name, e.g. "dense_tag", or KFAC-JAX's
+      variant name, e.g. "dense".
+    block_ctor: called as `block_ctor(layer_tag_eq, name)` (or with the
+      equation alone when it takes one argument) to build a block.
   """
-  _DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
+  _DEFAULT_TAG_TO_BLOCK_CTOR[canonical_tag_name(tag_name)] = block_ctor
+
+
+def set_multi_default_tag_to_block_ctor(
+  tags_to_block_ctor: Mapping[str, CurvatureBlockCtor],
+) -> None:
+  """`set_default_tag_to_block_ctor` for each entry of a mapping.
+
+  Args:
+    tags_to_block_ctor: block constructors by tag name.
+  """
+  for tag_name, block_ctor in tags_to_block_ctor.items():
+    set_default_tag_to_block_ctor(tag_name, block_ctor)
 
 
 def get_default_tag_to_block_ctor(tag_name: str) -> CurvatureBlockCtor | None:
   """The block class used by default for a tag name.
 
   Args:
-    tag_name: a layer tag primitive's name, e.g. "dense_tag".
+    tag_name: a layer tag primitive's name, e.g. "dense_tag", or KFAC-JAX's
+      variant name, e.g. "dense".
 
   Returns:
     The block constructor, or None for an unknown tag.
   """
-  return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
+  return _DEFAULT_TAG_TO_BLOCK_CTOR.get(canonical_tag_name(tag_name))
+
+
+def build_block(
+  ctor: CurvatureBlockCtor, layer_tag_eq: Any, name: str
+) -> curvature_blocks.CurvatureBlock:
+  """`ctor(layer_tag_eq, name)`, or `ctor(layer_tag_eq)` for a constructor
+  written for KFAC-JAX, which passes the equation alone."""
+  try:
+    signature = inspect.signature(ctor)
+  except (TypeError, ValueError):
+    return ctor(layer_tag_eq, name)
+  try:
+    signature.bind(layer_tag_eq, name)
+  except TypeError:
+    return ctor(layer_tag_eq)
+  return ctor(layer_tag_eq, name)
 
 
 def powers_tuple(powers) -> tuple:
@@ -66,14 +105,9 @@ def powers_tuple(powers) -> tuple:
 
 
 class _InPlaceMovingAverage(utils.WeightedMovingAverage):
-  """A moving average whose `update` also changes it in place, as blocks
-  written to the reference's guide expect; only ever a private copy."""
-
-  def update(self, value, ema_old, ema_new):
-    new = super().update(value, ema_old, ema_new)
-    object.__setattr__(self, "weight", new.weight)
-    object.__setattr__(self, "raw_value", new.raw_value)
-    return self
+  """A private copy of a moving average, for blocks written to the
+  reference's guide: their `update` calls change it in place, not the
+  caller's state."""
 
 
 def _map_averages(fn, state):
@@ -86,7 +120,7 @@ def _map_averages(fn, state):
 
 def _with_averages(state, cls):
   """`state` with every moving average rebuilt as a `cls`."""
-  return _map_averages(lambda x: cls(x.weight, x.raw_value), state)
+  return _map_averages(lambda x: cls.from_raw(x.weight, x.raw_value), state)
 
 
 def update_block_estimate(
@@ -97,6 +131,7 @@ def update_block_estimate(
   ema_new: Numeric,
   batch_size: Numeric,
   pmap_axis_name: str | None = None,
+  identity_weight: Numeric | None = None,
 ) -> Any:
   """`block.update_curvature_matrix_estimate`, fed as the block expects.
 
@@ -117,14 +152,33 @@ def update_block_estimate(
     ema_new: the weight of this batch's estimate.
     batch_size: the number of examples in the batch.
     pmap_axis_name: as for `update_curvature_matrix_estimate`.
+    identity_weight: the damping, for blocks whose update takes it (by
+      keyword, as KFAC-JAX passes it).
 
   Returns:
     The block's new state.
   """
   if block.estimation_data_has_sample_axis:
     return block.update_curvature_matrix_estimate(
-      state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+      state,
+      estimation_data,
+      ema_old,
+      ema_new,
+      batch_size,
+      pmap_axis_name,
+      identity_weight=identity_weight,
     )
+  # A block written to a guide: pass what its signature names.
+  accepted = inspect.signature(block.update_curvature_matrix_estimate)
+  takes_all = any(
+    p.kind is inspect.Parameter.VAR_KEYWORD
+    for p in accepted.parameters.values()
+  )
+  extra: dict[str, Any] = {}
+  if takes_all or "identity_weight" in accepted.parameters:
+    extra["identity_weight"] = identity_weight
+  if takes_all or "pmap_axis_name" in accepted.parameters:
+    extra["pmap_axis_name"] = pmap_axis_name
   tangents = ("outputs_tangent", "params_tangent")
   num = jax.tree.leaves([estimation_data[k] for k in tangents])[0].shape[0]
 
@@ -137,10 +191,10 @@ def update_block_estimate(
     state = block.update_curvature_matrix_estimate(
       _with_averages(state, _InPlaceMovingAverage),
       data,
-      ema_old,
-      ema_new / num,
-      batch_size,
-      pmap_axis_name,
+      ema_old=ema_old,
+      ema_new=ema_new / num,
+      batch_size=batch_size,
+      **extra,
     )
     return _with_averages(state, utils.WeightedMovingAverage)
 
@@ -169,33 +223,93 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
 
   Attributes:
     func: the model function, with at least one registered loss.
+    func_and_grad: the function returning `(value, gradient)`, when the
+      estimator was built from one (else None).
     params_index: which of `func`'s positional arguments are the parameters.
+    batch_index: which of them is the batch.
     default_estimation_mode: the mode `update_curvature_matrix_estimate`
       uses when given none.
   """
 
   def __init__(
     self,
-    func: Callable,
+    func: Callable | None = None,
+    func_and_grad: Callable | None = None,
     params_index: int = 0,
-    default_estimation_mode: str = "fisher_gradients",
+    batch_index: int = 1,
+    default_estimation_mode: str | None = "ggn_curvature_prop",
   ):
     """Stores the model function and checks the estimation mode.
 
     Args:
-      func: the model function, with at least one registered loss.
+      func: the model function, with at least one registered loss,
+        returning only the loss value. Give it or `func_and_grad`.
       params_index: which of `func`'s positional arguments are the
         parameters.
-      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      default_estimation_mode: one of `valid_estimation_modes`; None means
+        "ggn_curvature_prop", as in KFAC-JAX.
+      func_and_grad: instead of `func`, a function returning the loss value
+        and its gradient w.r.t. the parameters, as `(value, grad)`; its
+        value is the model function, and its gradient is what the
+        `fisher_empirical_direct*` modes use.
+      batch_index: which of the function's positional arguments is the
+        batch.
 
     Raises:
-      ValueError: for an unknown estimation mode.
+      ValueError: unless exactly one of `func` and `func_and_grad` is
+        given, or for an estimation mode this estimator does not support.
     """
+    if (func is None) == (func_and_grad is None):
+      raise ValueError(
+        "Give exactly one of func (the loss function) and func_and_grad (a "
+        "function returning the loss and its gradient)."
+      )
+    if func is None:
+      value_and_grad = cast(Callable, func_and_grad)
+
+      def func(*args, **kwargs):
+        return value_and_grad(*args, **kwargs)[0]
+
     self.func = func
+    self.func_and_grad = func_and_grad
     self.params_index = params_index
-    self.default_estimation_mode = estimation_modes.check_estimation_mode(
-      default_estimation_mode
+    self.batch_index = batch_index
+    # KFAC-JAX's estimators read None as "ggn_curvature_prop".
+    self.default_estimation_mode = self._mode(
+      default_estimation_mode or "ggn_curvature_prop"
     )
+
+  @property
+  def valid_estimation_modes(self) -> tuple[str, ...]:
+    """The estimation modes this estimator supports."""
+    return estimation_modes.ESTIMATION_MODES
+
+  def compute_func_from_registered(
+    self, func_args: FuncArgs, batch_size: Numeric
+  ) -> jax.Array:
+    """The sum of the registered losses' per-example values (with their
+    weights) divided by `batch_size`: the function value the registration
+    describes.
+
+    Args:
+      func_args: the arguments of `func`.
+      batch_size: the number of examples to divide by.
+
+    Returns:
+      A scalar.
+    """
+    losses, _ = tracer.loss_tags_vjp(self.func, self.params_index)(
+      tuple(func_args)
+    )
+    total = jnp.sum(
+      jnp.stack(
+        [
+          jnp.sum(loss.evaluate(None, coefficient_mode="regular"))
+          for loss in losses
+        ]
+      )
+    )
+    return total / batch_size
 
   @property
   def default_mat_type(self) -> str:
@@ -279,6 +393,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     approx_powers: ScalarOrSequence,
     eigenvalues: bool,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Any:
     """Refreshes cached powers and eigenvalues from the current estimate.
 
@@ -293,6 +408,9 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       pmap_axis_name: the mapped axis, if any; block-wise estimators may
         share the blocks' refreshes among its devices (see their
         `distributed_cache_updates`).
+      norm_to_scale_identity_weight_per_block: None (or "none"), or a kind
+        from `blocks.norms.NORM_TYPES`: each block's identity weight is then
+        multiplied by that norm of the block (`CurvatureBlock.norm`).
 
     Returns:
       The state with the refreshed cache entries.
@@ -308,6 +426,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     exact_power: bool,
     use_cached: bool,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     """`(C + identity_weight I) ** power @ v`.
 
@@ -325,6 +444,8 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       pmap_axis_name: the mapped axis, if any; block-wise estimators may
         share the blocks' products among its devices (see their
         `distributed_multiplies`).
+      norm_to_scale_identity_weight_per_block: as for `update_cache`; with
+        `use_cached=True` the weight of the last `update_cache` applies.
 
     Returns:
       The product, shaped like the parameters.
@@ -338,8 +459,15 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     exact_power: bool = True,
     use_cached: bool = False,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     """`(C + identity_weight I) @ v`; see `multiply_matpower`."""
+    extra = {}
+    if norm_to_scale_identity_weight_per_block is not None:
+      # Only then, for estimators written before the option existed.
+      extra["norm_to_scale_identity_weight_per_block"] = (
+        norm_to_scale_identity_weight_per_block
+      )
     return self.multiply_matpower(
       state,
       parameter_structured_vector,
@@ -348,6 +476,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       exact_power=exact_power,
       use_cached=use_cached,
       pmap_axis_name=pmap_axis_name,
+      **extra,
     )
 
   def multiply_inverse(
@@ -358,8 +487,15 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     exact_power: bool = True,
     use_cached: bool = False,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     """`(C + identity_weight I) ** -1 @ v`; see `multiply_matpower`."""
+    extra = {}
+    if norm_to_scale_identity_weight_per_block is not None:
+      # Only then, for estimators written before the option existed.
+      extra["norm_to_scale_identity_weight_per_block"] = (
+        norm_to_scale_identity_weight_per_block
+      )
     return self.multiply_matpower(
       state,
       parameter_structured_vector,
@@ -368,6 +504,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       exact_power=exact_power,
       use_cached=use_cached,
       pmap_axis_name=pmap_axis_name,
+      **extra,
     )
 
   @abc.abstractmethod
@@ -418,11 +555,12 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     Returns:
       The synchronised state.
     """
-    if pmap_axis_name is None:
+    if not utils.in_pmap(pmap_axis_name):
       return state
     return _map_averages(lambda x: jax.lax.pmean(x, pmap_axis_name), state)
 
   def _mode(self, estimation_mode):
     return estimation_modes.check_estimation_mode(
-      estimation_mode or self.default_estimation_mode
+      estimation_mode or self.default_estimation_mode,
+      self.valid_estimation_modes,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, cast
 
@@ -14,11 +15,13 @@ import numpy as np
 
 from estimators import blocks as curvature_blocks
 from estimators import distributed, estimation_modes, graph_matcher
-from estimators import tracer
+from estimators import tracer, utils
 from estimators.utils import newton
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.curvature.base import (
   CurvatureBlockCtor,
+  build_block,
+  canonical_tag_name,
   CurvatureEstimator,
   check_params_tree,
   get_default_tag_to_block_ctor,
@@ -28,6 +31,9 @@ from estimators.curvature.base import (
 from estimators.utils.types import FuncArgs, Params
 
 
+_LOG = logging.getLogger(__name__)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonalState:
@@ -35,9 +41,15 @@ class BlockDiagonalState:
 
   Attributes:
     blocks_states: one `CurvatureBlock.State` per block, in `blocks` order.
+    synced: whether the statistics are known to agree across devices: True
+      after `init` and `sync`, False after an estimate update (keyword-only;
+      the cache is never synchronised).
   """
 
   blocks_states: tuple
+  synced: jax.Array = dataclasses.field(
+    default_factory=lambda: jnp.asarray(True), kw_only=True
+  )
 
 
 class _OuterSumBlock(Protocol):
@@ -56,6 +68,12 @@ def _block_name(paths, indices, tag_name):
   return f"{keys[0] if len(keys) == 1 else ','.join(keys)} [{tag_name}]"
 
 
+# The modes that draw random samples, which `num_samples` repeats.
+SAMPLED_MODES = (
+  "fisher_gradients",
+  "fisher_curvature_prop",
+  "ggn_curvature_prop",
+)
 # How `update_cache` raises damped matrices to approximate powers.
 MATRIX_POWER_METHODS = ("decomposition", "newton")
 # With 'newton', every block's cache holds this flag: whether the iteration
@@ -76,27 +94,36 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
   def __init__(
     self,
-    func: Callable,
-    params_index: int = 0,
-    default_estimation_mode: str = "fisher_gradients",
+    func: Callable | None = None,
+    func_and_grad: Callable | None = None,
+    default_estimation_mode: str | None = None,
     layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
     index_to_block_ctor: Mapping[tuple[int, ...], CurvatureBlockCtor]
     | None = None,
     auto_register_tags: bool = True,
     distributed_multiplies: bool = True,
     distributed_cache_updates: bool = True,
+    num_samples: int = 1,
+    should_vmap_samples: bool = False,
+    auto_register_kwargs: Mapping[str, Any] | None = None,
+    *,
+    params_index: int = 0,
+    batch_index: int = 1,
     matrix_power_method: str = "decomposition",
     newton_max_iterations: int = newton.DEFAULT_MAX_ITERATIONS,
     fisher_empirical_normalization: str = "batch_squared",
-    **auto_register_kwargs,
+    **kwargs,
   ):
     """Prepares the tracing of `func`; blocks are built by `init`.
 
     Args:
-      func: the model function, with at least one registered loss.
+      func: the model function, with at least one registered loss,
+        returning only the loss value (averaged over the batch for the
+        `fisher_empirical_direct*` modes). Give it or `func_and_grad`.
       params_index: which of `func`'s positional arguments are the
         parameters.
-      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`; None
+        means "ggn_curvature_prop", as in KFAC-JAX 0.0.8.
       layer_tag_to_block_ctor: block constructors by tag name (e.g.
         "dense_tag"), overriding `get_default_tag_to_block_ctor`.
       index_to_block_ctor: block constructors for the tags whose parameters
@@ -125,14 +152,41 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         of the per-example outer products, which `ExplicitExactCurvature`
         and `ImplicitExactCurvature` always estimate (as KFAC-JAX's do).
         Other modes are unaffected.
-      **auto_register_kwargs: passed to the graph matcher (e.g.
-        `register_only_generic`, `patterns_to_skip`).
+      func_and_grad: instead of `func`, a function returning `(value,
+        gradient)`; the `fisher_empirical_direct*` modes read its gradient.
+      batch_index: which of the function's positional arguments is the
+        batch.
+      num_samples: in the sampled modes (`fisher_gradients`,
+        `fisher_curvature_prop`, `ggn_curvature_prop`), each update folds in
+        the mean of this many independent sampled estimates (0: updates
+        leave the estimate as it is). Other modes ignore it.
+      should_vmap_samples: with `num_samples > 1`, draw all samples in one
+        vectorised pass (memory grows with `num_samples`) instead of a loop
+        over them; the estimate is the same.
+      auto_register_kwargs: passed to the graph matcher, as KFAC-JAX takes
+        them (merged with `**kwargs`).
+      **kwargs: passed to the graph matcher (e.g. `register_only_generic`,
+        `patterns_to_skip`).
 
     Raises:
-      ValueError: for an unknown estimation mode, matrix power method or
-        normalization.
+      ValueError: for an unknown estimation mode, matrix power method,
+        normalization or number of samples.
     """
-    super().__init__(func, params_index, default_estimation_mode)
+    auto_register_kwargs = {**(auto_register_kwargs or {}), **kwargs}
+    super().__init__(
+      func,
+      func_and_grad,
+      params_index,
+      batch_index,
+      default_estimation_mode,
+    )
+    func = self.func
+    if isinstance(num_samples, bool) or int(num_samples) != num_samples:
+      raise ValueError(f"num_samples={num_samples!r}: give an int >= 0.")
+    if num_samples < 0:
+      raise ValueError(f"num_samples={num_samples}: give an int >= 0.")
+    self.num_samples = int(num_samples)
+    self.should_vmap_samples = bool(should_vmap_samples)
     if matrix_power_method not in MATRIX_POWER_METHODS:
       raise ValueError(
         f"matrix_power_method={matrix_power_method!r}: choose one of "
@@ -151,7 +205,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     self.fisher_empirical_normalization = fisher_empirical_normalization
     self.matrix_power_method = matrix_power_method
     self.newton_max_iterations = int(newton_max_iterations)
-    self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
+    self._layer_tag_to_block_ctor = {
+      canonical_tag_name(k): v
+      for k, v in dict(layer_tag_to_block_ctor or {}).items()
+    }
     self._index_to_block_ctor = dict(index_to_block_ctor or {})
     self.distributed_multiplies = distributed_multiplies
     self.distributed_cache_updates = distributed_cache_updates
@@ -229,7 +286,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       ctor = self.index_to_block_ctor(idx) or self.layer_tag_to_block_ctor(eqn)
       stacked = isinstance(eqn, tracer.StackedLayerTag)
       try:
-        block = ctor(
+        block = build_block(
+          ctor,
           eqn.inner if stacked else eqn,
           _block_name(paths, idx, eqn.primitive.name),
         )
@@ -417,12 +475,66 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     estimation_mode: str | None = None,
     identity_weight: Numeric | None = None,
   ) -> BlockDiagonalState:
-    del identity_weight  # the estimates do not depend on the damping
-    data = self.blocks_estimation_data(
-      func_args, rng, estimation_mode, batch_size
-    )
-    return self.State(
-      tuple(
+    mode = self._mode(estimation_mode)
+    self._finalize(func_args)
+    n = self.num_samples if mode in SAMPLED_MODES else 1
+    if n == 0:
+      return state
+    if n == 1 or self.should_vmap_samples:
+      data = self.blocks_estimation_data(
+        func_args,
+        rng,
+        mode,
+        batch_size,
+        num_samples=n,
+        pmap_axis_name=pmap_axis_name,
+      )
+      return self._fold(
+        state,
+        data,
+        ema_old,
+        ema_new,
+        batch_size,
+        pmap_axis_name,
+        mode,
+        identity_weight,
+      )
+
+    # One sample at a time: the first replaces `ema_old`'s share, each adds
+    # `ema_new / n`, so the result is the vectorised one's.
+    keys = jax.random.split(rng, n)  # the vectorised pass's samples
+
+    def one_sample(k, carry):
+      data = self.blocks_estimation_data(func_args, keys[k], mode, batch_size)
+      old = jnp.where(k == 0, ema_old, 1.0)
+      return self._fold(
+        carry,
+        data,
+        old,
+        ema_new / n,
+        batch_size,
+        pmap_axis_name,
+        mode,
+        identity_weight,
+      )
+
+    return jax.lax.fori_loop(0, n, one_sample, state)
+
+  def _fold(
+    self,
+    state,
+    data,
+    ema_old,
+    ema_new,
+    batch_size,
+    pmap_axis_name,
+    mode,
+    identity_weight,
+  ):
+    """Each block's data folded into its state (the update's last step)."""
+    blocks = self._require_finalized()
+    try:
+      new = tuple(
         update_block_estimate(
           block,
           block_state,
@@ -431,12 +543,44 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           ema_new,
           batch_size,
           pmap_axis_name,
+          identity_weight=identity_weight,
         )
         for block, block_state, block_data in zip(
-          self._require_finalized(), state.blocks_states, data
+          blocks, state.blocks_states, data
         )
       )
+    except ValueError as e:
+      if mode not in estimation_modes.DIRECT_ESTIMATION_MODES:
+        raise
+      raise ValueError(
+        f"estimation_mode={mode!r} gives the blocks only the gradient of "
+        "the parameters, as KFAC-JAX's does: use blocks that need nothing "
+        f"else (NaiveDiagonal, NaiveFull, ...). {e}"
+      ) from e
+    return dataclasses.replace(
+      state, blocks_states=new, synced=jnp.asarray(False)
     )
+
+  def _direct_data(self, func_args, batch_size, pmap_axis_name):
+    """Blocks' data for the `fisher_empirical_direct*` modes: the gradient
+    of the function, one sample, times `sqrt(batch_size)` (see
+    `estimation_modes.direct_gradient_scale`)."""
+    func_args = tuple(func_args)
+    if self.func_and_grad is not None:
+      grads = self.func_and_grad(*func_args)[1]
+    else:
+      grads = jax.grad(self.func, self.params_index)(*func_args)
+    if pmap_axis_name is not None:
+      grads = utils.pmean_if_pmap(grads, pmap_axis_name)
+    check_params_tree(self._params_tree, grads, "gradient of func_and_grad")
+    leaves = [
+      g[None] * estimation_modes.direct_gradient_scale(batch_size, g.dtype)
+      for g in jax.tree.leaves(grads)
+    ]
+    return [
+      dict(params_tangent=tuple(leaves[i] for i in idx))
+      for idx in self._layer_indices
+    ]
 
   def blocks_estimation_data(
     self,
@@ -444,6 +588,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     rng: jax.Array,
     estimation_mode: str | None = None,
     batch_size: Numeric | None = None,
+    num_samples: int = 1,
+    pmap_axis_name: str | None = None,
   ) -> list[dict[str, tuple]]:
     """Each block's estimation data for one batch, from one vmapped pass.
 
@@ -454,6 +600,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       batch_size: the batch size the blocks normalise by; with it, in
         `fisher_empirical` mode under `fisher_empirical_normalization=
         'batch_squared'`, the tangents are divided by its square root.
+      num_samples: in the sampled modes, draw this many independent samples
+        (tangents divided by its square root, so the blocks' sums over
+        samples are means).
+      pmap_axis_name: in `fisher_empirical_direct_synced` mode, the
+        gradient is averaged over this axis when it is bound.
 
     Returns:
       Per block, in `blocks` order, the mapping its
@@ -461,10 +612,26 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     """
     mode = self._mode(estimation_mode)
     self._finalize(func_args)
+    if mode in estimation_modes.DIRECT_ESTIMATION_MODES:
+      if batch_size is None:
+        raise ValueError(f"estimation_mode={mode!r} needs the batch_size.")
+      axis = pmap_axis_name if mode.endswith("_synced") else None
+      return self._direct_data(func_args, batch_size, axis)
     _, losses, values, tangents_fn = tracer.layer_tags_vjp_parts(
       self._traced, tuple(func_args)
     )
-    loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
+    if num_samples != 1 and mode in SAMPLED_MODES:
+      loss_tangents = jax.vmap(
+        lambda key: estimation_modes.loss_tangents(losses, mode, key)
+      )(jax.random.split(rng, num_samples))
+      # (n, 1, ...) -> (n, ...), scaled so that sums over samples are means.
+      loss_tangents = jax.tree.map(
+        lambda t: t.reshape((-1,) + t.shape[2:])
+        / jnp.sqrt(jnp.asarray(num_samples, t.dtype)),
+        loss_tangents,
+      )
+    else:
+      loss_tangents = estimation_modes.loss_tangents(losses, mode, rng)
     if (
       mode == "fisher_empirical"
       and batch_size is not None
@@ -489,9 +656,25 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     approx_powers: ScalarOrSequence = None,
     eigenvalues: bool = False,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> BlockDiagonalState:
     blocks = self._require_finalized()
-    weights = self._per_block(identity_weight, "identity_weight")
+    weights = self._block_weights(
+      state, identity_weight, norm_to_scale_identity_weight_per_block
+    )
+    # Powers not named at `init` get room, as KFAC-JAX's estimator allows.
+    state = dataclasses.replace(
+      state,
+      blocks_states=tuple(
+        b.with_cache_room(
+          s,
+          powers_tuple(exact_powers),
+          powers_tuple(approx_powers),
+          eigenvalues,
+        )
+        for b, s in zip(blocks, state.blocks_states)
+      ),
+    )
     fns = [
       functools.partial(
         b.update_cache,
@@ -504,10 +687,24 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     ]
     costs = [distributed.refresh_cost(s) for s in state.blocks_states]
     axis = pmap_axis_name if self.distributed_cache_updates else None
-    return self.State(
-      self._newton_verdicts(
+    return dataclasses.replace(
+      state,
+      blocks_states=self._newton_verdicts(
         state.blocks_states,
         self._refresh(fns, state.blocks_states, costs, axis),
+      ),
+    )
+
+  def _block_weights(self, state, identity_weight, norm_type):
+    """One identity weight per block, each times its block's norm when
+    `norm_type` names one (see `update_cache`)."""
+    weights = self._per_block(identity_weight, "identity_weight")
+    if norm_type is None or norm_type == "none":
+      return weights
+    return tuple(
+      w * b.norm(s, norm_type)
+      for w, b, s in zip(
+        weights, self._require_finalized(), state.blocks_states
       )
     )
 
@@ -596,9 +793,14 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     exact_power: bool,
     use_cached: bool,
     pmap_axis_name: str | None = None,
+    norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     vectors = self.params_vector_to_blocks_vectors(parameter_structured_vector)
     weights = self._per_block(identity_weight, "identity_weight")
+    if not use_cached:  # cached products use the last update_cache's weight
+      weights = self._block_weights(
+        state, weights, norm_to_scale_identity_weight_per_block
+      )
     results = self._blocks_matpower(
       range(self.num_blocks),
       state.blocks_states,
@@ -725,6 +927,75 @@ class BlockDiagonalCurvature(CurvatureEstimator):
   ) -> jax.Array:
     """The blocks' eigenvalues concatenated in `blocks` order, unsorted."""
     return jnp.concatenate(self.block_eigenvalues(state, use_cached=use_cached))
+
+  @property
+  def valid_estimation_modes(self) -> tuple[str, ...]:
+    """`ESTIMATION_MODES` and the `fisher_empirical_direct*` modes."""
+    return (
+      estimation_modes.ESTIMATION_MODES
+      + estimation_modes.DIRECT_ESTIMATION_MODES
+    )
+
+  @property
+  def param_order(self) -> np.ndarray:
+    """The params' leaf indices block by block (in `blocks` order), in
+    leaf order within each block: the order of the rows of
+    `to_diagonal_block_dense_matrix`, one block after the other. Given to
+    `ExplicitExactCurvature(param_order=...)`, its dense matrix has these
+    blocks on its diagonal, in this order."""
+    self._require_finalized()
+    return np.array(
+      [i for idx in self._layer_indices for i in sorted(idx)], dtype=int
+    )
+
+  def log_registrations(self) -> None:
+    """Logs (at INFO level) every block: its class and its parameters."""
+    blocks = self._require_finalized()
+    _LOG.info("BlockDiagonalCurvature blocks:")
+    for block in blocks:
+      _LOG.info("%s: %s", type(block).__name__, block.name)
+
+  def sync(
+    self, state: BlockDiagonalState, pmap_axis_name: str | None
+  ) -> BlockDiagonalState:
+    """Each block's `sync`; marks the state as synced. Outside a mapped
+    axis of that name the state is returned unchanged."""
+    if not utils.in_pmap(pmap_axis_name):
+      return state
+    return dataclasses.replace(
+      state,
+      blocks_states=tuple(
+        b.sync(s, pmap_axis_name)
+        for b, s in zip(self._require_finalized(), state.blocks_states)
+      ),
+      synced=jnp.asarray(True),
+    )
+
+  def undamped_diagonal(self, state: BlockDiagonalState) -> Params:
+    """The diagonal of the undamped estimate, shaped like the params."""
+    return self.blocks_vectors_to_params_vector(
+      tuple(
+        b.undamped_diagonal(s)
+        for b, s in zip(self._require_finalized(), state.blocks_states)
+      )
+    )
+
+  def to_diagonal_block_dense_matrix(
+    self, state: BlockDiagonalState
+  ) -> tuple[jax.Array, ...]:
+    """Each block's undamped estimate as a dense matrix, its rows in the
+    order of the params' leaves (as in `to_dense_matrix`)."""
+    out = []
+    for block, s, idx in zip(
+      self._require_finalized(), state.blocks_states, self._layer_indices
+    ):
+      sizes = [self._param_sizes[i] for i in idx]
+      starts = np.concatenate([[0], np.cumsum(sizes)])
+      order = np.concatenate(
+        [np.arange(starts[k], starts[k + 1]) for k in np.argsort(idx)]
+      )
+      out.append(block.to_dense_matrix(s)[np.ix_(order, order)])
+    return tuple(out)
 
   def to_dense_matrix(
     self,

@@ -15,6 +15,7 @@ from estimators import estimation_modes, tags, tracer
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.curvature.base import (
   CurvatureBlockCtor,
+  build_block,
   check_params_tree,
   update_block_estimate,
 )
@@ -44,30 +45,41 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
 
   def __init__(
     self,
-    func: Callable,
+    func: Callable | None = None,
+    func_and_grad: Callable | None = None,
+    default_estimation_mode: str | None = None,
+    layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
+    auto_register_tags: bool = False,
+    param_order: Sequence[int] | None = None,
+    *,
     params_index: int = 0,
     batch_index: int = 1,
-    default_estimation_mode: str = "fisher_exact",
-    layer_tag_to_block_ctor: Mapping[str, CurvatureBlockCtor] | None = None,
     index_to_block_ctor: Mapping[tuple[int, ...], CurvatureBlockCtor]
     | None = None,
-    auto_register_tags: bool = True,
     **auto_register_kwargs,
   ):
     """Prepares the per-example tracing of `func`.
 
     Args:
-      func: the model function, with at least one registered loss.
+      func: the model function, with at least one registered loss. Give it
+        or `func_and_grad`.
       params_index: which of `func`'s positional arguments are the
         parameters.
       batch_index: which of them is the batch, whose leading axis is split
         into examples.
-      default_estimation_mode: one of `estimators.ESTIMATION_MODES`.
+      default_estimation_mode: one of `estimators.ESTIMATION_MODES`; None
+        means "ggn_curvature_prop", as in KFAC-JAX 0.0.8.
       layer_tag_to_block_ctor: the block of all parameters under the key
         "generic_tag" (default `ExplicitFull`).
       index_to_block_ctor: the same, keyed by all parameters' flat indices.
       auto_register_tags: whether the graph matcher tags the model's layers
         when it is traced (to check it; the estimate does not use them).
+      func_and_grad: instead of `func`, a function returning `(value,
+        gradient)`.
+      param_order: the order of the parameters' leaves (flat indices, a
+        permutation) in the one block, and so in the rows and columns of
+        `to_dense_matrix` and `to_diagonal_block_dense_matrix`; None keeps
+        the leaves' order.
       **auto_register_kwargs: passed to the graph matcher.
 
     Raises:
@@ -82,22 +94,29 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         "per-example outer products, as KFAC-JAX's is: leave out "
         "fisher_empirical_normalization (BlockDiagonalCurvature takes it)."
       )
+    if not auto_register_tags:
+      # The one block covers every parameter: layer tags are not needed.
+      auto_register_kwargs.setdefault("allow_left_out_params", True)
     super().__init__(
       func,
-      params_index,
+      func_and_grad,
       default_estimation_mode,
       layer_tag_to_block_ctor,
       index_to_block_ctor,
       auto_register_tags,
+      params_index=params_index,
+      batch_index=batch_index,
       **auto_register_kwargs,
     )
-    self._batch_index = batch_index
-    self._loss_vjp = tracer.loss_tags_vjp(func, params_index)
+    self._dense_param_order = (
+      None if param_order is None else tuple(int(i) for i in param_order)
+    )
+    self._loss_vjp = tracer.loss_tags_vjp(self.func, params_index)
 
   @property
-  def batch_index(self) -> int:
-    """Which of `func`'s positional arguments is the batch."""
-    return self._batch_index
+  def valid_estimation_modes(self) -> tuple[str, ...]:
+    """`ESTIMATION_MODES` (the direct modes need layer blocks)."""
+    return estimation_modes.ESTIMATION_MODES
 
   def layer_tag_to_block_ctor(self, layer_tag_eq: Any) -> CurvatureBlockCtor:
     """The block class of all parameters: the user's for "generic_tag", else
@@ -114,23 +133,30 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         self._params_tree, func_args[self.params_index], "params argument"
       )
       return
-    if not 0 <= self._batch_index < len(func_args):
+    if not 0 <= self.batch_index < len(func_args):
       raise ValueError(
-        f"batch_index={self._batch_index} but the function "
+        f"batch_index={self.batch_index} but the function "
         f"takes {len(func_args)} arguments."
       )
     jaxpr = self._traced.processed(func_args)  # checks the registration
     leaves = jax.tree.leaves(func_args[self.params_index])
+    indices = tuple(range(len(leaves)))
+    if self._dense_param_order is not None:
+      if sorted(self._dense_param_order) != list(indices):
+        raise ValueError(
+          f"param_order={self._dense_param_order} is not a permutation of "
+          f"the {len(leaves)} parameter leaves' indices."
+        )
+      indices = self._dense_param_order
     # One generic tag over every parameter: the equation the block reads.
     tag_eqn = jax.make_jaxpr(lambda *p: tags.register_generic(*p))(
-      *leaves
+      *[leaves[i] for i in indices]
     ).eqns[0]
-    indices = tuple(range(len(leaves)))
     ctor = self.index_to_block_ctor(indices) or self.layer_tag_to_block_ctor(
       tag_eqn
     )
     try:
-      block = ctor(tag_eqn, "all parameters [generic_tag]")
+      block = build_block(ctor, tag_eqn, "all parameters [generic_tag]")
     except (ValueError, TypeError, NotImplementedError) as e:
       raise ValueError(
         f"Cannot build a {getattr(ctor, '__name__', ctor)} "
@@ -174,12 +200,12 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
   def _per_example_rows(self, rng, func_args, mode):
     """Every example's gradient rows for `mode`, `(examples * samples, dim)`
     in `ravel_pytree` order."""
-    batch = func_args[self._batch_index]
+    batch = func_args[self.batch_index]
     num = default_batch_size_extractor(batch)
 
     def one_example(example, key):
       args = list(func_args)
-      args[self._batch_index] = jax.tree.map(lambda x: x[None], example)
+      args[self.batch_index] = jax.tree.map(lambda x: x[None], example)
       losses, vjp = self._loss_vjp(tuple(args))
       tangents = estimation_modes.loss_tangents(losses, mode, key)
       grads = jax.vmap(vjp)(tangents)
@@ -207,14 +233,11 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     self._finalize(func_args)
     rows = self._per_example_rows(rng, func_args, self._mode(estimation_mode))
     split = np.cumsum(self._param_sizes)[:-1]
-    data = dict(
-      params_tangent=tuple(
-        part.reshape((rows.shape[0],) + shape)
-        for part, shape in zip(
-          jnp.split(rows, split, axis=1), self._param_shapes
-        )
-      )
-    )
+    parts = [
+      part.reshape((rows.shape[0],) + shape)
+      for part, shape in zip(jnp.split(rows, split, axis=1), self._param_shapes)
+    ]
+    data = dict(params_tangent=tuple(parts[i] for i in self._layer_indices[0]))
     return self.State(
       (
         update_block_estimate(
@@ -247,6 +270,9 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     """As `BlockDiagonalCurvature.to_dense_matrix`; the estimate itself,
     without products, for an `ExplicitFull` block and the defaults."""
     block_state = state.blocks_states[0]
+    if self._dense_param_order is not None:
+      # In the block's (param_order's) order.
+      return self.to_diagonal_block_dense_matrix(state)[0]
     if (
       isinstance(self._require_finalized()[0], curvature_blocks.ExplicitFull)
       and not use_cached
@@ -258,3 +284,11 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     return super().to_dense_matrix(
       state, use_cached, identity_weight, exact_power, power
     )
+
+  def to_diagonal_block_dense_matrix(
+    self, state: BlockDiagonalState
+  ) -> tuple[jax.Array, ...]:
+    """The one block, rows in `param_order`'s order (the leaves' order by
+    default)."""
+    block = self._require_finalized()[0]
+    return (block.to_dense_matrix(state.blocks_states[0]),)

@@ -66,20 +66,98 @@ class ImplicitExactCurvature:
     return jax.tree.map(lambda x: x / self.batch_size(func_args), hvp)
 
   def multiply_jacobian_transpose(
-    self, func_args: FuncArgs, loss_input_vectors: Sequence[Sequence[jax.Array]]
-  ) -> Params:
+    self,
+    func_args: FuncArgs,
+    loss_input_vectors: Sequence[Sequence[jax.Array]],
+    return_loss_objects: bool = False,
+  ) -> Any:
     """`Jᵀ u`, `J` the Jacobian of the losses' inputs w.r.t. the params.
 
     Args:
       func_args: the arguments of `func` to evaluate at.
       loss_input_vectors: `u`: for each registered loss, one array per
         parameter-dependent input, shaped like it.
+      return_loss_objects: also return the registered losses.
 
     Returns:
-      The product (not divided by the batch size), shaped like the params.
+      The product (not divided by the batch size), shaped like the params;
+      with `return_loss_objects`, `(product, losses)`.
     """
-    _, vjp = self._vjp(func_args)
-    return vjp(loss_input_vectors)
+    losses, vjp = self._vjp(func_args)
+    product = vjp(loss_input_vectors)
+    return (product, losses) if return_loss_objects else product
+
+  def multiply_jacobian(
+    self,
+    func_args: FuncArgs,
+    parameter_structured_vector: Params,
+    return_loss_objects: bool = False,
+  ) -> Any:
+    """`J v`, `J` the Jacobian of the losses' inputs w.r.t. the params.
+
+    Args:
+      func_args: the arguments of `func` to evaluate at.
+      parameter_structured_vector: `v`, shaped like the parameters.
+      return_loss_objects: also return the registered losses.
+
+    Returns:
+      For each loss, one array per parameter-dependent input; with
+      `return_loss_objects`, `(products, losses)`.
+    """
+    losses, products = self._jvp(func_args, parameter_structured_vector)
+    products = tuple(tuple(p) for p in products)
+    return (products, losses) if return_loss_objects else products
+
+  @staticmethod
+  def _per_loss(losses, vectors, method):
+    """`loss.<method>(vector)` for each loss and its vector."""
+    losses, vectors = tuple(losses), tuple(vectors)
+    if len(losses) != len(vectors):
+      raise ValueError(
+        f"Got {len(vectors)} vectors for {len(losses)} losses: give one "
+        "per loss."
+      )
+    return tuple(getattr(f, method)(v) for f, v in zip(losses, vectors))
+
+  def multiply_loss_fisher(self, losses, loss_vectors) -> tuple:
+    """Each loss's Fisher (w.r.t. its inputs) times its vector.
+
+    Args:
+      losses: registered losses (e.g. from `multiply_jacobian(...,
+        return_loss_objects=True)`).
+      loss_vectors: per loss, a tuple of arrays shaped like its inputs.
+
+    Returns:
+      Per loss, the product, shaped like its inputs.
+    """
+    return self._per_loss(losses, loss_vectors, "multiply_fisher")
+
+  def multiply_loss_ggn(self, losses, loss_vectors) -> tuple:
+    """Each loss's GGN (its Hessian w.r.t. its inputs) times its vector;
+    see `multiply_loss_fisher`."""
+    return self._per_loss(losses, loss_vectors, "multiply_ggn")
+
+  def multiply_loss_fisher_factor(self, losses, loss_inner_vectors) -> tuple:
+    """Each loss's Fisher factor `B` (`B Bᵀ` = the Fisher) times its vector
+    of the factor's inner shape; see `multiply_loss_fisher`."""
+    return self._per_loss(losses, loss_inner_vectors, "multiply_fisher_factor")
+
+  def multiply_loss_ggn_factor(self, losses, loss_inner_vectors) -> tuple:
+    """The same with the GGN factors."""
+    return self._per_loss(losses, loss_inner_vectors, "multiply_ggn_factor")
+
+  def multiply_loss_fisher_factor_transpose(
+    self, losses, loss_vectors
+  ) -> tuple:
+    """Each loss's `Bᵀ` (Fisher factor) times its vector shaped like its
+    inputs; the results have the factor's inner shapes."""
+    return self._per_loss(
+      losses, loss_vectors, "multiply_fisher_factor_transpose"
+    )
+
+  def multiply_loss_ggn_factor_transpose(self, losses, loss_vectors) -> tuple:
+    """The same with the GGN factors."""
+    return self._per_loss(losses, loss_vectors, "multiply_ggn_factor_transpose")
 
   def _jacobian_products(self, func_args, vector):
     """The losses, `J v` and `u -> Jᵀ u`, from one forward pass.

@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from estimators.utils import newton
 
@@ -26,7 +27,22 @@ def symmetrize(matrix: jax.Array) -> jax.Array:
   return (matrix + jnp.swapaxes(matrix, -1, -2)) / 2
 
 
-def safe_psd_eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _host_eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+  # NumPy's LAPACK on the host, called back from the compiled program.
+  shapes = (
+    jax.ShapeDtypeStruct(matrix.shape[:-1], matrix.dtype),
+    jax.ShapeDtypeStruct(matrix.shape, matrix.dtype),
+  )
+  return jax.pure_callback(
+    lambda m: tuple(np.asarray(a, m.dtype) for a in np.linalg.eigh(m)),
+    shapes,
+    matrix,
+  )
+
+
+def safe_psd_eigh(
+  x: jax.Array, force_on_host: bool = False
+) -> tuple[jax.Array, jax.Array]:
   """Eigendecomposition of a matrix that should be PSD up to round-off.
 
   The input is symmetrised first (round-off makes estimates slightly
@@ -34,13 +50,19 @@ def safe_psd_eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
   only come from round-off and would make fractional powers NaN.
 
   Args:
-    matrix: a square matrix.
+    x: a square matrix.
+    force_on_host: compute the decomposition with NumPy on the host CPU
+      (a callback from the compiled program) instead of on the device.
 
   Returns:
     `(eigenvalues, eigenvectors)`: ascending eigenvalues, clipped at zero,
     and the eigenvectors as columns.
   """
-  values, vectors = jnp.linalg.eigh(symmetrize(matrix))
+  matrix = symmetrize(x)
+  if force_on_host:
+    values, vectors = _host_eigh(matrix)
+  else:
+    values, vectors = jnp.linalg.eigh(matrix)
   return jnp.maximum(values, 0), vectors
 
 

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def product(values: Sequence[int]) -> int:
-  """The product of static integers, such as a shape's sizes.
+def product(iterable_object: Iterable[Any]) -> Any:
+  """The product of the elements of an iterable (1 when it is empty).
+
+  Integers (a shape's sizes, NumPy's included) give a Python int; other
+  elements (floats, arrays) are multiplied as they are.
 
   Args:
-    values: integers known at trace time.
+    iterable_object: the factors.
 
   Returns:
-    Their product as a Python int (1 for an empty sequence).
+    Their product.
   """
-  return int(math.prod(int(v) for v in values))
+  values = list(iterable_object)
+  if all(isinstance(v, (int, np.integer)) for v in values):
+    return int(math.prod(int(v) for v in values))
+  result: Any = 1
+  for value in values:
+    result = result * value
+  return result
 
 
 def flatten_arrays(arrays: Sequence[jax.Array], leading: int = 0) -> jax.Array:
@@ -77,19 +87,105 @@ def is_tracer(value: object) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def inner_product(a: Any, b: Any) -> jax.Array | int:
-  """The inner product of two pytrees with matching leaves.
+def tree_is_empty(obj: Any) -> bool:
+  """Whether a pytree has no leaves."""
+  return not jax.tree.leaves(obj)
+
+
+def abstract_objects_equal(
+  obj1: Any, obj2: Any, check_dtype: bool = True
+) -> bool:
+  """Whether two pytrees have the same structure and leaf shapes (and leaf
+  dtypes, when `check_dtype`)."""
+  tree1: Any = jax.tree.structure(obj1)  # PyTreeDef has no typed __eq__
+  if tree1 != jax.tree.structure(obj2):
+    return False
+  return all(
+    jnp.shape(x) == jnp.shape(y)
+    and (not check_dtype or jnp.result_type(x) == jnp.result_type(y))
+    for x, y in zip(jax.tree.leaves(obj1), jax.tree.leaves(obj2))
+  )
+
+
+_FLOAT_DTYPES = tuple(
+  jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+)
+
+
+def get_float_dtype_and_check_consistency(obj: Any) -> Any:
+  """The one floating dtype of all the leaves of a pytree.
 
   Args:
-    a: a pytree of arrays.
-    b: a pytree with the same leaf shapes.
+    obj: a pytree of floating arrays.
 
   Returns:
-    The sum over leaves of `vdot(leaf_a, leaf_b)` (0 for empty trees).
+    Their common dtype, or None for a pytree without leaves.
+
+  Raises:
+    ValueError: if a leaf is not floating, or two leaves differ in dtype.
   """
-  return sum(
-    jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  dtype = None
+  for leaf in jax.tree.leaves(obj):
+    leaf_dtype = jnp.result_type(leaf)
+    if leaf_dtype not in _FLOAT_DTYPES:
+      raise ValueError(
+        f"Expected floating-point leaves only, got a leaf of dtype "
+        f"{leaf_dtype}; cast it to a float dtype first."
+      )
+    if dtype is not None and leaf_dtype != dtype:
+      raise ValueError(
+        f"Leaves of different float dtypes ({dtype} and {leaf_dtype}); "
+        "cast them to one dtype."
+      )
+    dtype = leaf_dtype
+  return dtype
+
+
+def pytree_size(pytree: Any) -> int:
+  """The total number of elements of a pytree's leaves."""
+  return sum(int(np.size(x)) for x in jax.tree.leaves(pytree))
+
+
+def inner_product(obj1: Any, obj2: Any, in_float64: bool = False) -> Any:
+  """The inner product of two pytrees seen as flat vectors.
+
+  Args:
+    obj1: a pytree of arrays.
+    obj2: a pytree with the same leaf shapes, in the same order.
+    in_float64: accumulate in float64 and return the result in the
+      leaves' dtype (needs `jax_enable_x64`).
+
+  Returns:
+    The sum over leaves of `vdot(leaf1, leaf2)` (0 for empty trees).
+
+  Raises:
+    ValueError: if the leaves do not match in number and shapes, or
+      `in_float64` is asked without float64 support.
+  """
+  leaves1, leaves2 = jax.tree.leaves(obj1), jax.tree.leaves(obj2)
+  if len(leaves1) != len(leaves2) or any(
+    jnp.shape(x) != jnp.shape(y) for x, y in zip(leaves1, leaves2)
+  ):
+    raise ValueError(
+      "inner_product needs two pytrees with the same leaf shapes, got "
+      f"{[jnp.shape(x) for x in leaves1]} and "
+      f"{[jnp.shape(y) for y in leaves2]}."
+    )
+  if not in_float64:
+    return sum(jnp.vdot(x, y) for x, y in zip(leaves1, leaves2))
+  if not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
+    raise ValueError(
+      "inner_product(in_float64=True) needs float64 arrays: set "
+      'jax.config.update("jax_enable_x64", True) first.'
+    )
+  if not leaves1:
+    return 0
+  dtype = jnp.result_type(*leaves1, *leaves2)
+  total = sum(
+    jnp.vdot(x.astype(jnp.float64), y.astype(jnp.float64), precision="highest")
+    for x, y in zip(leaves1, leaves2)
   )
+  return jnp.asarray(total).astype(dtype)
 
 
 # Leaves up to this size are stacked and multiplied in one matrix product;

@@ -23,8 +23,10 @@ def scalar_mul(obj: Any, scalar: Any) -> Any:
     scalar: a number or scalar array.
 
   Returns:
-    A pytree of the same structure.
+    A pytree of the same structure (`obj` itself for the Python number 1).
   """
+  if isinstance(scalar, (int, float)) and scalar == 1:
+    return obj
   return jax.tree.map(lambda x: x * scalar, obj)
 
 
@@ -36,8 +38,10 @@ def scalar_div(obj: Any, scalar: Any) -> Any:
     scalar: a non-zero number or scalar array.
 
   Returns:
-    A pytree of the same structure.
+    A pytree of the same structure (`obj` itself for the Python number 1).
   """
+  if isinstance(scalar, (int, float)) and scalar == 1:
+    return obj
   return jax.tree.map(lambda x: x / scalar, obj)
 
 
@@ -68,6 +72,12 @@ def weighted_sum_of_objects(
   )
 
 
+def sum_of_objects(objects: Sequence[Any]) -> Any:
+  """The sum of pytrees of one structure (`weighted_sum_of_objects` with
+  unit coefficients)."""
+  return weighted_sum_of_objects(objects, [1] * len(objects))
+
+
 def squared_norm(obj: Any) -> jax.Array:
   """The squared Euclidean norm of a pytree seen as one vector.
 
@@ -90,6 +100,38 @@ def norm(obj: Any) -> jax.Array:
     `sqrt(<obj, obj>)`, a scalar.
   """
   return jnp.sqrt(squared_norm(obj))
+
+
+def _path_part(entry: Any) -> str:
+  for name in ("key", "name", "idx"):
+    if hasattr(entry, name):
+      return str(getattr(entry, name))
+  return str(entry)
+
+
+def per_parameter_norm(obj: Any, key_prefix: str) -> dict[str, jax.Array]:
+  """The Euclidean norm of every leaf of a pytree, keyed by its path.
+
+  Args:
+    obj: a pytree of arrays, e.g. Haiku parameters
+      `{"mlp/linear": {"w": ...}}`.
+    key_prefix: put before each key.
+
+  Returns:
+    A dict from `key_prefix + "(" + path + ")"` to the leaf's norm, the
+    path's parts (dictionary keys, sequence indices, attribute names)
+    joined by slashes, e.g. `"norm(mlp/linear/w)"`.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(obj)
+  return {
+    key_prefix + "(" + "/".join(_path_part(e) for e in path) + ")": norm(leaf)
+    for path, leaf in flat
+  }
+
+
+def cosine_similarity(v1: Any, v2: Any) -> jax.Array:
+  """`<v1, v2> / (|v1| |v2|)` for two pytrees seen as flat vectors."""
+  return inner_product(v1, v2) / (norm(v1) * norm(v2))
 
 
 def first_dim_is_size(size: int, *args: jax.Array) -> bool:

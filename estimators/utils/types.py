@@ -42,3 +42,17 @@ ValueAndGradFunc = Callable[..., Any]
 
 # The state type of a generic curvature estimator or block.
 StateType = TypeVar("StateType")
+
+T = TypeVar("T")
+# A pytree whose leaves are arrays.
+ArrayTree = Any
+# A type variable over array pytrees: a function returns what it was given.
+TArrayTree = TypeVar("TArrayTree")
+# What a model function may return: the loss, `(loss, aux)` or
+# `(loss, (state, aux))`.
+AssumedFuncOutput = Union[jax.Array, tuple[jax.Array, Any]]
+# A schedule: `schedule(step)` or `schedule(step, data_seen)` -> a value.
+ScheduleType = Union[
+  Callable[[Numeric, Union[Numeric, None]], Numeric],
+  Callable[[Numeric], Numeric],
+]
