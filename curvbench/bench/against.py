@@ -461,10 +461,16 @@ def compare(
         row.setdefault("results", []).append(_leaves(first))
       if "error" not in row:
         a, b = row.pop("results")
-        row["max_rel_diff"] = float(
-          np.max(np.abs(a - b))
-          / max(np.max(np.abs(b)), np.finfo(np.float32).tiny)
-        )
+        if a.shape != b.shape:  # e.g. a state that gained a field
+          row["max_rel_diff"] = float("nan")
+          row["note"] = (
+            f"not compared: the versions return {a.size} and {b.size} values"
+          )
+        else:
+          row["max_rel_diff"] = float(
+            np.max(np.abs(a - b))
+            / max(np.max(np.abs(b)), np.finfo(np.float32).tiny)
+          )
         row.update(
           interleaved(
             calls[new.name], calls[old.name], rounds, round_s=size.round_s
