@@ -104,12 +104,6 @@ def powers_tuple(powers) -> tuple:
   return tuple(powers)
 
 
-class _InPlaceMovingAverage(utils.WeightedMovingAverage):
-  """A private copy of a moving average, for blocks written to the
-  reference's guide: their `update` calls change it in place, not the
-  caller's state."""
-
-
 def _map_averages(fn, state):
   """`state` with `fn` applied to each of its moving averages."""
   is_average = lambda x: isinstance(x, utils.WeightedMovingAverage)
@@ -118,9 +112,11 @@ def _map_averages(fn, state):
   )
 
 
-def _with_averages(state, cls):
-  """`state` with every moving average rebuilt as a `cls`."""
-  return _map_averages(lambda x: cls.from_raw(x.weight, x.raw_value), state)
+def _copied_averages(state):
+  """`state` with a private copy of each moving average: blocks written to
+  the reference's guide `update` them in place, which must not change the
+  caller's state."""
+  return _map_averages(lambda x: type(x).from_raw(x.weight, x.raw_value), state)
 
 
 def update_block_estimate(
@@ -188,15 +184,14 @@ def update_block_estimate(
       data[key] = tuple(
         t[sample] * np.sqrt(num).astype(t.dtype) for t in estimation_data[key]
       )
-    state = block.update_curvature_matrix_estimate(
-      _with_averages(state, _InPlaceMovingAverage),
+    return block.update_curvature_matrix_estimate(
+      _copied_averages(state),
       data,
       ema_old=ema_old,
       ema_new=ema_new / num,
       batch_size=batch_size,
       **extra,
     )
-    return _with_averages(state, utils.WeightedMovingAverage)
 
   state = one_sample(state, 0, ema_old)
   return jax.lax.fori_loop(1, num, lambda s, st: one_sample(st, s, 1.0), state)

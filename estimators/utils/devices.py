@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from estimators.utils.collectives import pmean_if_pmap
+from estimators.utils import pytree
 from estimators.utils.pytree import tree_is_empty
 
 # The mesh axis of device-stacked arrays made here when no axis name is given.
@@ -33,14 +34,8 @@ def using_legacy_pmap() -> bool:
   return False
 
 
-def _is_scalar(x: Any) -> bool:
-  return isinstance(x, (int, float)) or (
-    isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0
-  )
-
-
 def _first(value: Any) -> Any:
-  if _is_scalar(value):
+  if pytree.is_scalar(value):
     return value
   if not isinstance(value, jax.Array) or isinstance(
     value.sharding, jax.sharding.SingleDeviceSharding

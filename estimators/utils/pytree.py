@@ -87,6 +87,13 @@ def is_tracer(value: object) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
+def is_scalar(x: Any) -> bool:
+  """Whether `x` is a Python number or a 0-d array."""
+  return isinstance(x, (int, float)) or (
+    isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0
+  )
+
+
 def tree_is_empty(obj: Any) -> bool:
   """Whether a pytree has no leaves."""
   return not jax.tree.leaves(obj)

@@ -16,16 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from estimators.utils import devices
+from estimators.utils import devices, pytree
 from estimators.utils.misc import Finalizable
-
-
-def _is_scalar(x: Any) -> bool:
-  return isinstance(x, (int, float)) or (
-    isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0
-  )
 
 
 class WithStagedMethods(Finalizable):
@@ -171,7 +164,7 @@ def staged(
   def per_device(instance, args, kwargs):
     # Debug on many devices: call the method eagerly for each device's
     # slice of the arguments, and stack the results.
-    keep = [i in static or _is_scalar(a) for i, a in enumerate(args)]
+    keep = [i in static or pytree.is_scalar(a) for i, a in enumerate(args)]
     outs = []
     for d in range(jax.local_device_count()):
       args_d = [
@@ -198,7 +191,7 @@ def staged(
           return method(instance, *args, **kwargs)
       if not instance.multi_device:
         return jitted(instance, *args, **kwargs)
-      in_axes = (None, *(None if _is_scalar(a) else 0 for a in args))
+      in_axes = (None, *(None if pytree.is_scalar(a) else 0 for a in args))
       key = (instance.pmap_axis_name, in_axes)
       if key not in pmapped:
         pmapped[key] = jax.pmap(
