@@ -105,7 +105,9 @@ for step in range(NUM_STEPS):
   params, opt_state, stats = optimizer.step(
     params, opt_state, key, data_iterator=data, global_step_int=step
   )
-  history.append({name: float(value) for name, value in stats.items()})
+  history.append(
+    {name: float(value) for name, value in stats.items() if value is not None}
+  )
   if step % 10 == 0 or step == NUM_STEPS - 1:
     print(
       f"step {step:2d}  loss {stats['loss']:.4f}  "
