@@ -32,8 +32,8 @@ test: $(STAMP) browser lint typecheck
 	$(TEST_XLA) $(PY) -m pytest -n 2 -q -m "not slow" --ignore=tests/benchmarks
 
 # The rest, which CI runs after `make test`: the slow tests (whole sweeps,
-# commands in their own processes, framework and paper-size models, the
-# site built and opened in a browser), and each benchmark run once, untimed.
+# commands in their own processes, framework and paper-size models), and each
+# benchmark run once, untimed.
 test-slow: $(STAMP) browser
 	$(TEST_XLA) $(PY) -m pytest -n 2 -q -m slow --ignore=tests/benchmarks
 	$(TEST_XLA) $(PY) -m pytest -n 2 -q --benchmark-disable tests/benchmarks
