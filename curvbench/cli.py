@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -245,14 +246,20 @@ def group_help(group: str, overrides=()) -> str:
   return "\n".join(lines)
 
 
+def _print(text: str) -> None:
+  """Prints help; a reader who stops reading (`| head`) is not an error."""
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:
+    # Python would report the pipe again when it flushes stdout at exit.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None):
   """`curvbench`: help from the sources, or the app."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv and argv[0] in HELP_FLAGS:
-    if len(argv) == 1:
-      print(usage())
-    else:
-      print(group_help(argv[1], argv[2:]))
+    _print(usage() if len(argv) == 1 else group_help(argv[1], argv[2:]))
     return None
   from curvbench import app  # noqa: PLC0415 - imports JAX
 

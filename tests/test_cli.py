@@ -41,6 +41,19 @@ def test_help_prints_without_importing_jax_or_hydra():
   assert "repro_martens2015_kfac" in done.stdout
 
 
+def test_help_piped_into_a_reader_that_stops_early_is_no_error():
+  code = "from curvbench import cli; cli.main(['--help', 'optimizer'])"
+  done = subprocess.run(
+    f'{sys.executable} -c "{code}" | head -1',
+    shell=True,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert done.stdout.startswith("optimizer"), done.stdout
+  assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_group_help_shows_every_setting_with_its_default_and_doc():
   text = cli.group_help("optimizer")
   for name in config.options("optimizer"):
