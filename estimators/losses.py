@@ -69,6 +69,73 @@ def _check_shape(owner: str, name: str, value, expected: Shape, fix: str):
     )
 
 
+def _as_flag(value) -> Any:
+  """`value` as a Python bool when it is concrete; a traced array stays."""
+  try:
+    return bool(value)
+  except jax.errors.ConcretizationTypeError:
+    return value
+
+
+LossFunctionInputs = tuple[Array, ...]
+"""The parameter-dependent inputs of one loss, e.g. `(logits,)`."""
+
+
+def filter_none(
+  **kwargs: Numeric | None,
+) -> tuple[tuple[Numeric, ...], tuple[str, ...]]:
+  """Drops the arguments that are None, as a loss tag binds only the others.
+
+  Args:
+    **kwargs: named loss arguments, None where absent.
+
+  Returns:
+    `(values, names)`: the present values and their names, in call order.
+  """
+  kept = [(k, v) for k, v in kwargs.items() if v is not None]
+  return tuple(v for _, v in kept), tuple(k for k, _ in kept)
+
+
+def insert_slice_in_zeros(
+  slice_to_insert: Array, zeros_shape: Sequence[int], position: Sequence[int]
+) -> Array:
+  """An array of zeros of `zeros_shape` holding `slice_to_insert` at `position`.
+
+  Along each axis the slice either spans the whole axis (then the position
+  there must be 0) or has length 1 and sits at `position[axis]`.
+
+  Args:
+    slice_to_insert: the values to place, with as many axes as `zeros_shape`.
+    zeros_shape: the shape of the result.
+    position: the slice's offset along each axis.
+
+  Returns:
+    The zero-padded slice.
+
+  Raises:
+    ValueError: if the ranks differ or the slice does not fit.
+  """
+  shape, zeros_shape = jnp.shape(slice_to_insert), tuple(zeros_shape)
+  if not len(shape) == len(zeros_shape) == len(position):
+    raise ValueError(
+      f"insert_slice_in_zeros: the slice {shape}, the shape {zeros_shape} "
+      f"and the position {tuple(position)} need the same number of axes."
+    )
+  pad_width = []
+  for size, full, at in zip(shape, zeros_shape, position):
+    if size == full and at == 0:
+      pad_width.append((0, 0))
+    elif size == 1 and 0 <= at < full:
+      pad_width.append((at, full - at - 1))
+    else:
+      raise ValueError(
+        f"insert_slice_in_zeros: a slice of shape {shape} does not fit in "
+        f"{zeros_shape} at {tuple(position)}; along each axis it must span "
+        "the axis (at 0) or have length 1."
+      )
+  return jnp.pad(slice_to_insert, pad_width)
+
+
 class LossFunction:
   """A loss with per-example values and a GGN w.r.t. its inputs.
 
@@ -143,6 +210,35 @@ class LossFunction:
     kwargs = {n: getattr(self, n) for n in self.independant_names}
     kwargs.update(zip(self.dependant_names, parameter_dependants))
     return type(self)(**kwargs)
+
+  def tree_flatten(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """The loss as a pytree: its inputs as children, nothing static.
+
+    Returns:
+      `(children, aux)`: the parameter dependants then the other inputs
+      (None where absent, which JAX treats as an empty subtree), and None.
+    """
+    return self.parameter_dependants + self.parameter_independants, None
+
+  @classmethod
+  def tree_unflatten(
+    cls, aux: dict[str, Any] | None, children: Sequence[Any]
+  ) -> LossFunction:
+    """Rebuilds a loss from `tree_flatten`'s output.
+
+    Args:
+      aux: more inputs by name (`tree_flatten` gives None), or None.
+      children: the inputs, in `tree_flatten` order.
+
+    Returns:
+      A loss of class `cls`.
+    """
+    # Skips the constructor: JAX unflattens with placeholder leaves (tracers,
+    # `object()`, None) that its argument checks would reject.
+    loss = cls.__new__(cls)
+    names = cls.dependant_names + cls.independant_names
+    loss._inputs = dict(zip(names, children), **(aux or {}))
+    return loss
 
   def evaluate(
     self, targets: Array | None = None, coefficient_mode: str = "regular"
@@ -484,6 +580,17 @@ class NegativeLogProbLoss(LossFunction):
     return self.grad_of_evaluate(targets, coefficient_mode)
 
 
+class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
+  """A negative log-likelihood whose inputs are an exponential family's
+  natural parameters.
+
+  For such losses the Hessian w.r.t. the inputs does not depend on the
+  targets and equals the Fisher, so the GGN products are the Fisher ones
+  (which `NegativeLogProbLoss` already uses by default; this class names
+  that property, as KFAC-JAX does).
+  """
+
+
 class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
   """A negative log-likelihood given by a distrax distribution, `dist`.
 
@@ -507,16 +614,21 @@ class DistributionNegativeLogProbLoss(NegativeLogProbLoss):
     return tuple(jnp.shape(self.params[0]))
 
 
-class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
+@jax.tree_util.register_pytree_node_class
+class NormalMeanNegativeLogProbLoss(
+  DistributionNegativeLogProbLoss, NaturalParamsNegativeLogProbLoss
+):
   """`-log N(targets; mean, variance * I)` with a fixed (scalar) variance.
 
   The last axis is the event axis. W.r.t. the mean, `F = G = I / variance` and
   `B = I / sqrt(variance)`. The default variance 0.5 makes the loss
-  `weight * ||targets - mean||^2` plus a constant.
+  `weight * ||targets - mean||^2` plus a constant; with
+  `normalize_log_prob=False` the constant (`0.5 log(2 pi variance)` per
+  entry) is left out, which changes values but no derivative.
   """
 
   dependant_names = ("mean",)
-  independant_names = ("targets", "variance", "weight")
+  independant_names = ("targets", "variance", "weight", "normalize_log_prob")
 
   def __init__(
     self,
@@ -524,6 +636,7 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     targets: Array | None = None,
     variance: Numeric = 0.5,
     weight: Numeric = 1.0,
+    normalize_log_prob: bool | Array = True,
   ):
     """Builds the loss.
 
@@ -532,6 +645,9 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
       targets: optional targets, shaped like `mean`.
       variance: the variance, a scalar (or an array shaped like `mean`).
       weight: a scalar multiplying the loss.
+      normalize_log_prob: whether the values include the normal
+        distribution's normalising constant, so that they are true negative
+        log-densities rather than scaled squared errors.
     """
     super().__init__(weight)
     owner = type(self).__name__
@@ -548,16 +664,42 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
         f"mean's shape {jnp.shape(mean)}), got shape "
         f"{jnp.shape(variance)}."
       )
-    self._inputs.update(mean=mean, targets=targets, variance=variance)
+    self._inputs.update(
+      mean=mean,
+      targets=targets,
+      variance=variance,
+      normalize_log_prob=_as_flag(normalize_log_prob),
+    )
 
   mean = _input("mean", "The mean of the normal distribution.")
   variance = _input("variance", "The fixed variance.")
+  normalize_log_prob = _input(
+    "normalize_log_prob",
+    "Whether `evaluate` includes the normalising constant (a bool, or a "
+    "traced boolean array when the loss is rebuilt inside a trace).",
+  )
 
   @property
   def dist(self) -> distrax.MultivariateNormalDiag:
     """`N(mean, variance * I)` over the last axis."""
     scale = jnp.sqrt(self.variance) * jnp.ones_like(self.mean)
     return distrax.MultivariateNormalDiag(loc=self.mean, scale_diag=scale)
+
+  def _evaluate(self, targets):
+    flag = self.normalize_log_prob
+    if flag is True:
+      return super()._evaluate(targets)
+    half_chi2 = 0.5 * jnp.square(targets - self.mean) / self.variance
+    squared = _sum_over_non_batch_axes(half_chi2)
+    if flag is False:
+      return squared
+    # A flag bound as a loss tag operand may be traced: add the constant
+    # without branching on it.
+    per_entry = 0.5 * jnp.log(2 * jnp.pi * self.variance)
+    constant = _sum_over_non_batch_axes(
+      jnp.broadcast_to(per_entry, jnp.shape(self.mean))
+    )
+    return squared + jnp.where(flag, constant, 0.0)
 
   def multiply_fisher_unweighted(self, vector):
     return (vector[0] / self.variance,)
@@ -569,6 +711,7 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     return vector[0] / jnp.sqrt(self.variance)
 
 
+@jax.tree_util.register_pytree_node_class
 class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
   """`-log N(targets; mean, diag(variance))`, with mean and variance as inputs.
 
@@ -654,7 +797,10 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     )
 
 
-class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss):
+@jax.tree_util.register_pytree_node_class
+class MultiBernoulliNegativeLogProbLoss(
+  DistributionNegativeLogProbLoss, NaturalParamsNegativeLogProbLoss
+):
   """Independent Bernoulli variables with log-odds `logits`.
 
   This is the sigmoid cross-entropy; targets may be soft (values in [0, 1]).
@@ -719,7 +865,10 @@ def _sample_classes(rng, logits):
   return jnp.sum(cdf < uniform, axis=-1)
 
 
-class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
+@jax.tree_util.register_pytree_node_class
+class CategoricalLogitsNegativeLogProbLoss(
+  DistributionNegativeLogProbLoss, NaturalParamsNegativeLogProbLoss
+):
   """Softmax cross-entropy with integer targets, `-log softmax(logits)[t]`.
 
   The last axis of `logits` holds the classes; `targets` has the other axes.
@@ -814,6 +963,7 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss):
     return self._masked(q * v - q * jnp.sum(p * v, -1, keepdims=True))
 
 
+@jax.tree_util.register_pytree_node_class
 class OneHotCategoricalLogitsNegativeLogProbLoss(
   CategoricalLogitsNegativeLogProbLoss
 ):
@@ -1060,6 +1210,7 @@ def register_normal_predictive_distribution(
   targets: Array | None = None,
   variance: Numeric = 0.5,
   weight: Numeric = 1.0,
+  normalize_log_prob: bool = True,
 ) -> Array:
   """Marks a normal output distribution `N(mean, variance * I)`.
 
@@ -1073,6 +1224,10 @@ def register_normal_predictive_distribution(
       Fisher.
     variance: the fixed variance, a scalar.
     weight: a scalar multiplying the negative log-likelihood.
+    normalize_log_prob: whether the loss values include the normalising
+      constant `0.5 log(2 pi variance)` per entry. It only matters where the
+      registered loss is evaluated (e.g. for statistics); the curvature is
+      the same either way.
 
   Returns:
     `mean`, unchanged.
@@ -1088,4 +1243,5 @@ def register_normal_predictive_distribution(
     targets=targets,
     variance=variance,
     weight=weight,
+    normalize_log_prob=normalize_log_prob,
   )

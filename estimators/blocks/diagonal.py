@@ -150,6 +150,23 @@ class Conv2DDiagonal(layers.PerExampleConv2DMixin, Diagonal):
   `get_max_parallel_elements()`) and looped over the rest.
   """
 
+  def conv2d_tangent_squared(
+    self, image_features_map: jax.Array, output_tangent: jax.Array
+  ) -> jax.Array:
+    """The squared kernel gradient of one example (KFAC-JAX's helper).
+
+    Args:
+      image_features_map: one example's input, without the batch axis.
+      output_tangent: the tangent of that example's output, without the
+        batch axis.
+
+    Returns:
+      The elementwise square of the kernel gradient, in the kernel's shape
+      (the bias is left out, as in KFAC-JAX).
+    """
+    grads = self._single_example_gradients(image_features_map, output_tangent)
+    return jnp.square(grads[0])
+
 
 class ScaleAndShiftDiagonal(layers.ScaleAndShiftMixin, Diagonal):
   """Exact per-example diagonal for scale-and-shift layers."""

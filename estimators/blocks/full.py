@@ -230,6 +230,25 @@ class Conv2DFull(layers.PerExampleConv2DMixin, Full):
       eigen_decomposition_threshold=eigen_decomposition_threshold,
     )
 
+  def conv2d_tangent_outer_product(
+    self, inputs: jax.Array, tangent_of_outputs: jax.Array
+  ) -> jax.Array:
+    """`g gᵀ` for the parameter gradient `g` of one example (KFAC-JAX's helper).
+
+    Args:
+      inputs: one example's input, without the batch axis.
+      tangent_of_outputs: the tangent of that example's output, without the
+        batch axis.
+
+    Returns:
+      `(dim, dim)`, in the order of `parameters_list_to_single_vector`
+      (kernel, then bias).
+    """
+    g = self.parameters_list_to_single_vector(
+      self._single_example_gradients(inputs, tangent_of_outputs)
+    )
+    return jnp.outer(g, g)
+
 
 class ScaleAndShiftFull(layers.ScaleAndShiftMixin, Full):
   """Exact `(1/B) sum_si g_si g_siᵀ` for scale-and-shift layers."""

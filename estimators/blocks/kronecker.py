@@ -418,35 +418,73 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
     inverse = tuple(axes.index(i) for i in range(4))
     return jnp.transpose(matrix.reshape(shape), inverse)
 
-  def _batch_statistics(self, estimation_data, batch_size):
-    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+  def compute_inputs_stats(
+    self, inputs: jax.Array, weighting_array: jax.Array | None = None
+  ) -> jax.Array:
+    """The input factor `A` of one batch (KFAC-JAX's helper).
+
+    Args:
+      inputs: the convolution's batched input.
+      weighting_array: per-location weights, as for
+        `patches.patches_moments`, or None.
+
+    Returns:
+      `(input_size, input_size)`: the patches' second moment averaged over
+      examples and output locations, bordered with their first moment and,
+      in the corner, the mean weight (1 unweighted) when there is a bias.
+    """
     p = self.layer_tag_extra_params
     # One matrix product over explicit patches is far faster than the
     # memory-saving loop over kernel offsets; use it when the patches fit the
     # same element budget the conv blocks use for vmapping.
-    rows = x.shape[self.dimension_numbers.lhs_spec[0]] * self.num_locations
+    rows = inputs.shape[self.dimension_numbers.lhs_spec[0]] * self.num_locations
     explicit = rows * self.input_size() <= base.get_max_parallel_elements()
     moments = (
       patches.patches_moments_explicit if explicit else patches.patches_moments
     )
     second, first = moments(
-      x,
+      inputs,
       self.weights_spatial_shape,
       strides=p["window_strides"],
       padding=p["padding"],
       data_format=None,
       dim_numbers=self.dimension_numbers,
+      weighting_array=weighting_array,
     )
     k = second.shape[0] * second.shape[1] * second.shape[2]
     a = second.reshape(k, k)
     if self.has_bias:
       first = first.reshape(k, 1)
-      a = jnp.block([[a, first], [first.T, jnp.ones((1, 1), a.dtype)]])
-    # (S, B, ...) with channels last -> rows of output tangents.
-    dy = jnp.moveaxis(dy, 1 + self.outputs_channel_index, -1)
+      if weighting_array is None:
+        corner = jnp.ones((1, 1), a.dtype)
+      else:  # the average weight, as the patches' moments are averages
+        corner = jnp.mean(weighting_array).reshape(1, 1).astype(a.dtype)
+      a = jnp.block([[a, first], [first.T, corner]])
+    return a
+
+  def compute_outputs_stats(self, tangent_of_output: jax.Array) -> jax.Array:
+    """The output factor `G` of one batch (KFAC-JAX's helper).
+
+    Args:
+      tangent_of_output: `(B, *output_shape[1:])`, one tangent per example.
+
+    Returns:
+      `(C_out, C_out)`, the tangents' second moment averaged over the B
+      examples and the output locations.
+    """
+    return self._outputs_moment(tangent_of_output, tangent_of_output.shape[0])
+
+  def _outputs_moment(self, dy, batch_size):
+    """`Σ dy dyᵀ / (batch_size * num_locations)` over rows of `dy`'s channels."""
+    dy = jnp.moveaxis(dy, self.outputs_channel_index, -1)
     dy = dy.reshape(-1, self.num_outputs_channels)
-    g = dy.T @ dy / (batch_size * self.num_locations)
-    return a, g
+    return dy.T @ dy / (batch_size * self.num_locations)
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+    # (S, B, ...) -> (S * B, ...): every sample's tangents are rows of G.
+    dy = dy.reshape((-1,) + dy.shape[2:])
+    return self.compute_inputs_stats(x), self._outputs_moment(dy, batch_size)
 
 
 # KFAC-JAX's names for the same blocks (their two-factor case).

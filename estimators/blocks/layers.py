@@ -330,25 +330,51 @@ class PerExampleConv2DMixin(Conv2DMixin):
     """Examples processed in parallel; the rest are looped over."""
     return self._max_elements_for_vmap or base.get_max_parallel_elements()
 
+  def _conv_example_gradients(self, xi, dyi, kernel):
+    """The parameter gradients of one example, one row per output tangent.
+
+    Args:
+      xi: one example's input, without the batch axis.
+      dyi: `(S, *output_shape[1:])`, S tangents of that example's output
+        (S sits where the batch axis was).
+      kernel: the kernel; the gradient does not depend on its value (the
+        convolution is linear in it), only its shape and dtype matter.
+
+    Returns:
+      `(S, *kernel_shape)` and, with a bias, `(S, *bias_shape)`.
+    """
+    spatial_axes = tuple(self.dimension_numbers.out_spec[2:])
+    _, vjp = jax.vjp(lambda k: self._conv(xi[None], k), kernel)
+    grads = [jax.vmap(lambda d: vjp(d[None])[0])(dyi)]
+    if self.has_bias:  # in the bias's own shape, e.g. (C,) or (C, 1, 1)
+      grads.append(
+        jnp.sum(dyi, axis=spatial_axes).reshape(
+          (dyi.shape[0],) + self.parameters_shapes[1]
+        )
+      )
+    return tuple(grads)
+
+  def _single_example_gradients(self, inputs, tangent_of_outputs):
+    """`_conv_example_gradients` of one example for one tangent, unbatched."""
+    kernel = jnp.zeros(
+      self.parameters_shapes[0],
+      jnp.result_type(inputs.dtype, tangent_of_outputs.dtype),
+    )
+    grads = self._conv_example_gradients(
+      inputs, tangent_of_outputs[None], kernel
+    )
+    return tuple(g[0] for g in grads)
+
   def _per_example_gradients(self, data):
     (x,), (dy,), kernel = (
       data["inputs"],
       data["outputs_tangent"],
       data["params"][0],
     )
-    spatial_axes = tuple(self.dimension_numbers.out_spec[2:])
 
     def one_example(args):
-      xi, dyi = args  # dyi: (S, *output_shape[1:]); S sits where the batch was
-      _, vjp = jax.vjp(lambda k: self._conv(xi[None], k), kernel)
-      grads = [jax.vmap(lambda d: vjp(d[None])[0])(dyi)]
-      if self.has_bias:  # in the bias's own shape, e.g. (C,) or (C, 1, 1)
-        grads.append(
-          jnp.sum(dyi, axis=spatial_axes).reshape(
-            (dyi.shape[0],) + self.parameters_shapes[1]
-          )
-        )
-      return tuple(grads)
+      xi, dyi = args
+      return self._conv_example_gradients(xi, dyi, kernel)
 
     chunk = max(1, min(x.shape[0], self.max_elements_for_vmap))
     grads = lax.map(one_example, (x, jnp.swapaxes(dy, 0, 1)), batch_size=chunk)

@@ -147,6 +147,21 @@ class Conv2DTNT(
   ungrouped, undilated convolutions are supported.
   """
 
+  def x_squared_spatial_norms(self, x: jax.Array) -> jax.Array:
+    """The squared norm of every input patch (KFAC-JAX's helper).
+
+    Args:
+      x: the convolution's batched input.
+
+    Returns:
+      The layer's output shape with one channel: at each example and output
+      location, the sum of squares of the patch that location sees.
+    """
+    # Convolving `x²` with an all-ones kernel sums each patch's squares.
+    shape = list(self.parameters_shapes[0])
+    shape[self.kernel_output_axis] = 1
+    return self._conv(x * x, jnp.ones(shape, x.dtype))
+
 
 class NaiveTNT(base.CurvatureBlock):
   """TNT for any tag with one parameter (Ren & Goldfarb, NeurIPS 2021).
