@@ -108,7 +108,10 @@ from estimators.losses import (
 )
 from estimators.patches import patches_moments, patches_moments_explicit
 from estimators.tags import (
+  LayerData,
+  LayerMetaData,
   LayerTag,
+  LossMetaData,
   LossTag,
   register_conv2d,
   register_dense,
@@ -118,6 +121,7 @@ from estimators.tags import (
   register_scale_and_shift,
 )
 from estimators.tracer import (
+  LayerVjpData,
   ProcessedJaxpr,
   StackedLayerTag,
   TracingError,
@@ -261,7 +265,11 @@ __all__ = [
   "patches_moments",
   "patches_moments_explicit",
   # tags
+  "LayerData",
+  "LayerMetaData",
   "LayerTag",
+  "LayerVjpData",
+  "LossMetaData",
   "LossTag",
   "register_conv2d",
   "register_dense",

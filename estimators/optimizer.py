@@ -246,7 +246,9 @@ class Optimizer:
       use_adaptive_learning_rate: choose the learning rate from the
         quadratic model (exact curvature); else pass it to `step` or give a
         schedule.
-      learning_rate_schedule: the learning rate as a function of the step.
+      learning_rate_schedule: the learning rate as a function of the step
+        (and of `data_seen=`, the examples seen so far, where it takes that
+        keyword; the same holds for every schedule).
       use_adaptive_momentum: choose the momentum from the quadratic model.
       momentum_schedule: the momentum as a function of the step.
       use_adaptive_damping: adapt the damping with the Levenberg–Marquardt
@@ -880,8 +882,10 @@ class Optimizer:
     batch = self._batch_process_func(batch)
     dtype = state.damping.dtype
     num_devices = state.damping.shape[0] if self._multi_device else 1
+    # The examples seen so far, for schedules that take `data_seen`.
+    data_seen = state.data_seen[0] if self._multi_device else state.data_seen
     hyper = [
-      self._hyper(value, schedule, step, dtype, num_devices)
+      self._hyper(value, schedule, step, data_seen, dtype, num_devices)
       for value, schedule in (
         (learning_rate, self._lr_schedule),
         (momentum, self._momentum_schedule),
@@ -930,9 +934,11 @@ class Optimizer:
     )
     return state
 
-  def _hyper(self, value, schedule, step, dtype, num_devices):
+  def _hyper(self, value, schedule, step, data_seen, dtype, num_devices):
     if schedule is not None:
-      value = schedule(step)
+      value = utils.call_func_with_conditional_kwargs(
+        schedule, step, data_seen=data_seen
+      )
     if value is None:
       return None
     value = jnp.asarray(value, dtype)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -103,13 +103,63 @@ def _eval_scan_inlined(eqn, invals):
   return jaxpr_utils.rebind_scan(eqn, invals, body_fn)[0]
 
 
+T = TypeVar("T")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerVjpData(Mapping, Generic[T]):
+  """One layer's values and cotangents, as `layer_tags_vjp` gives them.
+
+  `primals` holds the layer's inputs, outputs and parameters; `tangents` the
+  cotangents of its outputs and parameters (no inputs). It also reads as the
+  mapping the blocks take: `inputs`, `outputs`, `params`, `outputs_tangent`
+  and `params_tangent`, each a tuple.
+  """
+
+  primals: tags.LayerData[T]
+  tangents: tags.LayerData[T]
+
+  _KEYS = {
+    "inputs": ("primals", "inputs"),
+    "outputs": ("primals", "outputs"),
+    "params": ("primals", "params"),
+    "outputs_tangent": ("tangents", "outputs"),
+    "params_tangent": ("tangents", "params"),
+  }
+
+  def __getitem__(self, key: str) -> tuple[T, ...]:
+    part, role = self._KEYS[key]
+    return getattr(getattr(self, part), role)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._KEYS)
+
+  def __len__(self) -> int:
+    return len(self._KEYS)
+
+  def tree_flatten(self) -> tuple[tuple[tags.LayerData[T], ...], None]:
+    """`primals` and `tangents` as children."""
+    return (self.primals, self.tangents), None
+
+  @classmethod
+  def tree_unflatten(cls, aux_data: None, children: Sequence[Any]):
+    """Rebuilds from `tree_flatten`'s children."""
+    del aux_data
+    primals, tangents = children
+    return cls(primals=primals, tangents=tangents)
+
+
 @dataclasses.dataclass(frozen=True)
 class _GenericParamsTag:
   """A stand-in generic tag equation for parameters that no tag claims."""
 
   invars: tuple
   primitive: tags.LayerTag = tags.generic
-  params: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def params(self) -> dict:
+    return {"meta": self.primitive.canonical_meta(len(self.invars))}
 
   @property
   def outvars(self):
@@ -711,7 +761,7 @@ def traced_function(
 
 def _deps(proc, losses_args):
   return tuple(
-    tuple(args[: len(e.primitive.parameter_dependants_names)])
+    tags.get_loss_outputs(args, e.params)
     for e, args in zip(proc.loss_tags, losses_args)
   )
 
@@ -961,8 +1011,9 @@ def layer_tags_vjp(
 
   Returns:
     `f(func_args) -> (losses, vjp)`. `vjp(tangents)` takes one tuple of
-    tangents per loss and returns, for every layer tag, a dict with the keys
-    `inputs`, `outputs`, `params`, `outputs_tangent` and `params_tangent`.
+    tangents per loss and returns, for every layer tag, a `LayerVjpData`
+    (also a mapping with the keys `inputs`, `outputs`, `params`,
+    `outputs_tangent` and `params_tangent`).
   """
   traced = TracedFunction(
     func,
@@ -977,7 +1028,12 @@ def layer_tags_vjp(
 
     def vjp_func(tangents):
       return [
-        dict(v, outputs_tangent=o, params_tangent=p)
+        LayerVjpData(
+          primals=tags.LayerData(
+            inputs=v["inputs"], outputs=v["outputs"], params=v["params"]
+          ),
+          tangents=tags.LayerData(inputs=(), outputs=o, params=p),
+        )
         for v, (o, p) in zip(values, tangents_fn(tangents))
       ]
 

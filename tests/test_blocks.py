@@ -233,7 +233,9 @@ def test_block_properties():
   assert block.inputs_shapes == ((B, 3),) and block.outputs_shapes == ((B, 2),)
   assert block.number_of_parameters == 2 and block.dim == 8
   assert block.parameters_canonical_order == (0, 1)
-  assert block.layer_tag_extra_params == {}
+  # Only the metadata (the block named the equation), as in KFAC-JAX 0.0.8.
+  assert list(block.layer_tag_extra_params) == ["meta"]
+  assert block.layer_tag_extra_params["meta"].name == block.name
   assert block.eigen_decomposition_threshold == 3
   v = random_vector(block)
   back = block.single_vector_to_parameters_list(

@@ -201,6 +201,29 @@ def test_preconditioner_damping_differs_from_the_damping(kind):
   assert float(stats["damping"]) == pytest.approx(damping)
 
 
+def test_schedules_that_take_data_seen_get_the_examples_seen():
+  """0.0.8 passes `data_seen=` to a schedule that names it."""
+  problem = gt.mlp(loss="softmax")
+  batch = problem.batch[0].shape[0]
+  calls = []
+
+  def learning_rate(step, data_seen):
+    calls.append((int(step), int(data_seen)))
+    return 0.3 / (1 + data_seen)
+
+  opt = make(problem, learning_rate_schedule=learning_rate)
+  params, state, rng = problem.params, None, jax.random.PRNGKey(0)
+  state = opt.init(params, rng, problem.batch)
+  for _ in range(3):
+    new_params, state, stats = opt.step(
+      params, state, rng, batch=problem.batch, momentum=0.0, damping=0.05
+    )
+    seen = calls[-1][1]
+    assert float(stats["learning_rate"]) == pytest.approx(0.3 / (1 + seen))
+    params = new_params
+  assert calls == [(0, 0), (1, batch), (2, 2 * batch)]
+
+
 def test_value_func_for_estimator_sets_the_curvature():
   """The estimator sees a loss registered with weight 2: twice the GGN
   preconditions the gradient of the training loss."""

@@ -234,8 +234,9 @@ class CurvatureBlock(abc.ABC):
     Args:
       layer_tag_eq: the jaxpr equation of a layer tag, as the tracer finds it.
       name: the block's name in messages, e.g. its parameters' path; None
-        names it after the tag and its parameters' shapes (as when KFAC-JAX
-        code builds a block from the equation alone).
+        takes the name in the equation's `meta`, else names it after the tag
+        and its parameters' shapes (as when KFAC-JAX code builds a block
+        from the equation alone).
 
     Raises:
       TypeError: if `layer_tag_eq` is not a layer tag equation.
@@ -256,12 +257,15 @@ class CurvatureBlock(abc.ABC):
         f"{type(self).__name__} handles {wanted} equations, not "
         f"{layer_tag_eq.primitive.name} (block {name!r})."
       )
+    meta = layer_tag_eq.params.get("meta")
+    name = name or getattr(meta, "name", None)
     if name is None:
       shapes = [
         tuple(v.aval.shape) for v in tags.layer_eqn_parts(layer_tag_eq)[2]
       ]
       name = f"{layer_tag_eq.primitive.name} {shapes}"
-    self._layer_tag_eq = layer_tag_eq
+    # The equation carries the block's name, as KFAC-JAX 0.0.8's does.
+    self._layer_tag_eq = tags.named_layer_eqn(layer_tag_eq, name)
     self._name = name
     self._parameter_positions: tuple[int, ...] | None = None
     if not self.parameter_variables:
