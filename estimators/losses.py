@@ -1202,6 +1202,8 @@ def register_squared_error_loss(
     targets=targets,
     variance=0.5,
     weight=weight,
+    # The value is the squared error itself, without the normal's constant.
+    normalize_log_prob=False,
   )
 
 

@@ -99,6 +99,18 @@ def test_register_normal_passes_normalize_log_prob_to_the_tracer(flag):
   np.testing.assert_allclose(loss.evaluate(), expected.evaluate(), rtol=1e-12)
 
 
+def test_registered_squared_error_is_the_squared_error():
+  def model(params, x):
+    prediction = x * params
+    losses.register_squared_error_loss(prediction, TARGETS, weight=0.5)
+    return prediction
+
+  params = jnp.float64(1.5)
+  (loss,), _ = tracer.loss_tags_vjp(model)((params, MEAN))
+  squared = np.sum((np.asarray(TARGETS) - 1.5 * np.asarray(MEAN)) ** 2, -1)
+  np.testing.assert_allclose(loss.evaluate(), 0.5 * squared, rtol=1e-12)
+
+
 # Pytrees.
 
 

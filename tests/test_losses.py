@@ -634,7 +634,7 @@ REGISTRATIONS = [
     losses.register_squared_error_loss,
     dict(prediction=X, targets=Y, weight=3.0),
     losses.NormalMeanNegativeLogProbLoss,
-    dict(mean=X, targets=Y, variance=0.5, weight=3.0),
+    dict(mean=X, targets=Y, variance=0.5, weight=3.0, normalize_log_prob=False),
   ),
   (
     losses.register_normal_predictive_distribution,
