@@ -207,16 +207,13 @@ def gap_reason(place):
 
 # Where `estimators` still differs from 0.0.8, by place (a key covers a
 # class's members too), with the reason; docs/reference/porting.md says the
-# same. Issue 47 stays open while the "not yet" entries remain.
+# same.
 _REASONS = {
   "matcher": (
     "a step of 0.0.8's own graph-matching algorithm; ours matches layers another way and offers the entry points (auto_register_tags, GraphPattern, DEFAULT_GRAPH_PATTERNS)"
   ),
   "tracer": (
     "0.0.8's tracer internals (its caching and type aliases); ours traces through TracedFunction"
-  ),
-  "specs": (
-    "not yet: several parameters laid out in one factored matrix (parameters_specs, parameters_concat_axis, use_masking, weighting_per_location)"
   ),
   "name": (
     "ours takes the block's name second, as the documented API does; 0.0.8's options are keyword arguments here"
@@ -236,9 +233,9 @@ KNOWN_GAPS: dict[str, str] = {
   ".Conv2DDiagonal.update_curvature_matrix_estimate": _REASONS["update"],
   ".Conv2DFull": _REASONS["name"],
   ".Conv2DFull.update_curvature_matrix_estimate": _REASONS["update"],
-  ".Conv2DTNT": _REASONS["specs"],
+  ".Conv2DTNT": _REASONS["name"],
   ".Conv2DTNT.update_curvature_matrix_estimate": _REASONS["update"],
-  ".Conv2DTwoKroneckerFactored": _REASONS["specs"],
+  ".Conv2DTwoKroneckerFactored": _REASONS["name"],
   ".Conv2DTwoKroneckerFactored.update_curvature_matrix_estimate": _REASONS[
     "update"
   ],
@@ -247,9 +244,9 @@ KNOWN_GAPS: dict[str, str] = {
   ".DenseDiagonal.update_curvature_matrix_estimate": _REASONS["update"],
   ".DenseFull": _REASONS["name"],
   ".DenseFull.update_curvature_matrix_estimate": _REASONS["update"],
-  ".DenseTNT": _REASONS["specs"],
+  ".DenseTNT": _REASONS["name"],
   ".DenseTNT.update_curvature_matrix_estimate": _REASONS["update"],
-  ".DenseTwoKroneckerFactored": _REASONS["specs"],
+  ".DenseTwoKroneckerFactored": _REASONS["name"],
   ".DenseTwoKroneckerFactored.update_curvature_matrix_estimate": _REASONS[
     "update"
   ],
@@ -257,19 +254,15 @@ KNOWN_GAPS: dict[str, str] = {
     "update"
   ],
   ".Full": _REASONS["name"],
-  ".KroneckerFactored": _REASONS["specs"],
-  ".KroneckerFactored.array_ndim": _REASONS["specs"],
-  ".KroneckerFactored.array_shape": _REASONS["specs"],
-  ".KroneckerFactored.array_to_parameters_shaped_list": _REASONS["specs"],
-  ".KroneckerFactored.parameters_shaped_list_to_array": _REASONS["specs"],
+  ".KroneckerFactored": _REASONS["name"],
   ".NaiveDiagonal.update_curvature_matrix_estimate": _REASONS["update"],
   ".NaiveFull": _REASONS["name"],
   ".NaiveFull.update_curvature_matrix_estimate": _REASONS["update"],
-  ".NaiveTNT": _REASONS["specs"],
+  ".NaiveTNT": _REASONS["name"],
   ".NaiveTNT.update_curvature_matrix_estimate": _REASONS["update"],
   ".ProcessedJaxpr.log_registered_losses": _REASONS["tracer"],
   ".ProcessedJaxpr.reconstruct_losses": _REASONS["tracer"],
-  ".RepeatedDenseKroneckerFactored": _REASONS["specs"],
+  ".RepeatedDenseKroneckerFactored": _REASONS["name"],
   ".RepeatedDenseKroneckerFactored.update_curvature_matrix_estimate": _REASONS[
     "update"
   ],
@@ -281,16 +274,16 @@ KNOWN_GAPS: dict[str, str] = {
   ".auto_register_tags": _REASONS["autoreg"],
   "curvature_blocks.Conv2DDiagonal": _REASONS["name"],
   "curvature_blocks.Conv2DFull": _REASONS["name"],
-  "curvature_blocks.Conv2DTNT": _REASONS["specs"],
-  "curvature_blocks.Conv2DTwoKroneckerFactored": _REASONS["specs"],
+  "curvature_blocks.Conv2DTNT": _REASONS["name"],
+  "curvature_blocks.Conv2DTwoKroneckerFactored": _REASONS["name"],
   "curvature_blocks.DenseFull": _REASONS["name"],
-  "curvature_blocks.DenseTNT": _REASONS["specs"],
-  "curvature_blocks.DenseTwoKroneckerFactored": _REASONS["specs"],
+  "curvature_blocks.DenseTNT": _REASONS["name"],
+  "curvature_blocks.DenseTwoKroneckerFactored": _REASONS["name"],
   "curvature_blocks.Full": _REASONS["name"],
-  "curvature_blocks.KroneckerFactored": _REASONS["specs"],
+  "curvature_blocks.KroneckerFactored": _REASONS["name"],
   "curvature_blocks.NaiveFull": _REASONS["name"],
-  "curvature_blocks.NaiveTNT": _REASONS["specs"],
-  "curvature_blocks.RepeatedDenseKroneckerFactored": _REASONS["specs"],
+  "curvature_blocks.NaiveTNT": _REASONS["name"],
+  "curvature_blocks.RepeatedDenseKroneckerFactored": _REASONS["name"],
   "curvature_blocks.ScaleAndShiftFull": _REASONS["name"],
   "curvature_blocks.ScaledIdentity": _REASONS["name"],
   "tag_graph_matcher.DEFAULT_SPECIAL_EQUIVALENCE_RULES": _REASONS["matcher"],

@@ -292,13 +292,16 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     return updates
 
 
-class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):
+# EKFAC's state comes first in the order: the repeats count is not kept.
+class DenseEKFAC(EKFAC, kronecker.RepeatedDenseTwoKroneckerFactored):  # type: ignore[misc]
   """EKFAC for dense and repeated dense tags.
 
   Rows are those of `RepeatedDenseTwoKroneckerFactored`: one per example
   and position, `fixed_scale()` the number of positions (1 for a dense
-  tag).
+  tag). Its state is EKFAC's, so it does not mask repeats.
   """
+
+  _CAN_MASK_REPEATS = False
 
   def _projected_rows(self, estimation_data, inputs_basis, outputs_basis):
     dy = estimation_data["outputs_tangent"][0]

@@ -3,27 +3,307 @@
 A block's parameters are laid out as one `(input_size, output_size)` matrix
 `V` (for a dense layer: the weight as `x @ W` uses it, whatever its stored
 layout, with the bias as an extra last row), and
-`(A ⊗ G) vec(V) = A V G` with row-major `vec`.
+`(A ⊗ G) vec(V) = A V G` with row-major `vec`. The layout is KFAC-JAX's
+`parameters_specs` / `parameters_concat_axis` (see `ParametersArrayLayout`):
+each parameter is rearranged by a spec and the results are concatenated.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import string
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from estimators import patches
+from estimators import tags
 from estimators import utils
 from estimators.blocks import base
 from estimators.blocks import layers
 from estimators.blocks import norms
 
 
-class TwoKroneckerFactored(base.CurvatureBlock):
+_ALPHABET = string.ascii_lowercase
+
+
+def _group(letters: str) -> str:
+  """`letters` as one output axis of a spec: bare if one letter, else merged."""
+  return letters if len(letters) == 1 else f"({letters})"
+
+
+def _parse_spec(spec: Any) -> tuple[str, list[list[str]]]:
+  """Splits a rearrange spec into its input axes and its output axes.
+
+  Args:
+    spec: e.g. `"abc -> (ab)c"`: one letter per input axis, each named once
+      on both sides; on the right, letters in parentheses are merged into
+      one axis and a `1` is a new axis of size one.
+
+  Returns:
+    The input letters, and for each output axis the letters (or `"1"`)
+    merged into it.
+
+  Raises:
+    ValueError: for a malformed spec (the message says what is wrong).
+  """
+  if not isinstance(spec, str) or spec.count("->") != 1:
+    raise ValueError("a spec is a string with one '->'")
+  left, right = (side.replace(" ", "") for side in spec.split("->"))
+  if not all(c in _ALPHABET for c in left) or len(set(left)) != len(left):
+    raise ValueError(
+      "the left side must name each axis of the parameter with its own "
+      "lowercase letter"
+    )
+  groups: list[list[str]] = []
+  current: list[str] | None = None
+  for c in right:
+    if c == "(":
+      if current is not None:
+        raise ValueError("parentheses cannot be nested")
+      current = []
+    elif c == ")":
+      if current is None:
+        raise ValueError("a ')' closes no '('")
+      groups.append(current)
+      current = None
+    elif c == "1" or c in _ALPHABET:
+      if current is None:
+        groups.append([c])
+      else:
+        current.append(c)
+    else:
+      raise ValueError(f"the right side has the character {c!r}")
+  if current is not None:
+    raise ValueError("a '(' is not closed")
+  names = [c for g in groups for c in g if c != "1"]
+  if sorted(names) != sorted(left):
+    raise ValueError(
+      "the right side must name each axis of the left side exactly once"
+    )
+  return left, groups
+
+
+class ParametersArrayLayout(base.CurvatureBlock):
+  """A block whose parameters are laid out as one array, as KFAC-JAX's
+  Kronecker-factored blocks lay them out.
+
+  Each parameter is rearranged by its spec in `parameters_specs` (the
+  einops-like syntax of `utils.rearrange`, e.g. `"abc -> (ab)c"` merges
+  the first two axes, `"ab -> ba"` transposes, `"a -> 1a"` makes a row)
+  and the results are concatenated along `parameters_concat_axis`. The
+  block's factors act on the axes of that array. Subclasses give the
+  default specs and, where their statistics fix it, the array's shape.
+  """
+
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str | None = None,
+    parameters_specs: Sequence[str] | None = None,
+    parameters_concat_axis: int = 0,
+  ):
+    """Builds the block and checks the layout.
+
+    Args:
+      layer_tag_eq: the layer tag's jaxpr equation.
+      name: the block's name in messages.
+      parameters_specs: one rearrange spec per parameter (in operand
+        order); None takes the block's defaults.
+      parameters_concat_axis: the axis along which the rearranged
+        parameters are concatenated.
+
+    Raises:
+      ValueError: if the tag does not fit the block, or the specs do not
+        give an array the block can use.
+    """
+    # Kept as given until the tag has been checked (`_check_layer` may look).
+    self._requested_specs: Any = parameters_specs
+    super().__init__(layer_tag_eq, name)
+    self.parameters_concat_axis: int = parameters_concat_axis
+    if isinstance(parameters_specs, str):
+      self.parameters_specs: tuple[str, ...] = (parameters_specs,)
+      raise self._layout_error(
+        "parameters_specs takes one spec per parameter (a list of "
+        "strings), not one string"
+      )
+    if parameters_specs is None:
+      self.parameters_specs = tuple(self._default_parameters_specs())
+    else:
+      self.parameters_specs = tuple(parameters_specs)
+    self._piece_shapes = self._check_parameters_layout()
+
+  def _default_parameters_specs(self) -> list[str]:
+    """The specs used when none are given, one per parameter.
+
+    Here, as in KFAC-JAX: the first parameter, when it has 2 axes or more,
+    merges all its axes but the last (`"abc -> (ab)c"`); every other one
+    becomes one row (`"a -> 1a"`, `"ab -> 1(ab)"`), as a bias does.
+    """
+    specs = []
+    for i, shape in enumerate(self.parameters_shapes):
+      letters = _ALPHABET[: len(shape)]
+      if i == 0 and len(shape) >= 2:
+        specs.append(f"{letters} -> ({letters[:-1]}){letters[-1]}")
+      else:
+        specs.append(_row_spec(len(shape)))
+    return specs
+
+  def _expected_array_shape(self) -> tuple[int, ...] | None:
+    """The array shape the block's statistics need; None for any shape."""
+    return None
+
+  def _layout_error(self, problem: str) -> ValueError:
+    return ValueError(
+      f"Block {self.name!r}: {type(self).__name__}(parameters_specs="
+      f"{list(self.parameters_specs)!r}, parameters_concat_axis="
+      f"{self.parameters_concat_axis!r}) for parameters of shapes "
+      f"{list(self.parameters_shapes)}: {problem}."
+    )
+
+  def _check_parameters_layout(self) -> list[tuple[int, ...]]:
+    """The shape of each rearranged parameter, after checking the layout."""
+    specs, shapes = self.parameters_specs, self.parameters_shapes
+    if len(specs) != len(shapes):
+      raise self._layout_error(
+        f"expected one spec per parameter ({len(shapes)}), got {len(specs)}"
+      )
+    pieces = []
+    for i, (spec, shape) in enumerate(zip(specs, shapes)):
+      try:
+        left, groups = _parse_spec(spec)
+      except ValueError as e:
+        raise self._layout_error(f"spec {i} ({spec!r}) is malformed: {e}")
+      if len(left) != len(shape):
+        raise self._layout_error(
+          f"spec {i} ({spec!r}) names {len(left)} axes, but parameter {i} "
+          f"has shape {shape}"
+        )
+      sizes = dict(zip(left, shape))
+      pieces.append(
+        tuple(utils.product([sizes[c] for c in g if c != "1"]) for g in groups)
+      )
+    ranks = {len(p) for p in pieces}
+    axis = self.parameters_concat_axis
+    if len(ranks) != 1:
+      raise self._layout_error(
+        f"the rearranged parameters have shapes {pieces}, of different "
+        "ranks, and cannot be concatenated"
+      )
+    (rank,) = ranks
+    if (
+      not isinstance(axis, int)
+      or isinstance(axis, bool)
+      or not -rank <= axis < rank
+    ):
+      raise self._layout_error(
+        f"the concatenation axis must be an int in [{-rank}, {rank}) for "
+        f"rearranged parameters of rank {rank}"
+      )
+    others = {p[: axis % rank] + p[axis % rank + 1 :] for p in pieces}
+    if len(others) != 1:
+      raise self._layout_error(
+        f"the rearranged parameters have shapes {pieces}, which differ "
+        f"along axes other than {axis} and cannot be concatenated"
+      )
+    concatenated = list(pieces[0])
+    concatenated[axis % rank] = sum(p[axis % rank] for p in pieces)
+    expected = self._expected_array_shape()
+    if expected is not None and tuple(concatenated) != tuple(expected):
+      raise self._layout_error(
+        f"they form an array of shape {tuple(concatenated)}, but the block's "
+        f"statistics need shape {tuple(expected)} (a "
+        f"{len(expected)}-D array, one axis per factor: input side, then "
+        "output side); give specs that lay the parameters out that way"
+      )
+    return pieces
+
+  @property
+  def array_shape(self) -> tuple[int, ...]:
+    """The shape of the array the parameters are laid out as."""
+    rank = len(self._piece_shapes[0])
+    axis = self.parameters_concat_axis % rank
+    shape = list(self._piece_shapes[0])
+    shape[axis] = sum(p[axis] for p in self._piece_shapes)
+    return tuple(shape)
+
+  @property
+  def array_ndim(self) -> int:
+    """The rank of that array (the number of factors it has)."""
+    return len(self.array_shape)
+
+  def parameters_shaped_list_to_array(
+    self, parameters_shaped_list: Sequence[jax.Array]
+  ) -> jax.Array:
+    """Lays a block vector out as one array.
+
+    Args:
+      parameters_shaped_list: one array per parameter, shaped as
+        `parameters_shapes`.
+
+    Returns:
+      The parameters rearranged by their specs and concatenated along
+      `parameters_concat_axis`, of shape `array_shape`.
+    """
+    pieces = [
+      utils.rearrange(jnp.asarray(p), spec)
+      for p, spec in zip(
+        parameters_shaped_list, self.parameters_specs, strict=True
+      )
+    ]
+    if len(pieces) == 1:
+      return pieces[0]
+    return jnp.concatenate(pieces, axis=self.parameters_concat_axis)
+
+  def array_to_parameters_shaped_list(
+    self, array: jax.Array
+  ) -> tuple[jax.Array, ...]:
+    """Inverts `parameters_shaped_list_to_array`.
+
+    Args:
+      array: of shape `array_shape`.
+
+    Returns:
+      One array per parameter, shaped as `parameters_shapes`.
+    """
+    rank = len(self._piece_shapes[0])
+    axis = self.parameters_concat_axis % rank
+    result = []
+    start = 0
+    for spec, shape, piece_shape in zip(
+      self.parameters_specs, self.parameters_shapes, self._piece_shapes
+    ):
+      stop = start + piece_shape[axis]
+      piece = lax.slice_in_dim(array, start, stop, axis=axis)
+      start = stop
+      left, groups = _parse_spec(spec)
+      names = [c for g in groups for c in g if c != "1"]
+      sizes = dict(zip(left, shape))
+      piece = piece.reshape([sizes[c] for c in names])
+      result.append(jnp.transpose(piece, [names.index(c) for c in left]))
+    return tuple(result)
+
+
+def _row_spec(rank: int) -> str:
+  """A spec laying a parameter of this rank out as one row."""
+  if rank == 0:
+    return " -> 11"
+  letters = _ALPHABET[:rank]
+  return f"{letters} -> 1{_group(letters)}"
+
+
+class TwoKroneckerFactored(ParametersArrayLayout):
   """`A ⊗ G` with `A` from the layer inputs and `G` from the output tangents.
+
+  The factors act on the parameters laid out as one `(input_size,
+  output_size)` matrix by `parameters_specs` (KFAC-JAX's keyword options,
+  see `ParametersArrayLayout`): rows on the input side (`A`), columns on
+  the output side (`G`). The statistics fix that matrix's shape; specs that
+  give another shape are refused when the block is built.
 
   Exact powers use eigendecompositions of both factors. Approximate powers
   (`exact_power=False`) split the damping between the factors with the
@@ -72,28 +352,17 @@ class TwoKroneckerFactored(base.CurvatureBlock):
   def output_size(self) -> int:
     """Size of the outputs factor G."""
 
-  def _kernel_to_matrix(self, kernel):
-    """The first parameter as the matrix's rows above the bias."""
-    return kernel.reshape(-1, self.output_size())
-
-  def _kernel_from_matrix(self, matrix):
-    """Inverts `_kernel_to_matrix`."""
-    return matrix.reshape(self.parameters_shapes[0])
+  def _expected_array_shape(self) -> tuple[int, ...]:
+    """`(input_size, output_size)`: the factors' sides."""
+    return (self.input_size(), self.output_size())
 
   def _to_matrix(self, vector):
     """Parameters-shaped tuple -> `(input_size, output_size)` matrix."""
-    w = self._kernel_to_matrix(vector[0])
-    if not self.has_bias:
-      return w
-    return jnp.concatenate([w, vector[1].reshape(1, -1)])
+    return self.parameters_shaped_list_to_array(vector)
 
   def _from_matrix(self, matrix):
-    if not self.has_bias:
-      return (self._kernel_from_matrix(matrix),)
-    return (
-      self._kernel_from_matrix(matrix[:-1]),
-      matrix[-1].reshape(self.parameters_shapes[1]),
-    )
+    """Inverts `_to_matrix`."""
+    return self.array_to_parameters_shaped_list(matrix)
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
@@ -282,11 +551,23 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
   def output_size(self) -> int:
     return self.weight_matrix_shape[1]
 
-  def _kernel_to_matrix(self, kernel):
-    return self.weight_to_matrix(kernel)
-
-  def _kernel_from_matrix(self, matrix):
-    return self.weight_from_matrix(matrix)
+  def _default_parameters_specs(self) -> list[str]:
+    """The weight as `x @ W` uses it (the specs `weight_to_matrix` follows),
+    then the bias as one row: `"ab -> (a)b"` for a `(d_in, d_out)` weight,
+    `"ab -> ba"` for an output-major one (`transposed_weight`), `"abc ->
+    (ab)c"` for a `(2, 3, d_out)` weight on 6 input features."""
+    shape = self.parameters_shapes[0]
+    letters = _ALPHABET[: len(shape)]
+    split = tags.dense_weight_split(
+      shape, self.weight_matrix_shape[0], self.transposed_weight
+    )
+    assert split is not None  # `_check_layer` has checked it
+    lead, rest = letters[:split], letters[split:]
+    if self.transposed_weight:  # (outputs..., inputs...)
+      weight = f"{letters} -> {_group(rest)}{_group(lead)}"
+    else:
+      weight = f"{letters} -> ({lead}){_group(rest)}"
+    return [weight] + [_row_spec(len(s)) for s in self.parameters_shapes[1:]]
 
   def _rows(self, inputs, outputs_tangent):
     """(x̃, dy) as matrices with one row per example (and position)."""
@@ -350,7 +631,69 @@ class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
   Every axis but the last acts as a batch axis of the factors, which are
   averaged over `B * R` rows (`R = r1 * ...`); `fixed_scale() = R` restores
   the sum over the R applications inside each example.
+
+  With `use_masking` (KFAC-JAX 0.0.8's default), a row (one example at one
+  position) whose output tangents are all zero, in every sample, is taken
+  for padding: its input row, bias entry included, is left out of `A`, and
+  the number of rows the estimate is normalised by is the number of rows
+  left. The state then also keeps `average_repeats`, a moving average
+  (weighted as the factors are) of the number of rows left per example,
+  and `state_dependent_scale()` is `R / average_repeats`: the block is
+  `(X̃ᵀX̃ / B) ⊗ (dYᵀdY / B) / average_repeats` over the rows left, which
+  is the unmasked estimate when no row is masked. Families built on this
+  block that keep a state of their own (`DenseEKFAC`) do not mask.
   """
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class State(TwoKroneckerFactored.State):
+    """The Kronecker state with the average number of rows kept.
+
+    Attributes:
+      average_repeats: a WeightedMovingAverage of the number of rows per
+        example that were not masked, a scalar.
+    """
+
+    average_repeats: utils.WeightedMovingAverage
+
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str | None = None,
+    use_masking: bool = True,
+    parameters_specs: Sequence[str] | None = None,
+    parameters_concat_axis: int = 0,
+  ):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the dense or repeated dense tag's jaxpr equation.
+      name: the block's name in messages.
+      use_masking: whether rows whose output tangents are all zero are
+        left out of the estimate (see the class docstring); False averages
+        over all `B * R` rows.
+      parameters_specs: one rearrange spec per parameter, as for
+        `TwoKroneckerFactored`; None lays the weight out as `x @ W` uses it
+        with the bias as the last row.
+      parameters_concat_axis: the axis the rearranged parameters are
+        concatenated along.
+
+    Raises:
+      ValueError: if the tag does not fit the block or the specs do not
+        give an `(input_size, output_size)` matrix.
+    """
+    self._use_masking = bool(use_masking)
+    super().__init__(
+      layer_tag_eq,
+      name,
+      parameters_specs=parameters_specs,
+      parameters_concat_axis=parameters_concat_axis,
+    )
+
+  @property
+  def use_masking(self) -> bool:
+    """Whether rows with all-zero output tangents are left out."""
+    return self._use_masking
 
   @property
   def num_repeats(self) -> int:
@@ -358,12 +701,57 @@ class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
     (x_shape,) = self.inputs_shapes
     return utils.product(x_shape[1:-1])
 
+  # False in subclasses that keep a state of their own (without the count).
+  _CAN_MASK_REPEATS: bool = True
+
+  def _masks_repeats(self) -> bool:
+    """Whether this block masks: asked to, and able to."""
+    return self._use_masking and self._CAN_MASK_REPEATS
+
   def fixed_scale(self):
     return self.num_repeats
 
+  def state_dependent_scale(self, state):
+    """`R / average_repeats` when masking (1 before any row is kept)."""
+    if not self._masks_repeats():
+      return super().state_dependent_scale(state)
+    average = state.average_repeats.value
+    repeats = jnp.asarray(self.num_repeats, average.dtype)
+    return repeats / jnp.where(average > 0, average, repeats)
+
+  def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
+    state = super()._init(rng, exact_powers, approx_powers, cache_eigenvalues)
+    if not self._masks_repeats():
+      return state
+    return RepeatedDenseTwoKroneckerFactored.State(
+      cache=state.cache,
+      inputs_factor=state.inputs_factor,
+      outputs_factor=state.outputs_factor,
+      average_repeats=utils.WeightedMovingAverage.zeros(
+        (), self.parameters_dtype
+      ),
+    )
+
   def _batch_statistics(self, estimation_data, batch_size):
-    return super()._batch_statistics(
-      estimation_data, batch_size * self.num_repeats
+    rows = batch_size * self.num_repeats
+    if not self._masks_repeats():
+      return super()._batch_statistics(estimation_data, rows)
+    (dy,) = estimation_data["outputs_tangent"]  # (S, B, r1, ..., d_out)
+    x, dy_rows = self._rows(estimation_data["inputs"], (dy,))
+    # A row is kept when some sample's tangent there is nonzero.
+    kept = jnp.any(dy.reshape(dy.shape[0], -1, dy.shape[-1]) != 0, axis=(0, 2))
+    x = x * kept[:, None].astype(x.dtype)
+    kept_per_example = jnp.sum(kept).astype(x.dtype) / batch_size
+    return x.T @ x / rows, dy_rows.T @ dy_rows / rows, kept_per_example
+
+  def _fold_statistics(self, state, stats, ema_old, ema_new):
+    if not self._masks_repeats():
+      return super()._fold_statistics(state, stats, ema_old, ema_new)
+    a, g, repeats = stats
+    state = super()._fold_statistics(state, (a, g), ema_old, ema_new)
+    return dataclasses.replace(
+      state,
+      average_repeats=state.average_repeats.updated(repeats, ema_old, ema_new),
     )
 
 
@@ -408,15 +796,13 @@ class Conv2DTwoKroneckerFactored(layers.Conv2DMixin, TwoKroneckerFactored):
     spec = self.dimension_numbers.rhs_spec
     return (spec[2], spec[3], spec[1], spec[0])
 
-  def _kernel_to_matrix(self, kernel):
-    kernel = jnp.transpose(kernel, self._kernel_axes())
-    return kernel.reshape(-1, self.output_size())
-
-  def _kernel_from_matrix(self, matrix):
-    axes = self._kernel_axes()
-    shape = tuple(self.parameters_shapes[0][i] for i in axes)
-    inverse = tuple(axes.index(i) for i in range(4))
-    return jnp.transpose(matrix.reshape(shape), inverse)
+  def _default_parameters_specs(self) -> list[str]:
+    """The kernel as `(kernel_h * kernel_w * in_channels, out_channels)` in
+    the patch layout (`"abcd -> (abc)d"` for HWIO, `"abcd -> (cdb)a"` for
+    OIHW), then the bias as one row."""
+    h, w, c_in, c_out = (_ALPHABET[i] for i in self._kernel_axes())
+    kernel = f"{_ALPHABET[:4]} -> ({h}{w}{c_in}){c_out}"
+    return [kernel] + [_row_spec(len(s)) for s in self.parameters_shapes[1:]]
 
   def compute_inputs_stats(
     self, inputs: jax.Array, weighting_array: jax.Array | None = None

@@ -11,6 +11,8 @@ contracts the mode-j unfolding with itself over all other axes. Every
 from __future__ import annotations
 
 import dataclasses
+import string
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -141,11 +143,105 @@ class Conv2DTNT(
 
   `A ⊗ G / tr(A)` in the layout of `Conv2DTwoKroneckerFactored` (rows:
   kernel positions and input channels `(kh, kw, c_in)`, then the bias;
-  columns: output channels), from per-example kernel gradients. At most
+  columns: output channels). Only ungrouped, undilated convolutions are
+  supported.
+
+  With `weighting_per_location=True` (the default) the factors come from
+  the per-example kernel gradients `G_n`, `A = (1/B) sum_n G_n G_nᵀ` and
+  `G = (1/B) sum_n G_nᵀ G_n`, and `fixed_scale()` is 1. At most
   `get_max_parallel_elements()` gradient elements are formed at a time, and
-  at most `max_elements_for_vmap` examples are vmapped over. Only
-  ungrouped, undilated convolutions are supported.
+  at most `max_elements_for_vmap` examples are vmapped over.
+
+  With `weighting_per_location=False` (KFAC-JAX 0.0.8's mixed form) the
+  contractions are per example, with the squared norms summed over the
+  example's locations first, while the factors keep K-FAC's location
+  independence: with `p̃_nt` the patch at location t (a 1 appended for the
+  bias) and `dy_snt` the tangents, `A = (1/(B T)) sum_nt w_n p̃_nt p̃_ntᵀ`
+  with `w_n = sum_st |dy_snt|²`, `G = (1/(B T)) sum_snt v_n dy_snt dy_sntᵀ`
+  with `v_n = sum_t |p̃_nt|²`, and `fixed_scale()` is the number of
+  locations T. No per-example gradient is formed.
   """
+
+  def __init__(
+    self,
+    layer_tag_eq: Any,
+    name: str | None = None,
+    max_elements_for_vmap: int | None = None,
+    weighting_per_location: bool = True,
+    parameters_specs: Sequence[str] | None = None,
+    parameters_concat_axis: int = 0,
+    **kwargs,
+  ):
+    """Builds the block.
+
+    Args:
+      layer_tag_eq: the conv2d tag's jaxpr equation.
+      name: the block's name in messages.
+      max_elements_for_vmap: how many examples to vmap over at once when
+        forming per-example gradients; None uses
+        `get_max_parallel_elements()`.
+      weighting_per_location: True for the factors of the per-example
+        gradients; False for KFAC-JAX's per-example weighting of the
+        location-independent statistics (see the class docstring).
+      parameters_specs: one rearrange spec per parameter, as for
+        `TwoKroneckerFactored`; None takes the patch layout.
+      parameters_concat_axis: the axis the rearranged parameters are
+        concatenated along.
+      **kwargs: passed on to the block family's constructor.
+
+    Raises:
+      ValueError: for a layer or specs the block cannot take, or
+        `weighting_per_location=False` on a block built on this one that
+        computes statistics of its own.
+    """
+    self._weighting_per_location = bool(weighting_per_location)
+    super().__init__(
+      layer_tag_eq,
+      name,
+      max_elements_for_vmap=max_elements_for_vmap,
+      parameters_specs=parameters_specs,
+      parameters_concat_axis=parameters_concat_axis,
+      **kwargs,
+    )
+    cls = type(self)
+    if not self._weighting_per_location and not all(
+      getattr(cls, hook) is getattr(Conv2DTNT, hook)
+      for hook in ("_batch_statistics", "fixed_scale", "state_dependent_scale")
+    ):
+      raise ValueError(
+        f"Block {self.name!r}: {cls.__name__} computes its own statistics "
+        "and does not take weighting_per_location=False; use Conv2DTNT, or "
+        "leave the option at True."
+      )
+
+  @property
+  def weighting_per_location(self) -> bool:
+    """Whether the factors come from the per-example gradients (True) or
+    from per-example weighted location statistics (False)."""
+    return self._weighting_per_location
+
+  def fixed_scale(self):
+    if self._weighting_per_location:
+      return super().fixed_scale()
+    return self.num_locations
+
+  def _batch_statistics(self, estimation_data, batch_size):
+    if self._weighting_per_location:
+      return super()._batch_statistics(estimation_data, batch_size)
+    (x,), (dy,) = estimation_data["inputs"], estimation_data["outputs_tangent"]
+    # w_n: each example's tangents' squared norm over samples, channels and
+    # locations, (B,); v_n: its patches' squared norms over locations.
+    dy_sq_norms = jnp.sum(dy * dy, axis=(0,) + tuple(range(2, dy.ndim)))
+    x_sq_norms = self.x_squared_spatial_norms(x)
+    if self.has_bias:
+      x_sq_norms = x_sq_norms + 1
+    x_sq_norms = jnp.sum(
+      x_sq_norms, axis=tuple(range(1, x_sq_norms.ndim)), keepdims=True
+    )
+    a = self.compute_inputs_stats(x, weighting_array=dy_sq_norms)
+    weighted = dy * jnp.sqrt(x_sq_norms)  # (S, B, ...) * (B, 1, 1, 1)
+    g = self._outputs_moment(weighted.reshape((-1,) + dy.shape[2:]), batch_size)
+    return a, g
 
   def x_squared_spatial_norms(self, x: jax.Array) -> jax.Array:
     """The squared norm of every input patch (KFAC-JAX's helper).
@@ -163,15 +259,19 @@ class Conv2DTNT(
     return self._conv(x * x, jnp.ones(shape, x.dtype))
 
 
-class NaiveTNT(base.CurvatureBlock):
-  """TNT for any tag with one parameter (Ren & Goldfarb, NeurIPS 2021).
+class NaiveTNT(kronecker.ParametersArrayLayout):
+  """TNT for any tag (Ren & Goldfarb, NeurIPS 2021).
 
-  From the per-sample batch-summed gradients `p_s` (like `NaiveFull`): one
-  factor `U_j = (1/B) sum_s p_s,(j) p_s,(j)ᵀ` per axis of the parameter (a
-  scalar or vector parameter has one factor, `(1/B) sum_s p_s p_sᵀ`), and
-  the block `U_1 ⊗ ... ⊗ U_k / tr(U_1)^(k-1)`. Factors after the first are
-  divided by the trace before they are combined, so the products stay of
-  the order of the trace; `state_dependent_scale` is 1.
+  From the per-sample batch-summed gradients `p_s` (like `NaiveFull`), laid
+  out as one array by `parameters_specs` (KFAC-JAX's option; by default
+  the tag's single parameter as it is): one factor `U_j = (1/B) sum_s
+  p_s,(j) p_s,(j)ᵀ` per axis of that array (a scalar or vector parameter
+  has one factor, `(1/B) sum_s p_s p_sᵀ`), and the block `U_1 ⊗ ... ⊗ U_k /
+  tr(U_1)^(k-1)`. Factors after the first are divided by the trace before
+  they are combined, so the products stay of the order of the trace;
+  `state_dependent_scale` is 1. A tag with several parameters needs specs
+  that lay them out as one array (e.g. `["ab -> ab", "a -> 1a"]` for a
+  weight and its bias).
 
   Powers rotate the vector into the factors' eigenbases axis by axis,
   multiply by `(product of eigenvalues + λ)^p` and rotate back; exact and
@@ -195,18 +295,27 @@ class NaiveTNT(base.CurvatureBlock):
   _REQUIRED_DATA = ("params_tangent",)
 
   def _check_layer(self):
-    if self.number_of_parameters != 1:
+    if self.number_of_parameters != 1 and self._requested_specs is None:
       raise ValueError(
         f"Block {self.name!r}: NaiveTNT needs a tag with exactly one "
         f"parameter, got {self.number_of_parameters} with shapes "
-        f"{self.parameters_shapes}; tag each parameter on its own (e.g. "
-        "register_generic(w)) or use NaiveFull / NaiveDiagonal."
+        f"{self.parameters_shapes}; give parameters_specs that lay them "
+        "out as one array (e.g. ['ab -> ab', 'a -> 1a']), tag each "
+        "parameter on its own (e.g. register_generic(w)) or use NaiveFull / "
+        "NaiveDiagonal."
       )
+
+  def _default_parameters_specs(self) -> list[str]:
+    """The parameter as it is (`"abc -> abc"`), a scalar as `(1,)`."""
+    (shape,) = self.parameters_shapes
+    letters = string.ascii_lowercase[: len(shape)]
+    return [f"{letters} -> {letters or '1'}"]
 
   @property
   def factor_sizes(self) -> tuple[int, ...]:
-    """The side of each factor: the parameter's shape, `(1,)` for a scalar."""
-    return self.parameters_shapes[0] or (1,)
+    """The side of each factor: the parameters' array shape (by default
+    the parameter's shape, `(1,)` for a scalar)."""
+    return self.array_shape
 
   def _init(self, rng, exact_powers, approx_powers, cache_eigenvalues):
     del rng, exact_powers, approx_powers, cache_eigenvalues
@@ -219,8 +328,9 @@ class NaiveTNT(base.CurvatureBlock):
     )
 
   def _batch_statistics(self, estimation_data, batch_size):
-    (p,) = estimation_data["params_tangent"]
-    p = p.reshape((-1,) + self.factor_sizes)  # (S, d_1, ..., d_k)
+    p = jax.vmap(self.parameters_shaped_list_to_array)(
+      tuple(estimation_data["params_tangent"])
+    )  # (S, d_1, ..., d_k)
     stats = []
     for axis, n in enumerate(self.factor_sizes):
       unfolded = jnp.moveaxis(p, axis + 1, 0).reshape(n, -1)
@@ -263,7 +373,7 @@ class NaiveTNT(base.CurvatureBlock):
   ):
     # Approximate powers are exact for this block: the flag only picks the
     # cache entry.
-    v = vector[0].reshape(self.factor_sizes)
+    v = self.parameters_shaped_list_to_array(vector)
     if use_cached:
       cache = state.cache
       values, vectors = (
@@ -274,7 +384,7 @@ class NaiveTNT(base.CurvatureBlock):
     elif power == 1:  # cheap without eigendecompositions
       factors = self._normalized_factors(state)
       result = self._along_axes(factors, v) + identity_weight * v
-      return (result.reshape(self.parameters_shapes[0]),)
+      return self.array_to_parameters_shaped_list(result)
     else:
       values, vectors = zip(
         *[utils.safe_psd_eigh(f) for f in self._normalized_factors(state)]
@@ -282,7 +392,7 @@ class NaiveTNT(base.CurvatureBlock):
     grid = jnp.power(self._eigen_grid(values) + identity_weight, power)
     rotated = self._along_axes(vectors, v, transpose=True)
     result = self._along_axes(vectors, grid * rotated)
-    return (result.reshape(self.parameters_shapes[0]),)
+    return self.array_to_parameters_shaped_list(result)
 
   def _eigenvalues_unscaled(self, state):
     values = [utils.psd_eigvalsh(f) for f in self._normalized_factors(state)]
