@@ -413,8 +413,9 @@ class LayerTag(jex_core.Primitive):
     if num_inputs is None:
       return
     LayerTag._by_variant.setdefault(self.variant, self)
+    # `bind` has checked (or filled in) every binding's meta.
     _register_identity_rules(
-      self, lambda ops, params: self.canonical_meta(len(ops)).outputs_index
+      self, lambda ops, params: params["meta"].outputs_index
     )
 
   @classmethod

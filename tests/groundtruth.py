@@ -302,6 +302,43 @@ def random_normal(seed, *shape):
   return jnp.asarray(np.random.RandomState(seed).standard_normal(shape))
 
 
+def conv2d_layer(fmt, strides, padding, bias=True, batch=3, spatial=(6, 5)):
+  """A tagged 3x2 convolution, 2 -> 3 channels, in either layout.
+
+  Returns:
+    `(tag equation, x, params, layer)`, `layer(x, params)` the plain
+    convolution and `params` the kernel (then the bias).
+  """
+  dn = (fmt, "HWIO" if fmt == "NHWC" else "OIHW", fmt)
+  kshape = (3, 2, 2, 3) if fmt == "NHWC" else (3, 2, 3, 2)
+  xshape = (batch, *spatial, 2) if fmt == "NHWC" else (batch, 2, *spatial)
+  bias_shape = (1, 1, 1, -1) if fmt == "NHWC" else (1, -1, 1, 1)
+  params = (random_normal(1, *kshape),) + (
+    (random_normal(2, 3),) if bias else ()
+  )
+  x = random_normal(3, *xshape)
+
+  def layer(x, p):
+    y = lax.conv_general_dilated(
+      x, p[0], (strides,) * 2, padding, dimension_numbers=dn
+    )
+    return y + p[1].reshape(bias_shape) if len(p) > 1 else y
+
+  def tagged(x, *p):
+    return kfac.register_conv2d(
+      layer(x, p),
+      x,
+      *p,
+      window_strides=strides,
+      padding=padding,
+      data_format=fmt,
+    )
+
+  jaxpr = jax.make_jaxpr(tagged)(x, *params).jaxpr
+  eqn = next(e for e in jaxpr.eqns if kfac.tags.is_layer_tag_eqn(e))
+  return eqn, x, params, layer
+
+
 def numpy_psd_power(matrix, power):
   """`matrix ** power` in numpy, through an eigendecomposition.
 

@@ -11,7 +11,7 @@ from jax import lax
 
 from estimators import blocks
 from estimators import tags
-from tests.groundtruth import random_normal
+from tests.groundtruth import conv2d_layer, random_normal
 
 B, S = 3, 2
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -301,32 +301,8 @@ def test_naive_tnt_default_keeps_one_factor_per_axis():
 
 
 def _conv(fmt, strides, padding, bias=True):
-  dn = (fmt, "HWIO" if fmt == "NHWC" else "OIHW", fmt)
-  kshape = (3, 2, 2, 3) if fmt == "NHWC" else (3, 2, 3, 2)
-  xshape = (B, 5, 4, 2) if fmt == "NHWC" else (B, 2, 5, 4)
-  bias_shape = (1, 1, 1, -1) if fmt == "NHWC" else (1, -1, 1, 1)
-  params = (random_normal(1, *kshape),) + (
-    (random_normal(2, 3),) if bias else ()
-  )
-  x = random_normal(3, *xshape)
-
-  def layer(x, p):
-    y = lax.conv_general_dilated(
-      x, p[0], (strides,) * 2, padding, dimension_numbers=dn
-    )
-    return y + p[1].reshape(bias_shape) if len(p) > 1 else y
-
-  eqn = _tag_eqn(
-    lambda x, *p: tags.register_conv2d(
-      layer(x, p),
-      x,
-      *p,
-      window_strides=strides,
-      padding=padding,
-      data_format=fmt,
-    ),
-    x,
-    *params,
+  eqn, x, params, layer = conv2d_layer(
+    fmt, strides, padding, bias, batch=B, spatial=(5, 4)
   )
   dy = random_normal(4, S, *jax.eval_shape(layer, x, params).shape)
   data = dict(

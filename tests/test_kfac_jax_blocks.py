@@ -9,8 +9,7 @@ import pytest
 from jax import lax
 
 from estimators import blocks
-from estimators import tags
-from tests.groundtruth import random_normal
+from tests.groundtruth import conv2d_layer, random_normal
 
 B = 3
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -28,33 +27,7 @@ CASES = [
 
 def _case(fmt, strides, padding, bias=True):
   """(tag equation, x, params, dy, layer) for a 3x2 kernel, 2 -> 3 channels."""
-  dn = (fmt, "HWIO" if fmt == "NHWC" else "OIHW", fmt)
-  kshape = (3, 2, 2, 3) if fmt == "NHWC" else (3, 2, 3, 2)
-  xshape = (B, 6, 5, 2) if fmt == "NHWC" else (B, 2, 6, 5)
-  bias_shape = (1, 1, 1, -1) if fmt == "NHWC" else (1, -1, 1, 1)
-  params = (random_normal(1, *kshape),) + (
-    (random_normal(2, 3),) if bias else ()
-  )
-  x = random_normal(3, *xshape)
-
-  def layer(x, p):
-    y = lax.conv_general_dilated(
-      x, p[0], (strides,) * 2, padding, dimension_numbers=dn
-    )
-    return y + p[1].reshape(bias_shape) if len(p) > 1 else y
-
-  def tagged(x, *p):
-    return tags.register_conv2d(
-      layer(x, p),
-      x,
-      *p,
-      window_strides=strides,
-      padding=padding,
-      data_format=fmt,
-    )
-
-  jaxpr = jax.make_jaxpr(tagged)(x, *params).jaxpr
-  eqn = [e for e in jaxpr.eqns if tags.is_layer_tag_eqn(e)][0]
+  eqn, x, params, layer = conv2d_layer(fmt, strides, padding, bias, batch=B)
   dy = random_normal(4, *jax.eval_shape(layer, x, params).shape)
   return eqn, x, params, dy, layer
 

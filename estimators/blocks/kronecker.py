@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -34,58 +35,6 @@ _ALPHABET = string.ascii_lowercase
 def _group(letters: str) -> str:
   """`letters` as one output axis of a spec: bare if one letter, else merged."""
   return letters if len(letters) == 1 else f"({letters})"
-
-
-def _parse_spec(spec: Any) -> tuple[str, list[list[str]]]:
-  """Splits a rearrange spec into its input axes and its output axes.
-
-  Args:
-    spec: e.g. `"abc -> (ab)c"`: one letter per input axis, each named once
-      on both sides; on the right, letters in parentheses are merged into
-      one axis and a `1` is a new axis of size one.
-
-  Returns:
-    The input letters, and for each output axis the letters (or `"1"`)
-    merged into it.
-
-  Raises:
-    ValueError: for a malformed spec (the message says what is wrong).
-  """
-  if not isinstance(spec, str) or spec.count("->") != 1:
-    raise ValueError("a spec is a string with one '->'")
-  left, right = (side.replace(" ", "") for side in spec.split("->"))
-  if not all(c in _ALPHABET for c in left) or len(set(left)) != len(left):
-    raise ValueError(
-      "the left side must name each axis of the parameter with its own "
-      "lowercase letter"
-    )
-  groups: list[list[str]] = []
-  current: list[str] | None = None
-  for c in right:
-    if c == "(":
-      if current is not None:
-        raise ValueError("parentheses cannot be nested")
-      current = []
-    elif c == ")":
-      if current is None:
-        raise ValueError("a ')' closes no '('")
-      groups.append(current)
-      current = None
-    elif c == "1" or c in _ALPHABET:
-      if current is None:
-        groups.append([c])
-      else:
-        current.append(c)
-    else:
-      raise ValueError(f"the right side has the character {c!r}")
-  if current is not None:
-    raise ValueError("a '(' is not closed")
-  names = [c for g in groups for c in g if c != "1"]
-  if sorted(names) != sorted(left):
-    raise ValueError(
-      "the right side must name each axis of the left side exactly once"
-    )
-  return left, groups
 
 
 class ParametersArrayLayout(base.CurvatureBlock):
@@ -175,7 +124,7 @@ class ParametersArrayLayout(base.CurvatureBlock):
     pieces = []
     for i, (spec, shape) in enumerate(zip(specs, shapes)):
       try:
-        left, groups = _parse_spec(spec)
+        left, _ = utils.parse_rearrange_spec(spec)
       except ValueError as e:
         raise self._layout_error(f"spec {i} ({spec!r}) is malformed: {e}")
       if len(left) != len(shape):
@@ -183,10 +132,9 @@ class ParametersArrayLayout(base.CurvatureBlock):
           f"spec {i} ({spec!r}) names {len(left)} axes, but parameter {i} "
           f"has shape {shape}"
         )
-      sizes = dict(zip(left, shape))
-      pieces.append(
-        tuple(utils.product([sizes[c] for c in g if c != "1"]) for g in groups)
-      )
+      zeros = jax.ShapeDtypeStruct(shape, self.parameters_dtype)
+      rearranged = functools.partial(utils.rearrange, spec=spec)
+      pieces.append(tuple(jax.eval_shape(rearranged, zeros).shape))
     ranks = {len(p) for p in pieces}
     axis = self.parameters_concat_axis
     if len(ranks) != 1:
@@ -280,11 +228,7 @@ class ParametersArrayLayout(base.CurvatureBlock):
       stop = start + piece_shape[axis]
       piece = lax.slice_in_dim(array, start, stop, axis=axis)
       start = stop
-      left, groups = _parse_spec(spec)
-      names = [c for g in groups for c in g if c != "1"]
-      sizes = dict(zip(left, shape))
-      piece = piece.reshape([sizes[c] for c in names])
-      result.append(jnp.transpose(piece, [names.index(c) for c in left]))
+      result.append(utils.unrearrange(piece, spec, shape))
     return tuple(result)
 
 

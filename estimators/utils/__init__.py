@@ -6,8 +6,10 @@ from estimators.utils.accumulator import MultiChunkAccumulator
 from estimators.utils.array_math import (
   block_permuted,
   outer_product,
+  parse_rearrange_spec,
   rearrange,
   stable_sqrt,
+  unrearrange,
 )
 from estimators.utils.collectives import (
   distribute_thunks,
@@ -231,8 +233,10 @@ __all__ = [
   # arrays
   "block_permuted",
   "outer_product",
+  "parse_rearrange_spec",
   "rearrange",
   "stable_sqrt",
+  "unrearrange",
   # linear algebra
   "get_special_case_zero_inv",
   "get_use_cholesky_inversion",

@@ -54,6 +54,71 @@ def block_permuted(
   return matrix[np.ix_(index, index)]
 
 
+def parse_rearrange_spec(spec: str) -> tuple[str, list[list[str]]]:
+  """Splits an einops-style spec into its input axes and its output axes.
+
+  Args:
+    spec: e.g. `"abc -> (ab)c"`: one lowercase letter per input axis (spaces
+      are ignored), each named once on both sides; on the right, letters in
+      parentheses merge into one axis and a `1` is a new axis of size one.
+
+  Returns:
+    The input letters, and for each output axis the letters (or `"1"`)
+    merged into it.
+
+  Raises:
+    ValueError: for a malformed spec; the message says what is wrong.
+  """
+  if not isinstance(spec, str) or spec.count("->") != 1:
+    raise ValueError("a spec is a string with one '->'")
+  left, right = (side.replace(" ", "") for side in spec.split("->"))
+  if not all(c in string.ascii_lowercase for c in left) or len(
+    set(left)
+  ) != len(left):
+    raise ValueError(
+      "the left side must name each axis with its own lowercase letter"
+    )
+  groups: list[list[str]] = []
+  current: list[str] | None = None
+  for c in right:
+    if c == "(":
+      if current is not None:
+        raise ValueError("parentheses cannot be nested")
+      current = []
+    elif c == ")":
+      if current is None:
+        raise ValueError("a ')' closes no '('")
+      groups.append(current)
+      current = None
+    elif c == "1" or c in string.ascii_lowercase:
+      if current is None:
+        groups.append([c])
+      else:
+        current.append(c)
+    else:
+      raise ValueError(f"the right side has the character {c!r}")
+  if current is not None:
+    raise ValueError("a '(' is not closed")
+  names = [c for g in groups for c in g if c != "1"]
+  if sorted(names) != sorted(left):
+    raise ValueError(
+      "the right side must name each axis of the left side exactly once"
+    )
+  return left, groups
+
+
+def _checked_spec(spec: str, ndim: int, fn: str) -> tuple[str, list[list[str]]]:
+  try:
+    left, groups = parse_rearrange_spec(spec)
+  except ValueError as e:
+    raise ValueError(f"{fn}: {spec!r} is malformed: {e}.") from None
+  if len(left) != ndim:
+    raise ValueError(
+      f"{fn}: {spec!r} names {len(left)} axes, for an array of {ndim}."
+    )
+  return left, groups
+
+
 def rearrange(x: jax.Array, spec: str) -> jax.Array:
   """Transposes and reshapes an array as an einops-style `spec` says.
 
@@ -69,32 +134,32 @@ def rearrange(x: jax.Array, spec: str) -> jax.Array:
     The rearranged array.
 
   Raises:
-    ValueError: if the spec does not name each axis of `x` exactly once on
-      both sides.
+    ValueError: if the spec is malformed (see `parse_rearrange_spec`) or
+      does not name each axis of `x`.
   """
-  if spec.count("->") != 1:
-    raise ValueError(f"rearrange: the spec {spec!r} needs one '->'.")
-  inputs, outputs = (side.replace(" ", "") for side in spec.split("->"))
-  names = [c for c in outputs if c not in "()1"]
-  if len(inputs) != x.ndim or sorted(names) != sorted(inputs):
-    raise ValueError(
-      f"rearrange: {spec!r} must name each of the {x.ndim} axes of an "
-      f"array of shape {x.shape} once on each side."
-    )
-  x = jnp.transpose(x, [inputs.index(c) for c in names])
-  sizes = dict(zip(names, x.shape))
-  shape: list[int] = []
-  group: list[int] | None = None
-  for c in outputs:
-    if c == "(":
-      group = []
-    elif c == ")":
-      shape.append(int(np.prod(group or [1], dtype=np.int64)))
-      group = None
-    else:
-      size = 1 if c == "1" else sizes[c]
-      (shape if group is None else group).append(size)
-  return x.reshape(shape)
+  left, groups = _checked_spec(spec, jnp.ndim(x), "rearrange")
+  names = [c for g in groups for c in g if c != "1"]
+  x = jnp.transpose(x, [left.index(c) for c in names])
+  sizes = dict(zip(names, x.shape), **{"1": 1})
+  return x.reshape([int(np.prod([sizes[c] for c in g])) for g in groups])
+
+
+def unrearrange(y: jax.Array, spec: str, shape: Sequence[int]) -> jax.Array:
+  """Inverts `rearrange(x, spec)` for an `x` of the given shape.
+
+  Args:
+    y: the rearranged array.
+    spec: the spec `y` was rearranged by.
+    shape: the original array's shape.
+
+  Returns:
+    `x`, with `rearrange(x, spec) == y`.
+  """
+  left, groups = _checked_spec(spec, len(shape), "unrearrange")
+  names = [c for g in groups for c in g if c != "1"]
+  sizes = dict(zip(left, shape))
+  y = y.reshape([sizes[c] for c in names])
+  return jnp.transpose(y, [names.index(c) for c in left])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
