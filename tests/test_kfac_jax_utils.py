@@ -195,6 +195,17 @@ def test_rearrange(shape, spec, order, out):
   np.testing.assert_array_equal(utils.rearrange(jnp.asarray(x), spec), expected)
 
 
+@pytest.mark.parametrize(
+  "shape, spec",
+  [([4], "b->b1"), ([2, 3, 4], "abc -> (cb)1a"), ([2, 3], "ab -> ba")],
+)
+def test_unrearrange_inverts_rearrange(shape, spec):
+  x = jnp.asarray(rand(1, *shape))
+  np.testing.assert_array_equal(
+    utils.unrearrange(utils.rearrange(x, spec), spec, shape), x
+  )
+
+
 def test_rearrange_refuses_bad_specs():
   for spec in ("a b -> a", "a b c -> a b c", "a b", "a b -> a z"):
     with pytest.raises(ValueError, match="rearrange"):
