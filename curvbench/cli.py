@@ -144,11 +144,14 @@ def _presets(folder: Path) -> dict[str, str]:
 
 
 def _gallery() -> dict[str, str]:
-  """`repro_NAME` of each gallery entry (its CPU size) and its title."""
+  """`repro_NAME` of each gallery entry (its CPU size) and its title, and
+  the experiments of every entry at one size."""
   folder = _package_dir(("curvbench", "gallery"))
   out = {
     "gallery": "every gallery entry at its CPU size (the other sizes, "
-    "repro_NAME_SIZE: curvbench --help experiment)"
+    "repro_NAME_SIZE: curvbench --help experiment)",
+    "gallery_accelerator": "every gallery entry at its accelerator size, "
+    "together within one 10-minute window on one GPU",
   }
   for path in sorted(folder.glob("*.py")):
     for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -241,6 +241,16 @@ def _gallery_entry(name) -> None:
     )
 
 
+def _gallery_size(size) -> None:
+  from curvbench import gallery
+
+  if size not in gallery.SIZES:
+    raise ValueError(
+      f"repro_size={size!r} is no gallery size; the sizes are "
+      f"{', '.join(gallery.SIZES)}."
+    )
+
+
 @dataclasses.dataclass
 class RunSettings(Settings):
   """One run: a problem, a curvature, an optimizer and a measurement (each
@@ -295,6 +305,12 @@ class RunSettings(Settings):
     Parsed(_gallery_entry, "a gallery entry's name", null=True),
     "the gallery entry this run reproduces (+experiment=repro_NAME and "
     "+experiment=gallery set it; curvbench report judges its claims)",
+  )
+  repro_size: str | None = setting(
+    None,
+    Parsed(_gallery_size, "a gallery size", null=True),
+    "the size of the gallery entry this run belongs to (cpu, accelerator "
+    "or tiny; the gallery's presets set it), which its page describes",
   )
   tuning: Tuning = dataclasses.field(default_factory=Tuning)
   canonical: Canonical = dataclasses.field(default_factory=Canonical)

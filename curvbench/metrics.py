@@ -16,6 +16,17 @@ def relative_frobenius(approx: np.ndarray, exact: np.ndarray) -> float:
   return float(np.linalg.norm(approx - exact) / np.linalg.norm(exact))
 
 
+def cosine_similarity(approx: np.ndarray, exact: np.ndarray) -> float:
+  """`<A, E>_F / (||A||_F ||E||_F)` (1 for an estimate proportional to the
+  exact matrix): Morwani et al. (ICLR 2025, Fig. 1) compare Kronecker-
+  factored approximations of the Gauss-Newton matrix by it.
+
+  Unlike `relative_frobenius` it ignores the scale: the best rescaling's
+  error is `min_c ||E - c A||_F / ||E||_F = sqrt(1 - cos^2)`.
+  """
+  return cosine(approx, exact)
+
+
 def jackknife_stderr(statistic, num: int) -> float:
   """The jackknife standard error of a statistic of `num` independent
   samples (probes, say).
@@ -59,6 +70,7 @@ def log_wasserstein(
 
 
 def cosine(u, v) -> float:
+  """The cosine of the angle between `u` and `v`, flattened."""
   u, v = np.ravel(u).astype(np.float64), np.ravel(v).astype(np.float64)
   return float(u @ v / (np.linalg.norm(u) * np.linalg.norm(v)))
 
@@ -82,6 +94,14 @@ def share_in_span(vectors: np.ndarray, g: np.ndarray) -> float:
   g = np.asarray(g, np.float64)
   projected = np.asarray(vectors, np.float64).T @ g
   return float(projected @ projected / (g @ g))
+
+
+def gradient_curvature_alignment(g, mg) -> float:
+  """`gᵀ M g / (||g|| ||M g||)` given `g` and the product `M g`: 1 when `g`
+  is an eigenvector of `M` of positive eigenvalue, near 1 when it lies in
+  a top eigenspace that stands apart (Gur-Ari, Roberts & Dyer 2018, eq. 2,
+  for the Hessian)."""
+  return cosine(g, mg)
 
 
 def density(values, weights, grid, bandwidth: float) -> np.ndarray:

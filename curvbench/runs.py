@@ -188,6 +188,9 @@ def measure(cfg, run_dir) -> dict:
       run=run_dir.path.name,
       num_params=problem.num_params,
       batch_size=len(batch[0]),
+      num_train=len(problem.data.x_train),
+      loss=problem.loss_name,
+      task=problem.task,
     )
     ctx = Context(
       problem=problem,

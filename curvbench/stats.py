@@ -1,28 +1,113 @@
 """The statistics every report table uses, so that each summary comes from
 one set of samples: a median with the quartiles of the same values, a mean
-with the bootstrap interval of the same values, and differences between
-two methods with the interval that says whether the samples tell them
-apart.
+with the interval of the same values, and comparisons between two methods
+with the interval that says whether the samples tell them apart.
 
-Means are given with a 95 % percentile bootstrap interval (the samples
-resampled with replacement, `interval`); two sets of samples are compared
-by the interval of their difference of means, resampling each set on its
-own (`difference`), or, where every sample of one has a partner in the
-other (the same seed and batch), the pairs together (`paired_difference`).
-With three seeds such intervals are wide: they say how little three seeds
-can tell, which is the point.
+Comparisons rest on intervals that hold their level at any number of
+samples and for any distribution, so that a verdict from three seeds means
+what one from thirty does (Hollander, Wolfe & Chicken, *Nonparametric
+Statistical Methods*, 3rd ed., 2014, sec. 3.6 and 4.3):
 
-`inconsistencies` checks a summary table against these rules: a median
-within its quartiles, a mean within its interval.
+- two independent groups (`difference`): the Hodges-Lehmann shift, the
+  median of every difference `a_i - b_j`, with the exact Mann-Whitney
+  interval (order statistics of those differences);
+- paired samples (`paired_difference`) and one group (`median_interval`):
+  the median, with the exact sign-test interval (order statistics of the
+  values, their coverage from the binomial distribution).
+
+Where the samples are too few for any such interval at the level (fewer
+than 6 for one group or pairs, fewer than 4 and 4 for two groups at 95 %),
+the interval is NaN and the comparison is *too few samples to tell*: a
+percentile bootstrap over 2 or 3 samples would print an interval that
+covers far less often than it says. A diverged run (infinite loss) is a
+sample like any other to these rank methods: it ranks last.
+
+Table means (`interval`) are described with Student's t interval, exact
+for normal samples. `inconsistencies` checks a summary table against these
+rules: a median within its quartiles or interval, a mean within its
+interval.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import pandas as pd
+from scipy import stats as scipy_stats
 
 LEVEL = 0.95
-ROUNDS = 4000  # bootstrap resamples
+# Two groups up to this many pairs get the exact Mann-Whitney distribution;
+# larger ones its normal approximation (within 1e-3 of it from here on).
+EXACT_PAIRS = 10_000
+
+
+class Interval(tuple):
+  """`(centre, low, high)` of a comparison, with the sample `sizes` it
+  rests on and the `method` that gave it; unpacks as the three numbers.
+  `low` and `high` are NaN where the samples are too few for the level."""
+
+  sizes: tuple[int, ...]
+  method: str
+
+  def __new__(cls, centre, low, high, sizes=(), method=""):
+    self = super().__new__(cls, (float(centre), float(low), float(high)))
+    self.sizes, self.method = tuple(int(n) for n in sizes), method
+    return self
+
+  @property
+  def too_few(self) -> bool:
+    """Whether the samples were too few for an interval at the level."""
+    return bool(np.isnan(self[1]) or np.isnan(self[2]))
+
+  def samples(self) -> str:
+    """'n = 4 and 5' (or 'n = 6 paired')."""
+    if not self.sizes:
+      return "no samples"
+    paired = " paired" if "paired" in self.method else ""
+    return "n = " + " and ".join(map(str, self.sizes)) + paired
+
+  def words(self, digits: int = 3) -> str:
+    """'centre [95 % interval low, high] (method, n = ...)', or why there is
+    no interval."""
+    centre, low, high = self
+    if not np.isfinite(centre) and np.isnan(centre):
+      return "none (no finite samples)"
+    if self.too_few:
+      return (
+        f"{centre:.{digits}g}, too few samples to tell ({self.samples()}; "
+        f"{needed(len(self.sizes), 'paired' in self.method)})"
+      )
+    return (
+      f"{centre:.{digits}g} [{percent()} interval {low:.{digits}g}, "
+      f"{high:.{digits}g}] ({self.method}, {self.samples()})"
+    )
+
+
+def needed(groups: int = 1, paired: bool = False, level: float = LEVEL) -> str:
+  """What an exact interval at `level` needs, in words."""
+  if groups == 2 and not paired:
+    m = next(n for n in range(1, 100) if enough(n, n, level=level))
+    return f"an exact {percent(level)} interval needs at least {m} per group"
+  n = next(n for n in range(1, 100) if enough(n, level=level))
+  return f"an exact {percent(level)} interval needs at least {n} samples"
+
+
+def percent(level: float = LEVEL) -> str:
+  """'95 %'."""
+  return f"{level * 100:g} %"
+
+
+def enough(*sizes: int, level: float = LEVEL) -> bool:
+  """Whether an exact interval at `level` exists from samples of `sizes`:
+  one size (one group, or pairs) for the sign test, two for Mann-Whitney
+  (the most extreme arrangement must be rarer than the level allows)."""
+  alpha = (1 - level) / 2
+  if len(sizes) == 1:
+    return sizes[0] >= 1 and 0.5 ** sizes[0] <= alpha
+  m, n = sizes
+  return m >= 1 and n >= 1 and 1 / math.comb(m + n, m) <= alpha
 
 
 def quartiles(values) -> tuple[float, float, float]:
@@ -57,13 +142,11 @@ def over_runs(
   ).reset_index()
 
 
-def interval(
-  values, level: float = LEVEL, seed: int = 0
-) -> tuple[float, float, float]:
-  """`(mean, low, high)`: the mean of `values` and the percentile
-  bootstrap interval of the mean; infinite values (diverged runs) make the
-  mean infinite. NaN where there are no values, and the interval NaN for
-  one value (one sample gives no interval)."""
+def interval(values, level: float = LEVEL) -> tuple[float, float, float]:
+  """`(mean, low, high)`: the mean of `values` and Student's t interval of
+  the mean (a description for tables; comparisons use `difference`);
+  infinite values (diverged runs) make all three infinite. NaN where there
+  are no values, and the interval NaN for one value."""
   values = np.asarray(values, np.float64)
   values = values[~np.isnan(values)]
   if values.size == 0:
@@ -73,64 +156,141 @@ def interval(
   mean = float(values.mean())
   if values.size == 1:
     return (mean, np.nan, np.nan)
-  draws = np.random.default_rng(seed).choice(values, (ROUNDS, values.size))
-  low, high = np.quantile(
-    draws.mean(axis=1), [(1 - level) / 2, (1 + level) / 2]
+  half = float(
+    scipy_stats.t.ppf((1 + level) / 2, values.size - 1)
+    * values.std(ddof=1)
+    / np.sqrt(values.size)
   )
-  # The mean is the centre of its bootstrap distribution; round-off in the
-  # resampled means must not put it outside.
-  return (mean, min(float(low), mean), max(float(high), mean))
+  return (mean, mean - half, mean + half)
 
 
-def difference(
-  a, b, level: float = LEVEL, seed: int = 0
-) -> tuple[float, float, float]:
-  """`(mean(a) - mean(b), low, high)`, the interval from resampling each
-  group's samples independently."""
-  a, b = (np.asarray(x, np.float64) for x in (a, b))
-  a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+def _rank(values: np.ndarray, level: float) -> int | None:
+  """How many order statistics to cut from each end of `values` sorted
+  (the sign test's k): the interval between the next ones covers the median
+  with at least `level`; None where no such interval exists."""
+  n = values.size
+  if not enough(n, level=level):
+    return None
+  # The largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
+  k = int(scipy_stats.binom.ppf((1 - level) / 2, n, 0.5))
+  while k > 0 and scipy_stats.binom.cdf(k - 1, n, 0.5) > (1 - level) / 2:
+    k -= 1
+  while scipy_stats.binom.cdf(k, n, 0.5) <= (1 - level) / 2:
+    k += 1
+  return k
+
+
+def median_interval(values, level: float = LEVEL) -> Interval:
+  """The median of `values` with its distribution-free interval (the sign
+  test's order statistics); NaN ends where they are too few. Infinite
+  values (diverged runs) rank as they are; NaN ones are left out."""
+  values = np.sort(_finite_or_infinite(values))
+  if values.size == 0:
+    return Interval(np.nan, np.nan, np.nan, (0,), "sign test")
+  centre = (
+    float(np.median(values))
+    if np.isfinite(values).all()
+    else (
+      float(values[(values.size - 1) // 2] / 2 + values[values.size // 2] / 2)
+    )
+  )
+  k = _rank(values, level)
+  if k is None:
+    return Interval(centre, np.nan, np.nan, (values.size,), "sign test")
+  return Interval(
+    centre, values[k - 1], values[values.size - k], (values.size,), "sign test"
+  )
+
+
+def _finite_or_infinite(values) -> np.ndarray:
+  values = np.asarray(values, np.float64).ravel()
+  return values[~np.isnan(values)]
+
+
+@functools.lru_cache(maxsize=256)
+def mann_whitney_cdf(m: int, n: int) -> np.ndarray:
+  """`P(U <= u)` for `u = 0..mn` under the null: `U` the number of pairs
+  `(a_i, b_j)` with `a_i > b_j` when `m + n` exchangeable values split at
+  random. Built up by where the largest value falls (an `a`: it beats all
+  `n` b's; a `b`: it beats none), so every term is a probability."""
+  table = {(0, j): np.ones(1) for j in range(n + 1)}
+  for i in range(1, m + 1):
+    table[(i, 0)] = np.ones(1)
+    for j in range(1, n + 1):
+      p = np.zeros(i * j + 1)
+      p[j:] += i / (i + j) * table[(i - 1, j)]
+      p[: (i * (j - 1)) + 1] += j / (i + j) * table[(i, j - 1)]
+      table[(i, j)] = p
+    for j in range(n + 1):
+      table.pop((i - 1, j), None)
+  return np.cumsum(table[(m, n)])
+
+
+def _shift_rank(m: int, n: int, level: float) -> int | None:
+  """How many of the `mn` sorted differences to cut from each end for the
+  Mann-Whitney interval at `level`; None where none exists."""
+  if not enough(m, n, level=level):
+    return None
+  alpha = (1 - level) / 2
+  if m * n <= EXACT_PAIRS:
+    cdf = mann_whitney_cdf(min(m, n), max(m, n))
+    # The largest k with P(U <= k - 1) <= alpha.
+    return int(np.searchsorted(cdf, alpha, side="right"))
+  mean, sd = m * n / 2, math.sqrt(m * n * (m + n + 1) / 12)
+  return max(1, int(mean - scipy_stats.norm.ppf(1 - alpha) * sd))
+
+
+def _minus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """`a - b`, two runs diverged alike (both +inf or both -inf) a tie."""
+  with np.errstate(invalid="ignore"):
+    d = a - b
+  return np.where(np.isnan(d), 0.0, d)
+
+
+def difference(a, b, level: float = LEVEL) -> Interval:
+  """`a` against `b`, two independent groups: the Hodges-Lehmann shift
+  (the median of every `a_i - b_j`) with the exact Mann-Whitney interval;
+  NaN ends where the groups are too small for the level. Exactly
+  `-difference(b, a)` mirrored."""
+  a, b = _finite_or_infinite(a), _finite_or_infinite(b)
+  sizes = (a.size, b.size)
+  method = "Hodges-Lehmann shift, exact Mann-Whitney interval"
   if a.size == 0 or b.size == 0:
-    return (np.nan, np.nan, np.nan)
-  mean = float(np.mean(a) - np.mean(b))
-  if not (np.isfinite(a).all() and np.isfinite(b).all()):
-    return (mean,) * 3
-  if a.size == 1 or b.size == 1:  # no interval from one sample
-    return (mean, np.nan, np.nan)
-  # The groups draw in an order fixed by their values, not by which is
-  # passed first, so difference(b, a) is exactly -difference(a, b): a
-  # report that states one comparison both ways gives one interval.
-  rng = np.random.default_rng(seed)
-  means = {}
-  for name, values in sorted(
-    (("a", a), ("b", b)),
-    key=lambda item: (item[1].size, tuple(np.sort(item[1]))),
-  ):
-    means[name] = rng.choice(values, (ROUNDS, values.size)).mean(axis=1)
-  diffs = means["a"] - means["b"]
-  low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-  return (mean, min(float(low), mean), max(float(high), mean))
+    return Interval(np.nan, np.nan, np.nan, sizes, method)
+  d = np.sort(_minus(a[:, None], b[None, :]).ravel())
+  centre = (d[(d.size - 1) // 2] + d[d.size // 2]) / 2
+  if np.isnan(centre):  # +inf and -inf in the middle
+    centre = 0.0
+  k = _shift_rank(a.size, b.size, level)
+  if k is None:
+    return Interval(centre, np.nan, np.nan, sizes, method)
+  return Interval(centre, d[k - 1], d[d.size - k], sizes, method)
 
 
-def paired_difference(
-  a, b, level: float = LEVEL, seed: int = 0
-) -> tuple[float, float, float]:
-  """`(mean(a - b), low, high)` for paired samples (`a[i]` and `b[i]`
-  measured on the same seed and batch): the pairs resampled together, so
-  what the pair shares (the batch's own difficulty) cancels."""
+def paired_difference(a, b, level: float = LEVEL) -> Interval:
+  """`a` against `b` where `a[i]` and `b[i]` were measured on the same
+  seed and batch: the median of the differences with the sign test's
+  interval, so that what a pair shares (the batch's own difficulty)
+  cancels. NaN ends where the pairs are too few for the level."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   if a.shape != b.shape:
     raise ValueError(
       f"paired samples need as many of each, got {a.size} and {b.size}"
     )
-  return interval(a - b, level, seed)
+  keep = ~(np.isnan(a) | np.isnan(b))
+  found = median_interval(_minus(a[keep], b[keep]), level)
+  centre, low, high = found
+  return Interval(
+    centre, low, high, found.sizes, "median of paired differences, sign test"
+  )
 
 
-def ordering(diff: tuple[float, float, float]) -> str:
-  """Whether `diff`, the interval of `mean(a) - mean(b)`, puts a 'lower'
-  or 'higher' than b, or says they are 'tied' (the interval holds 0);
-  'unknown' without an interval or with non-finite values."""
-  mean, low, high = diff
-  if not np.isfinite([mean, low, high]).all():
+def ordering(diff) -> str:
+  """Whether `diff`, the interval of `a` against `b`, puts a 'lower' or
+  'higher' than b, or says they are 'tied' (the interval holds 0);
+  'unknown' without an interval (too few samples)."""
+  centre, low, high = diff
+  if np.isnan([centre, low, high]).any():
     return "unknown"
   return "lower" if high < 0 else "higher" if low > 0 else "tied"
 
@@ -138,35 +298,37 @@ def ordering(diff: tuple[float, float, float]) -> str:
 def verdict(
   best: str,
   other: str,
-  diff: tuple[float, float, float],
+  diff: Interval,
   what: str,
   samples: str = "seeds",
 ) -> str:
-  """Words for `diff`, the interval of `mean(best) - mean(other)` of
-  `what`, measured over `samples`."""
-  mean, low, high = diff
-  if not np.isfinite(mean):
-    return f"{best} vs {other}: cannot compare ({what} not finite)"
-  if np.isnan([low, high]).any():
+  """Words for `diff`, the interval of `best` against `other` in `what`,
+  measured over `samples`."""
+  centre = diff[0]
+  if np.isnan(centre):
+    return f"{best} vs {other}: cannot compare ({what}: no samples)"
+  if ordering(diff) == "unknown":
     return (
-      f"{best} vs {other}: {what} difference {mean:.3g}, no interval "
-      f"(one sample); measure more {samples} to tell them apart"
+      f"{best} vs {other}: too few {samples} to tell ({what} difference "
+      f"{centre:.3g}; {diff.samples()}: "
+      f"{needed(len(diff.sizes), 'paired' in diff.method)})"
     )
   words = {
     "lower": f"lower than {other}",
     "higher": f"higher than {other}",
     "tied": f"not told apart from {other}",
   }[ordering(diff)]
-  return (
-    f"{best} {words}: {what} difference {mean:.3g} "
-    f"[{low:.3g}, {high:.3g}] (95 % bootstrap interval over {samples})"
-  )
+  return f"{best} {words}: {what} difference {diff.words()} over {samples}"
 
 
 # --- checking a summary table -------------------------------------------------
 
 # A centre and the two ends that must hold it, by column suffix.
-SPREADS = (("median", "q25", "q75"), ("mean", "ci_low", "ci_high"))
+SPREADS = (
+  ("median", "q25", "q75"),
+  ("median", "ci_low", "ci_high"),
+  ("mean", "ci_low", "ci_high"),
+)
 
 
 def _groups(columns) -> list[tuple[str, str, str]]:
@@ -187,7 +349,8 @@ def inconsistencies(
   name: str, df: pd.DataFrame, rtol: float = 1e-9
 ) -> list[str]:
   """Rows of the summary table `name` whose centre lies outside its own
-  spread: a median outside its quartiles, a mean outside its interval
+  spread: a median outside its quartiles or interval, a mean outside its
+  interval
   (with a relative tolerance for round-off). Empty when there are none."""
   found = []
   for centre, low, high in _groups(list(df.columns)):
@@ -207,12 +370,17 @@ def inconsistencies(
 
 
 __all__ = [
+  "EXACT_PAIRS",
+  "Interval",
   "LEVEL",
-  "ROUNDS",
   "SPREADS",
   "difference",
+  "enough",
   "inconsistencies",
   "interval",
+  "median_interval",
+  "needed",
+  "percent",
   "ordering",
   "over_runs",
   "paired_difference",

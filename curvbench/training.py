@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from curvbench import devices
+from curvbench import devices, matrix_free
 
 
 class OptaxTrainer:
@@ -150,6 +150,28 @@ def evaluator(problem, cfg, dtype) -> Callable:
   return evaluate
 
 
+def sharpness(problem, cfg, dtype) -> Callable:
+  """`sharpness(params) -> float`: the largest eigenvalue of the Hessian
+  of the training loss (`Problem.loss_fn`, training mode) on the examples
+  `evaluator` scores the training split on, the sharpness of Cohen et al.
+  (2021); from `cfg.sharpness_iterations` Lanczos steps on Hessian-vector
+  products (`matrix_free.top_k_eigenpairs`), from a fixed start vector."""
+  batch = problem.evaluation_batch(cfg.train_eval_size, dtype, split="train")
+
+  def hvp(v, params, batch):
+    grad = lambda p: jax.grad(problem.loss_fn)(p, batch)
+    return jax.jvp(grad, (params,), (v,))[1]
+
+  iters, key = cfg.sharpness_iterations, jax.random.PRNGKey(0)
+
+  @jax.jit
+  def top(params, batch):
+    top_k = matrix_free.top_k_eigenpairs
+    return top_k(hvp, params, 1, iters, key, params, batch)[0][0]
+
+  return lambda params: float(top(params, batch))
+
+
 def time_grid(cfg) -> list[float]:
   """The seconds of training at which a run with a time budget is
   evaluated besides its steps: `cfg.time_grid` points evenly spaced up to
@@ -208,7 +230,10 @@ def run(
   loss and error on fixed training and test examples (`evaluator`).
   `wall_s` is steady-state training time: every program of the step is
   compiled first (`compile_steps`, whose seconds are the `compile_s`
-  column), and evaluations run with the clock stopped.
+  column), and evaluations run with the clock stopped. With
+  `cfg.sharpness_every` N, the rows of step 0, every N-th step (logged
+  whatever `log_every`) and the last have a `sharpness` (`sharpness`), off
+  the clock too.
 
   With a time budget, the run is also evaluated on a grid of seconds
   (`time_grid`): the row of grid point t (`time_point_s` t, NaN on other
@@ -259,6 +284,8 @@ def run(
     seed=data_seed, dtype=dtype, sizes=map(size_of, itertools.count(1))
   )
   evaluate = evaluator(problem, cfg, dtype)
+  every = cfg.sharpness_every
+  sharp = None if every is None else sharpness(problem, cfg, dtype)
   if mesh is None:
     place = lambda batch: batch
   else:
@@ -308,7 +335,8 @@ def run(
       **{f"{k}_average": v for k, v in averaged.items()},
     }
 
-  def row(step, wall_s, batch_loss, scores, time_point_s=np.nan):
+  def row(step, wall_s, batch_loss, scores, time_point_s=np.nan, at=None):
+    """A row; given its parameters `at`, their sharpness (if measured)."""
     checked = [
       v for v in (batch_loss, scores.get("train_loss")) if v is not None
     ]
@@ -322,13 +350,18 @@ def run(
       diverged=not np.all(np.isfinite(checked)),
       **(
         {}
+        if sharp is None
+        else dict(sharpness=np.nan if at is None else sharp(at))
+      ),
+      **(
+        {}
         if cfg.batch_growth_steps is None
         else dict(batch_size=size_of(max(step, 1)))
       ),
     )
 
   start_scores = scores_of(params, mean, model_state)
-  rows = [row(0, 0.0, None, start_scores, 0.0 if grid else np.nan)]
+  rows = [row(0, 0.0, None, start_scores, 0.0 if grid else np.nan, at=params)]
   # The last step done: (step, params, mean, model state, seconds, scores).
   held = (0, params, mean, model_state, 0.0, start_scores)
   elapsed, batch, next_point = 0.0, first, 0
@@ -342,7 +375,8 @@ def run(
     params, opt_state, loss = optimizer.step(params, opt_state, batch, key)
     if decay is not None:
       mean = average(mean, params)
-    logged = step % log_every == 0 or step == num_steps
+    sharp_due = every is not None and step % every == 0
+    logged = step % log_every == 0 or step == num_steps or sharp_due
     if logged or budget is not None:
       loss = float(jax.block_until_ready((mean, loss))[1])  # waits for both
     elapsed += time.perf_counter() - start
@@ -359,7 +393,8 @@ def run(
     if logged or last:
       evaluated = step % eval_every == 0 or last
       scores = scores_of(params, mean, model_state) if evaluated else {}
-      rows.append(row(step, elapsed, loss, scores))
+      at = params if sharp_due or last else None
+      rows.append(row(step, elapsed, loss, scores, at=at))
       held = (
         step,
         params,

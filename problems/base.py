@@ -74,11 +74,28 @@ def squared_error(prediction, targets):
   return jnp.mean(0.5 * jnp.sum((targets - prediction) ** 2, axis=-1))
 
 
+def one_hot_squared_error(outputs, labels):
+  """Mean over the batch of `0.5 * ||outputs - onehot(label)||^2` summed over
+  the classes, registered as `squared_error` of the one-hot targets: the
+  squared loss Cohen et al. (2021) train most of their classifiers with
+  (their code's convention; PyTorch's MSELoss would also average over the
+  classes)."""
+  targets = jax.nn.one_hot(labels, outputs.shape[-1], dtype=outputs.dtype)
+  return squared_error(outputs, targets)
+
+
 LOSSES = {
   "softmax_cross_entropy": softmax_cross_entropy,
   "sequence_softmax_cross_entropy": sequence_softmax_cross_entropy,
   "sigmoid_cross_entropy": sigmoid_cross_entropy,
   "squared_error": squared_error,
+  "one_hot_squared_error": one_hot_squared_error,
+}
+
+# A classifier's `loss` setting: its choices, and the loss each one names.
+CLASSIFIER_LOSSES = {
+  "softmax_cross_entropy": "softmax_cross_entropy",
+  "squared_error": "one_hot_squared_error",
 }
 
 

@@ -516,11 +516,11 @@ def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
 
 def test_the_closest_method_is_named_by_the_statistic_it_quotes():
   """One sample far off moves a method's mean but not its median: the
-  finding ranks, quotes and differences the same statistic (means), so
+  finding ranks, quotes and compares the same statistic (medians), so
   the method it names first never has the higher figure."""
   from curvbench.measurements.spectra import summary
 
-  spiky, steady = [0.1, 0.1, 0.1, 0.1, 2.0], [0.3] * 5
+  spiky, steady = [0.1, 0.1, 0.1, 0.1, 0.1, 2.0], [0.3] * 6
   rows = [
     dict(
       problem="p",
@@ -542,11 +542,14 @@ def test_the_closest_method_is_named_by_the_statistic_it_quotes():
   ]
   [finding] = summary.findings(pd.DataFrame(rows))
   assert finding.startswith(
-    "p vs exact ggn: steady comes closest, relative "
-    "Frobenius error 0.3 (mean [95 % interval], n=5)"
+    "p vs exact ggn: spiky comes closest, relative "
+    "Frobenius error 0.1 (median [quartiles], n=6)"
   )
-  assert "not told apart from spiky's 0.48 [0.1, 1.24]" in finding
-  assert "difference -0.18 [" in finding
+  assert "not told apart from steady's 0.3 (" in finding
+  assert "(difference -0.2 [95 % interval -0.2, 1.7]" in finding
+  few = pd.DataFrame(rows)
+  [finding] = summary.findings(few[few.seed < 5])
+  assert "too few samples to tell it from steady's" in finding
 
 
 def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
@@ -571,21 +574,17 @@ def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
   )
   errors = {  # block: (kfac, diagonal, floor) per seed
     "dense": (
-      [0.2, 0.21, 0.19, 0.2],
-      [0.5, 0.52, 0.49, 0.5],
-      [0.1, 0.1, 0.1, 0.1],
+      [0.2, 0.21, 0.19, 0.2, 0.22, 0.2],
+      [0.5, 0.52, 0.49, 0.5, 0.51, 0.5],
+      [0.1] * 6,
     ),
     "conv": (
-      [0.6, 0.62, 0.61, 0.6],
-      [0.3, 0.31, 0.3, 0.29],
-      [0.1, 0.1, 0.1, 0.1],
+      [0.6, 0.62, 0.61, 0.6, 0.6, 0.61],
+      [0.3, 0.31, 0.3, 0.29, 0.3, 0.3],
+      [0.1] * 6,
     ),
-    "attention": (
-      [0.3, 0.5, 0.3, 0.5],
-      [0.4, 0.4, 0.4, 0.4],
-      [0.1, 0.1, 0.1, 0.1],
-    ),
-    "norm": ([0.4] * 4, [0.4] * 4, [0.1] * 4),
+    "attention": ([0.3, 0.5] * 3, [0.4] * 6, [0.1] * 6),
+    "norm": ([0.4] * 6, [0.4] * 6, [0.1] * 6),
   }
   rows = [
     dict(
@@ -614,7 +613,10 @@ def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
   assert line.startswith(
     "Claim (A. Author (2025)): kfac is nearer the exact matrix than diagonal"
   )
-  assert "holds in 1, does not hold in 1, not settled in 1 of 3" in line
+  assert (
+    "holds in 1, does not hold in 1, not settled in 1, too few samples to "
+    "tell in 0 of 3" in line
+  )
   verdicts = table.data.set_index("block").verdict.to_dict()
   assert verdicts == {
     "dense": "holds",
@@ -622,10 +624,15 @@ def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
     "attention": "not settled",
   }
   dense = table.data.set_index("block").loc["dense"]
-  assert dense.diff_mean == pytest.approx(0.2 - 0.5025)
-  assert dense.gap_mean == pytest.approx(0.1)
-  assert dense.than_gap_mean == pytest.approx(0.4025)
-  assert dense.n == 4
+  kfac, diagonal, floor = map(np.array, errors["dense"])
+  assert dense.diff_median == pytest.approx(np.median(kfac - diagonal))
+  assert dense.gap_median == pytest.approx(np.median(kfac - floor))
+  assert dense.than_gap_median == pytest.approx(np.median(diagonal - floor))
+  assert dense.n == 6
+  # From three seeds, no cell gets a verdict.
+  few = pd.DataFrame(rows)
+  _, table = summary.claims(few[few.seed < 3])
+  assert set(table.data.verdict) == {"too few samples to tell"}
   # Against a matrix the mode does not estimate, the cells do not count.
   crossed = [
     dict(r, reference="empirical_fisher", value=1 - r["value"]) for r in rows

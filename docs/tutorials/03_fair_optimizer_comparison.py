@@ -63,8 +63,8 @@ results.runs.groupby(["config:optimizer.name", "status"]).size()
 # ``results.report(out)`` writes the report that ``curvbench report``
 # writes: ``report.md`` and ``report.html``, figures, and every table as a
 # CSV. We read three of them. First, ``tuning.csv``: each Adam setting's
-# score (the mean final training loss over the seeds, with its 95 %
-# bootstrap interval), the best one, whether the best sits at the edge of
+# score (the mean final training loss over the seeds, with its 95 % t
+# interval), the best one, whether the best sits at the edge of
 # the grid (then the optimum may lie beyond it, and the grid should be
 # widened), and the interval of its lead over the runner-up.
 
@@ -85,8 +85,8 @@ print(tuning.loc[tuning.best, "vs_runner_up"].iloc[0])
 # A diverged seed would score infinity, so a setting that is unstable on
 # one seed in three is never chosen. Next, the summary the report opens
 # with: which optimizer reaches the lowest training error, by how much,
-# and whether the interval of the difference (over the three seeds) holds
-# zero.
+# and whether the interval of the difference holds zero; with three seeds
+# each it says they are too few to tell.
 
 report_md = (report_dir / "report.md").read_text()
 print(report_md.split("## Summary")[1].split("## ")[0].strip())
@@ -174,7 +174,8 @@ print(
 # each second, so that every method is read at the same seconds whatever
 # its step time; and ``tuning.claim=kfac`` makes the report judge "K-FAC
 # reaches a lower training error than every other method in the same time"
-# as *holds*, *does not hold* or *not settled*. The ``kfac_paper_small``
+# as *holds*, *does not hold*, *not settled* or *cannot be told* (too few
+# seeds). The ``kfac_paper_small``
 # experiment does exactly this (``curvbench -m
 # +experiment=kfac_paper_small``).
 #
@@ -190,11 +191,13 @@ print(
 # * **Seeds.** Initialisation and batch order change the outcome; one run
 #   per method is an anecdote. Every setting is trained with the same
 #   seeds, so a seed is a repetition of the whole experiment.
-# * **Spread.** Means come with 95 % bootstrap intervals, and two methods
-#   are compared by the interval of their difference: if it holds zero the
-#   report says *not told apart*. With three seeds these intervals are
-#   wide; that is what three seeds can tell, and the report does not round
-#   it up.
+# * **Spread.** Means come with 95 % t intervals, and two methods are
+#   compared by the exact Mann-Whitney interval of their shift (valid for
+#   any distribution, a diverged seed ranked last): if it holds zero the
+#   report says *not told apart*. Three seeds per method are too few for
+#   any such interval at 95 % (four per method are the fewest), so here
+#   the report says *too few seeds to tell* rather than round an anecdote
+#   up to a verdict.
 # * **The clock.** Steps and seconds answer different questions. The report
 #   says which budget the runs had, keeps compilation off the clock, and
 #   only makes an equal-time statement when every method had the same

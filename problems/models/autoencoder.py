@@ -11,7 +11,7 @@ import math
 
 from curvbench.components import ListOf, OneOf, Whole, setting
 from problems import layers
-from problems.base import LOSSES, PROBLEMS, Problem, ProblemSettings
+from problems.base import PROBLEMS, Problem, ProblemSettings
 
 
 @PROBLEMS.register
@@ -30,7 +30,9 @@ class Autoencoder(ProblemSettings):
     "nonlinearity of every layer but the code",
   )
   loss: str = setting(
-    "sigmoid_cross_entropy", OneOf(tuple(LOSSES)), "the reconstruction loss"
+    "sigmoid_cross_entropy",
+    OneOf(("sigmoid_cross_entropy", "squared_error")),
+    "the reconstruction loss",
   )
   init: str = setting(
     "gaussian",

@@ -6,7 +6,12 @@ import haiku as hk
 
 from curvbench.components import Flag, ListOf, OneOf, Whole, dotted, setting
 from problems import layers
-from problems.base import PROBLEMS, Problem, ProblemSettings
+from problems.base import (
+  CLASSIFIER_LOSSES,
+  PROBLEMS,
+  Problem,
+  ProblemSettings,
+)
 
 
 @PROBLEMS.register
@@ -29,6 +34,13 @@ class ConvNet(ProblemSettings):
     "relu",
     OneOf(tuple(layers.ACTIVATIONS)),
     "nonlinearity of every block and dense layer",
+  )
+  loss: str = setting(
+    "softmax_cross_entropy",
+    OneOf(tuple(CLASSIFIER_LOSSES)),
+    "the training loss: softmax_cross_entropy, or squared_error, half the "
+    "squared distance to the one-hot label summed over the classes (as "
+    "Cohen et al. 2021 train most runs)",
   )
 
   def disagreements_with(self, data, prefix):
@@ -69,5 +81,5 @@ class ConvNet(ProblemSettings):
       data,
       self,
       task="classification",
-      loss_name="softmax_cross_entropy",
+      loss_name=CLASSIFIER_LOSSES[self.loss],
     )

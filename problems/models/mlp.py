@@ -1,10 +1,15 @@
-"""MLP classifier with softmax cross-entropy."""
+"""MLP classifier, with softmax cross-entropy or a one-hot squared loss."""
 
 import dataclasses
 
 from curvbench.components import ListOf, OneOf, Whole, setting
 from problems import layers
-from problems.base import PROBLEMS, Problem, ProblemSettings
+from problems.base import (
+  CLASSIFIER_LOSSES,
+  PROBLEMS,
+  Problem,
+  ProblemSettings,
+)
 
 
 @PROBLEMS.register
@@ -24,6 +29,13 @@ class MLP(ProblemSettings):
     "tanh",
     OneOf(tuple(layers.ACTIVATIONS)),
     "nonlinearity after each hidden layer",
+  )
+  loss: str = setting(
+    "softmax_cross_entropy",
+    OneOf(tuple(CLASSIFIER_LOSSES)),
+    "the training loss: softmax_cross_entropy, or squared_error, half the "
+    "squared distance to the one-hot label summed over the classes (as "
+    "Cohen et al. 2021 train most runs)",
   )
 
   def hidden_sizes(self) -> list[int]:
@@ -47,5 +59,5 @@ class MLP(ProblemSettings):
       data,
       self,
       task="classification",
-      loss_name="softmax_cross_entropy",
+      loss_name=CLASSIFIER_LOSSES[self.loss],
     )

@@ -30,7 +30,12 @@ from curvbench import checkpoints, curvatures, devices, plots, training
 from curvbench.costs import Costs
 from curvbench.data import parse_scope, select
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
-from curvbench.measurements.spectra import compute, figures, summary
+from curvbench.measurements.spectra import (
+  class_means,
+  compute,
+  figures,
+  summary,
+)
 from curvbench.measurements.training import save_checkpoint
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.references import ReferenceStore, content_hash
@@ -192,6 +197,16 @@ class Spectra(Measurement):
   max_dense_gib: float = setting(
     2.0, POSITIVE, "refuse a dense matrix larger than this"
   )
+  class_means: bool = setting(
+    False,
+    Flag(),
+    "Papyan's class-mean test (ICML 2019, JMLR 2020), for a softmax "
+    "cross-entropy classifier without batch norm: the eigenvalues of the "
+    "class-mean matrix G1, one per class, to set beside the exact GGN's "
+    "top ones (spectra rows of source class_means), and the overlap of "
+    "the GGN's top-C eigenspace with the class means' span (statistic "
+    "class_mean_overlap); costs C vector-Jacobian products over the data",
+  )
   share_references: bool = setting(
     True,
     Flag(),
@@ -262,6 +277,8 @@ class Spectra(Measurement):
     num_steps = ctx.run.measure.training.num_steps
     steps = training.measurement_steps(self.steps, num_steps)
     dtype = jax.tree.leaves(ctx.params)[0].dtype
+    if self.class_means:
+      class_means.check_applies(ctx.problem)
     split = self.batches(ctx.run)[-1][0]
     samples = [
       select(
@@ -312,6 +329,7 @@ class Spectra(Measurement):
           key,
           ctx.problem.layer_roles,
           examples_interact=ctx.problem.has_state,
+          outputs=ctx.problem.outputs if self.class_means else None,
         ).items():
           tables[name] += [
             dict(step=step, sample=j, **scope, **row) for row in rows

@@ -28,7 +28,9 @@ batches or the training split), and returns five tables:
   NaN there (the dense method's are exact, Lanczos' and CG's no probe
   estimates).
 - `statistics`: trace, condition number, outliers, negative mass, ... of
-  each exact matrix and of the approximation (`stderr` 0 where exact).
+  each exact matrix and of the approximation (`stderr` 0 where exact);
+  for each exact matrix M, how the mean gradient g lines up with it
+  (`GRADIENT_SHARE`, `GRADIENT_ALIGNMENT`).
 - `heatmaps`: the exact and approximate matrix and damped inverse over a
   few subsampled units of a few layers (as in Martens & Grosse 2015, Fig. 2).
 - `references`: the relative Frobenius distance between each pair of
@@ -42,6 +44,12 @@ Two methods:
   densities by SLQ, Frobenius errors, traces (Hutchinson, XTrace) and
   diagonals by random probes (`curvbench.matrix_free`), exact directions by
   CG.
+
+With `class_means` (a softmax cross-entropy classifier; `class_means.py`),
+both add Papyan's class-mean test of the GGN's outliers: `spectra` rows of
+source `class_means` (matrix `ggn`), the eigenvalues of the class-mean
+matrix `G₁`, to set beside the exact GGN's top ones, and the `statistics`
+row `class_mean_overlap` of the exact `ggn`.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ import threadpoolctl
 from curvbench import curvatures, matrix_free, metrics
 from curvbench.costs import Costs
 from curvbench.data import Data
+from curvbench.measurements.spectra import class_means
 from curvbench.references import ReferenceStore, content_hash
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "references")
@@ -71,6 +80,8 @@ SAME = 1e-9
 # The statistic of each exact matrix: the share of the mean gradient's
 # squared norm in the span of its top_k eigenvectors.
 GRADIENT_SHARE = "gradient_in_top_k"
+# And `gᵀ M g / (||g|| ||M g||)` (Gur-Ari, Roberts & Dyer 2018, eq. 2).
+GRADIENT_ALIGNMENT = "gradient_curvature_alignment"
 
 
 def _flat(tree) -> np.ndarray:
@@ -417,6 +428,7 @@ def dense_metrics(
   k = min(k, len(exact_eigs))
   out: dict[Any, Any] = dict(
     relative_frobenius=metrics.relative_frobenius(approx, exact),
+    cosine_similarity=metrics.cosine_similarity(approx, exact),
     spectral_distance=metrics.spectral_distance(approx_eigs, exact_eigs),
     log_wasserstein=metrics.log_wasserstein(approx_eigs, exact_eigs, floor),
     top_k_overlap=metrics.subspace_overlap(
@@ -499,6 +511,33 @@ def _distinct(references, exact: dict, rows: list) -> list[str]:
   return kept
 
 
+def _check_class_means(cfg, references, outputs) -> None:
+  """Refuses `class_means` without what it needs: the GGN among the
+  references, and the network's `outputs(params, inputs)`."""
+  if not cfg.class_means:
+    return
+  if "ggn" not in references:
+    raise ValueError(
+      "measure.spectra.class_means=true compares the class means with the "
+      f"exact GGN, which is not measured (references {references}): add "
+      "ggn to measure.spectra.references."
+    )
+  if outputs is None:
+    raise ValueError(
+      "measure.spectra.class_means=true needs the network's outputs: pass "
+      "outputs=problem.outputs to compute.measure."
+    )
+
+
+def _class_sums(outputs, params, data, costs):
+  """`class_means.sums` over `data` as float64 numpy arrays, a phase of
+  `costs`."""
+  found = costs.call(
+    "class means", lambda p, d: class_means.sums(outputs, p, d), params, data
+  )
+  return tuple(np.asarray(x, np.float64) for x in found)
+
+
 def measure_dense(
   loss_fn,
   curvature,
@@ -511,6 +550,7 @@ def measure_dense(
   key=None,
   layer_roles=(),
   examples_interact=False,
+  outputs=None,
 ):
   """Every table, from dense matrices (small models); the exact references
   from `store` where a run with the same content (`key` plus the
@@ -526,6 +566,7 @@ def measure_dense(
     "use measure.spectra.method=lanczos (matrix-free)",
   )
   references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
+  _check_class_means(cfg, references, outputs)
   if store.keeps:  # hashing the examples costs a pass over them
     key = dict(
       key or {},
@@ -587,8 +628,35 @@ def measure_dense(
   for m, (values, vectors) in exact_eighs.items():
     top = vectors[:, np.argsort(values)[::-1][:k]]
     tables["statistics"] += _statistic_rows(
-      "exact", m, {GRADIENT_SHARE: metrics.share_in_span(top, g)}
+      "exact",
+      m,
+      {
+        GRADIENT_SHARE: metrics.share_in_span(top, g),
+        GRADIENT_ALIGNMENT: metrics.gradient_curvature_alignment(
+          g, exact[m] @ g
+        ),
+      },
     )
+  if cfg.class_means:
+    found = _stored(
+      store,
+      dict(key or {}, quantity="class means"),
+      lambda: dict(
+        zip(("sums", "shares"), _class_sums(outputs, params, data, costs))
+      ),
+      costs,
+      "class means",
+    )
+    deltas, shares, num_classes = class_means.class_means(
+      (found["sums"], found["shares"])
+    )
+    values, vectors = exact_eighs["ggn"]
+    top = vectors[:, np.argsort(values)[::-1][: len(shares)]]
+    spectra_rows, statistic_rows = class_means.rows(
+      deltas, shares, num_classes, top
+    )
+    tables["spectra"] += spectra_rows
+    tables["statistics"] += statistic_rows
   # The approximation's own damped inverse, as its optimizer applies it.
   approx_scale = scale(approx_eigs)
   approx_dirs = {
@@ -785,17 +853,33 @@ def _slq_distances(approx, exact, floor_, num_probes: int) -> tuple:
 
 
 def measure_lanczos(
-  loss_fn, curvature, params, data, cfg, rng, costs, layer_roles=()
+  loss_fn,
+  curvature,
+  params,
+  data,
+  cfg,
+  rng,
+  costs,
+  layer_roles=(),
+  outputs=None,
 ):
   """Every table but the heatmaps, from matrix-vector products only: the
   density, top-k and statistics of each reference matrix and of the
   approximation, and the approximation's quality against each distinct
-  reference (block types as in `measure_dense`)."""
+  reference (block types as in `measure_dense`).
+
+  It has no `cosine_similarity`: the probes of the Frobenius estimate
+  give `||A - E||_F / ||E||_F` and not the inner product `<A, E>_F` that
+  the cosine needs; combining two separate probe estimates would leave it
+  without a standard error. The class-mean overlap takes the GGN's top
+  eigenvectors from a Lanczos run of its own, as many as the classes.
+  """
   keys = jax.random.split(rng, 6)
   ones = jax.tree.map(jnp.ones_like, params)
   tables: dict[str, list[dict]] = {name: [] for name in TABLES}
   operators, states = {}, {}
   references = list(dict.fromkeys([curvature.matrix, *cfg.references]))
+  _check_class_means(cfg, references, outputs)
   for m in references:
     operators[m] = curvatures.exact(
       m, loss_fn, matrix_free=True, cg_iters=cfg.cg_iters
@@ -915,17 +999,54 @@ def measure_lanczos(
 
   grads = mean_gradient(loss_fn, params, data)
   g = _flat(grads)
+  products: dict[str, Any] = {}
   for name in references:
     _, _, top, vectors = spectra_of[name]
+    of = twin.get(name, name)  # a twin's product is its twin's
+    if of not in products:
+      products[of] = costs.call(
+        f"exact {of} gradient product",
+        operators[of].multiply,
+        states[of],
+        grads,
+      )
+    product = products[of]
     tables["statistics"] += _statistic_rows(
       "exact",
       name,
       {
         GRADIENT_SHARE: metrics.share_in_span(
           _columns(vectors)[:, np.isfinite(top)], g
-        )
+        ),
+        GRADIENT_ALIGNMENT: metrics.gradient_curvature_alignment(
+          g, _flat(product)
+        ),
       },
     )
+  if cfg.class_means:
+    deltas, shares, num_classes = class_means.class_means(
+      _class_sums(outputs, params, data, costs)
+    )
+    ggn = operators["ggn"]
+    _, top_vectors = costs.call(
+      "exact ggn top classes",
+      lambda s, key: matrix_free.top_k_eigenpairs(
+        _masked,
+        ones,
+        len(shares),
+        cfg.lanczos_iters,
+        key,
+        ggn.operator(s),
+        ones,
+      ),
+      states["ggn"],
+      keys[1],
+    )
+    spectra_rows, statistic_rows = class_means.rows(
+      deltas, shares, num_classes, _columns(top_vectors)
+    )
+    tables["spectra"] += spectra_rows
+    tables["statistics"] += statistic_rows
   rhos = cfg.relative_dampings
   approx_dirs = {
     rho: _flat(
@@ -1070,12 +1191,15 @@ def measure(
   key: dict | None = None,
   layer_roles=(),
   examples_interact: bool = False,
+  outputs=None,
 ) -> dict[str, list[dict]]:
   """The tables of `TABLES` by `cfg.method` (one of `METHODS`; `cfg` the
   spectra settings), over `data` (a batch or a `Data`); the dense method
   shares its exact references through `store` and forms them from
   products where the examples interact (see `measure_dense`); block types
-  from the problem's `layer_roles` (`curvatures.block_role`)."""
+  from the problem's `layer_roles` (`curvatures.block_role`); the class-
+  mean test (`cfg.class_means`) from the network's `outputs(params,
+  inputs)`, the problem's `outputs`."""
   if cfg.method not in METHODS:
     raise ValueError(
       f"Unknown measure.spectra.method {cfg.method!r}; "
@@ -1095,7 +1219,8 @@ def measure(
       key,
       layer_roles,
       examples_interact,
+      outputs,
     )
   return measure_lanczos(
-    loss_fn, curvature, params, data, cfg, rng, costs, layer_roles
+    loss_fn, curvature, params, data, cfg, rng, costs, layer_roles, outputs
   )

@@ -36,6 +36,7 @@ BETTER = {
   "log_wasserstein": "lower is better",
   "diagonal_relative_error": "lower is better",
   "natural_gradient_cosine": "higher is better",
+  "cosine_similarity": "higher is better",
   "top_k_overlap": "higher is better",
   "top_eigenvalue_ratio": "1 is best",
   "trace_ratio": "1 is best",

@@ -54,6 +54,7 @@ LEVELS = (
 # The order the tables show the metrics in: the headline ones first.
 METRICS = (
   "relative_frobenius",
+  "cosine_similarity",
   "natural_gradient_cosine",
   "spectral_distance",
   "top_k_overlap",
@@ -105,8 +106,8 @@ def named(q: pd.DataFrame) -> pd.DataFrame:
 def _summarise(
   df: pd.DataFrame, index: list[str], value: str = "value"
 ) -> pd.DataFrame:
-  """Per `index`: median and quartiles, mean and its bootstrap interval of
-  `value` over the samples (runs x draws), `n` samples and `seeds`."""
+  """Per `index`: median and quartiles, mean and its t interval of `value`
+  over the samples (runs x draws), `n` samples and `seeds`."""
   out = []
   for key, group in df.groupby(index, dropna=False, sort=True):
     values = pd.to_numeric(group[value], errors="coerce").to_numpy(float)
@@ -300,19 +301,19 @@ def findings(q: pd.DataFrame) -> list[str]:
       label: g.set_index(["seed", "sample", "data"]).value
       for label, g in part.groupby("label")
     }
-    ranked = sorted(values, key=lambda m: values[m].mean())
+    # Ranked by the median, the statistic quoted and the one the
+    # comparison's interval is about.
+    ranked = sorted(values, key=lambda m: values[m].median())
     best = ranked[0]
     n = len(values[best])
-    # Ranked by the mean, so the figures quoted are means too: a median
-    # could put the runner-up first while the difference of means does not.
-    mean = spread(*stats.interval(values[best]))
+    quoted = spread(*stats.quartiles(values[best]))
     where = f"{problem} vs exact {reference}" + (
       f" at step {part.step.min()}" if part.step.max() else ""
     )
     if len(ranked) == 1:
       out.append(
-        f"{where}: {best} has relative Frobenius error {mean} "
-        f"(mean [95 % interval] of {n} samples)."
+        f"{where}: {best} has relative Frobenius error {quoted} "
+        f"(median [quartiles] of {n} samples)."
       )
       continue
     runner = ranked[1]
@@ -322,30 +323,29 @@ def findings(q: pd.DataFrame) -> list[str]:
       if len(both) == max(n, len(values[runner]))
       else stats.difference(values[best], values[runner])
     )
-    other = spread(*stats.interval(values[runner]))
-    verdict = (
-      f"not told apart from {runner}'s {other}"
-      if stats.ordering(diff) == "tied"
-      else f"lower than {runner}'s {other}"
-    )
-    interval = (
-      "no interval from one sample: measure more seeds or samples"
-      if not np.isfinite(diff[1])
-      else f"difference {number(diff[0])} [{number(diff[1])}, "
-      f"{number(diff[2])}], 95 % bootstrap interval over "
-      f"{len(both)} {'paired ' if len(both) else ''}samples"
-    )
+    other = spread(*stats.quartiles(values[runner]))
+    verdict = {
+      "tied": f"not told apart from {runner}'s {other}",
+      "lower": f"lower than {runner}'s {other}",
+      "higher": f"yet higher than {runner}'s {other} pair by pair",
+      "unknown": f"too few samples to tell it from {runner}'s {other}",
+    }[stats.ordering(diff)]
     out.append(
       f"{where}: {best} comes closest, relative Frobenius error "
-      f"{mean} (mean [95 % interval], n={n}), {verdict} "
-      f"({interval})."
+      f"{quoted} (median [quartiles], n={n}), {verdict} "
+      f"(difference {diff.words()})."
     )
   return out
 
 
 # A claim's cell: one comparison, over that cell's paired samples.
 CELL = ["problem", "mode", "reference", "level", "block", "step"]
-VERDICTS = {"lower": "holds", "higher": "does not hold"}
+VERDICTS = {
+  "lower": "holds",
+  "higher": "does not hold",
+  "tied": "not settled",
+  "unknown": "too few samples to tell",
+}
 
 
 def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
@@ -354,7 +354,7 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   estimation mode, reference, block type (and whole network) and step,
   the paired interval of the difference of their relative Frobenius
   errors, a verdict (holds, does not hold, not settled where the interval
-  holds 0), and each one's gap over the claim's floor; a line per claim
+  holds 0, too few samples to tell below 6 pairs), and each one's gap over the claim's floor; a line per claim
   counting the verdicts. Cells against a reference other than the matrix
   the estimation mode estimates, and cells where both score alike (the
   same block for both), are left out: they cannot bear on the claim."""
@@ -388,23 +388,24 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
       counts = pd.Series([c["verdict"] for c in cells]).value_counts()
       tally = ", ".join(
         f"{verdict} in {counts.get(verdict, 0)}"
-        for verdict in ("holds", "does not hold", "not settled")
+        for verdict in VERDICTS.values()
       )
       floor = ""
-      if claim.floor is not None and "gap_mean" in cells[0]:
+      if claim.floor is not None and "gap_median" in cells[0]:
         gaps = pd.DataFrame(cells)
         floor = (
           f" Over {claim.floor}, {name}'s gap in relative Frobenius "
-          f"error has median {number(gaps.gap_mean.median())} over "
+          f"error has median {number(gaps.gap_median.median())} over "
           f"the cells, {claim.than}'s "
-          f"{number(gaps.than_gap_mean.median())}."
+          f"{number(gaps.than_gap_median.median())}."
         )
       lines.append(
         f"Claim ({claim.source}): {name} is nearer the exact matrix than "
         f"{claim.than} (relative Frobenius error, per block type and whole "
         f"network). On these runs it {tally} of {len(cells)} (problem, "
-        "reference, block type, step) cells, each a 95 % bootstrap "
-        "interval of the paired difference (table claims)." + floor
+        "reference, block type, step) cells, each the median of the "
+        "paired differences with its exact 95 % sign-test interval (table "
+        "claims; too few samples to tell below 6 pairs)." + floor
       )
   if not rows:
     return [], None
@@ -412,7 +413,9 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   view = data.assign(
     difference=[
       spread(m, lo, hi)
-      for m, lo, hi in zip(data.diff_mean, data.diff_ci_low, data.diff_ci_high)
+      for m, lo, hi in zip(
+        data.diff_median, data.diff_ci_low, data.diff_ci_high
+      )
     ]
   )
   shown = [
@@ -426,19 +429,19 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
     "n",
   ]
   for gap in ("gap", "than_gap"):
-    if f"{gap}_mean" in data:
+    if f"{gap}_median" in data:
       view[gap] = [
         spread(m, lo, hi)
         for m, lo, hi in zip(
-          data[f"{gap}_mean"], data[f"{gap}_ci_low"], data[f"{gap}_ci_high"]
+          data[f"{gap}_median"], data[f"{gap}_ci_low"], data[f"{gap}_ci_high"]
         )
       ]
       shown.insert(-2, gap)
   return lines, Table(
     "claims",
     "Published claims checked: the difference of relative "
-    "Frobenius errors (claimed nearer minus the other; mean [95 % "
-    "bootstrap interval] over paired samples) and each one's gap over the "
+    "Frobenius errors (claimed nearer minus the other; median [exact 95 % "
+    "sign-test interval] over paired samples) and each one's gap over the "
     "claim's floor",
     data,
     view=view[shown],
@@ -461,17 +464,17 @@ def _claim_cell(cell: pd.DataFrame, name: str, claim) -> dict | None:
   row = dict(
     zip(CELL, cell[CELL].iloc[0]),
     n=len(both),
-    diff_mean=diff[0],
+    diff_median=diff[0],
     diff_ci_low=diff[1],
     diff_ci_high=diff[2],
-    verdict=VERDICTS.get(stats.ordering(diff), "not settled"),
+    verdict=VERDICTS[stats.ordering(diff)],
   )
   floor = values.get(claim.floor)
   if floor is not None and both.isin(floor.index).all():
     for key, series in (("gap", own), ("than_gap", other)):
       row.update(
         zip(
-          (f"{key}_mean", f"{key}_ci_low", f"{key}_ci_high"),
+          (f"{key}_median", f"{key}_ci_low", f"{key}_ci_high"),
           stats.paired_difference(series, floor[both]),
         )
       )
