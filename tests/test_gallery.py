@@ -190,6 +190,7 @@ def edge_runs(curve, seeds=range(2), loss="one_hot_squared_error", **change):
           batch_size=spec["batch"],
           num_train=1500,
           sharpness=curve(step * eta) * noise(seed) * 2 / eta,
+          train_loss=1.0 / (1 + step * eta),
           train_error=spec["error"] if step == steps[-1] else 0.5,
         )
       )
@@ -219,18 +220,24 @@ def test_edge_of_stability_claims_follow_the_sharpness():
   # Nor where the runs stop short of the accuracy goal, or use mini-batches.
   assert outcome(cohen, 2, edge_runs(lambda t: 2.0, error=0.2)) == NOT_AT_SCALE
   assert outcome(cohen, 2, edge_runs(lambda t: 2.0, batch=64)) == NOT_AT_SCALE
-  # Cross-entropy's claims read the cross-entropy runs only.
+  # Cross-entropy's claim reads the cross-entropy runs only: the sharpness
+  # falls from its peak once the loss is small.
   assert outcome(cohen, 3, edge) == UNJUDGED
-  assert (
-    outcome(
-      cohen,
-      4,
-      edge_runs(
-        lambda t: 0.5 + 0.52 * min(t / 50, 1), loss="softmax_cross_entropy"
-      ),
-    )
-    == REPRODUCED
+  falling = edge_runs(
+    lambda t: 0.6 * np.exp(-t / 100), loss="softmax_cross_entropy"
   )
+  assert outcome(cohen, 3, falling) == REPRODUCED
+  rising = edge_runs(
+    lambda t: 0.2 + 0.4 * t / 200, loss="softmax_cross_entropy"
+  )
+  assert outcome(cohen, 3, rising) == CONTRADICTED
+  # Unlike the squared loss's claims, it does not need the accuracy goal.
+  short = edge_runs(
+    lambda t: 0.2 + 0.4 * t / 200,
+    loss="softmax_cross_entropy",
+    error=0.2,
+  )
+  assert outcome(cohen, 3, short) == CONTRADICTED
 
 
 def test_reaching_two_over_eta_is_judged_over_its_range():
@@ -243,16 +250,33 @@ def test_reaching_two_over_eta_is_judged_over_its_range():
 # --- Sagun et al. / Papyan (outliers) ----------------------------------------
 
 
-def ggn_runs(top, seeds=SIX, bulk=300, overlap=0.95, error=0.0, data="train"):
+def ggn_runs(
+  top,
+  seeds=SIX,
+  bulk=300,
+  overlap=0.95,
+  error=0.0,
+  data="train",
+  problem="convnet",
+):
   """A trained GGN's eigenvalues per seed (`top`, then a bulk decaying from
   1e-3 to 1e-6), smooth at initialisation; the class-mean overlap; the
-  final training error; where the spectrum was taken."""
+  final training error; where the spectrum was taken; the network, trained
+  by SGD with weight decay."""
   trained = np.concatenate([top, np.geomspace(1e-3, 1e-6, bulk)])
   untrained = np.geomspace(1.0, 1e-6, trained.size)
   done, spectra, statistics, training = [], [], [], []
   for seed in seeds:
     run_id = f"r{seed}"
-    done.append({"run_id": run_id, "config:measure.spectra.data": data})
+    done.append(
+      {
+        "run_id": run_id,
+        "config:measure.spectra.data": data,
+        "config:problem.name": problem,
+        "config:measure.spectra.trainer.name": "sgd",
+        "config:measure.spectra.trainer.weight_decay": 5e-4,
+      }
+    )
     for step, values in ((0, untrained), (100, trained)):
       spectra += [
         dict(
@@ -297,8 +321,13 @@ def test_outliers_are_counted_at_the_gap_after_the_cth():
   assert outcome(sagun, 0, ggn_runs(ten)) == REPRODUCED
   smooth = list(np.geomspace(1.0, 1e-3, 40))  # no edge at C
   assert outcome(sagun, 0, ggn_runs(smooth)) == CONTRADICTED
-  # Not in the terminal phase: no contradiction.
+  # Not in the terminal phase, or on an MLP: no contradiction.
   assert outcome(sagun, 0, ggn_runs(smooth, error=0.05)) == NOT_AT_SCALE
+  assert outcome(sagun, 0, ggn_runs(smooth, problem="mlp")) == NOT_AT_SCALE
+  # An MLP is in Sagun et al.'s family: the bulk's claim can be contradicted.
+  flat = ggn_runs([1.0], bulk=0, problem="mlp")
+  flat.tables["spectra"] = flat.tables["spectra"].assign(eigenvalue=0.5)
+  assert outcome(sagun, 1, flat) == CONTRADICTED
   assert outcome(sagun, 0, ggn_runs(ten, seeds=THREE)) == TOO_FEW
 
 
@@ -633,34 +662,37 @@ def test_ekfac_on_another_network_or_curvature_is_no_contradiction():
 # --- Eschenhagen et al. (K-FAC-reduce) -----------------------------------------
 
 
-def reduce_runs(
-  medians: dict[str, list[float]],
-  to_target: dict[str, list[int]],
-  loss="softmax_cross_entropy",
-):
-  """Timings of the curvature update and training runs that reach a test
-  error of 0.2 after `to_target` steps."""
-  timing, training, done = [], [], []
+def reduce_runs(medians, to_target, loss="softmax_cross_entropy"):
+  """Timed rounds of the curvature update (one run per flavour, its rounds
+  `medians`) and training runs that reach a test error of 0.2 after
+  `to_target` steps."""
+  timing, samples, training, done = [], [], [], []
   for name, values in medians.items():
-    for seed, m in enumerate(values):
-      timing.append(
-        dict(
-          problem="resnet",
-          curvature=name,
-          phase="curvature_update",
-          median_s=m,
-          repeats=20,
-          others_cpu_share=0.0,
-          device_kind="cpu",
-          run_id=f"t{name}{seed}",
-          loss="softmax_cross_entropy",
-        )
+    run_id = f"t{name}"
+    common = dict(
+      problem="resnet", curvature=name, phase="curvature_update", run_id=run_id
+    )
+    timing.append(
+      dict(
+        common,
+        median_s=float(np.median(values)),
+        repeats=len(values),
+        others_cpu_share=0.0,
+        device_kind="cpu",
+        loss="softmax_cross_entropy",
       )
+    )
+    samples += [dict(common, repeat=i, seconds=m) for i, m in enumerate(values)]
+    done.append({"run_id": run_id})
   for name, values in to_target.items():
     for seed, steps in enumerate(values):
       run_id = f"{name}{seed}"
       done.append(
-        {"run_id": run_id, "config:measure.training.target_error": 0.2}
+        {
+          "run_id": run_id,
+          "config:measure.training.target_error": 0.2,
+          "config:optimizer.initial_damping": (0.1, 1.0)[seed % 2],
+        }
       )
       for step in range(0, 301, 10):
         training.append(
@@ -676,10 +708,13 @@ def reduce_runs(
             diverged=False,
           )
         )
-  done += [{"run_id": r["run_id"]} for r in timing]
   return Evidence(
     pd.DataFrame(done),
-    {"timing": pd.DataFrame(timing), "training": pd.DataFrame(training)},
+    {
+      "timing": pd.DataFrame(timing),
+      "timing_samples": pd.DataFrame(samples),
+      "training": pd.DataFrame(training),
+    },
   )
 
 

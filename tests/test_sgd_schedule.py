@@ -126,3 +126,13 @@ def test_schedule_without_momentum_is_refused_by_name():
     )
   with pytest.raises(ValueError, match="momentum_schedule"):
     SGD(momentum=None, momentum_schedule="sutskever2013").transformation()
+
+
+def test_weight_decay_adds_lambda_theta_to_the_gradient_before_momentum():
+  """By hand: v <- 0.9 v + (g + λθ), θ <- θ - η v, on the quadratic."""
+  params, _ = train(SGD(learning_rate=0.1, momentum=0.9, weight_decay=0.05), 5)
+  theta, velocity = np.zeros(3), np.zeros(3)
+  for _ in range(5):
+    velocity = 0.9 * velocity + (A @ theta - B) + 0.05 * theta
+    theta = theta - 0.1 * velocity
+  np.testing.assert_allclose(params["w"], theta, rtol=1e-12)

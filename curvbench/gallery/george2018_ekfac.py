@@ -144,6 +144,9 @@ def spectra(problem: str, seeds: str, steps: list[int], **more) -> dict:
     "measure.spectra.steps": steps,
     "measure.training.num_steps": steps[-1],
     "measure.spectra.references": ["ggn"],
+    "measure.spectra.relative_dampings": [1e-3],
+    "measure.spectra.heatmap_blocks": 0,
+    "measure.spectra.per_block_type": False,
     **more,
   }
 
@@ -190,11 +193,11 @@ ENTRY = Entry(
     "cpu": Size(
       [
         spectra("autoencoder", "0,1,2,3,4,5", [0, 100]),
-        training("autoencoder", "0,1,2,3", 4.0),
+        training("autoencoder", "0,1,2,3", 3.0),
       ],
       "the 8x8-digit autoencoder 64-16-8-4-8-16-64: its layer blocks at "
       "initialisation and after 100 Adam steps, six seeds, three batches "
-      "each (12 spectra runs); 4 s of training per run, four seeds, two "
+      "each (12 spectra runs); 3 s of training per run, four seeds, two "
       "initial dampings each (16 runs)",
     ),
     "accelerator": Size(

@@ -1,5 +1,5 @@
 """SGD with heavy-ball (or Nesterov) momentum: `optax.sgd`; its settings are
-that function's arguments, and `momentum_schedule`."""
+that function's arguments, `momentum_schedule` and `weight_decay`."""
 
 import dataclasses
 
@@ -36,7 +36,8 @@ def sutskever_momentum(mu_max: float | None) -> optax.Schedule:
 @dataclasses.dataclass
 class SGD(OptimizerSettings):
   """`optax.sgd(learning_rate, momentum, nesterov, accumulator_dtype)`, the
-  momentum optionally scheduled (`optax.inject_hyperparams`)."""
+  momentum optionally scheduled (`optax.inject_hyperparams`), after an
+  optional weight decay (`optax.add_decayed_weights`)."""
 
   name: str = "sgd"
   colour = "tab:cyan"
@@ -60,6 +61,14 @@ class SGD(OptimizerSettings):
     "rising towards 1 every 250 updates, capped at `momentum`",
   )
 
+  weight_decay: float = setting(
+    0.0,
+    Number(0),
+    "λ of the L2 penalty λ/2 |θ|², its gradient λθ added to each update's "
+    "before the momentum (as the SGD trainings of image classifiers in the "
+    "papers do); the loss and its curvature stay the data's",
+  )
+
   def ignored(self):
     if self.momentum is None:
       return {
@@ -70,6 +79,13 @@ class SGD(OptimizerSettings):
 
   def transformation(self) -> optax.GradientTransformation:
     """The optax transformation of these settings."""
+    if not self.weight_decay:
+      return self._sgd()
+    return optax.chain(
+      optax.add_decayed_weights(self.weight_decay), self._sgd()
+    )
+
+  def _sgd(self) -> optax.GradientTransformation:
     if self.momentum_schedule == "constant":
       return optax.sgd(
         self.learning_rate,
