@@ -253,8 +253,8 @@ def run(
 
   A non-finite loss ends the run; its last row has `diverged` true.
   `on_step(step, params, model_state)` is called, off the clock, after
-  each of `at_steps` steps. With a `mesh` (the optimizer's), every batch
-  is split over its devices.
+  each of `at_steps` steps. With a `mesh` of several devices (the
+  optimizer's), every batch is split over them.
 
   A model with state (batch norm) has it moved on after every step by
   `Problem.next_model_state` at the step's starting parameters and batch,
@@ -286,7 +286,12 @@ def run(
   evaluate = evaluator(problem, cfg, dtype)
   every = cfg.sharpness_every
   sharp = None if every is None else sharpness(problem, cfg, dtype)
-  if mesh is None:
+  if mesh is None or mesh.size == 1:
+    # One device: the arrays stay as JAX places them. Put on a one-device
+    # mesh, the step's outputs would carry its sharding while the
+    # optimizer's initial state does not, and every kind of step would
+    # compile a second time, on the clock, once the state had been through
+    # a step.
     place = lambda batch: batch
   else:
     place = lambda batch: devices.split(batch, mesh, "problem.batch_size")

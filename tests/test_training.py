@@ -2,6 +2,7 @@
 definition."""
 
 import dataclasses
+import logging
 
 import jax
 import jax.flatten_util
@@ -263,3 +264,46 @@ def test_batches_take_their_sizes_from_a_schedule(tiny):
   assert [len(x) for x, _ in got] == sizes  # the last two in epoch 2
   with pytest.raises(ValueError, match="does not fit"):
     next(p.batches(sizes=iter([n + 1])))
+
+
+def test_every_kind_of_step_is_compiled_before_the_clock_starts(
+  tmp_path, monkeypatch
+):
+  """In a run as the command line makes it (float32, the one-device mesh),
+  no program compiles inside the timed loop: K-FAC's refresh and
+  damping-adaptation steps, once the state has been through a step,
+  included."""
+  from curvbench import runs
+  from curvbench.measurements import training as measurement
+  from tests.conftest import TINY_PROBLEM
+
+  events: list = []
+
+  class Compiles(logging.Handler):
+    def emit(self, record):
+      if "Finished XLA compilation" in record.getMessage():
+        events.append(record.getMessage())
+
+  monkeypatch.setattr(
+    measurement, "save_checkpoint", lambda ctx, step, *_: events.append(step)
+  )
+  handler = Compiles()
+  logging.getLogger("jax").addHandler(handler)
+  cfg = config.compose(
+    "measure=training",
+    "optimizer=kfac",
+    "optimizer.inverse_update_period=5",
+    "optimizer.damping_adaptation_interval=5",
+    "measure.training.num_steps=20",
+    "measure.training.eval_every=100",
+    "measure.training.checkpoint_steps=[1,20]",
+    *TINY_PROBLEM,
+  )
+  try:
+    with jax.log_compiles(True):
+      assert runs.run(cfg, tmp_path / "run") == "complete"
+  finally:
+    logging.getLogger("jax").removeHandler(handler)
+  # Steps 2-20 run each kind of step (a cycle of 5) three times or more.
+  assert events.count(1) == events.count(20) == 1
+  assert events[events.index(1) + 1 : events.index(20)] == []

@@ -258,10 +258,10 @@ def draw(evidence: Evidence, ax) -> None:
 
 
 def gd(
-  loss: str, seeds: str, rates, flow: float, every: int, **more
+  loss: str, seeds: str, rates, flow: float, every: float, **more
 ) -> list[dict]:
   """One part per step size: full-batch gradient descent for `flow` units
-  of η·t, the sharpness every `every` steps."""
+  of η·t, the sharpness (and the logs) every `every` units."""
   return [
     {
       "problem": "mlp",
