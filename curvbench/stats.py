@@ -333,13 +333,18 @@ SPREADS = (
 
 def _groups(columns) -> list[tuple[str, str, str]]:
   """The `(centre, low, high)` column triples of a table: `median` with
-  `q25` and `q75`, `mean` with `ci_low` and `ci_high`, bare or after a
+  `q25` and `q75`, and `ci_low` and `ci_high` with the `mean` where there
+  is one, else with the `median` (its own interval), bare or after a
   common prefix (`error_mean`, `error_ci_low`, ...)."""
   found = []
   for centre, low, high in SPREADS:
     for column in columns:
       if column == centre or column.endswith(f"_{centre}"):
         prefix = column[: -len(centre)]
+        if (
+          low == "ci_low" and centre == "median" and f"{prefix}mean" in columns
+        ):
+          continue  # the interval is the mean's
         if f"{prefix}{low}" in columns and f"{prefix}{high}" in columns:
           found.append((column, f"{prefix}{low}", f"{prefix}{high}"))
   return found

@@ -247,6 +247,25 @@ def test_reaching_two_over_eta_is_judged_over_its_range():
   assert found.outcome == INCONCLUSIVE and "depends on t" in found.evidence
 
 
+def test_a_verdict_over_a_range_says_whether_the_whole_range_agrees():
+  ours = gallery.Threshold(0.9, 1.0, "ours")
+  # The interval straddles both ends: inconclusive at every t, which is
+  # not a verdict that depends on t.
+  wide = gallery.against(np.linspace(0.5, 1.5, 8), ours, True, "x")
+  assert wide.outcome == INCONCLUSIVE
+  assert "inconclusive over the whole range" in wide.evidence
+  margin = gallery.Threshold(0.1, 0.25, "ours")
+  spread = [100.0, 90, 140, 60, 110, 80, 150, 70]
+  apart = gallery.equivalent(spread, spread[::-1], ("a", "b"), "x", margin)
+  assert apart.outcome == INCONCLUSIVE
+  assert "inconclusive over the whole range" in apart.evidence
+  assert "told apart within none: the interval holds no difference" in (
+    apart.evidence
+  )
+  same = gallery.equivalent([5.0] * 4, [5.0] * 4, ("a", "b"), "x", margin)
+  assert same.outcome == REPRODUCED and "within none" in same.evidence
+
+
 # --- Sagun et al. / Papyan (outliers) ----------------------------------------
 
 
@@ -349,17 +368,26 @@ def test_the_bulk_and_the_class_means():
 
 
 def hessian_runs(
-  isolated: dict[str, float], seeds=FOUR, shares=None, data="train"
+  isolated: dict[str, float],
+  seeds=FOUR,
+  shares=None,
+  data="train",
+  untrained=(),
 ):
   """Per normalisation and seed, a trained Hessian whose top eigenvalue is
   `isolated[norm]` above a smooth rest; the gradient's share `shares[norm]`
-  in the top eigenspace."""
+  in the top eigenspace; the runs `untrained` (ids) end at chance."""
   shares = shares or {"batch": 0.2, "none": 0.9}
   rest = np.geomspace(1.0, 1e-3, 60)
-  done, spectra, statistics = [], [], []
+  done, spectra, statistics, training = [], [], [], []
   for norm, top in isolated.items():
     for seed in seeds:
       run_id = f"{norm}{seed}"
+      for step, error in (
+        (0, 0.9),
+        (300, 0.88 if run_id in untrained else 0.1),
+      ):
+        training.append(dict(run_id=run_id, step=step, train_error=error))
       done.append(
         {
           "run_id": run_id,
@@ -394,8 +422,29 @@ def hessian_runs(
       )
   return Evidence(
     pd.DataFrame(done),
-    {"spectra": pd.DataFrame(spectra), "statistics": pd.DataFrame(statistics)},
+    {
+      "spectra": pd.DataFrame(spectra),
+      "statistics": pd.DataFrame(statistics),
+      "training": pd.DataFrame(training),
+    },
   )
+
+
+def test_batch_norm_claims_leave_out_the_runs_that_did_not_train():
+  """A collapsed network's Hessian (a few eigenvalues, the rest zero) is
+  not a trained one's: such runs are left out, named, and what remains
+  decides, too few samples included."""
+  one_dead = hessian_runs({"batch": 2.0, "none": 100.0}, untrained=("none1",))
+  for claim in (0, 1):
+    assert outcome(ghorbani, claim, one_dead) == TOO_FEW
+    verdict = judge(ghorbani, claim, one_dead)
+    assert "left out, not trained" in verdict.evidence
+    assert "none (training error 0.88)" in verdict.evidence
+  five = hessian_runs(
+    {"batch": 2.0, "none": 100.0}, seeds=(*FOUR, 9), untrained=("none9",)
+  )
+  assert outcome(ghorbani, 0, five) == REPRODUCED
+  assert ghorbani.isolation(np.array([3.0, 1.0, 0.0]), 3) == np.inf
 
 
 def test_batch_norm_claims_compare_the_isolation_and_the_gradient():

@@ -143,3 +143,10 @@ def test_every_summary_is_checked_against_its_own_spread():
   assert "bad row 0: median=1 outside [q25=1.1, q75=1.5]" in found
   assert any("error_mean=0.3 outside" in f for f in found)
   assert any("diff_median=0.2 outside" in f for f in found)
+  # Beside a mean, the interval is the mean's: a median outside it is not
+  # a defect (a skewed sample's median need not lie in the mean's interval).
+  skewed = pd.DataFrame(
+    dict(median=[1.0], q25=[0.9], q75=[5.0], mean=[3.0], ci_low=[2.0])
+  ).assign(ci_high=[4.0])
+  assert stats.inconsistencies("skewed", skewed) == []
+  assert len(stats.inconsistencies("skewed", skewed.assign(mean=[5.0]))) == 1

@@ -421,7 +421,7 @@ def against(
   )
   judged = (
     f"{outcome} over the whole range"
-    if outcome != INCONCLUSIVE
+    if not ends  # both ends agreed
     else "the verdict depends on t"
   )
   return Verdict(
@@ -510,14 +510,19 @@ def equivalent(
       f"{names[1]}'s median ({margin.source}): "
       + (
         f"{outcome} over the whole range"
-        if outcome != INCONCLUSIVE
+        if not ends  # both ends agreed
         else "the verdict depends on the margin"
       )
     )
+  apart = (
+    f"told apart within any below {outside:.1%}"
+    if outside > 0
+    else "told apart within none: the interval holds no difference"
+  )
   return Verdict(
     outcome,
     f"{text}; {judged} (the same within any margin of at least "
-    f"{inside:.1%}, told apart within any below {outside:.1%})",
+    f"{inside:.1%}, {apart})",
   )
 
 
@@ -612,6 +617,23 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   if df.empty:
     raise MissingRecords(what)
   return df
+
+
+def at_chance(evidence: Evidence, classes: int, slack: float = 0.05) -> dict:
+  """The runs that did not train: their last training error is within
+  `slack` of chance, 1 - 1/`classes` (what a network that gives every
+  input the same class scores, as a collapsed one does). Per run id, that
+  error; a claim about trained networks leaves these runs out and says so."""
+  train = rows(evidence, "training", "the runs' training curves")
+  if "train_error" not in train:
+    raise MissingRecords("the runs' training errors")
+  last = (
+    train.dropna(subset=["train_error"])
+    .sort_values("step", kind="stable")
+    .groupby("run_id")
+    .train_error.last()
+  )
+  return last[last >= 1 - 1 / classes - slack].to_dict()
 
 
 def trained_eigenvalues(

@@ -192,11 +192,13 @@ ENTRY = Entry(
   sizes={
     "cpu": Size(
       [
-        spectra("autoencoder", "0,1,2,3,4,5", [100]),
+        spectra(
+          "autoencoder", "0,1,2,3,4,5", [100], **{"measure.spectra.samples": 2}
+        ),
         training("autoencoder", "0,1,2,3", 3.0),
       ],
       "the 8x8-digit autoencoder 64-16-8-4-8-16-64: its layer blocks after "
-      "100 Adam steps, six seeds, three batches each (12 spectra runs); 3 s "
+      "100 Adam steps, six seeds, two batches each (12 spectra runs); 3 s "
       "of training per run, four seeds, two "
       "initial dampings each (16 runs)",
     ),
