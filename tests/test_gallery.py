@@ -708,6 +708,25 @@ def test_ekfac_on_another_network_or_curvature_is_no_contradiction():
   )
 
 
+def test_a_claims_conditions_are_read_off_its_own_runs():
+  """The entry's spectra runs (another mode, their own trainer's rows) do
+  not make the equal-time claim's conditions differ."""
+  found = ekfac_training(
+    {"kfac": [2.0, 2.1, 1.9, 2.05], "ekfac": [3.0, 3.1, 2.9, 3.05]}
+  )
+  spectra = {
+    "run_id": "spectra0",
+    "config:problem.name": "autoencoder",
+    "config:curvature.mode": "ggn_exact",
+  }
+  trainer = dict(measure="spectra", run_id="spectra0", step=0, train_loss=1.0)
+  both = Evidence(
+    pd.concat([found.done, pd.DataFrame([spectra])], ignore_index=True),
+    {"training": pd.concat([found.table("training"), pd.DataFrame([trainer])])},
+  )
+  assert outcome(george, 1, both) == CONTRADICTED
+
+
 # --- Eschenhagen et al. (K-FAC-reduce) -----------------------------------------
 
 

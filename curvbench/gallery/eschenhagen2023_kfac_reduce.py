@@ -125,9 +125,11 @@ def same_progress(evidence: Evidence) -> Verdict:
 
 
 def setting(losses: tuple[str, ...]):
-  """The entry's records of the runs whose registered loss is one of
-  `losses`: the setting a claim is about."""
-  return lambda evidence: evidence.where("loss", losses)
+  """The entry's training runs whose registered loss is one of `losses`:
+  the setting a claim is about."""
+  return lambda evidence: evidence.where("measure", ("training",)).where(
+    "loss", losses
+  )
 
 
 def _tuned(evidence: Evidence) -> tuple[bool, str]:

@@ -260,6 +260,7 @@ ENTRY = Entry(
       ),
       unverified="the section and figure numbers, the tuning grid and the "
       "training length: the stored text has only the abstract",
+      records=lambda evidence: evidence.where("measure", ("training",)),
     ),
   ),
   draw=draw,
