@@ -98,20 +98,41 @@ def runs_section(runs: pd.DataFrame) -> Section:
   return found
 
 
+# The columns a summary row shares with the runs it summarises.
+ROW_IDENTITY = ("problem", "measure", "method")
+
+
+def _seeds_behind(row: pd.Series, done: pd.DataFrame) -> int:
+  """How many seeds the runs a summary row speaks of ran: those of its
+  problem, measurement and method (as far as the row names them)."""
+  if "config:seed" not in done:
+    return 1
+  mask = pd.Series(True, index=done.index)
+  for column in ROW_IDENTITY:
+    if column in row.index and column in done and pd.notna(row[column]):
+      mask &= done[column] == row[column]
+  return done.loc[mask, "config:seed"].nunique()
+
+
 def self_check(sections: list[Section], done: pd.DataFrame) -> list[str]:
   """What is wrong with the report's own tables: a centre outside its
-  spread, or a count of one where the sweep ran several seeds."""
-  seeds = done["config:seed"].nunique() if "config:seed" in done else 1
+  spread, or a count of one where the runs it speaks of ran several seeds
+  (a sweep's parts may run different seeds, as the gallery's do)."""
   found = []
   for section in sections:
     for table in section.tables:
       found += stats.inconsistencies(table.name, table.data)
-      if seeds > 1 and "n" in table.data and section.title != "Runs":
-        ones = table.data[pd.to_numeric(table.data.n, errors="coerce") == 1]
-        found += [
-          f"{table.name} row {i}: n=1 although the sweep ran {seeds} seeds"
-          for i in ones.index
-        ]
+      if "n" not in table.data or section.title == "Runs":
+        continue
+      ones = table.data[pd.to_numeric(table.data.n, errors="coerce") == 1]
+      for i, row in ones.iterrows():
+        if row.get("seeds", 1) > 1:
+          continue  # the row says so: defined on one of its seeds only
+        seeds = _seeds_behind(row, done)
+        if seeds > 1:
+          found.append(
+            f"{table.name} row {i}: n=1 although its runs ran {seeds} seeds"
+          )
   return found
 
 

@@ -244,3 +244,29 @@ def test_a_problem_without_a_label_is_known_by_its_kind(tmp_path):
     )
   runs = sweep.load_sweep(tmp_path).runs
   assert sorted(runs.problem) == ["convnet", "mlp"]
+
+
+def test_self_check_counts_the_seeds_of_the_runs_a_row_speaks_of():
+  """A sweep whose parts run different seeds (the gallery's timing runs one
+  seed, its training six): a row of one sample is a defect only where its
+  own runs ran several."""
+  from curvbench.sections import Section, Table
+
+  done = pd.DataFrame(
+    dict(
+      problem=["resnet"] + ["mlp"] * 6,
+      measure=["timing"] + ["training"] * 6,
+      method=["kfac"] * 7,
+    )
+  ).assign(**{"config:seed": [0, 0, 1, 2, 3, 4, 5]})
+  rows = pd.DataFrame(
+    dict(problem=["resnet", "mlp"], method=["kfac", "kfac"], n=[1, 1])
+  )
+  section = Section("Timing", "?", tables=[Table("timing", "t", rows)])
+  assert report.self_check([section], done) == [
+    "timing row 1: n=1 although its runs ran 6 seeds"
+  ]
+  # A row that counts its seeds (a statistic defined on one of them) says
+  # so itself.
+  said = Table("statistics", "s", rows.assign(seeds=[1, 6]))
+  assert report.self_check([Section("S", "?", tables=[said])], done) == []
