@@ -190,7 +190,7 @@ def settings_of(name) -> dict:
 
 def test_optimizer_settings_follow_their_constructors():
   """Each optimizer's settings are its constructor's keyword arguments (SGD
-  adds its momentum schedule); of
+  adds its momentum schedule and its weight decay); of
   estimators.Optimizer every argument is a setting or said to be set by
   the run (with why), and `step` holds arguments of Optimizer.step."""
   kfac = settings_of("kfac")
@@ -205,7 +205,7 @@ def test_optimizer_settings_follow_their_constructors():
     "damping",
   }
   for name, fn, extra in (
-    ("sgd", optax.sgd, {"momentum_schedule"}),
+    ("sgd", optax.sgd, {"momentum_schedule", "weight_decay"}),
     ("adam", optax.adam, set()),
   ):
     section = settings_of(name)

@@ -65,6 +65,16 @@ def _untrained_words(evidence: Evidence) -> str:
   )
 
 
+def _nth(k: int) -> str:
+  """11th, 21st, 41st."""
+  end = (
+    "th"
+    if 10 <= k % 100 <= 20
+    else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+  )
+  return f"{k}{end}"
+
+
 def isolation(values: np.ndarray, edge: int) -> float:
   """The top eigenvalue over the `edge`-th (the bulk's edge); infinite
   where the edge is at or below zero (nothing of the bulk above zero)."""
@@ -81,7 +91,7 @@ def outliers_isolated(evidence: Evidence) -> Verdict:
       [np.log10(isolation(v, edge)) for v in batch],
       [np.log10(isolation(v, edge)) for v in none],
       ("batch norm", "no normalisation"),
-      f"log10 of the top eigenvalue over the {edge}th",
+      f"log10 of the top eigenvalue over the {_nth(edge)}",
     )
     for edge in EDGES
   }
@@ -97,7 +107,7 @@ def outliers_isolated(evidence: Evidence) -> Verdict:
     ""
     if outcome != INCONCLUSIVE
     else "; the verdict depends on where the bulk starts: "
-    + ", ".join(f"{v.outcome} at the {e}th" for e, v in verdicts.items())
+    + ", ".join(f"{v.outcome} at the {_nth(e)}" for e, v in verdicts.items())
   )
   return Verdict(
     outcome,

@@ -52,6 +52,9 @@ SPANNED = Threshold(
   "Papyan compares the eigenvalues by eye ('usually very close')",
 )
 
+# The papers train by SGD (with weight decay, Papyan 2020).
+TRAINER = "sgd"
+
 
 def gap_ratio(values: np.ndarray) -> float:
   """The larger drop after the (C-1)-th or the C-th eigenvalue (λ_k /
@@ -189,15 +192,14 @@ def draw(evidence: Evidence, ax) -> None:
   )
 
 
-def spectra(seeds: str, steps: int, width: int, problem="mlp", **more) -> dict:
+def spectra(seeds: str, steps: int, problem="mlp", **more) -> dict:
   return {
     "problem": problem,
-    **({"problem.width": width} if problem == "mlp" else {}),
     "problem.data.num_train": 750,
     "measure": "spectra",
     "curvature": "diagonal",
     "seed": seeds,
-    "measure/spectra/trainer": "sgd",
+    "measure/spectra/trainer": TRAINER,
     "measure.spectra.trainer.learning_rate": 0.05,
     "measure.spectra.trainer.momentum": 0.9,
     "measure.spectra.trainer.weight_decay": 5e-4,
@@ -221,7 +223,7 @@ def _trained_by_sgd(evidence: Evidence) -> tuple[bool, str]:
   decay = evidence.setting("measure.spectra.trainer.weight_decay")
   if not name:
     raise MissingRecords("the trainer")
-  ok = name == {"sgd"} and bool(decay) and min(decay) > 0
+  ok = name == {TRAINER} and bool(decay) and min(decay) > 0
   return (
     ok,
     f"{', '.join(map(str, name))}, weight decay {', '.join(map(str, decay)) or 'none'}",
@@ -298,7 +300,7 @@ ENTRY = Entry(
   ),
   sizes={
     "cpu": Size(
-      [spectra("0,1,2,3,4,5", STEPS, WIDTH)],
+      [spectra("0,1,2,3,4,5", STEPS, **{"problem.width": WIDTH})],
       f"the 3,466-parameter MLP on 750 digits, six seeds, {STEPS} SGD steps "
       "(170 epochs), the GGN at initialisation and at the end",
     ),
@@ -307,7 +309,6 @@ ENTRY = Entry(
         spectra(
           "0,1,2,3,4,5",
           4000,
-          WIDTH,
           problem="convnet",
           **{"problem.channels": [16, 32], "problem.data.num_train": 1500},
         )
@@ -317,7 +318,8 @@ ENTRY = Entry(
       "minute of a 10-minute window",
     ),
     "tiny": Size(
-      [spectra("0", 20, 8)], "an MLP of width 8, one seed, 20 steps"
+      [spectra("0", 20, **{"problem.width": 8})],
+      "an MLP of width 8, one seed, 20 steps",
     ),
   },
   claims=(
