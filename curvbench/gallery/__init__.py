@@ -619,9 +619,13 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   return df
 
 
-def at_chance(evidence: Evidence, classes: int, slack: float = 0.05) -> dict:
+# How near chance a run's last training error is to count as not trained.
+CHANCE_SLACK = 0.05
+
+
+def at_chance(evidence: Evidence, classes: int) -> dict:
   """The runs that did not train: their last training error is within
-  `slack` of chance, 1 - 1/`classes` (what a network that gives every
+  `CHANCE_SLACK` of chance, 1 - 1/`classes` (what a network that gives every
   input the same class scores, as a collapsed one does). Per run id, that
   error; a claim about trained networks leaves these runs out and says so."""
   train = rows(evidence, "training", "the runs' training curves")
@@ -633,7 +637,7 @@ def at_chance(evidence: Evidence, classes: int, slack: float = 0.05) -> dict:
     .groupby("run_id")
     .train_error.last()
   )
-  return last[last >= 1 - 1 / classes - slack].to_dict()
+  return last[last >= 1 - 1 / classes - CHANCE_SLACK].to_dict()
 
 
 def trained_eigenvalues(
@@ -744,6 +748,7 @@ def load_note(rows: pd.DataFrame, what: str) -> str:
 
 __all__ = [
   "ACCELERATOR",
+  "CHANCE_SLACK",
   "CHECK",
   "CONTRADICTED",
   "CPU",
@@ -772,6 +777,7 @@ __all__ = [
   "UNJUDGED",
   "Verdict",
   "against",
+  "at_chance",
   "by",
   "chosen",
   "column_in",

@@ -9,6 +9,7 @@ mode) both effects are almost absent.
 import numpy as np
 
 from curvbench.gallery import (
+  CHANCE_SLACK,
   FINDING,
   INCONCLUSIVE,
   TOO_FEW,
@@ -60,7 +61,7 @@ def _untrained_words(evidence: Evidence) -> str:
     f"{norms[r]} (training error {e:.2f})" for r, e in untrained.items()
   )
   return (
-    f"; left out, not trained (error within 0.05 of chance, "
+    f"; left out, not trained (error within {CHANCE_SLACK:g} of chance, "
     f"{1 - 1 / CLASSES:.2f}): {left}"
   )
 
@@ -232,7 +233,7 @@ ENTRY = Entry(
   sizes={
     "cpu": Size(
       # Five seeds: a run without normalisation can still collapse to one
-      # class (one of five did), and the comparison needs four trained.
+      # class (two of five did at step 0.05); the trained ones are compared.
       [spectra("0,1,2,3,4", 300)],
       "the 488-parameter ResNet-8 with and without batch norm, 300 SGD "
       "steps (75 epochs), five seeds each (10 runs)",
