@@ -619,6 +619,20 @@ def rows(evidence: Evidence, table: str, what: str, **where) -> pd.DataFrame:
   return df
 
 
+def final(evidence: Evidence, column: str, what: str, **where) -> pd.Series:
+  """Per run, the last logged value of the training table's `column`
+  (among the rows whose columns equal `where`'s values)."""
+  train = rows(evidence, "training", what, **where)
+  if column not in train:
+    raise MissingRecords(what)
+  return (
+    train.dropna(subset=[column])
+    .sort_values("step", kind="stable")
+    .groupby("run_id")[column]
+    .last()
+  )
+
+
 # How near chance a run's last training error is to count as not trained.
 CHANCE_SLACK = 0.05
 
@@ -628,15 +642,7 @@ def at_chance(evidence: Evidence, classes: int) -> dict:
   `CHANCE_SLACK` of chance, 1 - 1/`classes` (what a network that gives every
   input the same class scores, as a collapsed one does). Per run id, that
   error; a claim about trained networks leaves these runs out and says so."""
-  train = rows(evidence, "training", "the runs' training curves")
-  if "train_error" not in train:
-    raise MissingRecords("the runs' training errors")
-  last = (
-    train.dropna(subset=["train_error"])
-    .sort_values("step", kind="stable")
-    .groupby("run_id")
-    .train_error.last()
-  )
+  last = final(evidence, "train_error", "the runs' training errors")
   return last[last >= 1 - 1 / classes - CHANCE_SLACK].to_dict()
 
 
@@ -787,6 +793,7 @@ __all__ = [
   "every",
   "evidence",
   "experiments",
+  "final",
   "full_batch",
   "load_note",
   "rows",

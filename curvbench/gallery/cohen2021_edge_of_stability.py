@@ -22,6 +22,7 @@ from curvbench.gallery import (
   Threshold,
   Verdict,
   against,
+  final,
   full_batch,
   rows,
   setting_in,
@@ -156,35 +157,23 @@ def falls_late(evidence: Evidence) -> Verdict:
     run.sharpness.iloc[-1] / run.sharpness.iloc[len(run) // 2]
     for _, run in sharpness(evidence).groupby("run_id")
   ]
-  train = rows(evidence, "training", "the training loss", measure="training")
-  if "train_loss" not in train:
-    raise MissingRecords("the training loss")
-  final = (
-    train.dropna(subset=["train_loss"])
-    .sort_values("step")
-    .groupby("run_id")
-    .train_loss.last()
-  )
+  loss = final(evidence, "train_loss", "the training loss", measure="training")
   return against(
     ends,
     FALLS,
     above=False,
     what="the sharpness at the end of training over its value halfway, per run",
-    baseline=f"the final training loss {final.median():.3g} (median)",
+    baseline=f"the final training loss {loss.median():.3g} (median)",
   )
 
 
 def _to_the_goal(evidence: Evidence) -> tuple[bool, str]:
   """Trained to the authors' accuracy goal (99 % on the training set)."""
-  train = rows(evidence, "training", "the training runs", measure="training")
-  final = (
-    train.dropna(subset=["train_error"])
-    .sort_values("step")
-    .groupby("run_id")
-    .train_error.last()
+  error = final(
+    evidence, "train_error", "the training runs", measure="training"
   )
-  return bool((final <= 0.01).all()), (
-    f"final training error {final.min():.3g} to {final.max():.3g}"
+  return bool((error <= 0.01).all()), (
+    f"final training error {error.min():.3g} to {error.max():.3g}"
   )
 
 

@@ -22,6 +22,7 @@ from curvbench.gallery import (
   Verdict,
   against,
   column_in,
+  final,
   rows,
   setting_in,
   trained_eigenvalues,
@@ -156,15 +157,9 @@ def _eigenvalue_match(evidence: Evidence) -> str:
 
 def _terminal(evidence: Evidence) -> tuple[bool, str]:
   """Trained to zero training error, where Papyan measures."""
-  train = rows(evidence, "training", "the runs' training error")
-  final = (
-    train.dropna(subset=["train_error"])
-    .sort_values("step")
-    .groupby("run_id")
-    .train_error.last()
-  )
-  return bool((final == 0).all()), (
-    f"final training error {final.min():.3g} to {final.max():.3g}"
+  error = final(evidence, "train_error", "the runs' training error")
+  return bool((error == 0).all()), (
+    f"final training error {error.min():.3g} to {error.max():.3g}"
   )
 
 
