@@ -6,10 +6,11 @@ name, progress output, error handling, the skip rule, the report-only
 tuning section, the lock's wait and the compilation cache), the code (the
 commit, and a hash of uncommitted changes) and the data (the dataset's
 fingerprint: the sha256 of the files it reads, or its generator, version
-and settings) and the code of any component declared outside curvbench (a
-plugin's, or a model given from Python: `plugins.source`). Two runs that
-differ in any of these never share an id, are never taken for each other
-on resume, and the report keeps them apart.
+and settings) and the code it runs from outside curvbench: each plugin it
+names with the local modules they import, and the code of a model given
+from Python (`plugin_code`). Two runs that differ in any of these never
+share an id, are never taken for each other on resume, and the report
+keeps them apart.
 Every record row carries the id and the provenance columns of `columns`;
 the run's whole config, flattened to dotted keys, is the run's `config`
 table, joined on `run_id`.
@@ -82,15 +83,15 @@ def identity_config(cfg) -> dict:
 
 def inputs(cfg) -> dict:
   """The code (`code_version`), the data (the dataset's fingerprint) and
-  the code of the components from outside curvbench (`plugin_code`) a run
-  with `cfg` measures with."""
+  the code from outside curvbench (`plugin_code`) a run with `cfg`
+  measures with."""
   section = cfg["problem"]["data"]
   if isinstance(section, DictConfig):
     section = OmegaConf.to_container(section, resolve=True)
   return dict(
     code=code_version()["code"],
     dataset=problems.DATASETS.load(section).fingerprint(),
-    plugins=plugin_code(cfg),
+    **plugin_code(cfg),
   )
 
 
@@ -106,21 +107,32 @@ def _components(settings) -> Iterator[type]:
       yield from _components(value)
 
 
-def plugin_code(cfg) -> str | None:
-  """A hash of the code of the run's components declared outside curvbench
-  (`plugins.source`); None where every one is curvbench's own."""
+def plugin_code(cfg) -> dict:
+  """The code a run with `cfg` executes outside curvbench: `plugin_sources`,
+  JSON of `{plugin: hash}` for each plugin it names (`plugins.digest`: its
+  files and the local modules they import, whether or not it registers
+  anything), and `plugins`, one hash over those and the code of each of
+  its components declared outside curvbench (`plugins.source`); both None
+  where it runs curvbench's own code only."""
   from curvbench import config  # noqa: PLC0415  (config imports the registries)
 
+  named = {
+    str(name): plugins.digest(str(name)) for name in cfg.get("plugins") or []
+  }
   sources = sorted(
     {
       f"{c.__module__}.{c.__qualname__}={code}"
       for c in _components(config.load(cfg))
       if (code := plugins.source(c)) is not None
     }
+    | {f"plugin {name}={code}" for name, code in named.items()}
   )
   if not sources:
-    return None
-  return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
+    return dict(plugins=None, plugin_sources=None)
+  return dict(
+    plugins=hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12],
+    plugin_sources=json.dumps(named, sort_keys=True) if named else None,
+  )
 
 
 def run_id(cfg) -> str:

@@ -34,7 +34,7 @@ from curvbench.approximations import CURVATURES
 from curvbench.gallery import page as gallery_page
 from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.sections import Section, Table, to_markdown
+from curvbench.sections import Section, Table, to_markdown, unreadable
 
 # In a report folder: it is curvbench's (see `records.claim`).
 REPORT_MARKER = ".curvbench-report"
@@ -136,11 +136,61 @@ def self_check(sections: list[Section], done: pd.DataFrame) -> list[str]:
   return found
 
 
-def write(root, out=None) -> dict:
+def not_rendered_section(rows: list[dict]) -> Section:
+  """What the records hold that the report could not show, and why."""
+  found = Section("Not rendered", "What could not be shown, and why?")
+  found.tables.append(
+    Table("not_rendered", "Parts not rendered, with why", pd.DataFrame(rows))
+  )
+  found.findings.append(
+    f"{len(rows)} parts of the records are not rendered: "
+    + "; ".join(f"{r['part']}: {r['why']}" for r in rows[:3])
+    + ("; ..." if len(rows) > 3 else "")
+    + " (see Not rendered)."
+  )
+  return found
+
+
+def unregistered(runs: pd.DataFrame) -> list[dict]:
+  """The measurements runs finished with that no registered measurement
+  draws: a plugin's, not imported (its runs say why)."""
+  if "measure" not in runs:
+    return []
+  done = runs[runs.status.isin(["complete", "diverged"])]
+  done = done[done.measure.notna() & ~done.measure.isin(list(MEASUREMENTS))]
+  out = []
+  for kind, group in done.groupby("measure"):
+    why = sorted(set(group.get("plugins_not_imported", pd.Series()).dropna()))
+    out.append(
+      dict(
+        part=f"the section of measurement {kind!r}",
+        runs=len(group),
+        why="; ".join(why)
+        or f"no measurement {kind!r} is registered here: install the plugin "
+        "that declares it, or name it with --trust",
+      )
+    )
+  return out
+
+
+def _guarded(part: str, not_rendered: list[dict], make, *args):
+  """`make(*args)`, or None where the records are not what it expects (the
+  part and why are added to `not_rendered`: the rest of the report stands)."""
+  try:
+    return make(*args)
+  except Exception as e:  # noqa: BLE001 - any record it did not expect: said
+    not_rendered.append(dict(part=part, runs=None, why=unreadable(e)))
+    return None
+
+
+def write(root, out=None, trust=()) -> dict:
   """Writes the summary, the sections' tables and figures, `report.md`
   and `report.html`; returns their paths (`tables`, `figures`), how many
   runs of each status in `sweep.NOT_IN_RESULTS` there are
-  (`not_in_results`) and what the self-check found (`self_check`)."""
+  (`not_in_results`), what the self-check found (`self_check`) and what
+  could not be rendered, with why (`not_rendered`). Of the plugins the
+  runs name, only those in `trust` whose code is the code the runs
+  recorded are imported (`sweep.load_sweep`)."""
   root = Path(root)
   out = Path(out) if out else root / "report"
   if not root.is_dir():
@@ -148,7 +198,7 @@ def write(root, out=None) -> dict:
       f"No sweep directory at {root}: give the folder "
       "of a sweep (e.g. reports/quick)."
     )
-  loaded = sweep.load_sweep(root)
+  loaded = sweep.load_sweep(root, trust)
   if loaded.runs.empty:
     raise FileNotFoundError(
       f"No runs under {root}: run a sweep first "
@@ -165,15 +215,32 @@ def write(root, out=None) -> dict:
     legacy=lambda folder: (folder / "report.md").exists(),
   )
   report = Report(root, loaded.runs, done, tables, colour_map(tables))
+  not_rendered = unregistered(loaded.runs)
   sections = []
   with plots.style():
     for name in MEASUREMENTS:
-      section = MEASUREMENTS.get(name)().section(report, out / "figures")
+      section = _guarded(
+        f"the section of measurement {name!r}",
+        not_rendered,
+        MEASUREMENTS.get(name)().section,
+        report,
+        out / "figures",
+      )
       if section is not None:
         sections.append(section)
-  judged = gallery_page.judge(done, tables)
-  if judged:
-    sections.append(gallery_page.section(judged))
+    judged = _guarded(
+      "the gallery", not_rendered, gallery_page.judge, done, tables
+    )
+    gallery = judged and _guarded(
+      "the gallery", not_rendered, gallery_page.section, judged
+    )
+    pages = gallery and _guarded(
+      "the gallery's page", not_rendered, gallery_page.write, root, out, judged
+    )
+  if gallery:
+    sections.append(gallery)
+  if not_rendered:
+    sections.append(not_rendered_section(not_rendered))
   sections.append(runs_section(loaded.runs))
   notes = sweep.mixed_inputs(done)
   if notes:
@@ -189,6 +256,7 @@ def write(root, out=None) -> dict:
       for status, n in loaded.runs.status.value_counts().items()
       if status in sweep.NOT_IN_RESULTS
     },
+    "not_rendered": not_rendered,
   }
 
   def save_csv(name, df):
@@ -206,9 +274,7 @@ def write(root, out=None) -> dict:
   written["tables"] += _write_pages(
     root, out, sections, checked, _provenance_line(tables, loaded.runs)
   )
-  if judged:
-    with plots.style():
-      pages = gallery_page.write(root, out, judged)
+  if pages:
     written["tables"] += pages[:2]
     written["figures"] += pages[2:]
   return written
@@ -321,10 +387,20 @@ def main(argv=None) -> int:
   )
   parser.add_argument("dir", help="a sweep directory, e.g. reports/quick")
   parser.add_argument("--out", help="output directory (default DIR/report)")
+  parser.add_argument(
+    "--trust",
+    action="append",
+    default=[],
+    metavar="PLUGIN",
+    help="import plugin PLUGIN (as the runs name it: a module or a .py "
+    "path) to render its sections, where its code is the code the runs "
+    "recorded; reading a folder imports no code it names otherwise "
+    "(repeat for several)",
+  )
   args = parser.parse_args(argv)
   out = Path(args.out or Path(args.dir) / "report")
   try:
-    written = write(args.dir, args.out)
+    written = write(args.dir, args.out, args.trust)
   except (FileNotFoundError, records.ForeignFolder) as e:
     raise SystemExit(f"curvbench report: {e}") from None
   except OSError as e:  # a read-only or full disk
@@ -343,6 +419,12 @@ def main(argv=None) -> int:
       "[curvbench] not in the results: "
       + ", ".join(f"{n} {status}" for status, n in missing.items())
       + f" (see 'Runs' in {out / 'report.md'})"
+    )
+  if written["not_rendered"]:
+    print(
+      f"[curvbench] {len(written['not_rendered'])} parts not rendered "
+      f"(see 'Not rendered' in {out / 'report.md'}): "
+      + "; ".join(r["part"] for r in written["not_rendered"])
     )
   if written["self_check"]:
     print(f"[curvbench] {_check_line(written['self_check'])}")

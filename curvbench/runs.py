@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import traceback
@@ -215,10 +216,16 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)
+  old_plugins, now_plugins = (
+    json.loads(m.get("plugin_sources") or "{}") for m in (marker, now)
+  )
+  if old_plugins != now_plugins:
+    changed = provenance.differences(old_plugins, now_plugins)
+    return f"the code of its plugins changed ({changed})"
   for key, what in (
     ("code", "code"),
     ("dataset", "data"),
-    ("plugins", "plugin code"),
+    ("plugins", "code from outside curvbench"),
   ):
     if marker.get(key) != now[key]:
       return (

@@ -127,3 +127,15 @@ def to_markdown(df: pd.DataFrame, digits: int = 4) -> str:
 
 
 __all__ = ["Section", "Table", "number", "spread", "to_markdown", "wide"]
+
+
+def unreadable(error: Exception) -> str:
+  """Why records could not be read as expected, in words: a section, claim
+  or figure that cannot be computed says so, and the rest of the report
+  stands."""
+  if isinstance(error, KeyError):
+    return f"the records lack the column or key {error}"
+  return (
+    "the records are not as expected (a column of another type, or "
+    f"values of another kind): {type(error).__name__}: {error}"
+  )

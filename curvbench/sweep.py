@@ -24,9 +24,11 @@ import dataclasses
 import fnmatch
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
@@ -214,27 +216,47 @@ def _linked(root: Path, link: Path, target: Path) -> dict:
   )
 
 
-def load_sweep(root) -> Sweep:
+def _plugins_named(cfg: dict, marker: dict | None) -> dict:
+  """`{plugin: hash of its code}` of the plugins a run's config names, the
+  hashes as its marker recorded them (None where it did not)."""
+  try:
+    names = json.loads(cfg.get("plugins") or "[]")
+    recorded = json.loads((marker or {}).get("plugin_sources") or "{}")
+  except (TypeError, ValueError):
+    return {}  # a damaged config: the run's status says so
+  if not isinstance(names, list) or not isinstance(recorded, dict):
+    return {}
+  return {str(name): recorded.get(str(name)) for name in names}
+
+
+def _how(root: Path, name: str) -> str:
+  return f"`curvbench report {root} --trust {name}`"
+
+
+def load_sweep(root, trust: Iterable[str] = ()) -> Sweep:
   """Every run directory under `root`, and each table concatenated over the
-  complete and diverged runs (with `run_id` and `run_dir` columns). The
-  plugins a run names are imported, for the tables their measurements
-  declare."""
+  complete and diverged runs (with `run_id` and `run_dir` columns). Of the
+  plugins the runs name, those in `trust` whose code is the code the runs
+  recorded are imported, for the tables their measurements declare; the
+  others are not (a run's `plugins_not_imported` says why:
+  `plugins.load_recorded`)."""
   root = Path(root)
+  trust = list(trust)
   plugins.load_installed()
-  runs, parts = [], collections.defaultdict(list)
+  runs: list[dict] = []
+  parts: dict[str, list[tuple[int, pd.DataFrame]]] = collections.defaultdict(
+    list
+  )
   found, links = _run_dirs(root)
   for path in found:
     run = records.RunDir(path)
     status, reason, marker = _status(run)
     cfg = _run_config(run)
-    try:
-      plugins.load(json.loads(cfg.get("plugins") or "[]"))
-    except plugins.PluginError as e:  # the rest of the report still stands
-      print(
-        f"[curvbench] {path}: {e}; the tables only its measurement "
-        "declares are left out.",
-        flush=True,
-      )
+    unread = [
+      why
+      for name, code in _plugins_named(cfg, marker).items()
+      if (why := plugins.load_recorded(name, code, trust, _how(root, name)))
+    ]
     run_dir = str(path.relative_to(root))
     run_id = cfg.pop("run_id", None) or (marker or {}).get("run_id", run_dir)
     row = dict(
@@ -246,6 +268,7 @@ def load_sweep(root) -> Sweep:
       problem=cfg.get("problem.label") or cfg.get("problem.name"),
       measure=cfg.get("measure.kind"),
       **{key: (marker or {}).get(key) for key in INPUTS},
+      plugins_not_imported="; ".join(unread) or None,
       **{f"config:{k}": v for k, v in cfg.items()},
     )
     run_tables = {}
@@ -258,19 +281,59 @@ def load_sweep(root) -> Sweep:
       df = df.assign(run_dir=run_dir)
       if "run_id" not in df:  # written before run ids
         df["run_id"] = run_id
-      parts[name].append(df)
+      parts[name].append((len(runs), df))
       if "device_kind" in df and len(df):
         row["device_kind"] = df.device_kind.iloc[0]
     row["method"] = _json_field(path / "metadata.json", "method")
     runs.append(row)
-  runs += [_linked(root, link, target) for link, target in links]
   declared = {t for name in MEASUREMENTS for t in MEASUREMENTS.get(name).tables}
+  parts = {name: found for name, found in parts.items() if name in declared}
+  for i, why in _odd_columns(parts).items():
+    runs[i].update(status="damaged", reason=why)
   tables = {
     name: pd.concat(dfs, ignore_index=True)
-    for name, dfs in parts.items()
-    if name in declared
+    for name, found in parts.items()
+    if (dfs := [df for i, df in found if runs[i]["status"] != "damaged"])
   }
+  runs += [_linked(root, link, target) for link, target in links]
   return Sweep(root, pd.DataFrame(runs), tables)
+
+
+def _kind(column: pd.Series) -> str | None:
+  """What a column holds: numbers, times or values other than numbers (text,
+  lists; None where it is empty)."""
+  values = column.dropna()
+  if values.empty:
+    return None
+  if pd.api.types.is_numeric_dtype(column):
+    return "numbers"
+  if pd.api.types.is_datetime64_any_dtype(column):
+    return "times"
+  numbers = values.map(lambda v: isinstance(v, (int, float, np.number)))
+  return "numbers" if numbers.all() else "values other than numbers"
+
+
+def _odd_columns(parts: dict[str, list[tuple[int, pd.DataFrame]]]) -> dict:
+  """`{run: why}` for the runs whose table holds values other than numbers in
+  a column that most runs' same table hold numbers in (a table rewritten, or written by other
+  code): their records are left out rather than read as numbers."""
+  odd: dict[int, str] = {}
+  for name, found in parts.items():
+    kinds = [(i, {c: _kind(df[c]) for c in df.columns}) for i, df in found]
+    columns = {c for _, k in kinds for c in k}
+    for column in sorted(columns):
+      held = [(i, k[column]) for i, k in kinds if k.get(column) is not None]
+      numbers = sum(kind == "numbers" for _, kind in held)
+      if 2 * numbers <= len(held):
+        continue  # no majority to hold a run against
+      for i, kind in held:
+        if kind != "numbers" and i not in odd:
+          odd[i] = (
+            f"its table {name!r} holds {kind} in column {column!r}, where "
+            f"{numbers} of the {len(held)} runs with that table hold "
+            "numbers: written by other code, or edited; run it again"
+          )
+  return odd
 
 
 def _short_names(keys: list[str]) -> dict[str, str]:

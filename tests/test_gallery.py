@@ -7,6 +7,7 @@ tiny size, judged from the records the runs wrote."""
 
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pandas as pd
@@ -294,6 +295,7 @@ def ggn_runs(
         "config:problem.name": problem,
         "config:measure.spectra.trainer.name": "sgd",
         "config:measure.spectra.trainer.weight_decay": 5e-4,
+        "config:measure.spectra.steps": "[0, 100]",
       }
     )
     for step, values in ((0, untrained), (100, trained)):
@@ -364,6 +366,54 @@ def test_the_bulk_and_the_class_means():
   )
 
 
+def test_claims_about_trained_networks_refuse_records_that_stop_short():
+  """Records that stop before the last step a run was set to measure at
+  (the trained network's missing) leave every claim about trained networks
+  unjudged, naming the run, rather than judged on the untrained one."""
+  ten = list(np.geomspace(1.0, 0.1, sagun.CLASSES))
+  for cut in (
+    lambda df: df[df.step == 0],  # only the untrained records
+    lambda df: df.iloc[:0],  # none at all
+  ):
+    found = ggn_runs(ten)
+    found.tables = {n: cut(df) for n, df in found.tables.items()}
+    for claim in range(3):
+      verdict = judge(sagun, claim, found)
+      assert verdict.outcome == UNJUDGED, (claim, verdict)
+  found = ggn_runs(ten)
+  found.done["config:measure.spectra.steps"] = "[0, 100, 200]"
+  verdict = judge(sagun, 0, found)
+  assert verdict.outcome == UNJUDGED
+  assert (
+    "step 200" in verdict.evidence and "stop at step 100" in verdict.evidence
+  )
+  found.done["config:measure.spectra.steps"] = "[0]"  # never trained
+  assert "no trained step" in judge(sagun, 0, found).evidence
+  found.done["config:measure.spectra.steps"] = "not a list"  # malformed
+  assert judge(sagun, 0, found).outcome == UNJUDGED
+  shares = hessian_runs({"batch": 10.0, "none": 10.0})
+  shares.done["config:measure.spectra.steps"] = "[300, 600]"
+  for claim in range(len(ghorbani.ENTRY.claims)):
+    assert judge(ghorbani, claim, shares).outcome == UNJUDGED
+
+
+def test_records_of_another_type_leave_a_claim_unjudged_saying_why():
+  """A column whose type changed, or a table of other columns, is no
+  traceback: the claim is not judged and says what it could not read."""
+  ten = list(np.geomspace(1.0, 0.1, sagun.CLASSES))
+  found = ggn_runs(ten)
+  found.tables["spectra"] = found.tables["spectra"].assign(eigenvalue="x")
+  verdict = judge(sagun, 0, found)
+  assert verdict.outcome == UNJUDGED and "records" in verdict.evidence
+  found = ggn_runs(ten)
+  found.tables["spectra"] = found.tables["spectra"].drop(columns="eigenvalue")
+  verdict = judge(sagun, 0, found)
+  assert verdict.outcome == UNJUDGED and "eigenvalue" in verdict.evidence
+  found = ggn_runs(ten)
+  found.done = found.done.drop(columns="run_id")
+  assert judge(sagun, 0, found).outcome == UNJUDGED
+
+
 # --- Ghorbani et al. (batch norm) --------------------------------------------
 
 
@@ -395,6 +445,7 @@ def hessian_runs(
           "config:seed": seed,
           "config:problem.name": "resnet_small",
           "config:measure.spectra.data": data,
+          "config:measure.spectra.steps": "[300]",
         }
       )
       values = np.concatenate([[top * noise(seed, 0.05)], rest])
@@ -492,6 +543,7 @@ def subspace_runs(share, alignment, seeds=SIX, momentum=0):
         "config:measure.spectra.trainer.momentum": momentum,
         "config:measure.spectra.data": "train",
         "config:measure.spectra.top_k": gurari.CLASSES,
+        "config:measure.spectra.steps": json.dumps(list(gurari.STEPS)),
       }
     )
     for step in gurari.STEPS:

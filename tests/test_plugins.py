@@ -174,7 +174,8 @@ def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
   tmp_path,
 ):
   """Declared in a test folder, named on the command line; the report, a
-  process of its own, finds the plugin in the runs' configs."""
+  process of its own, renders its section where the reader trusts it and
+  its code is the code the runs recorded."""
   env = dict(os.environ, PYTHONPATH=str(REPO))
   sweep = tmp_path / "sweep"
   _run(
@@ -190,11 +191,26 @@ def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
     cwd=tmp_path,
     env=env,
   )
+  # Not trusted: nothing imported, its section listed as not rendered.
   _run(
     sys.executable, "-m", "curvbench", "report", sweep, cwd=tmp_path, env=env
   )
   text = (sweep / "report" / "report.md").read_text()
-  assert "## Gradient norms" in text
+  assert "## Gradient norms" not in text and "## Not rendered" in text
+  assert "--trust tests.toy_measurement.plugin" in text
+  _run(
+    sys.executable,
+    "-m",
+    "curvbench",
+    "report",
+    sweep,
+    "--trust",
+    "tests.toy_measurement.plugin",
+    cwd=tmp_path,
+    env=env,
+  )
+  text = (sweep / "report" / "report.md").read_text()
+  assert "## Gradient norms" in text and "## Not rendered" not in text
   assert (sweep / "report" / "toy_gradient_norms.csv").is_file()
   assert (sweep / "report" / "figures" / "toy_gradient_norms.png").is_file()
   (run_dir,) = (p for p in sweep.iterdir() if (p / records.MARKER).is_file())

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from curvbench import stats
+from curvbench.sections import unreadable
 
 # The kinds of claim.
 FINDING, EXTENSION, CHECK = "finding", "extension", "check"
@@ -139,6 +141,13 @@ class MissingRecords(LookupError):
   """What a claim's check needs is not in the records."""
 
 
+def lacking(error: Exception) -> str:
+  """Why a claim or figure could not be computed from the records."""
+  if isinstance(error, MissingRecords):
+    return f"the records lack {error}"
+  return unreadable(error)
+
+
 @dataclasses.dataclass(frozen=True)
 class Condition:
   """What a paper's claim depends on: `paper`, the condition as the paper
@@ -220,13 +229,18 @@ class Claim:
     """The check's verdict with the conditions read off the records: a
     contradiction where any condition differs is *not reproduced at this
     scale*; not judged where the records lack what the check reads."""
-    if self.records is not None:
-      evidence = self.records(evidence)
-    met = tuple(c.read(evidence) for c in self.conditions)
+    try:
+      if self.records is not None:
+        evidence = self.records(evidence)
+      met = tuple(c.read(evidence) for c in self.conditions)
+    except Exception as e:  # noqa: BLE001 - records not as expected: said
+      return Verdict(UNJUDGED, lacking(e), ())
     try:
       found = self.check(evidence)
     except MissingRecords as e:
       return Verdict(UNJUDGED, f"the records lack {e}", met)
+    except Exception as e:  # noqa: BLE001 - records not as expected: said
+      return Verdict(UNJUDGED, lacking(e), met)
     allowed = [o for o in OUTCOMES[self.kind] if o != NOT_AT_SCALE]
     if found.outcome not in allowed:
       raise ValueError(
@@ -646,20 +660,43 @@ def at_chance(evidence: Evidence, classes: int) -> dict:
   return last[last >= 1 - 1 / classes - CHANCE_SLACK].to_dict()
 
 
+def trained(evidence: Evidence, df: pd.DataFrame, what: str) -> pd.DataFrame:
+  """The rows of `df` measured at the last step each run was set to measure
+  at (`measure.spectra.steps`), where that step follows training (> 0):
+  a claim about trained networks is never judged on untrained ones.
+  `MissingRecords` names a run whose rows stop short of it."""
+  column = "config:measure.spectra.steps"
+  if "step" not in df or column not in evidence.done:
+    raise MissingRecords(f"{what} (no steps recorded)")
+  out = []
+  for run_id, part in df.groupby("run_id"):
+    run = evidence.done[evidence.done.run_id == run_id]
+    try:
+      final = max(json.loads(run[column].iloc[0]))
+    except (IndexError, TypeError, ValueError) as e:
+      raise MissingRecords(f"{what} (run {run_id}: no steps set)") from e
+    if final <= 0 or not (part.step == final).any():
+      raise MissingRecords(
+        f"{what} after training (run {run_id} was set to measure at step "
+        f"{final}; its records stop at step {part.step.max()})"
+        if final > 0
+        else f"{what} after training (run {run_id} measured no trained step)"
+      )
+    out.append(part[part.step == final])
+  if not out:
+    raise MissingRecords(what)
+  return pd.concat(out)
+
+
 def trained_eigenvalues(
   evidence: Evidence, matrix: str, per: str = "run_id", source: str = "exact"
 ) -> dict:
   """`matrix`'s eigenvalues (descending) at the last measured step, on the
   first data draw where a run measured several, per value of column `per`
   (a run, or a seed)."""
-  spectra = rows(
-    evidence,
-    "spectra",
-    f"the trained {matrix}'s eigenvalues",
-    source=source,
-    matrix=matrix,
-  )
-  last = spectra[spectra.step == spectra.step.max()]
+  what = f"the trained {matrix}'s eigenvalues"
+  spectra = rows(evidence, "spectra", what, source=source, matrix=matrix)
+  last = trained(evidence, spectra, what)
   if "sample" in last:
     last = last[last["sample"] == last["sample"].min()]
   return {
@@ -795,9 +832,11 @@ __all__ = [
   "experiments",
   "final",
   "full_batch",
+  "lacking",
   "load_note",
   "rows",
   "setting_in",
+  "trained",
   "trained_eigenvalues",
   "tuned_words",
 ]

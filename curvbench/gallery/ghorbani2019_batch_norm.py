@@ -24,6 +24,7 @@ from curvbench.gallery import (
   compare,
   rows,
   setting_in,
+  trained,
   trained_eigenvalues,
 )
 from curvbench.measurements.spectra.compute import GRADIENT_SHARE
@@ -121,15 +122,16 @@ def outliers_isolated(evidence: Evidence) -> Verdict:
 
 
 def gradient_in_outliers(evidence: Evidence) -> Verdict:
+  what = "the gradient's share in the trained Hessian's top eigenspace"
   share = rows(
     evidence,
     "statistics",
-    "the gradient's share in the top Hessian eigenspace",
+    what,
     source="exact",
     matrix="hessian",
     statistic=GRADIENT_SHARE,
   )
-  last = share[share.step == share.step.max()]
+  last = trained(evidence, share, what)
   per_run = dict(zip(last.run_id, last.value))
   batch, none = by(
     _by_norm(evidence, per_run),

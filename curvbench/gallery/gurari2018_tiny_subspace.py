@@ -21,6 +21,7 @@ from curvbench.gallery import (
   column_in,
   rows,
   setting_in,
+  trained,
 )
 from curvbench.measurements.spectra.compute import GRADIENT_SHARE
 
@@ -47,14 +48,18 @@ ALIGNED = Threshold(
 
 
 def _statistic(evidence: Evidence, name: str, what: str) -> pd.DataFrame:
-  return rows(
+  """Statistic `name` along training, of the runs whose records reach the
+  last step they were set to measure at (`trained`)."""
+  found = rows(
     evidence,
     "statistics",
     what,
     source="exact",
     matrix="hessian",
     statistic=name,
-  )[
+  )
+  trained(evidence, found, what)
+  return found[
     ["run_id", "seed", "step", "value", "num_params", "num_train", "batch_size"]
   ]
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import matplotlib.pyplot as plt
 import pandas as pd
 
 from curvbench import html_page, plots, records
@@ -25,6 +26,7 @@ from curvbench.gallery import (
   Evidence,
   Verdict,
   entries,
+  lacking,
 )
 from curvbench.gallery import evidence as evidence_of
 from curvbench.sections import Section, Table, to_markdown
@@ -178,13 +180,18 @@ def _runs_line(root: Path, found: Evidence) -> str:
   )
 
 
-def _figure(judged: Judged, folder: Path) -> list[Path]:
-  """The entry's own figure, one panel, as `gallery_<name>` PNG and PDF."""
+def _figure(judged: Judged, folder: Path) -> tuple[list[Path], str | None]:
+  """The entry's own figure, one panel, as `gallery_<name>` PNG and PDF; or
+  none and why, where its records cannot be drawn."""
   draw = cast(Callable, judged.entry.draw)  # drawn for entries that draw
   fig, (ax,) = plots.grid(1, width=5.0, height=3.6)
-  draw(judged.evidence, ax)
+  try:
+    draw(judged.evidence, ax)
+  except Exception as e:  # noqa: BLE001 - records not as expected: said
+    plt.close(fig)
+    return [], f"Figure not drawn: {lacking(e)}."
   ax.legend(fontsize=7)
-  return plots.save(fig, folder / f"gallery_{judged.entry.name}")
+  return plots.save(fig, folder / f"gallery_{judged.entry.name}"), None
 
 
 def _claim_lines(claim: Claim, verdict: Verdict) -> list[str]:
@@ -223,7 +230,7 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
     for j in judged:
       e = j.entry
       table = _claims_table(j).drop(columns=["entry"])
-      figures = _figure(j, out / "figures") if e.draw else []
+      figures, not_drawn = _figure(j, out / "figures") if e.draw else ([], None)
       written += figures
       pngs = [p for p in figures if p.suffix == ".png"]
       runs = _runs_line(root, j.evidence)
@@ -255,6 +262,7 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
         f"Runs: {runs}",
         "",
         *[f"![{p.stem}](figures/{p.name})" for p in pngs],
+        *([not_drawn, ""] if not_drawn else []),
         "",
       ]
       blocks += [
@@ -273,6 +281,7 @@ def write(root: Path, out: Path, judged: list[Judged]) -> list[Path]:
         html_page.Bullets(list(e.differs)),
         html_page.Paragraph(f"Runs: {runs}"),
         *[html_page.Figure(p, caption=p.stem) for p in pngs],
+        *([html_page.Paragraph(not_drawn)] if not_drawn else []),
       ]
   md = out / "gallery.md"
   records.atomic_write(

@@ -25,6 +25,7 @@ from curvbench.gallery import (
   final,
   rows,
   setting_in,
+  trained,
   trained_eigenvalues,
 )
 
@@ -110,16 +111,9 @@ def bulk_near_zero(evidence: Evidence) -> Verdict:
 
 
 def class_means_span(evidence: Evidence) -> Verdict:
-  overlap = rows(
-    evidence,
-    "statistics",
-    "the class-mean test (measure.spectra.class_means)",
-    matrix="ggn",
-    statistic=OVERLAP,
-  )
-  last = (
-    overlap[overlap.step == overlap.step.max()].groupby("run_id").value.first()
-  )
+  what = "the class-mean test (measure.spectra.class_means)"
+  overlap = rows(evidence, "statistics", what, matrix="ggn", statistic=OVERLAP)
+  last = trained(evidence, overlap, what).groupby("run_id").value.first()
   init = overlap[overlap.step == overlap.step.min()].value.median()
   chance = CLASSES / overlap.num_params.iloc[0]
   verdict = against(
