@@ -42,6 +42,7 @@ from curvbench.components import Whole, setting
 import curvbench.plugins
 from curvbench import config, records, report, runs, sweep
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from problems import checks
 from problems import data as datasets
 
 # The loss of each task where none is given.
@@ -110,41 +111,94 @@ class Data:
   y_test: Any = None
   test_fraction: float = 0.2
 
-  def dataset(self, name: str, task: str) -> datasets.Dataset:
-    x, y = np.asarray(self.x_train), self._targets(self.y_train, task)
-    if len(x) != len(y):
-      raise ValueError(
-        f"Data: {len(x)} training inputs but {len(y)} "
-        "targets; give one target per example."
+  def dataset(
+    self, name: str, model: Model, task: str, loss: str
+  ) -> datasets.Dataset:
+    """The examples as dataset `name`, checked (`problems.checks`) against
+    the `task`, the `loss` and `model`'s outputs, whose shape is evaluated
+    abstractly on one example; raises `problems.checks.ExamplesError`
+    naming the array that does not fit and the fix."""
+    if self.x_test is None and self.y_test is not None:
+      raise checks.ExamplesError(
+        "Data: y_test was given without x_test; give both, or neither "
+        "(the last test_fraction of the training examples is held out)."
       )
+    arrays = dict(
+      x_train=np.asarray(self.x_train),
+      y_train=self._targets(self.y_train, task, "y_train"),
+      x_test=None if self.x_test is None else np.asarray(self.x_test),
+      y_test=None
+      if self.x_test is None
+      else self._targets(self.y_test, task, "y_test"),
+    )
+    if task == "reconstruction":  # the inputs are the targets
+      arrays.update(y_train=None, y_test=None)
+    checks.check_arrays(arrays, where="Data")
     if self.x_test is None:
+      x, y = arrays["x_train"], arrays["y_train"]
       cut = len(x) - max(1, int(round(self.test_fraction * len(x))))
       if cut < 1:
-        raise ValueError(
+        raise checks.ExamplesError(
           f"Data: {len(x)} training examples leave none to "
           "train on once a test split is held out; give "
           "more, or x_test and y_test."
         )
-      x, xt, y, yt = x[:cut], x[cut:], y[:cut], y[cut:]
-    else:
-      xt, yt = np.asarray(self.x_test), self._targets(self.y_test, task)
-    if not np.issubdtype(x.dtype, np.integer):
-      x, xt = x.astype(np.float32), xt.astype(np.float32)
-    classes = int(max(y.max(), yt.max())) + 1 if task == "classification" else 0
-    return datasets.Dataset(name, x, y, xt, yt, classes)
+      arrays.update(x_train=x[:cut], x_test=x[cut:])
+      if y is not None:
+        arrays.update(y_train=y[:cut], y_test=y[cut:])
+    for split in ("train", "test"):
+      x = arrays[f"x_{split}"]
+      if not np.issubdtype(x.dtype, np.integer):
+        arrays[f"x_{split}"] = x.astype(np.float32)
+      if arrays[f"y_{split}"] is None:
+        arrays[f"y_{split}"] = np.zeros(len(x), np.int32)
+    net = model.network()
+    outputs = checks.output_shape(
+      lambda rng, x: model.apply(net.init(rng, x), x),
+      arrays["x_train"],
+      where="Data",
+    )
+    labels = task == "classification"
+    for split in ("train", "test") if labels else ():
+      y = arrays[f"y_{split}"]
+      if y.shape[1:] == outputs[1:] and _one_hot(y):
+        arrays[f"y_{split}"] = y.argmax(-1)  # one-hot rows: their labels
+    checks.check_targets(
+      arrays, task=task, loss_name=loss, outputs=outputs, where="Data"
+    )
+    for split in ("train", "test"):
+      y = arrays[f"y_{split}"]
+      arrays[f"y_{split}"] = y.astype(np.int32 if labels else np.float32)
+    return datasets.Dataset(
+      name,
+      arrays["x_train"],
+      arrays["y_train"],
+      arrays["x_test"],
+      arrays["y_test"],
+      outputs[-1] if labels else 0,
+    )
 
-  def _targets(self, y, task):
+  def _targets(self, y, task, key):
     if task == "reconstruction":
-      return np.zeros(len(self.x_train if y is None else y), np.int32)
+      return None
     if y is None:
-      raise ValueError(
-        f"Data: a {task} task needs targets (y_train, and y_test with x_test)."
+      raise checks.ExamplesError(
+        f"Data: a {task} task needs targets (y_train, and y_test with "
+        f"x_test); {key} is missing."
       )
     y = np.asarray(y)
-    if task == "classification":
-      return y.astype(np.int32)
-    y = y.astype(np.float32)  # one row of outputs per example
-    return y[:, None] if y.ndim == 1 else y
+    if task != "classification" and y.ndim == 1:
+      return y[:, None]  # one row of outputs per example
+    return y
+
+
+def _one_hot(y: np.ndarray) -> bool:
+  """Whether each row of `y` (over its last axis) is one-hot."""
+  if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+    return False
+  return bool(
+    y.shape[-1] > 1 and np.all((y == 0) | (y == 1)) and np.all(y.sum(-1) == 1)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +251,7 @@ def register_model(
   """Registers `model` on `examples` as problem `name` (its data as dataset
   `name_data`), so that `problem=name` chooses it; returns the name."""
   task_name, loss_name = _task(task, loss)
-  dataset = examples.dataset(f"{name}_data", task_name)
+  dataset = examples.dataset(f"{name}_data", model, task_name, loss_name)
   sequences = bool(np.issubdtype(dataset.x_train.dtype, np.integer))
 
   @dataclasses.dataclass
@@ -308,6 +362,10 @@ def measure(
   Raises:
     curvbench.config.ConfigError: for a setting that is not allowed, at
       any point, before anything runs.
+    problems.checks.ExamplesError: for examples that do not fit the task,
+      the loss or the model (a label outside its outputs, a NaN input,
+      splits of unequal length, ...), naming the array and the fix,
+      before anything runs.
   """
   curvbench.plugins.load(list(plugins))
   name = name or (model if isinstance(model, str) else "my_model")

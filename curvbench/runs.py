@@ -299,9 +299,16 @@ def refuse(cfg, out_dir) -> None:
   """Raises a `ValueError` where `cfg` may not run into `out_dir`: a
   setting the config refuses (`config.ConfigError`), a folder holding files
   the harness did not write (`records.ForeignFolder`) or one it cannot
-  write into (`records.UnwritableFolder`), or a file the run reads inside
+  write into (`records.UnwritableFolder`), examples that do not fit the
+  problem (`problems.checks.ExamplesError`), or a file the run reads inside
   the folder it would clear."""
   run = config.load(cfg)
+  try:  # the examples, against the problem's task, loss and model
+    problems.check(run.problem)
+  except problems.checks.ExamplesError:
+    raise
+  except Exception:  # noqa: BLE001, S110 - data that cannot load: the run records why
+    pass
   records.RunDir(out_dir).check_ours()
   records.check_writable(
     out_dir,

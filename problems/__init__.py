@@ -7,9 +7,11 @@ problem's defaults) and returns a `Problem`. The problems are the modules of
 `problems.models`, the datasets those of `problems.datasets`.
 """
 
+import dataclasses
+import json
 from typing import cast
 
-from problems import data, layers
+from problems import checks, data, layers
 from problems.base import (
   LOSSES,
   PROBLEMS,
@@ -24,15 +26,48 @@ from problems.datasets import DATASETS, DatasetSettings
 
 def make(settings) -> Problem:
   """The problem of `settings` (a mapping, or `ProblemSettings`) on its
-  dataset.
+  dataset, whose examples are checked against its task, loss and model
+  (`checks.check_problem`).
 
   Raises:
     curvbench.components.SettingsError: naming the first setting that is
       not allowed.
+    problems.checks.ExamplesError: naming the array that does not fit and
+      how to fix it.
   """
   if not isinstance(settings, ProblemSettings):
     settings = PROBLEMS.load(_plain(settings), "problem")
-  return settings.build(settings.data.load())
+  problem = settings.build(settings.data.load())
+  checks.check_problem(problem)
+  return problem
+
+
+# The problems `check` found fitting: (classes, settings, data fingerprint).
+_CHECKED: set[tuple] = set()
+
+
+def check(settings) -> None:
+  """Refuses, before any run starts, examples that do not fit the problem
+  of `settings` (a mapping, or `ProblemSettings`): builds it (`make`,
+  which checks them), once per process for the same problem and dataset
+  classes, settings and data (its fingerprint), so a sweep's points share
+  one check.
+
+  Raises:
+    problems.checks.ExamplesError: as `make`; and what loading the data
+      raises (e.g. `FileNotFoundError` for data files that are missing).
+  """
+  if not isinstance(settings, ProblemSettings):
+    settings = PROBLEMS.load(_plain(settings), "problem")
+  key = (
+    type(settings),
+    type(settings.data),
+    json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str),
+    settings.data.fingerprint(),
+  )
+  if key not in _CHECKED:
+    make(settings)
+    _CHECKED.add(key)
 
 
 def _plain(settings) -> dict:
@@ -57,6 +92,8 @@ __all__ = [
   "Problem",
   "ProblemSettings",
   "TASKS",
+  "check",
+  "checks",
   "data",
   "layers",
   "make",

@@ -92,6 +92,14 @@ LOSSES = {
   "one_hot_squared_error": one_hot_squared_error,
 }
 
+# The losses whose targets are class labels (indices into the outputs' last
+# axis); the others compare the outputs with targets of their own shape.
+LABEL_LOSSES = (
+  "softmax_cross_entropy",
+  "sequence_softmax_cross_entropy",
+  "one_hot_squared_error",
+)
+
 # A classifier's `loss` setting: its choices, and the loss each one names.
 CLASSIFIER_LOSSES = {
   "softmax_cross_entropy": "softmax_cross_entropy",

@@ -168,7 +168,7 @@ def test_fixed_parameters_and_a_held_out_test_split(forget):
         curvbench.Model(_apply, init=_init),
         curvbench.Data(np.zeros((5, 3)), np.zeros(4)),
       ),
-      "5 training inputs but 4 targets",
+      "x_train has 5 examples but y_train holds 4 targets",
     ),
     (
       lambda: curvbench.register_model(
