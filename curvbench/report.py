@@ -143,7 +143,7 @@ def not_rendered_section(rows: list[dict]) -> Section:
     Table("not_rendered", "Parts not rendered, with why", pd.DataFrame(rows))
   )
   found.findings.append(
-    f"{len(rows)} parts of the records are not rendered: "
+    f"{len(rows)} part{'s' * (len(rows) > 1)} of the records not rendered: "
     + "; ".join(f"{r['part']}: {r['why']}" for r in rows[:3])
     + ("; ..." if len(rows) > 3 else "")
     + " (see Not rendered)."
@@ -166,8 +166,8 @@ def unregistered(runs: pd.DataFrame) -> list[dict]:
         part=f"the section of measurement {kind!r}",
         runs=len(group),
         why="; ".join(why)
-        or f"no measurement {kind!r} is registered here: install the plugin "
-        "that declares it, or name it with --trust",
+        or f"no measurement {kind!r} is registered here: neither curvbench "
+        "nor the plugins its runs name declare it",
       )
     )
   return out
@@ -421,8 +421,9 @@ def main(argv=None) -> int:
       + f" (see 'Runs' in {out / 'report.md'})"
     )
   if written["not_rendered"]:
+    count = len(written["not_rendered"])
     print(
-      f"[curvbench] {len(written['not_rendered'])} parts not rendered "
+      f"[curvbench] {count} part{'s' * (count > 1)} not rendered "
       f"(see 'Not rendered' in {out / 'report.md'}): "
       + "; ".join(r["part"] for r in written["not_rendered"])
     )
