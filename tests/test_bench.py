@@ -334,6 +334,41 @@ def test_side_by_side_against_the_previous_commit():
   assert "curvbench-against-" in source and str(ROOT) not in source
 
 
+# The commit whose tree last had another layout: `components` at the top
+# level, before 9e528f8 moved it inside curvbench.
+BEFORE_LAYOUT_CHANGES = ("9e528f8~1",)
+
+
+def _in_history(ref: str) -> bool:
+  try:
+    against.resolve(ref)
+  except ValueError:
+    return False
+  return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ref", BEFORE_LAYOUT_CHANGES)
+def test_side_by_side_reaches_a_commit_of_another_layout(ref):
+  """A commit from before a layout change is extracted whole (its own
+  top-level packages) and timed beside the working tree."""
+  if not _in_history(ref):
+    pytest.skip(f"{ref} is not in this checkout's history")
+  assert "components" in against.packages(against.resolve(ref))
+  result = _bench(
+    "against", ref, "--quick", "--rounds", "3", "--benchmarks", "kfac_step_mlp"
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  [row] = [
+    line for line in result.stdout.splitlines() if line.startswith("| kfac_")
+  ]
+  [header] = [
+    line for line in result.stdout.splitlines() if line.startswith("| bench")
+  ]
+  assert 0 < float(_cells(header, row)["ratio"]) < 100
+  assert "curvbench-against-" in result.stdout.splitlines()[-1]
+
+
 def test_an_unknown_commit_is_refused_by_name(capsys):
   with pytest.raises(SystemExit) as exit:
     cli.main(["against", "no-such-commit-xyz", "--quick"])

@@ -1,10 +1,12 @@
 """Side by side: the working tree against an earlier commit, in one process.
 
 A slowdown and a loaded machine look alike when two versions are timed
-apart. Here the earlier commit's `estimators`, `curvbench` and `problems`
-packages are extracted (`git archive`) into a temporary folder and imported from there,
-under their own names, while the working tree's modules are set aside in
-`sys.modules`; then the working tree's are put back. Each version's modules
+apart. Here the earlier commit's top-level packages, whatever its layout
+(`packages`: e.g. a top-level `components` before it moved inside
+curvbench), are extracted (`git archive`) into a temporary folder and
+imported from there, under their own names, while the working tree's
+modules of those names are set aside in `sys.modules`; then the working
+tree's are put back. Each version's modules
 keep references to their own siblings, so both run in the same process.
 
 Each benchmark builds its work from one version's modules (its own loss
@@ -43,6 +45,8 @@ from curvbench.bench import record
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("estimators", "curvbench", "problems")  # what a version is
+# Top-level folders that are not a version's library code.
+NOT_CODE = ("tests", "docs", "examples", "benchmarks", "reports", "conf")
 PERIOD = 5  # K-FAC steps per round: one inverse refresh each
 
 
@@ -103,17 +107,33 @@ def resolve(ref: str) -> str:
     ) from e
 
 
-def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
+def packages(commit: str) -> tuple[str, ...]:
+  """The top-level packages of `commit` (folders holding an `__init__.py`,
+  tests, docs and the like aside): what that version's code is, in
+  whatever layout it had."""
+  files = _git("ls-tree", "-r", "--name-only", commit).decode().splitlines()
+  found = {
+    path.split("/")[0]
+    for path in files
+    if path.count("/") == 1 and path.endswith("/__init__.py")
+  }
+  return tuple(sorted(found - set(NOT_CODE)))
+
+
+def _import_from(
+  root: Path, names: tuple[str, ...], tops: tuple[str, ...] = PACKAGES
+) -> dict[str, ModuleType]:
   """Imports `names` from the source tree at `root`, leaving `sys.modules`
-  as it was: the working tree's modules of `PACKAGES` are set aside while
-  the others import, then put back.
+  as it was: the working tree's modules of the top-level packages `tops`
+  (and `PACKAGES`) are set aside while the others import, then put back.
 
   Raises:
     ValueError: when a module came from somewhere other than `root`.
   """
+  shadowed = set(PACKAGES) | set(tops)
 
   def ours():
-    return {k: m for k, m in sys.modules.items() if k.split(".")[0] in PACKAGES}
+    return {k: m for k, m in sys.modules.items() if k.split(".")[0] in shadowed}
 
   saved = ours()
   for name in saved:
@@ -146,10 +166,13 @@ def _import_from(root: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
 def load(ref: str, folder: Path) -> Version:
   """The version at commit `ref`, extracted into `folder`."""
   commit = resolve(ref)
-  tar = _git("archive", "--format=tar", commit, "--", *PACKAGES)
+  tops = packages(commit)
+  tar = _git("archive", "--format=tar", commit, "--", *tops)
   with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
     archive.extractall(folder, filter="data")
-  modules = _import_from(folder, ("estimators", "curvbench.data", "problems"))
+  modules = _import_from(
+    folder, ("estimators", "curvbench.data", "problems"), tops
+  )
   return Version(
     f"{ref} ({commit[:10]})",
     modules["estimators"],
