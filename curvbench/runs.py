@@ -216,9 +216,12 @@ def stale_reason(run_dir: records.RunDir, cfg) -> str | None:
   if marker.get("run_id") == provenance.run_id(cfg):
     return None
   now = provenance.inputs(cfg)
-  old_plugins, now_plugins = (
-    json.loads(m.get("plugin_sources") or "{}") for m in (marker, now)
-  )
+  try:
+    old_plugins, now_plugins = (
+      dict(json.loads(m.get("plugin_sources") or "{}")) for m in (marker, now)
+    )
+  except (TypeError, ValueError):
+    return "its record of its plugins' code cannot be read"
   if old_plugins != now_plugins:
     changed = provenance.differences(old_plugins, now_plugins)
     return f"the code of its plugins changed ({changed})"

@@ -344,3 +344,17 @@ def test_a_run_whose_measurement_is_unknown_is_listed_not_rendered(
   written = report.write(root, tmp_path / "out")
   assert "'nothing_known'" in written["not_rendered"][0]["part"]
   assert found.status.iloc[0] in ("complete", "damaged")
+
+
+@pytest.mark.parametrize("recorded", ["{", "[1, 2]", "5"])
+def test_a_marker_with_a_malformed_plugin_record_is_redone_saying_why(
+  sweep, tmp_path, recorded
+):
+  root = _received(sweep, tmp_path, "timing_kfac")
+  run = root / "timing_kfac"
+  marker = json.loads((run / records.MARKER).read_text())
+  marker.update(run_id="0123456789ab", plugin_sources=recorded)
+  (run / records.MARKER).write_text(json.dumps(marker))
+  cfg = OmegaConf.load(run / "config.yaml")
+  reason = runs.stale_reason(records.RunDir(run), cfg)
+  assert reason == "its record of its plugins' code cannot be read"
