@@ -131,8 +131,6 @@ class Data:
       if self.x_test is None
       else self._targets(self.y_test, task, "y_test"),
     )
-    if task == "reconstruction":  # the inputs are the targets
-      arrays.update(y_train=None, y_test=None)
     checks.check_arrays(arrays, where="Data")
     if self.x_test is None:
       x, y = arrays["x_train"], arrays["y_train"]

@@ -16,9 +16,10 @@ other parameters and never share; runs that reach identical parameters do,
 whatever else their configs say. Entries are written atomically (a
 temporary file, then a rename) and checked against their key when read, so
 runs launched in parallel at worst compute an entry twice. Each entry also
-holds `arrays_digest` of its arrays, written with them and checked on every
-read: an entry whose arrays were damaged or replaced (or that holds no
-digest) is not used but computed and written anew, and a line says so.
+holds the sha256 of its arrays (`problems.datafiles.arrays_sha256`),
+written with them and checked on every read: an entry whose arrays were
+damaged or replaced (or that holds no digest) is not used but computed and
+written anew, and a line says so.
 
 A dense reference of a few thousand parameters is a hundred MB or more,
 and a sweep measures many points, so the store keeps the most recent
@@ -40,6 +41,7 @@ import jax
 import numpy as np
 
 from curvbench import provenance, records
+from problems import datafiles
 
 MARKER = ".curvbench-references"  # the store folder is curvbench's
 FOLDER = ".references"
@@ -55,17 +57,6 @@ def content_hash(*trees) -> str:
     leaf = np.asarray(leaf)
     digest.update(f"{leaf.shape}{leaf.dtype}".encode())
     digest.update(np.ascontiguousarray(leaf).tobytes())
-  return digest.hexdigest()
-
-
-def arrays_digest(arrays: dict[str, Any]) -> str:
-  """sha256 over the name, dtype, shape and bytes of each array, in name
-  order: what a store entry's `digest` holds."""
-  digest = hashlib.sha256()
-  for name in sorted(arrays):
-    a = np.ascontiguousarray(np.asarray(arrays[name]))
-    digest.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-    digest.update(a.tobytes())
   return digest.hexdigest()
 
 
@@ -172,7 +163,7 @@ class ReferenceStore:
         }
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
       return None, f"it cannot be read ({type(e).__name__}: {e})"
-    if arrays_digest(arrays) != written:
+    if datafiles.arrays_sha256(arrays) != written:
       return None, "its arrays do not match the digest written with them"
     return arrays, None
 
@@ -191,5 +182,8 @@ def _key_summary(key: dict) -> str:
 def _save(tmp: str, text: str, arrays: dict[str, Any]) -> None:
   with open(tmp, "wb") as f:
     np.savez(
-      f, key=np.array(text), digest=np.array(arrays_digest(arrays)), **arrays
+      f,
+      key=np.array(text),
+      digest=np.array(datafiles.arrays_sha256(arrays)),
+      **arrays,
     )

@@ -9,7 +9,8 @@ import pytest
 from curvbench import records
 from curvbench.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
-from curvbench.references import ReferenceStore, arrays_digest, content_hash
+from curvbench.references import ReferenceStore, content_hash
+from problems.datafiles import arrays_sha256
 from tests.test_spectra import make, spec
 
 KEY = dict(problem={"name": "tiny"})
@@ -71,7 +72,7 @@ TAMPERING = {
   "the digest of other arrays": lambda e: dict(
     e,
     matrix=np.zeros((2, 2)),
-    digest=np.array(arrays_digest({"matrix": np.ones((2, 2))})),
+    digest=np.array(arrays_sha256({"matrix": np.ones((2, 2))})),
   ),
   "no digest": lambda e: {k: v for k, v in e.items() if k != "digest"},
   "no key": lambda e: {k: v for k, v in e.items() if k != "key"},
@@ -145,7 +146,7 @@ def test_arrays_named_as_the_stores_own_entries_are_refused(tmp_path):
 
 def test_the_digest_tells_apart_names_values_shapes_and_dtypes():
   a = {"w": np.zeros(3), "b": np.ones(2)}
-  assert arrays_digest(a) == arrays_digest({"b": np.ones(2), "w": np.zeros(3)})
+  assert arrays_sha256(a) == arrays_sha256({"b": np.ones(2), "w": np.zeros(3)})
   for other in (
     {"w": np.zeros(3), "c": np.ones(2)},
     {"w": np.zeros(3), "b": np.ones(2) * 2},
@@ -154,7 +155,7 @@ def test_the_digest_tells_apart_names_values_shapes_and_dtypes():
     {"w": np.zeros(3)},
     {"w": np.zeros(3), "b": np.ones(2), "x": np.zeros(0)},
   ):
-    assert arrays_digest(a) != arrays_digest(other)
+    assert arrays_sha256(a) != arrays_sha256(other)
 
 
 def test_the_store_keeps_the_newest_entries_within_its_size(
