@@ -164,6 +164,12 @@ class Tuning(Settings):
   )
 
 
+# A run's estimation mode where its curvature names none: the
+# measurement's (`Measurement.default_mode`), resolved in the config so
+# that the run's identity, records and labels name it.
+MEASUREMENT_MODE = "${curvbench_mode:${measure.kind}}"
+
+
 @dataclasses.dataclass
 class Canonical(Settings):
   """In a sweep, a dimension that a measurement does not use runs only at
@@ -183,9 +189,10 @@ class Canonical(Settings):
     "the curvature of runs whose optimizer uses none (sgd, adam)",
   )
   mode: str = setting(
-    "ggn_exact",
+    MEASUREMENT_MODE,
     OneOf(estimators.ESTIMATION_MODES),
-    "the estimation mode of runs whose optimizer uses no curvature",
+    "the estimation mode of runs whose optimizer uses no curvature "
+    "(by default the measurement's, as curvature.mode's)",
   )
   train_every_curvature: bool = setting(
     True,
@@ -369,6 +376,24 @@ def _problem_node(name: str) -> DictConfig:
   return node
 
 
+def _measurement_mode(kind: str) -> str:
+  """The estimation mode of measurement `kind`; an unknown kind is left
+  to the check of `measure.kind`, which names it."""
+  known = kind in measurements.MEASUREMENTS.names()
+  chosen = measurements.MEASUREMENTS.get(kind) if known else None
+  return (chosen or measurements.Measurement).default_mode
+
+
+def _measured_mode(settings):
+  """A component's settings as its config group's node: a curvature whose
+  `mode` is null takes the measurement's."""
+  if getattr(settings, "mode", "") is not None:
+    return settings
+  node = OmegaConf.structured(settings)
+  node.mode = MEASUREMENT_MODE
+  return node
+
+
 # The registries whose components the config groups choose from.
 REGISTRIES = (
   PROBLEMS,
@@ -415,7 +440,7 @@ def store() -> None:
       cs.store(
         group=registry.group,
         name=name,
-        node=registry.defaults(name),
+        node=_measured_mode(registry.defaults(name)),
         provider="curvbench",
       )
   nested = measure_groups()
@@ -631,11 +656,14 @@ def run_dir_name(override_dirname: str, limit: int = 120) -> str:
 
 
 def register_resolvers() -> None:
-  """The resolvers conf/config.yaml uses: `curvbench_run_dir` (a sweep
-  run's directory name) and `curvbench_token` (random, once per config:
-  single runs started in the same second get different directories)."""
+  """The resolvers the config uses: `curvbench_run_dir` (a sweep run's
+  directory name), `curvbench_mode` (a measurement's estimation mode) and
+  `curvbench_token` (random, once per config: single runs started in the
+  same second get different directories)."""
   if not OmegaConf.has_resolver("curvbench_run_dir"):
     OmegaConf.register_new_resolver("curvbench_run_dir", run_dir_name)
+  if not OmegaConf.has_resolver("curvbench_mode"):
+    OmegaConf.register_new_resolver("curvbench_mode", _measurement_mode)
   if not OmegaConf.has_resolver("curvbench_token"):
     # Cached per config, as Hydra's `now` is, so that every read of the
     # run directory gives the same name.

@@ -74,6 +74,7 @@ SWEEP = {
     "measure=training",
     "optimizer=preconditioned_sgd",
     "curvature=explicit_exact",
+    "curvature.mode=ggn_exact",  # exact, not the practical default
   ],
   "spectra_adam": ["measure=spectra", "optimizer=adam"],  # skipped
   "spectra_steps": [

@@ -52,7 +52,7 @@ def test_runs_write_records_and_metadata(sweep):
     for name in ("training_kfac", "training_adam", "training_exact")
   }
   assert methods == {
-    "training_kfac": ["kfac[kfac/ggn_exact]"],
+    "training_kfac": ["kfac[kfac/ggn_curvature_prop]"],
     "training_adam": ["adam"],
     "training_exact": ["preconditioned_sgd[explicit_exact/ggn_exact]"],
   }

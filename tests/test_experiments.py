@@ -157,4 +157,8 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(tmp_path):
   assert claims.gap_median.notna().all()  # the floor was measured
   assert set(claims.verdict) <= set(summary.VERDICTS.values())
   compared = pd.read_csv(out / "comparison.csv")
-  assert set(compared.label) == {"adam", "shampoo", "kfac[kfac/ggn_exact]"}
+  assert set(compared.label) == {
+    "adam",
+    "shampoo",
+    "kfac[kfac/ggn_curvature_prop]",
+  }

@@ -22,13 +22,18 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   ):
     assert (out / name).stat().st_size > 0, name
   ratio = pd.read_csv(out / "step_ratio.csv")
-  assert list(ratio.label) == ["kfac[kfac/ggn_exact]"]
+  assert list(ratio.label) == ["kfac[kfac/ggn_curvature_prop]"]
+  # Every timing row names the estimation mode K-FAC was timed in, and so
+  # does the report's step table.
+  timing = pd.read_csv(out / "timing.csv")
+  assert set(timing["mode"]) == {"ggn_curvature_prop"}
+  assert list(ratio["mode"]) == ["ggn_curvature_prop"]
   assert ratio["median"].item() > 0 and ratio.n.item() == 1
   # One run: the spread is over its rounds, each paired with an Adam step.
   assert ratio.samples.item() == 2 and set(ratio.baseline) == {"adam"}
   assert 0 < ratio.q25.item() <= ratio["median"].item() <= ratio.q75.item()
   memory = pd.read_csv(out / "timing_memory.csv").set_index("phase")
-  assert set(memory.label) == {"kfac[kfac/ggn_exact]"}
+  assert set(memory.label) == {"kfac[kfac/ggn_curvature_prop]"}
   for phase in (
     "grad_step",
     "curvature_update",
@@ -49,7 +54,7 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
       assert (out / "figures" / f"{kind}.{ext}").stat().st_size > 1000
   assert any(name.startswith("heatmaps_mlp") for name in figures)
   text = (out / "report.md").read_text()
-  assert "kfac[kfac/ggn_exact]" in text and "adam" in text
+  assert "kfac[kfac/ggn_curvature_prop]" in text and "adam" in text
   # Answers first: the summary, then a section per measurement, the runs
   # last; the detailed tables are linked, not printed.
   headings = [line for line in text.splitlines() if line.startswith("## ")]

@@ -47,10 +47,12 @@ class Nearer:
 class CurvatureSettings(Component, abc.ABC):
   """What every curvature approximation has."""
 
-  mode: str = setting(
-    "ggn_exact",
-    OneOf(estimators.ESTIMATION_MODES),
-    "estimation mode (matrix-free families ignore it)",
+  mode: str | None = setting(
+    None,
+    OneOf(estimators.ESTIMATION_MODES, null=True),
+    "estimation mode (matrix-free families ignore it); null: the "
+    "measurement's (ggn_curvature_prop, KFAC-JAX 0.0.8's optimizer's, "
+    "where it trains or times; ggn_exact for spectra)",
   )
   cg_iters: int = setting(
     50, Whole(1), "conjugate-gradient steps where an inverse is matrix-free"
@@ -169,9 +171,10 @@ class BlockDiagonal(CurvatureSettings):
       **self.distribution(),
       **options,
     )
+    mode = estimator.default_estimation_mode  # the library's, where null
     return curvatures.BlockDiagonal(
-      mode=self.mode,
-      matrix=estimation_modes.matrix_type(self.mode),
+      mode=mode,
+      matrix=estimation_modes.matrix_type(mode),
       estimator=estimator,
       estimator_options=options,
       block_type=self.name,

@@ -22,9 +22,10 @@ class ExplicitExact(CurvatureSettings):
     estimator = kfac.ExplicitExactCurvature(
       loss_fn, default_estimation_mode=self.mode
     )
+    mode = estimator.default_estimation_mode  # the library's, where null
     return curvatures.ExplicitExact(
-      mode=self.mode,
-      matrix=estimation_modes.matrix_type(self.mode),
+      mode=mode,
+      matrix=estimation_modes.matrix_type(mode),
       estimator=estimator,
       **self.common(),
     )

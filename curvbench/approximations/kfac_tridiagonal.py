@@ -57,9 +57,10 @@ class KFACTridiagonal(BlockDiagonal):
       **self.distribution(),
       **options,
     )
+    mode = estimator.default_estimation_mode  # the library's, where null
     return BlockTridiagonal(
-      mode=self.mode,
-      matrix=estimation_modes.matrix_type(self.mode),
+      mode=mode,
+      matrix=estimation_modes.matrix_type(mode),
       estimator=estimator,
       estimator_options=options,
       block_type=self.name,

@@ -97,6 +97,10 @@ class Measurement(Settings, abc.ABC):
   # Whether it needs the device to itself (a sweep refuses to run it beside
   # other jobs on one machine).
   needs_device_alone: ClassVar[bool] = False
+  # The estimation mode of its curvature where `curvature.mode` is null:
+  # the one people train K-FAC in, KFAC-JAX 0.0.8's optimizer's (its
+  # estimation_mode=None falls back to the estimator's ggn_curvature_prop).
+  default_mode: ClassVar[str] = "ggn_curvature_prop"
 
   precision: str = setting(
     "float32", OneOf(PRECISIONS), "the floating-point precision it runs in"

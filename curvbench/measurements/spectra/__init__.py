@@ -64,6 +64,9 @@ class Spectra(Measurement):
 
   name = "spectra"
   tables = (*compute.TABLES, "cost")
+  # An approximation is compared with the exact matrix of its own kind, so
+  # it is estimated exactly too, unless a sampled mode is asked for.
+  default_mode = "ggn_exact"
 
   precision: str = setting(
     "float64",

@@ -191,6 +191,8 @@ def phase_ratios(rows: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
   of the CPUs other processes took in a run."""
   if "flop_ratio_to_baseline" not in rows:  # recorded before flop counts
     rows = rows.assign(flop_ratio_to_baseline=float("nan"))
+  if "mode" not in rows:
+    rows = rows.assign(mode=None)
   labelled = samples.merge(
     rows[
       [
@@ -202,6 +204,7 @@ def phase_ratios(rows: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
         "others_cpu_share",
         "contended",
         "flop_ratio_to_baseline",
+        "mode",
       ]
     ],
     on=["run_id", "phase"],
@@ -220,6 +223,7 @@ def phase_ratios(rows: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
       dict(
         zip([*INDEX, "phase"], key),
         baseline=group.baseline.iloc[0],
+        mode=group["mode"].iloc[0],
         median=median,
         q25=q25,
         q75=q75,
@@ -244,6 +248,7 @@ def step_view(steps: pd.DataFrame) -> pd.DataFrame:
       "problem": steps.problem,
       "device": steps.device_kind,
       "method": steps.label,
+      "estimation mode": steps["mode"].fillna("—"),
       "baseline": steps.baseline,
       "× baseline step": [
         spread(m, lo, hi)

@@ -77,7 +77,9 @@ def timing(ratios: pd.DataFrame, out: Path) -> list[Path]:
     ax.axhline(1.0, color="k", lw=0.6, ls="--", label=f"one {baseline} step")
     ax.set(
       ylabel=f"× {baseline} step (median, IQR)",
-      title=f"{problem}: time per phase ({plots.listed(p, 'device_kind')})",
+      title=f"{problem}: time per phase ({plots.listed(p, 'device_kind')}"
+      + (f"; K-FAC in {modes}" if (modes := plots.listed(p, "mode")) else "")
+      + ")",
     )
     plots.legend_below(
       fig,
