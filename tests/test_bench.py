@@ -7,7 +7,6 @@ commit beside the working tree."""
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pandas as pd
@@ -72,6 +71,13 @@ def test_quick_run_writes_a_report_whose_figures_are_the_records(
   # Each figure is the harness's raw record, not a number made up here.
   [timing_run] = records.find_runs(out / "runs" / "timing")
   timing = timing_run.tables()["timing"].set_index("phase")
+  # K-FAC timed in the mode people train it in, and every row says so.
+  assert rec["estimation_mode"] == "ggn_curvature_prop"
+  assert set(timing["mode"]) == {"ggn_curvature_prop"}
+  assert (
+    "K-FAC timed in estimation mode ggn_curvature_prop"
+    in (out / "summary.md").read_text()
+  )
   figures = rec["figures"]
   assert figures["kfac_step/adam_step"]["mlp"] == pytest.approx(
     timing.loc["optimizer_step", "ratio_to_baseline"]
@@ -227,6 +233,39 @@ def test_figures_come_from_the_rows_they_name():
   }
 
 
+def test_figures_name_the_estimation_mode_they_timed_kfac_in(tmp_path):
+  timing = pd.DataFrame(
+    dict(
+      problem=["mlp"] * 4,
+      mode=["ggn_curvature_prop"] * 2 + ["ggn_exact"] * 2,
+      phase=["optimizer_step", "cache_update"] * 2,
+      ratio_to_baseline=[1.5, 3.0, 4.0, 3.0],
+      ratio_to_grad_step=[3.0, 2.0, 8.0, 2.5],
+      flop_ratio_to_baseline=[1.4, 2.0, 3.9, 2.0],
+    )
+  )
+  empty = pd.DataFrame()
+  today = record.figures(timing, empty, empty, "ggn_curvature_prop")
+  assert today == {
+    "kfac_step/adam_step": {"mlp": 1.5},
+    "kfac_step/adam_step@ggn_exact": {"mlp": 4.0},
+    "kfac_step/adam_step_flops": {"mlp": 1.4},
+    "kfac_step/adam_step_flops@ggn_exact": {"mlp": 3.9},
+    "refresh/gradient": {"mlp": 2.0},
+    "refresh/gradient@ggn_exact": {"mlp": 2.5},
+  }
+  # A record that names no mode timed K-FAC in ggn_exact: its figures are
+  # held against today's ggn_exact ones, never the practical mode's.
+  old = record.save(_record({"kfac_step/adam_step": {"mlp": 3.0}}), tmp_path)
+  run = dict(mode="full", estimation_mode="ggn_curvature_prop", figures=today)
+  result = record.compare(run, old)
+  assert result.compared == 1
+  assert result.worse == [("kfac_step/adam_step@ggn_exact", "mlp", 4.0, 3.0)]
+  named = _record(dict(today), key="named")
+  named["estimation_mode"] = "ggn_curvature_prop"
+  assert record.compare(run, record.save(named, tmp_path)).passed
+
+
 def test_device_keys():
   assert record.device_key("NVIDIA H100 80GB HBM3", "gpu", 16) == (
     "nvidia-h100-80gb-hbm3"
@@ -267,24 +306,39 @@ def test_the_table_has_a_column_per_record(tmp_path):
   )
   table = record.record_table(tmp_path)
   assert (
-    "| figure | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |" in table
+    "| figure | mode | problem | `cpu-2-cores` | `nvidia-h100-80gb-hbm3` |"
+    in table
   )
-  assert "| K-FAC step / Adam step | convnet | 5 |  |" in table
-  assert "| K-FAC step / Adam step | mlp | 3.46 | 6.1 |" in table
-  assert "| exact GGN + eigh of a batch (s) | mlp | 0.0123 |  |" in table
+  # Records that name no mode timed K-FAC in ggn_exact.
+  assert "| K-FAC step / Adam step | ggn_exact | convnet | 5 |  |" in table
+  assert "| K-FAC step / Adam step | ggn_exact | mlp | 3.46 | 6.1 |" in table
+  assert "| exact GGN + eigh of a batch (s) |  | mlp | 0.0123 |  |" in table
   with pytest.raises(ValueError, match="no performance-record block"):
     record.page_with_table("# a page\n", table)
 
 
-def test_interleaved_rounds_give_the_ratio_of_the_two_calls():
-  def sleeper(seconds):
-    return lambda: time.sleep(seconds)
+def test_interleaved_rounds_give_the_ratio_of_the_two_calls(monkeypatch):
+  # A clock only the calls move, so load on the machine cannot move it.
+  now = [0.0]
+  monkeypatch.setattr(against.time, "perf_counter", lambda: now[0])
 
-  slower = against.interleaved(sleeper(0.006), sleeper(0.002), rounds=5)
-  assert 2.0 < slower["ratio"] < 4.0
-  assert slower["ratio_q25"] <= slower["ratio"] * 1.5
-  same = against.interleaved(sleeper(0.003), sleeper(0.003), rounds=5)
-  assert 0.7 < same["ratio"] < 1.4
+  def call(seconds):
+    def fn():
+      now[0] += seconds
+
+    return fn
+
+  slower = against.interleaved(call(0.006), call(0.002), rounds=5)
+  assert slower["ratio"] == pytest.approx(3.0)
+  assert slower["ratio_q25"] == pytest.approx(3.0)
+  assert slower["new_s"] == pytest.approx(0.006)
+  same = against.interleaved(call(0.003), call(0.003), rounds=5)
+  assert same["ratio"] == pytest.approx(1.0)
+  # Calls shorter than round_s are timed several to a round.
+  batched = against.interleaved(
+    call(0.001), call(0.002), rounds=3, round_s=0.01
+  )
+  assert batched["calls"] == 5 and batched["ratio"] == pytest.approx(0.5)
 
 
 def _cells(header: str, line: str) -> dict:

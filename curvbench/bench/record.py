@@ -19,6 +19,12 @@ Every figure is a cost where lower is better:
   `eigh exact ggn` phases, float64), the median over the spectra runs
   (each times them once).
 
+The first three time K-FAC, whose cost depends on the estimation mode: a
+record names the mode its plain figures were timed in (`estimation_mode`,
+the timing measurement's default), and keeps those of another mode as
+`FIGURE@MODE` (e.g. `kfac_step/adam_step@ggn_exact`). Records made before
+modes were recorded timed K-FAC in `ggn_exact` (`UNNAMED_MODE`).
+
 A record also keeps the growth exponents of cost in parameters
 (`scaling`: per family and kind of work, time and memory with their
 standard errors, and what made them; `python -m curvbench.bench scaling
@@ -51,6 +57,15 @@ FIGURES = {  # name: what the table calls it
   "training split",
   "exact_ggn_spectrum_s": "exact GGN + eigh of a batch (s)",
 }
+# The figures that time K-FAC in an estimation mode.
+MODE_FIGURES = (
+  "kfac_step/adam_step",
+  "kfac_step/adam_step_flops",
+  "refresh/gradient",
+)
+# The mode of a record's K-FAC figures where it names none: the harness's
+# only default until 2026-12-07.
+UNNAMED_MODE = "ggn_exact"
 START = "<!-- performance-record:start (python -m curvbench.bench table) -->"
 END = "<!-- performance-record:end -->"
 
@@ -79,13 +94,36 @@ def device_key(device_kind: str, platform: str, cpu_count: int) -> str:
   return key
 
 
+def figure_name(figure: str, mode: str | None, record_mode: str) -> str:
+  """The key of `figure` timed in `mode` in a record whose plain figures
+  are in `record_mode`."""
+  return figure if mode in (None, record_mode) else f"{figure}@{mode}"
+
+
+def figure_mode(name: str, record: dict) -> tuple[str, str | None]:
+  """`(figure, estimation mode)` of a record's key (mode None for a
+  figure that times no K-FAC)."""
+  figure, _, mode = name.partition("@")
+  if mode or figure not in MODE_FIGURES:
+    return figure, mode or None
+  return figure, record.get("estimation_mode", UNNAMED_MODE)
+
+
 def figures(
-  timing: pd.DataFrame, spectra_cost: pd.DataFrame, products: pd.DataFrame
+  timing: pd.DataFrame,
+  spectra_cost: pd.DataFrame,
+  products: pd.DataFrame,
+  mode: str = UNNAMED_MODE,
 ) -> dict[str, dict[str, float]]:
   """`{figure: {problem: value}}` from the records of one benchmark run
   (the harness's `timing` and spectra `cost` tables, the product rows);
-  problems without a row are left out."""
-  out: dict[str, dict[str, float]] = {name: {} for name in FIGURES}
+  K-FAC timed in another estimation mode than `mode` (the timing rows'
+  `mode`) as `FIGURE@MODE`; problems without a row are left out."""
+  out: dict[str, dict[str, float]] = {}
+
+  def put(figure, row_mode, problem, value):
+    key = figure_name(figure, row_mode, mode)
+    out.setdefault(key, {})[problem] = float(value)
 
   def rows(table, phase):
     if table.empty:
@@ -93,12 +131,16 @@ def figures(
     return table[table.phase == phase]
 
   for _, row in rows(timing, "optimizer_step").iterrows():
-    out["kfac_step/adam_step"][row.problem] = float(row.ratio_to_baseline)
+    row_mode = row.get("mode")
+    put("kfac_step/adam_step", row_mode, row.problem, row.ratio_to_baseline)
     flops = row.get("flop_ratio_to_baseline", math.nan)
     if not math.isnan(flops):
-      out["kfac_step/adam_step_flops"][row.problem] = float(flops)
+      put("kfac_step/adam_step_flops", row_mode, row.problem, flops)
   for _, row in rows(timing, "cache_update").iterrows():
-    out["refresh/gradient"][row.problem] = float(row.ratio_to_grad_step)
+    put(
+      "refresh/gradient", row.get("mode"), row.problem, row.ratio_to_grad_step
+    )
+  out.update({name: {} for name in FIGURES if name not in out})
   for _, row in rows(products, "dataset ggn product").iterrows():
     out["dataset_ggn_product/gradient"][row.problem] = float(
       row.ratio_to_gradient
@@ -243,16 +285,26 @@ def compare(
       f"{today['mode']}: their figures are not comparable; run the "
       f"benchmark in {record['mode']} mode to compare."
     )
+  measured = {
+    (*figure_mode(name, today), problem): value
+    for name, values in today["figures"].items()
+    for problem, value in values.items()
+  }
   worse, missing, compared = [], [], 0
-  for figure, values in record["figures"].items():
+  for name, values in record["figures"].items():
+    figure, mode = figure_mode(name, record)
+    # Named as today's record would name it.
+    shown = figure_name(
+      figure, mode, today.get("estimation_mode", UNNAMED_MODE)
+    )
     for problem, recorded in values.items():
-      now = today["figures"].get(figure, {}).get(problem)
+      now = measured.get((figure, mode, problem))
       if now is None or math.isnan(now):
-        missing.append((figure, problem))
+        missing.append((shown, problem))
         continue
       compared += 1
       if now > recorded * (1 + tolerance):
-        worse.append((figure, problem, now, recorded))
+        worse.append((shown, problem, now, recorded))
   return Comparison(
     Path(record_path), record, tolerance, worse, missing, compared
   )
@@ -274,13 +326,28 @@ def record_table(folder: Path = RECORD_DIR) -> str:
       "No performance record yet: `python -m curvbench.bench run "
       "--save-record` writes one.\n"
     )
-  head = ["figure", "problem", *(f"`{r['key']}`" for r in recs)]
+  head = ["figure", "mode", "problem", *(f"`{r['key']}`" for r in recs)]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for figure, label in FIGURES.items():
-    problems = sorted({p for r in recs for p in r["figures"].get(figure, {})})
-    for problem in problems:
-      cells = [_cell(r["figures"].get(figure, {}).get(problem)) for r in recs]
-      lines.append(f"| {label} | {problem} | " + " | ".join(cells) + " |")
+  # Each record's values by (figure, estimation mode, problem).
+  values = [
+    {
+      (*figure_mode(name, r), problem): value
+      for name, per_problem in r["figures"].items()
+      for problem, value in per_problem.items()
+    }
+    for r in recs
+  ]
+  keys = {key for v in values for key in v}
+  order = list(FIGURES)
+  for figure, mode, problem in sorted(
+    keys, key=lambda k: (order.index(k[0]), k[1] or "", k[2])
+  ):
+    cells = [_cell(v.get((figure, mode, problem))) for v in values]
+    lines.append(
+      f"| {FIGURES[figure]} | {mode or ''} | {problem} | "
+      + " | ".join(cells)
+      + " |"
+    )
   lines.append("")
   for r in recs:
     versions = ", ".join(

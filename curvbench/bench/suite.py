@@ -3,7 +3,9 @@
 `run(out, mode)` runs, in order:
 
 1. a timing sweep (`curvbench -m measure=timing curvature=kfac
-   optimizer=kfac problem=<every registered problem>`), a subprocess;
+   optimizer=kfac problem=<every registered problem>`), a subprocess, in
+   the estimation mode people train K-FAC in (the timing measurement's
+   default) and, in the full run, in `ggn_exact` as well;
 2. spectra runs of the MLP at its defaults (`problem=mlp measure=spectra
    measure.spectra.references=[ggn] seed=0,1,2`), a subprocess, for the
    seconds of its exact GGN and that matrix's eigendecomposition;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -36,6 +39,8 @@ import pandas as pd
 
 from curvbench import records
 from curvbench.bench import against, products, record
+from curvbench.measurements import MEASUREMENTS
+from curvbench.measurements.timing import clock
 from curvbench.sections import to_markdown
 
 SPECTRA_PROBLEM = "mlp"  # the README's MLP, at the config's defaults
@@ -44,11 +49,13 @@ SPECTRA_PROBLEM = "mlp"  # the README's MLP, at the config's defaults
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What one mode runs: the problems, the timing sweep's repeats, the
+  estimation modes it times K-FAC in besides the default one, the
   spectra runs' seeds and samples (each sample times the exact GGN's
   phases once), the product rounds and the side-by-side rounds."""
 
   problems: tuple[str, ...]
   timing: tuple[str, ...]
+  other_modes: tuple[str, ...]
   spectra: tuple[str, ...]
   product_rounds: int
   against_rounds: int
@@ -59,6 +66,7 @@ def plans() -> dict[str, Plan]:
     full=Plan(
       record.cpu_problems(),
       ("measure.timing.repeats=30", "measure.timing.warmup=2"),
+      ("ggn_exact",),
       ("seed=0,1,2",),
       product_rounds=10,
       against_rounds=15,
@@ -66,6 +74,7 @@ def plans() -> dict[str, Plan]:
     quick=Plan(
       (SPECTRA_PROBLEM,),
       ("measure.timing.repeats=3", "measure.timing.warmup=1"),
+      (),
       ("seed=0", "measure.spectra.samples=1"),
       product_rounds=3,
       against_rounds=3,
@@ -142,6 +151,7 @@ def _phases(timing: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(
     dict(
       problem=timing.problem,
+      mode=timing["mode"],
       num_params=timing.num_params,
       batch_size=timing.batch_size,
       phase=timing.phase,
@@ -155,24 +165,59 @@ def _phases(timing: pd.DataFrame) -> pd.DataFrame:
   )
 
 
+def _beyond_flops(rows: pd.DataFrame, step) -> str:
+  """Where the K-FAC step costs more time than arithmetic (its time ratio
+  to Adam's above its flop ratio): the curvature phase whose time ratio
+  exceeds its own flop ratio the most, with both; '' where it does not."""
+  flops = step.get("flop_ratio_to_baseline", math.nan)
+  if math.isnan(flops) or step.ratio_to_baseline <= flops:
+    return ""
+  phases = rows[rows.phase.isin(clock.CURVATURE_PHASES)].dropna(
+    subset=["flop_ratio_to_baseline"]
+  )
+  if phases.empty:
+    return "no curvature phase timed"
+  excess = phases.ratio_to_baseline / phases.flop_ratio_to_baseline
+  worst = phases.loc[excess.idxmax()]
+  return (
+    f"{worst.phase}: {worst.ratio_to_baseline:.3g}x Adam's time, "
+    f"{worst.flop_ratio_to_baseline:.3g}x its flops"
+  )
+
+
 def _steps(timing: pd.DataFrame) -> pd.DataFrame:
+  """A row per problem and estimation mode: K-FAC's step against Adam's,
+  in time and in XLA flops, and the phase that takes more time than its
+  arithmetic explains where the step does."""
   if timing.empty:
     return timing
-  steps = timing[timing.phase == "optimizer_step"].set_index("problem")
-  adam = timing[timing.phase == "baseline_step"].set_index("problem")
-  return pd.DataFrame(
-    dict(
-      kfac_step_ms=1e3 * steps.median_s,
-      adam_step_ms=1e3 * adam.median_s,
-      ratio=steps.ratio_to_baseline,
-      q25=steps.ratio_q25,
-      q75=steps.ratio_q75,
-      flop_ratio=steps.get("flop_ratio_to_baseline"),
-      kfac_compile_s=steps.compile_s,
-      adam_compile_s=adam.compile_s,
-      repeats=steps.repeats,
+  out = []
+  for (problem, mode), rows in timing.groupby(
+    ["problem", "mode"], sort=True, dropna=False
+  ):
+    steps = rows[rows.phase == "optimizer_step"]
+    adam = rows[rows.phase == "baseline_step"]
+    if steps.empty or adam.empty:
+      continue
+    step, base = steps.iloc[0], adam.iloc[0]
+    out.append(
+      dict(
+        problem=problem,
+        mode=mode,
+        kfac_step_ms=1e3 * step.median_s,
+        adam_step_ms=1e3 * base.median_s,
+        ratio=step.ratio_to_baseline,
+        q25=step.ratio_q25,
+        q75=step.ratio_q75,
+        flop_ratio=step.get("flop_ratio_to_baseline", math.nan),
+        beyond_flops=_beyond_flops(rows, step),
+        kfac_compile_s=step.compile_s,
+        adam_compile_s=base.compile_s,
+        repeats=step.repeats,
+        others_cpu_share=step.get("others_cpu_share", math.nan),
+      )
     )
-  ).reset_index()
+  return pd.DataFrame(out)
 
 
 def _spectrum(cost: pd.DataFrame) -> pd.DataFrame:
@@ -264,6 +309,7 @@ def run(
       "curvature=kfac",
       "optimizer=kfac",
       f"problem={','.join(plan.problems)}",
+      "curvature.mode=" + ",".join(("null", *plan.other_modes)),
       *plan.timing,
     ],
     spectra=[
@@ -299,7 +345,8 @@ def run(
   cost = _tables(runs / "spectra", "cost")
   product_table = pd.DataFrame(product_rows)
   product_table.to_csv(runs / "products.csv", index=False)
-  figures = record.figures(timing, cost, product_table)
+  estimation_mode = MEASUREMENTS.get("timing").default_mode
+  figures = record.figures(timing, cost, product_table, estimation_mode)
   env = _environment(runs)
   code = env.get("code", {})
   rec = dict(
@@ -318,6 +365,7 @@ def run(
     commit=code.get("commit"),
     dirty=code.get("dirty"),
     mode=mode,
+    estimation_mode=estimation_mode,
     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     command=command,
     wall_s=round(time.perf_counter() - start, 1),
@@ -346,8 +394,11 @@ def run(
 
 TITLES = dict(
   figures="Figures (the performance record's; lower is better)",
-  steps="K-FAC step / Adam step (interleaved, same parameters and batch; "
-  "flop_ratio: the same in XLA's operation counts)",
+  steps="K-FAC step / Adam step per estimation mode (interleaved, same "
+  "parameters and batch; flop_ratio: the same in XLA's operation counts; "
+  "beyond_flops: where the time ratio exceeds the flop ratio, the "
+  "curvature phase that exceeds its own flop ratio the most; "
+  "others_cpu_share: other processes' share of the CPUs while timed)",
   phases="Per-phase costs (median run, cold compile; memory: XLA's "
   "program figure and the device's peak since the run started, "
   "NaN on the CPU)",
@@ -375,6 +426,9 @@ def _write(out: Path, rec: dict, tables: dict, failures: list[str]) -> None:
     + (" with local changes" if rec["dirty"] else ""),
     f"- command: `{rec['command']}` ({rec['mode']} mode), "
     f"{rec['date']}, {rec['wall_s']} s",
+    f"- K-FAC timed in estimation mode {rec['estimation_mode']} (plain "
+    "figures: the mode people train in, KFAC-JAX 0.0.8's optimizer's); "
+    "figures FIGURE@MODE time it in another mode",
     "- raw records: `runs/` (the harness's sweeps and "
     "`runs/products.csv`); the tables below as CSVs beside this file",
     "",
