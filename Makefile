@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint typecheck docs browser bench bench-accelerator bench-against cuda clean-venv
+.PHONY: run test test-slow lint typecheck docs browser bench bench-accelerator accelerator-window bench-against cuda clean-venv
 
 # Quiet (-qq): errors only; a machine's pip configuration may name package
 # folders it lacks, which pip would otherwise report on every install.
@@ -92,6 +92,24 @@ bench-accelerator: $(STAMP)
 	then $(MAKE) cuda; fi
 	$(PY) -m curvbench.bench run --compare $(BENCH_ARGS)
 	$(PY) -m curvbench.bench scaling $(if $(BENCH_OUT),--out $(BENCH_OUT)-scaling)
+
+# Everything accelerator-related in one lent device's time, most wanted
+# first (`python -m curvbench.bench window`): the benchmark of record, its
+# scaling, paper_scale, the gallery's accelerator sizes, the K-FAC paper's
+# window variant, each with a hard timeout, within 600 s (WINDOW_BUDGET);
+# each part's outputs and one summary in reports/window/<date>/ (or
+# WINDOW_OUT); WINDOW_PARTS=a,b runs those only. The CUDA build as
+# bench-accelerator installs it; ACCELERATOR_WINDOW_DRY=1 prints the plan.
+WINDOW_ARGS = $(if $(WINDOW_OUT),--out $(WINDOW_OUT)) \
+  $(if $(WINDOW_BUDGET),--budget $(WINDOW_BUDGET)) \
+  $(if $(WINDOW_PARTS),--parts $(WINDOW_PARTS))
+
+accelerator-window: $(STAMP)
+	@if [ -z "$$ACCELERATOR_WINDOW_DRY" ] && command -v nvidia-smi >/dev/null 2>&1 \
+	  && nvidia-smi -L >/dev/null 2>&1 \
+	  && [ "$$($(PY) -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; \
+	then $(MAKE) cuda; fi
+	$(PY) -m curvbench.bench window $(WINDOW_ARGS)
 
 # An earlier commit against the working tree, side by side in one process.
 bench-against: $(STAMP)

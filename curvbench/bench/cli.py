@@ -1,7 +1,8 @@
 """The command line of `python -m curvbench.bench`: `run` (the benchmark
 and its report), `compare` (a report against a record), `against` (the
-side-by-side check), `scaling` (cost against model size) and `table` (the
-table from the records)."""
+side-by-side check), `scaling` (cost against model size), `table` (the
+table from the records) and `window` (everything accelerator-related in one
+lent device's time)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from curvbench import provenance
-from curvbench.bench import against, record, scaling, suite
+from curvbench.bench import against, record, scaling, suite, window
 from curvbench.sections import to_markdown
 
 
@@ -134,6 +135,21 @@ def _table(check: bool) -> int:
     record.TABLE_PAGE.write_text(new)
     print(f"{record.TABLE_PAGE}: performance table regenerated.")
   return 0
+
+
+def _window(args) -> int:
+  names = args.parts.split(",") if args.parts else None
+  parts = window.select(window.plan(), names)  # unknown names refused now
+  if args.dry_run or os.environ.get(window.DRY_ENV, "") not in ("", "0"):
+    print(window.dry_run(parts, args.budget))
+    return 0
+  out = args.out or (
+    record.ROOT / "reports" / "window" / time.strftime("%Y-%m-%d_%H-%M-%S")
+  )
+  summary = window.run(Path(out), args.budget, names=names)
+  return (
+    1 if any(r["status"].startswith("exit") for r in summary["parts"]) else 0
+  )
 
 
 def main(argv=None) -> int:
@@ -256,6 +272,34 @@ def main(argv=None) -> int:
     help="only check that it matches (exit 1 if not)",
   )
   p.set_defaults(fn=lambda args: _table(args.check))
+
+  p = sub.add_parser(
+    "window",
+    help="everything accelerator-related in priority order within one "
+    "budget (the benchmark of record, its scaling, paper_scale, the "
+    f"gallery's accelerator sizes, the K-FAC paper's); {window.DRY_ENV}=1 "
+    "or --dry-run prints the plan",
+  )
+  p.add_argument(
+    "--out",
+    type=Path,
+    help="a new folder for the parts and the summary "
+    "(default reports/window/<date>)",
+  )
+  p.add_argument(
+    "--budget",
+    type=float,
+    default=window.BUDGET_S,
+    help="seconds the whole may take (default %(default)s)",
+  )
+  p.add_argument(
+    "--parts",
+    help="comma-separated, in the plan's order (default: all)",
+  )
+  p.add_argument(
+    "--dry-run", action="store_true", help="print the plan, run nothing"
+  )
+  p.set_defaults(fn=_window)
 
   args = parser.parse_args(argv)
   try:
