@@ -47,6 +47,12 @@ class OptimizerSettings(Component, abc.ABC):
     """Whether it can train with `curvature` (its settings)."""
     return curvature.is_block_diagonal or not self.needs_block_diagonal
 
+  def divergence_knobs(self) -> dict:
+    """The settings a diverged run's reason may name, by role
+    (`curvbench.measurements.training.divergence.diagnose`): none unless
+    the optimizer says."""
+    return {}
+
   def label(self, curvature: Curvature | None) -> str:
     """A training run's method: the optimizer, and the curvature it uses."""
     if self.uses_curvature and curvature is not None:

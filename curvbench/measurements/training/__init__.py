@@ -17,7 +17,7 @@ from curvbench.components import Number, Parsed, Whole, setting
 from curvbench import checkpoints, provenance, stats, training, tuning
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.timing import load
-from curvbench.measurements.training import comparison, figures
+from curvbench.measurements.training import comparison, divergence, figures
 from curvbench.sections import Section, Table, spread, wide
 
 STEPS = Parsed(
@@ -203,13 +203,17 @@ class Training(Measurement):
     measured = cast(load.Load, monitor.load)  # set on leaving the block
     for row in rows:  # the load its seconds were read under
       row["others_cpu_share"] = measured.others_share
+    trace = getattr(optimizer, "trace", None)
+    if trace is not None:
+      rows = divergence.traced_rows(rows, trace())
     end = rows[-1]
     if end["diverged"]:
+      knobs = ctx.run.optimizer.divergence_knobs()
       return Outcome(
         dict(training=rows),
         "diverged",
         step=end["step"],
-        reason=f"non-finite loss at step {end['step']}",
+        reason=divergence.diagnose(rows, knobs),
       )
     return Outcome(dict(training=rows))
 
@@ -315,6 +319,7 @@ def notes(report) -> list[str]:
       for r in best.itertuples()
       if r.vs_runner_up
     ]
+  out += diverged_notes(report.done)
   for problem, (budget, _, _) in report.once("compared", _compared).items():
     if budget is None:
       out.append(
@@ -323,6 +328,22 @@ def notes(report) -> list[str]:
         "made; give every method the same seconds "
         "(measure.training.budget_s) for one."
       )
+  return out
+
+
+def diverged_notes(done: pd.DataFrame) -> list[str]:
+  """Each diverged training run with its reason: what its records show
+  moved before the loss stopped being finite, and what to change
+  (`divergence.diagnose`, written when the run ended)."""
+  if "status" not in done or "reason" not in done:
+    return []
+  runs = done[(done.status == "diverged") & (done.measure == "training")]
+  out = []
+  for _, r in runs.iterrows():
+    who = r.get("label") if pd.notna(r.get("label")) else r.get("method")
+    seed = r.get("config:seed")
+    seed = f" seed {seed}" if pd.notna(seed) else ""
+    out.append(f"{r.problem} {who}{seed} diverged: {r.reason}")
   return out
 
 
@@ -744,6 +765,7 @@ __all__ = [
   "Training",
   "claims",
   "curves",
+  "diverged_notes",
   "equal_time",
   "findings",
   "save_checkpoint",

@@ -1,0 +1,163 @@
+"""K-FAC's defaults train (KFAC-JAX's examples' values, chosen by the sweep
+in the optimizer's docstring), and a diverged run says what to change,
+from its own records."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import curvbench
+from curvbench.measurements.training import divergence
+from curvbench.optimizers.kfac import KFAC
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MODE = "curvature.mode=ggn_curvature_prop"  # KFAC-JAX 0.0.8's default
+# The built-in problems a CPU trains in seconds, and the steps each gets;
+# the sweep behind the defaults ran five seeds of 300 (100 for resnet and
+# transformer), the test one seed of fewer to stay within minutes.
+CPU_PROBLEMS = {
+  "mlp": 150,
+  "autoencoder": 150,
+  "convnet": 150,
+  "convnet_norm": 150,
+  "resnet_small_groupnorm": 30,
+  "transformer_small": 30,
+}
+EXAMPLE_MODELS = {
+  "haiku_mlp": "haiku_model.py",
+  "nnx_mlp": "flax_nnx_model.py",
+  "equinox_mlp": "equinox_model.py",
+}
+
+
+def _train(tmp_path, problem, steps, *settings, plugins=()):
+  return curvbench.measure(
+    problem,
+    measurements=["training"],
+    optimizers=["kfac"],
+    out=tmp_path / problem,
+    settings=[
+      MODE,
+      f"measure.training.num_steps={steps}",
+      "measure.training.eval_every=50",
+      "progress=false",
+      *settings,
+    ],
+    plugins=list(plugins),
+  )
+
+
+def test_the_defaults_are_kfac_jax_examples():
+  """examples/autoencoder_mnist and classifier_mnist (KFAC-JAX v0.0.8)."""
+  d = KFAC()
+  assert (d.use_adaptive_learning_rate, d.use_adaptive_momentum) == (True,) * 2
+  assert d.use_adaptive_damping
+  assert (d.initial_damping, d.min_damping, d.max_damping) == (150, 1e-5, 1e3)
+  assert d.damping_adaptation_decay == 0.95
+  assert d.damping_adaptation_interval == d.inverse_update_period == 5
+  assert (d.num_burnin_steps, d.curvature_ema) == (5, 0.95)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem", [*CPU_PROBLEMS, *EXAMPLE_MODELS], ids=str)
+def test_kfac_trains_at_its_defaults(problem, tmp_path):
+  plugins = (
+    [str(EXAMPLES / EXAMPLE_MODELS[problem])]
+    if problem in EXAMPLE_MODELS
+    else []
+  )
+  steps = CPU_PROBLEMS.get(problem, 150)
+  results = _train(tmp_path, problem, steps, plugins=plugins)
+  assert list(results.runs.status) == ["complete"], list(results.runs.reason)
+  rows = results.tables["training"]
+  losses = rows.dropna(subset=["train_loss"]).sort_values("step").train_loss
+  assert np.isfinite(losses).all()
+  assert losses.iloc[-1] < losses.iloc[0], problem
+  # The damping stays within its bounds along the run.
+  damping = rows.damping.dropna()
+  assert damping.between(1e-5, 1e3).all()
+
+
+def test_a_diverged_run_names_the_setting_from_its_records(tmp_path):
+  """A learning rate of 1e38 with the adaptive rules off overflows at
+  once: the reason names step.learning_rate, with the values recorded."""
+  results = _train(
+    tmp_path,
+    "mlp",
+    10,
+    "optimizer.use_adaptive_learning_rate=false",
+    "optimizer.use_adaptive_momentum=false",
+    "optimizer.use_adaptive_damping=false",
+    "optimizer.step.learning_rate=1e38",
+    "optimizer.step.damping=0.3",
+    "optimizer.include_norms_in_stats=true",  # the step's own update norm
+  )
+  run = results.runs.iloc[0]
+  assert run.status == "diverged"
+  rows = results.tables["training"]
+  recorded = rows.dropna(subset=["damping"])
+  assert set(recorded.damping) == {float(np.float32(0.3))}
+  assert set(recorded.learning_rate) == {float(np.float32(1e38))}
+  assert "optimizer.step.learning_rate (now 1e+38" in run.reason
+  assert "the damping stayed at 0.3" in run.reason
+  assert "optimizer.norm_constraint" in run.reason
+  assert "min_damping" not in run.reason  # the damping is not adapted
+  first = int(recorded.step[~np.isfinite(recorded.update_norm)].min())
+  assert f"the update norm was not finite from step {first}" in run.reason
+
+
+def _fallen_rows():
+  """A run whose damping halves every 5 steps down to 1e-8 while the
+  update norm grows from 0.5 to 20 (40x) at step 120, then overflows."""
+  steps = np.arange(0, 131)
+  damping = np.maximum(0.1 * 0.5 ** (steps // 5), 1e-8)
+  norm = np.where(steps < 100, 0.5, 0.5 * 40 ** ((steps - 100) / 20))
+  rows = pd.DataFrame(
+    dict(
+      step=steps,
+      damping=damping,
+      learning_rate=0.2,
+      update_norm=np.minimum(norm, 20.0),
+      diverged=steps == 130,
+    )
+  )
+  rows.loc[0, ["damping", "learning_rate", "update_norm"]] = np.nan
+  rows.loc[130, "update_norm"] = np.inf
+  return rows
+
+
+def test_the_advice_follows_the_damping_and_the_update_norm():
+  rows = _fallen_rows()
+  adaptive = KFAC().divergence_knobs()
+  reason = divergence.diagnose(rows, adaptive)
+  assert reason.startswith("non-finite loss at step 130")
+  assert "the damping fell from 0.1 to 1e-08 at step" in reason
+  assert "the update norm grew 40x (from 0.5" in reason
+  assert "to 20 at step 120" in reason
+  # The suggested floor is the damping held when the norm began to grow
+  # (more than 3x its start; at least 100x the lowest), rounded up to a
+  # power of ten.
+  grew = int(rows.step[rows.update_norm > 1.5].min())
+  held = rows.damping[rows.step == grew].iloc[0]
+  wanted = 10 ** np.ceil(np.log10(max(held, 100 * 1e-8)))
+  assert f"raise optimizer.min_damping (now 1e-05; e.g. to {wanted:.3g}" in (
+    reason
+  )
+  # The adaptive learning rate refuses a norm constraint: not offered.
+  assert "norm_constraint" not in reason
+  fixed = KFAC(use_adaptive_learning_rate=False).divergence_knobs()
+  assert "set optimizer.norm_constraint" in divergence.diagnose(rows, fixed)
+
+
+def test_without_update_norms_the_advice_says_how_to_record_them():
+  rows = _fallen_rows().drop(columns="update_norm")
+  reason = divergence.diagnose(rows, KFAC().divergence_knobs())
+  assert "the damping fell from 0.1 to 1e-08" in reason
+  assert "optimizer.include_norms_in_stats=true records them" in reason
+
+
+def test_an_optimizer_without_a_trace_gets_the_bare_step():
+  rows = [dict(step=s, diverged=s == 3) for s in range(4)]
+  assert divergence.diagnose(rows, {}) == "non-finite loss at step 3."
