@@ -1217,7 +1217,11 @@ class Optimizer:
       curv, gram, linear = self.compute_exact_quad_model(
         vectors, grads, func_args
       )
-      regularized = self._regularized_gram(vectors)
+      # With no parameter excluded from the L2 term, its Gram matrix is the
+      # vectors' own, just computed.
+      regularized = (
+        self._regularized_gram(vectors) if self._exclusions else gram
+      )
     else:
       curv, gram, linear = self.compute_approx_quad_model(state, vectors, grads)
       regularized = gram  # the estimate's model: L2 on every parameter

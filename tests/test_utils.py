@@ -52,3 +52,18 @@ def test_gram_matrix_rejects_trees_with_different_leaves():
   tree = {"a": jnp.ones(3)}
   with pytest.raises(ValueError, match="same leaves"):
     utils.gram_matrix([tree, {"a": jnp.ones(3), "b": jnp.ones(2)}])
+
+
+@pytest.mark.parametrize("columns", [3, 300, 384, 700, 1300])
+def test_symmetric_gram_is_the_gram_matrix(columns):
+  """Widths from 384 take the blocked path (block products above the
+  diagonal only, mirrored below); in float64, to rounding."""
+  from estimators.utils.array_math import symmetric_gram
+
+  x = np.random.default_rng(columns).standard_normal((40, columns))
+  got = np.asarray(jax.jit(symmetric_gram)(jnp.asarray(x)))
+  np.testing.assert_allclose(got, x.T @ x, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(got, got.T, rtol=1e-13, atol=1e-12)
+  # Eager, the lower blocks are the upper ones' transposes, bit for bit.
+  eager = np.asarray(symmetric_gram(jnp.asarray(x)))
+  np.testing.assert_array_equal(eager, eager.T)

@@ -24,6 +24,7 @@ from jax import lax
 from estimators import patches
 from estimators import tags
 from estimators import utils
+from estimators.utils import array_math
 from estimators.blocks import base
 from estimators.blocks import layers
 from estimators.blocks import norms
@@ -526,7 +527,8 @@ class DenseTwoKroneckerFactored(layers.DenseMixin, TwoKroneckerFactored):
     x, dy = self._rows(
       estimation_data["inputs"], estimation_data["outputs_tangent"]
     )
-    return x.T @ x / batch_size, dy.T @ dy / batch_size
+    gram = array_math.symmetric_gram
+    return gram(x) / batch_size, gram(dy) / batch_size
 
   def outer_sum_is_cheaper(self) -> bool:
     rows = utils.product(self.inputs_shapes[0][:-1])
@@ -686,7 +688,8 @@ class RepeatedDenseTwoKroneckerFactored(DenseTwoKroneckerFactored):
     kept = jnp.any(dy.reshape(dy.shape[0], -1, dy.shape[-1]) != 0, axis=(0, 2))
     x = x * kept[:, None].astype(x.dtype)
     kept_per_example = jnp.sum(kept).astype(x.dtype) / batch_size
-    return x.T @ x / rows, dy_rows.T @ dy_rows / rows, kept_per_example
+    gram = array_math.symmetric_gram
+    return gram(x) / rows, gram(dy_rows) / rows, kept_per_example
 
   def _fold_statistics(self, state, stats, ema_old, ema_new):
     if not self._masks_repeats():

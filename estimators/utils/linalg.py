@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators.utils import newton
+from estimators.utils.array_math import symmetric_gram
 
 # The inverse Cholesky root of `psd_inverse_root`: a lower-triangular array,
 # or `(top, below, bottom)` blocks for a big matrix.
@@ -218,8 +219,9 @@ def _inverse_from_root(root):
   """`L⁻ᵀ L⁻¹` from the blocks of `psd_inverse_root`."""
   if not isinstance(root, tuple):
     # As LAPACK's potri: one triangular solve gave `L⁻¹`, then a product,
-    # which is cheaper than the two solves of `cho_solve`.
-    return root.T @ root
+    # which is cheaper than the two solves of `cho_solve` (a big one by
+    # blocks above the diagonal only, `symmetric_gram`).
+    return symmetric_gram(root)
   top_root, below, bottom_root = root
   top, bottom = _inverse_from_root(top_root), _inverse_from_root(bottom_root)
   gain = inverse_root_multiply(top_root, below.T, transpose=True).T  # K

@@ -228,13 +228,30 @@ def gram_matrix(trees: Sequence, others: Sequence | None = None) -> jax.Array:
     )
   dtype = jnp.result_type(*[x for leaves in rows + cols for x in leaves])
   total = jnp.zeros((len(rows), len(cols)), dtype)
-  for left, right in zip(zip(*rows), zip(*cols)):
-    if left[0].size <= _STACKED_LEAF_MAX_SIZE:
-      a = jnp.stack([x.ravel() for x in left]).astype(dtype)
-      b = (
-        a if symmetric else jnp.stack([x.ravel() for x in right]).astype(dtype)
+  # The small leaves of each pytree go into one row, so that all of them
+  # take one matrix product (and one copy), whatever their number.
+  small = {
+    k
+    for k, x in enumerate(rows[0] if rows else ())
+    if x.size <= _STACKED_LEAF_MAX_SIZE
+  }
+  if small:
+
+    def stacked(trees_leaves):
+      return jnp.stack(
+        [
+          jnp.concatenate(
+            [leaves[k].ravel().astype(dtype) for k in sorted(small)]
+          )
+          for leaves in trees_leaves
+        ]
       )
-      total += jnp.matmul(a, b.T, precision="highest")
+
+    a = stacked(rows)
+    b = a if symmetric else stacked(cols)
+    total += jnp.matmul(a, b.T, precision="highest")
+  for k, (left, right) in enumerate(zip(zip(*rows), zip(*cols))):
+    if k in small:
       continue
     pairs: list[list[Any]] = [[None] * len(cols) for _ in rows]
     for i, x in enumerate(left):
