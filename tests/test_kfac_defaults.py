@@ -156,6 +156,7 @@ def test_without_update_norms_the_advice_says_how_to_record_them():
   reason = divergence.diagnose(rows, KFAC().divergence_knobs())
   assert "the damping fell from 0.1 to 1e-08" in reason
   assert "optimizer.include_norms_in_stats=true records them" in reason
+  assert "e.g. to 1e-06, 100x the lowest damping it reached" in reason
 
 
 def test_an_optimizer_without_a_trace_gets_the_bare_step():

@@ -111,9 +111,14 @@ def diagnose(rows: pd.DataFrame | list[dict], knobs: Mapping) -> str:
   if fell and floor is not None:
     # A floor at the damping held when the update norm began to grow.
     wanted = _power_of_ten_above(max(held or 0.0, 100 * float(damping.min())))
+    why = (
+      "the damping held when the update norm began to grow"
+      if held is not None and held >= 100 * float(damping.min())
+      else "100x the lowest damping it reached"
+    )
     todo.append(
-      f"raise {floor[0]} (now {floor[1]:.3g}; e.g. to {wanted:.3g}, the "
-      "damping held when the update norm began to grow, rounded up)"
+      f"raise {floor[0]} (now {floor[1]:.3g}; e.g. to {wanted:.3g}, {why}, "
+      "rounded up)"
     )
   if lr is not None and (grown_at is not None or not fell):
     todo.append(f"lower {lr[0]} (now {lr[1]:.3g}; e.g. to {lr[1] / 10:.3g})")
