@@ -122,9 +122,9 @@ def brute_force_blocks(params, batch, setting):
 
 
 def estimate(name, params, batch, loss_fn):
-  """The harness curvature `name` (mode ggn_exact, its default) estimated
-  on one batch, and its dense matrix."""
-  curvature = approximations.make({"name": name}, loss_fn)
+  """The harness curvature `name` in mode ggn_exact estimated on one
+  batch, and its dense matrix."""
+  curvature = approximations.make({"name": name, "mode": "ggn_exact"}, loss_fn)
   assert curvature.mode == "ggn_exact"
   rng = jax.random.PRNGKey(0)
   state = curvature.init(rng, params, batch)

@@ -532,7 +532,10 @@ def _timing_ratios():
   """Two labels' phase ratios (as `phase_ratios` gives them): the median
   and quartiles of their paired ratios to the Adam step."""
   rows = []
-  for label, n, scale in (("kfac[kfac/ggn_exact]", 3, 1.0), ("sgd", 1, 0.8)):
+  for label, mode, n, scale in (
+    ("kfac[kfac/ggn_exact]", "ggn_exact", 3, 1.0),
+    ("sgd", None, 1, 0.8),
+  ):
     for phase, (median, q25, q75) in (
       ("grad_step", (0.5, 0.45, 0.6)),
       ("optimizer_step", (5.0, 4.5, 5.5)),
@@ -543,6 +546,7 @@ def _timing_ratios():
           problem="mlp",
           device_kind="cpu",
           label=label,
+          mode=mode,
           phase=phase,
           baseline="adam",
           median=median * scale,
@@ -585,6 +589,7 @@ def test_timing_in_baseline_steps_with_interquartile_error_bars(
   np.testing.assert_allclose(ends[0], [0.45, 0.6])
   assert "baseline_step" not in {c.get_label() for c in ax.containers}
   assert "mlp" in ax.get_title() and "cpu" in ax.get_title()
+  assert "K-FAC in ggn_exact" in ax.get_title()  # the mode it was timed in
   _legend_outside(drawn["timing_mlp"])
 
 
