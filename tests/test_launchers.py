@@ -72,7 +72,7 @@ def test_skipped_points_are_left_out_not_launched(tmp_path):
   assert "Launching 1 jobs locally" in out
   reason = (
     "optimizer=sgd does not use the curvature; it runs with "
-    "curvature=kfac, mode=ggn_exact only"
+    "curvature=kfac, mode=ggn_curvature_prop only"
   )
   assert (
     f"1 of 2 sweep points repeat another and are left out ({reason})" in out
