@@ -140,6 +140,7 @@ def figures(
     put(
       "refresh/gradient", row.get("mode"), row.problem, row.ratio_to_grad_step
     )
+  out.update({name: {} for name in FIGURES if name not in out})
   for _, row in rows(products, "dataset ggn product").iterrows():
     out["dataset_ggn_product/gradient"][row.problem] = float(
       row.ratio_to_gradient
