@@ -89,6 +89,36 @@ def skip_reason(run: config.RunSettings) -> str | None:
   return None
 
 
+# The dimensions a measurement may leave unused (`config.Canonical`), each
+# with a run's value of it.
+_CANONICAL_DIMENSIONS = {
+  "optimizer": lambda run: run.optimizer.name,
+  "curvature": lambda run: run.curvature.name,
+  "mode": lambda run: run.curvature.mode,
+}
+
+
+def swept_canonical(points: list[config.RunSettings]) -> list[dict]:
+  """Per sweep point, the canonical values (`config.Canonical`) to set so
+  that each is one the sweep takes. Where every point sets, e.g.,
+  curvature.mode=ggn_exact, the optimizers that use no curvature would
+  otherwise run at no point (their canonical mode is the measurement's);
+  they run at the sweep's first value instead. Canonical values are not a
+  run's identity, so the points keep their folders and run ids."""
+  taken = {
+    dimension: list(dict.fromkeys(value(run) for run in points))
+    for dimension, value in _CANONICAL_DIMENSIONS.items()
+  }
+  return [
+    {
+      dimension: values[0]
+      for dimension, values in taken.items()
+      if getattr(run.canonical, dimension) not in values
+    }
+    for run in points
+  ]
+
+
 def _identity(run: config.RunSettings, curvature) -> dict:
   """The columns that say what a run measured."""
   measurement = run.measure.chosen

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import problems
-from curvbench import approximations, config, provenance
+from curvbench import approximations, config, provenance, runs
 from curvbench.measurements import MEASUREMENTS
 from tests.conftest import TINY
 
@@ -63,3 +63,57 @@ def test_outside_a_run_a_curvature_without_a_mode_is_the_librarys_default():
       dataclasses.replace(settings, mode="ggn_exact"), problem.loss_fn
     )
     assert exact.mode == "ggn_exact" and exact.label == f"{name}/ggn_exact"
+
+
+def _points(*swept):
+  """The runs of a sweep's points, as the sweeper loads them."""
+  from hydra_plugins.curvbench_sweeper import tuning_sweeper
+
+  jobs = tuning_sweeper.product([*swept, *TINY])
+  return [config.load(config.compose(*job)) for job in jobs]
+
+
+def _skipped(points):
+  chosen = runs.swept_canonical(points)
+  settled = [
+    dataclasses.replace(p, canonical=dataclasses.replace(p.canonical, **c))
+    for p, c in zip(points, chosen)
+  ]
+  return {
+    (p.optimizer.name, p.curvature.name, p.curvature.mode): runs.skip_reason(p)
+    for p in settled
+  }
+
+
+def test_a_sweep_that_fixes_another_mode_still_trains_every_optimizer():
+  """Every point at curvature.mode=ggn_exact: Adam and SGD, which use no
+  curvature, run at that mode rather than at none (their canonical mode,
+  the measurement's, is a value the sweep never takes)."""
+  points = _points(
+    "measure=training", "optimizer=kfac,adam,sgd", "curvature.mode=ggn_exact"
+  )
+  assert runs.swept_canonical(points) == [{"mode": "ggn_exact"}] * 3
+  assert set(_skipped(points).values()) == {None}
+  # Canonical values are not identity: the points keep their folders.
+  excluded = config.compose(*TINY, with_hydra=True).hydra.job.config
+  assert "canonical.mode" in excluded.override_dirname.exclude_keys
+
+
+def test_a_sweep_over_modes_trains_an_optimizer_without_curvature_once():
+  points = _points(
+    "measure=training",
+    "optimizer=adam",
+    "curvature.mode=ggn_exact,ggn_curvature_prop",
+  )
+  assert not any("mode" in c for c in runs.swept_canonical(points))
+  skipped = _skipped(points)
+  assert skipped["adam", "kfac", "ggn_curvature_prop"] is None
+  assert "mode=ggn_curvature_prop only" in skipped["adam", "kfac", "ggn_exact"]
+
+
+def test_a_spectra_sweep_with_another_optimizer_runs_once():
+  """Spectra do not use the optimizer: a sweep naming only Adam measures
+  them with Adam's point rather than with none."""
+  points = _points("measure=spectra", "optimizer=adam", "curvature=kfac,ekfac")
+  assert runs.swept_canonical(points) == [{"optimizer": "adam"}] * 2
+  assert set(_skipped(points).values()) == {None}

@@ -127,9 +127,6 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(tmp_path):
       "seed=0,1",
       "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
       "curvature.mode=ggn_exact",
-      # optimizers without a curvature run at the canonical mode only,
-      # which follows the measurement's (training: ggn_curvature_prop)
-      "canonical.mode=ggn_exact",
       "optimizer=kfac,adam,shampoo",
       "measure.spectra.steps=[0,2]",
       "measure.spectra.references=[ggn]",

@@ -28,13 +28,16 @@ share one); a run that needs the device alone (timing) that the launcher
 would run beside another job on the same machine is refused
 (`device_sharing`). Then a point that repeats another
 (`curvbench.runs.skip_reason`: e.g. a spectra run with an optimizer it
-does not use) is left out, named in one line, so a cluster sees only jobs
+does not use; a canonical value no point takes is first replaced by the
+sweep's own, `runs.swept_canonical`) is left out, named in one line, so a
+cluster sees only jobs
 that measure and the report only runs that count, and a point
 that finished earlier with the same config, code and data (`runs.cached`)
 is not launched either, so a restarted sweep goes straight to the runs it
 has left.
 """
 
+import dataclasses
 import itertools
 import os
 from pathlib import Path
@@ -412,6 +415,17 @@ class TuningSweeper(Sweeper):
     )
     refuse_shared_folders(jobs, [out_dir for _, out_dir, _ in composed])
     settings = [config.load(cfg) for cfg, _, _ in composed]
+    canonical = runs.swept_canonical(settings)
+    jobs = [
+      [*job, *(f"canonical.{key}={value}" for key, value in chosen.items())]
+      for job, chosen in zip(jobs, canonical)
+    ]
+    settings = [
+      dataclasses.replace(
+        run, canonical=dataclasses.replace(run.canonical, **chosen)
+      )
+      for run, chosen in zip(settings, canonical)
+    ]
     reasons = [runs.skip_reason(run) for run in settings]
     skip = [reason is not None for reason in reasons]
     done = [
