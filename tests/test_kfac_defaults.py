@@ -152,3 +152,37 @@ def test_without_update_norms_the_advice_says_how_to_record_them():
 def test_an_optimizer_without_a_trace_gets_the_bare_step():
   rows = [dict(step=s, diverged=s == 3) for s in range(4)]
   assert divergence.diagnose(rows, {}) == "non-finite loss at step 3."
+
+
+def test_only_a_traced_run_keeps_its_step_statistics():
+  """Timing steps keep nothing; training asks (`start_trace`) and gets
+  each update's damping, learning rate, momentum and reduction ratio."""
+  import jax
+
+  import problems
+  from curvbench import config
+  from tests.conftest import TINY
+
+  run = config.load(config.compose("optimizer=kfac", *TINY))
+  problem = problems.make(run.problem)
+  trainer = run.optimizer.make(
+    problem.loss_fn, run.curvature.make(problem.loss_fn)
+  )
+  rng = jax.random.PRNGKey(0)
+  params = problem.init_params(rng)
+  batch = next(problem.batches(seed=0))
+
+  def steps(n):
+    state = trainer.init(params, batch, rng)
+    p = params
+    for _ in range(n):
+      p, state, _ = trainer.step(p, state, batch, rng)
+
+  steps(2)
+  assert trainer.trace() == {}
+  trainer.start_trace()
+  steps(3)
+  trace = trainer.trace()
+  assert sorted(trace) == [1, 2, 3]
+  adapted = ("damping", "learning_rate", "momentum")
+  assert np.isfinite([trace[3][k] for k in adapted]).all()

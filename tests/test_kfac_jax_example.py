@@ -34,6 +34,7 @@ import optax
 import pytest
 
 import estimators
+from curvbench.optimizers.kfac import MNIST_EXAMPLES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CANDIDATES = [
@@ -41,21 +42,11 @@ CANDIDATES = [
   str(ROOT.parent / "kfac-jax-0.0.8"),
   "/tmp/kfac008/repo",
 ]
-# The `kfac` options of classifier_mnist/pipeline.py's config.
-CLASSIFIER_MNIST_KFAC = dict(
-  inverse_update_period=5,
-  damping_adaptation_interval=5,
-  num_burnin_steps=5,
-  curvature_ema=0.95,
-  use_adaptive_damping=True,
-  use_adaptive_learning_rate=True,
-  use_adaptive_momentum=True,
-  damping_adaptation_decay=0.95,
-  initial_damping=150.0,
-  min_damping=1e-5,
-  max_damping=1000.0,
-)
-L2_REG = 1e-5  # the config's l2_reg
+# The `kfac` options of classifier_mnist/pipeline.py's config, and its l2_reg.
+CLASSIFIER_MNIST_KFAC = {
+  k: v for k, v in MNIST_EXAMPLES.items() if k != "l2_reg"
+}
+L2_REG = MNIST_EXAMPLES["l2_reg"]
 
 
 def _source() -> pathlib.Path | None:

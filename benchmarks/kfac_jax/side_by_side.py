@@ -50,6 +50,7 @@ import problems.base  # noqa: E402
 import problems.layers  # noqa: E402
 from curvbench import stats  # noqa: E402
 from curvbench.measurements.timing import load  # noqa: E402
+from curvbench.optimizers.kfac import MNIST_EXAMPLES  # noqa: E402
 
 # The models timed: the harness's problems, by settings for `problems.make`.
 # The MNIST autoencoder is the preset `autoencoder_mnist`'s network and
@@ -72,23 +73,9 @@ PROBLEMS = {
   "convnet": {"name": "convnet"},
 }
 
-# KFAC-JAX's examples (examples/*_mnist/pipeline.py), one device.
-PERIOD = 5
-SETTINGS = dict(
-  l2_reg=1e-5,
-  inverse_update_period=PERIOD,
-  damping_adaptation_interval=PERIOD,
-  num_burnin_steps=5,
-  curvature_ema=0.95,
-  use_adaptive_damping=True,
-  use_adaptive_learning_rate=True,
-  use_adaptive_momentum=True,
-  damping_adaptation_decay=0.95,
-  initial_damping=150.0,
-  min_damping=1e-5,
-  max_damping=1000.0,
-  multi_device=False,
-)
+# KFAC-JAX's MNIST examples' options, on one device.
+SETTINGS = dict(MNIST_EXAMPLES, multi_device=False)
+PERIOD = SETTINGS["inverse_update_period"]  # = the damping's interval
 
 
 class _Registering:

@@ -44,6 +44,23 @@ from estimators.utils import staging
 
 POSITIVE = Number(0, low_in=False)
 FRACTION = Number(0, 1)
+# The `kfac` options of KFAC-JAX 0.0.8's MNIST examples
+# (examples/{classifier,autoencoder}_mnist/pipeline.py), with their l2_reg:
+# what the side-by-side benchmark and the example-code test run.
+MNIST_EXAMPLES = dict(
+  l2_reg=1e-5,
+  inverse_update_period=5,
+  damping_adaptation_interval=5,
+  num_burnin_steps=5,
+  curvature_ema=0.95,
+  use_adaptive_damping=True,
+  use_adaptive_learning_rate=True,
+  use_adaptive_momentum=True,
+  damping_adaptation_decay=0.95,
+  initial_damping=150.0,
+  min_damping=1e-5,
+  max_damping=1000.0,
+)
 # Keys of estimators.Optimizer that the run decides, and what decides them.
 _SET_BY_THE_RUN = {
   "value_and_grad_func": "the problem's loss gives it",
@@ -427,7 +444,7 @@ class KFACTrainer:
     # Per input, the last (value given, its per-device layout): a step's own
     # parameters, or timing's fixed batch, are not converted again.
     self._last: dict[str, Any] = {}
-    self._trace: dict[int, Any] = {}
+    self._trace: dict[int, Any] | None = None  # until `start_trace`
     self.opt = kfac.Optimizer(
       jax.value_and_grad(loss_fn),
       estimation_mode=curvature.mode,
@@ -516,18 +533,24 @@ class KFACTrainer:
       stacked = params
       params, loss = devices.unstack((stacked, loss), self.mesh)
       self._last["params"] = (params, stacked)
-    if count == 0:  # a run starts (compile_steps' throwaway ones too)
-      self._trace = {}
-    # Device values the step returns anyway, read once the run is over
-    # (`trace`): no host sync and no extra work here.
-    self._trace[count + 1] = {k: stats[k] for k in TRACED if k in stats}
+    if self._trace is not None:
+      if count == 0:  # a run starts (compile_steps' throwaway ones too)
+        self._trace.clear()
+      # Device values the step returns anyway, read once the run is over
+      # (`trace`): no host sync and no extra work here.
+      self._trace[count + 1] = {k: stats[k] for k in TRACED if k in stats}
     return params, (state, count + 1), loss
+
+  def start_trace(self) -> None:
+    """Keeps each step's statistics from now on, for `trace` (training
+    asks for them; timing leaves its steps without)."""
+    self._trace = {}
 
   def trace(self) -> dict[int, dict[str, float]]:
     """Per update s (from 1) of the last run: the damping, learning rate,
     momentum and reduction ratio it used, and its update's norm where the
     step computed it (include_norms_in_stats)."""
-    host = jax.device_get(self._trace)
+    host = jax.device_get(self._trace or {})
     first = lambda v: float(np.asarray(v, np.float64).reshape(-1)[0])
     return {
       s: {k: first(v) for k, v in stats.items()} for s, stats in host.items()

@@ -187,6 +187,9 @@ class Training(Measurement):
     optimizer = ctx.run.optimizer.make(
       ctx.problem.loss_fn, ctx.curvature, ctx.mesh
     )
+    trace = getattr(optimizer, "trace", None)  # K-FAC's step statistics
+    if trace is not None:
+      optimizer.start_trace()
     with load.Monitor(min_seconds=0.0) as monitor:
       rows = training.run(
         ctx.problem,
@@ -203,7 +206,6 @@ class Training(Measurement):
     measured = cast(load.Load, monitor.load)  # set on leaving the block
     for row in rows:  # the load its seconds were read under
       row["others_cpu_share"] = measured.others_share
-    trace = getattr(optimizer, "trace", None)
     if trace is not None:
       rows = divergence.traced_rows(rows, trace())
     end = rows[-1]
