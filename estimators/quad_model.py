@@ -93,12 +93,19 @@ def solve_coefficients(
   if neg_learning_rate is None and momentum is None:
     (a, b), (c, d) = damped_quad
     rhs = -linear
+    det = a * d - b * c
     # Cramer's rule: a LAPACK solve would cost more than the whole model.
-    solved = jnp.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - c * rhs[0]]) / (
-      a * d - b * c
-    )
+    solved = jnp.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - c * rhs[0]]) / det
     only_lr = -linear[0] / damped_quad[0, 0]
-    return jnp.where(first_step, jnp.array([only_lr, 0.0], dtype), solved)
+    # Where the two directions are parallel under Q, `det` is lost to
+    # rounding (it cancels to within eps * a * d) and the 2x2 solution is
+    # noise; the model then varies along one line, whose minimum the
+    # learning rate alone reaches. Below sqrt(eps) of `a * d`, at least
+    # half of `det`'s digits are rounding.
+    parallel = det <= jnp.sqrt(jnp.finfo(dtype).eps) * a * d
+    return jnp.where(
+      first_step | parallel, jnp.array([only_lr, 0.0], dtype), solved
+    )
   alpha: Any = neg_learning_rate
   mu: Any = None if momentum is None else jnp.where(first_step, 0.0, momentum)
   if alpha is None:  # momentum fixed, learning rate solved
