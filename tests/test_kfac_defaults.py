@@ -1,6 +1,7 @@
 """K-FAC trains at its defaults on every CPU-sized problem and example
 model, and a diverged run says what to change, from its own records."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,10 @@ def test_a_diverged_run_names_the_setting_from_its_records(tmp_path):
   assert f"the update norm was not finite from step {first}" in run.reason
 
 
+# The floor of the synthetic runs below, which fall to it.
+LOW_FLOOR = KFAC(min_damping=1e-8)
+
+
 def _fallen_rows():
   """A run whose damping halves every 5 steps down to 1e-8 while the
   update norm grows from 0.5 to 20 (40x) at step 120, then overflows."""
@@ -118,7 +123,7 @@ def _fallen_rows():
 
 def test_the_advice_follows_the_damping_and_the_update_norm():
   rows = _fallen_rows()
-  adaptive = KFAC().divergence_knobs()
+  adaptive = LOW_FLOOR.divergence_knobs()
   reason = divergence.diagnose(rows, adaptive)
   assert reason.startswith("non-finite loss at step 130")
   assert "the damping fell from 0.1 to 1e-08 at step" in reason
@@ -130,20 +135,21 @@ def test_the_advice_follows_the_damping_and_the_update_norm():
   grew = int(rows.step[rows.update_norm > 1.5].min())
   held = rows.damping[rows.step == grew].iloc[0]
   wanted = 10 ** np.ceil(np.log10(max(held, 100 * 1e-8)))
-  floor = KFAC().min_damping
+  floor = LOW_FLOOR.min_damping
   assert (
     f"raise optimizer.min_damping (now {floor:.3g}; e.g. to {wanted:.3g}"
     in (reason)
   )
   # The adaptive learning rate refuses a norm constraint: not offered.
   assert "norm_constraint" not in reason
-  fixed = KFAC(use_adaptive_learning_rate=False).divergence_knobs()
+  fixed = dataclasses.replace(LOW_FLOOR, use_adaptive_learning_rate=False)
+  fixed = fixed.divergence_knobs()
   assert "set optimizer.norm_constraint" in divergence.diagnose(rows, fixed)
 
 
 def test_without_update_norms_the_advice_says_how_to_record_them():
   rows = _fallen_rows().drop(columns="update_norm")
-  reason = divergence.diagnose(rows, KFAC().divergence_knobs())
+  reason = divergence.diagnose(rows, LOW_FLOOR.divergence_knobs())
   assert "the damping fell from 0.1 to 1e-08" in reason
   assert "optimizer.include_norms_in_stats=true records them" in reason
   assert "e.g. to 1e-06, 100x the lowest damping it reached" in reason
