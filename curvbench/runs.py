@@ -104,16 +104,17 @@ def swept_canonical(points: list[config.RunSettings]) -> list[dict]:
   curvature.mode=ggn_exact, the optimizers that use no curvature would
   otherwise run at no point (their canonical mode is the measurement's);
   they run at the sweep's first value instead. Canonical values are not a
-  run's identity, so the points keep their folders and run ids."""
+  run's identity, so the points keep their folders and run ids. (A null
+  mode is a curvature taking its library's; no canonical mode follows it.)"""
   taken = {
-    dimension: list(dict.fromkeys(value(run) for run in points))
+    dimension: [v for v in dict.fromkeys(map(value, points)) if v is not None]
     for dimension, value in _CANONICAL_DIMENSIONS.items()
   }
   return [
     {
       dimension: values[0]
       for dimension, values in taken.items()
-      if getattr(run.canonical, dimension) not in values
+      if values and getattr(run.canonical, dimension) not in values
     }
     for run in points
   ]

@@ -117,3 +117,16 @@ def test_a_spectra_sweep_with_another_optimizer_runs_once():
   points = _points("measure=spectra", "optimizer=adam", "curvature=kfac,ekfac")
   assert runs.swept_canonical(points) == [{"optimizer": "adam"}] * 2
   assert set(_skipped(points).values()) == {None}
+
+
+def test_a_null_mode_is_no_canonical_value():
+  """`curvature.mode=null,ggn_exact` (the benchmark's timing sweep): the
+  null point takes its library's mode, so the canonical mode follows the
+  other value, never null."""
+  points = _points(
+    "measure=timing", "optimizer=kfac,adam", "curvature.mode=null,ggn_exact"
+  )
+  assert {c.get("mode") for c in runs.swept_canonical(points)} == {"ggn_exact"}
+  assert runs.swept_canonical(
+    _points("measure=timing", "curvature.mode=null")
+  ) == [{}]
