@@ -428,3 +428,27 @@ def test_an_unknown_commit_is_refused_by_name(capsys):
     cli.main(["against", "no-such-commit-xyz", "--quick"])
   assert exit.value.code == 2
   assert "'no-such-commit-xyz' names no commit here" in capsys.readouterr().err
+
+
+def test_a_run_that_lost_figures_does_not_replace_the_record(
+  tmp_path, monkeypatch, capsys
+):
+  """A failed sweep leaves figures out: `--save-record` then keeps the
+  record it would have replaced, says why, and exits 1."""
+  folder = tmp_path / "records"
+  folder.mkdir()
+  kept = folder / "cpu-2-cores.json"
+  held = _record(
+    {"kfac_step/adam_step": {"mlp": 3.0}, "refresh/gradient": {"mlp": 1.0}}
+  )
+  kept.write_text(json.dumps(held))
+  today = _record({"refresh/gradient": {"mlp": 1.1}})
+  monkeypatch.setattr(cli.suite, "run", lambda *args, **kwargs: today)
+  argv = ["run", "--out", str(tmp_path / "out"), "--records", str(folder)]
+  assert cli.main([*argv, "--save-record"]) == 1
+  assert "record NOT written" in capsys.readouterr().out
+  assert json.loads(kept.read_text()) == held
+  # With every figure measured, it is replaced.
+  today["figures"]["kfac_step/adam_step"] = {"mlp": 2.9}
+  assert cli.main([*argv, "--save-record"]) == 0
+  assert json.loads(kept.read_text())["figures"] == today["figures"]

@@ -55,6 +55,20 @@ def _run(args) -> int:
       today, _record_path(today["key"], args.records), args.tolerance
     )
   if args.save_record:
+    kept = _record_path(today["key"], args.records)
+    lost = (
+      record.compare(today, kept, args.tolerance).missing
+      if kept.exists()
+      else []
+    )
+    if lost:  # a sweep that failed must not wipe the figures it would make
+      print(
+        f"record NOT written: today's run lacks {len(lost)} figures that "
+        f"{kept} holds (e.g. {lost[0][0]} [{lost[0][1]}]); see "
+        f"{Path(out) / 'summary.md'} for what failed, and rerun. To drop "
+        "figures on purpose, remove them from the record first."
+      )
+      return 1
     path = record.save(today, args.records)
     print(f"record written: {path}")
     if Path(args.records).resolve() == record.RECORD_DIR:
