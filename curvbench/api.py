@@ -412,8 +412,8 @@ def measure(
     (config.compose(*job), out / _override_dirname(job, excluded))
     for job in jobs
   ]  # every point checked before any runs
-  settings = [config.load(cfg) for cfg, _ in points]
-  for (cfg, _), chosen in zip(points, runs.swept_canonical(settings)):
+  point_settings = [config.load(cfg) for cfg, _ in points]
+  for (cfg, _), chosen in zip(points, runs.swept_canonical(point_settings)):
     for key, value in chosen.items():
       cfg.canonical[key] = value
   for cfg, run_dir in points:
