@@ -42,7 +42,7 @@ from curvbench.components import Whole, setting
 import curvbench.plugins
 from curvbench import config, records, report, runs, sweep
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
-from problems import checks
+from problems import checks, model_outputs
 from problems import data as datasets
 
 # The loss of each task where none is given.
@@ -58,11 +58,19 @@ class Model:
   """Your model: `apply(params, inputs) -> outputs` on a batch, and either
   `init(rng, inputs) -> params` (each seed draws its own) or fixed
   `params`. The outputs are the registered loss's inputs (logits for the
-  cross-entropies, predictions for the squared error)."""
+  cross-entropies, predictions for the squared error).
+
+  Where apply returns more than that array, `output` says which part it
+  is: `output=0` for `(logits, aux)`, `output="logits"` for a dict or a
+  dataclass holding them, `output=(0, "logits")` for a path into nested
+  parts (passed on as `problems.Network.output`; `problems.model_outputs`
+  says what each form picks). Without it, a model returning anything but
+  one array is refused, naming what it returned: no part is guessed."""
 
   apply: Callable
   init: Callable | None = None
   params: Any = None
+  output: model_outputs.Output = None
 
   def __post_init__(self):
     if (self.init is None) == (self.params is None):
@@ -71,22 +79,25 @@ class Model:
         "key and inputs giving parameters) and params= "
         "(fixed parameters)."
       )
+    self.network()  # checks `output`
 
   def network(self) -> problems.Network:
     if self.init is not None:
-      return problems.Network(self.init, self.apply)
+      return problems.Network(self.init, self.apply, self.output)
     params = self.params
-    return problems.Network(lambda rng, inputs: params, self.apply)
+    return problems.Network(lambda rng, inputs: params, self.apply, self.output)
 
   def fingerprint(self, inputs) -> str:
     """A hash of the computation on `inputs` (the jaxpr of initialisation
     and forward pass) and of fixed parameters' values: the model's part
     of a run's identity."""
     net = self.network()
-    jaxpr = jax.make_jaxpr(lambda rng, x: self.apply(net.init(rng, x), x))(
+    jaxpr = jax.make_jaxpr(lambda rng, x: net.outputs(net.init(rng, x), x))(
       jax.random.PRNGKey(0), inputs
     )
     text = str(jaxpr)
+    if self.output is not None:  # None keeps earlier records' identity
+      text += f"output={self.output!r}"
     if self.params is not None:
       text += datasets.arrays_sha256(
         {
@@ -152,7 +163,7 @@ class Data:
         arrays[f"y_{split}"] = np.zeros(len(x), np.int32)
     net = model.network()
     outputs = checks.output_shape(
-      lambda rng, x: model.apply(net.init(rng, x), x),
+      lambda rng, x: net.outputs(net.init(rng, x), x),
       arrays["x_train"],
       where="Data",
     )
@@ -364,6 +375,9 @@ def measure(
       the loss or the model (a label outside its outputs, a NaN input,
       splits of unequal length, ...), naming the array and the fix,
       before anything runs.
+    problems.model_outputs.OutputError: for a model returning more than
+      one array without `Model(output=...)` naming the loss's input, or
+      an `output` that names none, before anything runs.
   """
   curvbench.plugins.load(list(plugins))
   name = name or (model if isinstance(model, str) else "my_model")

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import cast
 
-from problems import checks, data, layers
+from problems import checks, data, layers, model_outputs
 from problems.base import (
   LOSSES,
   PROBLEMS,
@@ -97,4 +97,5 @@ __all__ = [
   "data",
   "layers",
   "make",
+  "model_outputs",
 ]

@@ -30,6 +30,7 @@ from curvbench.components import (
   dotted,
   setting,
 )
+from problems import model_outputs
 from problems.data import Dataset
 from problems.datasets import DATASETS, DatasetSettings
 
@@ -120,10 +121,25 @@ class Network:
   """A model as two pure functions, `init(rng, inputs) -> params` and
   `apply(params, inputs) -> outputs`: the form of a Haiku transform, which
   any JAX model takes (a Flax module's `init` and `apply`, an Equinox or
-  Flax NNX model split into its arrays and the rest, a plain function)."""
+  Flax NNX model split into its arrays and the rest, a plain function).
+
+  `output` names the part of what apply returns that the loss reads, where
+  apply returns more than that array: an index into a tuple, a key of a
+  dict, an attribute name, or a tuple of these as a path
+  (`problems.model_outputs`). None, the default, takes apply's return value
+  as the array itself and refuses anything else, naming what it was."""
 
   init: Callable
   apply: Callable
+  output: model_outputs.Output = None
+
+  def __post_init__(self):
+    model_outputs.check_setting(self.output)
+
+  def outputs(self, params, inputs):
+    """The loss's input: the part of `apply(params, inputs)` that `output`
+    names."""
+    return model_outputs.pick(self.apply(params, inputs), self.output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +257,11 @@ class Problem:
     """The network's outputs on `inputs`: in training mode, or, for a model
     with state and given its `model_state`, in evaluation mode (batch norm
     normalising by its running averages)."""
+    if isinstance(self.net, Network):
+      return self.net.outputs(params, inputs)
     if not self.has_state:
-      return self.net.apply(params, inputs)
+      # A Haiku model (`from_model`): refused by name if it returns no array.
+      return model_outputs.pick(self.net.apply(params, inputs), None)
     if model_state is None:
       return self.net.apply(params, self._state_structure, inputs, True)[0]
     return self.net.apply(params, model_state, inputs, False)[0]

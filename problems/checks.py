@@ -1,10 +1,12 @@
 """Checks of a problem's examples, run before anything trains on them.
 
 The Python API (`curvbench.Data`) and every problem `problems.make` builds
-(curvbench's own and plugins') go through the same checks: each split's
-inputs and targets are numbers, agree in length and are not empty; the
-inputs are finite and have the same shape per example in both splits; the
-targets fit the loss and the model's outputs (class labels whole numbers in
+(curvbench's own and plugins') go through the same checks: the model
+returns one array, or its `output` setting names one in what it returns
+(`problems.model_outputs`; else `OutputError`); each split's inputs and
+targets are numbers, agree in length and are not empty; the inputs are
+finite and have the same shape per example in both splits; the targets fit
+the loss and the model's outputs (class labels whole numbers in
 0..outputs-1, one per prediction; regression and reconstruction targets
 finite, of the outputs' shape, in [0, 1] for the sigmoid cross-entropy).
 A failure raises `ExamplesError` naming the split's array and the fix.
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 
 from problems.base import LABEL_LOSSES
+from problems.model_outputs import OutputError
 
 
 SPLITS = ("train", "test")
@@ -132,9 +135,18 @@ def output_shape(
   outputs: Callable, x: np.ndarray, *, where: str, fix: str = ""
 ) -> tuple[int, ...]:
   """The shape of `outputs(rng, inputs)` (initialisation and forward pass)
-  on the first example of `x`, evaluated abstractly: nothing is computed."""
+  on the first example of `x`, evaluated abstractly: nothing is computed.
+
+  Raises:
+    problems.model_outputs.OutputError: where the model returns no array
+      or its `output` setting names none, before any loss is registered.
+    ExamplesError: where the model cannot be applied to the example, or
+      its outputs lack an axis of examples.
+  """
   try:
     out = jax.eval_shape(outputs, jax.random.PRNGKey(0), x[:1])
+  except OutputError as e:  # what apply returned is no array, or not named
+    raise OutputError(f"{where}: {e}") from None
   except Exception as e:  # noqa: BLE001 - the model's own error, shortened
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise _fail(
