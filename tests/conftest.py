@@ -60,6 +60,22 @@ TINY = (
   "measure.training.eval_size=50",
   "progress=false",
 )
+# TINY's run settings without its problem's, for models of the tests' own.
+SHORT = tuple(s for s in TINY if not s.startswith("problem."))
+
+
+def two_layer_init(rng, x, outputs=2):
+  """A tanh layer of 6 units, then `outputs` logits: a user model's
+  parameters for the tests of the Python API."""
+  one, two = jax.random.split(rng)
+  return dict(
+    w1=jax.random.normal(one, (x.shape[1], 6)) / 2,
+    b1=jnp.zeros(6),
+    w2=jax.random.normal(two, (6, outputs)) / 2,
+    b2=jnp.zeros(outputs),
+  )
+
+
 SWEEP = {
   "spectra_kfac": ["measure=spectra", "curvature=kfac"],
   "spectra_diag": [

@@ -10,19 +10,8 @@ import pytest
 import curvbench
 import problems
 from curvbench import config, provenance
-from tests.conftest import TINY
-
-SHORT = tuple(s for s in TINY if not s.startswith("problem."))
-
-
-def _init(rng, x):
-  one, two = jax.random.split(rng)
-  return dict(
-    w1=jax.random.normal(one, (x.shape[1], 6)) / 2,
-    b1=jnp.zeros(6),
-    w2=jax.random.normal(two, (6, 2)) / 2,
-    b2=jnp.zeros(2),
-  )
+from tests.conftest import SHORT
+from tests.conftest import two_layer_init as _init
 
 
 def _apply(p, x):

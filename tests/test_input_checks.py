@@ -17,9 +17,7 @@ from curvbench import config, runs
 from curvbench.components import Whole, setting
 from problems import DATASETS, PROBLEMS, checks
 from problems.data import Dataset
-from tests.conftest import TINY
-
-SHORT = tuple(s for s in TINY if not s.startswith("problem."))
+from tests.conftest import SHORT
 
 
 def _init(rng, x, outputs=2):

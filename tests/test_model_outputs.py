@@ -19,19 +19,11 @@ import problems
 from problems import checks
 from problems.data import Dataset
 from problems.model_outputs import OutputError
-from tests.conftest import TINY
-
-SHORT = tuple(s for s in TINY if not s.startswith("problem."))
+from tests.conftest import SHORT, two_layer_init
 
 
 def _init(rng, x):
-  one, two = jax.random.split(rng)
-  return dict(
-    w1=jax.random.normal(one, (x.shape[1], 6)) / 2,
-    b1=jnp.zeros(6),
-    w2=jax.random.normal(two, (6, 3)) / 2,
-    b2=jnp.zeros(3),
-  )
+  return two_layer_init(rng, x, outputs=3)
 
 
 def _forward(p, x):
