@@ -50,12 +50,10 @@ def _run(args) -> int:
   command = shlex.join(["python", "-m", "curvbench.bench", *sys.argv[1:]])
   today = suite.run(Path(out), mode, args.against, command)
   status = 0
+  kept = _record_path(today["key"], args.records)
   if args.compare:
-    status = _compare(
-      today, _record_path(today["key"], args.records), args.tolerance
-    )
+    status = _compare(today, kept, args.tolerance)
   if args.save_record:
-    kept = _record_path(today["key"], args.records)
     lost = (
       record.compare(today, kept, args.tolerance).missing
       if kept.exists()
