@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -214,11 +215,14 @@ def _one_hot(y: np.ndarray) -> bool:
 class Results:
   """What `measure` recorded: the run directories under `path`, their
   status (`runs`) and every table they wrote, merged over the runs
-  (`tables`, as `curvbench report` reads them)."""
+  (`tables`, as `curvbench report` reads them), and how each point this
+  call ran ended (`endings`: folder, status, headline, reason)."""
 
   path: Path
   runs: pd.DataFrame
   tables: dict[str, pd.DataFrame]
+  # How each point run by this call ended, as it printed it.
+  endings: tuple[runs.Ending, ...] = ()
 
   def report(self, out=None) -> dict:
     """Writes the report (`report.md`, `report.html`, figures and CSVs)
@@ -329,17 +333,6 @@ def register_model(
   return name
 
 
-def _override_dirname(job: list[str], excluded) -> str:
-  """The run folder's name, as the command line's sweep names it: its
-  overrides, sorted, less those Hydra's `override_dirname` leaves out."""
-  kept = sorted(
-    o.lstrip("+")
-    for o in job
-    if o.partition("=")[0].lstrip("+") not in excluded
-  )
-  return config.run_dir_name(",".join(kept))
-
-
 def measure(
   model: Model | str,
   data: Data | None = None,
@@ -422,9 +415,9 @@ def measure(
     "a sweep directory (give another with out=)",
   )
   claim(check_only=True)
+  names = tuning_sweeper.folder_names(jobs, excluded, out)
   points = [
-    (config.compose(*job), out / _override_dirname(job, excluded))
-    for job in jobs
+    (config.compose(*job), out / name) for job, name in zip(jobs, names)
   ]  # every point checked before any runs
   point_settings = [config.load(cfg) for cfg, _ in points]
   for (cfg, _), chosen in zip(points, runs.swept_canonical(point_settings)):
@@ -433,8 +426,14 @@ def measure(
   for cfg, run_dir in points:
     runs.refuse(cfg, run_dir)
   claim()
+  tuning_sweeper.record_folders(out, jobs, names, excluded)
+  endings = []
   for cfg, run_dir in points:
     if runs.record_skip(cfg, run_dir) is None:
-      runs.run(cfg, run_dir)
+      start = time.perf_counter()
+      status = runs.run(cfg, run_dir)
+      ended = runs.ending(cfg, run_dir, status, time.perf_counter() - start)
+      print(ended.line(), flush=True)  # as the command prints it
+      endings.append(ended)
   loaded = sweep.load_sweep(out)
-  return Results(out, loaded.runs, loaded.tables)
+  return Results(out, loaded.runs, loaded.tables, tuple(endings))

@@ -11,6 +11,8 @@ command keeps JAX's compiled programs in the `compilation_cache` directory.
 from __future__ import annotations
 
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import cast
 
@@ -18,6 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 
 from curvbench import config, plugins, records, report, runs
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
@@ -81,31 +84,65 @@ def _hydra_main():
     version_base=None, config_path=str(config.CONF_DIR), config_name="config"
   )
   def main(cfg):
-    try:
-      plugins.load(cfg.plugins)  # a launcher's own process imports them too
-      config.validate(cfg)
-    except ValueError as e:  # ConfigError, PluginError: the message alone
-      raise SystemExit(f"curvbench: {e}") from None
-    runs.use_compilation_cache(cfg.compilation_cache)
+    # A sweep's point never exits the process: it returns how it ended, and
+    # the sweeper runs the others, then says which failed.
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     out_dir = HydraConfig.get().runtime.output_dir
+    start = time.perf_counter()
     try:
-      return runs.run(cfg, out_dir)
-    except Exception as e:  # noqa: BLE001 - one line, or re-raised
-      # One line: the traceback is the run's ERROR.json, where it could be
-      # written. An error of another kind (a library's own, e.g.
-      # safetensors' on a full disk) is named with its kind and where its
-      # traceback is; where none was written, Hydra prints the traceback.
-      if isinstance(e, (ValueError, OSError, MemoryError, FloatingPointError)):
-        raise SystemExit(f"curvbench: {out_dir}: {e}") from None
-      error = Path(out_dir) / records.ERROR
-      if error.is_file():
-        raise SystemExit(
-          f"curvbench: {out_dir}: {type(e).__name__}: {e} "
-          f"(its traceback is in {error})"
-        ) from None
-      raise
+      ended = _run(cfg, out_dir, start)
+    except _Failed as failed:
+      if not sweeping:
+        raise SystemExit(str(failed)) from None
+      print(str(failed), file=sys.stderr, flush=True)
+      return failed.ended
+    if ended.failed and not sweeping:  # its records are written
+      raise SystemExit(ended.line())
+    print(ended.line(), flush=True)
+    return ended
 
   return main()
+
+
+class _Failed(Exception):
+  """A run that ended in an error: its one-line message, and its end."""
+
+  def __init__(self, message: str, ended: runs.Ending):
+    super().__init__(message)
+    self.ended = ended
+
+
+def _run(cfg, out_dir: str, start: float) -> runs.Ending:
+  """One run into `out_dir` and how it ended; `_Failed` with the message
+  for one that raised."""
+
+  def failed(message: str, reason: str) -> _Failed:
+    seconds = time.perf_counter() - start
+    return _Failed(message, runs.Ending(out_dir, "error", seconds, "", reason))
+
+  try:
+    plugins.load(cfg.plugins)  # a launcher's own process imports them too
+    config.validate(cfg)
+  except ValueError as e:  # ConfigError, PluginError: the message alone
+    raise failed(f"curvbench: {e}", str(e)) from None
+  runs.use_compilation_cache(cfg.compilation_cache)
+  try:
+    status = runs.run(cfg, out_dir)
+  except Exception as e:  # noqa: BLE001 - one line, or re-raised
+    # One line: the traceback is the run's ERROR.json, where it could be
+    # written. An error of another kind (a library's own, e.g.
+    # safetensors' on a full disk) is named with its kind and where its
+    # traceback is; where none was written, it is printed here.
+    if isinstance(e, (ValueError, OSError, MemoryError, FloatingPointError)):
+      raise failed(f"curvbench: {out_dir}: {e}", str(e)) from None
+    error = Path(out_dir) / records.ERROR
+    if error.is_file():
+      why = f"{type(e).__name__}: {e} (its traceback is in {error})"
+      raise failed(f"curvbench: {out_dir}: {why}", why) from None
+    traceback.print_exc()
+    why = f"{type(e).__name__}: {e} (its traceback is above)"
+    raise failed(f"curvbench: {out_dir}: {why}", why) from None
+  return runs.ending(cfg, out_dir, status, time.perf_counter() - start)
 
 
 def cli(argv=None):
@@ -120,12 +157,18 @@ def cli(argv=None):
       flush=True,
     )
     sys.argv = [sys.argv[0], "-m", "+experiment=quick"]
+    failed = None
     try:
       _hydra_main()
+    except runs.PointsFailed as e:  # the others ran: report them, then say so
+      failed = e
     except SystemExit as exit_:
       if exit_.code not in (None, 0):
         raise
-    return report.main(["reports/quick"])
+    made = report.main(["reports/quick"])
+    if failed is not None:
+      raise failed
+    return made
   check_command_line(argv)
   sys.argv = [sys.argv[0]] + argv
   return _hydra_main()

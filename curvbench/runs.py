@@ -11,6 +11,7 @@ code or data). One process at a time runs a run directory (its lock).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -357,6 +358,130 @@ def refuse(cfg, out_dir) -> None:
         "the run clears before it starts: measure it from a run in "
         "another folder (hydra.run.dir=...)."
       )
+
+
+# The statuses of a run that did not measure what it was asked to.
+FAILED = ("diverged", "error")
+# Said to a diverged run whose reason names no setting to change.
+DIVERGED_ADVICE = (
+  "Lower the optimizer's learning rate or raise its damping, and run it again."
+)
+
+
+class PointsFailed(SystemExit):
+  """Ends a sweep (status 1) whose launched points all ran, some of which
+  failed: its message names them and why."""
+
+  def __init__(self, message: str):
+    super().__init__(message)
+
+
+def duration(seconds: float) -> str:
+  """`seconds` as a person reads them: 41 s, 2m10s, 1h05m."""
+  seconds = max(0.0, float(seconds))
+  if seconds < 60:
+    return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+  minutes, secs = divmod(round(seconds), 60)
+  if minutes < 60:
+    return f"{minutes}m{secs:02d}s"
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ending:
+  """How a run ended, as the command prints it: its folder, status,
+  seconds, headline numbers (its measurement's `headline`) and, for one
+  that did not finish its measurement, why. `tuning`: a point of a tuning
+  grid, whose divergence is an outcome the protocol scores (+inf), not a
+  failure of its sweep."""
+
+  folder: str
+  status: str
+  seconds: float
+  headline: str = ""
+  reason: str = ""
+  step: int | None = None
+  tuning: bool = False
+
+  @property
+  def failed(self) -> bool:
+    """Whether the run did not measure what it was asked to."""
+    return self.status in FAILED
+
+  @property
+  def fails_sweep(self) -> bool:
+    """Whether its sweep counts it as a failed point."""
+    return self.failed and not (self.status == "diverged" and self.tuning)
+
+  def why(self) -> str:
+    """The reason, with what to do where it names nothing."""
+    if self.status == "diverged" and "Try:" not in self.reason:
+      return f"{self.reason} {DIVERGED_ADVICE}".strip()
+    return self.reason
+
+  def line(self) -> str:
+    """The end line: `curvbench: done in 41 s: FOLDER: headline`."""
+    took = duration(self.seconds)
+    what = {
+      "complete": f"done in {took}",
+      "cached": "finished earlier with this config, code and data",
+      "skipped": "skipped",
+      "locked": "left to the process running it",
+      "diverged": f"diverged at step {self.step} after {took}"
+      if self.step is not None
+      else f"diverged after {took}",
+      "error": f"failed after {took}",
+    }.get(self.status, f"{self.status} after {took}")
+    parts = [f"curvbench: {what}", self.folder]
+    parts += [self.headline] if self.headline else []
+    parts += [self.why()] if self.failed or self.status == "skipped" else []
+    return ": ".join(p for p in parts if p)
+
+
+def ending(
+  cfg, out_dir, status: str, seconds: float, reason: str = ""
+) -> Ending:
+  """How the run into `out_dir` ended (`status`, as `run` returned it), read
+  from its records: the completion marker's reason and step, and its
+  measurement's headline of the tables it wrote. `reason`: the error of a
+  run that raised one."""
+  run_dir = records.RunDir(out_dir)
+  run = config.load(cfg)
+  measurement = run.measure.chosen
+  try:
+    marker = run_dir.marker() or {}
+  except records.DamagedRun:
+    marker = {}
+  headline = ""
+  if status in ("complete", "cached", "diverged"):
+    try:
+      headline = measurement.headline(run_dir.tables())
+    except Exception as e:  # noqa: BLE001 - the run is recorded; say so only
+      headline = f"(its headline could not be read: {type(e).__name__}: {e})"
+  if status == "error" and not reason:
+    reason = error_message(run_dir)
+  grid = config.grid_points(config.plain(cfg.tuning.grid))
+  return Ending(
+    folder=str(out_dir),
+    status=status,
+    seconds=seconds,
+    headline=headline,
+    reason=reason or str(marker.get("reason", "")),
+    step=marker.get("step") if status == "diverged" else None,
+    tuning=measurement.tuned and bool(grid.get(run.optimizer.name)),
+  )
+
+
+def error_message(run_dir: records.RunDir) -> str:
+  """The last line of the traceback in the run's `ERROR.json` (the error
+  itself), or where to look."""
+  path = run_dir.path / records.ERROR
+  try:
+    lines = json.loads(path.read_text())["traceback"].strip().splitlines()
+    return f"{lines[-1]} (its traceback is in {path})"
+  except (OSError, ValueError, KeyError, IndexError, TypeError):
+    return f"see {path}"
 
 
 def run(cfg, out_dir) -> str:

@@ -370,8 +370,10 @@ def run(
   # The last step done: (step, params, mean, model state, seconds, scores).
   held = (0, params, mean, model_state, 0.0, start_scores)
   elapsed, batch, next_point = 0.0, first, 0
+  # The bar stays when it ends: its elapsed seconds and rate, and the
+  # step a diverged run stopped at.
   for step in tqdm(
-    range(1, num_steps + 1), desc="training", disable=not progress, leave=False
+    range(1, num_steps + 1), desc="training", disable=not progress, leave=True
   ):
     start = time.perf_counter()
     key = jax.random.fold_in(rng, step)

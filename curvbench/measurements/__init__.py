@@ -6,7 +6,8 @@ settings (the section `measure.<name>`), beside its computation, its
 figures and its part of the report. It declares what it needs
 (`uses_optimizer`, `uses_curvature`, the batches it splits across
 devices), how it runs (`measure`, returning an `Outcome`: its tables and
-its status), which tables it declares (`tables`) and its section of the
+its status), which tables it declares (`tables`), the numbers a run
+prints when it ends (`headline`) and its section of the
 report (`section`: the question it answers, its findings, tables, figures
 and notes). A table may be written by several measurements (a spectra run
 that trains writes `training` rows too); the one that declares it
@@ -24,6 +25,8 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+
+import pandas as pd
 
 from curvbench.components import (
   ListOf,
@@ -165,6 +168,16 @@ class Measurement(Settings, abc.ABC):
   @abc.abstractmethod
   def measure(self, ctx: Context) -> Outcome:
     """Runs the measurement: its tables and how it ended."""
+
+  def headline(self, tables: dict[str, pd.DataFrame]) -> str:
+    """The numbers a run prints when it ends, from its `tables` as written
+    (a run found finished earlier prints them too); by default, the
+    tables it wrote and their rows."""
+    return "wrote " + ", ".join(
+      f"{name} ({len(rows)} rows)"
+      for name, rows in sorted(tables.items())
+      if name != "config"
+    )
 
   def section(self, report, out: Path) -> Section | None:
     """Its part of the report, from a `curvbench.report.Report` (the

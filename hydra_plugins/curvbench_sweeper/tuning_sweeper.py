@@ -39,7 +39,9 @@ has left.
 
 import dataclasses
 import itertools
+import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, cast
 
@@ -48,6 +50,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, devices, measurements, records, runs
@@ -57,6 +60,14 @@ if TYPE_CHECKING:
   from hydra.types import HydraContext
 
 SWEEP_MARKER = records.SWEEP_MARKER  # see `records.claim`
+# `{folder: the point's full name}` of the folders a sweep named by the
+# values that vary across it, so that a later sweep into the same
+# directory reuses only its own.
+FOLDERS = ".curvbench-folders.json"
+# The subdir the config gives a sweep's points (conf/config.yaml): where it
+# is this, the sweeper names each point's folder (`folder_names`).
+DEFAULT_SUBDIR = "${curvbench_run_dir:${hydra:job.override_dirname}}"
+SUBDIR = "hydra.sweep.subdir"
 
 
 def register() -> None:
@@ -159,6 +170,126 @@ def expand(
   return out
 
 
+def _key(item: str) -> str:
+  return item.partition("=")[0].lstrip("+~")
+
+
+def folder_names(jobs: list[list[str]], excluded, sweep_dir: Path) -> list[str]:
+  """Each job's run folder under `sweep_dir`: its overrides (less the
+  `excluded` keys, sorted) that vary across the sweep, those every point
+  shares left to the config (`seed=2,curvature=kfac`), hashed only where
+  still too long. A name another point's run already holds (an earlier
+  sweep into the same directory, as `FOLDERS` records them), or a folder
+  named as before (every override: `config.run_dir_name`), keeps that full
+  name, so no sweep takes another's folder and the same command lands in
+  the same folders."""
+  items = [[i for i in job if _key(i) not in excluded] for job in jobs]
+  shared = set.intersection(*map(set, items)) if len(items) > 1 else set()
+  known = recorded_folders(sweep_dir)
+  names = []
+  for job in items:
+    full = config.run_dir_name(",".join(sorted(job)))
+    varying = sorted(i.lstrip("+") for i in job if i not in shared)
+    short = config.run_dir_name(",".join(varying)) if varying else full
+    owner = known.get(short)
+    new = not (sweep_dir / short).exists() and not (sweep_dir / full).exists()
+    names.append(short if owner == full or (owner is None and new) else full)
+  return names
+
+
+def recorded_folders(sweep_dir: Path) -> dict[str, str]:
+  """`{folder: full name}` of `FOLDERS` in `sweep_dir` (empty where none,
+  or where it cannot be read: every name then counts as taken)."""
+  try:
+    known = json.loads((Path(sweep_dir) / FOLDERS).read_text())
+  except (OSError, ValueError):
+    return {}
+  return known if isinstance(known, dict) else {}
+
+
+def record_folders(sweep_dir: Path, jobs, names, excluded) -> None:
+  """Adds each job's folder name and full name to `FOLDERS`."""
+  known = recorded_folders(sweep_dir)
+  for job, name in zip(jobs, names):
+    kept = sorted(i for i in job if _key(i) not in excluded)
+    known[name] = config.run_dir_name(",".join(kept))
+  text = json.dumps(known, indent=1, sort_keys=True) + "\n"
+  records.atomic_write(
+    Path(sweep_dir) / FOLDERS, lambda tmp: Path(tmp).write_text(text)
+  )
+
+
+def shown(job: list[str]) -> str:
+  """A job's overrides as the command line gave them."""
+  return " ".join(i for i in job if not i.startswith(f"{SUBDIR}="))
+
+
+def quoted(value: str) -> str:
+  """`value` as a quoted override value (Hydra's grammar)."""
+  return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def progress(done: int, total: int, elapsed: float) -> str:
+  """`elapsed 2m10s, about 6m left (from 3 points)` after `done` of
+  `total` points."""
+  out = f"elapsed {runs.duration(elapsed)}"
+  if 0 < done < total:
+    left = elapsed / done * (total - done)
+    points = "point" if done == 1 else "points"
+    out += f", about {runs.duration(left)} left (from {done} {points})"
+  return out
+
+
+def ended(job: list[str], result: JobReturn) -> runs.Ending:
+  """How a launched job ended: the `runs.Ending` its task returned, or an
+  error for one that raised (its exception named)."""
+  if result.status == JobStatus.COMPLETED and isinstance(
+    result.return_value, runs.Ending
+  ):
+    return result.return_value
+  folder = (
+    shown(job)
+    if result.hydra_cfg is None
+    else OmegaConf.select(
+      result.hydra_cfg, "hydra.runtime.output_dir", default=shown(job)
+    )
+  )
+  if result.status == JobStatus.COMPLETED:  # another task's return
+    return runs.Ending(str(folder), "complete", float("nan"))
+  try:
+    result.return_value  # noqa: B018 - raises the job's exception
+  except Exception as e:  # noqa: BLE001 - named in the sweep's summary
+    reason = f"{type(e).__name__}: {e}"
+  return runs.Ending(str(folder), "error", float("nan"), reason=reason)
+
+
+def summary(sweep_dir, endings: list[runs.Ending], seconds: float) -> str:
+  """The sweep's last lines: how many points ran and how they ended, each
+  failed one with its folder and why."""
+  counts: dict[str, int] = {}
+  for e in endings:
+    what = (
+      "diverged (tuning)" if e.status == "diverged" and e.tuning else e.status
+    )
+    counts[what] = counts.get(what, 0) + 1
+  names = dict(complete="done", error="failed")
+  told = ", ".join(f"{n} {names.get(k, k)}" for k, n in counts.items())
+  failed = [e for e in endings if e.fails_sweep]
+  head = (
+    f"curvbench: sweep ended in {runs.duration(seconds)}: {sweep_dir}: "
+    f"{len(endings)} points run: {told or 'none'}"
+  )
+  if failed:
+    head += f"; {len(failed)} failed:"
+  lines = [
+    f"  {e.folder}: {e.status}"
+    + (f" at step {e.step}" if e.step is not None else "")
+    + f": {e.why()}"
+    for e in failed
+  ]
+  return "\n".join([head, *lines])
+
+
 def device_sharing(
   launcher: DictConfig, max_batch_size: Optional[int]
 ) -> Optional[tuple]:
@@ -229,7 +360,7 @@ def refuse_bad_points(jobs: list[list[str]], messages: list) -> None:
   bad = [(job, m) for job, m in zip(jobs, messages) if m is not None]
   if not bad:
     return
-  lines = [f"  {' '.join(job)}: {message}" for job, message in bad[:10]]
+  lines = [f"  {shown(job)}: {message}" for job, message in bad[:10]]
   more = f"\n  and {len(bad) - 10} more" if len(bad) > 10 else ""
   # The message alone, on stderr: a traceback through Hydra would hide it.
   raise SystemExit(
@@ -245,9 +376,7 @@ def refuse_shared_folders(jobs: list[list[str]], out_dirs: list) -> None:
   shared = []
   for job, out_dir in zip(jobs, out_dirs):
     if out_dir in first:
-      shared.append(
-        f"  {' '.join(first[out_dir])} and {' '.join(job)}: {out_dir}"
-      )
+      shared.append(f"  {shown(first[out_dir])} and {shown(job)}: {out_dir}")
     first.setdefault(out_dir, job)
   if shared:
     raise SystemExit(
@@ -321,23 +450,67 @@ class TuningSweeper(Sweeper):
     grid = cast(
       dict, OmegaConf.to_container(self.config.tuning.grid, resolve=True)
     )
-    jobs = self.planned(
-      expand(jobs, grid, self.config.optimizer.name, self.config.measure.kind)
+    jobs = expand(
+      jobs, grid, self.config.optimizer.name, self.config.measure.kind
     )
+    points, names = jobs, self.named(jobs, sweep_dir)
+    if names is not None:
+      jobs = [[*job, f"{SUBDIR}={quoted(n)}"] for job, n in zip(jobs, names)]
+    jobs = self.planned(jobs)
     try:
       claim(check_only=False)
       OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+      if names is not None:
+        record_folders(sweep_dir, points, names, self.excluded)
     except OSError as e:  # the disk filled, or turned read-only, since
       raise SystemExit(
         f"curvbench: cannot write to {sweep_dir} ({e.strerror or e}): {fix}"
       ) from None
-    returns, start = [], 0
-    for batch in batches(jobs, self.max_batch_size):
-      results = self.launcher.launch(batch, initial_job_idx=start)
-      for result in results:
-        _ = result.return_value  # raises where the job failed
-      start += len(batch)
+    return self.launched(jobs, sweep_dir)
+
+  @property
+  def excluded(self) -> set:
+    """The keys Hydra's `override_dirname` leaves out."""
+    return set(self.config.hydra.job.config.override_dirname.exclude_keys)
+
+  def named(self, jobs: list[list[str]], sweep_dir: Path) -> list | None:
+    """Each job's folder name (`folder_names`), or None where the config
+    names them itself (a `hydra.sweep.subdir` of its own)."""
+    subdir = OmegaConf.to_container(self.config.hydra.sweep, resolve=False)
+    if cast(dict, subdir).get("subdir") != DEFAULT_SUBDIR:
+      return None
+    return folder_names(jobs, self.excluded, sweep_dir)
+
+  def launched(self, jobs: list[list[str]], sweep_dir: Path) -> list:
+    """Launches `jobs`, a batch at a time (one job at a time where the
+    launcher runs them in turn anyway, so that each point's end is told as
+    it comes), printing after each the points done, the time elapsed and
+    an estimate of the time left; then how the sweep ended, exiting with
+    status 1 (`runs.PointsFailed`) when any point failed."""
+    size = self.max_batch_size
+    if (
+      size is None and device_sharing(self.config.hydra.launcher, None) is None
+    ):
+      size = 1
+    returns: list = []
+    endings: list[runs.Ending] = []
+    start = time.perf_counter()
+    for batch in batches(jobs, size):
+      results = self.launcher.launch(batch, initial_job_idx=len(endings))
+      for job, result in zip(batch, results):
+        end = ended(job, result)
+        endings.append(end)
+        print(
+          f"[curvbench] [{len(endings)}/{len(jobs)}] "
+          f"{Path(end.folder).name}: {end.status}; "
+          + progress(len(endings), len(jobs), time.perf_counter() - start),
+          flush=True,
+        )
       returns.append(results)
+    told = summary(sweep_dir, endings, time.perf_counter() - start)
+    if any(e.fails_sweep for e in endings):
+      raise runs.PointsFailed(told)
+    print(told, flush=True)
     return returns
 
   def job_config(self, overrides: list[str], num: int) -> tuple:

@@ -411,6 +411,27 @@ class Spectra(Measurement):
 
   # --- the report --------------------------------------------------------
 
+  def headline(self, tables):
+    quality = tables.get("quality")
+    if quality is None or quality.empty:
+      return super().headline(tables)
+    whole = quality[
+      (quality.level == "network") & (quality.step == quality.step.max())
+    ]
+    parts = [
+      f"{metric.replace('_', ' ')} against {reference} "
+      f"{rows.value.median():.3g}"
+      for (reference, metric), rows in whole.groupby(
+        ["reference", "metric"], sort=False
+      )
+      if metric in ("relative_frobenius", "cosine_similarity")
+    ]
+    step = int(whole.step.max()) if not whole.empty else 0
+    where = f"whole network, step {step}, median over samples"
+    return (
+      f"{'; '.join(parts)} ({where})" if parts else super().headline(tables)
+    )
+
   def section(self, report, out):
     tables = completed(report.tables)
     if not any(name in tables for name in self.tables):

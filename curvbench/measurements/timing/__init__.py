@@ -118,6 +118,21 @@ class Timing(Measurement):
       )
     )
 
+  def headline(self, tables):
+    rows = tables.get("timing")
+    if rows is None or rows.empty:
+      return super().headline(tables)
+    phases = ", ".join(
+      f"{row.phase} {1e3 * row.median_s:.3g} ms"
+      + (
+        f" ({row.ratio_to_baseline:.3g}x {row.baseline})"
+        if np.isfinite(row.ratio_to_baseline)
+        else ""
+      )
+      for row in rows.itertuples()
+    )
+    return f"median seconds per phase: {phases}"
+
   # --- the report --------------------------------------------------------
 
   def section(self, report, out):

@@ -33,6 +33,25 @@ STEPS = Parsed(
 SHARPNESS_ITERATIONS = 30
 
 
+def training_headline(rows: pd.DataFrame | None) -> str:
+  """The last evaluated step's training loss and errors, for a run's end
+  line (a diverged run's last finite ones)."""
+  if rows is None or "train_loss" not in rows:
+    return "no training rows"
+  evaluated = rows[np.isfinite(rows.train_loss.astype(float))]
+  if evaluated.empty:
+    return "no finite training loss"
+  last = evaluated.loc[evaluated.step.idxmax()]
+  diverged = "diverged" in rows and rows.diverged.astype(bool).any()
+  final = "last finite" if diverged else "final"
+  out = f"{final} training loss {last.train_loss:.4g} (step {int(last.step)})"
+  for key, what in (("train_error", "training"), ("test_error", "test")):
+    value = last.get(key)
+    if value is not None and np.isfinite(value):
+      out += f", {what} error {100 * value:.3g} %"
+  return out
+
+
 def save_checkpoint(ctx, step: int, params, model_state) -> None:
   """Saves `params` and the model's state as the run's checkpoint of
   `step`."""
@@ -218,6 +237,9 @@ class Training(Measurement):
         reason=divergence.diagnose(rows, knobs),
       )
     return Outcome(dict(training=rows))
+
+  def headline(self, tables):
+    return training_headline(tables.get("training"))
 
   # --- the report --------------------------------------------------------
 
