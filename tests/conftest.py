@@ -12,6 +12,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+# Elapsed time and the time left, at every tenth of the tests.
+pytest_plugins = ["tests.time_left"]
+
 
 # --- the harness's tiny problem ----------------------------------------------
 
