@@ -1130,8 +1130,9 @@ class _Registration:
         )
     self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
     for k in self.generic:
-      uses = self.consumers.get(k) or {math.inf}  # unused: after the rest
-      self._own([k], tags.generic.name, self._why_generic(k), min(uses))
+      # An unused parameter's layer comes after the rest.
+      at = min(self.consumers.get(k, ()), default=math.inf)
+      self._own([k], tags.generic.name, self._why_generic(k), at)
     self._number_in_forward_order()
     self.inline = self._calls_to_inline(manual)
     self.needed = {k for i in self.relevant for k in g.nodes[i].outputs}
