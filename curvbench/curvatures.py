@@ -127,16 +127,38 @@ def block_roles(
   }
 
 
+def _key_name(key) -> str:
+  """One step of a pytree path as the model's code writes it."""
+  for field in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+    if hasattr(key, field):
+      return str(getattr(key, field))
+  return str(key)
+
+
+def parameter_module(path) -> tuple[str, str]:
+  """`(module, name)` of a parameter leaf's pytree `path` in its framework's
+  own terms: the module's path, its steps joined by '.' ('layers.1.norm'
+  for an NNX or Equinox model, 'mlp/~/linear_0' for Haiku's), and the
+  parameter's name ('scale'); the module is '' for a top-level leaf. An
+  NNX variable's trailing `.value` is its wrapper's, not a step."""
+  steps = [_key_name(k) for k in path]
+  if len(steps) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey):
+    steps = steps[:-1] if steps[-1] == "value" else steps
+  return ".".join(steps[:-1]), steps[-1] if steps else ""
+
+
 def _block_leaves(estimator, params) -> list[tuple[str, list[int]]]:
   """Per block of a traced block-diagonal `estimator`: its name (the modules
-  its parameters belong to, e.g. 'dense_0') and its parameter leaves."""
+  its parameters belong to, e.g. 'dense_0' or 'layers.1', or the leaves'
+  own names where they are top-level) and its parameter leaves."""
   which = jax.tree.leaves(estimator.params_block_index)
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   out = []
   for index in range(len(estimator.blocks)):
     mine = [i for i, b in enumerate(which) if b == index]
     modules = dict.fromkeys(
-      str(getattr(paths[i][0], "key", paths[i][0])) for i in mine
+      module or name
+      for module, name in map(parameter_module, [paths[i] for i in mine])
     )
     out.append(("+".join(modules), mine))
   return out
@@ -383,33 +405,34 @@ class BlockDiagonal(_Estimator):
 
   def registration(self):
     """One row per block: `block` (its parameters and tag), `block_class`,
-    `dim` and `source`, how the graph matcher found its parameters: a
-    pattern's name, 'manual', or why they got a generic tag, e.g. 'shared
-    by 2 layers: embedding (output ...) and dot_general of its transpose
-    (output ...)' for a table that a lookup and a tied output layer share
-    (the row's class is then the block the family gives a generic tag)."""
+    `dim`, `layer` (the number of its first layer, in the order the model
+    computes them), `module` (the modules its parameters belong to, as the
+    model's code names them and the per-layer quality records do: e.g.
+    'layers.1.norm') and `source`, how the graph matcher found its
+    parameters: a pattern's name, 'manual', or why they got a generic tag,
+    e.g. 'shared by 2 layers: embedding (output ...) and dot_general of its
+    transpose (output ...)' for a table that a lookup and a tied output
+    layer share (the row's class is then the block the family gives a
+    generic tag)."""
     estimator = self.estimator
     args = jax.tree.map(
       lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype),
       estimator.jaxpr.in_vars,
     )
-    sources = [
-      r["source"]
-      for r in graph_matcher.registration_report(
-        estimator.func, args, estimator.params_index
-      )
-    ]
-    which = jax.tree.leaves(estimator.params_block_index)
+    report = graph_matcher.registration_report(
+      estimator.func, args, estimator.params_index
+    )
+    leaves = _block_leaves(estimator, args[estimator.params_index])
     return [
       dict(
         block=b.name,
         block_class=type(b).__name__,
         dim=int(b.dim),
-        source="; ".join(
-          dict.fromkeys(s for s, w in zip(sources, which) if w == index)
-        ),
+        layer=min(report[i]["layer"] for i in mine),
+        module=module,
+        source="; ".join(dict.fromkeys(report[i]["source"] for i in mine)),
       )
-      for index, b in enumerate(_blocks(estimator))
+      for b, (module, mine) in zip(_blocks(estimator), leaves)
     ]
 
   def init(self, rng, params, batch):

@@ -29,7 +29,14 @@ from typing import Any
 
 import pandas as pd
 
-from curvbench import html_page, plots, records, stats, sweep
+from curvbench import (
+  html_page,
+  plots,
+  records,
+  registration_report,
+  stats,
+  sweep,
+)
 from curvbench.approximations import CURVATURES
 from curvbench.gallery import page as gallery_page
 from curvbench.measurements import MEASUREMENTS
@@ -228,6 +235,13 @@ def write(root, out=None, trust=()) -> dict:
       )
       if section is not None:
         sections.append(section)
+    registered = _guarded(
+      "the registration section",
+      not_rendered,
+      registration_report.section,
+      report,
+    )
+    sections += [registered] if registered is not None else []
     judged = _guarded(
       "the gallery", not_rendered, gallery_page.judge, done, tables
     )

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 import problems
 from curvbench import config, devices, provenance, records
+from curvbench.curvatures import parameter_module
 from curvbench.measurements import Context
 from estimators import graph_matcher
 
@@ -139,11 +140,19 @@ def _identity(run: config.RunSettings, curvature) -> dict:
 
 
 def registration(problem, curvature, params, batch, rng) -> dict:
-  """Which tag each parameter gets, and the curvature blocks built from them."""
+  """Which tag each parameter gets (`parameters`, with its `module` and
+  `name` in the model's own terms: `curvatures.parameter_module`), and the
+  curvature blocks built from them (`blocks`); docs/reference/records.md
+  lists the keys."""
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   report = dict(
-    parameters=graph_matcher.registration_report(
-      problem.loss_fn, (params, batch)
-    )
+    parameters=[
+      dict(row, **dict(zip(("module", "name"), parameter_module(path))))
+      for row, path in zip(
+        graph_matcher.registration_report(problem.loss_fn, (params, batch)),
+        paths,
+      )
+    ]
   )
   if curvature is not None:
     curvature.init(rng, params, batch)  # traces the model

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -1108,6 +1109,8 @@ class _Registration:
 
     # leaf index -> (tag name, source, layer number, stack)
     self.owner: dict[int, tuple[Any, ...]] = {}
+    # layer number (in claim order) -> where the model computes it
+    self.computed_at: dict[int, float] = {}
     self.matches, self.dropped = {}, set()  # root node -> _Match
     # leaf index -> matches left unclaimed because they share that leaf
     self.sharing = {}
@@ -1127,7 +1130,10 @@ class _Registration:
         )
     self.generic = [k for i, k in enumerate(leaves) if i not in self.owner]
     for k in self.generic:
-      self._own([k], tags.generic.name, self._why_generic(k))
+      # An unused parameter's layer comes after the rest.
+      at = min(self.consumers.get(k, ()), default=math.inf)
+      self._own([k], tags.generic.name, self._why_generic(k), at)
+    self._number_in_forward_order()
     self.inline = self._calls_to_inline(manual)
     self.needed = {k for i in self.relevant for k in g.nodes[i].outputs}
     self.report = [
@@ -1150,15 +1156,28 @@ class _Registration:
       ),
     )
 
-  def _own(self, keys, tag_name, source):
-    """Gives the leaves behind `keys` (leaves or their scanned slices) a tag."""
+  def _own(self, keys, tag_name, source, at):
+    """Gives the leaves behind `keys` (leaves or their scanned slices) a tag,
+    as a layer the model computes at node `at`."""
     layer = len({o[2] for o in self.owner.values()})
+    self.computed_at[layer] = at
     stack = max(
       (self.slices[k][2] for k in keys if k in self.slices), default=None
     )
     self.owner.update(
       (self.leaf_index[k], (tag_name, source, layer, stack)) for k in keys
     )
+
+  def _number_in_forward_order(self):
+    """Renumbers the layers in the order the model computes them (the
+    graph's nodes are in the jaxpr's order), not the order they were
+    claimed in (manual tags, then pattern by pattern, then generic)."""
+    order = sorted(self.computed_at, key=lambda n: (self.computed_at[n], n))
+    number = {old: new for new, old in enumerate(order)}
+    self.owner = {
+      i: (tag, source, number[layer], stack)
+      for i, (tag, source, layer, stack) in self.owner.items()
+    }
 
   def _claim_manual(self, manual, allow_multiple):
     for n in manual:
@@ -1178,7 +1197,7 @@ class _Registration:
       if taken:
         self.dropped.add(n)  # evaluated as an identity
       else:
-        self._own(keys, eqn.primitive.name, "manual")
+        self._own(keys, eqn.primitive.name, "manual", n)
 
   def _find(self, pattern, rules, free, allow_multiple):
     """Claims every match of `pattern` among the `free` nodes (updated)."""
@@ -1202,7 +1221,7 @@ class _Registration:
       if m is not None:
         self.matches[n] = m
         free -= m.nodes
-        self._own(m.leaves, m.tag.name, pattern.name)
+        self._own(m.leaves, m.tag.name, pattern.name, n)
 
   def _checked_match(self, pattern, out_key, st, allow_multiple):
     g, p = self.graph, pattern.graph
@@ -1482,7 +1501,8 @@ class TaggedFunction:
       layers: ..." naming each use of a parameter that several computations
       use, by the pattern that found it or its primitive, with its output
       shape), `layer` (a number shared
-      by the parameters of one tag) and `stacked` (the number of scan
+      by the parameters of one tag, counting layers in the order the
+      model computes them) and `stacked` (the number of scan
       iterations for a stacked leaf, else None).
     """
     return [dict(r) for r in self._registration(func_args).report]

@@ -262,6 +262,30 @@ def test_plain_mlp_with_cast_and_reshaped_parameters():
   }
 
 
+def test_layers_are_numbered_in_the_order_the_model_computes_them():
+  # Alphabetical parameters and the matcher's claim order (dense layers,
+  # then scale-and-shift, then a manual tag, then generic) disagree with
+  # the forward order: z_in, a_norm, manual, m_out, c_gen.
+  p = _init(
+    {
+      "z_in": (5, 4),
+      "a_norm": (4,),
+      "manual": (4, 4),
+      "m_out": (4, 3),
+      "c_gen": (3,),
+    }
+  )
+
+  def forward(p, x):
+    h = jnp.tanh(x @ p["z_in"]) * p["a_norm"]
+    h = kfac.register_dense(h @ p["manual"], h, p["manual"])
+    return jnp.sin(h @ p["m_out"]) ** p["c_gen"]
+
+  report = report_of(_loss(forward), (p, _batch((6, 5))))
+  layer = {_short(r["path"]): r["layer"] for r in report}
+  assert layer == dict(z_in=0, a_norm=1, manual=2, m_out=3, c_gen=4)
+
+
 def test_plain_deep_autoencoder_under_jit_and_checkpoint():
   sizes = (6, 4, 2, 4, 6)
   p = _init(

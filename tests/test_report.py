@@ -63,6 +63,7 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
     "## Curvature",
     "## Timing",
     "## Training",
+    "## Registration",
     "## Runs",
   ]
   assert "[timing_memory.csv](timing_memory.csv)" in text

@@ -26,7 +26,14 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import checkpoints, curvatures, devices, plots, training
+from curvbench import (
+  checkpoints,
+  curvatures,
+  devices,
+  plots,
+  registration_report,
+  training,
+)
 from curvbench.costs import Costs
 from curvbench.data import parse_scope, select
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
@@ -445,7 +452,8 @@ class Spectra(Measurement):
     quality = tables.get("quality")
     pairs = tables.get("references")
     if quality is not None:
-      q = summary.quality(quality)
+      alike = registration_report.same_blocks(report, self.name)
+      q = summary.with_reasons(summary.quality(quality), alike)
       found.findings += summary.findings(quality)
       lines, table = summary.claims(quality)
       found.findings += lines
@@ -456,7 +464,7 @@ class Spectra(Measurement):
             summary.quality_table(name, title, part, detail=level != "network")
           )
       found.tables += [table] if table is not None else []
-      found.notes += summary.shared_blocks(quality)
+      found.notes += summary.shared_blocks(quality, alike)
       if (quality.reference == "empirical_fisher").any():
         found.notes.append(summary.EMPIRICAL_FISHER_SCALE)
     if pairs is not None:

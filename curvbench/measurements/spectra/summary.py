@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from curvbench import stats
+from curvbench import registration_report, stats
 from estimators import estimation_modes
 from curvbench.approximations import CURVATURES
 from curvbench.measurements.spectra.compute import SAME
@@ -178,6 +178,8 @@ def quality_table(
     index.insert(3, "block")
   if part.step.nunique() == 1:
     index.remove("step")
+  if "why_alike" in part and part.why_alike.fillna("").astype(bool).any():
+    index.append("why_alike")
   rank = {m: i for i, m in enumerate(metric_order(part.metric))}
   part = part.iloc[np.argsort([rank[m] for m in part.metric], kind="stable")]
   stderr = part.get("stderr", pd.Series(np.nan, part.index))
@@ -242,13 +244,47 @@ def _shared(q: pd.DataFrame) -> set[tuple]:
   return set(per_block[per_block].index)
 
 
-def shared_blocks(q: pd.DataFrame) -> list[str]:
-  """A note per problem naming the blocks every method scores alike."""
+def with_reasons(q: pd.DataFrame, alike: dict[tuple, str]) -> pd.DataFrame:
+  """`quality(...)` with a column `why_alike`: on the layer rows every
+  method scores alike, the reason where the registrations give one (the
+  same block class under every approximation, `alike` by problem and
+  block, from `registration_report.same_blocks`)."""
+  return q.assign(
+    why_alike=[
+      registration_report.reason(alike[p, b])
+      if same and lvl == "layer" and (p, b) in alike
+      else ""
+      for p, lvl, b, same in zip(
+        q.problem, q.level, q.block, q.same_in_every_method
+      )
+    ]
+  )
+
+
+def shared_blocks(q: pd.DataFrame, alike: dict | None = None) -> list[str]:
+  """A note per problem naming the blocks every method scores alike, and
+  the block they all get where the registrations say (`alike`, as
+  `with_reasons` takes it)."""
   notes = []
   shared = sorted(_shared(q))
+  alike = alike or {}
   for problem in sorted({p for p, _, _ in shared}):
     layers = [b for p, lvl, b in shared if p == problem and lvl == "layer"]
+    classes = sorted(
+      {alike[problem, b] for b in layers if (problem, b) in alike}
+    )
+    if classes and all((problem, b) in alike for b in layers):
+      notes.append(
+        f"{problem}: layer blocks {', '.join(layers)} score the same in "
+        "every approximation compared because each gets the same block "
+        f"({', '.join(classes)}) under all of them: the same matrix, so "
+        "these rows cannot tell the methods apart (column why_alike; see "
+        "Registration)."
+      )
+      layers = []
     types = [b for p, lvl, b in shared if p == problem and lvl == "role"]
+    if not layers and not types:
+      continue
     named = ", ".join(
       filter(
         None,
