@@ -220,10 +220,11 @@ class Results:
   runs: pd.DataFrame
   tables: dict[str, pd.DataFrame]
 
-  def report(self, out=None) -> dict:
-    """Writes the report (`report.md`, `report.html`, figures and CSVs)
-    into `out` (default: `path/report`); returns what it wrote."""
-    return report.write(self.path, out)
+  def report(self, out=None, latex: bool = False) -> dict:
+    """Writes the report (`report.md`, `report.html`, figures and CSVs;
+    with `latex`, the summary tables as LaTeX, as `--latex` does) into
+    `out` (default: `path/report`); returns what it wrote."""
+    return report.write(self.path, out, latex_tables=latex)
 
 
 def _task(task: str | None, loss: str | None) -> tuple[str, str]:
