@@ -1,29 +1,30 @@
-"""A self-contained HTML page of headings, text, tables and figures, from
-the template `templates/page.html` (jinja2, every text escaped); a
-`Details` block holds others behind a line that opens it (collapsed until
-clicked).
+"""An HTML page of headings, text, tables and figures, from the template
+`templates/page.html` (jinja2, every text escaped); a `Details` block
+holds others behind a line that opens it (collapsed until clicked).
 
-The page is one file with nothing outside it: figures are inlined as base64
-PNG data URIs, style and script are inline, and a Content-Security-Policy
-forbids any other source. Tables sort by a column when its header is clicked
+The page is one file with its figures beside it: each figure is linked by
+its path relative to the page (so the page stays small, and its folder can
+be moved or copied whole), style and script are inline, and a
+Content-Security-Policy forbids any other source (images come only from
+the page's own files). Tables sort by a column when its header is clicked
 (numerically where the cells are numbers; a second click reverses), and a
 table of contents is built from the headings.
 
-  html_page.write(path, "Sweep", [
+  html_page.write(out / "page.html", "Sweep", [
       html_page.Heading("Quality"),
       html_page.Table(df, caption="metrics per block type"),
-      html_page.Figure("quality.png", caption="relative error")])
+      html_page.Figure(out / "figures/quality.png", caption="relative error")])
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import math
 import numbers
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import jinja2
 import pandas as pd
@@ -88,7 +89,8 @@ class Table:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-  """A PNG file, embedded into the page."""
+  """A PNG file, linked from the page: it must lie in the page's folder or
+  below it, so that the folder travels whole."""
 
   png_path: str | Path
   caption: str = ""
@@ -123,16 +125,21 @@ Block = Heading | Paragraph | Bullets | Table | Figure | Details
 def write(path: str | Path, title: str, blocks: Sequence[Block]) -> Path:
   """Writes the page atomically to `path` and returns `path`."""
   path = Path(path)
-  text = render(title, blocks)
+  text = render(title, blocks, folder=path.parent)
   return atomic_write(
     path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
   )
 
 
-def render(title: str, blocks: Sequence[Block]) -> str:
-  """The page as one HTML string."""
+def render(
+  title: str, blocks: Sequence[Block], folder: str | Path | None = None
+) -> str:
+  """The page as one HTML string, its figures linked relative to `folder`
+  (where the page will lie; needed where there are figures)."""
   anchors = _anchors(blocks)
-  shown = [_block(block, anchors.get(i)) for i, block in enumerate(blocks)]
+  shown = [
+    _block(block, anchors.get(i), folder) for i, block in enumerate(blocks)
+  ]
   toc = [b for b in shown if b["kind"] == "heading"]
   return _TEMPLATE.render(title=title, toc=toc, blocks=shown)
 
@@ -153,7 +160,7 @@ def _anchors(blocks) -> dict[int, str]:
   return anchors
 
 
-def _block(block, anchor) -> dict:
+def _block(block, anchor, folder) -> dict:
   """What the template draws of a block (its text escaped there)."""
   if isinstance(block, Heading):
     return dict(
@@ -166,12 +173,12 @@ def _block(block, anchor) -> dict:
   if isinstance(block, Table):
     return _table(block)
   if isinstance(block, Figure):
-    return _figure(block)
+    return _figure(block, folder)
   if isinstance(block, Details):
     return dict(
       kind="details",
       summary=block.summary,
-      blocks=[_block(inner, None) for inner in block.blocks],
+      blocks=[_block(inner, None, folder) for inner in block.blocks],
     )
   raise ValueError(
     f"cannot put a {type(block).__name__} on the page: blocks "
@@ -180,20 +187,32 @@ def _block(block, anchor) -> dict:
   )
 
 
-def _figure(figure: Figure) -> dict:
+def _figure(figure: Figure, folder) -> dict:
   path = Path(figure.png_path)
   if not path.is_file():
     raise ValueError(f"figure file {str(path)!r} does not exist")
-  data = path.read_bytes()
-  if not data.startswith(PNG_SIGNATURE):
+  with path.open("rb") as f:
+    if f.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+      raise ValueError(
+        f"figure file {str(path)!r} is not a PNG (its first "
+        f"bytes are not the PNG signature); save it as PNG"
+      )
+  if folder is None:
     raise ValueError(
-      f"figure file {str(path)!r} is not a PNG (its first "
-      f"bytes are not the PNG signature); save it as PNG"
+      f"cannot link figure {str(path)!r} without the page's folder: "
+      "give render(..., folder=) the folder the page will be written to"
     )
-  uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+  try:
+    relative = path.resolve().relative_to(Path(folder).resolve())
+  except ValueError:
+    raise ValueError(
+      f"figure file {str(path)!r} lies outside the page's folder "
+      f"{str(folder)!r}: save it there (or below it), so that the page "
+      "and its figures can be moved together"
+    ) from None
   return dict(
     kind="figure",
-    uri=uri,
+    uri=quote(relative.as_posix()),
     alt=figure.caption or path.stem,
     caption=figure.caption,
   )

@@ -15,9 +15,11 @@ that did not finish listed with the reason. Every method keeps one colour
 in every figure (`plots.colours`).
 
 Writes under `DIR/report/` (or `--out`): `report.md`, `report.html` (one
-self-contained page, sortable tables), one CSV per table (the long form,
-with every statistic and count), `<table>_all.csv` with every record, and
-the figures as PNG and PDF.
+page, sortable tables, its figures linked from `figures/`), one CSV per
+table (the long form, with every statistic and count), `<table>_all.csv`
+with every record, and the figures as PNG and PDF; with `--latex`, each
+summary table (those whose rows carry their count n) as a booktabs table
+to `\\input`, under `latex/` (`curvbench.latex`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pandas as pd
 
 from curvbench import (
   html_page,
+  latex,
   plots,
   records,
   registration_report,
@@ -190,9 +193,10 @@ def _guarded(part: str, not_rendered: list[dict], make, *args):
     return None
 
 
-def write(root, out=None, trust=()) -> dict:
+def write(root, out=None, trust=(), latex_tables=False) -> dict:
   """Writes the summary, the sections' tables and figures, `report.md`
-  and `report.html`; returns their paths (`tables`, `figures`), how many
+  and `report.html` (with `latex_tables`, each summary table as LaTeX
+  too); returns their paths (`tables`, `figures`, `latex`), how many
   runs of each status in `sweep.NOT_IN_RESULTS` there are
   (`not_in_results`), what the self-check found (`self_check`) and what
   could not be rendered, with why (`not_rendered`). Of the plugins the
@@ -264,6 +268,7 @@ def write(root, out=None, trust=()) -> dict:
   written: dict[str, Any] = {
     "tables": [],
     "figures": [],
+    "latex": [],
     "self_check": checked,
     "not_in_results": {
       status: int(n)
@@ -284,6 +289,8 @@ def write(root, out=None, trust=()) -> dict:
   for section in sections:
     for table in section.tables:
       save_csv(table.name, table.data)
+      if latex_tables and "n" in table.data and not table.data.empty:
+        written["latex"].append(_save_latex(out / "latex", table))
     written["figures"] += section.figures
   written["tables"] += _write_pages(
     root, out, sections, checked, _provenance_line(tables, loaded.runs)
@@ -292,6 +299,14 @@ def write(root, out=None, trust=()) -> dict:
     written["tables"] += pages[:2]
     written["figures"] += pages[2:]
   return written
+
+
+def _save_latex(folder: Path, table: Table) -> Path:
+  path = folder / f"{table.name}.tex"
+  text = latex.table(table)
+  return records.atomic_write(
+    path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+  )
 
 
 def _provenance_line(tables, runs: pd.DataFrame) -> str:
@@ -411,10 +426,17 @@ def main(argv=None) -> int:
     "recorded; reading a folder imports no code it names otherwise "
     "(repeat for several)",
   )
+  parser.add_argument(
+    "--latex",
+    action="store_true",
+    help="also write each summary table as a booktabs LaTeX table (its "
+    "intervals and counts n, caption and label) to \\input into a paper, "
+    "under OUT/latex/",
+  )
   args = parser.parse_args(argv)
   out = Path(args.out or Path(args.dir) / "report")
   try:
-    written = write(args.dir, args.out, args.trust)
+    written = write(args.dir, args.out, args.trust, args.latex)
   except (FileNotFoundError, records.ForeignFolder) as e:
     raise SystemExit(f"curvbench report: {e}") from None
   except OSError as e:  # a read-only or full disk
@@ -427,6 +449,12 @@ def main(argv=None) -> int:
     f"{len(written['figures'])} figures under {out}; start with "
     f"{out / 'report.md'}"
   )
+  if written["latex"]:
+    print(
+      f"[curvbench] wrote {len(written['latex'])} LaTeX tables under "
+      f"{out / 'latex'} (\\input them; they need booktabs and graphicx): "
+      + ", ".join(p.name for p in written["latex"])
+    )
   missing = written["not_in_results"]
   if missing:
     print(

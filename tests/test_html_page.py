@@ -1,7 +1,9 @@
-"""The self-contained HTML page: escaping, embedding, and a real browser."""
+"""The HTML page: escaping, linked figures, and a real browser."""
 
 import math
 import re
+import shutil
+from pathlib import Path
 
 import matplotlib
 
@@ -50,25 +52,33 @@ def _blocks(tmp_path):
     html_page.Table(pd.DataFrame(np.arange(80.0).reshape(2, 40)) * 1e6),
     html_page.Heading("Figures"),
     html_page.Figure(_png(tmp_path / "line.png", "line"), caption="line"),
-    html_page.Figure(_png(tmp_path / "bars.png", "bars")),
+    html_page.Figure(_png(_folder(tmp_path) / "bars #1.png", "bars")),
   ]
 
 
+def _folder(tmp_path):
+  (tmp_path / "figures").mkdir(exist_ok=True)
+  return tmp_path / "figures"
+
+
 def test_text_and_cells_are_escaped(tmp_path):
-  text = html_page.render(f"Title {SCRIPT}", _blocks(tmp_path))
+  text = html_page.render(f"Title {SCRIPT}", _blocks(tmp_path), tmp_path)
   assert SCRIPT not in text
   assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
   assert "<td>&lt;script&gt;alert(1)&lt;/script&gt;</td>" in text
   assert "two &lt;b&gt;" in text and "&amp; friends" in text
 
 
-def test_figures_are_embedded_and_nothing_is_referenced(tmp_path):
-  text = html_page.render("t", _blocks(tmp_path))
+def test_figures_are_linked_beside_the_page_and_nothing_else(tmp_path):
+  """Figures are linked by their paths relative to the page (quoted), not
+  inlined, so the page stays small; nothing else is referenced."""
+  text = html_page.render("t", _blocks(tmp_path), tmp_path)
   sources = re.findall(r'src="([^"]*)"', text)
-  assert len(sources) == 2
-  assert all(s.startswith("data:image/png;base64,iVBORw0KGgo") for s in sources)
+  assert sources == ["line.png", "figures/bars%20%231.png"]
+  assert "data:" not in text and "base64" not in text
   assert "http://" not in text and "https://" not in text
   assert not re.search(r"<link|\.css|\.js\b|href=\"(?!#)", text)
+  assert len(text) < 20_000
 
 
 def test_numbers_are_formatted_and_nan_is_empty(tmp_path):
@@ -113,6 +123,13 @@ def test_bad_figures_and_blocks_are_named(tmp_path):
   with pytest.raises(ValueError, match=f"{re.escape(str(fake))}.*not a PNG"):
     html_page.write(tmp_path / "p.html", "t", [html_page.Figure(fake)])
   assert not (tmp_path / "p.html").exists()
+  outside = _png(tmp_path / "outside.png", "line")
+  with pytest.raises(ValueError, match="outside the page's folder"):
+    html_page.write(
+      tmp_path / "sub" / "p.html", "t", [html_page.Figure(outside)]
+    )
+  with pytest.raises(ValueError, match="give render.*folder="):
+    html_page.render("t", [html_page.Figure(outside)])
   with pytest.raises(ValueError, match="cannot put a str on the page"):
     html_page.render("t", ["text"])
   with pytest.raises(ValueError, match="level must be"):
@@ -127,8 +144,12 @@ def _column(page, table, col):
 
 
 def test_page_in_headless_chromium(chromium_page, tmp_path):
-  path = html_page.write(tmp_path / "page.html", "Report", _blocks(tmp_path))
-  page = chromium_page.open(path)
+  first = tmp_path / "first"
+  first.mkdir()
+  html_page.write(first / "page.html", "Report", _blocks(first))
+  # The folder moved whole: its figures still load from the page.
+  moved = shutil.move(first, tmp_path / "moved")
+  page = chromium_page.open(Path(moved) / "page.html")
 
   assert page.title() == "Report"
   assert page.locator("h2").all_inner_texts() == [

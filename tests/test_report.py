@@ -1,16 +1,23 @@
 """`curvbench report`: a sweep's records merged into tables and figures."""
 
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
 import pandas as pd
 import pytest
 
-from curvbench import config, plots, report, runs, sweep
+from curvbench import config, latex, plots, report, runs, sweep
 from curvbench.measurements.timing import memory
 from tests.conftest import TINY
+from tests.test_latex import bare_specials, parsed
 
 
-def test_report_merges_tables_and_figures(sweep, tmp_path):
+def test_report_merges_tables_and_figures(sweep, tmp_path, capsys):
   root, _ = sweep
-  assert report.main([str(root), "--out", str(tmp_path / "rep")]) == 0
+  assert (
+    report.main([str(root), "--out", str(tmp_path / "rep"), "--latex"]) == 0
+  )
   out = tmp_path / "rep"
   for name in (
     "report.md",
@@ -69,6 +76,27 @@ def test_report_merges_tables_and_figures(sweep, tmp_path):
   assert "[timing_memory.csv](timing_memory.csv)" in text
   assert "| grad_step |" not in text
   assert "preconditioned_sgd[explicit_exact/ggn_exact]" in text
+  # The page links its figures, which lie beside it, so it stays small.
+  page = (out / "report.html").read_text()
+  assert len(page.encode()) < 500_000
+  linked = [unquote(s) for s in re.findall(r'<img src="([^"]*)"', page)]
+  assert len(linked) == len(list((out / "figures").glob("*.png")))
+  assert all((out / s).is_file() and not Path(s).is_absolute() for s in linked)
+  # --latex: each summary table as booktabs, a row per method as on the
+  # page, with its interval and n; every name escaped.
+  assert f"LaTeX tables under {out / 'latex'}" in capsys.readouterr().out
+  for name in ("quality", "step_ratio", "training", "timing_memory"):
+    tex = (out / "latex" / f"{name}.tex").read_text()
+    rows = parsed(tex)
+    assert not [c for row in rows for cell in row for c in bare_specials(cell)]
+    assert rf"\label{{tab:{name}}}" in tex
+  training = parsed((out / "latex" / "training.tex").read_text())
+  labels = pd.read_csv(out / "training.csv").label.unique()
+  assert training[0][-1] == "n" and len(training) == 1 + len(labels)
+  assert {r[1] for r in training[1:]} == {latex.escape(x) for x in labels}
+  step = parsed((out / "latex" / "step_ratio.tex").read_text())
+  assert step[1][2] == r"kfac[kfac/ggn\_curvature\_prop]"
+  assert re.fullmatch(r"[\d.]+ \[[\d.]+, [\d.]+\]", step[1][5]), step[1]
   with pytest.raises(FileNotFoundError, match="No sweep directory at"):
     report.write(tmp_path / "missing")
   (tmp_path / "empty").mkdir()

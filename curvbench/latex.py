@@ -1,0 +1,155 @@
+r"""A report's summary table as a booktabs LaTeX table, ready to `\input`
+into a paper (`curvbench report DIR --latex`).
+
+Each table is a `table` float: its caption is the table's title (which
+says what the brackets hold: quartiles or an interval, and over which
+samples), its label `tab:<name>`, and its tabular the rows the report
+pages show: a row per method, each cell `centre [low, high]`, and the
+count `n` of each row. A table with no such view shows its long form,
+each `median` with its quartiles and each `mean` with its interval in one
+cell. The tabular is shrunk to the line's width only where it is wider.
+
+Needs `\usepackage{booktabs}` and `\usepackage{graphicx}` in the paper.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from curvbench.sections import Table, number, spread
+
+# LaTeX's special characters, each as text that prints it.
+SPECIALS = {
+  "\\": r"\textbackslash{}",
+  "&": r"\&",
+  "%": r"\%",
+  "$": r"\$",
+  "#": r"\#",
+  "_": r"\_",
+  "{": r"\{",
+  "}": r"\}",
+  "~": r"\textasciitilde{}",
+  "^": r"\textasciicircum{}",
+  # Printed as other glyphs by the default (OT1) font encoding.
+  "<": r"\textless{}",
+  ">": r"\textgreater{}",
+  "|": r"\textbar{}",
+}
+# Characters the report's names and titles use that pdflatex's default
+# input encoding does not typeset, as commands that do.
+UNICODE = {
+  "×": r"$\times$",
+  "±": r"$\pm$",
+  "²": r"\textsuperscript{2}",
+  "³": r"\textsuperscript{3}",
+  "≤": r"$\leq$",
+  "≥": r"$\geq$",
+  "−": r"$-$",
+  "–": "--",
+  "—": "---",
+  "…": r"\dots{}",
+  "ρ": r"$\rho$",
+  "λ": r"$\lambda$",
+  "’": "'",
+}
+_ESCAPE = re.compile("|".join(map(re.escape, {**SPECIALS, **UNICODE})))
+# A cell that holds a number (possibly with its interval): set flush right.
+_NUMBER = re.compile(r"[-+]?(\d|\.\d|inf\b|nan\b)")
+# A minus sign before a number (not a hyphen within a word), and a range
+# of counts (`n` of 3-5 where cells differ).
+_MINUS = re.compile(r"(?<![\w.])-(?=\d|inf)")
+_RANGE = re.compile(r"(?<=\d)-(?=\d)")
+
+
+def escape(text) -> str:
+  """`text` with every LaTeX special character escaped."""
+  return _ESCAPE.sub(
+    lambda m: SPECIALS.get(m.group(), UNICODE.get(m.group(), "")), str(text)
+  )
+
+
+def _cell(value) -> str:
+  if isinstance(value, float) or value is None:
+    return number(value)
+  return "" if value is pd.NA else str(value)
+
+
+def cells(table: Table) -> pd.DataFrame:
+  """What the LaTeX table shows, as text: the table's `view`, or its
+  data with each median and its quartiles, and each mean and its
+  interval, in one cell."""
+  if table.view is not None:
+    return table.view.map(_cell)
+  data = table.data
+  shown = data.map(_cell)
+  for centre, low, high, name in (
+    ("median", "q25", "q75", "median [q25, q75]"),
+    ("mean", "ci_low", "ci_high", "mean [interval]"),
+  ):
+    if {centre, low, high} <= set(data):
+      at = shown.columns.get_loc(centre)
+      joined = [
+        spread(c, lo, hi)
+        for c, lo, hi in zip(data[centre], data[low], data[high])
+      ]
+      shown = shown.drop(columns=[centre, low, high])
+      shown.insert(at, name, joined)
+  return shown
+
+
+def tabular(df: pd.DataFrame) -> str:
+  """`df` (cells as text) as a booktabs tabular: text columns flush left,
+  number columns flush right."""
+  spec = "".join(
+    "r"
+    if (filled := [v for v in df[c] if v]) and all(map(_NUMBER.match, filled))
+    else "l"
+    for c in df.columns
+  )
+
+  def row(values, numeric=False) -> str:
+    texts = [escape(v) for v in values]
+    if numeric:
+      texts = [
+        _RANGE.sub("--", _MINUS.sub("$-$", t)) if kind == "r" else t
+        for t, kind in zip(texts, spec)
+      ]
+    return "    " + " & ".join(texts) + r" \\"
+
+  return "\n".join(
+    [
+      rf"  \begin{{tabular}}{{{spec}}}",
+      r"    \toprule",
+      row(map(str, df.columns)),
+      r"    \midrule",
+      *[row(r, numeric=True) for r in df.itertuples(index=False, name=None)],
+      r"    \bottomrule",
+      r"  \end{tabular}",
+    ]
+  )
+
+
+def table(t: Table) -> str:
+  r"""`t` as a `table` float to `\input`: caption, label and tabular."""
+  short = t.title.split(":")[0]
+  return "\n".join(
+    [
+      f"% {t.name}: written by curvbench report (every statistic and count "
+      f"in {t.name}.csv).",
+      r"% Needs \usepackage{booktabs} and \usepackage{graphicx}.",
+      r"\begin{table}[tbp]",
+      r"  \centering",
+      rf"  \caption[{{{escape(short)}}}]{{{escape(t.title)}}}",
+      rf"  \label{{tab:{re.sub(r'[^A-Za-z0-9_.:-]', '-', t.name)}}}",
+      # Shrunk to the line only where wider: never enlarged.
+      r"  \resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%",
+      tabular(cells(t)) + "}",
+      r"\end{table}",
+      "",
+    ]
+  )
+
+
+__all__ = ["SPECIALS", "UNICODE", "cells", "escape", "table", "tabular"]
