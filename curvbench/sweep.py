@@ -360,6 +360,18 @@ def _value(v) -> str:
 MEASURED = ("curvature.", "measure.spectra.", "measure.timing.")
 
 
+def _follows_choice(column: str, varying: list[str], group) -> bool:
+  """Whether `column` is a setting of a component (`optimizer.momentum`)
+  whose choice varies too (`optimizer.name`) and which some runs lack: the
+  choice says it (`name=sgd`), not forty `momentum=nan`s."""
+  owner, _, field = column.rpartition(".")
+  return (
+    field != "name"
+    and f"{owner}.name" in varying
+    and bool(group[column].isna().any())
+  )
+
+
 def settings(runs: pd.DataFrame) -> pd.DataFrame:
   """`runs` (complete and diverged) with the columns `setting` (the config
   keys that vary within the run's problem, measurement and method, seeds
@@ -385,6 +397,7 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
     varying = [
       c for c in candidates if group[c].astype(str).nunique(dropna=False) > 1
     ]
+    varying = [c for c in varying if not _follows_choice(c, varying, group)]
     keys = [c.removeprefix("config:") for c in varying]
     short = _short_names(keys)
     for index, run in group.iterrows():

@@ -248,3 +248,36 @@ def test_a_time_budgeted_run_is_evaluated_on_its_time_grid(tmp_path):
       assert steps.wall_s[point.step + 1] >= point.time_point_s
   with pytest.raises(config.ConfigError, match="time_grid=5 is ignored"):
     config.compose(*TINY, "measure=training", "measure.training.time_grid=5")
+
+
+def test_a_label_names_a_swapped_component_not_its_missing_settings():
+  """Runs of one method that trained with different optimizers: the label
+  says which optimizer (`name=sgd`), not each setting the other lacks, while
+  a setting both have and differ in stays."""
+  runs = pd.DataFrame(
+    [
+      {
+        "run_id": "a",
+        "status": "complete",
+        "problem": "mlp",
+        "measure": "spectra",
+        "method": "kfac/ggn_exact",
+        "config:optimizer.name": "sgd",
+        "config:optimizer.momentum": 0.9,
+        "config:optimizer.nesterov": False,
+        "config:optimizer.learning_rate": 0.1,
+      },
+      {
+        "run_id": "b",
+        "status": "complete",
+        "problem": "mlp",
+        "measure": "spectra",
+        "method": "kfac/ggn_exact",
+        "config:optimizer.name": "kfac",
+        "config:optimizer.learning_rate": 0.3,
+      },
+    ]
+  )
+  done = sweep.settings(runs).set_index("run_id")
+  assert done.setting["a"] == "name=sgd, learning_rate=0.1"
+  assert done.setting["b"] == "name=kfac, learning_rate=0.3"
