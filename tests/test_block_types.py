@@ -333,9 +333,9 @@ def test_report_figure_per_block_type(tmp_path, monkeypatch):
   drawn = []
   save = plots.save
 
-  def keep(fig, path):
+  def keep(fig, path, **kw):
     drawn.append((path.name, [ax for ax in fig.axes if ax.get_visible()]))
-    return save(fig, path)
+    return save(fig, path, **kw)
 
   monkeypatch.setattr(plots, "save", keep)
   found, _ = _section(_records(), tmp_path)
