@@ -41,16 +41,19 @@ LEGEND_FONTSIZE = 7
 
 def save(fig, path: Path, data: pd.DataFrame | None = None) -> list[Path]:
   """Writes `fig` as PNG and PDF at `path` (suffix replaced) and the rows
-  it drew as CSV beside them: `data` where given, else what its panels
-  hold (`drawn`); closes it. Returns the PNG and PDF (the CSV goes with
-  them: `path.with_suffix(".csv")`)."""
+  it drew as CSV beside them (same stem): `data` where given, else what
+  its panels hold (`drawn`); closes it. Returns the PNG and PDF."""
   path.parent.mkdir(parents=True, exist_ok=True)
   _constrained(fig)
-  paths = [path.with_suffix(".png"), path.with_suffix(".pdf")]
+  # A stem may hold dots ("rho-0.001"): only a known suffix is replaced.
+  if path.suffix in (".png", ".pdf", ".csv"):
+    path = path.with_suffix("")
+  at = lambda ext: path.with_name(path.name + ext)
+  paths = [at(".png"), at(".pdf")]
   for p in paths:
     fig.savefig(p, dpi=120)
   rows = drawn(fig) if data is None else data
-  rows.to_csv(path.with_suffix(".csv"), index=False)
+  rows.to_csv(at(".csv"), index=False)
   plt.close(fig)
   return paths
 

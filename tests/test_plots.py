@@ -282,7 +282,7 @@ def test_quality_through_training(tmp_path):
   )
   # A figure per metric: metrics differ in scale and direction.
   assert names == {
-    f"quality_steps_mlp_ggn_batch_{metric}.{ext}"
+    f"quality_steps_mlp_batch_{metric}.{ext}"
     for metric in ("relative_frobenius", "log_wasserstein")
     for ext in ("png", "pdf")
   }
@@ -354,7 +354,7 @@ def test_the_spectra_measurement_draws_every_table_it_declares(
   assert {
     "spectra_mlp_batch_ggn",
     "heatmaps_mlp_kfac-ggn_exact_batch_step0",
-    "quality_steps_mlp_ggn_batch_relative_frobenius",
+    "quality_steps_mlp_batch_relative_frobenius",
     "quality_convnet_relative_frobenius",
     "statistics_mlp_trace",
   } <= names
@@ -491,10 +491,10 @@ def test_quality_through_training_with_ten_methods(drawn, tmp_path):
   spectra_figures.quality_through_training(
     table, tmp_path, plots.colours(plots.series(table))
   )
-  fig = drawn["quality_steps_mlp_ggn_batch_relative_frobenius"]
+  fig = drawn["quality_steps_mlp_batch_relative_frobenius"]
   assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
-  (ratio,) = drawn["quality_steps_mlp_ggn_batch_top_eigenvalue_ratio"].axes
-  assert ratio.get_title().endswith("(1 is best)")
+  (ratio,) = drawn["quality_steps_mlp_batch_top_eigenvalue_ratio"].axes
+  assert ratio.get_title().endswith("(1 is best)\nvs exact ggn")
   assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.lines)
   legend = _legend_outside(fig)
   texts = [t.get_text() for t in legend.get_texts()]
@@ -846,7 +846,7 @@ def test_a_paper_style_sets_the_figure_width(drawn, tmp_path, style, width):
       1 if style == "one-column" else 3
     )
     assert plt.rcParams["font.size"] == 8
-  fig = drawn["quality_steps_mlp_ggn_batch_relative_frobenius"]
+  fig = drawn["quality_steps_mlp_batch_relative_frobenius"]
   assert fig.get_figwidth() == pytest.approx(width)
   with plots.style():
     assert plots.grid(1)[0].get_figwidth() == 4.0  # the screen's, as before

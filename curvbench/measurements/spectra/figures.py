@@ -354,20 +354,36 @@ def _metric_panel(ax, metric: str):
 
 
 def _per_metric(
-  p: pd.DataFrame, column: str, draw, suptitle, stem, out, legend=()
+  p: pd.DataFrame,
+  column: str,
+  draw,
+  suptitle,
+  stem,
+  out,
+  legend=(),
+  panels: str | None = None,
 ):
   """A figure per value of `column` in `p` (a metric or statistic, in
-  `summary.metric_order`), its one panel drawn by `draw(ax, rows, name)`,
+  `summary.metric_order`), drawn by `draw(ax, rows, name)` on one panel
+  or, with `panels` (a column), a panel per value of that column sharing
+  the metric and its axis,
   `suptitle` over it, its legend below (`legend`: `plots.legend_below`'s
   handles, labels and title, else the panel's) and `stem_<name>` its
   file, the rows it drew from beside it; the paths written."""
   paths = []
   for name in summary.metric_order(p[column]):
     rows = p[p[column] == name]
-    fig, (ax,) = plots.grid(1, width=6.0, height=3.6)
-    draw(ax, rows, name)
+    if panels is None:
+      fig, axes = plots.grid(1, width=6.0, height=3.6)
+      draw(axes[0], rows, name)
+    else:
+      values = sorted(rows[panels].astype(str).unique())
+      fig, axes = plots.grid(len(values), width=4.5, sharey=True)
+      for ax, value in zip(axes, values):
+        draw(ax, rows[rows[panels].astype(str) == value], name)
+        ax.set_title(f"{ax.get_title()}\nvs exact {value}", wrap=True)
     fig.suptitle(suptitle, fontsize="small")
-    plots.legend_below(fig, ax, *legend)
+    plots.legend_below(fig, axes[0], *legend)
     paths += plots.save(
       fig,
       out / f"{stem}_{plots.slug(name)}",
@@ -546,15 +562,16 @@ def _quality_lines(
 def quality_through_training(
   df: pd.DataFrame, out: Path, colour: dict[str, str]
 ) -> list[Path]:
-  """Per problem, reference and data: each metric against the step, a line
-  per method and setting and block (the whole network, "all", thicker)."""
+  """Per problem and data, a figure per metric against the step, a panel
+  per exact reference (one metric, one axis), a line per method and
+  setting and block (the whole network, "all", thicker)."""
   paths = []
   df = plots.finite(
     quality_levels(plots.complete(df, "step", "data", "block")), "value"
   )
   df = df[df.level != "role"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
-  for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
+  for (problem, data), p in df.groupby(["problem", "data"]):
     blocks = sorted(set(p.block) - {"all"})
 
     def draw(ax, rows, metric, blocks=blocks, steps=p.step.unique()):
@@ -567,8 +584,9 @@ def quality_through_training(
       "metric",
       draw,
       plots.title("approximation quality", p) + "; mean over samples",
-      f"quality_steps_{plots.slug(problem, ref, data)}",
+      f"quality_steps_{plots.slug(problem, data)}",
       out,
+      panels="reference",
       legend=(
         *_quality_legend(sorted(set(p.series)), blocks, colours),
         "thick: whole network; thin: one layer block",
