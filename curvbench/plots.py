@@ -415,6 +415,8 @@ def _fonts(base: float, small: float) -> dict:
     "ytick.labelsize": small,
     "legend.fontsize": small,
     "legend.title_fontsize": small,
+    # Hatches (a bar's second channel) thin enough not to hide its colour.
+    "hatch.linewidth": 0.5,
   }
 
 

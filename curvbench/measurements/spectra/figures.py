@@ -348,7 +348,7 @@ def metric_title(metric: str) -> str:
 def _metric_panel(ax, metric: str):
   """Titles a metric's panel; a dashed line at 1 where 1 is best."""
   ax.set_title(metric_title(metric), fontsize="medium", wrap=True)
-  ax.set_ylabel(metrics.described(metric).unit or "value")
+  ax.set_ylabel(metrics.described(metric).unit or "value (no unit)")
   if metrics.described(metric).better == "1":
     ax.axhline(1.0, color="k", lw=0.6, ls="--")
 
@@ -704,7 +704,7 @@ def statistics(
       else:
         _statistic_lines(ax, s, colours, exact)
         plots.step_panel(ax, metrics.title(name), steps.unique())
-      ax.set_ylabel(metrics.described(name).unit or "value")
+      ax.set_ylabel(metrics.described(name).unit or "value (no unit)")
       if s.empty:
         plots.no_values(ax)
       plots.log_if_decades(ax, s.value)
