@@ -113,7 +113,8 @@ def training(
           )
     axes[0].set(
       xlabel="Iteration (optimizer steps)",
-      ylabel=metrics.title(y) + ", log scale",
+      # Two lines: a paper's column is narrower than the words.
+      ylabel=metrics.title(y).replace(" (", "\n(", 1),
       yscale="log",
       title=f"{problem}: against iterations",
     )
