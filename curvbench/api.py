@@ -224,11 +224,14 @@ class Results:
   # How each point run by this call ended, as it printed it.
   endings: tuple[runs.Ending, ...] = ()
 
-  def report(self, out=None, latex: bool = False) -> dict:
+  def report(
+    self, out=None, latex: bool = False, style: str = "screen"
+  ) -> dict:
     """Writes the report (`report.md`, `report.html`, figures and CSVs;
-    with `latex`, the summary tables as LaTeX, as `--latex` does) into
-    `out` (default: `path/report`); returns what it wrote."""
-    return report.write(self.path, out, latex_tables=latex)
+    with `latex`, the summary tables as LaTeX, as `--latex` does; figures
+    sized by `style`, as `--style`) into `out` (default: `path/report`);
+    returns what it wrote."""
+    return report.write(self.path, out, latex_tables=latex, style=style)
 
 
 def _task(task: str | None, loss: str | None) -> tuple[str, str]:

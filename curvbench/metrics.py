@@ -6,6 +6,8 @@ full eigendecomposition and the quadrature weights for stochastic Lanczos.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from scipy.stats import wasserstein_distance
 
@@ -229,3 +231,141 @@ def negative_ratio(values, largest: float | None = None) -> float:
   if top <= 0:
     return float("nan")
   return float(max(0.0, -values.min()) / top)  # never -0.0
+
+
+# --- what each measured quantity is, in words --------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+  """A measured quantity as a reader is told it: `words` (with its formula
+  where short), `unit` ("" where it has none) and which way is `better`
+  ("lower", "higher", "1": nearest 1; "" where neither is)."""
+
+  words: str
+  unit: str = ""
+  better: str = ""
+
+  def direction(self) -> str:
+    """E.g. "lower is better", "1 is best"; "" where neither is."""
+    if self.better == "1":
+      return "1 is best"
+    return f"{self.better} is better" if self.better else ""
+
+  def title(self, detail: str = "") -> str:
+    """E.g. "Time per step (ms, lower is better)"; `detail` follows the
+    words ("at ρ = 0.001")."""
+    words = f"{self.words}, {detail}" if detail else self.words
+    said = ", ".join(x for x in (self.unit, self.direction()) if x)
+    return f"{words} ({said})" if said else words
+
+
+# The approximation-quality metrics of the spectra measurement, C the
+# exact matrix and Ĉ its approximation; the tables show them in this
+# order, the headline ones first.
+QUALITY = {
+  "relative_frobenius": Described(
+    "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖", better="lower"
+  ),
+  "cosine_similarity": Described(
+    "Cosine similarity ⟨Ĉ, C⟩ / (‖Ĉ‖ ‖C‖)", better="higher"
+  ),
+  "natural_gradient_cosine": Described(
+    "Natural-gradient cosine, damped Ĉ⁻¹g against C⁻¹g", better="higher"
+  ),
+  "spectral_distance": Described(
+    "Wasserstein distance of the spectra over the exact spectrum's width",
+    better="lower",
+  ),
+  "top_k_overlap": Described(
+    "Top-k eigenspace overlap ‖UᵀÛ‖² / k", better="higher"
+  ),
+  "top_eigenvalue_ratio": Described(
+    "Largest eigenvalue ratio λ₁(Ĉ) / λ₁(C)", better="1"
+  ),
+  "trace_ratio": Described("Trace ratio tr Ĉ / tr C", better="1"),
+  "diagonal_relative_error": Described(
+    "Relative error of the diagonal ‖diag Ĉ − diag C‖ / ‖diag C‖",
+    better="lower",
+  ),
+  "log_wasserstein": Described(
+    "Wasserstein distance of the log₁₀ spectra",
+    unit="decades",
+    better="lower",
+  ),
+}
+
+# The spectral statistics of each exact matrix and approximation: not
+# better or worse, only compared with the exact matrix's.
+STATISTICS = {
+  "trace": Described("Trace (Hutchinson estimate where matrix-free)"),
+  "trace_xtrace": Described("Trace (XTrace estimate)"),
+  "max_eigenvalue": Described("Largest eigenvalue λ₁"),
+  "min_eigenvalue": Described("Smallest eigenvalue λₙ"),
+  "condition_number": Described(
+    "Condition number, largest over smallest |λ| above the floor"
+  ),
+  "condition_number_at_least": Described(
+    "Condition number, a lower bound (the spectrum reaches the floor)"
+  ),
+  "damped_condition_number": Described(
+    "Damped condition number (λ₁ + δ) / (λₙ + δ)"
+  ),
+  "num_outliers": Described("Outliers above the bulk", unit="eigenvalues"),
+  "negative_mass": Described(
+    "Share of negative eigenvalues", unit="fraction of the spectrum"
+  ),
+  "negative_ratio": Described("Negative ratio |λₙ| / λ₁"),
+  "gradient_in_top_k": Described(
+    "Share of the gradient in the top-k eigenspace",
+    unit="fraction of ‖g‖²",
+  ),
+  "gradient_curvature_alignment": Described(
+    "Gradient-curvature alignment gᵀCg / (‖g‖ ‖Cg‖)"
+  ),
+  "class_mean_overlap": Described(
+    "Overlap of the top-C eigenspace with the class means' span"
+  ),
+}
+
+
+# The training measurement's curves (columns of its table); a tuning score
+# is one of them, its last ("final_") or least ("best_") value.
+TRAINING = {
+  "train_error": Described(
+    "Training error", unit="fraction misclassified", better="lower"
+  ),
+  "test_error": Described(
+    "Test error", unit="fraction misclassified", better="lower"
+  ),
+  "train_loss": Described("Training loss", better="lower"),
+  "test_loss": Described("Test loss", better="lower"),
+  "batch_loss": Described("Minibatch loss", better="lower"),
+}
+
+
+def described(name: str) -> Described:
+  """What the quantity `name` is (`QUALITY`, `STATISTICS`, `TRAINING`; a
+  damping in parentheses after the name, "natural_gradient_cosine
+  (rho=0.001)", read apart): its declared words, else the name in words."""
+  base = name.split(" (")[0]
+  found = QUALITY.get(base) or STATISTICS.get(base) or TRAINING.get(base)
+  if found is not None:
+    return found
+  when, _, column = base.partition("_")
+  if when in ("final", "best") and column in TRAINING:
+    of = TRAINING[column]
+    first = "Final" if when == "final" else "Best"
+    return dataclasses.replace(
+      of, words=f"{first} {of.words[0].lower()}{of.words[1:]}"
+    )
+  return Described(base.replace("_", " ").capitalize())
+
+
+def title(name: str) -> str:
+  """The quantity `name` in words with its unit and which way is better,
+  e.g. "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖ (lower is better)"; a
+  relative damping after the name is said as "at ρ = 0.001"."""
+  _, _, extra = name.partition(" (")
+  detail = extra.rstrip(")").replace("rho=", "at ρ = ") if extra else ""
+  return described(name).title(detail)

@@ -15,6 +15,9 @@ Tables written before curvature was measured along training lack `step`,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib import colors, layout_engine  # noqa: E402
 
+from curvbench import palette  # noqa: E402
+
 if TYPE_CHECKING:
   from matplotlib.typing import RcKeyType
 
@@ -34,15 +39,71 @@ DEFAULTS = dict(step=0, data="batch", block="all")
 LEGEND_FONTSIZE = 7
 
 
-def save(fig, path: Path) -> list[Path]:
-  """Writes `fig` as PNG and PDF at `path` (suffix replaced), closes it."""
+def save(fig, path: Path, data: pd.DataFrame | None = None) -> list[Path]:
+  """Writes `fig` as PNG and PDF at `path` (suffix replaced) and the rows
+  it drew as CSV beside them (same stem): `data` where given, else what
+  its panels hold (`drawn`); closes it. Returns the PNG and PDF."""
   path.parent.mkdir(parents=True, exist_ok=True)
   _constrained(fig)
-  paths = [path.with_suffix(".png"), path.with_suffix(".pdf")]
+  # A stem may hold dots ("rho-0.001"): only a known suffix is replaced.
+  if path.suffix in (".png", ".pdf", ".csv"):
+    path = path.with_suffix("")
+  at = lambda ext: path.with_name(path.name + ext)
+  paths = [at(".png"), at(".pdf")]
   for p in paths:
     fig.savefig(p, dpi=120)
+  rows = drawn(fig) if data is None else data
+  rows.to_csv(at(".csv"), index=False)
   plt.close(fig)
   return paths
+
+
+def _bar_category(ax, x: float) -> str:
+  """The tick label nearest `x` on `ax`'s x axis (a bar's group)."""
+  ticks = ax.get_xticks()
+  labels = [t.get_text() for t in ax.get_xticklabels()]
+  if not len(ticks) or not any(labels):
+    return f"{x:g}"
+  return labels[int(np.argmin(np.abs(np.asarray(ticks) - x)))].replace(
+    "\n", " "
+  )
+
+
+def drawn(fig) -> pd.DataFrame:
+  """The tidy rows `fig`'s panels show: a row per point of each labelled
+  line and per bar (`panel` its title, `series` its legend label, `x`
+  and `y` with the axes' labels as `x_label` and `y_label`; a bar's `x`
+  its group's tick label)."""
+  rows = []
+  for ax in fig.axes:
+    if not ax.get_visible():
+      continue
+    where = dict(
+      panel=ax.get_title() or fig.get_suptitle(),
+      x_label=ax.get_xlabel(),
+      y_label=ax.get_ylabel(),
+    )
+    for line in ax.get_lines():
+      label = line.get_label()
+      if label.startswith("_"):
+        continue
+      xs, ys = line.get_xdata(), line.get_ydata()
+      rows += [dict(where, series=label, x=x, y=y) for x, y in zip(xs, ys)]
+    for container in ax.containers:
+      label = container.get_label()
+      if not hasattr(container, "patches") or str(label).startswith("_"):
+        continue
+      rows += [
+        dict(
+          where,
+          series=label,
+          x=_bar_category(ax, bar.get_x() + bar.get_width() / 2),
+          y=bar.get_height(),
+        )
+        for bar in container.patches
+      ]
+  columns = ["panel", "series", "x", "y", "x_label", "y_label"]
+  return pd.DataFrame(rows, columns=columns)
 
 
 def _constrained(fig) -> layout_engine.ConstrainedLayoutEngine:
@@ -55,20 +116,22 @@ def _constrained(fig) -> layout_engine.ConstrainedLayoutEngine:
 
 
 def grid(n, width=4.0, height=3.0, cols=3, **kw):
-  """A figure of `n` panels in rows of `cols`; its panels, flat."""
-  cols = min(cols, n)
+  """A figure of `n` panels of `width` by `height` inches (on the screen;
+  a paper style narrows them to its width, `figsize`) in rows of `cols`
+  (at most the style's); its panels, flat."""
+  cols = min(cols, n, _current.get().columns)
   rows = -(-n // cols)
   fig, axes = plt.subplots(
     rows,
     cols,
-    figsize=(width * cols, height * rows),
+    figsize=figsize(width * cols, height * rows),
     squeeze=False,
     layout="constrained",
     **kw,
   )
   for ax in axes.flat[n:]:
     ax.set_visible(False)
-  return fig, axes.flat
+  return fig, list(axes.flat)
 
 
 def slug(*parts) -> str:
@@ -211,15 +274,25 @@ def variant(label: str) -> str:
   )
 
 
-def _hues() -> list[str]:
-  """Distinct hues: tab10's, then tab20's lighter ones (greys left out:
-  the exact matrices are drawn in grey)."""
-  # A listed colormap's colours; `get_cmap` is typed as giving any colormap.
-  palette = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
-  tab20 = [colors.to_hex(c) for c in palette]
-  return [
-    c for c in tab20[0::2] + tab20[1::2] if len(set(colors.to_rgb(c))) > 1
-  ]
+class Looks(dict):
+  """A colour per label (the mapping itself, so `looks[label]` is a
+  colour) and the marker that goes with it (`marker`): the second channel
+  that tells methods apart where colours do not (greyscale, colour-blind
+  readers, two methods sharing a hue)."""
+
+  def __init__(self, colour=(), marker=None):
+    super().__init__(colour)
+    self.marker: dict[str, str] = dict(marker or {})
+
+
+def marker(looks: dict[str, str], label: str) -> str:
+  """`label`'s marker in `looks` (a `Looks`), else a circle."""
+  return getattr(looks, "marker", {}).get(label, "o")
+
+
+def hatch(looks: dict[str, str], label: str) -> str:
+  """The hatch of `label`'s bars: its marker's (`palette.hatch`)."""
+  return palette.hatch(marker(looks, label))
 
 
 def shade(colour: str, i: int, n: int) -> str:
@@ -231,34 +304,56 @@ def shade(colour: str, i: int, n: int) -> str:
   return colors.to_hex(tuple(rgb + abs(t) * (float(t > 0) - rgb)))
 
 
-def colours(labels, fixed: dict[str, str] | None = None) -> dict[str, str]:
-  """A colour per label: the hue of its `key`, declared by the component
-  (`fixed`, by key: the same in every report) or else the next hue no
+def _left_over(declared, pool) -> list:
+  """`pool`'s members none of `declared` uses, then all of `pool` again
+  (enough for any number of labels)."""
+  free = [x for x in pool if x not in set(declared)]
+  return free + list(pool) * 8
+
+
+def colours(
+  labels,
+  fixed: dict[str, str] | None = None,
+  markers: dict[str, str] | None = None,
+) -> Looks:
+  """A colour and marker per label: those of its `key`, declared by the
+  component (`fixed` and `markers`, by key: the same in every report) or
+  else the next hue and marker (`palette.HUES`, `palette.MARKERS`) no
   declared one uses, in sorted order of the keys; in shades where several
-  variants share a key. A label keeps its colour in every figure drawn
-  with this mapping."""
+  variants share a key. A label keeps its look in every figure drawn with
+  this mapping."""
   fixed = {k: colors.to_hex(c) for k, c in (fixed or {}).items()}
+  markers = dict(markers or {})
   labels = sorted({str(label) for label in labels})
   keys = sorted({key(x) for x in labels})
-  free = iter([h for h in _hues() if h not in fixed.values()] * 4)
-  hue = {k: fixed[k] if k in fixed else next(free) for k in keys}
-  out = {}
+  free_hue = iter(_left_over(fixed.values(), palette.HUES))
+  free_marker = iter(_left_over(markers.values(), palette.MARKERS))
+  hue = {k: fixed[k] if k in fixed else next(free_hue) for k in keys}
+  mark = {k: markers[k] if k in markers else next(free_marker) for k in keys}
+  out = Looks()
   for k in keys:
     variants = sorted({variant(x) for x in labels if key(x) == k})
     for x in labels:
       if key(x) == k:
         out[x] = shade(hue[k], variants.index(variant(x)), len(variants))
+        out.marker[x] = mark[k]
   return out
 
 
 def series_colours(
   df: pd.DataFrame, colour: dict[str, str] | None, column: str = "series"
-) -> dict[str, str]:
-  """A colour for each value of `df[column]`: the report's (`colour`),
-  else one from `colours` over these values alone."""
+) -> Looks:
+  """A colour and marker for each value of `df[column]`: the report's
+  (`colour`, a `Looks`), else one from `colours` over these values alone."""
   names = set(df[column].astype(str)) if len(df) else set()
   own = colours(names)
-  return {name: (colour or {}).get(name, own[name]) for name in names}
+  return Looks(
+    {name: (colour or {}).get(name, own[name]) for name in names},
+    {
+      name: getattr(colour, "marker", {}).get(name, own.marker[name])
+      for name in names
+    },
+  )
 
 
 # --- axes ---------------------------------------------------------------------
@@ -283,31 +378,89 @@ def step_axis(ax, steps):
   if positive.size and positive.max() >= 100 * positive.min():
     ax.set_xscale("symlog", linthresh=positive.min())
     ax.set_xlim(left=-0.2 * positive.min())
-  ax.set_xlabel("training step")
+  ax.set_xlabel("Training step")
 
 
 def step_panel(ax, text, steps):
   """Finishes a panel drawn against the training step."""
-  ax.set_title(text, fontsize=8)
+  ax.set_title(text, fontsize="medium", wrap=True)
   step_axis(ax, steps)
-  ax.tick_params(labelsize=7)
 
 
 def band(ax, x, lo, hi, colour):
   ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
 
 
-STYLE: dict[RcKeyType, Any] = {
-  "font.size": 10,
-  "axes.titlesize": 10,
-  "axes.labelsize": 10,
-  "xtick.labelsize": 8,
-  "ytick.labelsize": 8,
-  "legend.fontsize": 8,
-  "figure.dpi": 120,
+# --- styles: the screen, and a paper's column widths -------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+  """How figures are sized: `width` the whole figure's, in inches (None:
+  each figure's own, for the screen), at most `columns` panels a row,
+  and the font sizes (`rc`) that go with that width."""
+
+  width: float | None
+  columns: int
+  rc: dict
+
+
+def _fonts(base: float, small: float) -> dict:
+  return {
+    "font.size": base,
+    "axes.titlesize": base,
+    "axes.labelsize": base,
+    "figure.titlesize": base,
+    "xtick.labelsize": small,
+    "ytick.labelsize": small,
+    "legend.fontsize": small,
+    "legend.title_fontsize": small,
+    # Hatches (a bar's second channel) thin enough not to hide its colour.
+    "hatch.linewidth": 0.5,
+  }
+
+
+# Paper widths are ICML's (its formatting instructions, "Dimensions": two
+# columns, 6.75 in overall with 0.25 in between, so a column is 3.25 in),
+# which most two-column ML venues share; 8 pt text at print size sits
+# just under the papers' 10 pt body text, as figure text should.
+STYLES: dict[str, Style] = {
+  "screen": Style(None, 3, {**_fonts(10, 8), "figure.dpi": 120}),
+  "one-column": Style(3.25, 1, {**_fonts(8, 7), "figure.dpi": 120}),
+  "two-column": Style(6.75, 3, {**_fonts(8, 7), "figure.dpi": 120}),
 }
+# Kept for callers that set the screen's look themselves.
+STYLE: dict[RcKeyType, Any] = STYLES["screen"].rc
+_current: contextvars.ContextVar[Style] = contextvars.ContextVar(
+  "style", default=STYLES["screen"]
+)
 
 
-def style():
-  """The figures' style, for a block that draws them."""
-  return plt.rc_context(STYLE)
+def current_style() -> Style:
+  return _current.get()
+
+
+@contextlib.contextmanager
+def style(name: str | None = None):
+  """Figures drawn in this block take the style `name` (`STYLES`); None
+  keeps the one already in force (the screen's outside any block)."""
+  if name is not None and name not in STYLES:
+    raise ValueError(
+      f"style {name!r} is not one of {', '.join(STYLES)}: give one of those."
+    )
+  chosen = STYLES[name] if name is not None else _current.get()
+  token = _current.set(chosen)
+  try:
+    with plt.rc_context(chosen.rc):
+      yield chosen
+  finally:
+    _current.reset(token)
+
+
+def figsize(width: float, height: float) -> tuple[float, float]:
+  """The size of a figure drawn `width` by `height` inches for the screen,
+  in the style in force: a paper style's width, the same shape."""
+  fixed = _current.get().width
+  if fixed is None:
+    return width, height
+  return fixed, height * fixed / width

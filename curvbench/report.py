@@ -71,21 +71,25 @@ class Report:
     return self._derived[key]
 
 
-def colour_map(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
-  """A colour for every label and method of `tables`: the hue each
-  curvature and optimizer declares (`Component.colour`; `plots.colours`)."""
+def colour_map(tables: dict[str, pd.DataFrame]) -> plots.Looks:
+  """A colour and marker for every label and method of `tables`: those
+  each curvature and optimizer declares (`Component.colour` and
+  `Component.marker`; `plots.colours`)."""
   names: set[str] = set()
   for df in tables.values():
     for column in ("label", "method"):
       if column in df:
         names.update(str(v) for v in df[column].dropna().unique())
-  declared = {
-    name: colour
+  components = [
+    (name, registry.get(name))
     for registry in (CURVATURES, OPTIMIZERS)
     for name in registry
-    if (colour := registry.get(name).colour) is not None
-  }
-  return plots.colours(names, declared)
+  ]
+  return plots.colours(
+    names,
+    {name: c.colour for name, c in components if c.colour is not None},
+    {name: c.marker for name, c in components if c.marker is not None},
+  )
 
 
 def runs_section(runs: pd.DataFrame) -> Section:
@@ -193,7 +197,7 @@ def _guarded(part: str, not_rendered: list[dict], make, *args):
     return None
 
 
-def write(root, out=None, trust=(), latex_tables=False) -> dict:
+def write(root, out=None, trust=(), latex_tables=False, style="screen") -> dict:
   """Writes the summary, the sections' tables and figures, `report.md`
   and `report.html` (with `latex_tables`, each summary table as LaTeX
   too); returns their paths (`tables`, `figures`, `latex`), how many
@@ -201,7 +205,8 @@ def write(root, out=None, trust=(), latex_tables=False) -> dict:
   (`not_in_results`), what the self-check found (`self_check`) and what
   could not be rendered, with why (`not_rendered`). Of the plugins the
   runs name, only those in `trust` whose code is the code the runs
-  recorded are imported (`sweep.load_sweep`)."""
+  recorded are imported (`sweep.load_sweep`). Figures take `style`
+  (`plots.STYLES`: screen, or a paper's one-column or two-column width)."""
   root = Path(root)
   out = Path(out) if out else root / "report"
   if not root.is_dir():
@@ -228,7 +233,7 @@ def write(root, out=None, trust=(), latex_tables=False) -> dict:
   report = Report(root, loaded.runs, done, tables, colour_map(tables))
   not_rendered = unregistered(loaded.runs)
   sections = []
-  with plots.style():
+  with plots.style(style):
     for name in MEASUREMENTS:
       section = _guarded(
         f"the section of measurement {name!r}",
@@ -433,10 +438,17 @@ def main(argv=None) -> int:
     "intervals and counts n, caption and label) to \\input into a paper, "
     "under OUT/latex/",
   )
+  parser.add_argument(
+    "--style",
+    choices=list(plots.STYLES),
+    default="screen",
+    help="figure sizes and fonts: screen (default), or a paper's "
+    "one-column (3.25 in) or two-column (6.75 in) width",
+  )
   args = parser.parse_args(argv)
   out = Path(args.out or Path(args.dir) / "report")
   try:
-    written = write(args.dir, args.out, args.trust, args.latex)
+    written = write(args.dir, args.out, args.trust, args.latex, args.style)
   except (FileNotFoundError, records.ForeignFolder) as e:
     raise SystemExit(f"curvbench report: {e}") from None
   except OSError as e:  # a read-only or full disk

@@ -333,21 +333,26 @@ def test_report_figure_per_block_type(tmp_path, monkeypatch):
   drawn = []
   save = plots.save
 
-  def keep(fig, path):
+  def keep(fig, path, **kw):
     drawn.append((path.name, [ax for ax in fig.axes if ax.get_visible()]))
-    return save(fig, path)
+    return save(fig, path, **kw)
 
   monkeypatch.setattr(plots, "save", keep)
   found, _ = _section(_records(), tmp_path)
   paths = found.figures
   names = {p.name for p in paths}
   assert {
-    "quality_block_types_tiny.png",
-    "quality_block_types_tiny.pdf",
+    "quality_block_types_tiny_relative_frobenius.png",
+    "quality_block_types_tiny_relative_frobenius.pdf",
   } <= names
   assert all(p.stat().st_size > 1000 for p in paths)
-  axes = dict(drawn)["quality_block_types_tiny"]
-  # The headline metrics first (summary.METRICS), whatever their names.
+  # A figure per metric, the headline ones first (summary.METRICS),
+  # whatever their names.
+  axes = [
+    panels[0]
+    for name, panels in drawn
+    if name.startswith("quality_block_types")
+  ]
   assert [ax.get_title() for ax in axes] == [
     figures.metric_title(m)
     for m in ["relative_frobenius", COSINE, "trace_ratio"]
@@ -358,5 +363,5 @@ def test_report_figure_per_block_type(tmp_path, monkeypatch):
   assert [t.get_text() for t in axes[0].get_xticklabels()] == ["mlp", "conv"]
   assert len(axes[0].patches) == 2 * 2
   # The whole-network figure keeps to the whole network.
-  bars = dict(drawn)["quality_tiny"][0].patches
+  bars = dict(drawn)["quality_tiny_relative_frobenius"][0].patches
   assert len(bars) == 2

@@ -6,13 +6,17 @@ each figure draws (overlays, titles, better directions, bars, error bars,
 legends outside the panels, one colour per method) is read off its
 matplotlib objects."""
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.container import BarContainer, ErrorbarContainer
 
-from curvbench import plots
+from curvbench import metrics, palette, plots
+from curvbench.approximations import CURVATURES
+from curvbench.optimizers import OPTIMIZERS
+from curvbench.report import colour_map
 from curvbench.measurements.spectra import Spectra, completed
 from curvbench.measurements.spectra import compute
 from curvbench.measurements.spectra import figures as spectra_figures
@@ -38,9 +42,9 @@ def drawn(monkeypatch):
   figures = {}
   save = plots.save
 
-  def capture(fig, path):
+  def capture(fig, path, **kw):
     figures[path.name] = fig
-    return save(fig, path)
+    return save(fig, path, **kw)
 
   monkeypatch.setattr(plots, "save", capture)
   return figures
@@ -276,17 +280,20 @@ def test_quality_through_training(tmp_path):
     ),
     "quality_steps_",
   )
+  # A figure per metric: metrics differ in scale and direction.
   assert names == {
-    "quality_steps_mlp_ggn_batch.png",
-    "quality_steps_mlp_ggn_batch.pdf",
+    f"quality_steps_mlp_batch_{metric}.{ext}"
+    for metric in ("relative_frobenius", "log_wasserstein")
+    for ext in ("png", "pdf")
   }
 
 
 def test_quality_bars_for_one_step_and_older_tables(tmp_path):
   for table in (_quality_table([0]), _quality_table([0], False)):
     assert _written(spectra_figures.quality(table, tmp_path), "quality_") == {
-      "quality_mlp.png",
-      "quality_mlp.pdf",
+      f"quality_mlp_{metric}.{ext}"
+      for metric in ("relative_frobenius", "log_wasserstein")
+      for ext in ("png", "pdf")
     }
 
 
@@ -347,11 +354,11 @@ def test_the_spectra_measurement_draws_every_table_it_declares(
   assert {
     "spectra_mlp_batch_ggn",
     "heatmaps_mlp_kfac-ggn_exact_batch_step0",
-    "quality_steps_mlp_ggn_batch",
-    "quality_convnet",
-    "statistics_mlp",
+    "quality_steps_mlp_batch_relative_frobenius",
+    "quality_convnet_relative_frobenius",
+    "statistics_mlp_trace",
   } <= names
-  assert "quality_mlp" not in names
+  assert not any(n.startswith("quality_mlp") for n in names)
 
 
 def test_tuned_curves_are_chosen_per_problem():
@@ -427,11 +434,17 @@ def test_every_quality_metric_says_which_way_is_better():
     np.linalg.eigh(b),
   )
   assert {k[0] if isinstance(k, tuple) else k for k in measured} == set(
-    spectra_figures.BETTER
+    metrics.QUALITY
   )
   assert spectra_figures.metric_title("relative_frobenius") == (
-    "relative_frobenius (lower is better)"
+    "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖ (lower is better)"
   )
+  assert spectra_figures.metric_title(
+    "natural_gradient_cosine (rho=0.001)"
+  ).startswith(
+    "Natural-gradient cosine, damped Ĉ⁻¹g against C⁻¹g, at ρ = 0.001"
+  )
+  assert metrics.title("log_wasserstein").endswith("(decades, lower is better)")
   assert "higher is better" in spectra_figures.metric_title(
     "natural_gradient_cosine (rho=0.001)"
   )
@@ -440,15 +453,14 @@ def test_every_quality_metric_says_which_way_is_better():
 
 def test_quality_titles_name_where_and_which_way(drawn, tmp_path):
   spectra_figures.quality(_quality_table([10]), tmp_path)
-  fig = drawn["quality_mlp"]
-  for words in ("mlp", "ggn", "batch", "step 10"):
-    assert words in fig.get_suptitle(), fig.get_suptitle()
-  titles = {ax.get_title() for ax in fig.axes}
-  assert {
-    "relative_frobenius (lower is better)",
-    "log_wasserstein (lower is better)",
-  } <= titles
-  _legend_outside(fig)
+  for metric in ("relative_frobenius", "log_wasserstein"):
+    fig = drawn[f"quality_mlp_{metric}"]
+    for words in ("mlp", "ggn", "batch", "step 10"):
+      assert words in fig.get_suptitle(), fig.get_suptitle()
+    (ax,) = fig.axes
+    assert ax.get_title() == metrics.title(metric)
+    assert "lower is better" in ax.get_title()
+    _legend_outside(fig)
 
 
 def _many_methods_quality():
@@ -479,13 +491,10 @@ def test_quality_through_training_with_ten_methods(drawn, tmp_path):
   spectra_figures.quality_through_training(
     table, tmp_path, plots.colours(plots.series(table))
   )
-  fig = drawn["quality_steps_mlp_ggn_batch"]
+  fig = drawn["quality_steps_mlp_batch_relative_frobenius"]
   assert "mlp" in fig.get_suptitle() and "ggn" in fig.get_suptitle()
-  ratio = next(
-    ax
-    for ax in fig.axes
-    if ax.get_title() == "top_eigenvalue_ratio (1 is best)"
-  )
+  (ratio,) = drawn["quality_steps_mlp_batch_top_eigenvalue_ratio"].axes
+  assert ratio.get_title().endswith("(1 is best)\nvs exact ggn")
   assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.lines)
   legend = _legend_outside(fig)
   texts = [t.get_text() for t in legend.get_texts()]
@@ -503,11 +512,13 @@ def test_statistics_of_one_step_are_bars(drawn, tmp_path):
   table = _statistics_table()
   table = table[table.step == 10].assign(value=[1e-3, 1.0, 2.0, 5.0, 1e2, 3.0])
   spectra_figures.statistics(table, tmp_path)
-  fig = drawn["statistics_mlp"]
-  for words in ("mlp", "batch", "step 10"):
-    assert words in fig.get_suptitle(), fig.get_suptitle()
-  panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
-  assert set(panels) == {"trace", "condition_number", "negative_ratio"}
+  panels = {}
+  for name in ("trace", "condition_number", "negative_ratio"):
+    fig = drawn[f"statistics_mlp_{name}"]
+    for words in ("mlp", "batch", "step 10"):
+      assert words in fig.get_suptitle(), fig.get_suptitle()
+    (panels[name],) = fig.axes
+    assert panels[name].get_title() == metrics.title(name)
   for ax in panels.values():
     assert len(ax.patches) == 2  # exact and approximation
     assert [t.get_text() for t in ax.get_xticklabels()] == [
@@ -520,11 +531,11 @@ def test_statistics_of_one_step_are_bars(drawn, tmp_path):
 
 def test_statistics_along_training_are_lines(drawn, tmp_path):
   spectra_figures.statistics(_statistics_table(), tmp_path)
-  fig = drawn["statistics_mlp"]
+  fig = drawn["statistics_mlp_trace"]
   assert "over steps 0-1000" in fig.get_suptitle()
   ax = fig.axes[0]
   assert not ax.patches and len(ax.lines) >= 2
-  assert ax.get_xlabel() == "training step"
+  assert ax.get_xlabel() == "Training step"
   _legend_outside(fig)
 
 
@@ -564,7 +575,7 @@ def _bars(ax, phase):
   bars = next(
     c
     for c in ax.containers
-    if isinstance(c, BarContainer) and c.get_label() == phase
+    if isinstance(c, BarContainer) and c.get_label() == phase.replace("_", " ")
   )
   assert isinstance(bars.errorbar, ErrorbarContainer)
   ends = [sorted(seg[:, 1]) for seg in bars.errorbar.lines[2][0].get_segments()]
@@ -576,7 +587,7 @@ def test_timing_in_baseline_steps_with_interquartile_error_bars(
 ):
   timing_figures.timing(_timing_ratios(), tmp_path)
   ax = drawn["timing_mlp"].axes[0]
-  assert ax.get_ylabel() == "× adam step (median, IQR)"
+  assert ax.get_ylabel() == "Time per phase (× one adam step, lower is better)"
   assert [t.get_text() for t in ax.get_xticklabels()] == [
     "kfac[kfac/ggn_exact]\n(3 runs, 30 rounds)",
     "sgd\n(1 runs, 10 rounds)",
@@ -672,10 +683,15 @@ def test_one_colour_per_method_in_every_figure():
     "kfac/fisher_gradients",
     "mine/ggn_exact",
   ]
-  colour = plots.colours(labels, {"kfac": "tab:red", "adam": "tab:blue"})
+  colour = plots.colours(
+    labels, {"kfac": "tab:red", "adam": "tab:blue"}, {"adam": "+"}
+  )
   assert colour["kfac/ggn_exact"] == colour["kfac[kfac/ggn_exact]"]
   assert colour["diagonal/ggn_exact"] == colour["kfac[diagonal/ggn_exact]"]
-  assert colour["adam"] == "#1f77b4"
+  assert colour["adam"] == "#1f77b4" and colour.marker["adam"] == "+"
+  assert (
+    colour.marker["kfac/ggn_exact"] == colour.marker["kfac[kfac/ggn_exact]"]
+  )
   assert colour["kfac/fisher_gradients"] != colour["kfac/ggn_exact"]
   assert (
     len(
@@ -732,3 +748,118 @@ def test_training_against_seconds_reads_the_time_grid(drawn, tmp_path):
   assert list(steps.lines[0].get_xdata()) == list(range(0, 101, 10))
   assert list(seconds.lines[0].get_xdata()) == [0.0, 0.25, 0.5, 0.75, 1.0]
   assert "the time grid" in seconds.get_xlabel()
+
+
+# --- figures for papers ---------------------------------------------------------
+
+
+def test_every_method_stands_apart_in_colour_or_marker():
+  """Over every registered curvature and optimizer (more methods than any
+  colour-blind-safe palette has hues), two methods either differ in colour
+  by `palette.MIN_DELTA_E` (CIE76) or carry different markers; and no two
+  share both. The declared hues are the palette's own, so colour-blind
+  safety is the palette's."""
+  names = sorted({*CURVATURES, *OPTIMIZERS})
+  assert len(names) >= 15
+  looks = colour_map({"runs": pd.DataFrame({"method": names})})
+  declared = {
+    c.colour
+    for r in (CURVATURES, OPTIMIZERS)
+    for c in map(r.get, r)
+    if c.colour
+  }
+  assert declared <= {*palette.HUES, palette.BLACK, palette.GREY}
+  close = 0
+  component = {
+    n: (CURVATURES if n in CURVATURES else OPTIMIZERS).get(n) for n in names
+  }
+  for i, a in enumerate(names):
+    for b in names[i + 1 :]:
+      if component[a] is component[b]:  # one method under two names
+        continue
+      assert (looks[a], looks.marker[a]) != (looks[b], looks.marker[b]), (a, b)
+      if palette.delta_e(looks[a], looks[b]) < palette.MIN_DELTA_E:
+        close += 1
+        assert looks.marker[a] != looks.marker[b], (a, b)
+  # EKFAC and Shampoo² were two near-identical purples.
+  assert palette.delta_e(looks["ekfac"], looks["shampoo2"]) >= 40
+  assert close < len(names)  # sharing a hue is the exception
+
+
+def test_palette_hues_are_far_apart():
+  hues = palette.HUES
+  gaps = [
+    palette.delta_e(a, b) for i, a in enumerate(hues) for b in hues[i + 1 :]
+  ]
+  assert min(gaps) >= palette.MIN_DELTA_E
+  assert palette.delta_e("#000000", "#ffffff") == pytest.approx(100, abs=0.1)
+  assert len(set(palette.HATCHES)) == len(palette.MARKERS)
+
+
+def test_bars_carry_their_methods_hatch(drawn, tmp_path):
+  table = _quality_table([0])
+  looks = plots.colours(plots.series(table), markers={"diagonal": "s"})
+  spectra_figures.quality(table, tmp_path, looks)
+  (ax,) = drawn["quality_mlp_relative_frobenius"].axes
+  hatches = {
+    c.get_label(): c.patches[0].get_hatch()
+    for c in ax.containers
+    if isinstance(c, BarContainer)
+  }
+  assert hatches["diagonal/ggn_exact"] == palette.hatch("s") == "//"
+  assert hatches["kfac/ggn_exact"] != hatches["diagonal/ggn_exact"]
+
+
+def test_each_figure_has_its_rows_as_csv_beside_it(tmp_path):
+  table = _quality_table([0])
+  paths = spectra_figures.quality(table, tmp_path)
+  for png in (p for p in paths if p.suffix == ".png"):
+    rows = pd.read_csv(png.with_suffix(".csv"))
+    metric = png.stem.removeprefix("quality_mlp_")
+    assert set(rows.metric) == {metric} and len(rows) > 0
+  # Where a figure is not given its rows, the points its panels show.
+  fig, (ax,) = plots.grid(1)
+  ax.plot([1, 2], [3, 4], label="kfac")
+  ax.bar([0], [5.0], label="adam")
+  ax.set_xticks([0], ["group"])
+  ax.set(title="t", xlabel="step", ylabel="error")
+  plots.save(fig, tmp_path / "drawn")
+  rows = pd.read_csv(tmp_path / "drawn.csv")
+  assert rows[["series", "x", "y"]].astype(str).values.tolist() == [
+    ["kfac", "1", "3.0"],
+    ["kfac", "2", "4.0"],
+    ["adam", "group", "5.0"],
+  ]
+  assert set(rows.y_label) == {"error"}
+
+
+@pytest.mark.parametrize(
+  ("style", "width"), [("one-column", 3.25), ("two-column", 6.75)]
+)
+def test_a_paper_style_sets_the_figure_width(drawn, tmp_path, style, width):
+  table = _quality_table(STEPS)
+  with plots.style(style):
+    spectra_figures.quality_through_training(table, tmp_path, {})
+    fig, axes = plots.grid(6)
+    assert fig.get_figwidth() == pytest.approx(width)
+    assert len({ax.get_position().x0 for ax in axes}) == (
+      1 if style == "one-column" else 3
+    )
+    assert plt.rcParams["font.size"] == 8
+  fig = drawn["quality_steps_mlp_batch_relative_frobenius"]
+  assert fig.get_figwidth() == pytest.approx(width)
+  with plots.style():
+    assert plots.grid(1)[0].get_figwidth() == 4.0  # the screen's, as before
+  with pytest.raises(ValueError, match="one-column"):
+    with plots.style("a4"):
+      pass
+
+
+def test_quantities_are_titled_in_words():
+  for name in (*metrics.QUALITY, *metrics.STATISTICS, *metrics.TRAINING):
+    title = metrics.title(name)
+    assert name not in title and "_" not in title, title
+  assert metrics.title("final_train_error") == (
+    "Final training error (fraction misclassified, lower is better)"
+  )
+  assert metrics.title("unheard_of") == "Unheard of"

@@ -7,7 +7,7 @@ from urllib.parse import unquote
 import pandas as pd
 import pytest
 
-from curvbench import config, latex, plots, report, runs, sweep
+from curvbench import config, latex, metrics, plots, report, runs, sweep
 from curvbench.measurements.timing import memory
 from tests.conftest import TINY
 from tests.test_latex import bare_specials, parsed
@@ -53,10 +53,10 @@ def test_report_merges_tables_and_figures(sweep, tmp_path, capsys):
     "spectra_mlp_batch_ggn",
     "training_mlp",
     "timing_mlp",
-    "quality_steps_mlp_ggn_batch",
-    "statistics_mlp",
+    "quality_steps_mlp_batch_relative_frobenius",
+    "statistics_mlp_trace",
   ):
-    for ext in ("png", "pdf"):
+    for ext in ("png", "pdf", "csv"):
       assert f"{kind}.{ext}" in figures, sorted(figures)
       assert (out / "figures" / f"{kind}.{ext}").stat().st_size > 1000
   assert any(name.startswith("heatmaps_mlp") for name in figures)
@@ -102,6 +102,44 @@ def test_report_merges_tables_and_figures(sweep, tmp_path, capsys):
   (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="No runs under"):
     report.write(tmp_path / "empty")
+
+
+@pytest.mark.slow
+def test_report_figures_for_a_paper(sweep, tmp_path, monkeypatch):
+  """`--style two-column`: every figure a paper's width, titled and
+  labelled in words (no metric's key), its rows as CSV beside it."""
+  root, _ = sweep
+  drawn = {}
+  save = plots.save
+
+  def capture(fig, path, **kw):
+    drawn[path.name] = (
+      fig.get_figwidth(),
+      [fig.get_suptitle()]
+      + [
+        text
+        for ax in fig.axes
+        for text in (ax.get_title(), ax.get_xlabel(), ax.get_ylabel())
+      ],
+    )
+    return save(fig, path, **kw)
+
+  monkeypatch.setattr(plots, "save", capture)
+  out = tmp_path / "rep"
+  args = [str(root), "--out", str(out), "--style", "two-column"]
+  assert report.main(args) == 0
+  keys = {*metrics.QUALITY, *metrics.STATISTICS, *metrics.TRAINING}
+  assert len(drawn) > 10
+  for name, (width, texts) in drawn.items():
+    assert width == pytest.approx(plots.STYLES["two-column"].width), name
+    for text in texts:
+      assert not any(key in text for key in keys), (name, text)
+    assert (out / "figures" / f"{name}.csv").stat().st_size > 0, name
+  titles = drawn["quality_steps_mlp_batch_relative_frobenius"][1]
+  assert (
+    "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖ (lower is better)\nvs exact ggn"
+    in titles
+  )
 
 
 def test_timing_memory_is_in_mib_per_phase_with_the_device_peak():
@@ -189,9 +227,9 @@ def test_settings_and_seeds_are_told_apart_and_aggregated(
   drawn = {}
   save = plots.save
 
-  def capture(fig, path):
+  def capture(fig, path, **kw):
     drawn[path.name] = fig.axes[0]
-    return save(fig, path)
+    return save(fig, path, **kw)
 
   monkeypatch.setattr(plots, "save", capture)
   report.write(root, tmp_path)

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -15,7 +16,8 @@ class Diagonal(BlockDiagonal):
   as many numbers as its table)."""
 
   name: str = "diagonal"
-  colour = "tab:green"
+  colour = palette.SAND
+  marker = "<"
   blocks: ClassVar = {
     "dense_tag": kfac.DenseDiagonal,
     "repeated_dense_tag": kfac.DenseDiagonal,

@@ -7,6 +7,7 @@ import functools
 import estimators as kfac
 from curvbench.components import OneOf, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -17,7 +18,8 @@ class EKFAC(BlockDiagonal):
   keep the library's default block."""
 
   name: str = "ekfac"
-  colour = "tab:purple"
+  colour = palette.INDIGO
+  marker = "s"
   conv_scalings: str = setting(
     "per_example",
     OneOf(kfac.Conv2DEKFAC.SCALINGS),

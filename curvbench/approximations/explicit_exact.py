@@ -7,6 +7,7 @@ import estimators as kfac
 from curvbench import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
 from estimators import estimation_modes
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -15,7 +16,8 @@ class ExplicitExact(CurvatureSettings):
   """`estimators.ExplicitExactCurvature`: exact in the `*_exact` modes."""
 
   name: str = "explicit_exact"
-  colour = "black"
+  colour = palette.BLACK
+  marker = "H"
   per_example_alone = True  # its rows: one example's gradient at a time
 
   def make(self, loss_fn):

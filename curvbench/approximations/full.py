@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -16,7 +17,8 @@ class Full(BlockDiagonal):
   numbers: `max_state_gib` refuses it where that is too large."""
 
   name: str = "full"
-  colour = "tab:olive"
+  colour = palette.CYAN
+  marker = "d"
   blocks: ClassVar = {
     "dense_tag": kfac.DenseFull,
     "repeated_dense_tag": kfac.DenseFull,

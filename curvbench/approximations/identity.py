@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -14,7 +15,8 @@ class Identity(BlockDiagonal):
   """An identity block (`estimators.ScaledIdentity`) for every layer tag."""
 
   name: str = "identity"
-  colour = "goldenrod"
+  colour = palette.YELLOW
+  marker = ">"
   blocks: ClassVar = {
     tag: kfac.ScaledIdentity
     for tag in (

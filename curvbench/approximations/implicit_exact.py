@@ -8,6 +8,7 @@ from typing import ClassVar
 from curvbench.components import OneOf, setting
 from curvbench import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
+from curvbench import palette
 
 
 @dataclasses.dataclass
@@ -15,7 +16,8 @@ class ImplicitExact(CurvatureSettings):
   """The `matrix` it multiplies by is set here, so `mode` is ignored."""
 
   name: str = "implicit_exact"
-  colour = "dimgray"
+  colour = palette.GREY
+  marker = "8"
   matrix: str = setting(
     "ggn", OneOf(tuple(curvatures.IMPLICIT_PRODUCTS)), "the exact matrix"
   )

@@ -5,6 +5,7 @@ layers shared over positions, K-FAC-expand); the library's defaults."""
 import dataclasses
 
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -13,4 +14,5 @@ class KFAC(BlockDiagonal):
   """The library's default block for every tag."""
 
   name: str = "kfac"
-  colour = "tab:red"
+  colour = palette.ROSE
+  marker = "o"

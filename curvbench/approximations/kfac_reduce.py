@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -20,7 +21,8 @@ class KFACReduce(BlockDiagonal):
   matrix."""
 
   name: str = "kfac_reduce"
-  colour = "tab:orange"
+  colour = palette.ORANGE
+  marker = "^"
   blocks: ClassVar = {
     "repeated_dense_tag": kfac.RepeatedDenseKFACReduce,
     "conv2d_tag": kfac.Conv2DKFACReduce,

@@ -10,6 +10,7 @@ import estimators as kfac
 from curvbench import curvatures
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from estimators import estimation_modes
+from curvbench import palette
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class KFACTridiagonal(BlockDiagonal):
   """K-FAC blocks, consecutive dense ones coupled."""
 
   name: str = "kfac_tridiagonal"
-  colour = "tab:pink"
+  colour = palette.WINE
+  marker = "v"
   smaller: ClassVar = (
     "curvature=kfac, without the coupling, or curvature=diagonal"
   )

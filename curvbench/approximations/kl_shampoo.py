@@ -10,6 +10,7 @@ import estimators as kfac
 from curvbench.components import Number, Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -19,7 +20,8 @@ class KLShampoo(BlockDiagonal):
   embedding layers; other tags keep the library's default block."""
 
   name: str = "kl_shampoo"
-  colour = "maroon"
+  colour = palette.PURPLE
+  marker = "h"
   max_iterations: int = setting(
     100,
     Whole(1),

@@ -8,6 +8,7 @@ import functools
 import estimators as kfac
 from curvbench.components import Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 def max_full_vocab_setting():
@@ -29,7 +30,8 @@ class Shampoo(BlockDiagonal):
   embedding layers; other tags keep the library's default block."""
 
   name: str = "shampoo"
-  colour = "teal"
+  colour = palette.TEAL
+  marker = "P"
   max_full_vocab: int = max_full_vocab_setting()
 
   @property

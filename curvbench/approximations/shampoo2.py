@@ -9,6 +9,7 @@ from typing import ClassVar
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal, Nearer
 from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -18,7 +19,8 @@ class Shampoo2(BlockDiagonal):
   embedding layers; other tags keep the library's default block."""
 
   name: str = "shampoo2"
-  colour = "slateblue"
+  colour = palette.VERMILLION
+  marker = "X"
   max_full_vocab: int = max_full_vocab_setting()
   # Morwani et al.'s finding: Shampoo² is one power-iteration step toward
   # the nearest Kronecker product, and close to it; Shampoo is not.

@@ -8,6 +8,7 @@ import functools
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -18,7 +19,8 @@ class SOAP(BlockDiagonal):
   other tags keep the library's default block."""
 
   name: str = "soap"
-  colour = "magenta"
+  colour = palette.GREEN
+  marker = "*"
   max_full_vocab: int = max_full_vocab_setting()
 
   @property

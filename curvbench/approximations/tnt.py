@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench import palette
 
 
 @CURVATURES.register
@@ -16,7 +17,8 @@ class TNT(BlockDiagonal):
   library's default (diagonal) block."""
 
   name: str = "tnt"
-  colour = "tab:brown"
+  colour = palette.OLIVE
+  marker = "D"
   blocks: ClassVar = {
     "dense_tag": kfac.DenseTNT,
     "repeated_dense_tag": kfac.DenseTNT,

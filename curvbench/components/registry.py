@@ -32,9 +32,10 @@ class Component(Settings):
   """Settings that name the component they belong to (`name`)."""
 
   name: str = setting("", Text(), "which component these settings are of")
-  # The colour figures draw it in (a matplotlib colour), the same in every
-  # report; None: one of the report's palette.
+  # The colour and marker figures draw it in (`curvbench.palette`), the
+  # same in every report; None: one of the palette's left over.
   colour: ClassVar[str | None] = None
+  marker: ClassVar[str | None] = None
   # The names this class is registered under, and the registry's kind.
   registered_names: ClassVar[tuple[str, ...]] = ()
   kind: ClassVar[str] = "component"

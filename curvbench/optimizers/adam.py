@@ -8,6 +8,7 @@ import optax
 from curvbench.components import Flag, Number, OneOf, setting
 from curvbench import training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
+from curvbench import palette
 
 
 @OPTIMIZERS.register
@@ -17,7 +18,8 @@ class Adam(OptimizerSettings):
   nesterov=...)`."""
 
   name: str = "adam"
-  colour = "tab:blue"
+  colour = palette.BLUE
+  marker = "+"
   learning_rate: float = setting(1e-2, Number(0, low_in=False), "the step size")
   b1: float = setting(0.9, Number(0, 1), "decay of the first moment")
   b2: float = setting(0.999, Number(0, 1), "decay of the second moment")

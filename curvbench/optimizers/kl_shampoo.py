@@ -56,6 +56,7 @@ from curvbench.optimizers.kronecker import (
   unit_rms,
   unrotate,
 )
+from curvbench import palette
 
 BASES = ("qr", "eigh")
 
@@ -85,7 +86,8 @@ class KLShampoo(OptimizerSettings):
   suits the language models it was tuned on)."""
 
   name: str = "kl_shampoo"
-  colour = "maroon"
+  colour = palette.PURPLE
+  marker = "h"
   learning_rate: float = setting(3e-3, Number(0, low_in=False), "the step size")
   b1: float = setting(0.9, Number(0, 1), "decay of the gradients' average")
   shampoo_beta: float = setting(

@@ -9,6 +9,7 @@ import optax
 from curvbench.components import Flag, Number, OneOf, setting
 from curvbench import training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
+from curvbench import palette
 
 MOMENTUM_SCHEDULES = ("constant", "sutskever2013")
 
@@ -40,7 +41,8 @@ class SGD(OptimizerSettings):
   optional weight decay (`optax.add_decayed_weights`)."""
 
   name: str = "sgd"
-  colour = "tab:cyan"
+  colour = palette.GREY
+  marker = "x"
   learning_rate: float = setting(0.1, Number(0, low_in=False), "the step size")
   momentum: float | None = setting(
     0.9,

@@ -48,6 +48,7 @@ from curvbench.components import Flag, Number, OneOf, Parsed, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import as_matrix, matrix_shape
 from estimators.utils import newton, safe_psd_eigh
+from curvbench import palette
 
 GRAFTING = ("none", "sgd", "adagrad", "rmsprop", "adam")
 ROOT_METHODS = ("eigh", "newton")
@@ -133,7 +134,8 @@ class Shampoo(OptimizerSettings):
   place of Adam (Adam grafting, β2 0.999, ε 1e-8; betas (0.9, 0.999))."""
 
   name: str = "shampoo"
-  colour = "teal"
+  colour = palette.TEAL
+  marker = "P"
   learning_rate: float = setting(1e-2, Number(0, low_in=False), "the step size")
   beta1: float = setting(
     0.9,

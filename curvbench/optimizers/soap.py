@@ -49,6 +49,7 @@ from curvbench.optimizers.kronecker import (
   unit_rms,
   unrotate,
 )
+from curvbench import palette
 
 BASES = ("qr", "eigh")
 
@@ -75,7 +76,8 @@ class SOAP(OptimizerSettings):
   """`soap(learning_rate, ...)`; defaults the reference implementation's."""
 
   name: str = "soap"
-  colour = "magenta"
+  colour = palette.GREEN
+  marker = "*"
   learning_rate: float = setting(3e-3, Number(0, low_in=False), "the step size")
   b1: float = setting(0.95, Number(0, 1), "decay of Adam's first moment")
   b2: float = setting(0.95, Number(0, 1), "decay of Adam's second moment")

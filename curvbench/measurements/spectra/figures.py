@@ -5,12 +5,17 @@
   filled reference, each approximation of it a coloured line over it
 - heatmaps: |entries| of the exact and approximate matrix and of their
   inverses on a subsample of parameters (Martens & Grosse 2015, Fig. 2)
-- quality: a panel per metric, bars per method (one step) or lines against
-  the step (several); each panel says which way is better (`BETTER`)
-- quality per block type: a panel per metric, a bar group per block type
+- quality: a figure per metric (metrics differ in scale and direction,
+  so they are not set side by side), bars per method (one step) or lines
+  against the step (several); each titled in words with which way is
+  better (`metrics.title`)
+- quality per block type: a figure per metric, a bar group per block type
   (attention, MLP, ...), a bar per method
-- statistics: spectral statistics, bars per matrix (one step) or lines
-  against the step (several)
+- statistics: a figure per spectral statistic, bars per matrix (one step)
+  or lines against the step (several)
+
+Each method keeps its colour and marker (`plots.Looks`); bars carry the
+marker's hatch.
 
 Quality tables written before block types lack `level`; it is read from
 `block` (`quality_levels`).
@@ -28,19 +33,6 @@ from matplotlib.lines import Line2D
 
 from curvbench import metrics, plots
 from curvbench.measurements.spectra import summary
-
-# Which way each approximation-quality metric is better.
-BETTER = {
-  "relative_frobenius": "lower is better",
-  "spectral_distance": "lower is better",
-  "log_wasserstein": "lower is better",
-  "diagonal_relative_error": "lower is better",
-  "natural_gradient_cosine": "higher is better",
-  "cosine_similarity": "higher is better",
-  "top_k_overlap": "higher is better",
-  "top_eigenvalue_ratio": "1 is best",
-  "trace_ratio": "1 is best",
-}
 
 
 def symlog(values, linthresh: float) -> np.ndarray:
@@ -140,7 +132,10 @@ def _symlog_axis(ax, linthresh: float):
   )
   ax.xaxis.get_major_locator().set_params(numticks=7)
   ax.xaxis.set_minor_locator(ticker.NullLocator())
-  ax.set(xlabel="eigenvalue", ylabel="density (per symlog unit)")
+  ax.set(
+    xlabel="Eigenvalue λ (symmetric-log scale)",
+    ylabel="Density per symlog unit (log scale)",
+  )
   ax.tick_params(labelsize=6)
 
 
@@ -157,7 +152,14 @@ def _overlay(
     ax.plot(x, exact, color="0.45", lw=0.7)
   for name in sorted(set(curves) - {"exact"}):
     ax.plot(
-      x, np.maximum(curves[name], floor), lw=1.2, color=colour[name], label=name
+      x,
+      np.maximum(curves[name], floor),
+      lw=1.2,
+      color=colour[name],
+      marker=plots.marker(colour, name),
+      markevery=(sorted(curves).index(name) * 7, 60),
+      ms=4,
+      label=name,
     )
   if not curves:
     plots.no_values(ax, "no spectrum")
@@ -211,7 +213,11 @@ def spectra(
         ax.set_xlim(left=0.0)
       ax.set_yscale("log")
       ax.set_ylim(floor, 2 * peak)
-      ax.set_title(plots.title("spectra", p[p.step == step]), fontsize=8)
+      ax.set_title(
+        plots.title("eigenvalue density", p[p.step == step]),
+        fontsize="medium",
+        wrap=True,
+      )
     plots.legend_below(fig, axes[0])
     paths += plots.save(fig, out / f"spectra_{plots.slug(problem, data, ref)}")
   return paths
@@ -293,7 +299,10 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
       e = e[e.method == method]
     e, a = plots.one_run(e, where), plots.one_run(a, where)
     fig, axes = plt.subplots(
-      2, 3, figsize=(8.6, 7.6), gridspec_kw=dict(width_ratios=[1, 1, 0.05])
+      2,
+      3,
+      figsize=plots.figsize(8.6, 7.6),
+      gridspec_kw=dict(width_ratios=[1, 1, 0.05]),
     )
     for r, kind in enumerate(["matrix", "inverse"]):
       parts = [(f"exact {ref}", e[e.kind == kind]), (method, a[a.kind == kind])]
@@ -318,25 +327,69 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
         fig.colorbar(image, cax=axes[r, 2]).ax.tick_params(labelsize=6)
       else:
         axes[r, 2].set_visible(False)
-    fig.suptitle(f"{problem}: |{ref}| on {data}, step {step}", fontsize=9)
+    fig.suptitle(
+      f"{problem}: magnitude of the entries of the exact {ref} and of "
+      f"{method} (top) and of their damped inverses (bottom), on {data} at "
+      f"step {step}; log colour scale per row",
+      fontsize="medium",
+      wrap=True,
+    )
     name = f"heatmaps_{plots.slug(problem, method, data)}_step{step}"
-    paths += plots.save(fig, out / name)
+    paths += plots.save(fig, out / name, data=pd.concat([e, a]))
   return paths
 
 
 def metric_title(metric: str) -> str:
-  """The metric's name and which way it is better (`BETTER`, by the name
-  before any damping in parentheses)."""
-  better = BETTER.get(metric.split(" (")[0])
-  return f"{metric} ({better})" if better else metric
+  """The metric in words, its unit and which way is better
+  (`metrics.title`; a damping in parentheses after the name read apart)."""
+  return metrics.title(metric)
 
 
 def _metric_panel(ax, metric: str):
   """Titles a metric's panel; a dashed line at 1 where 1 is best."""
-  ax.set_title(metric_title(metric), fontsize=8)
-  if BETTER.get(metric.split(" (")[0]) == "1 is best":
+  ax.set_title(metric_title(metric), fontsize="medium", wrap=True)
+  ax.set_ylabel(metrics.described(metric).unit or "value (no unit)")
+  if metrics.described(metric).better == "1":
     ax.axhline(1.0, color="k", lw=0.6, ls="--")
-  ax.tick_params(labelsize=7)
+
+
+def _per_metric(
+  p: pd.DataFrame,
+  column: str,
+  draw,
+  suptitle,
+  stem,
+  out,
+  legend=(),
+  panels: str | None = None,
+):
+  """A figure per value of `column` in `p` (a metric or statistic, in
+  `summary.metric_order`), drawn by `draw(ax, rows, name)` on one panel
+  or, with `panels` (a column), a panel per value of that column sharing
+  the metric and its axis,
+  `suptitle` over it, its legend below (`legend`: `plots.legend_below`'s
+  handles, labels and title, else the panel's) and `stem_<name>` its
+  file, the rows it drew from beside it; the paths written."""
+  paths = []
+  for name in summary.metric_order(p[column]):
+    rows = p[p[column] == name]
+    if panels is None:
+      fig, axes = plots.grid(1, width=6.0, height=3.6)
+      draw(axes[0], rows, name)
+    else:
+      values = sorted(rows[panels].astype(str).unique())
+      fig, axes = plots.grid(len(values), width=4.5, sharey=True)
+      for ax, value in zip(axes, values):
+        draw(ax, rows[rows[panels].astype(str) == value], name)
+        ax.set_title(f"{ax.get_title()}\nvs exact {value}", wrap=True)
+    fig.suptitle(suptitle, fontsize="small")
+    plots.legend_below(fig, axes[0], *legend)
+    paths += plots.save(
+      fig,
+      out / f"{stem}_{plots.slug(name)}",
+      data=rows.drop(columns=["context", "exact"], errors="ignore"),
+    )
+  return paths
 
 
 def _context(p: pd.DataFrame, head: pd.Series | None = None) -> pd.Series:
@@ -385,12 +438,15 @@ def _metric_bars(
       table[name],
       width,
       color=colours[name],
+      hatch=plots.hatch(colours, name),
+      edgecolor="0.15",
+      linewidth=0.4,
       label=name,
       yerr=np.clip([low[name].fillna(0), high[name].fillna(0)], 0, None),
       capsize=2,
       error_kw=dict(lw=0.8),
     )
-  ax.set_xticks(x, table.index, fontsize=7)
+  ax.set_xticks(x, table.index, fontsize="small")
 
 
 def quality(
@@ -404,14 +460,15 @@ def quality(
   df = df[df.block == "all"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
   for problem, p in df.groupby("problem"):
-    p = p.assign(context=_context(p))
-    metric_names = summary.metric_order(p.metric)
-    fig, axes = plots.grid(len(metric_names))
-    for ax, metric in zip(axes, metric_names):
-      _metric_bars(ax, p[p.metric == metric], metric, colours)
-    fig.suptitle(plots.title("approximation quality", p), fontsize=9)
-    plots.legend_below(fig, axes[0])
-    paths += plots.save(fig, out / f"quality_{problem}")
+    paths += _per_metric(
+      p.assign(context=_context(p)),
+      "metric",
+      lambda ax, rows, metric: _metric_bars(ax, rows, metric, colours),
+      plots.title("approximation quality, whole network", p)
+      + "; bars: median, whiskers: quartiles over samples",
+      f"quality_{problem}",
+      out,
+    )
   return paths
 
 
@@ -448,15 +505,15 @@ def quality_per_block_type(
       for role in role_order(p.block)
       for c in sorted(set(p.context[p.block.astype(str) == role]))
     ]
-    metric_names = summary.metric_order(p.metric)
-    fig, axes = plots.grid(len(metric_names), width=max(4.0, 0.9 * len(order)))
-    for ax, metric in zip(axes, metric_names):
-      _metric_bars(ax, p[p.metric == metric], metric, colours, order)
-    fig.suptitle(
-      plots.title("approximation quality per block type", p), fontsize=9
+    paths += _per_metric(
+      p,
+      "metric",
+      lambda ax, rows, metric: _metric_bars(ax, rows, metric, colours, order),
+      plots.title("approximation quality per block type", p)
+      + "; bars: median, whiskers: quartiles over samples",
+      f"quality_block_types_{problem}",
+      out,
     )
-    plots.legend_below(fig, axes[0])
-    paths += plots.save(fig, out / f"quality_block_types_{problem}")
   return paths
 
 
@@ -469,7 +526,8 @@ def _quality_legend(
   """Legend entries: a thick line per method and setting (the whole
   network), a thin grey one per block's line style."""
   handles = [
-    Line2D([], [], color=colours[s], lw=2.2, marker="o", ms=3) for s in series
+    Line2D([], [], color=colours[s], lw=2.2, marker=plots.marker(colours, s))
+    for s in series
   ]
   handles += [
     Line2D([], [], color="0.4", lw=0.8, ls=BLOCK_STYLES[i % len(BLOCK_STYLES)])
@@ -490,8 +548,8 @@ def _quality_lines(
     ax.plot(
       s.index,
       s.to_numpy(),
-      marker="o",
-      ms=3 if whole else 2,
+      marker=plots.marker(colours, name),
+      ms=5 if whole else 3,
       lw=2.2 if whole else 0.8,
       alpha=1 if whole else 0.7,
       ls="-" if whole else BLOCK_STYLES[blocks.index(block) % 4],
@@ -504,31 +562,35 @@ def _quality_lines(
 def quality_through_training(
   df: pd.DataFrame, out: Path, colour: dict[str, str]
 ) -> list[Path]:
-  """Per problem, reference and data: each metric against the step, a line
-  per method and setting and block (the whole network, "all", thicker)."""
+  """Per problem and data, a figure per metric against the step, a panel
+  per exact reference (one metric, one axis), a line per method and
+  setting and block (the whole network, "all", thicker)."""
   paths = []
   df = plots.finite(
     quality_levels(plots.complete(df, "step", "data", "block")), "value"
   )
   df = df[df.level != "role"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
-  for (problem, ref, data), p in df.groupby(["problem", "reference", "data"]):
-    metric_names = summary.metric_order(p.metric)
+  for (problem, data), p in df.groupby(["problem", "data"]):
     blocks = sorted(set(p.block) - {"all"})
-    fig, axes = plots.grid(len(metric_names), width=4.5)
-    for ax, metric in zip(axes, metric_names):
-      _quality_lines(ax, p[p.metric == metric], blocks, colours)
+
+    def draw(ax, rows, metric, blocks=blocks, steps=p.step.unique()):
+      _quality_lines(ax, rows, blocks, colours)
       _metric_panel(ax, metric)
-      plots.step_axis(ax, p.step.unique())
-    fig.suptitle(plots.title("approximation quality", p), fontsize=9)
-    plots.legend_below(
-      fig,
-      axes[0],
-      *_quality_legend(sorted(set(p.series)), blocks, colours),
-      title="thick: whole network; thin: one layer block",
-    )
-    paths += plots.save(
-      fig, out / f"quality_steps_{plots.slug(problem, ref, data)}"
+      plots.step_axis(ax, steps)
+
+    paths += _per_metric(
+      p,
+      "metric",
+      draw,
+      plots.title("approximation quality", p) + "; mean over samples",
+      f"quality_steps_{plots.slug(problem, data)}",
+      out,
+      panels="reference",
+      legend=(
+        *_quality_legend(sorted(set(p.series)), blocks, colours),
+        "thick: whole network; thin: one layer block",
+      ),
     )
   return paths
 
@@ -553,18 +615,24 @@ def _statistic_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 def _statistic_colours(
   df: pd.DataFrame, colour: dict[str, str] | None
-) -> dict[str, str]:
-  """Exact matrices in greys; approximations in their method's colour."""
+) -> plots.Looks:
+  """Exact matrices in greys, solid; approximations in their method's
+  colour and marker."""
   greys = sorted(set(df.series[df.exact]))
-  out = {
-    s: str(0.15 + 0.5 * i / max(len(greys) - 1, 1)) for i, s in enumerate(greys)
-  }
+  out = plots.Looks(
+    {
+      s: colors.to_hex(str(0.15 + 0.5 * i / max(len(greys) - 1, 1)))
+      for i, s in enumerate(greys)
+    }
+  )
   if (~df.exact).any():
-    out.update(plots.series_colours(df[~df.exact], colour))
+    found = plots.series_colours(df[~df.exact], colour)
+    out.update(found)
+    out.marker.update(found.marker)
   return out
 
 
-def _statistic_bars(ax, s: pd.DataFrame, colours: dict[str, str]):
+def _statistic_bars(ax, s: pd.DataFrame, colours: plots.Looks):
   """One measured step: a bar per matrix, error bars from `stderr`."""
   x = np.arange(len(s))
   ax.bar(
@@ -574,14 +642,22 @@ def _statistic_bars(ax, s: pd.DataFrame, colours: dict[str, str]):
     yerr=s.stderr.abs().fillna(0),
     capsize=2,
     color=[colours[n] for n in s.index],
+    hatch=[plots.hatch(colours, n) for n in s.index],
+    edgecolor="0.15",
+    linewidth=0.4,
   )
   ax.set_xticks(
-    x, s.index, rotation=30, ha="right", rotation_mode="anchor", fontsize=6
+    x,
+    s.index,
+    rotation=30,
+    ha="right",
+    rotation_mode="anchor",
+    fontsize="x-small",
   )
 
 
 def _statistic_lines(
-  ax, s: pd.DataFrame, colours: dict[str, str], exact: set[str]
+  ax, s: pd.DataFrame, colours: plots.Looks, exact: set[str]
 ):
   """Several steps: a line per matrix against the step (exact solid,
   approximations dashed), error bars from `stderr`."""
@@ -590,8 +666,8 @@ def _statistic_lines(
       q.index.get_level_values("step"),
       q.value,
       yerr=q.stderr.abs().fillna(0),
-      marker="o",
-      ms=3,
+      marker=plots.marker(colours, name),
+      ms=4,
       lw=1,
       capsize=2,
       label=name,
@@ -603,22 +679,20 @@ def _statistic_lines(
 def statistics(
   df: pd.DataFrame, out: Path, colour: dict[str, str] | None = None
 ) -> list[Path]:
-  """Per problem, a panel per spectral statistic: with one measured step a
-  bar per matrix, with several a line per matrix against the step (exact
-  matrices grey; approximations in the report's `colour`, by label); error
-  bars from `stderr`."""
+  """Per problem, a figure per spectral statistic: with one measured step
+  a bar per matrix, with several a line per matrix against the step
+  (exact matrices grey; approximations in the report's `colour`, by
+  label); error bars from `stderr`."""
   paths = []
   df = _statistic_rows(df)
   colours = _statistic_colours(df, colour)
   for problem, p in df.groupby("problem"):
-    names = sorted(p.statistic.unique())
     one_step = p.step.nunique() == 1
     exact = set(p.series[p.exact])
-    fig, axes = plots.grid(len(names))
-    for ax, name in zip(axes, names):
+
+    def draw(ax, rows, name, one_step=one_step, exact=exact, steps=p.step):
       s = (
-        p[p.statistic == name]
-        .groupby(["series"] if one_step else ["series", "step"])[
+        rows.groupby(["series"] if one_step else ["series", "step"])[
           ["value", "stderr"]
         ]
         .mean()
@@ -626,16 +700,21 @@ def statistics(
       )
       if one_step:
         _statistic_bars(ax, s, colours)
-        ax.set_title(name, fontsize=8)
-        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(metrics.title(name), fontsize="medium", wrap=True)
       else:
         _statistic_lines(ax, s, colours, exact)
-        plots.step_panel(ax, name, p.step.unique())
+        plots.step_panel(ax, metrics.title(name), steps.unique())
+      ax.set_ylabel(metrics.described(name).unit or "value (no unit)")
       if s.empty:
         plots.no_values(ax)
       plots.log_if_decades(ax, s.value)
-    fig.suptitle(plots.title("spectral statistics", p), fontsize=9)
-    if not one_step:
-      plots.legend_below(fig, axes[0])
-    paths += plots.save(fig, out / f"statistics_{problem}")
+
+    paths += _per_metric(
+      p,
+      "statistic",
+      draw,
+      plots.title("spectral statistics", p),
+      f"statistics_{problem}",
+      out,
+    )
   return paths

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from curvbench import registration_report, stats
+from curvbench import metrics, registration_report, stats
 from estimators import estimation_modes
 from curvbench.approximations import CURVATURES
 from curvbench.measurements.spectra.compute import SAME
@@ -51,18 +51,9 @@ LEVELS = (
   ),
 )
 
-# The order the tables show the metrics in: the headline ones first.
-METRICS = (
-  "relative_frobenius",
-  "cosine_similarity",
-  "natural_gradient_cosine",
-  "spectral_distance",
-  "top_k_overlap",
-  "top_eigenvalue_ratio",
-  "trace_ratio",
-  "diagonal_relative_error",
-  "log_wasserstein",
-)
+# The order the tables show the metrics in (`metrics.QUALITY`'s): the
+# headline ones first.
+METRICS = tuple(metrics.QUALITY)
 
 # A sample: one seed's measurement of one draw of the data at one step.
 SAMPLE = ["run_id", "sample"]

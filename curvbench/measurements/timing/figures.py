@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from curvbench import plots
+from curvbench import palette, plots
 from curvbench.measurements.timing import clock
 
 ORDER = (*clock.PHASES, "model_state_update")
@@ -33,8 +32,9 @@ def _phase_bars(ax, ratios: pd.DataFrame):
   groups = sorted(ratios.group.unique())
   phases = _phase_order(ratios.phase)
   width = 0.8 / len(phases)
-  cmap = plt.get_cmap("tab10")
   for i, phase in enumerate(phases):
+    # A phase keeps its hue and hatch in every figure (its place in ORDER).
+    at = ORDER.index(phase) if phase in ORDER else len(ORDER) + i
     r = ratios[ratios.phase == phase].set_index("group").reindex(groups)
     err = np.clip([r["median"] - r.q25, r.q75 - r["median"]], 0, None)
     ax.bar(
@@ -43,8 +43,11 @@ def _phase_bars(ax, ratios: pd.DataFrame):
       width,
       yerr=np.nan_to_num(err),
       capsize=2,
-      label=phase,
-      color=cmap(ORDER.index(phase) if phase in ORDER else i),
+      label=phase.replace("_", " "),
+      color=palette.HUES[at % len(palette.HUES)],
+      hatch=palette.HATCHES[at % len(palette.HATCHES)],
+      edgecolor="0.15",
+      linewidth=0.4,
     )
   counts = ratios.groupby("group")[["n", "samples"]].max()
   ax.set_xticks(
@@ -65,9 +68,8 @@ def timing(ratios: pd.DataFrame, out: Path) -> list[Path]:
   for problem, p in ratios.groupby("problem"):
     shown = p[p.phase != clock.BASELINE_PHASE]
     baseline = plots.listed(p, "baseline")
-    fig, ax = plt.subplots(
-      figsize=(max(6.0, 1.4 * shown.label.nunique() + 2), 4.2),
-      layout="constrained",
+    fig, (ax,) = plots.grid(
+      1, width=max(6.0, 1.4 * shown.label.nunique() + 2), height=4.2
     )
     if shown.empty:
       plots.no_values(ax, f"only the {baseline} step was timed")
@@ -76,16 +78,17 @@ def timing(ratios: pd.DataFrame, out: Path) -> list[Path]:
     plots.log_if_decades(ax, shown["median"], decades=1)
     ax.axhline(1.0, color="k", lw=0.6, ls="--", label=f"one {baseline} step")
     ax.set(
-      ylabel=f"× {baseline} step (median, IQR)",
-      title=f"{problem}: time per phase ({plots.listed(p, 'device_kind')}"
-      + (f"; K-FAC in {modes}" if (modes := plots.listed(p, "mode")) else "")
-      + ")",
+      ylabel=f"Time per phase (× one {baseline} step, lower is better)",
+      title=f"{problem}: time of each phase of a step, on "
+      f"{plots.listed(p, 'device_kind')}"
+      + (f"; K-FAC in {modes}" if (modes := plots.listed(p, "mode")) else ""),
     )
+    ax.title.set_wrap(True)
     plots.legend_below(
       fig,
       ax,
       title="error bars: interquartile range of "
       "the ratios paired round by round",
     )
-    paths += plots.save(fig, out / f"timing_{problem}")
+    paths += plots.save(fig, out / f"timing_{problem}", data=p)
   return paths

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from curvbench import plots
+from curvbench import metrics, plots
 
-TRAINING_CURVES = (
-  ("train_error", "training error"),
-  ("train_loss", "training loss"),
-  ("batch_loss", "minibatch loss"),
-)
+# The curve drawn: the first of these the table has (`metrics.TRAINING`).
+TRAINING_CURVES = ("train_error", "train_loss", "batch_loss")
 
 
 def _common_steps(runs: pd.DataFrame) -> pd.DataFrame:
@@ -60,17 +56,15 @@ def training(
   report's, by label (`colour`); a method's settings differ in line
   style."""
   paths = []
-  y, what = next(
-    ((c, w) for c, w in TRAINING_CURVES if c in df and df[c].notna().any()),
+  y = next(
+    (c for c in TRAINING_CURVES if c in df and df[c].notna().any()),
     TRAINING_CURVES[-1],
   )
   test = y.replace("train_", "test_") if y.startswith("train_") else None
   styles = ["-", "--", ":", "-."]
   colours = plots.series_colours(df.assign(series=df.label), colour)
   for problem, p in df.groupby("problem"):
-    fig, axes = plt.subplots(
-      1, 2, figsize=(10, 3.8), sharey=True, layout="constrained"
-    )
+    fig, axes = plots.grid(2, width=5.0, height=3.8, cols=2, sharey=True)
     grid = "time_point_s" in p and p.time_point_s.notna().any()
     for method, m in p.groupby("method"):
       for i, (label, runs) in enumerate(m.groupby("label")):
@@ -98,7 +92,9 @@ def training(
             color=c,
             ls=styles[i % 4],
             lw=1.4,
-            marker="." if ax is axes[1] and grid else None,
+            marker=plots.marker(colours, label),
+            ms=4,
+            markevery=None if ax is axes[1] and grid else 0.1,
             label=f"{label} (n={n})",
           )
           if n > 1:
@@ -116,12 +112,18 @@ def training(
             diverged[x], np.full(len(diverged), curve.max()), "x", color=c, ms=7
           )
     axes[0].set(
-      xlabel="iteration", ylabel=what, yscale="log", title=f"{problem}"
+      xlabel="Iteration (optimizer steps)",
+      # Two lines: a paper's column is narrower than the words.
+      ylabel=metrics.title(y).replace(" (", "\n(", 1),
+      yscale="log",
+      title=f"{problem}: against iterations",
     )
     axes[1].set(
-      xlabel="seconds of training" + (" (the time grid)" if grid else ""),
+      xlabel="Seconds of training (s"
+      + (", on the time grid" if grid else "")
+      + ")",
       yscale="log",
-      title=f"{problem}",
+      title=f"{problem}: against seconds",
     )
     plots.legend_below(
       fig,
@@ -164,7 +166,14 @@ def sensitivity(
         )
         xs = [x for x, _ in points]
         ys = [v if np.isfinite(v) else np.nan for _, v in points]
-        ax.plot(xs, ys, "o-", color=colour[method], label=method)
+        ax.plot(
+          xs,
+          ys,
+          "-",
+          marker=plots.marker(colour, method),
+          color=colour[method],
+          label=method,
+        )
         ax.plot(
           [float(best[key])],
           [m.score[m.best].iloc[0]],
@@ -185,7 +194,11 @@ def sensitivity(
       all_y = np.concatenate([line.get_ydata() for line in ax.lines] or [[]])
       plots.log_if_decades(ax, all_x, "x", decades=1)
       plots.log_if_decades(ax, all_y, "y", decades=1)
-      ax.set(xlabel=key, ylabel=p.metric.iloc[0], title=problem)
+      ax.set(
+        xlabel=f"{key} (the others at the chosen setting)",
+        ylabel=metrics.title(p.metric.iloc[0]),
+        title=f"{problem}: tuning score against {key}",
+      )
     plots.legend_below(fig, axes[0], title="star: chosen; x: diverged")
     paths += plots.save(fig, out / f"tuning_{problem}")
   return paths
