@@ -252,6 +252,10 @@ class Described:
       return "1 is best"
     return f"{self.better} is better" if self.better else ""
 
+  def axis(self) -> str:
+    """The value axis's label: the unit, or that there is none."""
+    return self.unit or "dimensionless"
+
   def title(self, detail: str = "") -> str:
     """E.g. "Time per step (ms, lower is better)"; `detail` follows the
     words ("at ρ = 0.001")."""

@@ -15,10 +15,9 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import approximations, config, curvatures, plots, report
+from curvbench import approximations, config, curvatures, metrics, plots, report
 from curvbench.measurements.spectra import Spectra
 from curvbench.measurements.spectra import compute as spectra
-from curvbench.measurements.spectra import figures
 from problems.base import loss
 
 TRANSFORMER = (
@@ -354,8 +353,7 @@ def test_report_figure_per_block_type(tmp_path, monkeypatch):
     if name.startswith("quality_block_types")
   ]
   assert [ax.get_title() for ax in axes] == [
-    figures.metric_title(m)
-    for m in ["relative_frobenius", COSINE, "trace_ratio"]
+    metrics.title(m) for m in ["relative_frobenius", COSINE, "trace_ratio"]
   ]
   assert "lower is better" in axes[0].get_title()
   assert "higher is better" in axes[1].get_title()

@@ -436,19 +436,17 @@ def test_every_quality_metric_says_which_way_is_better():
   assert {k[0] if isinstance(k, tuple) else k for k in measured} == set(
     metrics.QUALITY
   )
-  assert spectra_figures.metric_title("relative_frobenius") == (
+  assert metrics.title("relative_frobenius") == (
     "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖ (lower is better)"
   )
-  assert spectra_figures.metric_title(
-    "natural_gradient_cosine (rho=0.001)"
-  ).startswith(
+  assert metrics.title("natural_gradient_cosine (rho=0.001)").startswith(
     "Natural-gradient cosine, damped Ĉ⁻¹g against C⁻¹g, at ρ = 0.001"
   )
   assert metrics.title("log_wasserstein").endswith("(decades, lower is better)")
-  assert "higher is better" in spectra_figures.metric_title(
+  assert "higher is better" in metrics.title(
     "natural_gradient_cosine (rho=0.001)"
   )
-  assert "1 is best" in spectra_figures.metric_title("trace_ratio")
+  assert "1 is best" in metrics.title("trace_ratio")
 
 
 def test_quality_titles_name_where_and_which_way(drawn, tmp_path):

@@ -339,16 +339,10 @@ def heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
   return paths
 
 
-def metric_title(metric: str) -> str:
-  """The metric in words, its unit and which way is better
-  (`metrics.title`; a damping in parentheses after the name read apart)."""
-  return metrics.title(metric)
-
-
 def _metric_panel(ax, metric: str):
   """Titles a metric's panel; a dashed line at 1 where 1 is best."""
-  ax.set_title(metric_title(metric), fontsize="medium", wrap=True)
-  ax.set_ylabel(metrics.described(metric).unit or "value (no unit)")
+  ax.set_title(metrics.title(metric), fontsize="medium", wrap=True)
+  ax.set_ylabel(metrics.described(metric).axis())
   if metrics.described(metric).better == "1":
     ax.axhline(1.0, color="k", lw=0.6, ls="--")
 
@@ -382,7 +376,7 @@ def _per_metric(
       for ax, value in zip(axes, values):
         draw(ax, rows[rows[panels].astype(str) == value], name)
         ax.set_title(f"{ax.get_title()}\nvs exact {value}", wrap=True)
-    fig.suptitle(suptitle, fontsize="small")
+    fig.suptitle(suptitle, fontsize="small", wrap=True)
     plots.legend_below(fig, axes[0], *legend)
     paths += plots.save(
       fig,
@@ -704,7 +698,7 @@ def statistics(
       else:
         _statistic_lines(ax, s, colours, exact)
         plots.step_panel(ax, metrics.title(name), steps.unique())
-      ax.set_ylabel(metrics.described(name).unit or "value (no unit)")
+      ax.set_ylabel(metrics.described(name).axis())
       if s.empty:
         plots.no_values(ax)
       plots.log_if_decades(ax, s.value)
