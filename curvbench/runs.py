@@ -373,7 +373,8 @@ def refuse(cfg, out_dir) -> None:
 FAILED = ("diverged", "error")
 # Said to a diverged run whose reason names no setting to change.
 DIVERGED_ADVICE = (
-  "Lower the optimizer's learning rate or raise its damping, and run it again."
+  "Lower the optimizer's learning rate (optimizer.learning_rate), or raise "
+  "its damping where it has one, and run it again."
 )
 
 
