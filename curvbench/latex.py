@@ -54,6 +54,7 @@ UNICODE = {
   "ρ": r"$\rho$",
   "λ": r"$\lambda$",
   "’": "'",
+  **{chr(0x2080 + d): rf"\textsubscript{{{d}}}" for d in range(10)},
 }
 _ESCAPE = re.compile("|".join(map(re.escape, {**SPECIALS, **UNICODE})))
 # A cell that holds a number (possibly with its interval): set flush right.

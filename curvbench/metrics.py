@@ -284,7 +284,8 @@ QUALITY = {
     "Natural-gradient cosine", ", damped Ĉ⁻¹g against C⁻¹g", better="higher"
   ),
   "spectral_distance": Described(
-    "Wasserstein distance of the spectra over the exact spectrum's width",
+    "Spectral Wasserstein distance",
+    ", relative to the exact spectrum's width",
     better="lower",
   ),
   "top_k_overlap": Described(
@@ -300,7 +301,7 @@ QUALITY = {
     better="lower",
   ),
   "log_wasserstein": Described(
-    "Wasserstein distance of the log₁₀ spectra",
+    "Log-spectral Wasserstein distance",
     unit="decades",
     better="lower",
   ),

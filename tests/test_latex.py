@@ -8,7 +8,7 @@ import subprocess
 import pandas as pd
 import pytest
 
-from curvbench import latex
+from curvbench import latex, metrics
 from curvbench.sections import Table, wide
 
 NAMES = [
@@ -129,6 +129,9 @@ def test_headers_say_the_quantity_in_words_and_which_way_is_better():
     r"Natural-gradient cosine ($\rho$ = 0.001) $\uparrow$"
   )
   assert latex.header("compile_seconds") == "Compile seconds"
+  # Every declared quantity's header is plain text pdflatex reads as is.
+  for name in [*metrics.QUALITY, *metrics.STATISTICS, *metrics.TRAINING]:
+    assert latex.header(name).isascii(), name
 
 
 def test_the_parser_catches_what_it_checks():
