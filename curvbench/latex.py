@@ -18,6 +18,7 @@ import re
 
 import pandas as pd
 
+from curvbench import metrics
 from curvbench.sections import Table, number, spread
 
 # LaTeX's special characters, each as text that prints it.
@@ -53,6 +54,7 @@ UNICODE = {
   "ρ": r"$\rho$",
   "λ": r"$\lambda$",
   "’": "'",
+  **{chr(0x2080 + d): rf"\textsubscript{{{d}}}" for d in range(10)},
 }
 _ESCAPE = re.compile("|".join(map(re.escape, {**SPECIALS, **UNICODE})))
 # A cell that holds a number (possibly with its interval): set flush right.
@@ -61,6 +63,8 @@ _NUMBER = re.compile(r"[-+]?(\d|\.\d|inf\b|nan\b)")
 # of counts (`n` of 3-5 where cells differ).
 _MINUS = re.compile(r"(?<![\w.])-(?=\d|inf)")
 _RANGE = re.compile(r"(?<=\d)-(?=\d)")
+# Which way is better, after a quantity's header.
+ARROWS = {"lower": r"$\downarrow$", "higher": r"$\uparrow$", "1": "(1 best)"}
 
 
 def escape(text) -> str:
@@ -99,6 +103,21 @@ def cells(table: Table) -> pd.DataFrame:
   return shown
 
 
+def header(column) -> str:
+  """A column's header in LaTeX: the quantity in words (`metrics`), a
+  damping in its name said as ρ, and an arrow (or "1 best") for the way that is better
+  ("Relative Frobenius error $\\downarrow$"); the count `n` as $n$."""
+  if column == "n":
+    return "$n$"
+  name, _, extra = str(column).partition(" (")
+  described = metrics.described(name)
+  text = escape(described.words)
+  if extra:
+    text += f" ({escape(extra.rstrip(')').replace('rho=', 'ρ = '))})"
+  arrow = ARROWS.get(described.better)
+  return f"{text} {arrow}" if arrow else text
+
+
 def tabular(df: pd.DataFrame) -> str:
   """`df` (cells as text) as a booktabs tabular: text columns flush left,
   number columns flush right."""
@@ -109,22 +128,23 @@ def tabular(df: pd.DataFrame) -> str:
     for c in df.columns
   )
 
-  def row(values, numeric=False) -> str:
-    texts = [escape(v) for v in values]
-    if numeric:
-      texts = [
-        _RANGE.sub("--", _MINUS.sub("$-$", t)) if kind == "r" else t
-        for t, kind in zip(texts, spec)
-      ]
+  def row(texts) -> str:
     return "    " + " & ".join(texts) + r" \\"
+
+  def numbers(values) -> list[str]:
+    texts = [escape(v) for v in values]
+    return [
+      _RANGE.sub("--", _MINUS.sub("$-$", t)) if kind == "r" else t
+      for t, kind in zip(texts, spec)
+    ]
 
   return "\n".join(
     [
       rf"  \begin{{tabular}}{{{spec}}}",
       r"    \toprule",
-      row(map(str, df.columns)),
+      row(map(header, df.columns)),
       r"    \midrule",
-      *[row(r, numeric=True) for r in df.itertuples(index=False, name=None)],
+      *[row(numbers(r)) for r in df.itertuples(index=False, name=None)],
       r"    \bottomrule",
       r"  \end{tabular}",
     ]
@@ -152,4 +172,13 @@ def table(t: Table) -> str:
   )
 
 
-__all__ = ["SPECIALS", "UNICODE", "cells", "escape", "table", "tabular"]
+__all__ = [
+  "ARROWS",
+  "SPECIALS",
+  "UNICODE",
+  "cells",
+  "escape",
+  "header",
+  "table",
+  "tabular",
+]

@@ -238,11 +238,13 @@ def negative_ratio(values, largest: float | None = None) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Described:
-  """A measured quantity as a reader is told it: `words` (with its formula
-  where short), `unit` ("" where it has none) and which way is `better`
-  ("lower", "higher", "1": nearest 1; "" where neither is)."""
+  """A measured quantity as a reader is told it: `words` (plain text: a
+  table's column header), its `formula` or gloss where short (read after
+  the words in a title), `unit` ("" where it has none) and which way is
+  `better` ("lower", "higher", "1": nearest 1; "" where neither is)."""
 
   words: str
+  formula: str = ""
   unit: str = ""
   better: str = ""
 
@@ -259,7 +261,11 @@ class Described:
   def title(self, detail: str = "") -> str:
     """E.g. "Time per step (ms, lower is better)"; `detail` follows the
     words ("at ρ = 0.001")."""
-    words = f"{self.words}, {detail}" if detail else self.words
+    words = self.words + (
+      self.formula if self.formula.startswith(",") else f" {self.formula}"
+    )
+    words = words.rstrip()
+    words = f"{words}, {detail}" if detail else words
     said = ", ".join(x for x in (self.unit, self.direction()) if x)
     return f"{words} ({said})" if said else words
 
@@ -269,31 +275,33 @@ class Described:
 # order, the headline ones first.
 QUALITY = {
   "relative_frobenius": Described(
-    "Relative Frobenius error ‖Ĉ − C‖ / ‖C‖", better="lower"
+    "Relative Frobenius error", "‖Ĉ − C‖ / ‖C‖", better="lower"
   ),
   "cosine_similarity": Described(
-    "Cosine similarity ⟨Ĉ, C⟩ / (‖Ĉ‖ ‖C‖)", better="higher"
+    "Cosine similarity", "⟨Ĉ, C⟩ / (‖Ĉ‖ ‖C‖)", better="higher"
   ),
   "natural_gradient_cosine": Described(
-    "Natural-gradient cosine, damped Ĉ⁻¹g against C⁻¹g", better="higher"
+    "Natural-gradient cosine", ", damped Ĉ⁻¹g against C⁻¹g", better="higher"
   ),
   "spectral_distance": Described(
-    "Wasserstein distance of the spectra over the exact spectrum's width",
+    "Spectral Wasserstein distance",
+    ", relative to the exact spectrum's width",
     better="lower",
   ),
   "top_k_overlap": Described(
-    "Top-k eigenspace overlap ‖UᵀÛ‖² / k", better="higher"
+    "Top-k eigenspace overlap", "‖UᵀÛ‖² / k", better="higher"
   ),
   "top_eigenvalue_ratio": Described(
-    "Largest eigenvalue ratio λ₁(Ĉ) / λ₁(C)", better="1"
+    "Largest eigenvalue ratio", "λ₁(Ĉ) / λ₁(C)", better="1"
   ),
-  "trace_ratio": Described("Trace ratio tr Ĉ / tr C", better="1"),
+  "trace_ratio": Described("Trace ratio", "tr Ĉ / tr C", better="1"),
   "diagonal_relative_error": Described(
-    "Relative error of the diagonal ‖diag Ĉ − diag C‖ / ‖diag C‖",
+    "Relative error of the diagonal",
+    "‖diag Ĉ − diag C‖ / ‖diag C‖",
     better="lower",
   ),
   "log_wasserstein": Described(
-    "Wasserstein distance of the log₁₀ spectra",
+    "Log-spectral Wasserstein distance",
     unit="decades",
     better="lower",
   ),
@@ -304,28 +312,28 @@ QUALITY = {
 STATISTICS = {
   "trace": Described("Trace (Hutchinson estimate where matrix-free)"),
   "trace_xtrace": Described("Trace (XTrace estimate)"),
-  "max_eigenvalue": Described("Largest eigenvalue λ₁"),
-  "min_eigenvalue": Described("Smallest eigenvalue λₙ"),
+  "max_eigenvalue": Described("Largest eigenvalue", "λ₁"),
+  "min_eigenvalue": Described("Smallest eigenvalue", "λₙ"),
   "condition_number": Described(
-    "Condition number, largest over smallest |λ| above the floor"
+    "Condition number", ", largest over smallest |λ| above the floor"
   ),
   "condition_number_at_least": Described(
-    "Condition number, a lower bound (the spectrum reaches the floor)"
+    "Condition number", ", a lower bound (the spectrum reaches the floor)"
   ),
   "damped_condition_number": Described(
-    "Damped condition number (λ₁ + δ) / (λₙ + δ)"
+    "Damped condition number", "(λ₁ + δ) / (λₙ + δ)"
   ),
   "num_outliers": Described("Outliers above the bulk", unit="eigenvalues"),
   "negative_mass": Described(
     "Share of negative eigenvalues", unit="fraction of the spectrum"
   ),
-  "negative_ratio": Described("Negative ratio |λₙ| / λ₁"),
+  "negative_ratio": Described("Negative ratio", "|λₙ| / λ₁"),
   "gradient_in_top_k": Described(
     "Share of the gradient in the top-k eigenspace",
     unit="fraction of ‖g‖²",
   ),
   "gradient_curvature_alignment": Described(
-    "Gradient-curvature alignment gᵀCg / (‖g‖ ‖Cg‖)"
+    "Gradient-curvature alignment", "gᵀCg / (‖g‖ ‖Cg‖)"
   ),
   "class_mean_overlap": Described(
     "Overlap of the top-C eigenspace with the class means' span"

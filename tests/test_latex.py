@@ -8,7 +8,7 @@ import subprocess
 import pandas as pd
 import pytest
 
-from curvbench import latex
+from curvbench import latex, metrics
 from curvbench.sections import Table, wide
 
 NAMES = [
@@ -73,12 +73,13 @@ def _table():
 def test_a_table_is_booktabs_with_its_intervals_and_n_escaped():
   text = latex.table(_table())
   rows = parsed(text)
+  # Headers in words, with the way that is better and the damping said.
   assert rows[0] == [
-    "problem",
-    "label",
-    r"relative\_frobenius",
-    "cosine (rho=0.01)",
-    "n",
+    "Problem",
+    "Label",
+    r"Relative Frobenius error $\downarrow$",
+    r"Cosine ($\rho$ = 0.01)",
+    "$n$",
   ]
   assert [r[1] for r in rows[1:]] == [
     r"kfac/ggn\_exact",
@@ -112,10 +113,25 @@ def test_a_table_without_a_view_joins_each_statistic_with_its_spread():
   )
   rows = parsed(latex.table(Table("plain", "Plain", data)))
   assert rows == [
-    ["method", "median [q25, q75]", "mean [interval]", "n"],
+    ["Method", "Median [q25, q75]", "Mean [interval]", "$n$"],
     [r"a\_b", "1 [0.5, 1.5]", "1 [0, 2]", "6"],
     ["c", "2", "", "1"],
   ]
+
+
+def test_headers_say_the_quantity_in_words_and_which_way_is_better():
+  assert latex.header("final_train_error") == (
+    r"Final training error $\downarrow$"
+  )
+  assert latex.header("cosine_similarity") == r"Cosine similarity $\uparrow$"
+  assert latex.header("trace_ratio") == "Trace ratio (1 best)"
+  assert latex.header("natural_gradient_cosine (rho=0.001)") == (
+    r"Natural-gradient cosine ($\rho$ = 0.001) $\uparrow$"
+  )
+  assert latex.header("compile_seconds") == "Compile seconds"
+  # Every declared quantity's header is plain text pdflatex reads as is.
+  for name in [*metrics.QUALITY, *metrics.STATISTICS, *metrics.TRAINING]:
+    assert latex.header(name).isascii(), name
 
 
 def test_the_parser_catches_what_it_checks():

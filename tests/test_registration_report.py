@@ -209,8 +209,13 @@ def test_report_of_an_nnx_model_explains_its_registration(
   results = curvbench.measure(
     nnx_problem,
     approximations=APPROXIMATIONS,
+    measurements=["spectra"],  # what registration explains
     out=tmp_path,
-    settings=[*SHORT, "measure.batch_size=8"],
+    settings=[
+      *SHORT,
+      "measure.batch_size=8",
+      "measure.training.eval_size=null",
+    ],
   )
   results.report()
   text = (tmp_path / "report" / "report.md").read_text()

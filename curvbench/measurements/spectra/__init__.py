@@ -30,6 +30,7 @@ from curvbench import (
   checkpoints,
   curvatures,
   devices,
+  metrics,
   plots,
   registration_report,
   training,
@@ -58,6 +59,14 @@ def _measured_steps(value) -> None:
       "measure.spectra.steps is empty: give at least one "
       "training step to measure at (0: initialisation)."
     )
+
+
+def _median_and_quartiles(values) -> str:
+  """`0.872 [0.86, 0.88], n=3`: the median of `values` with its quartiles
+  and count."""
+  v = np.asarray(values, np.float64)
+  q25, median, q75 = np.nanquantile(v, [0.25, 0.5, 0.75])
+  return f"{median:.3g} [{q25:.3g}, {q75:.3g}], n={int(np.isfinite(v).sum())}"
 
 
 @MEASUREMENTS.register
@@ -426,15 +435,15 @@ class Spectra(Measurement):
       (quality.level == "network") & (quality.step == quality.step.max())
     ]
     parts = [
-      f"{metric.replace('_', ' ')} against {reference} "
-      f"{rows.value.median():.3g}"
+      f"{metrics.described(metric).words} against {reference} "
+      f"{_median_and_quartiles(rows.value)}"
       for (reference, metric), rows in whole.groupby(
         ["reference", "metric"], sort=False
       )
       if metric in ("relative_frobenius", "cosine_similarity")
     ]
     step = int(whole.step.max()) if not whole.empty else 0
-    where = f"whole network, step {step}, median over samples"
+    where = f"whole network, step {step}, median [quartiles] over n samples"
     return (
       f"{'; '.join(parts)} ({where})" if parts else super().headline(tables)
     )
