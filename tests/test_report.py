@@ -92,7 +92,7 @@ def test_report_merges_tables_and_figures(sweep, tmp_path, capsys):
     assert rf"\label{{tab:{name}}}" in tex
   training = parsed((out / "latex" / "training.tex").read_text())
   labels = pd.read_csv(out / "training.csv").label.unique()
-  assert training[0][-1] == "n" and len(training) == 1 + len(labels)
+  assert training[0][-1] == "$n$" and len(training) == 1 + len(labels)
   assert {r[1] for r in training[1:]} == {latex.escape(x) for x in labels}
   step = parsed((out / "latex" / "step_ratio.tex").read_text())
   assert step[1][2] == r"kfac[kfac/ggn\_curvature\_prop]"
