@@ -184,3 +184,22 @@ def test_local_parallel_launchers_do_not_preallocate_the_gpu():
   assert cfg.hydra.launcher._target_.endswith("submitit_launcher.LocalLauncher")
   assert cfg.hydra.sweeper.max_batch_size == 2
   assert cfg.hydra.launcher.submitit_folder.startswith(cfg.hydra.sweep.dir)
+
+
+def test_points_are_launched_one_at_a_time_only_where_they_run_in_turn():
+  """Batches of one job (so each point's end is told as it comes) only for
+  launchers that run a batch's jobs one after another anyway; SLURM's and
+  a multi-worker joblib's jobs keep running at once."""
+
+  def launcher(target, **kw):
+    return OmegaConf.create({"_target_": target, **kw})
+
+  basic = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+  joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+  slurm = (
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+  )
+  assert tuning_sweeper.runs_in_turn(launcher(basic))
+  assert tuning_sweeper.runs_in_turn(launcher(joblib, n_jobs=1))
+  assert not tuning_sweeper.runs_in_turn(launcher(joblib, n_jobs=2))
+  assert not tuning_sweeper.runs_in_turn(launcher(slurm))

@@ -325,6 +325,14 @@ def device_sharing(
   return (f"the launcher {target or 'in use'} may run jobs at once", batch_fix)
 
 
+def runs_in_turn(launcher: DictConfig) -> bool:
+  """Whether `launcher` runs a batch's jobs one after another on this
+  machine (the basic launcher, joblib with one worker), so batches of one
+  job cost nothing; SLURM's jobs run at once, each on its allocation."""
+  target = str(launcher.get("_target_", ""))
+  return device_sharing(launcher, None) is None and "Slurm" not in target
+
+
 def batches(jobs: list, max_batch_size: Optional[int]) -> list[list]:
   """`jobs` in launches of at most `max_batch_size` (None or -1: one)."""
   size = len(jobs) if max_batch_size in (None, -1) else max_batch_size
@@ -488,9 +496,7 @@ class TuningSweeper(Sweeper):
     an estimate of the time left; then how the sweep ended, exiting with
     status 1 (`runs.PointsFailed`) when any point failed."""
     size = self.max_batch_size
-    if (
-      size is None and device_sharing(self.config.hydra.launcher, None) is None
-    ):
+    if size is None and runs_in_turn(self.config.hydra.launcher):
       size = 1
     returns: list = []
     endings: list[runs.Ending] = []
