@@ -20,7 +20,7 @@ import contextvars
 import dataclasses
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 
@@ -31,9 +31,6 @@ import pandas as pd  # noqa: E402
 from matplotlib import colors, layout_engine  # noqa: E402
 
 from curvbench import palette  # noqa: E402
-
-if TYPE_CHECKING:
-  from matplotlib.typing import RcKeyType
 
 DEFAULTS = dict(step=0, data="batch", block="all")
 LEGEND_FONTSIZE = 7
@@ -429,15 +426,9 @@ STYLES: dict[str, Style] = {
   "one-column": Style(3.25, 1, {**_fonts(8, 7), "figure.dpi": 120}),
   "two-column": Style(6.75, 3, {**_fonts(8, 7), "figure.dpi": 120}),
 }
-# Kept for callers that set the screen's look themselves.
-STYLE: dict[RcKeyType, Any] = STYLES["screen"].rc
 _current: contextvars.ContextVar[Style] = contextvars.ContextVar(
   "style", default=STYLES["screen"]
 )
-
-
-def current_style() -> Style:
-  return _current.get()
 
 
 @contextlib.contextmanager

@@ -382,9 +382,6 @@ class PointsFailed(SystemExit):
   """Ends a sweep (status 1) whose launched points all ran, some of which
   failed: its message names them and why."""
 
-  def __init__(self, message: str):
-    super().__init__(message)
-
 
 def duration(seconds: float) -> str:
   """`seconds` as a person reads them: 41 s, 2m10s, 1h05m."""

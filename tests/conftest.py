@@ -1,6 +1,8 @@
 """Test setup: two host CPU devices (for pmap tests) and float64 ground truth."""
 
 import os
+import subprocess
+import sys
 
 # Must happen before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
@@ -136,3 +138,14 @@ def truncate(path, keep=0.5):
   """Cuts a file to `keep` of its bytes, as a crash mid-write would."""
   data = path.read_bytes()
   path.write_bytes(data[: int(len(data) * keep)])
+
+
+def curvbench_cli(*args, cwd, timeout=900):
+  """`python -m curvbench ARGS` in `cwd`, its output captured."""
+  return subprocess.run(
+    [sys.executable, "-m", "curvbench", *args],
+    cwd=cwd,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )

@@ -3,8 +3,6 @@ and leave the process as they found it."""
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -16,7 +14,7 @@ import estimators
 
 from curvbench import app, checkpoints, config, records, runs
 from curvbench.measurements.timing import clock
-from tests.conftest import SKIPPED, SWEEP, TINY
+from tests.conftest import curvbench_cli, SKIPPED, SWEEP, TINY
 
 
 def test_runs_write_records_and_metadata(sweep):
@@ -296,16 +294,6 @@ def test_a_run_restores_precision_and_log_levels(tmp_path):
     jax_logger.setLevel(before[1])
 
 
-def _cli(*args, cwd):
-  return subprocess.run(
-    [sys.executable, "-m", "curvbench", *args],
-    cwd=cwd,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-
-
 @pytest.mark.slow
 def test_sweeps_end_to_end_with_resume(tmp_path):
   """Sweeps through the CLI: dense and matrix-free curvatures, and every
@@ -326,15 +314,17 @@ def test_sweeps_end_to_end_with_resume(tmp_path):
     "curvature.mode=" + ",".join(estimators.ESTIMATION_MODES),
   ]
   for args in (curvatures, modes):
-    result = _cli(*common, *args, cwd=repo)
+    result = curvbench_cli(*common, *args, cwd=repo)
     assert result.returncode == 0, result.stderr[-3000:]
   finished = records.find_runs(sweep_dir)
   count = 2 + len(estimators.ESTIMATION_MODES)
   assert [r.marker()["status"] for r in finished] == ["complete"] * count
-  again = _cli(*common, *curvatures, cwd=repo)  # nothing left to launch
+  again = curvbench_cli(
+    *common, *curvatures, cwd=repo
+  )  # nothing left to launch
   assert again.returncode == 0
   assert "2 of 2 sweep points finished earlier" in again.stdout
-  rep = _cli("report", str(sweep_dir), cwd=repo)
+  rep = curvbench_cli("report", str(sweep_dir), cwd=repo)
   assert rep.returncode == 0, rep.stderr[-3000:]
   quality = (sweep_dir / "report" / "quality.csv").read_text()
   assert "diagonal/ggn_exact" in quality
@@ -349,7 +339,7 @@ def test_a_failing_run_says_why_in_one_line(tmp_path, capsys):
   bad = tmp_path / "bad.safetensors"
   bad.write_bytes(b"not a checkpoint")
   out = tmp_path / "run"
-  failed = _cli(
+  failed = curvbench_cli(
     f"hydra.run.dir={out}",
     *TINY,
     f"measure.spectra.checkpoint={bad}",

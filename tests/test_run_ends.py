@@ -4,15 +4,13 @@ sweep tells the time left after each point, finishes its points before it
 names the failed ones, and names its folders by the values that vary."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from curvbench import config, measurements, records, runs
 from hydra_plugins.curvbench_sweeper import tuning_sweeper
-from tests.conftest import TINY
+from tests.conftest import curvbench_cli, TINY
 
 REPO = Path(__file__).resolve().parents[1]
 # SGD steps so long that the loss overflows float32 within a few steps.
@@ -100,16 +98,6 @@ def test_every_measurement_has_a_headline_of_its_tables(sweep):
     assert any(ch.isdigit() for ch in line), line
 
 
-def _cli(*args, cwd):
-  return subprocess.run(
-    [sys.executable, "-m", "curvbench", *args],
-    cwd=cwd,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-
-
 @pytest.mark.slow
 def test_the_command_exits_non_zero_for_a_diverged_run_or_sweep_point(
   tmp_path,
@@ -119,14 +107,16 @@ def test_the_command_exits_non_zero_for_a_diverged_run_or_sweep_point(
   failed one and exits 1; its folders are named by the value that varies."""
   cache = f"compilation_cache={tmp_path / 'cache'}"
   single = tmp_path / "single"
-  failed = _cli(f"hydra.run.dir={single}", *TINY, *DIVERGING, cache, cwd=REPO)
+  failed = curvbench_cli(
+    f"hydra.run.dir={single}", *TINY, *DIVERGING, cache, cwd=REPO
+  )
   assert failed.returncode == 1, failed.stderr[-3000:]
   last = failed.stderr.strip().splitlines()[-1]
   assert last.startswith("curvbench: diverged at step "), last
   assert str(single) in last and "non-finite loss" in last
   assert records.RunDir(single).marker()["status"] == "diverged"
   root = tmp_path / "sweep"
-  swept = _cli(
+  swept = curvbench_cli(
     "-m",
     f"hydra.sweep.dir={root}",
     *TINY,
