@@ -123,15 +123,28 @@ class Timing(Measurement):
     if rows is None or rows.empty:
       return super().headline(tables)
     phases = ", ".join(
-      f"{row.phase} {1e3 * row.median_s:.3g} ms"
+      f"{row.phase} {1e3 * row.median_s:.3g} ms "
+      f"[{1e3 * row.q25_s:.3g}, {1e3 * row.q75_s:.3g}]"
       + (
-        f" ({row.ratio_to_baseline:.3g}x {row.baseline})"
+        f" ({row.ratio_to_baseline:.3g}x {row.baseline} "
+        f"[{row.ratio_q25:.3g}, {row.ratio_q75:.3g}])"
         if np.isfinite(row.ratio_to_baseline)
         else ""
       )
       for row in rows.itertuples()
     )
-    return f"median seconds per phase: {phases}"
+    first = rows.iloc[0]
+    load = (
+      "contended: other processes held the cores"
+      if first.get("contended") in (True, 1)  # NaN: not known, not contended
+      else f"others used {first.get('others_cpu_share', float('nan')):.0%} "
+      "of the CPUs"
+    )
+    return (
+      f"per phase: {phases} (median [quartiles] of "
+      f"{int(rows.repeats.min())} repeats, steady state, on "
+      f"{first.get('device_kind', 'this device')}; {load})"
+    )
 
   # --- the report --------------------------------------------------------
 
