@@ -33,6 +33,7 @@ from curvbench import (
   metrics,
   plots,
   registration_report,
+  stats,
   training,
 )
 from curvbench.costs import Costs
@@ -47,7 +48,7 @@ from curvbench.measurements.spectra import (
 from curvbench.measurements.training import save_checkpoint
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.references import ReferenceStore, content_hash
-from curvbench.sections import Section
+from curvbench.sections import Section, spread
 
 POSITIVE = Number(0, low_in=False)
 COUNT = Whole(1)
@@ -59,14 +60,6 @@ def _measured_steps(value) -> None:
       "measure.spectra.steps is empty: give at least one "
       "training step to measure at (0: initialisation)."
     )
-
-
-def _median_and_quartiles(values) -> str:
-  """`0.872 [0.86, 0.88], n=3`: the median of `values` with its quartiles
-  and count."""
-  v = np.asarray(values, np.float64)
-  q25, median, q75 = np.nanquantile(v, [0.25, 0.5, 0.75])
-  return f"{median:.3g} [{q25:.3g}, {q75:.3g}], n={int(np.isfinite(v).sum())}"
 
 
 @MEASUREMENTS.register
@@ -436,7 +429,7 @@ class Spectra(Measurement):
     ]
     parts = [
       f"{metrics.described(metric).words} against {reference} "
-      f"{_median_and_quartiles(rows.value)}"
+      f"{spread(*stats.quartiles(rows.value))}, n={rows.value.notna().sum()}"
       for (reference, metric), rows in whole.groupby(
         ["reference", "metric"], sort=False
       )
