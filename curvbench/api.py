@@ -41,8 +41,9 @@ import pandas as pd
 import problems
 from curvbench.components import Whole, setting
 import curvbench.plugins
-from curvbench import config, records, report, runs, sweep
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import config, report, runs, sweep
+from curvbench.core import records
+from curvbench import planning
 from problems import checks, model_outputs
 from problems import data as datasets
 
@@ -405,11 +406,11 @@ def measure(
     swept.append(f"problem.batch_size={batch_size}")
   if plugins:
     swept.append(f"plugins=[{','.join(plugins)}]")
-  jobs = tuning_sweeper.product(swept + list(settings))
+  jobs = planning.product(swept + list(settings))
   base = config.compose(*jobs[0], check=False, with_hydra=True)
   runs.use_compilation_cache(base.compilation_cache)
   excluded = set(base.hydra.job.config.override_dirname.exclude_keys)
-  jobs = tuning_sweeper.expand(
+  jobs = planning.expand(
     jobs, config.plain(base.tuning.grid), base.optimizer.name, base.measure.kind
   )
   claim = functools.partial(
@@ -419,7 +420,7 @@ def measure(
     "a sweep directory (give another with out=)",
   )
   claim(check_only=True)
-  names = tuning_sweeper.folder_names(jobs, excluded, out)
+  names = planning.folder_names(jobs, excluded, out)
   points = [
     (config.compose(*job), out / name) for job, name in zip(jobs, names)
   ]  # every point checked before any runs
@@ -430,7 +431,7 @@ def measure(
   for cfg, run_dir in points:
     runs.refuse(cfg, run_dir)
   claim()
-  tuning_sweeper.record_folders(out, jobs, names, excluded)
+  planning.record_folders(out, jobs, names, excluded)
   endings = []
   for cfg, run_dir in points:
     if runs.record_skip(cfg, run_dir) is None:

@@ -18,12 +18,13 @@ from typing import cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
 
-from curvbench import config, plugins, records, report, runs
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import config, plugins, report, runs
+from curvbench.core import records
 
 # Hydra's options that take a value, and those after which the command does
 # something other than run (help, completion, another config tree).
@@ -75,8 +76,17 @@ def check_command_line(argv: list[str]) -> None:
     raise SystemExit(f"curvbench: {e}") from None
 
 
+def _register_sweeper() -> None:
+  """Puts curvbench's sweeper in Hydra's plugin table. Hydra finds plugins
+  by listing the `hydra_plugins` package, which setuptools' editable
+  install hides from it; the class is named by its config node's target,
+  so the app depends on the node, not on the adapter's code."""
+  target = config.SweeperSettings._target_
+  Plugins.instance().register(hydra.utils.get_class(target))
+
+
 def _hydra_main():
-  tuning_sweeper.register()
+  _register_sweeper()
   config.register_resolvers()
   config.store()
 

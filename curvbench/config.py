@@ -33,7 +33,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 import estimators
-import hydra_plugins.curvbench_sweeper  # noqa: F401  (hydra/sweeper/tuning)
 from curvbench.components import (
   Check,
   Choice,
@@ -49,7 +48,8 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import devices, measurements, plugins, tuning
+from curvbench import gallery, measurements, plugins
+from curvbench.core import devices, tuning
 from curvbench.conf_dir import CONF_DIR
 from curvbench.approximations import CURVATURES
 from curvbench.optimizers import OPTIMIZERS
@@ -239,8 +239,6 @@ def folder_name(value) -> None:
 
 
 def _gallery_entry(name) -> None:
-  from curvbench import gallery  # its entries import the measurements
-
   if name not in gallery.entries():
     raise ValueError(
       f"repro={name!r} is no gallery entry; the entries are "
@@ -249,8 +247,6 @@ def _gallery_entry(name) -> None:
 
 
 def _gallery_size(size) -> None:
-  from curvbench import gallery
-
   if size not in gallery.SIZES:
     raise ValueError(
       f"repro_size={size!r} is no gallery size; the sizes are "
@@ -367,6 +363,25 @@ class RunSettings(Settings):
 # --- the ConfigStore ----------------------------------------------------------
 
 
+@dataclasses.dataclass
+class SweeperSettings:
+  """The `hydra/sweeper: tuning` node: curvbench's sweeper, Hydra's adapter
+  over `curvbench.planning` (hydra_plugins/curvbench_sweeper)."""
+
+  _target_: str = "hydra_plugins.curvbench_sweeper.tuning_sweeper.TuningSweeper"
+  max_batch_size: Any = None
+  params: Any = None
+  sweeps: Any = None  # a list of `params`-like mappings: their union
+
+
+ConfigStore.instance().store(
+  group="hydra/sweeper",
+  name="tuning",
+  node=SweeperSettings,
+  provider="curvbench",
+)
+
+
 def _problem_node(name: str) -> DictConfig:
   """The problem's settings with a defaults list that picks its dataset
   (group problem/data) unless another is chosen."""
@@ -414,8 +429,6 @@ def options(group: str) -> list[str]:
     names += nested.registry.names()
   names += [p.stem for p in (CONF_DIR / group).glob("*.yaml")]
   if group == "experiment":
-    from curvbench import gallery
-
     names += gallery.experiments()
   return sorted(set(names))
 
@@ -461,8 +474,6 @@ def store() -> None:
         *({group: choice.default} for group, choice in nested.items()),
       ]
     cs.store(group="measure", name=name, node=node, provider="curvbench")
-  from curvbench import gallery
-
   for name, node in gallery.experiments().items():
     cs.store(
       group="experiment",

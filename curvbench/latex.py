@@ -18,8 +18,8 @@ import re
 
 import pandas as pd
 
-from curvbench import metrics
-from curvbench.sections import Table, number, spread
+from curvbench.core import metrics
+from curvbench.core.sections import Table, number, spread
 
 # LaTeX's special characters, each as text that prints it.
 SPECIALS = {

@@ -19,21 +19,16 @@ table, joined on `run_id`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import importlib.metadata
 import json
-import platform
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 import problems
-from curvbench import devices, plugins
+from curvbench import plugins
+from curvbench.core.environment import code_version, device, versions
 
 NOT_IDENTITY = (
   "name",
@@ -44,17 +39,6 @@ NOT_IDENTITY = (
   "tuning",
   "lock_wait_s",
   "compilation_cache",
-)
-SEED_KEYS = ("seed", "init_seed", "data_seed")
-LIBRARIES = (
-  "jax",
-  "jaxlib",
-  "dm-haiku",
-  "optax",
-  "numpy",
-  "pandas",
-  "hydra-core",
-  "matfree",
 )
 
 
@@ -151,66 +135,6 @@ def differences(old: dict, new: dict, limit: int = 5) -> str:
   if len(keys) > limit:
     parts.append(f"and {len(keys) - limit} more")
   return "; ".join(parts)
-
-
-@functools.cache
-def code_version() -> dict:
-  """The curvbench commit and whether the checkout had local changes.
-
-  `code` names the code exactly: the commit, plus a hash of the uncommitted
-  diff when the tree is dirty; outside a git checkout, the package version.
-  """
-  root = Path(__file__).resolve().parent.parent
-
-  def git(*args):
-    return subprocess.run(
-      ["git", *args],
-      cwd=root,
-      capture_output=True,
-      text=True,
-      check=True,
-      timeout=30,
-    ).stdout
-
-  try:
-    commit = git("rev-parse", "HEAD").strip()
-    diff = git("diff", "HEAD", "--no-ext-diff", "--", ".")
-  except (OSError, subprocess.SubprocessError):
-    version = importlib.metadata.version("curvbench")
-    return dict(commit=None, dirty=None, code=f"curvbench {version}")
-  dirty = bool(diff)
-  code = commit
-  if dirty:
-    code += "+" + hashlib.sha256(diff.encode()).hexdigest()[:8]
-  return dict(commit=commit, dirty=dirty, code=code)
-
-
-def versions() -> dict:
-  out: dict[str, str | None] = {}
-  for pkg in LIBRARIES:
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = None
-  return out
-
-
-def device(platform_name: str = "auto", count: int = 1) -> dict:
-  """The record columns of the device the `device` setting selects, used
-  `count` times (the `devices` setting)."""
-  return devices.describe(devices.select(platform_name), count)
-
-
-def environment(platform_name: str = "auto", count: int = 1) -> dict:
-  """The machine and software of a run, for its `environment.json`."""
-  return dict(
-    device(platform_name, count),
-    python=platform.python_version(),
-    host=platform.node(),
-    versions=versions(),
-    code=code_version(),
-    argv=list(sys.argv),
-  )
 
 
 def columns(cfg, precision: str) -> dict:

@@ -26,8 +26,9 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 import problems
-from curvbench import config, devices, provenance, records
-from curvbench.curvatures import parameter_module
+from curvbench import config, provenance
+from curvbench.core import devices, environment, records
+from curvbench.core.curvatures import parameter_module
 from curvbench.measurements import Context
 from estimators import graph_matcher
 
@@ -217,7 +218,7 @@ def measure(cfg, run_dir) -> dict:
     ident = _identity(run, curvature)
     run_dir.write_json("metadata.json", dict(problem.metadata(), **ident))
     run_dir.write_json(
-      "environment.json", provenance.environment(run.device, run.devices)
+      "environment.json", environment.environment(run.device, run.devices)
     )
     run_dir.write_json(
       "registration.json",

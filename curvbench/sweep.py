@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from curvbench import plugins, provenance, records
+from curvbench import plugins, provenance
+from curvbench.core import records
 from curvbench.measurements import MEASUREMENTS
 
 # Any of these marks a run directory (`.hydra/config.yaml`: Hydra started
@@ -389,7 +390,7 @@ def settings(runs: pd.DataFrame) -> pd.DataFrame:
     c
     for c, key in config_keys.items()
     if key.split(".")[0] not in provenance.NOT_IDENTITY
-    and key not in provenance.SEED_KEYS
+    and key not in records.SEED_KEYS
   ]
   candidates += [c for c in ("device_kind", *INPUTS) if c in done]
   done["setting"], done["trained_setting"] = "", ""

@@ -36,7 +36,8 @@ import numpy as np
 from jax.scipy import linalg as jsl
 
 from estimators import blocks as curvature_blocks
-from estimators import curvature, distributed, tags, utils
+from estimators import curvature, tags, utils
+from estimators.utils import distributed
 from estimators.blocks.base import Numeric, ScalarOrSequence, canonical_powers
 from estimators.utils.types import FuncArgs, Params
 

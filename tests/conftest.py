@@ -118,7 +118,8 @@ def sweep(tmp_path_factory):
   sweep's processes do: each holds a run's lock while it works, and finds
   the runs the other finished (workers go through the points in opposite
   orders, so neither waits long)."""
-  from curvbench import config, records, runs
+  from curvbench import config, runs
+  from curvbench.core import records
 
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   base = tmp_path_factory.getbasetemp()

@@ -18,7 +18,8 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from curvbench import config, plugins, provenance, records, report, runs
+from curvbench import config, plugins, provenance, report, runs
+from curvbench.core import records
 from curvbench import sweep as sweeps
 from problems.datafiles import file_sha256
 from tests.conftest import TINY

@@ -12,7 +12,8 @@ import pytest
 
 import estimators
 
-from curvbench import app, checkpoints, config, records, runs
+from curvbench import app, config, runs
+from curvbench.core import checkpoints, records
 from curvbench.measurements.timing import clock
 from tests.conftest import curvbench_cli, SKIPPED, SWEEP, TINY
 
@@ -180,7 +181,7 @@ def test_a_sweeps_approximations_share_one_training_trajectory(
   """In a sweep folder, spectra runs that train the same way (a fixed
   trainer) train once: the second reads the first's trajectory, and
   measures what it measures when it trains itself."""
-  from curvbench import training
+  from curvbench.core import training
 
   calls = []
   real = training.run

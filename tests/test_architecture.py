@@ -1,6 +1,7 @@
-"""The codebase's seams: no import circle anywhere, no module reads another
-module's private names, and outside a component's own package nothing
-branches on a component's name."""
+"""The codebase's seams: the layers (docs/architecture.md) import only
+downwards, no import circle anywhere, no module reads another module's
+private names, and outside a component's own package nothing branches on a
+component's name."""
 
 import ast
 from pathlib import Path
@@ -87,6 +88,95 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     if v not in index:
       visit(v)
   return found
+
+
+# The layers, lowest first: a module imports its own layer and those below.
+# An import inside a function counts as the module's (`imported` walks the
+# whole body), so none can hide an import against the layers or a circle.
+LAYERS = (
+  ("library", ("estimators",)),
+  ("declarations", ("curvbench.components",)),
+  ("problems", ("problems",)),
+  ("core", ("curvbench.core",)),
+  (
+    "components",
+    (
+      "curvbench.approximations",
+      "curvbench.optimizers",
+      "curvbench.measurements",
+      "curvbench.gallery",
+    ),
+  ),
+  ("app", ("curvbench",)),
+  ("hydra adapter", ("hydra_plugins",)),
+)
+
+
+def layer(module: str) -> int:
+  """The index in `LAYERS` of the layer `module` belongs to: the one whose
+  package prefix is longest."""
+  matches = [
+    (len(prefix), i)
+    for i, (_, prefixes) in enumerate(LAYERS)
+    for prefix in prefixes
+    if module == prefix or module.startswith(f"{prefix}.")
+  ]
+  if not matches:
+    raise ValueError(f"{module} is in no layer: add its package to LAYERS")
+  return max(matches)[1]
+
+
+def against_layers(graph: dict[str, set[str]]) -> list[str]:
+  """Each import in `graph` that points to a higher layer, in words."""
+  return [
+    f"{name} ({LAYERS[layer(name)][0]}) imports {target} "
+    f"({LAYERS[layer(target)][0]})"
+    for name, targets in sorted(graph.items())
+    for target in sorted(targets)
+    if layer(target) > layer(name)
+  ]
+
+
+def project_graph() -> dict[str, set[str]]:
+  parsed = modules()
+  return {name: imported(name, tree, parsed) for name, tree in parsed.items()}
+
+
+def test_imports_follow_the_layers():
+  graph = project_graph()
+  assert against_layers(graph) == []
+  assert "curvbench.planning" in graph["curvbench.api"]
+
+
+def test_each_layer_rule_fails_on_a_planted_violation():
+  planted = {
+    "curvbench.core.stats": {"curvbench.measurements.training"},
+    "curvbench.core.plots": {"curvbench.report"},
+    "curvbench.approximations.kfac": {"curvbench.config"},
+    "curvbench.api": {"hydra_plugins.curvbench_sweeper.tuning_sweeper"},
+    "estimators.utils.linalg": {"curvbench.core.stats"},
+  }
+  assert len(against_layers(planted)) == len(planted)
+  assert (
+    against_layers(
+      {"curvbench.measurements.spectra": {"curvbench.core.stats", "problems"}}
+    )
+    == []
+  )
+
+
+def test_an_import_inside_a_function_counts():
+  """`a` imports `b` at the top and `b` imports `a` inside a function: the
+  circle, and an import against the layers, are found all the same."""
+  known = {"curvbench.core.stats", "curvbench.report"}
+  tree = ast.parse("def f():\n  from curvbench import report\n")
+  graph = {
+    "curvbench.core.stats": imported("curvbench.core.stats", tree, known)
+  }
+  assert graph == {"curvbench.core.stats": {"curvbench.report"}}
+  assert against_layers(graph) != []
+  graph["curvbench.report"] = {"curvbench.core.stats"}
+  assert cycles(graph) == [["curvbench.core.stats", "curvbench.report"]]
 
 
 def test_no_import_circle():

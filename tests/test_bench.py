@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import records
+from curvbench.core import records
 from curvbench.bench import against, cli, record
 
 ROOT = record.ROOT

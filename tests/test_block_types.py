@@ -15,7 +15,8 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import approximations, config, curvatures, metrics, plots, report
+from curvbench import approximations, config, report
+from curvbench.core import curvatures, metrics, plots
 from curvbench.measurements.spectra import Spectra
 from curvbench.measurements.spectra import compute as spectra
 from problems.base import loss

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from curvbench import checkpoints
+from curvbench.core import checkpoints
 from curvbench.measurements.spectra import checkpoint_params
 
 

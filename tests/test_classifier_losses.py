@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import problems
-from curvbench import curvatures
+from curvbench.core import curvatures
 from curvbench.components import SettingsError
 from problems.base import one_hot_squared_error
 

@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, records, report, runs, sweep
+from curvbench import config, report, runs, sweep
+from curvbench.core import records
 from curvbench.measurements import training
 from tests.conftest import TINY
 

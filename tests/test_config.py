@@ -20,7 +20,7 @@ import problems
 from curvbench import app, approximations, config, measurements, runs
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import planning
 
 GROUPS = ("problem", "problem/data", "curvature", "optimizer", "measure")
 
@@ -90,7 +90,7 @@ def test_every_option_composes_and_equals_the_command_line(capsys):
     for part in sweeper.get("sweeps") or [{}]:
       config.compose(
         f"+experiment={name}",
-        *tuning_sweeper.union(
+        *planning.union(
           config.plain(sweeper.params or {}), [config.plain(part)], []
         )[0],
       )

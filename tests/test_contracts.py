@@ -19,7 +19,8 @@ import pytest
 
 import estimators
 import problems
-from curvbench import config, provenance, records, report, runs
+from curvbench import config, provenance, report, runs
+from curvbench.core import records
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvbench.costs import Costs, device_peak_bytes, flops
+from curvbench.core.costs import Costs, device_peak_bytes, flops
 
 
 def test_costs_compile_once_per_phase_and_record_each_call():

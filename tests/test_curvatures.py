@@ -9,7 +9,8 @@ import pytest
 
 import estimators
 import problems
-from curvbench import approximations, config, curvatures, data, optimizers
+from curvbench import approximations, config, optimizers
+from curvbench.core import curvatures, data
 from tests.conftest import TINY_PROBLEM
 
 # Every registered approximation, found by the registry.

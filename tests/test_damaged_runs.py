@@ -10,7 +10,8 @@ import socket
 import pandas as pd
 import pytest
 
-from curvbench import config, records, report, runs, sweep
+from curvbench import config, report, runs, sweep
+from curvbench.core import records
 from tests.conftest import TINY, truncate
 
 ADAM = (

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from types import SimpleNamespace
 
-from curvbench import data
+from curvbench.core import data
 
 
 def test_mean_over_chunks_and_remainder_is_the_mean_over_examples():
@@ -232,7 +232,7 @@ def convnet():
 
 @pytest.mark.parametrize("work", ["gradient", "ggn", "hessian"])
 def test_dataset_products_over_chunks_equal_one_batch_of_all(convnet, work):
-  from curvbench import curvatures
+  from curvbench.core import curvatures
 
   problem, params, chunks, whole = convnet
   if work == "gradient":

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvbench import approximations, config, curvatures, data, devices
-from curvbench import matrix_free, optimizers, records, runs
+from curvbench import approximations, config
+from curvbench.core import curvatures, data, devices
+from curvbench import optimizers, runs
+from curvbench.core import matrix_free, records
 from curvbench.measurements.timing import clock
 from tests.conftest import TINY
 

@@ -8,7 +8,8 @@ import sys
 import jax
 import pytest
 
-from curvbench import config, devices, provenance
+from curvbench import config, provenance
+from curvbench.core import devices
 
 
 def test_cpu_and_auto_select_a_device_and_describe_it():

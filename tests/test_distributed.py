@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import estimators as kfac
-from estimators import distributed
+from estimators.utils import distributed
 from tests import groundtruth as gt
 
 pytestmark = pytest.mark.skipif(

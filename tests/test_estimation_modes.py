@@ -67,9 +67,9 @@ def test_outside_a_run_a_curvature_without_a_mode_is_the_librarys_default():
 
 def _points(*swept):
   """The runs of a sweep's points, as the sweeper loads them."""
-  from hydra_plugins.curvbench_sweeper import tuning_sweeper
+  from curvbench import planning
 
-  jobs = tuning_sweeper.product([*swept, *TINY])
+  jobs = planning.product([*swept, *TINY])
   return [config.load(config.compose(*job)) for job in jobs]
 
 

@@ -43,7 +43,8 @@ import numpy as np
 import pytest
 
 import estimators
-from curvbench import approximations, curvatures
+from curvbench import approximations
+from curvbench.core import curvatures
 
 T, D = 4, 3  # positions and input features
 WEIGHT = 0.7  # the loss Hessian is 2 * WEIGHT * I, not the identity

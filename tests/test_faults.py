@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import app, checkpoints, config, records, report, runs, sweep
+from curvbench import app, config, report, runs, sweep
+from curvbench.core import checkpoints, records
 from tests.conftest import TINY
 
 ADAM = (

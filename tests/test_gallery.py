@@ -39,7 +39,7 @@ from curvbench.gallery import martens2015_kfac as martens
 from curvbench.gallery import morwani2025_shampoo2 as morwani
 from curvbench.gallery import page
 from curvbench.gallery import sagun2017_outliers as sagun
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import planning
 
 # Enough for an exact 95 % interval: six runs (one group), four per group.
 SIX, FOUR, THREE = range(6), range(4), range(3)
@@ -1038,7 +1038,7 @@ def test_the_three_sample_records_cover_every_claim():
 
 
 def jobs(entry, size):
-  return tuning_sweeper.union({}, entry.parts(size), [])
+  return planning.union({}, entry.parts(size), [])
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from curvbench import html_page  # noqa: E402
+from curvbench.core import html_page  # noqa: E402
 
 SCRIPT = "<script>alert(1)</script>"
 

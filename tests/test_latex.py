@@ -8,8 +8,9 @@ import subprocess
 import pandas as pd
 import pytest
 
-from curvbench import latex, metrics
-from curvbench.sections import Table, wide
+from curvbench import latex
+from curvbench.core import metrics
+from curvbench.core.sections import Table, wide
 
 NAMES = [
   "kfac/ggn_exact",

@@ -11,9 +11,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from curvbench import config, provenance, records, runs
+from curvbench import config, provenance, runs
+from curvbench.core import records
 from curvbench import sweep as sweep_runs
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import planning
 from tests.conftest import TINY
 
 CURVBENCH = Path(sys.executable).parent / "curvbench"
@@ -170,10 +171,10 @@ def launcher(name, **settings):
 def test_timing_alone_per_launcher(name, settings, batch, timing, fix):
   launcher_cfg, _ = launcher(name, **settings)
   if fix is None:
-    tuning_sweeper.check_alone(timing, launcher_cfg, batch)
+    planning.check_alone(timing, launcher_cfg, batch)
   else:
     with pytest.raises(ValueError, match=f"need the device.*{re.escape(fix)}"):
-      tuning_sweeper.check_alone(timing, launcher_cfg, batch)
+      planning.check_alone(timing, launcher_cfg, batch)
 
 
 def test_local_parallel_launchers_do_not_preallocate_the_gpu():
@@ -199,7 +200,7 @@ def test_points_are_launched_one_at_a_time_only_where_they_run_in_turn():
   slurm = (
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
   )
-  assert tuning_sweeper.runs_in_turn(launcher(basic))
-  assert tuning_sweeper.runs_in_turn(launcher(joblib, n_jobs=1))
-  assert not tuning_sweeper.runs_in_turn(launcher(joblib, n_jobs=2))
-  assert not tuning_sweeper.runs_in_turn(launcher(slurm))
+  assert planning.runs_in_turn(launcher(basic))
+  assert planning.runs_in_turn(launcher(joblib, n_jobs=1))
+  assert not planning.runs_in_turn(launcher(joblib, n_jobs=2))
+  assert not planning.runs_in_turn(launcher(slurm))

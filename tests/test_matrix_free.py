@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matfree import decomp
 
-from curvbench import matrix_free as mf
+from curvbench.core import matrix_free as mf
 
 N, K, PROBES = 12, 4, 5  # shared so that the tests share compilations
 LIKE_SHAPES = {"w": (3, 2), "b": (6,)}  # a params-shaped pytree with N entries

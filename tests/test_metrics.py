@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from curvbench import metrics
+from curvbench.core import metrics
 
 
 def test_metrics_basics():

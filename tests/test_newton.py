@@ -11,7 +11,8 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import config, training
+from curvbench import config
+from curvbench.core import training
 from curvbench.approximations import CURVATURES
 from curvbench.measurements.training import Training
 from curvbench.optimizers.kfac import KFAC

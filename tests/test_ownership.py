@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import app, config, records, report, runs
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import app, config, report, runs
+from curvbench.core import records
+from curvbench import planning
 from tests.conftest import TINY
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
@@ -158,10 +159,8 @@ def test_names_and_sweep_folders_that_would_escape_or_collide(tmp_path):
   with pytest.raises(
     SystemExit, match="2 sweep point.* would write into the folder of another"
   ):
-    tuning_sweeper.refuse_shared_folders(jobs, [tmp_path / "shared"] * 3)
-  tuning_sweeper.refuse_shared_folders(
-    jobs, [tmp_path / str(i) for i in range(3)]
-  )
+    planning.refuse_shared_folders(jobs, [tmp_path / "shared"] * 3)
+  planning.refuse_shared_folders(jobs, [tmp_path / str(i) for i in range(3)])
 
 
 @pytest.mark.slow

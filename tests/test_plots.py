@@ -13,7 +13,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.container import BarContainer, ErrorbarContainer
 
-from curvbench import metrics, palette, plots
+from curvbench.core import metrics, palette, plots
 from curvbench.approximations import CURVATURES
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.report import colour_map

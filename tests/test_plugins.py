@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import config, plugins, provenance, records
+from curvbench import config, plugins, provenance
+from curvbench.core import records
 from problems import PROBLEMS
 from tests.conftest import TINY
 

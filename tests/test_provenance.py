@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 import problems
-from curvbench import config, provenance, records, report, runs, training
+from curvbench import config, provenance, report, runs
+from curvbench.core import records, training
 from tests.conftest import TINY, TINY_PROBLEM
 
 TRAIN = ("measure=training", "optimizer=adam", *TINY)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from curvbench import records
+from curvbench.core import records
 from tests.conftest import truncate
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import records
-from curvbench.costs import Costs
+from curvbench.core import records
+from curvbench.core.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
-from curvbench.references import ReferenceStore, content_hash
+from curvbench.core.references import ReferenceStore, content_hash
 from problems.datafiles import arrays_sha256
 from tests.test_spectra import make, spec
 
@@ -168,7 +168,7 @@ def test_the_store_keeps_the_newest_entries_within_its_size(
   store.get(dict(KEY, matrix="ggn"), big(1.0))
   [first] = (tmp_path / "refs").glob("*.npz")
   size = first.stat().st_size
-  monkeypatch.setattr("curvbench.references.KEEP_BYTES", int(2.5 * size))
+  monkeypatch.setattr("curvbench.core.references.KEEP_BYTES", int(2.5 * size))
   store = ReferenceStore(tmp_path / "refs")
   for i, matrix in enumerate(("fisher", "hessian")):
     store.get(dict(KEY, matrix=matrix), big(2.0 + i))

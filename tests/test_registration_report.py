@@ -14,7 +14,8 @@ from flax import nnx
 
 import curvbench
 import problems
-from curvbench import config, plots, registration_report, report, runs
+from curvbench import config, report, runs
+from curvbench.core import plots, registration_report
 from curvbench.measurements.spectra import summary
 from tests.conftest import SHORT
 

@@ -7,7 +7,8 @@ from urllib.parse import unquote
 import pandas as pd
 import pytest
 
-from curvbench import config, latex, metrics, plots, report, runs, sweep
+from curvbench import config, latex, report, runs, sweep
+from curvbench.core import metrics, plots
 from curvbench.measurements.timing import memory
 from tests.conftest import TINY
 from tests.test_latex import bare_specials, parsed
@@ -322,7 +323,7 @@ def test_self_check_counts_the_seeds_of_the_runs_a_row_speaks_of():
   """A sweep whose parts run different seeds (the gallery's timing runs one
   seed, its training six): a row of one sample is a defect only where its
   own runs ran several."""
-  from curvbench.sections import Section, Table
+  from curvbench.core.sections import Section, Table
 
   done = pd.DataFrame(
     dict(

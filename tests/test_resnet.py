@@ -15,9 +15,10 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import checkpoints, config, curvatures, training
-from curvbench.costs import Costs
-from curvbench.data import Data
+from curvbench import config
+from curvbench.core import checkpoints, curvatures, training
+from curvbench.core.costs import Costs
+from curvbench.core.data import Data
 from curvbench.measurements.spectra import compute as spectra
 from curvbench.measurements.timing import clock
 from curvbench.optimizers.sgd import SGD

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import config, records, runs
+from curvbench import config, runs
+from curvbench.core import records
 from tests.conftest import TINY
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import config, measurements, records, runs
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench import config, measurements, runs
+from curvbench.core import records
+from curvbench import planning
 from tests.conftest import curvbench_cli, TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,42 +30,42 @@ def test_sweep_folders_are_named_by_the_values_that_vary(tmp_path):
     for c in ("kfac", "ekfac")
   ]
   jobs[0].append("progress=false")  # excluded: never part of a name
-  names = tuning_sweeper.folder_names(jobs, EXCLUDED, tmp_path)
+  names = planning.folder_names(jobs, EXCLUDED, tmp_path)
   assert names == [
     "curvature=kfac,seed=0",
     "curvature=ekfac,seed=0",
     "curvature=kfac,seed=1",
     "curvature=ekfac,seed=1",
   ]
-  tuning_sweeper.record_folders(tmp_path, jobs, names, EXCLUDED)
+  planning.record_folders(tmp_path, jobs, names, EXCLUDED)
   for name in names:
     (tmp_path / name).mkdir()
   # The same command again lands in the same folders.
-  assert tuning_sweeper.folder_names(jobs, EXCLUDED, tmp_path) == names
+  assert planning.folder_names(jobs, EXCLUDED, tmp_path) == names
   # Another sweep into the directory whose short names are taken by the
   # first one's points keeps every override in its names instead.
   other = [[*job[:1], "problem.width=5", *job[2:]] for job in jobs]
-  renamed = tuning_sweeper.folder_names(other, EXCLUDED, tmp_path)
+  renamed = planning.folder_names(other, EXCLUDED, tmp_path)
   assert renamed[0] == "curvature=kfac,measure=training,problem.width=5,seed=0"
   assert not set(renamed) & set(names)
   # A folder named as before (every override) is resumed under that name.
   legacy = tmp_path / "legacy"
   (legacy / "measure=training,problem.width=3,seed=0").mkdir(parents=True)
-  assert tuning_sweeper.folder_names(
+  assert planning.folder_names(
     [job[:3] for job in jobs[::2]], EXCLUDED, legacy
   ) == ["measure=training,problem.width=3,seed=0", "seed=1"]
 
 
 def test_a_sweeps_progress_and_summary_say_time_left_and_failures():
   assert (
-    tuning_sweeper.progress(3, 12, 130.0)
+    planning.progress(3, 12, 130.0)
     == "elapsed 2m10s, about 6m30s left (from 3 points)"
   )
-  assert tuning_sweeper.progress(12, 12, 600.0) == "elapsed 10m00s"
+  assert planning.progress(12, 12, 600.0) == "elapsed 10m00s"
   ok = runs.Ending("sweep/seed=0", "complete", 41.0, "final loss 0.1")
   tuned = runs.Ending("sweep/lr=10", "diverged", 2.0, step=3, tuning=True)
   bad = runs.Ending("sweep/seed=1", "error", 1.0, reason="boom")
-  told = tuning_sweeper.summary("sweep", [ok, tuned, bad], 50.0)
+  told = planning.summary("sweep", [ok, tuned, bad], 50.0)
   head, *lines = told.splitlines()
   assert head == (
     "curvbench: sweep ended in 50 s: sweep: 3 points run: 1 done, "
@@ -145,5 +146,5 @@ def test_the_command_exits_non_zero_for_a_diverged_run_or_sweep_point(
   assert f"{root / 'optimizer.learning_rate=1e+38'}: diverged at step" in (
     swept.stderr
   )
-  recorded = json.loads((root / tuning_sweeper.FOLDERS).read_text())
+  recorded = json.loads((root / planning.FOLDERS).read_text())
   assert set(recorded) == set(folders[1:])

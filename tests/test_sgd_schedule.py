@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from curvbench import config, training
+from curvbench import config
+from curvbench.core import training
 from curvbench.components import SettingsError
 from curvbench.optimizers.sgd import SGD, sutskever_momentum
 

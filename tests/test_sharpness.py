@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 import problems
-from curvbench import config, training
+from curvbench import config
+from curvbench.core import training
 from curvbench.components import SettingsError
 from curvbench.measurements.training import Training
 from curvbench.optimizers.sgd import SGD

@@ -7,8 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, curvatures, metrics
-from curvbench.costs import Costs
+from curvbench import approximations, config
+from curvbench.core import curvatures, metrics
+from curvbench.core.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
 
 RHO = 1e-3  # the relative damping the single-value checks read

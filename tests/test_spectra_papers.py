@@ -14,8 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, metrics, records, runs
-from curvbench.data import Data
+from curvbench import approximations, config, runs
+from curvbench.core import metrics, records
+from curvbench.core.data import Data
 from curvbench.measurements.spectra import class_means
 from curvbench.measurements.spectra import compute as spectra
 from tests.conftest import TINY

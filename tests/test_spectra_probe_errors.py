@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, metrics
+from curvbench import approximations, config
+from curvbench.core import metrics
 from curvbench.measurements.spectra import compute as spectra
 from curvbench.measurements.spectra import summary
 

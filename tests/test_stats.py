@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import stats
+from curvbench.core import stats
 
 
 def test_the_mann_whitney_distribution_is_the_enumerated_one():

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, costs, report, runs, stats, training
+from curvbench import config, report, runs
+from curvbench.core import costs, stats, training
 from curvbench.measurements.timing import clock, load
 from curvbench.optimizers import OPTIMIZERS
 from tests.conftest import TINY

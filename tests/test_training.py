@@ -11,8 +11,9 @@ import optax
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, curvatures, optimizers
-from curvbench import training
+from curvbench import approximations, config, optimizers
+from curvbench.core import curvatures
+from curvbench.core import training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
 

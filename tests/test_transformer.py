@@ -14,7 +14,8 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import approximations, config, curvatures
+from curvbench import approximations, config
+from curvbench.core import curvatures
 from problems import DATASETS
 from problems.datasets import modular
 

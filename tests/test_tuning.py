@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 from hydra.errors import HydraException
 
-from curvbench import tuning
-from hydra_plugins.curvbench_sweeper import tuning_sweeper
+from curvbench.core import tuning
+from curvbench import planning
 
 
 def _training(runs):
@@ -91,7 +91,7 @@ def test_the_sweeper_expands_each_optimizers_grid_for_training_only():
     ["optimizer=kfac", "measure=training", "seed=0"],
     ["optimizer=adam", "measure=timing", "seed=0"],
   ]
-  out = tuning_sweeper.expand(
+  out = planning.expand(
     jobs, grid, default_optimizer="kfac", default_measure="training"
   )
   assert out == [
@@ -103,7 +103,7 @@ def test_the_sweeper_expands_each_optimizers_grid_for_training_only():
     jobs[3],
   ]
   with pytest.raises(ValueError, match="optimizer.learning_rate is both"):
-    tuning_sweeper.expand(
+    planning.expand(
       [jobs[0] + ["optimizer.learning_rate=1"]], grid, "kfac", "training"
     )
 
@@ -117,7 +117,7 @@ def test_the_sweeper_runs_the_union_of_its_sweeps():
     {"measure": "training", "optimizer": "adam,sgd"},
     {"measure": "spectra", "curvature": "kfac"},
   ]
-  jobs = tuning_sweeper.union(params, sweeps, ["problem=mlp"])
+  jobs = planning.union(params, sweeps, ["problem=mlp"])
   assert sorted(map(sorted, jobs)) == sorted(
     map(
       sorted,
@@ -134,12 +134,12 @@ def test_the_sweeper_runs_the_union_of_its_sweeps():
     )
   )
   assert len(jobs) == 8
-  only = tuning_sweeper.union(params, sweeps[:1], ["seed=3"])
+  only = planning.union(params, sweeps[:1], ["seed=3"])
   assert sorted(map(sorted, only)) == [
     sorted(["seed=3", "measure=spectra", f"curvature={c}"])
     for c in ("ekfac", "kfac")
   ]
-  assert tuning_sweeper.union(params, None, ["a=1,2"]) == [
+  assert planning.union(params, None, ["a=1,2"]) == [
     ["seed=0", "a=1"],
     ["seed=0", "a=2"],
     ["seed=1", "a=1"],
@@ -147,4 +147,4 @@ def test_the_sweeper_runs_the_union_of_its_sweeps():
   ]
   for bad in ([], [["measure=spectra"]]):
     with pytest.raises(HydraException, match="hydra.sweeper.sweeps is"):
-      tuning_sweeper.union(params, bad, [])
+      planning.union(params, bad, [])

@@ -5,7 +5,7 @@ The problem is the harness's `problem=convnet` (problems/models/convnet.py:
 'SAME' convs, ReLU and 2x2 max-pooling per block, then dense layers),
 rebuilt as a torch module in NCHW that holds the same weights as the
 harness's initial params, and its whole training split in the harness's
-chunks (`curvbench.data.select(problem, "train")`: equal chunks of the
+chunks (`curvbench.core.data.select(problem, "train")`: equal chunks of the
 problem's batch size and the remainder), float32. Timed in interleaved
 rounds in one process, compile and warm-up excluded:
 
@@ -47,7 +47,8 @@ from curvlinops import GGNLinearOperator
 
 import estimators as kfac
 import problems
-from curvbench import config, curvatures, data
+from curvbench import config
+from curvbench.core import curvatures, data
 
 PROBLEM = "problem=convnet"
 TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}

@@ -14,7 +14,7 @@ from the same saved state; rounds alternate ABAB (the order flips every
 pair), so load from other processes hits both alike. Compile time
 (the first cycle, burn-in included) is reported apart. The ratio is the
 median over pairs of ours / theirs, with the sign test's 95 % interval
-(`curvbench.stats.paired_difference` of the logarithms).
+(`curvbench.core.stats.paired_difference` of the logarithms).
 
   /tmp/kvenv-head/bin/python benchmarks/kfac_jax/side_by_side.py \
       [--problems mlp autoencoder_mnist convnet] [--rounds 15] \
@@ -48,7 +48,7 @@ import kfac_jax  # noqa: E402
 import problems  # noqa: E402
 import problems.base  # noqa: E402
 import problems.layers  # noqa: E402
-from curvbench import stats  # noqa: E402
+from curvbench.core import stats  # noqa: E402
 from curvbench.measurements.timing import load  # noqa: E402
 from curvbench.optimizers.kfac import MNIST_EXAMPLES  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The Hessian's top eigenvalues, trace and spectral density of a batch-norm
-ResNet: ours (`curvbench.matrix_free` over the exact Hessian's products)
+ResNet: ours (`curvbench.core.matrix_free` over the exact Hessian's products)
 against PyHessian's `hessian(...).eigenvalues()`, `.trace()` and
 `.density()`, on the same weights and batch.
 
@@ -97,8 +97,9 @@ except ImportError as error:
   ) from None
 
 import problems  # noqa: E402
-from curvbench import config, curvatures, matrix_free  # noqa: E402
-from curvbench.data import Data  # noqa: E402
+from curvbench import config
+from curvbench.core import curvatures, matrix_free  # noqa: E402
+from curvbench.core.data import Data  # noqa: E402
 
 # PyHessian keeps the gradient's graph in `.grad` (backward with
 # create_graph), which torch warns about on every call.

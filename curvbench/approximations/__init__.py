@@ -22,7 +22,7 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import curvatures
+from curvbench.core import curvatures
 from estimators import estimation_modes
 
 GIB = Number(0, low_in=False, finite=False)

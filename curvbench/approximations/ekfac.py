@@ -7,7 +7,7 @@ import functools
 import estimators as kfac
 from curvbench.components import OneOf, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

@@ -4,10 +4,10 @@ cross-layer terms included (small models)."""
 import dataclasses
 
 import estimators as kfac
-from curvbench import curvatures
+from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
 from estimators import estimation_modes
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

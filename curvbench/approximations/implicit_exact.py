@@ -6,9 +6,9 @@ import dataclasses
 from typing import ClassVar
 
 from curvbench.components import OneOf, setting
-from curvbench import curvatures
+from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
-from curvbench import palette
+from curvbench.core import palette
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ layers shared over positions, K-FAC-expand); the library's defaults."""
 import dataclasses
 
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

@@ -7,10 +7,10 @@ import dataclasses
 from typing import ClassVar
 
 import estimators as kfac
-from curvbench import curvatures
+from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from estimators import estimation_modes
-from curvbench import palette
+from curvbench.core import palette
 
 
 @dataclasses.dataclass(frozen=True)

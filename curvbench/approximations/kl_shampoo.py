@@ -10,7 +10,7 @@ import estimators as kfac
 from curvbench.components import Number, Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.approximations.shampoo import max_full_vocab_setting
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

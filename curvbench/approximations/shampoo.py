@@ -8,7 +8,7 @@ import functools
 import estimators as kfac
 from curvbench.components import Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench import palette
+from curvbench.core import palette
 
 
 def max_full_vocab_setting():

@@ -9,7 +9,7 @@ from typing import ClassVar
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal, Nearer
 from curvbench.approximations.shampoo import max_full_vocab_setting
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

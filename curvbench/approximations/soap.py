@@ -8,7 +8,7 @@ import functools
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.approximations.shampoo import max_full_vocab_setting
-from curvbench import palette
+from curvbench.core import palette
 
 
 @CURVATURES.register

@@ -53,7 +53,7 @@ PERIOD = 5  # K-FAC steps per round: one inverse refresh each
 @dataclasses.dataclass(frozen=True)
 class Version:
   """One version of the code: a name, its `estimators` and `problems`
-  packages and its `curvbench.data` module."""
+  packages and its data module (`curvbench.core.data`)."""
 
   name: str
   estimators: ModuleType
@@ -170,19 +170,23 @@ def load(ref: str, folder: Path) -> Version:
   tar = _git("archive", "--format=tar", commit, "--", *tops)
   with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
     archive.extractall(folder, filter="data")
-  modules = _import_from(
-    folder, ("estimators", "curvbench.data", "problems"), tops
+  # Commits before the toolkit moved to curvbench.core have curvbench.data.
+  data = (
+    "curvbench.core.data"
+    if (folder / "curvbench" / "core" / "data.py").exists()
+    else "curvbench.data"
   )
+  modules = _import_from(folder, ("estimators", data, "problems"), tops)
   return Version(
     f"{ref} ({commit[:10]})",
     modules["estimators"],
-    modules["curvbench.data"],
+    modules[data],
     modules["problems"],
   )
 
 
 def working_tree() -> Version:
-  from curvbench import data
+  from curvbench.core import data
   import estimators
   import problems
 

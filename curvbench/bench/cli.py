@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from curvbench import provenance
+from curvbench.core import environment
 from curvbench.bench import against, record, scaling, suite, window
-from curvbench.sections import to_markdown
+from curvbench.core.sections import to_markdown
 
 
 def _record_path(key: str, folder: Path) -> Path:
@@ -108,7 +108,7 @@ def _scaling(args) -> int:
   families = tuple(args.families.split(",")) if args.families else None
   table = scaling.write(Path(out), args.scale, args.repeats, families)
   if args.save_record:
-    env = provenance.environment()
+    env = environment.environment()
     code = env.get("code", {})
     key = record.device_key(
       env.get("device_kind", "unknown"),

@@ -2,7 +2,7 @@
 GGN over the whole training split, against one gradient over the same
 examples, as the spectra measurement's matrix-free methods run them.
 
-Both are one jitted program each, the split chunked as `curvbench.data`
+Both are one jitted program each, the split chunked as `curvbench.core.data`
 chunks it (`Data.mean`, chunks of the problem's batch size); the product
 is `multiply` (a forward pass with every product, as a Lanczos or CG step
 over the split runs it). Compile time is taken apart; then rounds
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import problems
-from curvbench import config, costs, curvatures, data, stats
+from curvbench import config
+from curvbench.core import costs, curvatures, data, stats
 from curvbench.measurements.timing import clock
 
 

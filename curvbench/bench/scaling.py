@@ -7,7 +7,7 @@ The work, per size (float32, initial parameters, seed 0):
   curvature estimated in `fisher_gradients` mode, K-FAC as it trains at
   scale), averaged over its cycle, and `adam_step` timed beside it;
 - `ggn_product`: one exact GGN-vector product over the training split
-  (`curvatures.exact('ggn', matrix_free=True)`, chunked as `curvbench.data`
+  (`curvatures.exact('ggn', matrix_free=True)`, chunked as `curvbench.core.data`
   chunks it);
 - `lanczos_top20`: the 20 largest GGN eigenvalues over the split by
   Lanczos (`matrix_free.top_k_eigenpairs`, `LANCZOS_ITERS` products);
@@ -48,18 +48,10 @@ import numpy as np
 import pandas as pd
 
 import problems
-from curvbench import (
-  approximations,
-  config,
-  costs,
-  curvatures,
-  data,
-  matrix_free,
-  optimizers,
-  provenance,
-)
+from curvbench import approximations, config, optimizers
+from curvbench.core import costs, curvatures, data, environment, matrix_free
 from curvbench.measurements.timing import clock, load
-from curvbench.sections import to_markdown
+from curvbench.core.sections import to_markdown
 
 LANCZOS_K = 20
 LANCZOS_ITERS = 40
@@ -429,7 +421,7 @@ def write(
   table.to_csv(out / "exponents.csv", index=False)
   if not rows.empty:
     figure(rows, out / "scaling.png")
-  env = provenance.environment("auto", 1)
+  env = environment.environment("auto", 1)
   code = env.get("code", {})
   lines = [
     f"# Cost against model size ({scale or default_scale()} sizes)",

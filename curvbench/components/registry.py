@@ -32,7 +32,7 @@ class Component(Settings):
   """Settings that name the component they belong to (`name`)."""
 
   name: str = setting("", Text(), "which component these settings are of")
-  # The colour and marker figures draw it in (`curvbench.palette`), the
+  # The colour and marker figures draw it in (`curvbench.core.palette`), the
   # same in every report; None: one of the palette's left over.
   colour: ClassVar[str | None] = None
   marker: ClassVar[str | None] = None

@@ -18,7 +18,7 @@ A `Claim` is of one of three kinds, counted apart:
 A finding or an extension is *reproduced*, *contradicted*, *not reproduced
 at this scale* or *inconclusive*; a check *passes* or *fails*. A claim gives
 no verdict (*too few samples to tell*) where its samples are too few for an
-exact interval at 95 % (`curvbench.stats.enough`), and none (*not judged*)
+exact interval at 95 % (`curvbench.core.stats.enough`), and none (*not judged*)
 where the records lack what it reads. *Contradicted* is only possible where
 the runs meet every condition the claim declares: `Claim.judge` turns any
 other contradiction into *not reproduced at this scale*, naming each
@@ -48,8 +48,9 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from curvbench import stats
-from curvbench.sections import unreadable
+from curvbench.core import stats, tuning
+from curvbench.measurements.training import comparison
+from curvbench.core.sections import unreadable
 
 # The kinds of claim.
 FINDING, EXTENSION, CHECK = "finding", "extension", "check"
@@ -713,12 +714,10 @@ def chosen(
   """The training rows of each problem's and method's best setting: the
   methods are the values of config `group`, their settings the values of
   the config `keys` (e.g. `optimizer.learning_rate`) their runs took, the
-  best the lowest `metric` mean over seeds (`curvbench.tuning`, as
+  best the lowest `metric` mean over seeds (`curvbench.core.tuning`, as
   DeepOBS picks). Added columns: `method`, `setting`, `tried` (the
   settings tried) and `edges` (the tuned values at an edge of their grid,
   where a better one may lie beyond)."""
-  from curvbench import tuning
-  from curvbench.measurements.training import comparison
 
   train = rows(evidence, "training", "the training runs", measure="training")
   done = evidence.done

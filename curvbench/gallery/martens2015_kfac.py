@@ -11,7 +11,7 @@ baseline's momentum schedule of Sutskever et al. (2013), K-FAC's
 exponentially growing mini-batch, the exponentially decayed iterate
 average (ξ = 0.99) with the lower of the two errors reported, training
 error on a grid of seconds. Every optimizer's setting is chosen from its
-grid by its final training error, mean over seeds (`curvbench.tuning`),
+grid by its final training error, mean over seeds (`curvbench.core.tuning`),
 and the chosen settings are compared at equal time. Adam, which the paper
 does not run, is an extension: the first-order method researchers tune
 today.

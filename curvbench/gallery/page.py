@@ -17,7 +17,7 @@ from typing import Any, cast
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from curvbench import html_page, plots, records
+from curvbench.core import html_page, plots, records
 from curvbench.gallery import (
   KINDS,
   OUTCOMES,
@@ -29,7 +29,7 @@ from curvbench.gallery import (
   lacking,
 )
 from curvbench.gallery import evidence as evidence_of
-from curvbench.sections import Section, Table, to_markdown
+from curvbench.core.sections import Section, Table, to_markdown
 
 # How the page names each kind of claim, in the tally.
 KIND_WORDS = {

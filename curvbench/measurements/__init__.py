@@ -37,8 +37,8 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import devices
-from curvbench.sections import Section
+from curvbench.core import devices
+from curvbench.core.sections import Section
 
 PRECISIONS = ("float32", "float64")
 

@@ -10,7 +10,7 @@ figures); it may have `failure(state) -> str |
 None`, which says, once the loss is no longer finite, whether the state
 shows a fault of its settings rather than divergence (a run then stops with
 that error instead of recording a diverged run). All optimizers see the same initial
-parameters and the same batches in the same order (`curvbench.training`).
+parameters and the same batches in the same order (`curvbench.core.training`).
 """
 
 import abc
@@ -21,7 +21,7 @@ from typing import ClassVar
 from jax.sharding import Mesh
 
 from curvbench.components import Component, Registry
-from curvbench.curvatures import Curvature
+from curvbench.core.curvatures import Curvature
 
 
 @dataclasses.dataclass

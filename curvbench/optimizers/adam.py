@@ -6,9 +6,9 @@ import dataclasses
 import optax
 
 from curvbench.components import Flag, Number, OneOf, setting
-from curvbench import training
+from curvbench.core import training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
-from curvbench import palette
+from curvbench.core import palette
 
 
 @OPTIMIZERS.register

@@ -59,8 +59,8 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import costs, devices
-from curvbench.curvatures import BlockDiagonal, Curvature
+from curvbench.core import costs, devices
+from curvbench.core.curvatures import BlockDiagonal, Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from estimators import graph_matcher
 from estimators.utils import staging

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from curvbench import training
+from curvbench.core import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import (
@@ -56,7 +56,7 @@ from curvbench.optimizers.kronecker import (
   unit_rms,
   unrotate,
 )
-from curvbench import palette
+from curvbench.core import palette
 
 BASES = ("qr", "eigh")
 

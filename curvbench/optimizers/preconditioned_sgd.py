@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from curvbench.components import Number, Whole, setting
-from curvbench import training
-from curvbench.curvatures import Curvature
+from curvbench.core import training
+from curvbench.core.curvatures import Curvature
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import optax
 
 from curvbench.components import Flag, Number, OneOf, setting
-from curvbench import training
+from curvbench.core import training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
-from curvbench import palette
+from curvbench.core import palette
 
 MOMENTUM_SCHEDULES = ("constant", "sutskever2013")
 

@@ -34,7 +34,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 
 import curvbench
-from curvbench import stats
+from curvbench.core import stats
 
 net = hk.without_apply_rng(
   hk.transform(lambda x: hk.nets.MLP([6, 10], activation=jax.nn.tanh)(x))
@@ -111,7 +111,7 @@ quality[["method", "seed", "sample", "level", "block", "metric", "value"]].head(
 #   the scale that sets a stable step size.
 #
 # Below, each cell is the median over the 6 samples with its quartiles,
-# computed with :func:`curvbench.stats.quartiles`, as the report does.
+# computed with :func:`curvbench.core.stats.quartiles`, as the report does.
 
 METRICS = [
   "relative_frobenius",
@@ -210,11 +210,11 @@ fig.tight_layout()
 # report answers with the interval of the *paired* difference: both
 # approximations were measured on the same seed and the same batch, so we
 # subtract sample by sample, and what a batch shares (its own difficulty)
-# cancels. :func:`curvbench.stats.paired_difference` gives the median
+# cancels. :func:`curvbench.core.stats.paired_difference` gives the median
 # difference with its exact 95 % sign-test interval, which holds its level
 # for any distribution of the differences; six pairs are the fewest such
 # an interval exists for (with fewer, the report says *too few samples to
-# tell*). :func:`curvbench.stats.verdict` puts it into words.
+# tell*). :func:`curvbench.core.stats.verdict` puts it into words.
 
 whole = quality[
   quality.level.eq("network") & quality.metric.eq("relative_frobenius")

@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import curvbench
-from curvbench import stats
+from curvbench.core import stats
 
 results = curvbench.measure(
   "transformer_small",

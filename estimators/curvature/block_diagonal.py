@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import blocks as curvature_blocks
-from estimators import distributed, estimation_modes, graph_matcher
+from estimators import estimation_modes, graph_matcher
+from estimators.utils import distributed
 from estimators import tracer, utils
 from estimators.utils import newton
 from estimators.blocks.base import Numeric, ScalarOrSequence

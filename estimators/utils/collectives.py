@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from estimators.distributed import run_on_owners
+from estimators.utils.distributed import run_on_owners
 
 
 def in_pmap(axis_name: str | None) -> bool:

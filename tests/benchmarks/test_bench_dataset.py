@@ -23,7 +23,8 @@ import pytest
 
 import estimators as kfac
 import problems
-from curvbench import config, curvatures, data
+from curvbench import config
+from curvbench.core import curvatures, data
 
 PROBLEMS = ("mlp", "autoencoder", "convnet", "transformer", "resnet")
 WORKS = ("gradient", "ggn", "hessian")

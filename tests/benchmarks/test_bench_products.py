@@ -39,7 +39,8 @@ import numpy as np
 import pytest
 
 import problems
-from curvbench import config, curvatures, data, matrix_free
+from curvbench import config
+from curvbench.core import curvatures, data, matrix_free
 
 F32 = np.float32
 SMALL = ("mlp", "autoencoder")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from curvbench.components import Number, setting
 from curvbench.measurements import Measurement, Outcome
-from curvbench.sections import Section, Table
+from curvbench.core.sections import Section, Table
 from tests.toy_measurement import figures
 
 

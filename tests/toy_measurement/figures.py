@@ -2,7 +2,7 @@
 
 import matplotlib.pyplot as plt
 
-from curvbench import plots
+from curvbench.core import plots
 
 
 def norms(rows, out):

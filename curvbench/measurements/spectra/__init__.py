@@ -26,7 +26,7 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import (
+from curvbench.core import (
   checkpoints,
   curvatures,
   devices,
@@ -36,8 +36,8 @@ from curvbench import (
   stats,
   training,
 )
-from curvbench.costs import Costs
-from curvbench.data import parse_scope, select
+from curvbench.core.costs import Costs
+from curvbench.core.data import parse_scope, select
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.spectra import (
   class_means,
@@ -47,8 +47,8 @@ from curvbench.measurements.spectra import (
 )
 from curvbench.measurements.training import save_checkpoint
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.references import ReferenceStore, content_hash
-from curvbench.sections import Section, spread
+from curvbench.core.references import ReferenceStore, content_hash
+from curvbench.core.sections import Section, spread
 
 POSITIVE = Number(0, low_in=False)
 COUNT = Whole(1)

@@ -42,7 +42,7 @@ Two methods:
 - `dense` (small models): every matrix is formed; everything is exact.
 - `lanczos` (large models): only matrix-vector products. Top-k by Lanczos,
   densities by SLQ, Frobenius errors, traces (Hutchinson, XTrace) and
-  diagonals by random probes (`curvbench.matrix_free`), exact directions by
+  diagonals by random probes (`curvbench.core.matrix_free`), exact directions by
   CG.
 
 With `class_means` (a softmax cross-entropy classifier; `class_means.py`),
@@ -66,11 +66,11 @@ import jax.numpy as jnp
 import numpy as np
 import threadpoolctl
 
-from curvbench import curvatures, matrix_free, metrics
-from curvbench.costs import Costs
-from curvbench.data import Data
+from curvbench.core import curvatures, matrix_free, metrics
+from curvbench.core.costs import Costs
+from curvbench.core.data import Data
 from curvbench.measurements.spectra import class_means
-from curvbench.references import ReferenceStore, content_hash
+from curvbench.core.references import ReferenceStore, content_hash
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "references")
 # Below this relative Frobenius distance two exact references are the

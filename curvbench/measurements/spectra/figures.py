@@ -31,7 +31,7 @@ import pandas as pd
 from matplotlib import colors, scale, ticker
 from matplotlib.lines import Line2D
 
-from curvbench import metrics, plots
+from curvbench.core import metrics, plots
 from curvbench.measurements.spectra import summary
 
 

@@ -71,7 +71,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from curvbench import costs, devices, stats, training
+from curvbench.core import costs, devices, stats, training
 from curvbench.measurements.timing import load
 
 PHASES = (

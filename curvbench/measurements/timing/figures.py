@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from curvbench import palette, plots
+from curvbench.core import palette, plots
 from curvbench.measurements.timing import clock
 
 ORDER = (*clock.PHASES, "model_state_update")

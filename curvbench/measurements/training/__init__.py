@@ -1,10 +1,10 @@
 """Training: the loss and error against steps and seconds, with any
 optimizer, to a budget of steps or of seconds (then also on a grid of
 seconds); with a tuning grid (`tuning.grid`), each optimizer's best
-setting (`curvbench.tuning`); and in the report, each method at equal time
+setting (`curvbench.core.tuning`); and in the report, each method at equal time
 (time-budgeted runs) and against a target error, with intervals over
-seeds (`comparison`, `curvbench.stats`). The loop itself is
-`curvbench.training`, which the spectra measurement trains with too."""
+seeds (`comparison`, `curvbench.core.stats`). The loop itself is
+`curvbench.core.training`, which the spectra measurement trains with too."""
 
 import dataclasses
 import functools
@@ -14,11 +14,11 @@ import numpy as np
 import pandas as pd
 
 from curvbench.components import Number, Parsed, Whole, setting
-from curvbench import checkpoints, provenance, stats, training, tuning
+from curvbench.core import checkpoints, records, stats, training, tuning
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.timing import load
 from curvbench.measurements.training import comparison, divergence, figures
-from curvbench.sections import Section, Table, spread, wide
+from curvbench.core.sections import Section, Table, spread, wide
 
 STEPS = Parsed(
   lambda v: training.measurement_steps(v, 2**62),
@@ -375,7 +375,7 @@ def curves(report) -> pd.DataFrame:
   """The training rows, one copy of each curve: spectra runs that measured
   different curvatures along one optimizer's trajectory record it alike."""
   rows = report.tables["training"]
-  same = ["problem", "label", *(k for k in provenance.SEED_KEYS if k in rows)]
+  same = ["problem", "label", *(k for k in records.SEED_KEYS if k in rows)]
   first = rows.groupby(same, dropna=False).run_id.transform("first")
   return rows[rows.run_id == first]
 

@@ -1,11 +1,11 @@
 """Training runs compared as a reviewer would accept: at equal time on the
 time grid, against a stated target, with intervals over seeds
-(`curvbench.stats`).
+(`curvbench.core.stats`).
 
 A run's `outcomes` are read off its training rows: its final and best
 error, the steps and seconds (compilation excluded) it took to reach the
 target error, and its error at a point of its time grid (the parameters it
-held at that second: `curvbench.training.run`). Runs budgeted in steps
+held at that second: `curvbench.core.training.run`). Runs budgeted in steps
 have no time grid: methods stop at different times, so no equal-time
 comparison is read off them.
 """

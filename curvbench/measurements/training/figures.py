@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from curvbench import metrics, plots
+from curvbench.core import metrics, plots
 
 # The curve drawn: the first of these the table has (`metrics.TRAINING`).
 TRAINING_CURVES = ("train_error", "train_loss", "batch_loss")

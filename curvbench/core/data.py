@@ -33,7 +33,7 @@ import numpy as np
 from jax.interpreters import mlir
 from jax.sharding import Mesh
 
-from curvbench import devices
+from curvbench.core import devices
 
 Batch = Any
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import estimators as kfac
-from curvbench.data import Data
+from curvbench.core.data import Data
 from estimators import estimation_modes, graph_matcher
 
 # Matrices that have an exact reference: the estimation-mode matrices and the

@@ -29,7 +29,7 @@ from urllib.parse import quote
 import jinja2
 import pandas as pd
 
-from curvbench.records import atomic_write
+from curvbench.core.records import atomic_write
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

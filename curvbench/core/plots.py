@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib import colors, layout_engine  # noqa: E402
 
-from curvbench import palette  # noqa: E402
+from curvbench.core import palette  # noqa: E402
 
 DEFAULTS = dict(step=0, data="batch", block="all")
 LEGEND_FONTSIZE = 7

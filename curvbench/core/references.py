@@ -40,7 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from curvbench import provenance, records
+from curvbench.core import environment
+from curvbench.core import records
 from problems import datafiles
 
 MARKER = ".curvbench-references"  # the store folder is curvbench's
@@ -91,7 +92,7 @@ class ReferenceStore:
     if self.folder is None:  # keeps nothing
       return compute(), False
     text = json.dumps(
-      dict(key, code=provenance.code_version()["code"]),
+      dict(key, code=environment.code_version()["code"]),
       sort_keys=True,
       default=str,
     )

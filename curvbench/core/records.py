@@ -40,6 +40,9 @@ import pyarrow.parquet as pq
 
 from problems.datafiles import file_sha256
 
+# The columns that name a seed: runs that differ only in these are repeats.
+SEED_KEYS = ("seed", "init_seed", "data_seed")
+
 MARKER = "DONE.json"
 LOCK = ".lock"
 OWNED = ".curvbench"  # the files the harness wrote in a run directory

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from curvbench.sections import Section, Table
+from curvbench.core.sections import Section, Table
 
 # What each layer tag stands for, in words (a tag not here is named as is).
 KINDS = {

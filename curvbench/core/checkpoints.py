@@ -34,7 +34,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from curvbench.records import atomic_write
+from curvbench.core.records import atomic_write
 
 FORMAT = "curvbench-params-v1"
 SEP = "/"
@@ -171,14 +171,14 @@ def load(path) -> tuple[dict, dict]:
   except safetensors.SafetensorError as e:
     raise ValueError(
       f"{path} is not a safetensors file (expected an 8-byte header length, "
-      f"a JSON header and raw tensors, as curvbench.checkpoints.save "
+      f"a JSON header and raw tensors, as curvbench.core.checkpoints.save "
       f"writes): {e}"
     ) from e
   if header.get("format") != FORMAT:
     raise ValueError(
       f"{path} is a safetensors file without curvbench metadata (expected "
       f"format={FORMAT!r}, got {header.get('format')!r}); save parameters "
-      f"with curvbench.checkpoints.save"
+      f"with curvbench.core.checkpoints.save"
     )
   try:
     info = {

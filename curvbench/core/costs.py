@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from curvbench import devices
+from curvbench.core import devices
 
 
 def program_bytes(compiled: jax.stages.Compiled) -> float:

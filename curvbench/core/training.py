@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from curvbench import devices, matrix_free
+from curvbench.core import devices, matrix_free
 
 
 class OptaxTrainer:

@@ -1,0 +1,1 @@
+"""The toolkit the components build on."""
