@@ -38,12 +38,11 @@ import jax
 import numpy as np
 import pandas as pd
 
-import problems
-from curvbench.components import Whole, setting
 import curvbench.plugins
-from curvbench import config, report, runs, sweep
+import problems
+from curvbench import config, planning, report, runs, sweep
+from curvbench.components import Whole, setting
 from curvbench.core import records
-from curvbench import planning
 from problems import checks, model_outputs
 from problems import data as datasets
 

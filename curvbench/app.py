@@ -18,8 +18,8 @@ from typing import cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.plugins import Plugins
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.types import RunMode
 

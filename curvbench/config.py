@@ -33,6 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 import estimators
+from curvbench import gallery, measurements, plugins
+from curvbench.approximations import CURVATURES
 from curvbench.components import (
   Check,
   Choice,
@@ -48,13 +50,10 @@ from curvbench.components import (
   Whole,
   setting,
 )
-from curvbench import gallery, measurements, plugins
-from curvbench.core import devices, tuning
 from curvbench.conf_dir import CONF_DIR
-from curvbench.approximations import CURVATURES
+from curvbench.core import devices, tuning
 from curvbench.optimizers import OPTIMIZERS
 from problems import DATASETS, PROBLEMS
-
 
 # The ConfigStore name of `RunSettings`, first in conf/config.yaml.
 RUN_SCHEMA = "curvbench"

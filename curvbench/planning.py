@@ -16,7 +16,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -219,8 +219,8 @@ def summary(sweep_dir, endings: list[runs.Ending], seconds: float) -> str:
 
 
 def device_sharing(
-  launcher: DictConfig, max_batch_size: Optional[int]
-) -> Optional[tuple]:
+  launcher: DictConfig, max_batch_size: int | None
+) -> tuple | None:
   """How `launcher` (the `hydra.launcher` config) runs several jobs of one
   batch at the same time on one machine: `(what it does, the setting that
   stops it)`; None when each job has the device to itself.
@@ -261,14 +261,14 @@ def runs_in_turn(launcher: DictConfig) -> bool:
   return device_sharing(launcher, None) is None and "Slurm" not in target
 
 
-def batches(jobs: list, max_batch_size: Optional[int]) -> list[list]:
+def batches(jobs: list, max_batch_size: int | None) -> list[list]:
   """`jobs` in launches of at most `max_batch_size` (None or -1: one)."""
   size = len(jobs) if max_batch_size in (None, -1) else max_batch_size
   return [jobs[i : i + size] for i in range(0, len(jobs), max(size, 1))]
 
 
 def check_alone(
-  alone: list[bool], launcher: DictConfig, max_batch_size: Optional[int]
+  alone: list[bool], launcher: DictConfig, max_batch_size: int | None
 ) -> None:
   """Refuses a sweep whose runs that need the device alone (`alone[i]`:
   job i does) would run beside other jobs on one machine, naming the

@@ -141,7 +141,7 @@ def _import(what: str, importer):
     return importer()
   except PluginError:
     raise
-  except Exception as e:  # noqa: BLE001 - any import failure, named
+  except Exception as e:
     raise PluginError(
       f"{what} failed to import: {type(e).__name__}: {e}"
     ) from e

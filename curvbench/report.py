@@ -32,12 +32,12 @@ from typing import Any
 import pandas as pd
 
 from curvbench import latex, sweep
-from curvbench.core import html_page, plots, records, registration_report, stats
 from curvbench.approximations import CURVATURES
+from curvbench.core import html_page, plots, records, registration_report, stats
+from curvbench.core.sections import Section, Table, to_markdown, unreadable
 from curvbench.gallery import page as gallery_page
 from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.core.sections import Section, Table, to_markdown, unreadable
 
 # In a report folder: it is curvbench's (see `records.claim`).
 REPORT_MARKER = ".curvbench-report"

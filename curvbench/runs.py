@@ -352,7 +352,7 @@ def refuse(cfg, out_dir) -> None:
     problems.check(run.problem)
   except problems.checks.ExamplesError:
     raise
-  except Exception:  # noqa: BLE001, S110 - data that cannot load: the run records why
+  except Exception:  # noqa: BLE001 - data that cannot load: the run records why
     pass
   records.RunDir(out_dir).check_ours()
   records.check_writable(
@@ -541,7 +541,7 @@ def _run_locked(cfg, run_dir: records.RunDir) -> str:
     outcome = measure(cfg, run_dir)
     (run_dir.path / records.ERROR).unlink(missing_ok=True)
     run_dir.mark_done(**outcome, **ident)  # a full disk may fail it too
-  except Exception:  # noqa: BLE001 - recorded, then re-raised unless asked not to
+  except Exception:
     # Into the space reserved at the start where the disk has filled;
     # nowhere on a read-only disk, where the error itself says so.
     run_dir.write_error(dict(traceback=traceback.format_exc(), **ident))

@@ -6,13 +6,31 @@ optimizer and the optax preconditioner, and KFAC-JAX's module names
 (`kfac_jax.curvature_blocks`, `kfac_jax.utils`, ...).
 """
 
-from estimators import blocks, curvature, estimation_modes, losses, patches
-from estimators import tags, tracer, tridiagonal, utils
+# KFAC-JAX's module names, for `kfac_jax.curvature_blocks.X` and the like.
+from estimators import (
+  blocks,
+  curvature,
+  curvature_blocks,
+  curvature_estimator,
+  estimation_modes,
+  graph_matcher,
+  layers_and_loss_tags,
+  loss_functions,
+  losses,
+  optax_interface,
+  patches,
+  patches_second_moment,
+  tag_graph_matcher,
+  tags,
+  tracer,
+  tridiagonal,
+  utils,
+)
 from estimators.blocks import (
-  KroneckerFactored,
-  RepeatedDenseKroneckerFactored,
   EKFAC,
+  Conv2DDiagonal,
   Conv2DEKFAC,
+  Conv2DFull,
   Conv2DKFACExpand,
   Conv2DKFACReduce,
   Conv2DKLShampoo,
@@ -21,13 +39,19 @@ from estimators.blocks import (
   Conv2DShampoo2,
   Conv2DSOAP,
   Conv2DTNT,
+  Conv2DTwoKroneckerFactored,
+  CurvatureBlock,
+  DenseDiagonal,
   DenseEKFAC,
+  DenseFull,
   DenseKLShampoo,
   DenseOptimalKronecker,
   DenseShampoo,
   DenseShampoo2,
   DenseSOAP,
   DenseTNT,
+  DenseTwoKroneckerFactored,
+  Diagonal,
   EmbeddingDiagonal,
   EmbeddingEKFAC,
   EmbeddingFull,
@@ -38,21 +62,15 @@ from estimators.blocks import (
   EmbeddingShampoo2,
   EmbeddingSOAP,
   EmbeddingTNT,
+  ExplicitFull,
+  Full,
+  KroneckerFactored,
+  NaiveDiagonal,
+  NaiveFull,
   NaiveTNT,
   RepeatedDenseKFACExpand,
   RepeatedDenseKFACReduce,
-  CurvatureBlock,
-  Conv2DDiagonal,
-  Conv2DFull,
-  Conv2DTwoKroneckerFactored,
-  DenseDiagonal,
-  DenseFull,
-  DenseTwoKroneckerFactored,
-  Diagonal,
-  ExplicitFull,
-  Full,
-  NaiveDiagonal,
-  NaiveFull,
+  RepeatedDenseKroneckerFactored,
   RepeatedDenseTwoKroneckerFactored,
   ScaleAndShiftDiagonal,
   ScaleAndShiftFull,
@@ -74,8 +92,6 @@ from estimators.curvature import (
   set_default_tag_to_block_ctor,
   set_multi_default_tag_to_block_ctor,
 )
-from estimators.tridiagonal import BlockTridiagonalCurvature
-from estimators import graph_matcher
 from estimators.estimation_modes import ESTIMATION_MODES
 from estimators.graph_matcher import (
   DEFAULT_GRAPH_PATTERNS,
@@ -84,11 +100,6 @@ from estimators.graph_matcher import (
   TaggedFunction,
   auto_register_tags,
   registration_report,
-)
-from estimators.optimizer import (
-  HAIKU_BIASES,
-  HAIKU_BIASES_AND_NORMS,
-  Optimizer,
 )
 from estimators.losses import (
   CategoricalLogitsNegativeLogProbLoss,
@@ -106,6 +117,15 @@ from estimators.losses import (
   register_softmax_cross_entropy_loss,
   register_squared_error_loss,
 )
+from estimators.optax_interface import (
+  OptaxPreconditioner,
+  OptaxPreconditionState,
+)
+from estimators.optimizer import (
+  HAIKU_BIASES,
+  HAIKU_BIASES_AND_NORMS,
+  Optimizer,
+)
 from estimators.patches import patches_moments, patches_moments_explicit
 from estimators.tags import (
   LayerData,
@@ -115,8 +135,8 @@ from estimators.tags import (
   LossTag,
   register_conv2d,
   register_dense,
-  register_generic,
   register_embedding,
+  register_generic,
   register_repeated_dense,
   register_scale_and_shift,
 )
@@ -131,21 +151,7 @@ from estimators.tracer import (
   loss_tags_linearize,
   loss_tags_vjp,
 )
-from estimators.optax_interface import (
-  OptaxPreconditioner,
-  OptaxPreconditionState,
-)
-
-# KFAC-JAX's module names, for `kfac_jax.curvature_blocks.X` and the like.
-from estimators import (
-  curvature_blocks,
-  curvature_estimator,
-  layers_and_loss_tags,
-  loss_functions,
-  optax_interface,
-  patches_second_moment,
-  tag_graph_matcher,
-)
+from estimators.tridiagonal import BlockTridiagonalCurvature
 
 __all__ = [
   "KroneckerFactored",

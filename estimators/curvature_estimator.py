@@ -11,21 +11,19 @@ from estimators.curvature import (
   CurvatureEstimator,
   ExplicitExactCurvature,
   ImplicitExactCurvature,
+  block_diagonal,
+  explicit_exact,
   get_default_tag_to_block_ctor,
+  implicit_exact,
   set_default_tag_to_block_ctor,
   set_multi_default_tag_to_block_ctor,
 )
+from estimators.curvature import base as curvature_estimator
 from estimators.estimation_modes import ESTIMATION_MODES
 from estimators.losses import LossFunction
 from estimators.optax_interface import (
   OptaxPreconditioner,
   OptaxPreconditionState,
-)
-from estimators.curvature import base as curvature_estimator
-from estimators.curvature import (
-  block_diagonal,
-  explicit_exact,
-  implicit_exact,
 )
 from estimators.utils.types import Array, StateType
 

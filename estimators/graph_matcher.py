@@ -44,8 +44,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from estimators import jaxpr_utils
-from estimators import tags
+from estimators import jaxpr_utils, tags
 from estimators.jaxpr_utils import TracingError
 
 logger = logging.getLogger(__name__)

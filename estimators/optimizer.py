@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +89,10 @@ __all__ = [
 Schedule = Callable[[int], Numeric]
 ScheduleType = Schedule
 # What `Optimizer.step` returns, without and with `value_func_has_state`.
-ReturnEither = Union[
-  tuple[Params, "OptimizerState", FuncState, dict[str, Numeric]],
-  tuple[Params, "OptimizerState", dict[str, Numeric]],
-]
+ReturnEither = (
+  tuple[Params, "OptimizerState", FuncState, dict[str, Numeric]]
+  | tuple[Params, "OptimizerState", dict[str, Numeric]]
+)
 # The most step evaluations `use_initial_damping_calibration` runs.
 MAX_CALIBRATION_ITERATIONS = 100
 

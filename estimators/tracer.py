@@ -26,9 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from estimators import graph_matcher
-from estimators import jaxpr_utils
-from estimators import tags
+from estimators import graph_matcher, jaxpr_utils, tags
 from estimators.jaxpr_utils import TracingError
 
 

@@ -37,8 +37,8 @@ from jax.scipy import linalg as jsl
 
 from estimators import blocks as curvature_blocks
 from estimators import curvature, tags, utils
-from estimators.utils import distributed
 from estimators.blocks.base import Numeric, ScalarOrSequence, canonical_powers
+from estimators.utils import distributed
 from estimators.utils.types import FuncArgs, Params
 
 
@@ -210,7 +210,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     exact_powers_to_cache: ScalarOrSequence = None,
     approx_powers_to_cache: ScalarOrSequence = None,
     cache_eigenvalues: bool = False,
-  ) -> "State":
+  ) -> State:
     """Builds the blocks and chains; see `CurvatureEstimator.init`.
 
     Raises:
@@ -250,7 +250,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def update_curvature_matrix_estimate(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     ema_old: Numeric,
     ema_new: Numeric,
     batch_size: Numeric,
@@ -259,7 +259,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
     pmap_axis_name: str | None = None,
     estimation_mode: str | None = None,
     identity_weight: Numeric | None = None,
-  ) -> "State":
+  ) -> State:
     del identity_weight  # the estimates do not depend on the damping
     data = self.blocks_estimation_data(
       func_args, rng, estimation_mode, batch_size
@@ -292,14 +292,14 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def update_cache(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     identity_weight: Numeric | Sequence[Numeric],
     exact_powers: ScalarOrSequence = None,
     approx_powers: ScalarOrSequence = None,
     eigenvalues: bool = False,
     pmap_axis_name: str | None = None,
     norm_to_scale_identity_weight_per_block: str | None = None,
-  ) -> "State":
+  ) -> State:
     """Refreshes the cached damped inverse (`approx_powers=-1`).
 
     A chain's layers but its last are not refreshed as blocks (their
@@ -400,7 +400,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def multiply_matpower(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     parameter_structured_vector: Params,
     identity_weight: Numeric | Sequence[Numeric],
     power: float,
@@ -563,7 +563,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def multiply_inverse_of_gradient(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     grads: Params,
     func_args: FuncArgs,
     identity_weight: Numeric | Sequence[Numeric] = 0.0,
@@ -586,7 +586,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def to_dense_matrix(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     use_cached: bool = False,
     identity_weight: Numeric | Sequence[Numeric] = 0.0,
     exact_power: bool = True,
@@ -619,7 +619,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
 
   def eigenvalues(
     self,
-    state: "State",  # type: ignore[override]
+    state: State,  # type: ignore[override]
     use_cached: bool = False,
   ) -> jax.Array:
     """Eigenvalues of the undamped estimate: the uncoupled blocks' own, and

@@ -11,7 +11,7 @@ names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from estimators.utils.types import Array, Batch, FuncAux, Params, PRNGKey
 
@@ -19,19 +19,19 @@ FuncState = Any
 
 # The positional arguments of the value function, by which of state and rng
 # it takes.
-FuncArgsVariants = Union[
-  tuple[Params, Batch],
-  tuple[Params, FuncState, Batch],
-  tuple[Params, PRNGKey, Batch],
-  tuple[Params, FuncState, PRNGKey, Batch],
-]
+FuncArgsVariants = (
+  tuple[Params, Batch]
+  | tuple[Params, FuncState, Batch]
+  | tuple[Params, PRNGKey, Batch]
+  | tuple[Params, FuncState, PRNGKey, Batch]
+)
 # The value function's first output, by which of state and aux it returns.
-FuncOutputs = Union[
-  Array,
-  tuple[Array, FuncState],
-  tuple[Array, FuncAux],
-  tuple[Array, tuple[FuncState, FuncAux]],
-]
+FuncOutputs = (
+  Array
+  | tuple[Array, FuncState]
+  | tuple[Array, FuncAux]
+  | tuple[Array, tuple[FuncState, FuncAux]]
+)
 ValueFunc = Callable[..., FuncOutputs]
 ValueAndGradFunc = Callable[..., tuple[FuncOutputs, Params]]
 

@@ -23,7 +23,6 @@ import numpy as np
 from problems.base import LABEL_LOSSES
 from problems.model_outputs import OutputError
 
-
 SPLITS = ("train", "test")
 
 
@@ -147,7 +146,7 @@ def output_shape(
     out = jax.eval_shape(outputs, jax.random.PRNGKey(0), x[:1])
   except OutputError as e:  # what apply returned is no array, or not named
     raise OutputError(f"{where}: {e}") from None
-  except Exception as e:  # noqa: BLE001 - the model's own error, shortened
+  except Exception as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise _fail(
       where,

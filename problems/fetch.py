@@ -36,8 +36,8 @@ import os
 import shutil
 import sys
 import tarfile
-import uuid
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np

@@ -19,7 +19,6 @@ from jax import lax
 
 import estimators as kfac
 
-
 # --- per-example losses: (registration, per-example loss of (z, t)) ----------
 
 

@@ -19,8 +19,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from curvbench import config, plugins, provenance, report, runs
-from curvbench.core import records
 from curvbench import sweep as sweeps
+from curvbench.core import records
 from problems.datafiles import file_sha256
 from tests.conftest import TINY
 

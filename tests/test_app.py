@@ -11,11 +11,10 @@ import pandas as pd
 import pytest
 
 import estimators
-
 from curvbench import app, config, runs
 from curvbench.core import checkpoints, records
 from curvbench.measurements.timing import clock
-from tests.conftest import curvbench_cli, SKIPPED, SWEEP, TINY
+from tests.conftest import SKIPPED, SWEEP, TINY, curvbench_cli
 
 
 def test_runs_write_records_and_metadata(sweep):

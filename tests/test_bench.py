@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench.core import records
 from curvbench.bench import against, cli, record
+from curvbench.core import records
 
 ROOT = record.ROOT
 

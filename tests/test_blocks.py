@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from estimators import blocks
-from estimators import tags
-from estimators import utils
+from estimators import blocks, tags, utils
 from tests.groundtruth import numpy_psd_power, random_normal
 
 B, S = 4, 2

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import problems
-from curvbench.core import curvatures
 from curvbench.components import SettingsError
+from curvbench.core import curvatures
 from problems.base import one_hot_squared_error
 
 TINY = dict(name="mlp", width=3, depth=1, batch_size=8)

@@ -17,10 +17,9 @@ from omegaconf import OmegaConf
 
 import estimators
 import problems
-from curvbench import app, approximations, config, measurements, runs
+from curvbench import app, approximations, config, measurements, planning, runs
 from curvbench.optimizers import OPTIMIZERS
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
-from curvbench import planning
 
 GROUPS = ("problem", "problem/data", "curvature", "optimizer", "measure")
 

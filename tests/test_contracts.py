@@ -20,8 +20,8 @@ import pytest
 import estimators
 import problems
 from curvbench import config, provenance, report, runs
-from curvbench.core import records
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.core import records
 from curvbench.measurements import MEASUREMENTS
 from curvbench.optimizers import OPTIMIZERS
 from problems import DATASETS, PROBLEMS, Problem, ProblemSettings, layers

@@ -1,11 +1,12 @@
 """Which examples a measurement sees: chunks, remainders and their means, and
 the layout of the CPU convolutions in the means' loops."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from types import SimpleNamespace
 
 from curvbench.core import data
 

@@ -7,10 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvbench import approximations, config
-from curvbench.core import curvatures, data, devices
-from curvbench import optimizers, runs
-from curvbench.core import matrix_free, records
+from curvbench import approximations, config, optimizers, runs
+from curvbench.core import curvatures, data, devices, matrix_free, records
 from curvbench.measurements.timing import clock
 from tests.conftest import TINY
 

@@ -251,7 +251,7 @@ def test_the_readmes_library_example_runs():
   assert library, "the README shows no library example"
   for block in library:
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block, "README.md", "exec"), namespace)
     loss = float(namespace["stats"]["loss"])
     assert 0 < loss < 2.4  # ten steps down from log(10) on separable data
 

@@ -7,14 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimators import tags
-from estimators import utils
+from estimators import tags, utils
 from estimators.blocks import kronecker, stacked
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
 from tests.groundtruth import numpy_psd_power, random_normal
 from tests.test_blocks import (
-  B,
   EXACT_CASES,
+  B,
   dense_case,
   dense_layer,
   fitted,

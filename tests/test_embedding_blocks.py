@@ -10,9 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimators import blocks
-from estimators import tags
-from estimators import utils
+from estimators import blocks, tags, utils
 from tests.groundtruth import numpy_psd_power
 from tests.test_blocks import S, dense_layer, fitted, make_case, random_vector
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import config, gallery, runs, sweep
+from curvbench import config, gallery, planning, runs, sweep
 from curvbench.gallery import (
   CHECK,
   CONTRADICTED,
@@ -29,6 +29,7 @@ from curvbench.gallery import (
   UNJUDGED,
   Evidence,
   Verdict,
+  page,
 )
 from curvbench.gallery import cohen2021_edge_of_stability as cohen
 from curvbench.gallery import eschenhagen2023_kfac_reduce as eschenhagen
@@ -37,9 +38,7 @@ from curvbench.gallery import ghorbani2019_batch_norm as ghorbani
 from curvbench.gallery import gurari2018_tiny_subspace as gurari
 from curvbench.gallery import martens2015_kfac as martens
 from curvbench.gallery import morwani2025_shampoo2 as morwani
-from curvbench.gallery import page
 from curvbench.gallery import sagun2017_outliers as sagun
-from curvbench import planning
 
 # Enough for an exact 95 % interval: six runs (one group), four per group.
 SIX, FOUR, THREE = range(6), range(4), range(3)

@@ -838,7 +838,7 @@ def test_custom_pattern_from_the_internals_guide():
     for eqn in eqns:
       if eqn.primitive.name == "dot_general":
         return dict(**eqn.params)
-    assert False
+    raise AssertionError()
 
   dense_with_bias_pattern = kfac.graph_matcher.GraphPattern(
     name="dense_with_bias",
@@ -880,7 +880,7 @@ def test_report_is_logged(caplog):
 def test_new_argument_shapes_are_matched_again():
   p = _init({"w": (4, 3), "b": (3,)})
   forward = lambda p, x: jnp.mean(
-    x @ p["w"] + p["b"],  # noqa: E731
+    x @ p["w"] + p["b"],
     axis=tuple(range(1, x.ndim - 1)),
   )
   tagged = gm.auto_register_tags(_loss(forward), (p, _batch((4, 4))))

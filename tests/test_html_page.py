@@ -8,12 +8,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
 
-from curvbench.core import html_page  # noqa: E402
+from curvbench.core import html_page
 
 SCRIPT = "<script>alert(1)</script>"
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from estimators import blocks
-from estimators import tags
+from estimators import blocks, tags
 from tests.groundtruth import conv2d_layer, random_normal
 
 B, S = 3, 2

@@ -107,7 +107,7 @@ def test_utils_types_and_helpers():
   rng = np.random.default_rng(0)
   a = {"w": rng.normal(size=(3, 2)), "b": [rng.normal(size=(2,))]}
   b = jax.tree.map(lambda v: rng.normal(size=v.shape), a)
-  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]  # noqa: E731
+  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]
   np.testing.assert_allclose(u.inner_product(a, b), flat(a) @ flat(b))
   np.testing.assert_allclose(u.norm(a), np.linalg.norm(flat(a)))
   np.testing.assert_allclose(u.squared_norm(a), flat(a) @ flat(a))
@@ -381,7 +381,7 @@ def test_optax_preconditioner_direction_is_the_damped_inverse_ggn():
       state,
     )
 
-  flat_of = lambda t: jax.flatten_util.ravel_pytree(t)[0]  # noqa: E731
+  flat_of = lambda t: jax.flatten_util.ravel_pytree(t)[0]
   raw, weight, cached = 0.0, 0.0, None
   refreshes = {"curvature": 0, "inverse": 0}
   for n in range(7):
@@ -521,7 +521,7 @@ def test_optax_preconditioner_norm_constraint_scales_the_direction():
 
   free = direction(None)
   sq_norm = kfac_jax.utils.inner_product(free, grads)
-  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]  # noqa: E731
+  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]
   np.testing.assert_allclose(
     flat(direction(sq_norm / 4)), flat(free) / 2, rtol=1e-10
   )

@@ -300,7 +300,7 @@ def test_curvature_update_period_updates_every_kth_step():
   state = opt.init(params, rng, problem.batch)
   mask = gt.block_mask(problem, GROUPS)
   seen, estimates = [], []
-  for step in range(3):
+  for _step in range(3):
     seen.append(block_ggn(problem, params))
     params, state, _ = opt.step(
       params,

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from curvbench.approximations import CURVATURES
-from estimators import tags
-from estimators import utils
+from estimators import tags, utils
 from estimators.blocks import (
   get_max_parallel_elements,
   kl_shampoo,
@@ -46,7 +45,7 @@ def variants(name):
   return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fit(name):
   """Every variant on one case in one program, with the converged block's
   products, and the other Kronecker families to compare with. Returns

@@ -11,10 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from curvbench import config, provenance, runs
-from curvbench.core import records
+from curvbench import config, planning, provenance, runs
 from curvbench import sweep as sweep_runs
-from curvbench import planning
+from curvbench.core import records
 from tests.conftest import TINY
 
 CURVBENCH = Path(sys.executable).parent / "curvbench"

@@ -12,8 +12,8 @@ import pytest
 import estimators as kfac
 import problems
 from curvbench import config
-from curvbench.core import training
 from curvbench.approximations import CURVATURES
+from curvbench.core import training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.kfac import KFAC
 from estimators.utils import newton

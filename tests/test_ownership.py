@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import app, config, report, runs
+from curvbench import app, config, planning, report, runs
 from curvbench.core import records
-from curvbench import planning
 from tests.conftest import TINY
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)

@@ -13,15 +13,14 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.container import BarContainer, ErrorbarContainer
 
-from curvbench.core import metrics, palette, plots
 from curvbench.approximations import CURVATURES
-from curvbench.optimizers import OPTIMIZERS
-from curvbench.report import colour_map
-from curvbench.measurements.spectra import Spectra, completed
-from curvbench.measurements.spectra import compute
+from curvbench.core import metrics, palette, plots
+from curvbench.measurements.spectra import Spectra, completed, compute
 from curvbench.measurements.spectra import figures as spectra_figures
 from curvbench.measurements.timing import figures as timing_figures
 from curvbench.measurements.training import figures as training_figures
+from curvbench.optimizers import OPTIMIZERS
+from curvbench.report import colour_map
 
 IDENTITY = dict(
   problem="mlp",

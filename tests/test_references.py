@@ -8,8 +8,8 @@ import pytest
 
 from curvbench.core import records
 from curvbench.core.costs import Costs
-from curvbench.measurements.spectra import compute as spectra
 from curvbench.core.references import ReferenceStore, content_hash
+from curvbench.measurements.spectra import compute as spectra
 from problems.datafiles import arrays_sha256
 from tests.test_spectra import make, spec
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from curvbench import config, measurements, runs
+from curvbench import config, measurements, planning, runs
 from curvbench.core import records
-from curvbench import planning
-from tests.conftest import curvbench_cli, TINY
+from tests.conftest import TINY, curvbench_cli
 
 REPO = Path(__file__).resolve().parents[1]
 # SGD steps so long that the loss overflows float32 within a few steps.

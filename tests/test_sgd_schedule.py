@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from curvbench import config
-from curvbench.core import training
 from curvbench.components import SettingsError
+from curvbench.core import training
 from curvbench.optimizers.sgd import SGD, sutskever_momentum
 
 A = np.diag([1.0, 0.3, 0.05])  # a quadratic's curvature, and its minimum

@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 
 from curvbench.approximations import CURVATURES
-from estimators import tags
-from estimators import utils
-from estimators.blocks import (
-  get_max_parallel_elements,
-  set_max_parallel_elements,
-)
+from estimators import tags, utils
 from estimators.blocks import (
   eigenbasis,
+  get_max_parallel_elements,
   kronecker,
   optimal_kronecker,
+  set_max_parallel_elements,
   shampoo,
   stacked,
 )
@@ -88,7 +85,7 @@ def kfac_class(name):
   return FAMILIES["kfac"][CASES[name][3]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fit_all(name):
   """Every family fitted to one case, with products, in one program.
 

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 from curvbench.approximations import CURVATURES
-from estimators import blocks
-from estimators import utils
+from estimators import blocks, utils
 from tests.groundtruth import numpy_psd_power
 from tests.test_blocks import S, random_vector
 from tests.test_embedding_blocks import (
-  B,
-  D,
   IDS,
   TABLE,
+  B,
+  D,
   V,
   embedding_case,
   lookup,
@@ -48,7 +47,7 @@ CONVERGED = {"kl": dict(max_iterations=1000, tolerance=0.0)}
 WITH_FACTORS = ("shampoo2", "shampoo", "soap", "optimal")  # L and R kept
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fit(name, products=False):
   """Every family in both forms, and K-FAC's and TNT's embedding blocks,
   on one ids case in one program; with `products`, every product mode."""
@@ -89,7 +88,7 @@ def fit(name, products=False):
   return fitted, out, dict(c=np.asarray(c), g=example_gradients(name), v=v)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fit_one_hot(name):
   """Each family's dense block on the one-hot inputs (same tangents)."""
   eqn, data, _ = one_hot_case(name)

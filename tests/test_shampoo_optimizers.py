@@ -10,8 +10,8 @@ import pytest
 
 from curvbench import config
 from curvbench.components import SettingsError
-from curvbench.optimizers.shampoo import shampoo
 from curvbench.optimizers.kl_shampoo import kl_shampoo
+from curvbench.optimizers.shampoo import shampoo
 from curvbench.optimizers.soap import soap
 
 jax.config.update("jax_enable_x64", True)

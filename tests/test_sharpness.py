@@ -13,8 +13,8 @@ import pytest
 
 import problems
 from curvbench import config
-from curvbench.core import training
 from curvbench.components import SettingsError
+from curvbench.core import training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.sgd import SGD
 

@@ -7,14 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimators import blocks
-from estimators import tags
-from estimators import utils
+from estimators import blocks, tags, utils
 from estimators.blocks import tnt
 from tests.groundtruth import numpy_psd_power, random_normal
 from tests.test_blocks import (
-  B,
   TOL,
+  B,
   conv_case,
   conv_layer,
   dense_case,

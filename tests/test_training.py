@@ -12,8 +12,7 @@ import pandas as pd
 import pytest
 
 from curvbench import approximations, config, optimizers
-from curvbench.core import curvatures
-from curvbench.core import training
+from curvbench.core import curvatures, training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
 

@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 from hydra.errors import HydraException
 
-from curvbench.core import tuning
 from curvbench import planning
+from curvbench.core import tuning
 
 
 def _training(runs):

@@ -37,13 +37,13 @@ import collections
 import sys
 import types
 
-# First: puts this checkout and the torch venv on the path.
-import side_by_side
-from side_by_side import torch
-
 import jax
 import numpy as np
+
+# First: puts this checkout and the torch venv on the path.
+import side_by_side
 from curvlinops import GGNLinearOperator
+from side_by_side import torch
 
 import estimators as kfac
 import problems

@@ -28,14 +28,14 @@ Run from the repository root (set-up: README.md here):
 import sys
 import time
 
-# First: puts this checkout and the torch venv on the path.
-import side_by_side
-from side_by_side import torch
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# First: puts this checkout and the torch venv on the path.
+import side_by_side
 from curvlinops import EKFACLinearOperator
+from side_by_side import torch
 
 from curvbench.approximations import CURVATURES
 from tests.benchmarks.test_bench_estimators import mlp_problem

@@ -43,8 +43,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import estimators  # noqa: E402
 import kfac_jax  # noqa: E402
+
+import estimators  # noqa: E402
 import problems  # noqa: E402
 import problems.base  # noqa: E402
 import problems.layers  # noqa: E402
@@ -206,7 +207,7 @@ def ours_programs(side: Side) -> dict:
   """XLA's facts of each of our step's programs, by its static flags: the
   programs `Optimizer.step` runs (`utils.staging.stage`'s, pass-through
   outputs left out), lowered for the CPU."""
-  opt, out = side.opt, {}  # noqa: SLF001
+  opt, out = side.opt, {}
   for label, refresh, damping in (
     ("plain", False, False),
     ("refresh", True, False),

@@ -82,24 +82,23 @@ from pathlib import Path
 
 # First: puts this checkout and the torch venv on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "curvlinops"))
-import side_by_side  # noqa: E402
-from side_by_side import torch  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
+import side_by_side
+from side_by_side import torch
 
 try:
-  import pyhessian  # noqa: E402
+  import pyhessian
 except ImportError as error:
   raise SystemExit(
     f"{error}: install PyHessian (pip's `pyhessian`) in the "
     "torch venv (see benchmarks/pyhessian/README.md)."
   ) from None
 
-import problems  # noqa: E402
+import problems
 from curvbench import config
-from curvbench.core import curvatures, matrix_free  # noqa: E402
-from curvbench.core.data import Data  # noqa: E402
+from curvbench.core import curvatures, matrix_free
+from curvbench.core.data import Data
 
 # PyHessian keeps the gradient's graph in `.grad` (backward with
 # create_graph), which torch warns about on every call.

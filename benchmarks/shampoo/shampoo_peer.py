@@ -61,11 +61,10 @@ import sys
 import warnings
 from importlib import metadata
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import common
 
 warnings.filterwarnings("ignore", message="Explicitly requested dtype")
 for _old, _new in (

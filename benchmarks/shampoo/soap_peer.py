@@ -57,11 +57,10 @@ import contextlib
 import os
 import sys
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import common
 
 torch = common.require("torch", "torch (CPU)")
 sys.path.append(str(common.source_path("SOAP_SOURCE", "soap.py")))

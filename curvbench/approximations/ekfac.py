@@ -5,8 +5,8 @@ import dataclasses
 import functools
 
 import estimators as kfac
-from curvbench.components import OneOf, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.components import OneOf, setting
 from curvbench.core import palette
 
 

@@ -4,10 +4,9 @@ cross-layer terms included (small models)."""
 import dataclasses
 
 import estimators as kfac
-from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
+from curvbench.core import curvatures, palette
 from estimators import estimation_modes
-from curvbench.core import palette
 
 
 @CURVATURES.register

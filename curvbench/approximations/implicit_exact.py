@@ -5,10 +5,9 @@ registered twice: `implicit_exact` (the GGN) and `implicit_hessian`."""
 import dataclasses
 from typing import ClassVar
 
-from curvbench.components import OneOf, setting
-from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, CurvatureSettings
-from curvbench.core import palette
+from curvbench.components import OneOf, setting
+from curvbench.core import curvatures, palette
 
 
 @dataclasses.dataclass

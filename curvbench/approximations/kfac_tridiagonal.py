@@ -7,10 +7,9 @@ import dataclasses
 from typing import ClassVar
 
 import estimators as kfac
-from curvbench.core import curvatures
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.core import curvatures, palette
 from estimators import estimation_modes
-from curvbench.core import palette
 
 
 @dataclasses.dataclass(frozen=True)

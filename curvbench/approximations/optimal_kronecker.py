@@ -7,9 +7,9 @@ import functools
 from typing import Any
 
 import estimators as kfac
-from curvbench.components import Number, Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
 from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench.components import Number, Whole, setting
 from curvbench.core import palette
 
 

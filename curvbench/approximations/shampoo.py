@@ -6,8 +6,8 @@ import dataclasses
 import functools
 
 import estimators as kfac
-from curvbench.components import Whole, setting
 from curvbench.approximations import CURVATURES, BlockDiagonal
+from curvbench.components import Whole, setting
 from curvbench.core import palette
 
 

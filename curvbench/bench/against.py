@@ -186,9 +186,9 @@ def load(ref: str, folder: Path) -> Version:
 
 
 def working_tree() -> Version:
-  from curvbench.core import data
   import estimators
   import problems
+  from curvbench.core import data
 
   return Version("working tree", estimators, data, problems)
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from curvbench.core import environment
 from curvbench.bench import against, record, scaling, suite, window
+from curvbench.core import environment
 from curvbench.core.sections import to_markdown
 
 

@@ -50,8 +50,8 @@ import pandas as pd
 import problems
 from curvbench import approximations, config, optimizers
 from curvbench.core import costs, curvatures, data, environment, matrix_free
-from curvbench.measurements.timing import clock, load
 from curvbench.core.sections import to_markdown
+from curvbench.measurements.timing import clock, load
 
 LANCZOS_K = 20
 LANCZOS_ITERS = 40

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from curvbench.core import records
 from curvbench.bench import against, products, record
+from curvbench.core import records
+from curvbench.core.sections import to_markdown
 from curvbench.measurements import MEASUREMENTS
 from curvbench.measurements.timing import clock
-from curvbench.core.sections import to_markdown
 
 SPECTRA_PROBLEM = "mlp"  # the README's MLP, at the config's defaults
 

@@ -25,12 +25,12 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib import colors, layout_engine  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib import colors, layout_engine
 
-from curvbench.core import palette  # noqa: E402
+from curvbench.core import palette
 
 DEFAULTS = dict(step=0, data="batch", block="all")
 LEGEND_FONTSIZE = 7

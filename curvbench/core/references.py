@@ -40,8 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from curvbench.core import environment
-from curvbench.core import records
+from curvbench.core import environment, records
 from problems import datafiles
 
 MARKER = ".curvbench-references"  # the store folder is curvbench's

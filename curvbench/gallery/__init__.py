@@ -49,8 +49,8 @@ import numpy.typing as npt
 import pandas as pd
 
 from curvbench.core import stats, tuning
-from curvbench.measurements.training import comparison
 from curvbench.core.sections import unreadable
+from curvbench.measurements.training import comparison
 
 # The kinds of claim.
 FINDING, EXTENSION, CHECK = "finding", "extension", "check"

@@ -23,9 +23,9 @@ import pandas as pd
 
 from curvbench import gallery
 from curvbench.gallery import (
+  CONTRADICTED,
   EXTENSION,
   FINDING,
-  CONTRADICTED,
   INCONCLUSIVE,
   REPRODUCED,
   TOO_FEW,

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from curvbench.core import html_page, plots, records
+from curvbench.core.sections import Section, Table, to_markdown
 from curvbench.gallery import (
   KINDS,
   OUTCOMES,
@@ -29,7 +30,6 @@ from curvbench.gallery import (
   lacking,
 )
 from curvbench.gallery import evidence as evidence_of
-from curvbench.core.sections import Section, Table, to_markdown
 
 # How the page names each kind of claim, in the tally.
 KIND_WORDS = {

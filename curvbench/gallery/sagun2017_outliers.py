@@ -160,7 +160,7 @@ def _terminal(evidence: Evidence) -> tuple[bool, str]:
 def draw(evidence: Evidence, ax) -> None:
   """The top of the trained GGN's spectrum, one line per seed, C marked,
   and the class means' eigenvalues as crosses."""
-  for run_id, values in trained_eigenvalues(evidence, "ggn").items():
+  for _run_id, values in trained_eigenvalues(evidence, "ggn").items():
     top = values[: 4 * CLASSES]
     (line,) = ax.semilogy(
       np.arange(1, top.size + 1), top, marker="o", ms=2, lw=1

@@ -6,9 +6,8 @@ import dataclasses
 import optax
 
 from curvbench.components import Flag, Number, OneOf, setting
-from curvbench.core import training
+from curvbench.core import palette, training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
-from curvbench.core import palette
 
 
 @OPTIMIZERS.register

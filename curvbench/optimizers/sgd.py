@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from curvbench.components import Flag, Number, OneOf, setting
-from curvbench.core import training
+from curvbench.core import palette, training
 from curvbench.optimizers import DTYPES, OPTIMIZERS, OptimizerSettings
-from curvbench.core import palette
 
 MOMENTUM_SCHEDULES = ("constant", "sutskever2013")
 

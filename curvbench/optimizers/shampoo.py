@@ -43,12 +43,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from curvbench.core import training
 from curvbench.components import Flag, Number, OneOf, Parsed, Whole, setting
+from curvbench.core import palette, training
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import as_matrix, matrix_shape
 from estimators.utils import newton, safe_psd_eigh
-from curvbench.core import palette
 
 GRAFTING = ("none", "sgd", "adagrad", "rmsprop", "adam")
 ROOT_METHODS = ("eigh", "newton")

@@ -34,22 +34,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from curvbench.core import training
 from curvbench.components import Flag, Number, OneOf, Whole, setting
+from curvbench.core import palette, training
 from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 from curvbench.optimizers.kronecker import (
   as_matrix,
   decay_after_step,
-  per_parameter_update,
   eigenbasis,
   matrix_shape,
   outer_products,
+  per_parameter_update,
   power_qr,
   rotate,
   unit_rms,
   unrotate,
 )
-from curvbench.core import palette
 
 BASES = ("qr", "eigh")
 

@@ -2,20 +2,12 @@
 
 from estimators.blocks.base import (
   CurvatureBlock,
-  to_real_set,
   get_default_eigen_decomposition_threshold,
   get_max_parallel_elements,
   set_default_eigen_decomposition_threshold,
   set_max_parallel_elements,
+  to_real_set,
 )
-from estimators.blocks.embedding import (
-  EmbeddingDiagonal,
-  EmbeddingEKFAC,
-  EmbeddingFull,
-  EmbeddingKFAC,
-  EmbeddingTNT,
-)
-from estimators.blocks.eigenbasis import EKFAC, Conv2DEKFAC, DenseEKFAC
 from estimators.blocks.diagonal import (
   Conv2DDiagonal,
   DenseDiagonal,
@@ -23,6 +15,15 @@ from estimators.blocks.diagonal import (
   NaiveDiagonal,
   ScaleAndShiftDiagonal,
 )
+from estimators.blocks.eigenbasis import EKFAC, Conv2DEKFAC, DenseEKFAC
+from estimators.blocks.embedding import (
+  EmbeddingDiagonal,
+  EmbeddingEKFAC,
+  EmbeddingFull,
+  EmbeddingKFAC,
+  EmbeddingTNT,
+)
+from estimators.blocks.example_gradients import MAX_FULL_VOCAB, EmbeddingFactors
 from estimators.blocks.full import (
   Conv2DFull,
   DenseFull,
@@ -32,13 +33,20 @@ from estimators.blocks.full import (
   ScaleAndShiftFull,
 )
 from estimators.blocks.identity import ScaledIdentity
-from estimators.blocks.norms import NORM_TYPES, psd_matrix_norm
-from estimators.blocks.example_gradients import MAX_FULL_VOCAB, EmbeddingFactors
 from estimators.blocks.kl_shampoo import (
   Conv2DKLShampoo,
   DenseKLShampoo,
   EmbeddingKLShampoo,
 )
+from estimators.blocks.kronecker import (
+  Conv2DTwoKroneckerFactored,
+  DenseTwoKroneckerFactored,
+  KroneckerFactored,
+  RepeatedDenseKroneckerFactored,
+  RepeatedDenseTwoKroneckerFactored,
+  TwoKroneckerFactored,
+)
+from estimators.blocks.norms import NORM_TYPES, psd_matrix_norm
 from estimators.blocks.optimal_kronecker import (
   Conv2DOptimalKronecker,
   DenseOptimalKronecker,
@@ -54,14 +62,6 @@ from estimators.blocks.shampoo import (
   EmbeddingShampoo,
   EmbeddingShampoo2,
   EmbeddingSOAP,
-)
-from estimators.blocks.kronecker import (
-  Conv2DTwoKroneckerFactored,
-  DenseTwoKroneckerFactored,
-  KroneckerFactored,
-  RepeatedDenseKroneckerFactored,
-  RepeatedDenseTwoKroneckerFactored,
-  TwoKroneckerFactored,
 )
 from estimators.blocks.stacked import Stacked
 from estimators.blocks.tnt import Conv2DTNT, DenseTNT, NaiveTNT

@@ -37,8 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimators import tags
-from estimators import utils
+from estimators import tags, utils
 from estimators.blocks import norms
 
 # Numeric: weights, scales, EMA factors. Scalar: a power. ScalarOrSequence:
@@ -393,7 +392,7 @@ class CurvatureBlock(abc.ABC):
     """
     return 1
 
-  def state_dependent_scale(self, state: "CurvatureBlock.State") -> Numeric:
+  def state_dependent_scale(self, state: CurvatureBlock.State) -> Numeric:
     """A factor computed from the current estimate (1 for built-in blocks).
 
     Args:
@@ -405,7 +404,7 @@ class CurvatureBlock(abc.ABC):
     del state
     return 1
 
-  def scale(self, state: "CurvatureBlock.State", use_cache: bool) -> Numeric:
+  def scale(self, state: CurvatureBlock.State, use_cache: bool) -> Numeric:
     """The factor that multiplies unscaled or cached values.
 
     Args:
@@ -429,7 +428,7 @@ class CurvatureBlock(abc.ABC):
     exact_powers_to_cache: ScalarOrSequence,
     approx_powers_to_cache: ScalarOrSequence,
     cache_eigenvalues: bool,
-  ) -> "CurvatureBlock.State":
+  ) -> CurvatureBlock.State:
     """Zero statistics and a cache with one entry per requested power.
 
     The cache's keys are fixed here, so later states have the same pytree
@@ -474,11 +473,11 @@ class CurvatureBlock(abc.ABC):
 
   def with_cache_room(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     exact_powers: ScalarOrSequence,
     approx_powers: ScalarOrSequence,
     eigenvalues: bool,
-  ) -> "CurvatureBlock.State":
+  ) -> CurvatureBlock.State:
     """`state` with (zero) cache entries added for any of these powers and
     the eigenvalues that `init` did not make room for, so that
     `update_cache` takes them (as KFAC-JAX's estimators do). The state's
@@ -503,14 +502,14 @@ class CurvatureBlock(abc.ABC):
 
   def update_curvature_matrix_estimate(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     estimation_data: Mapping[str, Sequence[Array]],
     ema_old: Numeric,
     ema_new: Numeric,
     batch_size: Numeric,
     pmap_axis_name: str | None = None,
     identity_weight: Numeric | None = None,
-  ) -> "CurvatureBlock.State":
+  ) -> CurvatureBlock.State:
     """Folds this batch's statistics into the moving averages.
 
     Each average becomes `(ema_old * w * old + ema_new * new) / (ema_old * w
@@ -547,12 +546,12 @@ class CurvatureBlock(abc.ABC):
 
   def update_cache(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     identity_weight: Numeric,
     exact_powers: ScalarOrSequence,
     approx_powers: ScalarOrSequence,
     eigenvalues: bool,
-  ) -> "CurvatureBlock.State":
+  ) -> CurvatureBlock.State:
     """Recomputes the named cache entries from the current estimate.
 
     Args:
@@ -602,7 +601,7 @@ class CurvatureBlock(abc.ABC):
 
   def multiply_matpower(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     vector: Sequence[Array],
     identity_weight: Numeric,
     power: float,
@@ -660,7 +659,7 @@ class CurvatureBlock(abc.ABC):
 
   def multiply(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     vector: Sequence[Array],
     identity_weight: Numeric,
     exact_power: bool,
@@ -678,7 +677,7 @@ class CurvatureBlock(abc.ABC):
 
   def multiply_inverse(
     self,
-    state: "CurvatureBlock.State",
+    state: CurvatureBlock.State,
     vector: Sequence[Array],
     identity_weight: Numeric,
     exact_power: bool,
@@ -705,9 +704,7 @@ class CurvatureBlock(abc.ABC):
     """
     return False
 
-  def eigenvalues(
-    self, state: "CurvatureBlock.State", use_cached: bool
-  ) -> Array:
+  def eigenvalues(self, state: CurvatureBlock.State, use_cached: bool) -> Array:
     """Eigenvalues of the undamped, scaled block.
 
     Args:
@@ -734,8 +731,8 @@ class CurvatureBlock(abc.ABC):
     return values * self.scale(state, use_cache=use_cached)
 
   def sync(
-    self, state: "CurvatureBlock.State", pmap_axis_name: str | None
-  ) -> "CurvatureBlock.State":
+    self, state: CurvatureBlock.State, pmap_axis_name: str | None
+  ) -> CurvatureBlock.State:
     """The state with its statistics averaged over the devices of
     `pmap_axis_name` (the cache is left as it is).
 
@@ -759,7 +756,7 @@ class CurvatureBlock(abc.ABC):
     synced = jax.tree_util.tree_map(mean, dataclasses.replace(state, cache={}))
     return dataclasses.replace(synced, cache=cache)
 
-  def norm(self, state: "CurvatureBlock.State", norm_type: str) -> Numeric:
+  def norm(self, state: CurvatureBlock.State, norm_type: str) -> Numeric:
     """A scalar size of the undamped, scaled block.
 
     Used to scale the damping per block (the estimators'
@@ -786,7 +783,7 @@ class CurvatureBlock(abc.ABC):
       self.to_dense_matrix(state) / scale, norm_type=norm_type
     )
 
-  def undamped_diagonal(self, state: "CurvatureBlock.State") -> BlockVector:
+  def undamped_diagonal(self, state: CurvatureBlock.State) -> BlockVector:
     """The diagonal of the undamped, scaled block, shaped like the params.
 
     Args:
@@ -807,7 +804,7 @@ class CurvatureBlock(abc.ABC):
     )
     return utils.unflatten_vector(diagonal, self.parameters_shapes)
 
-  def to_dense_matrix(self, state: "CurvatureBlock.State") -> Array:
+  def to_dense_matrix(self, state: CurvatureBlock.State) -> Array:
     """The undamped scaled block as a matrix, for small blocks.
 
     Args:

@@ -9,9 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import layers
-from estimators.blocks import norms
+from estimators.blocks import base, layers, norms
 
 
 class Diagonal(base.CurvatureBlock):

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import kronecker
+from estimators.blocks import base, kronecker
 
 
 def restarted_scalings(
@@ -153,14 +152,14 @@ class EKFAC(kronecker.TwoKroneckerFactored):
   def update_curvature_matrix_estimate(
     self,
     # Narrower than the base's: a family takes its own State.
-    state: "EKFAC.State",  # type: ignore[override]
+    state: EKFAC.State,  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
     pmap_axis_name: str | None = None,
     identity_weight: float | jax.Array | None = None,
-  ) -> "EKFAC.State":
+  ) -> EKFAC.State:
     """Folds this batch into the factors and the scalings.
 
     The factors are folded as K-FAC folds them. If the block had seen no
@@ -217,12 +216,12 @@ class EKFAC(kronecker.TwoKroneckerFactored):
   def update_cache(
     self,
     # Narrower than the base's: a family takes its own State.
-    state: "EKFAC.State",  # type: ignore[override]
+    state: EKFAC.State,  # type: ignore[override]
     identity_weight: base.Numeric,
     exact_powers: base.ScalarOrSequence,
     approx_powers: base.ScalarOrSequence,
     eigenvalues: bool,
-  ) -> "EKFAC.State":
+  ) -> EKFAC.State:
     """Recomputes the basis, restarts the scalings, refreshes the entries.
 
     The basis becomes the eigenvectors of the current factors, even when no

@@ -35,12 +35,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from estimators import tags
-from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import diagonal
-from estimators.blocks import eigenbasis
-from estimators.blocks import full
+from estimators import tags, utils
+from estimators.blocks import base, diagonal, eigenbasis, full
 
 if TYPE_CHECKING:
   # As `layers`' mixins: the type checker sees the block it is mixed into.

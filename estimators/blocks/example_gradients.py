@@ -24,9 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import embedding
-from estimators.blocks import kronecker
+from estimators.blocks import base, embedding, kronecker
 
 if TYPE_CHECKING:
   # A mixin's methods run on the Kronecker block it is mixed into: the type

@@ -11,9 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import layers
-from estimators.blocks import norms
+from estimators.blocks import base, layers, norms
 
 _EIGEN = "eigendecomposition"
 
@@ -294,8 +292,8 @@ class ExplicitFull(NaiveFull):
     )
 
   def with_factor_rows(
-    self, state: "ExplicitFull.State", num_rows: int
-  ) -> "ExplicitFull.State":
+    self, state: ExplicitFull.State, num_rows: int
+  ) -> ExplicitFull.State:
     """`state` with room for `num_rows` rows of the latest batch."""
     return dataclasses.replace(
       state, factor=jnp.zeros((num_rows, self.dim), state.factor.dtype)

@@ -6,8 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from estimators.blocks import base
-from estimators.blocks import norms
+from estimators.blocks import base, norms
 
 
 class ScaledIdentity(base.CurvatureBlock):

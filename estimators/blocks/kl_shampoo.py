@@ -38,10 +38,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from estimators.blocks import base
-from estimators.blocks import example_gradients
-from estimators.blocks import shampoo
-from estimators.blocks import tnt
+from estimators.blocks import base, example_gradients, shampoo, tnt
 
 _trace = example_gradients.factor_trace
 
@@ -213,14 +210,14 @@ class KLShampooMixin(
   def update_curvature_matrix_estimate(
     self,
     # Narrower than the base's: a family takes its own State.
-    state: "KLShampooMixin.State",  # type: ignore[override]
+    state: KLShampooMixin.State,  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
     pmap_axis_name: str | None = None,
     identity_weight: float | jax.Array | None = None,
-  ) -> "KLShampooMixin.State":
+  ) -> KLShampooMixin.State:
     """Refits `S_a ⊗ S_b` to the previous estimate and this batch (see the
     class).
 

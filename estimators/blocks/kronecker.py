@@ -21,14 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from estimators import patches
-from estimators import tags
-from estimators import utils
+from estimators import patches, tags, utils
+from estimators.blocks import base, layers, norms
 from estimators.utils import array_math
-from estimators.blocks import base
-from estimators.blocks import layers
-from estimators.blocks import norms
-
 
 _ALPHABET = string.ascii_lowercase
 

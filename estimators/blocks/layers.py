@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from estimators import tags
-from estimators import utils
+from estimators import tags, utils
 from estimators.blocks import base
 
 if TYPE_CHECKING:

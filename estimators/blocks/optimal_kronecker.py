@@ -26,11 +26,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from estimators.blocks import base
-from estimators.blocks import example_gradients
-from estimators.blocks import kronecker
-from estimators.blocks import shampoo
-from estimators.blocks import tnt
+from estimators.blocks import base, example_gradients, kronecker, shampoo, tnt
 
 
 def _normalized(matrix):
@@ -180,14 +176,14 @@ class OptimalKroneckerMixin(
   def update_curvature_matrix_estimate(
     self,
     # Narrower than the base's: a family takes its own State.
-    state: "OptimalKroneckerMixin.State",  # type: ignore[override]
+    state: OptimalKroneckerMixin.State,  # type: ignore[override]
     estimation_data: Mapping[str, Sequence[jax.Array]],
     ema_old: base.Numeric,
     ema_new: base.Numeric,
     batch_size: base.Numeric,
     pmap_axis_name: str | None = None,
     identity_weight: float | jax.Array | None = None,
-  ) -> "OptimalKroneckerMixin.State":
+  ) -> OptimalKroneckerMixin.State:
     """Folds `L` and `R` in, then refits `σ A ⊗ B` (see the class).
 
     Args:

@@ -40,11 +40,13 @@ import jax
 import jax.numpy as jnp
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import eigenbasis
-from estimators.blocks import example_gradients
-from estimators.blocks import kronecker
-from estimators.blocks import tnt
+from estimators.blocks import (
+  base,
+  eigenbasis,
+  example_gradients,
+  kronecker,
+  tnt,
+)
 
 if TYPE_CHECKING:
   # A mixin's methods run on the block it is mixed into: the type checker

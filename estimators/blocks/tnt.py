@@ -20,9 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from estimators import utils
-from estimators.blocks import base
-from estimators.blocks import kronecker
-from estimators.blocks import layers
+from estimators.blocks import base, kronecker, layers
 
 if TYPE_CHECKING:
   # A mixin's methods run on the Kronecker block it is mixed into: the type

@@ -21,7 +21,6 @@ from estimators import estimation_modes, tracer, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.utils.types import FuncArgs, Params, StateType
 
-
 CurvatureBlockCtor = Callable[..., curvature_blocks.CurvatureBlock]
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, CurvatureBlockCtor] = {

@@ -14,23 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import blocks as curvature_blocks
-from estimators import estimation_modes, graph_matcher
-from estimators.utils import distributed
-from estimators import tracer, utils
-from estimators.utils import newton
+from estimators import estimation_modes, graph_matcher, tracer, utils
 from estimators.blocks.base import Numeric, ScalarOrSequence
 from estimators.curvature.base import (
   CurvatureBlockCtor,
+  CurvatureEstimator,
   build_block,
   canonical_tag_name,
-  CurvatureEstimator,
   check_params_tree,
   get_default_tag_to_block_ctor,
   powers_tuple,
   update_block_estimate,
 )
+from estimators.utils import distributed, newton
 from estimators.utils.types import FuncArgs, Params
-
 
 _LOG = logging.getLogger(__name__)
 

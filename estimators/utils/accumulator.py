@@ -118,7 +118,7 @@ class MultiChunkAccumulator(Generic[TArrayTree]):
   @classmethod
   def zeros_like(
     cls, obj: Any, multi_device: bool
-  ) -> "MultiChunkAccumulator[Any]":
+  ) -> MultiChunkAccumulator[Any]:
     """A zero sum shaped like `obj` (per device when `multi_device`), with
     weight 0."""
     weight = jnp.zeros([], jnp.int32)
@@ -130,7 +130,7 @@ class MultiChunkAccumulator(Generic[TArrayTree]):
     return cls(value, weight, multi_device)
 
   @classmethod
-  def empty(cls, multi_device: bool) -> "MultiChunkAccumulator[Any]":
+  def empty(cls, multi_device: bool) -> MultiChunkAccumulator[Any]:
     """An accumulator with no sum yet and weight 0 (per device when
     `multi_device`)."""
     weight = jnp.zeros([], jnp.int32)
@@ -138,7 +138,7 @@ class MultiChunkAccumulator(Generic[TArrayTree]):
       weight = replicate_all_local_devices(weight)
     return cls(None, weight, multi_device)
 
-  def copy(self) -> "MultiChunkAccumulator[Any]":
+  def copy(self) -> MultiChunkAccumulator[Any]:
     """A new accumulator holding the same arrays."""
     leaves, tree = jax.tree.flatten(self)
     return jax.tree.unflatten(tree, leaves)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from estimators.utils.collectives import pmean_if_pmap
 from estimators.utils import pytree
+from estimators.utils.collectives import pmean_if_pmap
 from estimators.utils.pytree import tree_is_empty
 
 # The mesh axis of device-stacked arrays made here when no axis name is given.

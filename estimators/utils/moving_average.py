@@ -55,7 +55,7 @@ class WeightedMovingAverage(State, Generic[TArrayTree]):
     self.raw_value = None if value is None else self._raw_from(value)
 
   @classmethod
-  def from_raw(cls, weight: Any, raw_value: Any) -> "WeightedMovingAverage":
+  def from_raw(cls, weight: Any, raw_value: Any) -> WeightedMovingAverage:
     """An average from its weight and weighted sum (`raw_value / weight`)."""
     obj = cls.__new__(cls)
     obj.weight, obj.raw_value = weight, raw_value
@@ -121,19 +121,19 @@ class WeightedMovingAverage(State, Generic[TArrayTree]):
   @classmethod
   def zeros(
     cls, shape: Sequence[int], dtype: Any = jnp.float32
-  ) -> "WeightedMovingAverage":
+  ) -> WeightedMovingAverage:
     """An array average with no terms yet, of this shape and dtype."""
     return cls.from_raw(jnp.zeros([], dtype), jnp.zeros(tuple(shape), dtype))
 
   @classmethod
   def zeros_array(
     cls, shape: Sequence[int], dtype: Any = None
-  ) -> "WeightedMovingAverage":
+  ) -> WeightedMovingAverage:
     """As `zeros`, with JAX's default float dtype when `dtype` is None."""
     return cls.from_raw(jnp.zeros([], dtype), jnp.zeros(tuple(shape), dtype))
 
   @classmethod
-  def zeros_like(cls, value: Any) -> "WeightedMovingAverage":
+  def zeros_like(cls, value: Any) -> WeightedMovingAverage:
     """An average with no terms yet, of the structure of a pytree of floats
     (all of one dtype, which the weight takes too)."""
     dtype = get_float_dtype_and_check_consistency(value)
@@ -159,7 +159,7 @@ class WeightedMovingAverage(State, Generic[TArrayTree]):
     old_weight_multiplier: Any,
     new_weight: Any,
     add_function: AddFunction = default_add_function,
-  ) -> "WeightedMovingAverage":
+  ) -> WeightedMovingAverage:
     """A new average with one more term; `self` is left unchanged.
 
     The weight becomes `old_weight_multiplier * weight + relu(new_weight)`
@@ -223,7 +223,7 @@ class WeightedMovingAverage(State, Generic[TArrayTree]):
     old_weight_multiplier: Any,
     new_weight: Any,
     add_function: AddFunction = default_add_function,
-  ) -> "WeightedMovingAverage":
+  ) -> WeightedMovingAverage:
     """`updated(...)`, stored in this object too (KFAC-JAX's in-place
     update); returns `self`.
 

@@ -27,7 +27,7 @@ class WithStagedMethods(Finalizable):
   class StagingContext:
     """Marks its object as being staged for the duration of a `with`."""
 
-    def __init__(self, wsm_instance: "WithStagedMethods"):
+    def __init__(self, wsm_instance: WithStagedMethods):
       self._wsm_instance = wsm_instance
 
     def __enter__(self) -> None:
@@ -93,7 +93,7 @@ class WithStagedMethods(Finalizable):
     """Whether a staged method of this object is being run or traced."""
     return self._in_staging
 
-  def staging_context(self) -> "WithStagedMethods.StagingContext":
+  def staging_context(self) -> WithStagedMethods.StagingContext:
     """A context manager marking this object as being staged."""
     return self.StagingContext(self)
 

@@ -16,16 +16,17 @@ Array = jax.Array
 # A PRNG key, as `jax.random.PRNGKey` or `jax.random.key` makes it.
 PRNGKey = jax.Array
 Shape = tuple[int, ...]
-DType = Union[np.dtype, type, str]
+DType = np.dtype | type | str
 # A Python number or a scalar array.
-Scalar = Union[float, int, jax.Array]
+Scalar = float | int | jax.Array
 # A Python number or an array of any shape.
-Numeric = Union[float, int, jax.Array]
-ScalarOrSequence = Union[Scalar, Sequence[Scalar], None]
+Numeric = float | int | jax.Array
+ScalarOrSequence = Scalar | Sequence[Scalar] | None
 
 LeafType = TypeVar("LeafType")
 # A pytree; `PyTree[X]` says its leaves are X (documentation, not checked).
-PyTree = Union[LeafType, Any]
+# Union[] here, not |: mypy reads a TypeVar in it as a generic alias.
+PyTree = Union[LeafType, Any]  # noqa: UP007
 PyTreeDef = jax.tree_util.PyTreeDef
 
 Params = Any
@@ -50,9 +51,8 @@ ArrayTree = Any
 TArrayTree = TypeVar("TArrayTree")
 # What a model function may return: the loss, `(loss, aux)` or
 # `(loss, (state, aux))`.
-AssumedFuncOutput = Union[jax.Array, tuple[jax.Array, Any]]
+AssumedFuncOutput = jax.Array | tuple[jax.Array, Any]
 # A schedule: `schedule(step)` or `schedule(step, data_seen)` -> a value.
-ScheduleType = Union[
-  Callable[[Numeric, Union[Numeric, None]], Numeric],
-  Callable[[Numeric], Numeric],
-]
+ScheduleType = (
+  Callable[[Numeric, Numeric | None], Numeric] | Callable[[Numeric], Numeric]
+)

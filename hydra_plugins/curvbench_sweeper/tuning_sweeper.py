@@ -45,28 +45,28 @@ from typing import TYPE_CHECKING, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import HydraException
 from hydra.plugins.sweeper import Sweeper
-from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from curvbench import config, runs
 from curvbench.core import devices, records
 from curvbench.planning import (
-  union,
-  expand,
-  folder_names,
-  record_folders,
-  shown,
-  quoted,
-  progress,
-  summary,
-  runs_in_turn,
+  SUBDIR,
   batches,
   check_alone,
+  expand,
+  folder_names,
+  progress,
+  quoted,
+  record_folders,
   refuse_bad_points,
   refuse_shared_folders,
-  SUBDIR,
+  runs_in_turn,
+  shown,
+  summary,
+  union,
 )
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@ and how it is read or generated (`load`)."""
 
 import abc
 import dataclasses
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 from curvbench.components import Component, Registry, Whole, setting
 from problems import data

@@ -212,7 +212,7 @@ def _python_batch(path: Path, fix_text: str):
     part = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
     x = np.asarray(part[b"data"])
     y = np.asarray(part[b"labels"])
-  except Exception as e:  # noqa: BLE001 - a damaged pickle fails many ways
+  except Exception as e:
     raise DataFileError(
       f"{path} is not a CIFAR-10 batch (a pickled dict "
       f"with b'data' and b'labels'): {e}. "

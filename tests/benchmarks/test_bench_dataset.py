@@ -53,7 +53,7 @@ def _dataset_product(problem, work):
   return lambda p, v, d: d.mean(lambda b: one(p, v, b))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(name):
   problem = problems.make(config.compose(f"problem={name}").problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float32)
@@ -67,7 +67,7 @@ def _setup(name):
   return problem, params, examples, batches
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _programs(name, work):
   """The compiled dataset program, the batch program per batch size, and
   the vector (the split's gradient)."""

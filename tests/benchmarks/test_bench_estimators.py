@@ -110,7 +110,7 @@ def _run(benchmark, fn, *args):
   )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(problem, family, matrix_power_method="decomposition"):
   loss_fn, params, batch = PROBLEMS[problem]()
   settings = dataclasses.replace(
@@ -176,7 +176,7 @@ def test_multiply_inverse(benchmark, problem, family):
   _run(benchmark, apply, state, params)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _explicit_ggn():
   """The issue's reference problem: MLP 100-50-50-50-10, batch 128."""
   loss_fn, params, batch = mlp_problem()
@@ -218,7 +218,7 @@ def test_explicit_exact_ggn_eigenvalues(benchmark):
   )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fresh_estimate(family):
   """One estimate from a fresh state (`ggn_exact`, the issue's MLP, batch
   128): for EKFAC the factors, their eigenbasis and the scalings."""

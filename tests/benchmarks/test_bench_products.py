@@ -31,7 +31,8 @@ only `make bench` runs it.
 import functools
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,7 @@ class Setup(NamedTuple):
   run_gradient: Callable[[], Any]  # compiled
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(name, *overrides):
   """The problem, its float32 params, training split and gradient."""
   problem = problems.make(config.compose(f"problem={name}", *overrides).problem)
@@ -94,7 +95,7 @@ def _setup(name, *overrides):
   return Setup(problem, params, examples, jax.block_until_ready(run()), run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gradient_flops(name):
   """The gradient's flops over the split, and the whole program's count."""
   s = _setup(name)
@@ -105,7 +106,7 @@ def _gradient_flops(name):
   )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _product(name, matrix):
   """A compiled product by `matrix` (at the gradient) and its flops, as
   `_gradient_flops`."""
@@ -129,7 +130,7 @@ def _apply(operator, vector):
   return operator(vector)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _linearized(name, matrix):
   """As `_product`, through `Curvature.operator`: linearized once outside
   the timed and counted program, which is one product only."""

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from curvbench.components import Number, setting
-from curvbench.measurements import Measurement, Outcome
 from curvbench.core.sections import Section, Table
+from curvbench.measurements import Measurement, Outcome
 from tests.toy_measurement import figures
 
 

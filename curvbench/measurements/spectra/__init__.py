@@ -38,6 +38,8 @@ from curvbench.core import (
 )
 from curvbench.core.costs import Costs
 from curvbench.core.data import parse_scope, select
+from curvbench.core.references import ReferenceStore, content_hash
+from curvbench.core.sections import Section, spread
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.spectra import (
   class_means,
@@ -47,8 +49,6 @@ from curvbench.measurements.spectra import (
 )
 from curvbench.measurements.training import save_checkpoint
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.core.references import ReferenceStore, content_hash
-from curvbench.core.sections import Section, spread
 
 POSITIVE = Number(0, low_in=False)
 COUNT = Whole(1)

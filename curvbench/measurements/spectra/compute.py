@@ -69,8 +69,8 @@ import threadpoolctl
 from curvbench.core import curvatures, matrix_free, metrics
 from curvbench.core.costs import Costs
 from curvbench.core.data import Data
-from curvbench.measurements.spectra import class_means
 from curvbench.core.references import ReferenceStore, content_hash
+from curvbench.measurements.spectra import class_means
 
 TABLES = ("spectra", "quality", "statistics", "heatmaps", "references")
 # Below this relative Frobenius distance two exact references are the

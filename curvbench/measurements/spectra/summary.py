@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from curvbench.core import metrics, registration_report, stats
-from estimators import estimation_modes
 from curvbench.approximations import CURVATURES
-from curvbench.measurements.spectra.compute import SAME
+from curvbench.core import metrics, registration_report, stats
 from curvbench.core.sections import Table, number, spread, wide
+from curvbench.measurements.spectra.compute import SAME
+from estimators import estimation_modes
 
 # The relation a reader comparing with KFAC-JAX needs (README, porting).
 EMPIRICAL_FISHER_SCALE = (

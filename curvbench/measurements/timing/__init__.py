@@ -11,10 +11,10 @@ import pandas as pd
 
 from curvbench.components import Choice, ListOf, Number, OneOf, Whole, setting
 from curvbench.core import stats
+from curvbench.core.sections import Section, Table, spread, wide
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.timing import clock, figures, load
 from curvbench.optimizers import OPTIMIZERS
-from curvbench.core.sections import Section, Table, spread, wide
 
 POSITIVE = Number(0, low_in=False)
 BUSY = ("measure", "wait", "refuse")

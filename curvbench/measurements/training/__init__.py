@@ -15,10 +15,10 @@ import pandas as pd
 
 from curvbench.components import Number, Parsed, Whole, setting
 from curvbench.core import checkpoints, records, stats, training, tuning
+from curvbench.core.sections import Section, Table, spread, wide
 from curvbench.measurements import MEASUREMENTS, Measurement, Outcome
 from curvbench.measurements.timing import load
 from curvbench.measurements.training import comparison, divergence, figures
-from curvbench.core.sections import Section, Table, spread, wide
 
 STEPS = Parsed(
   lambda v: training.measurement_steps(v, 2**62),

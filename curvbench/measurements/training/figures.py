@@ -66,7 +66,7 @@ def training(
   for problem, p in df.groupby("problem"):
     fig, axes = plots.grid(2, width=5.0, height=3.8, cols=2, sharey=True)
     grid = "time_point_s" in p and p.time_point_s.notna().any()
-    for method, m in p.groupby("method"):
+    for _method, m in p.groupby("method"):
       for i, (label, runs) in enumerate(m.groupby("label")):
         n, c = runs.run_id.nunique(), colours[label]
         # Against the step, the evaluations every seed makes at the same
