@@ -109,6 +109,8 @@ CLASSIFIER_LOSSES = {
 
 
 def loss(name: str) -> Callable:
+  """The loss function `LOSSES[name]`, `(outputs, targets) -> scalar`; an
+  unknown name raises a ValueError listing the known ones."""
   if name not in LOSSES:
     raise ValueError(
       f"Unknown loss {name!r}; choose one of {', '.join(LOSSES)}."
@@ -325,6 +327,8 @@ class Problem:
 
   @property
   def num_params(self) -> int:
+    """The number of scalar parameters (found from shapes alone, without
+    initialising the model)."""
     shapes = jax.eval_shape(self.init_params, jax.random.PRNGKey(0))
     return int(sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)))
 
@@ -402,6 +406,8 @@ class Problem:
     return x, self.targets(x, y[:size])
 
   def metadata(self) -> dict:
+    """What describes the problem in a run's record: its name, task, loss,
+    dataset, parameter count, batch size, split sizes and input shape."""
     return dict(
       problem=self.name,
       task=self.task,

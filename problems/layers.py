@@ -18,16 +18,23 @@ HAND_REGISTRATION = True
 
 
 def tag_dense(y, x, w, b):
+  """`y = x @ w + b`, registered as a dense layer while
+  `HAND_REGISTRATION` is on."""
   return kfac.register_dense(y, x, w, b) if HAND_REGISTRATION else y
 
 
 def tag_conv2d(y, x, w, b, **conv_kwargs):
+  """`y`, the NHWC convolution of `x` with `w` plus `b`, registered as a
+  2-D convolution while `HAND_REGISTRATION` is on; `conv_kwargs` are the
+  convolution's settings (strides, padding)."""
   if not HAND_REGISTRATION:
     return y
   return kfac.register_conv2d(y, x, w, b, data_format="NHWC", **conv_kwargs)
 
 
 def tag_scale_and_shift(y, x, scale, shift):
+  """`y = x * scale + shift`, registered as a scale-and-shift layer while
+  `HAND_REGISTRATION` is on."""
   if not HAND_REGISTRATION:
     return y
   return kfac.register_scale_and_shift(y, x, scale, shift)
@@ -149,6 +156,8 @@ ACTIVATIONS = {
 
 
 def activation(name: str):
+  """The elementwise function `ACTIVATIONS[name]`; an unknown name raises
+  a ValueError listing the known ones."""
   if name not in ACTIVATIONS:
     raise ValueError(
       f"Unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}."

@@ -114,6 +114,7 @@ class KroneckerSpectrum(_KroneckerBlock):
   """
 
   def state_dependent_scale(self, state):
+    """1: the scale is already part of the spectrum `s`."""
     del state
     return 1
 
@@ -311,6 +312,7 @@ class SOAPScalings(_ExampleGradientsBlock):
   estimation_data_has_sample_axis = True
 
   def state_dependent_scale(self, state):
+    """1: the fitted scalings `D` carry the whole scale of the block."""
     del state
     return 1
 

@@ -59,6 +59,7 @@ class TwoFactorTNT(_KroneckerBlock):
     def _per_example_gradients(self, data) -> tuple[jax.Array, ...]: ...
 
   def fixed_scale(self):
+    """1: the statistics average over examples, with nothing to restore."""
     return 1
 
   def state_dependent_scale(self, state):

@@ -101,6 +101,7 @@ class WeightedMovingAverage(State, Generic[TArrayTree]):
 
   @value.setter
   def value(self, value: Any) -> None:
+    """Makes `value` the average at the current weight (None clears it)."""
     self.raw_value = None if value is None else self._raw_from(value)
 
   @property

@@ -31,6 +31,8 @@ class Chain:
 
   @classmethod
   def random(cls, vocab: int, order: int, branching: int, seed: int):
+    """A chain drawn from `seed`: for every context, `branching` distinct
+    next tokens chosen uniformly and Dirichlet(1) weights over them."""
     rng = np.random.default_rng([seed, 1])
     contexts = vocab**order
     # `branching` distinct next tokens per context, a uniformly random
@@ -140,6 +142,7 @@ class MarkovTokens(DatasetSettings):
     return (self.seq_len,)
 
   def chain(self) -> Chain:
+    """The Markov chain these settings generate the sequences from."""
     return Chain.random(self.vocab, self.order, self.branching, self.seed)
 
   def load(self):

@@ -79,6 +79,7 @@ def images(
 
 
 def source() -> str:
+  """Names the generator and its version, which identify the images."""
   return f"curvbench synthetic image generator {GENERATOR}"
 
 

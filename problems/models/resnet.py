@@ -132,6 +132,9 @@ class ResNet(ProblemSettings):
         )
 
   def norm_layer(self, name):
+    """The normalisation layer `norm` names, called as
+    `layer(x, is_training)`: batch norm, group norm, layer norm (one
+    group), or the identity for `norm="none"`."""
     if self.norm == "batch":
       return BatchNorm(self.momentum, name=name)
     if self.norm in ("group", "layer"):

@@ -34,6 +34,7 @@ class Embed(hk.Module):
     self.vocab, self.width, self.stddev = vocab, width, stddev
 
   def table(self, dtype):
+    """The `(vocab, width)` embedding parameter, created on first use."""
     return hk.get_parameter(
       "embeddings",
       (self.vocab, self.width),
@@ -65,6 +66,7 @@ def attention(x, heads: int, name: str, w_init=None, out_init=None):
 
 
 def layer_norm(name):
+  """Layer norm over the last axis, with a learned scale and offset."""
   return hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
 
 
