@@ -63,11 +63,14 @@ def base_names(node: ast.ClassDef) -> list[str]:
   return names
 
 
-def methods(node: ast.ClassDef) -> Iterator[Function]:
-  """The functions a class's body defines."""
-  for item in node.body:
+def methods(node: ast.ClassDef | ast.If) -> Iterator[Function]:
+  """The functions a class's body defines, those under an `if` in it too
+  (a declaration for the type checker only, `if TYPE_CHECKING:`)."""
+  for item in node.body + (node.orelse if isinstance(node, ast.If) else []):
     if isinstance(item, Function):
       yield item
+    elif isinstance(item, ast.If):
+      yield from methods(item)
 
 
 class Project:
