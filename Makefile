@@ -39,10 +39,12 @@ test-slow: $(STAMP) browser
 	$(TEST_XLA) $(PY) -m pytest -n 2 -q --benchmark-disable tests/benchmarks
 
 # The linter's rules and the formatter's style are in pyproject.toml
-# ([tool.ruff]); `ruff format .` applies the style.
+# ([tool.ruff]); `ruff format .` applies the style. tools/docstrings.py
+# names every public function, class or method left without a docstring.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/docstrings.py
 
 # The type checker; what it checks and how strictly is in pyproject.toml
 # ([tool.mypy]).

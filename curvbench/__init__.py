@@ -24,6 +24,12 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from typing import TYPE_CHECKING
+
+# The type checker reads the API's types from here; at run time
+# `__getattr__` imports it.
+if TYPE_CHECKING:
+  from curvbench.api import Data, Model, Results, measure, register_model
 
 __all__ = ["Data", "Model", "Results", "measure", "register_model"]
 

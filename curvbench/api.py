@@ -83,6 +83,8 @@ class Model:
     self.network()  # checks `output`
 
   def network(self) -> problems.Network:
+    """The model as a `problems.Network`: its `init` (a function returning
+    the fixed `params` where those were given), `apply` and `output`."""
     if self.init is not None:
       return problems.Network(self.init, self.apply, self.output)
     params = self.params

@@ -406,6 +406,9 @@ def _write_pages(root, out, sections, checked, header) -> list[Path]:
 
 
 def main(argv=None) -> int:
+  """`curvbench report DIR` with `argv` (default the process's
+  arguments): writes the report and prints what it wrote and what
+  it left out; returns the exit status."""
   parser = argparse.ArgumentParser(
     prog="curvbench report",
     description="Merge a sweep's runs into a report: a summary of "

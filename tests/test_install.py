@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,24 @@ def run(*args, cwd, env=None):
   )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result.stdout
+
+
+# The packages a type checker reads the annotations of (PEP 561).
+TYPED = ("curvbench", "estimators", "problems")
+
+
+def test_the_wheel_lists_every_package_and_marks_the_typed_ones():
+  config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+  listed = set(config["setuptools"]["packages"])
+  found = {
+    ".".join(init.parent.relative_to(REPO).parts)
+    for top in ("curvbench", "estimators", "problems", "hydra_plugins")
+    for init in (REPO / top).rglob("__init__.py")
+  }
+  assert found - listed == set(), "not in [tool.setuptools] packages"
+  assert "py.typed" in config["setuptools"]["package-data"]["*"]
+  for package in TYPED:
+    assert (REPO / package / "py.typed").is_file(), package
 
 
 @pytest.mark.slow
@@ -55,6 +75,10 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
   # them) are not read.
   (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
   (wheel,) = (tmp_path / "wheel").glob("curvbench-*.whl")
+  with zipfile.ZipFile(wheel) as archive:
+    packed = set(archive.namelist())
+  assert "curvbench/core/stats.py" in packed
+  assert {f"{p}/py.typed" for p in TYPED} <= packed
   run(
     sys.executable,
     "-m",

@@ -112,12 +112,14 @@ class BlockDiagonal(CurvatureSettings):
   """One block per tagged layer, each of the class `blocks` names for its
   tag (the library's default for tags it does not name)."""
 
-  # `{tag name: block class}`: a class constant, or a property where the
-  # blocks take settings; read-only either way.
+  # A class constant, or a property where the blocks take settings;
+  # read-only either way.
   if TYPE_CHECKING:
 
     @property
-    def blocks(self) -> Mapping[str, Any]: ...
+    def blocks(self) -> Mapping[str, Any]:
+      """`{tag name: block class}`: the block each tag gets (a class or a
+      partial of one that takes the settings)."""
 
   else:
     blocks: ClassVar[Mapping[str, Any]] = {}

@@ -186,6 +186,8 @@ def load(ref: str, folder: Path) -> Version:
 
 
 def working_tree() -> Version:
+  """The code this process imports: the working tree's `estimators`,
+  `problems` and `curvbench.core.data`."""
   import estimators
   import problems
   from curvbench.core import data

@@ -165,6 +165,8 @@ def _window(args) -> int:
 
 
 def main(argv=None) -> int:
+  """Runs `python -m curvbench.bench` with `argv` (default the process's
+  arguments); returns the exit status of the subcommand it ran."""
   parser = argparse.ArgumentParser(
     prog="python -m curvbench.bench", description=__doc__
   )

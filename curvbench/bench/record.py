@@ -230,9 +230,14 @@ class Comparison:
 
   @property
   def passed(self) -> bool:
+    """Whether no figure is worse than the tolerance allows and none is
+    missing."""
     return not self.worse and not self.missing
 
   def text(self) -> str:
+    """The comparison in words: the record it is against, each figure more
+    than the tolerance worse (and how to tell a regression from load),
+    and each figure missing today."""
     r = self.record
     lines = [
       f"Compared with {self.record_path} (device {r.get('device_kind')}"

@@ -62,6 +62,9 @@ class Plan:
 
 
 def plans() -> dict[str, Plan]:
+  """The two modes of `run` by name: `full` (every CPU problem, 30
+  timing repeats, three spectra seeds) and `quick` (the MLP, a few
+  repeats, one seed and sample: the test's mode)."""
   return dict(
     full=Plan(
       record.cpu_problems(),

@@ -75,6 +75,7 @@ class Part:
   exits: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
   def command(self, out: str) -> str:
+    """The shell command that runs this part, its outputs under `out`."""
     return shlex.join(["python", *(a.replace("{out}", out) for a in self.args)])
 
 
@@ -290,6 +291,8 @@ def _no_room(part: Part, left: float) -> str:
 
 
 def folder_name(index: int, part: Part) -> str:
+  """The folder of the `index`-th part (from 0) in the window's output:
+  `01_<name>`, numbered from 1 in the order the parts ran."""
   return f"{index + 1:02d}_{part.name}"
 
 
@@ -352,6 +355,9 @@ def probe() -> dict:
 
 
 def refuse_without_accelerator(device: dict) -> None:
+  """Raises a ValueError, saying how to install the CUDA build of jax
+  and how to see the plan without one, unless `device` (what `probe`
+  found) is a GPU or TPU."""
   if device.get("platform") not in ACCELERATORS:
     seen = device.get("error") or f"JAX sees only {device.get('platform')}"
     raise ValueError(

@@ -28,6 +28,8 @@ class SettingsError(ValueError):
 
 
 def dotted(prefix: str, key: str) -> str:
+  """`key`'s full name under `prefix` (`prefix.key`; `key` alone where
+  the prefix is empty)."""
   return f"{prefix}.{key}" if prefix else key
 
 
@@ -42,9 +44,13 @@ class Check(abc.ABC):
   null = False
 
   def accepts(self, value) -> bool:
+    """Whether `value` is allowed: None where `null`, else what the
+    subclass allows."""
     return self.null if value is None else self._accepts(value)
 
   def describe(self) -> str:
+    """What is allowed, in words, for an error message or the settings'
+    documentation (`null or ...` where None is allowed)."""
     return ("null or " if self.null else "") + self._describe()
 
   @abc.abstractmethod
@@ -126,6 +132,8 @@ class Number(Check):
 
 @dataclasses.dataclass(frozen=True)
 class Flag(Check):
+  """A boolean: true or false."""
+
   def _accepts(self, value) -> bool:
     return isinstance(value, bool)
 
@@ -135,6 +143,8 @@ class Flag(Check):
 
 @dataclasses.dataclass(frozen=True)
 class Text(Check):
+  """A string with something besides whitespace in it."""
+
   null: bool = False
 
   def _accepts(self, value) -> bool:
@@ -154,6 +164,7 @@ class OneOf(Check):
 
   @property
   def names(self) -> tuple:
+    """The allowed names now (a function's are read each time)."""
     return tuple(self.options() if callable(self.options) else self.options)
 
   def _accepts(self, value) -> bool:
@@ -360,6 +371,7 @@ class Settings:
 
   @classmethod
   def keys(cls) -> tuple[str, ...]:
+    """The settings' names, in their declaration order."""
     return tuple(f.name for f in dataclasses.fields(cls))
 
   @classmethod

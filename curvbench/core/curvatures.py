@@ -40,6 +40,7 @@ IMPLICIT_PRODUCTS = {
 
 
 def num_params(params) -> int:
+  """The number of scalars in the pytree `params`."""
   return int(sum(np.size(x) for x in jax.tree.leaves(params)))
 
 
@@ -220,6 +221,8 @@ class Curvature(abc.ABC):
 
   @property
   def label(self) -> str:
+    """`name/mode`: the approximation and its estimation mode, as the
+    records name it."""
     return f"{self.name}/{self.mode}"
 
   @abc.abstractmethod
@@ -579,6 +582,10 @@ class ImplicitExact(Curvature):
 
   @classmethod
   def of_matrix(cls, matrix: str, loss_fn: Callable, **common):
+    """The matrix-free exact curvature of `matrix` ('ggn', 'fisher',
+    'empirical_fisher' or 'hessian') for `loss_fn`, in that matrix's
+    estimation mode; `common` are the other fields. A ValueError names
+    the matrices there are for any other."""
     if matrix not in IMPLICIT_PRODUCTS:
       raise ValueError(
         f"The matrix-free exact curvature multiplies by one of "

@@ -60,18 +60,22 @@ class Data:
 
   @property
   def num_chunks(self) -> int:
+    """The number of full chunks."""
     return jax.tree.leaves(self.chunks)[0].shape[0]
 
   @property
   def chunk_size(self) -> int:
+    """The number of examples in each chunk."""
     return jax.tree.leaves(self.chunks)[0].shape[1]
 
   @property
   def rest_size(self) -> int:
+    """The number of examples in `rest` (0 where there is none)."""
     return 0 if self.rest is None else jax.tree.leaves(self.rest)[0].shape[0]
 
   @property
   def num_examples(self) -> int:
+    """The number of examples in all: the chunks' and the rest's."""
     return self.num_chunks * self.chunk_size + self.rest_size
 
   @property

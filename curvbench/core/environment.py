@@ -59,6 +59,8 @@ def code_version() -> dict:
 
 
 def versions() -> dict:
+  """The installed version of each library a record names
+  (`LIBRARIES`), None for one that is not installed."""
   out: dict[str, str | None] = {}
   for pkg in LIBRARIES:
     try:

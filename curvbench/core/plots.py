@@ -366,6 +366,7 @@ def log_if_decades(ax, values, axis="y", decades=2):
 
 
 def no_values(ax, text="no finite values"):
+  """Writes `text` in the middle of a panel that has nothing to draw."""
   ax.text(0.5, 0.5, text, ha="center", transform=ax.transAxes)
 
 
@@ -385,6 +386,8 @@ def step_panel(ax, text, steps):
 
 
 def band(ax, x, lo, hi, colour):
+  """Shades between `lo` and `hi` along `x` in `colour`, faintly (a
+  spread around a line of that colour)."""
   ax.fill_between(x, lo, hi, color=colour, alpha=0.2, lw=0)
 
 

@@ -239,17 +239,24 @@ class RunDir:
   # --- writing ---------------------------------------------------------------
 
   def write_table(self, name: str, df: pd.DataFrame) -> Path:
+    """Writes `df` as `<name>.parquet` here, whole or not at all; returns
+    its path."""
     return atomic_write(
       self.own(f"{name}.parquet"), lambda tmp: df.to_parquet(tmp, index=False)
     )
 
   def write_json(self, name: str, obj) -> Path:
+    """Writes `obj` as indented JSON with sorted keys to the file `name`
+    here (values JSON lacks as their `str`), whole or not at all;
+    returns its path."""
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
     return atomic_write(
       self.own(name), lambda tmp: Path(tmp).write_text(text + "\n")
     )
 
   def write_text(self, name: str, text: str) -> Path:
+    """Writes `text` to the file `name` here, whole or not at all; returns
+    its path."""
     return atomic_write(self.own(name), lambda tmp: Path(tmp).write_text(text))
 
   def reserve(self, size: int = RESERVE_BYTES) -> Path:
@@ -321,6 +328,7 @@ class RunDir:
     (self.path / OWNED).unlink(missing_ok=True)
 
   def table_names(self) -> list[str]:
+    """The names of the tables written here (`write_table`), sorted."""
     return sorted(
       Path(n).stem
       for n in self.written()

@@ -33,6 +33,7 @@ class Table:
 
   @property
   def shown(self) -> pd.DataFrame:
+    """What the pages show: `view`, or `data` where there is no view."""
     return self.data if self.view is None else self.view
 
 

@@ -39,6 +39,9 @@ class OptaxTrainer:
     self.make_transformation = make_transformation
 
   def init(self, params, batch, rng):
+    """Builds the transformation on `batch` and `rng`, compiles its step
+    (`step(params, opt_state, batch, rng) -> (params, opt_state,
+    loss)`) and returns the initial optimizer state."""
     tx = optax.with_extra_args_support(self.make_transformation(batch, rng))
 
     def step(params, opt_state, batch, rng):

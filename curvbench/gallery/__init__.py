@@ -177,6 +177,8 @@ class Met:
   had: str
 
   def words(self) -> str:
+    """The condition's name, whether it was met, what the runs had and
+    what the paper had, in one line."""
     c = self.condition
     return f"{c.name}: {'met' if self.met else 'differs'} ({self.had}; the paper: {c.paper})"
 
@@ -200,6 +202,7 @@ class Verdict:
 
   @property
   def differing(self) -> list[Met]:
+    """The conditions the runs did not meet."""
     return [m for m in self.conditions if not m.met]
 
 

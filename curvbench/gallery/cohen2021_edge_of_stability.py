@@ -99,6 +99,10 @@ def _reached(edge: np.ndarray) -> int | None:
 
 
 def sharpens(evidence: Evidence) -> Verdict:
+  """Progressive sharpening: per run, the sharpness over 2/η where it
+  first reaches 2/η (at the end, where it never does) over its value
+  at initialisation, above 1; runs unstable from the start are left
+  out."""
   ratios, above = [], 0
   for _, edge in _runs(evidence):
     if edge[0] >= 1.0:  # unstable from the start: no sharpening phase
@@ -118,6 +122,8 @@ def sharpens(evidence: Evidence) -> Verdict:
 
 
 def reaches(evidence: Evidence) -> Verdict:
+  """Reaching the edge: per run, the largest sharpness over 2/η, above
+  `REACHES` (1, less a margin for a peak between measurements)."""
   peaks = [edge.max() for _, edge in _runs(evidence)]
   starts = [edge[0] for _, edge in _runs(evidence)]
   return against(
@@ -130,6 +136,8 @@ def reaches(evidence: Evidence) -> Verdict:
 
 
 def hovers(evidence: Evidence) -> Verdict:
+  """Hovering at the edge: per run that reached 2/η, the median
+  sharpness over 2/η from then on, at most a little above 1."""
   late, never = [], 0
   for _, edge in _runs(evidence):
     first = _reached(edge)
@@ -152,6 +160,8 @@ def hovers(evidence: Evidence) -> Verdict:
 
 
 def falls_late(evidence: Evidence) -> Verdict:
+  """Cross-entropy's late fall: per run, the sharpness at the end of
+  training over its value halfway, below 1."""
   # The end of training against its middle: falling late is below 1.
   ends = [
     run.sharpness.iloc[-1] / run.sharpness.iloc[len(run) // 2]

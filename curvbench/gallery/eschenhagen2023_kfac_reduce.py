@@ -166,6 +166,10 @@ def timing(problem: str, repeats: int = 30) -> dict:
 def training(
   problem: str, seeds: str, steps: int, target: float, **more
 ) -> dict:
+  """The overrides of a training sweep of both flavours on `problem`
+  with K-FAC: `steps` steps for the `seeds`, `target` the training
+  error whose steps and seconds to reach the report gives, `more`
+  added last."""
   return {
     "problem": problem,
     "curvature": ",".join(COMPARED),

@@ -64,6 +64,9 @@ def _errors(evidence: Evidence) -> pd.DataFrame:
 
 
 def closer_in_every_block(evidence: Evidence) -> Verdict:
+  """The construction: EKFAC's relative Frobenius error at most K-FAC's
+  in every block, seed, step and batch (to round-off), with the
+  quartiles of their ratio."""
   errors = _errors(evidence)
   # The optimum in the basis is exact up to round-off of the float64
   # eigendecompositions.
@@ -88,6 +91,8 @@ def closer_in_every_block(evidence: Evidence) -> Verdict:
 
 
 def faster_at_equal_time(evidence: Evidence) -> Verdict:
+  """The finding: each method at its best initial damping, EKFAC's
+  training loss below K-FAC's at the runs' time budget."""
   budget = evidence.setting("measure.training.budget_s")
   if len(budget) != 1:
     raise MissingRecords("one time budget for the training runs")
@@ -136,6 +141,9 @@ def draw(evidence: Evidence, ax) -> None:
 
 
 def spectra(problem: str, seeds: str, steps: list[int], **more) -> dict:
+  """The overrides of a sweep that measures K-FAC's and EKFAC's distance
+  to the exact GGN on `problem` at `steps` of Adam training, for the
+  `seeds`; `more` added last."""
   return {
     "problem": problem,
     "measure": "spectra",
@@ -153,6 +161,9 @@ def spectra(problem: str, seeds: str, steps: list[int], **more) -> dict:
 
 
 def training(problem: str, seeds: str, budget_s: float, grid=GRID) -> dict:
+  """The overrides of a training sweep of K-FAC and EKFAC on `problem`
+  for `budget_s` seconds each, with the empirical Fisher, for the
+  `seeds`, over `grid` (setting to values)."""
   return {
     "problem": problem,
     "measure": "training",

@@ -86,6 +86,10 @@ def isolation(values: np.ndarray, edge: int) -> float:
 
 
 def outliers_isolated(evidence: Evidence) -> Verdict:
+  """The top eigenvalue over the bulk's edge (log10), trained Hessians
+  with batch norm against those without, below; judged at each of
+  the ranks `EDGES` taken as the edge, inconclusive where they
+  disagree."""
   tops = _by_norm(evidence, trained_eigenvalues(evidence, "hessian"))
   batch, none = by(tops, NORMS, "trained Hessians with and without batch norm")
   verdicts = {
@@ -122,6 +126,8 @@ def outliers_isolated(evidence: Evidence) -> Verdict:
 
 
 def gradient_in_outliers(evidence: Evidence) -> Verdict:
+  """The share of the gradient's squared norm in the trained Hessian's
+  top eigenspace, with batch norm against without, smaller."""
   what = "the gradient's share in the trained Hessian's top eigenspace"
   share = rows(
     evidence,
@@ -182,6 +188,10 @@ def draw(evidence: Evidence, ax) -> None:
 
 
 def spectra(seeds: str, steps: int, **more) -> dict:
+  """The overrides of a sweep that trains the small ResNet with and
+  without batch norm by SGD for `steps` steps, for the `seeds`, and
+  measures the training set's Hessian at the end; `more` added
+  last."""
   return {
     "problem": "resnet_small",
     "problem.norm": ",".join(NORMS),

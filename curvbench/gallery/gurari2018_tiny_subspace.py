@@ -76,6 +76,9 @@ def _late(found: pd.DataFrame) -> tuple[pd.Series, int]:
 
 
 def mostly_in_top_subspace(evidence: Evidence) -> Verdict:
+  """Per seed, the share of the gradient's squared norm in the top
+  Hessian eigenspace, averaged from `EPOCHS` epochs on, above `MOSTLY`
+  (chance is the subspace's share of the dimensions)."""
   found = _statistic(
     evidence,
     GRADIENT_SHARE,
@@ -97,6 +100,8 @@ def mostly_in_top_subspace(evidence: Evidence) -> Verdict:
 
 
 def aligned_with_curvature(evidence: Evidence) -> Verdict:
+  """Per seed, the alignment gᵀHg / (|g| |Hg|) (the paper's eq. 2),
+  averaged from `EPOCHS` epochs on, above `ALIGNED` (close to 1)."""
   found = _statistic(
     evidence, ALIGNMENT, "the gradient's alignment with the Hessian"
   )
@@ -152,6 +157,9 @@ def draw(evidence: Evidence, ax) -> None:
 
 
 def spectra(seeds: str, steps: list[int], **more) -> dict:
+  """The overrides of a sweep that trains the MLP by SGD and measures
+  the training set's Hessian and the gradient against it at `steps`,
+  for the `seeds`; `more` added last."""
   return {
     "problem": "mlp",
     "measure": "spectra",

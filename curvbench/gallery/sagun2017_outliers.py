@@ -88,6 +88,9 @@ def _per_run(evidence: Evidence, quantity) -> tuple[np.ndarray, float]:
 
 
 def c_outliers(evidence: Evidence) -> Verdict:
+  """Per seed, the drop after the (C-1)th or Cth eigenvalue of the
+  trained GGN over a typical drop below it, above the threshold: C
+  outliers set apart by a gap."""
   found, init = _per_run(evidence, gap_ratio)
   return against(
     found,
@@ -100,6 +103,8 @@ def c_outliers(evidence: Evidence) -> Verdict:
 
 
 def bulk_near_zero(evidence: Evidence) -> Verdict:
+  """Per seed, the trained GGN's median eigenvalue magnitude over its
+  top eigenvalue, small: the bulk sits near zero."""
   found, init = _per_run(evidence, lambda v: float(np.median(np.abs(v)) / v[0]))
   return against(
     found,
@@ -111,6 +116,9 @@ def bulk_near_zero(evidence: Evidence) -> Verdict:
 
 
 def class_means_span(evidence: Evidence) -> Verdict:
+  """Per seed, the overlap |UᵀQ|²/C of the trained GGN's top C
+  eigenvectors with the span of the C class means, above the
+  threshold; Papyan's eigenvalue comparison beside it."""
   what = "the class-mean test (measure.spectra.class_means)"
   overlap = rows(evidence, "statistics", what, matrix="ggn", statistic=OVERLAP)
   last = trained(evidence, overlap, what).groupby("run_id").value.first()
@@ -182,6 +190,10 @@ def draw(evidence: Evidence, ax) -> None:
 
 
 def spectra(seeds: str, steps: int, problem="mlp", **more) -> dict:
+  """The overrides of a sweep that trains `problem` by SGD with weight
+  decay for `steps` steps and measures the training set's GGN at
+  initialisation and at the end, for the `seeds`; `more` added
+  last."""
   return {
     "problem": problem,
     "problem.data.num_train": 750,

@@ -496,6 +496,8 @@ class KFACTrainer:
     )
 
   def init(self, params, batch, rng):
+    """The optimizer's initial state and a step count of 0, after
+    refusing a curvature whose state would not fit."""
     # The curvature's state is the bulk of the optimizer's: refuse one that
     # would not fit before the optimizer allocates it.
     self.curvature.check_state_fits(rng, params, batch)
@@ -545,6 +547,9 @@ class KFACTrainer:
     return [programs[self._kind(s)] for s in range(self.cycle)]
 
   def step(self, params, opt_state, batch, rng):
+    """One optimizer step on `batch`: the new parameters, the state with
+    its count advanced, and the loss; the step's statistics are kept
+    where `start_trace` asked for them."""
     state, count = opt_state
     params, batch, rng = self._inputs(params, batch, rng)
     params, state, stats = self.opt.step(

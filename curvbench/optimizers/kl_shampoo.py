@@ -61,6 +61,9 @@ BASES = ("qr", "eigh")
 
 
 class ParameterState(NamedTuple):
+  """One parameter's KL-Shampoo state: the two factors, their bases
+  and eigenvalue estimates, and the gradients' average."""
+
   left: jax.Array | None  # S_a (None: the side keeps the standard basis)
   right: jax.Array | None  # S_b
   left_basis: jax.Array | None  # Q_a
@@ -71,6 +74,9 @@ class ParameterState(NamedTuple):
 
 
 class KLShampooState(NamedTuple):
+  """The KL-Shampoo transformation's state: the call count and each
+  parameter's `ParameterState`."""
+
   # Calls so far (the first one takes no step); shadows `tuple.count`,
   # under optax's name for the step count.
   count: jax.Array  # type: ignore[assignment]

@@ -33,6 +33,7 @@ def matrix_shape(shape) -> tuple[int, int]:
 
 
 def as_matrix(x: jax.Array) -> jax.Array:
+  """`x` reshaped to its `matrix_shape`."""
   return x.reshape(matrix_shape(x.shape))
 
 

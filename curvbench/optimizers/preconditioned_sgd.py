@@ -17,6 +17,9 @@ from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
 
 
 class PreconditionState(NamedTuple):
+  """The state of `precondition_by_curvature`: the steps taken and
+  the curvature's own state."""
+
   # Shadows `tuple.count`, under optax's name for the step count.
   count: jax.Array  # type: ignore[assignment]  # steps taken
   curvature: Any  # the curvature's state

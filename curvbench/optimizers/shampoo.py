@@ -54,11 +54,17 @@ ROOT_METHODS = ("eigh", "newton")
 
 
 class Factor(NamedTuple):
+  """One side's Kronecker factor, per block, and its inverse root."""
+
   statistics: jax.Array  # (row blocks, column blocks, b, b): L or R per block
   root: jax.Array  # its inverse root at the last refresh
 
 
 class ParameterState(NamedTuple):
+  """One parameter's Shampoo state: its row and column factors, the
+  grafting method's average, the filtered gradient and the
+  momentum."""
+
   left: Factor | None  # rows' factor
   right: Factor | None  # columns' factor (none for a vector)
   grafting: jax.Array | None  # the grafting method's average of g²
@@ -67,6 +73,9 @@ class ParameterState(NamedTuple):
 
 
 class ShampooState(NamedTuple):
+  """The Shampoo transformation's state: the step count and each
+  parameter's `ParameterState`."""
+
   # Shadows `tuple.count`, under optax's name for the step count.
   count: jax.Array  # type: ignore[assignment]  # steps taken
   parameters: Any  # a ParameterState per parameter, in the params' tree
@@ -82,14 +91,17 @@ class Blocks:
 
   @property
   def matrix(self) -> tuple[int, int]:
+    """`(rows, cols)` of the parameter seen as a matrix."""
     return matrix_shape(self.shape)
 
   @property
   def block(self) -> tuple[int, ...]:
+    """`(rows, cols)` of one block: at most `size` each."""
     return tuple(min(d, self.size) for d in self.matrix)
 
   @property
   def grid(self) -> tuple[int, ...]:
+    """The number of row blocks and of column blocks."""
     return tuple(math.ceil(d / b) for d, b in zip(self.matrix, self.block))
 
   def split(self, x: jax.Array) -> jax.Array:
@@ -100,6 +112,8 @@ class Blocks:
     return padded.reshape(pm, bm, pn, bn).transpose(0, 2, 1, 3)
 
   def join(self, blocks: jax.Array) -> jax.Array:
+    """The parameter-shaped array whose blocks are `blocks` (the inverse
+    of `split`, the padding dropped)."""
     (m, n), (bm, bn), (pm, pn) = self.matrix, self.block, self.grid
     whole = blocks.transpose(0, 2, 1, 3).reshape(pm * bm, pn * bn)
     return whole[:m, :n].reshape(self.shape)

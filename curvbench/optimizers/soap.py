@@ -54,6 +54,9 @@ BASES = ("qr", "eigh")
 
 
 class ParameterState(NamedTuple):
+  """One parameter's SOAP state: its two factors and their bases, and
+  Adam's moments in the rotated basis."""
+
   left: jax.Array | None  # L (None: the side keeps the standard basis)
   right: jax.Array | None  # R
   left_basis: jax.Array | None  # Q_L
@@ -63,6 +66,9 @@ class ParameterState(NamedTuple):
 
 
 class SoapState(NamedTuple):
+  """The SOAP transformation's state: the call count and each
+  parameter's `ParameterState`."""
+
   # Calls so far (the first one takes no step); shadows `tuple.count`,
   # under optax's name for the step count.
   count: jax.Array  # type: ignore[assignment]

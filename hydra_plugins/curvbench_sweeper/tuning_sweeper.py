@@ -137,12 +137,20 @@ class TuningSweeper(Sweeper):
     self.hydra_context = self.config = self.launcher = None  # type: ignore[assignment]
 
   def setup(self, *, hydra_context, task_function, config) -> None:
+    """Keeps Hydra's context and config, and builds the configured
+    launcher."""
     self.hydra_context, self.config = hydra_context, config
     self.launcher = Plugins.instance().instantiate_launcher(
       hydra_context=hydra_context, task_function=task_function, config=config
     )
 
   def sweep(self, arguments):
+    """Plans the sweep over `arguments` (the command line's overrides)
+    and launches it: checks that the sweep directory is free and
+    writable, expands each optimizer's tuning grid, names the run
+    folders, records the config, then launches the jobs (`launched`);
+    returns the launcher's results, a list per batch. A SystemExit
+    explains a folder that cannot be used."""
     sweep_dir = Path(self.config.hydra.sweep.dir)
     claim = lambda check_only: records.claim(
       sweep_dir,

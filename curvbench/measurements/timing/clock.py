@@ -114,6 +114,7 @@ class Call:
     self.flops = costs.flops(self.compiled)
 
   def sample(self) -> float:
+    """The seconds one call takes, waiting for its result."""
     start = time.perf_counter()
     jax.block_until_ready(self.compiled(*self.args))
     return time.perf_counter() - start

@@ -59,6 +59,8 @@ class Load:
     )
 
   def describe(self) -> str:
+    """The load in words: the other processes' share of the CPUs over
+    the window, and the load average."""
     return (
       f"other processes used {100 * self.others_share:.0f} % of the "
       f"{self.cpu_count} CPUs over {self.seconds:.1f} s (load average "

@@ -307,6 +307,10 @@ class Training(Measurement):
 
   @staticmethod
   def figures(report, train, tuned, out):
+    """The training figures, written under `out`; their paths: the
+    curves of `train`, or where the sweep tuned (`tuned`) those of each
+    method's chosen settings, then of every setting, and each method's
+    tuning score against each hyperparameter."""
     if tuned is None:
       return figures.training(train, out, report.colour)
     return (
