@@ -389,6 +389,7 @@ class LayerTag(jex_core.Primitive):
     name: str = "layer_tag",
     num_inputs: int | None = None,
     num_outputs: int | None = None,
+    description: str | None = None,
   ):
     """Makes a layer tag.
 
@@ -398,11 +399,14 @@ class LayerTag(jex_core.Primitive):
         `num_outputs` None) for 0.0.8's variant-dispatching tag.
       num_outputs: how many operands are layer outputs (0 for a tag that
         only marks parameters).
+      description: the layer kind in words, for reports (e.g.
+        "2-D convolution"); by default the variant with spaces.
 
     Raises:
       ValueError: if only one of the counts is given.
     """
     super().__init__(name)
+    self.description = description or self.variant.replace("_", " ")
     if (num_inputs is None) != (num_outputs is None):
       raise ValueError(
         f"LayerTag({name!r}): give both num_inputs and num_outputs, or "
@@ -570,10 +574,19 @@ class LayerTag(jex_core.Primitive):
 
 generic = LayerTag("generic_tag", num_inputs=0, num_outputs=0)
 dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1)
-repeated_dense = LayerTag("repeated_dense_tag", num_inputs=1, num_outputs=1)
-conv2d = LayerTag("conv2d_tag", num_inputs=1, num_outputs=1)
+repeated_dense = LayerTag(
+  "repeated_dense_tag",
+  num_inputs=1,
+  num_outputs=1,
+  description="dense (repeated)",
+)
+conv2d = LayerTag(
+  "conv2d_tag", num_inputs=1, num_outputs=1, description="2-D convolution"
+)
 scale_and_shift = LayerTag("scale_and_shift_tag", num_inputs=1, num_outputs=1)
-embedding = LayerTag("embedding_tag", num_inputs=1, num_outputs=1)
+embedding = LayerTag(
+  "embedding_tag", num_inputs=1, num_outputs=1, description="embedding lookup"
+)
 # KFAC-JAX 0.0.8's two tags, which carry the kind in their bindings' meta.
 loss_tag = LossTag()
 layer_tag = LayerTag()

@@ -19,16 +19,16 @@ from pathlib import Path
 import pandas as pd
 
 from curvbench.core.sections import Section, Table
+from estimators.tags import LayerTag
 
-# What each layer tag stands for, in words (a tag not here is named as is).
-KINDS = {
-  "dense_tag": "dense",
-  "repeated_dense_tag": "dense (repeated)",
-  "conv2d_tag": "2-D convolution",
-  "scale_and_shift_tag": "scale and shift",
-  "embedding_tag": "embedding lookup",
-  "generic_tag": "generic",
-}
+
+def _tag_words(tag: str) -> str:
+  """What a layer tag stands for, in words (`LayerTag.description`); a
+  tag no layer kind was made for is named as is."""
+  try:
+    return LayerTag.of_variant(tag.removesuffix("_tag")).description
+  except ValueError:
+    return tag
 
 
 # The row of an approximation that is one block over the whole network
@@ -41,7 +41,7 @@ def _kind(tag: str, source: str) -> str:
   """The kind of layer a parameter was registered as: the tag's in words,
   'normalization' where the pattern found a normalization's affine end,
   and for a generic tag why the parameter got one."""
-  kind = KINDS.get(tag, tag)
+  kind = _tag_words(tag)
   if source.startswith("normalization"):
     return "normalization (scale and shift)"
   if source == "manual":
