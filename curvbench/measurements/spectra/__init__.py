@@ -1,8 +1,10 @@
 """Spectra: the curvature against the exact matrices it approximates, at
 chosen points (steps of a training run, or saved checkpoints) over chosen
 data (a batch, N batches, the training split), each point measured on
-several samples of that data (`samples`); the computation is `compute`,
-the figures `figures`, the report's tables `summary`."""
+several samples of that data (`samples`); the computation is `compute`
+(the settings read once into a `plan`, then the `dense` or the `lanczos`
+method, their rows built by `rows`), the figures `figures`, the report's
+tables `summary`."""
 
 import dataclasses
 import json
