@@ -1,8 +1,10 @@
 """Spectra: the curvature against the exact matrices it approximates, at
 chosen points (steps of a training run, or saved checkpoints) over chosen
 data (a batch, N batches, the training split), each point measured on
-several samples of that data (`samples`); the computation is `compute`,
-the figures `figures`, the report's tables `summary`."""
+several samples of that data (`samples`); the computation is `compute`
+(the settings read once into a `plan`, then the `dense` or the `lanczos`
+method, their rows built by `rows`), the figures `figures`, the report's
+tables `summary`."""
 
 import dataclasses
 import json
@@ -304,119 +306,82 @@ class Spectra(Measurement):
       ).split(ctx.mesh, split)
       for j in range(self.sample_count())
     ]
-    # Heatmaps of the first sample only: they show structure, not spread.
-    settings = [self] + [dataclasses.replace(self, heatmap_blocks=0)] * (
-      len(samples) - 1
-    )
-    scope: dict[str, Any] = dict(data=self.data)
-    tables: dict[str, list[dict]] = {
-      name: [] for name in (*self.tables, "training")
-    }
-
     store = (
       ReferenceStore.of_run(ctx.run_dir.path)
       if self.share_references
       else ReferenceStore(None)
     )
-    key = dict(problem=dataclasses.asdict(ctx.run.problem))
-    # Compiled once per run, whatever the step and sample.
-    programs: dict[str, Any] = {}
-    log = ctx.log if ctx.run.progress else None
-
-    def at(step, point, model_state=None):
-      start = time.perf_counter()
-      point = devices.replicate(point, ctx.mesh)
-      phases = []
-      for j, (examples, spec) in enumerate(zip(samples, settings)):
-        costs = Costs(log=log, programs=programs, step=step, sample=j, **scope)
-        for name, rows in compute.measure(
-          ctx.problem.loss_fn,
-          ctx.curvature,
-          point,
-          examples,
-          spec,
-          jax.random.fold_in(ctx.rng, j),
-          costs,
-          store,
-          key,
-          ctx.problem.layer_roles,
-          examples_interact=ctx.problem.has_state,
-          outputs=ctx.problem.outputs if self.class_means else None,
-        ).items():
-          tables[name] += [
-            dict(step=step, sample=j, **scope, **row) for row in rows
-          ]
-        phases += costs.rows
-      Costs(log=log, step=step, samples=len(samples), **scope).summary(phases)
-      # What the phases leave out (host work between them), so that the
-      # table adds up to the measurement's wall time.
-      rest = Costs(step=step, sample=0, **scope)
-      rest.record(
-        "unaccounted",
-        time.perf_counter()
-        - start
-        - sum(row["compile_s"] + row["run_s"] for row in phases),
-      )
-      tables["cost"] += phases + rest.rows
-      if self.save_checkpoints:
-        save_checkpoint(ctx, step, point, model_state)
-
+    measuring = _Measuring(
+      self,
+      ctx,
+      samples,
+      store,
+      key=dict(problem=dataclasses.asdict(ctx.run.problem)),
+      tables={name: [] for name in (*self.tables, "training")},
+    )
     if self.checkpoint is not None:
       for step, point in checkpoint_params(
         self.checkpoint, steps, ctx.problem, ctx.params
       ).items():
-        at(step, point)
+        measuring.at(step, point)
     elif not self.trains():
-      at(0, ctx.params)
+      measuring.at(0, ctx.params)
     else:
-      optimizer = self.trainer or ctx.run.optimizer
-      # Training stops at the last step measured.
-      until = dataclasses.replace(
-        ctx.run.measure.training, num_steps=steps[-1], budget_s=None
+      self._train(measuring, steps, dtype)
+    tables = measuring.tables
+    return Outcome({name: rows for name, rows in tables.items() if rows})
+
+  def _train(self, measuring: "_Measuring", steps, dtype) -> None:
+    """Trains to the last of `steps`, measuring at each of them, and
+    records the loss curve as the `training` table."""
+    ctx, store = measuring.ctx, measuring.store
+    optimizer = self.trainer or ctx.run.optimizer
+    # Training stops at the last step measured.
+    until = dataclasses.replace(
+      ctx.run.measure.training, num_steps=steps[-1], budget_s=None
+    )
+
+    def train(on_step):
+      return training.run(
+        ctx.problem,
+        optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh),
+        ctx.params,
+        until,
+        jax.random.fold_in(ctx.rng, 2),
+        ctx.run.data_seed,
+        progress=ctx.run.progress,
+        at_steps=steps,
+        on_step=on_step,
+        mesh=ctx.mesh,
       )
 
-      def train(on_step):
-        return training.run(
-          ctx.problem,
-          optimizer.make(ctx.problem.loss_fn, ctx.curvature, ctx.mesh),
-          ctx.params,
-          until,
-          jax.random.fold_in(ctx.rng, 2),
-          ctx.run.data_seed,
-          progress=ctx.run.progress,
-          at_steps=steps,
-          on_step=on_step,
-          mesh=ctx.mesh,
-        )
-
-      if store.keeps and self.method == "dense":
-        # The sweep's other approximations trained the same way read the
-        # trajectory instead of training again.
-        trajectory = dict(
-          key,
-          trainer=dataclasses.asdict(optimizer),
-          curvature=(
-            dataclasses.asdict(ctx.run.curvature)
-            if optimizer.uses_curvature
-            else None
-          ),
-          training=dataclasses.asdict(until),
-          steps=steps,
-          start=content_hash(ctx.params, ctx.rng),
-          data_seed=ctx.run.data_seed,
-          devices=ctx.run.devices,
-        )
-        rows, points = shared_training(
-          store, trajectory, train, ctx.params, ctx.problem, dtype
-        )
-        for step, (point, model_state) in points.items():
-          at(step, point, model_state)
-      else:
-        rows = train(at)
-      # The loss curve is the optimizer's, labelled as a training run's.
-      method = optimizer.label(ctx.curvature)
-      tables["training"] = [dict(row, method=method) for row in rows]
-    return Outcome({name: rows for name, rows in tables.items() if rows})
+    if store.keeps and self.method == "dense":
+      # The sweep's other approximations trained the same way read the
+      # trajectory instead of training again.
+      trajectory = dict(
+        measuring.key,
+        trainer=dataclasses.asdict(optimizer),
+        curvature=(
+          dataclasses.asdict(ctx.run.curvature)
+          if optimizer.uses_curvature
+          else None
+        ),
+        training=dataclasses.asdict(until),
+        steps=steps,
+        start=content_hash(ctx.params, ctx.rng),
+        data_seed=ctx.run.data_seed,
+        devices=ctx.run.devices,
+      )
+      rows, points = shared_training(
+        store, trajectory, train, ctx.params, ctx.problem, dtype
+      )
+      for step, (point, model_state) in points.items():
+        measuring.at(step, point, model_state)
+    else:
+      rows = train(measuring.at)
+    # The loss curve is the optimizer's, labelled as a training run's.
+    method = optimizer.label(ctx.curvature)
+    measuring.tables["training"] = [dict(row, method=method) for row in rows]
 
   # --- the report --------------------------------------------------------
 
@@ -501,6 +466,75 @@ class Spectra(Measurement):
     return paths
 
 
+@dataclasses.dataclass
+class _Measuring:
+  """A spectra measurement under way: its settings (`spec`), the run's
+  context, the data `samples` each point is measured on, the reference
+  `store` (entries under `key` plus their content) and the `tables` the
+  points add rows to; `programs`, compiled once per run, whatever the
+  step and sample."""
+
+  spec: Spectra
+  ctx: Any
+  samples: list
+  store: ReferenceStore
+  key: dict
+  tables: dict[str, list[dict]]
+  programs: dict = dataclasses.field(default_factory=dict)
+
+  def at(self, step, point, model_state=None) -> None:
+    """Measures every sample at `point`, the parameters at `step`, and
+    adds the rows and the cost of each phase (and of the host work
+    between them) to the tables."""
+    spec, ctx = self.spec, self.ctx
+    start = time.perf_counter()
+    point = devices.replicate(point, ctx.mesh)
+    # Heatmaps of the first sample only: they show structure, not spread.
+    settings = [spec] + [dataclasses.replace(spec, heatmap_blocks=0)] * (
+      len(self.samples) - 1
+    )
+    scope: dict[str, Any] = dict(data=spec.data)
+    log = ctx.log if ctx.run.progress else None
+    phases = []
+    for j, (examples, each) in enumerate(zip(self.samples, settings)):
+      costs = Costs(
+        log=log, programs=self.programs, step=step, sample=j, **scope
+      )
+      for name, rows in compute.measure(
+        ctx.problem.loss_fn,
+        ctx.curvature,
+        point,
+        examples,
+        each,
+        jax.random.fold_in(ctx.rng, j),
+        costs,
+        self.store,
+        self.key,
+        ctx.problem.layer_roles,
+        examples_interact=ctx.problem.has_state,
+        outputs=ctx.problem.outputs if spec.class_means else None,
+      ).items():
+        self.tables[name] += [
+          dict(step=step, sample=j, **scope, **row) for row in rows
+        ]
+      phases += costs.rows
+    Costs(log=log, step=step, samples=len(self.samples), **scope).summary(
+      phases
+    )
+    # What the phases leave out (host work between them), so that the
+    # table adds up to the measurement's wall time.
+    rest = Costs(step=step, sample=0, **scope)
+    rest.record(
+      "unaccounted",
+      time.perf_counter()
+      - start
+      - sum(row["compile_s"] + row["run_s"] for row in phases),
+    )
+    self.tables["cost"] += phases + rest.rows
+    if spec.save_checkpoints:
+      save_checkpoint(ctx, step, point, model_state)
+
+
 def completed(tables: dict) -> dict:
   """The spectra and quality tables with the location columns filled in
   where older records lack them (`plots.DEFAULTS`; `block` and `level` on
@@ -571,6 +605,7 @@ def checkpoint_params(path, steps, problem, params) -> dict:
     files = {s: found[s] for s in steps}
   else:
     files = {None: path}
+  dtype = jax.tree.leaves(params)[0].dtype
   out = {}
   for step, file in files.items():
     loaded, info = checkpoints.load(file)
@@ -587,7 +622,6 @@ def checkpoint_params(path, steps, problem, params) -> dict:
       problem=info["problem"],
       expected_problem=problem.name,
     )
-    dtype = jax.tree.leaves(params)[0].dtype
     out[info["step"]] = jax.tree.map(lambda x: jnp.asarray(x, dtype), loaded)
   return out
 

@@ -502,7 +502,9 @@ def quality_per_block_type(
     paths += _per_metric(
       p,
       "metric",
-      lambda ax, rows, metric: _metric_bars(ax, rows, metric, colours, order),
+      lambda ax, rows, metric, order=order: _metric_bars(
+        ax, rows, metric, colours, order
+      ),
       plots.title("approximation quality per block type", p)
       + "; bars: median, whiskers: quartiles over samples",
       f"quality_block_types_{problem}",
@@ -566,9 +568,9 @@ def quality_through_training(
   df = df[df.level != "role"].assign(series=plots.series)
   colours = plots.series_colours(df, colour)
   for (problem, data), p in df.groupby(["problem", "data"]):
-    blocks = sorted(set(p.block) - {"all"})
+    blocks, steps = sorted(set(p.block) - {"all"}), p.step.unique()
 
-    def draw(ax, rows, metric, blocks=blocks, steps=p.step.unique()):
+    def draw(ax, rows, metric, blocks=blocks, steps=steps):
       _quality_lines(ax, rows, blocks, colours)
       _metric_panel(ax, metric)
       plots.step_axis(ax, steps)

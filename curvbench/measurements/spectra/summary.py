@@ -381,21 +381,13 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
   estimation mode, reference, block type (and whole network) and step,
   the paired interval of the difference of their relative Frobenius
   errors, a verdict (holds, does not hold, not settled where the interval
-  holds 0, too few samples to tell below 6 pairs), and each one's gap over the claim's floor; a line per claim
-  counting the verdicts. Cells against a reference other than the matrix
+  holds 0, too few samples to tell below 6 pairs), and each one's gap over
+  the claim's floor; a line per claim counting the verdicts. Cells against a reference other than the matrix
   the estimation mode estimates, and cells where both score alike (the
   same block for both), are left out: they cannot bear on the claim."""
   if "curvature" not in q:  # records that do not say which approximation
     return [], None
-  frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
-  # A claim is about the matrix an approximation estimates (its estimation
-  # mode's): a cell against another reference does not bear on it.
-  estimated = frob["mode"].map(  # a mode named after its matrix: itself
-    lambda m: estimation_modes.matrix_type(m)
-    if m in estimation_modes.ESTIMATION_MODES
-    else m
-  )
-  frob = frob[estimated.isna() | (estimated == frob.reference)]
+  frob = _claimed_errors(q)
   names = set(frob.curvature.dropna())
   rows, lines = [], []
   for name in sorted(names & set(CURVATURES.names())):
@@ -412,31 +404,55 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
       for c in cells:
         c.update(claim=f"{name} nearer than {claim.than}", source=claim.source)
       rows += cells
-      counts = pd.Series([c["verdict"] for c in cells]).value_counts()
-      tally = ", ".join(
-        f"{verdict} in {counts.get(verdict, 0)}"
-        for verdict in VERDICTS.values()
-      )
-      floor = ""
-      if claim.floor is not None and "gap_median" in cells[0]:
-        gaps = pd.DataFrame(cells)
-        floor = (
-          f" Over {claim.floor}, {name}'s gap in relative Frobenius "
-          f"error has median {number(gaps.gap_median.median())} over "
-          f"the cells, {claim.than}'s "
-          f"{number(gaps.than_gap_median.median())}."
-        )
-      lines.append(
-        f"Claim ({claim.source}): {name} is nearer the exact matrix than "
-        f"{claim.than} (relative Frobenius error, per block type and whole "
-        f"network). On these runs it {tally} of {len(cells)} (problem, "
-        "reference, block type, step) cells, each the median of the "
-        "paired differences with its exact 95 % sign-test interval (table "
-        "claims; too few samples to tell below 6 pairs)." + floor
-      )
+      lines.append(_claim_line(name, claim, cells))
   if not rows:
     return [], None
-  data = pd.DataFrame(rows)
+  return lines, _claims_table(pd.DataFrame(rows))
+
+
+def _claimed_errors(q: pd.DataFrame) -> pd.DataFrame:
+  """The relative Frobenius errors a claim is about: of the whole network
+  and the block types, against the matrix each approximation's estimation
+  mode estimates (a cell against another reference does not bear on
+  it)."""
+  frob = q[(q.metric == "relative_frobenius") & (q.level != "layer")]
+  estimated = frob["mode"].map(  # a mode named after its matrix: itself
+    lambda m: estimation_modes.matrix_type(m)
+    if m in estimation_modes.ESTIMATION_MODES
+    else m
+  )
+  return frob[estimated.isna() | (estimated == frob.reference)]
+
+
+def _claim_line(name: str, claim, cells: list[dict]) -> str:
+  """The line of a claim of `name`'s: its verdicts counted over `cells`,
+  and the gaps over the claim's floor where it has one."""
+  counts = pd.Series([c["verdict"] for c in cells]).value_counts()
+  tally = ", ".join(
+    f"{verdict} in {counts.get(verdict, 0)}" for verdict in VERDICTS.values()
+  )
+  floor = ""
+  if claim.floor is not None and "gap_median" in cells[0]:
+    gaps = pd.DataFrame(cells)
+    floor = (
+      f" Over {claim.floor}, {name}'s gap in relative Frobenius "
+      f"error has median {number(gaps.gap_median.median())} over "
+      f"the cells, {claim.than}'s "
+      f"{number(gaps.than_gap_median.median())}."
+    )
+  return (
+    f"Claim ({claim.source}): {name} is nearer the exact matrix than "
+    f"{claim.than} (relative Frobenius error, per block type and whole "
+    f"network). On these runs it {tally} of {len(cells)} (problem, "
+    "reference, block type, step) cells, each the median of the "
+    "paired differences with its exact 95 % sign-test interval (table "
+    "claims; too few samples to tell below 6 pairs)." + floor
+  )
+
+
+def _claims_table(data: pd.DataFrame) -> Table:
+  """The `claims` table of every judged cell, its intervals shown as
+  median [low, high]."""
   view = data.assign(
     difference=[
       spread(m, lo, hi)
@@ -464,7 +480,7 @@ def claims(q: pd.DataFrame) -> tuple[list[str], Table | None]:
         )
       ]
       shown.insert(-2, gap)
-  return lines, Table(
+  return Table(
     "claims",
     "Published claims checked: the difference of relative "
     "Frobenius errors (claimed nearer minus the other; median [exact 95 % "
