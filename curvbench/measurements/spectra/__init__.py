@@ -445,6 +445,8 @@ class Spectra(Measurement):
 
   @staticmethod
   def figures(tables, colour, out):
+    """The spectra, heatmap and quality figures of `tables` drawn into
+    `out`, each method in its `colour`; their paths."""
     paths = []
     if "spectra" in tables:
       paths += figures.spectra(tables["spectra"], out, colour=colour)

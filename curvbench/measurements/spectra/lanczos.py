@@ -98,6 +98,8 @@ class Operators:
   probes: Probes
 
   def source(self, name: str) -> str:
+    """The `source` column of curvature `name`'s rows: "approx" for the
+    approximation, "exact <name>" for a reference."""
     return "approx" if name == self.label else f"exact {name}"
 
   def run(self, name, kind, mask=None, block=""):

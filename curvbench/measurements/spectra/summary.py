@@ -583,6 +583,8 @@ def cost_rows(cost: pd.DataFrame) -> pd.DataFrame:
 
 
 def cost_table(cost: pd.DataFrame) -> Table:
+  """The report's table of what each measured phase cost: seconds to
+  compile and to run, and memory, summarised over the samples."""
   data = _summarise(
     cost_rows(cost), ["problem", "label", "data", "step", "phase", "cost"]
   )
