@@ -12,6 +12,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from curvbench.components import documented
+from curvbench.conf_dir import CONF_DIR
+
 HELP_FLAGS = ("-h", "--help")
 # The config groups a user swaps, and where their components live: a
 # package of modules (each registering classes with a `name`), the preset
@@ -170,8 +173,6 @@ def _gallery() -> dict[str, str]:
 
 def options() -> dict[str, dict[str, str]]:
   """`{group: {option: one line}}`, read off the sources and presets."""
-  from curvbench.conf_dir import CONF_DIR as conf  # noqa: PLC0415
-
   out = {}
   for group, (package, presets) in GROUPS.items():
     found = {}
@@ -179,7 +180,11 @@ def options() -> dict[str, dict[str, str]]:
       found.update(_components(_package_dir(package)))
     if presets is not None:
       found.update(
-        {k: v for k, v in _presets(conf / presets).items() if k not in found}
+        {
+          k: v
+          for k, v in _presets(CONF_DIR / presets).items()
+          if k not in found
+        }
       )
     if group == "experiment":
       found.update(_gallery())
@@ -209,8 +214,6 @@ def usage() -> str:
 def _settings(cls) -> list[str]:
   """Two lines per setting of `cls`: key, default and what it accepts;
   its doc."""
-  from curvbench.components import documented  # noqa: PLC0415
-
   return [
     f"    {d.key} = {d.default!r}  [{d.accepts}]\n        {d.doc}"
     for d in documented(cls)

@@ -98,7 +98,7 @@ def plugin_code(cfg) -> dict:
   anything), and `plugins`, one hash over those and the code of each of
   its components declared outside curvbench (`plugins.source`); both None
   where it runs curvbench's own code only."""
-  from curvbench import config  # noqa: PLC0415  (config imports the registries)
+  from curvbench import config  # noqa: PLC0415 - config imports the registries
 
   named = {
     str(name): plugins.digest(str(name)) for name in cfg.get("plugins") or []

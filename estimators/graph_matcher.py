@@ -163,10 +163,15 @@ class GraphMatcherComparator:
       try:
         if not bool(a == b):
           return False
-      except Exception:  # pylint: disable=broad-except  (arrays, jaxprs)
+      except Exception:  # noqa: BLE001 - arrays, jaxprs: compared by identity
         if a is not b:
           return False
     return True
+
+
+# `auto_register_tags`' default rules: the class is frozen, so one instance
+# serves every call.
+_DEFAULT_COMPARATOR = GraphMatcherComparator()
 
 
 def _dot_axes_from_end(eqn):
@@ -1559,7 +1564,7 @@ def auto_register_tags(
   compute_only_loss_tags: bool = True,
   patterns_to_skip: Sequence[str] = (),
   allow_multiple_registrations: bool = False,
-  graph_matcher_rules: GraphMatcherComparator = GraphMatcherComparator(),
+  graph_matcher_rules: GraphMatcherComparator = _DEFAULT_COMPARATOR,
   graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
 ) -> TaggedFunction:
   """Finds the layers of `func` and returns it with layer tags bound.

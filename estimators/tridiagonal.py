@@ -547,7 +547,7 @@ class BlockTridiagonalCurvature(curvature.BlockDiagonalCurvature):
       for k in range(len(v) - 1)
     ] + [v[-1]]
     w = []
-    for k, b in enumerate(blocks[:-1]):
+    for k in range(len(blocks) - 1):
       k_a, k_g = c[k]["inputs_basis"], c[k]["outputs_basis"]
       grid = 1 - jnp.outer(c[k]["inputs_values"], c[k]["outputs_values"])
       w.append(k_a @ ((k_a.T @ u[k] @ k_g) / grid) @ k_g.T)

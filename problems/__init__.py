@@ -72,8 +72,8 @@ def check(settings) -> None:
 
 def _plain(settings) -> dict:
   """A plain dict from a dict or an OmegaConf config."""
-  try:
-    from omegaconf import DictConfig, OmegaConf
+  try:  # optional: only a caller with an OmegaConf config has it
+    from omegaconf import DictConfig, OmegaConf  # noqa: PLC0415 - see above
 
     if isinstance(settings, DictConfig):
       return cast(dict, OmegaConf.to_container(settings, resolve=True))

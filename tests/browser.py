@@ -66,8 +66,8 @@ def _missing(reason: str):
 @contextlib.contextmanager
 def launch_chromium():
   """A fresh headless Chromium page with its error log, closed on exit."""
-  try:
-    from playwright.sync_api import sync_playwright
+  try:  # optional: without it the browser tests are skipped
+    from playwright.sync_api import sync_playwright  # noqa: PLC0415 - see above
   except ImportError:
     _missing(
       "the `playwright` package is not installed: run "

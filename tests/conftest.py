@@ -25,6 +25,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import problems  # noqa: E402
+from curvbench import config, runs  # noqa: E402
+from curvbench.core import records  # noqa: E402
 from tests.browser import chromium_page  # noqa: E402, F401 (a fixture)
 
 TINY_PROBLEM = ("problem.width=3", "problem.depth=1", "problem.batch_size=8")
@@ -33,9 +36,6 @@ TINY_PROBLEM = ("problem.width=3", "problem.depth=1", "problem.batch_size=8")
 @pytest.fixture(scope="session")
 def tiny():
   """A 235-parameter MLP from the mlp config, its float64 params and batch."""
-  import problems
-  from curvbench import config
-
   problem = problems.make(config.compose(*TINY_PROBLEM).problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
   return problem, params, problem.fixed_batch(dtype=np.float64)
@@ -118,9 +118,6 @@ def sweep(tmp_path_factory):
   sweep's processes do: each holds a run's lock while it works, and finds
   the runs the other finished (workers go through the points in opposite
   orders, so neither waits long)."""
-  from curvbench import config, runs
-  from curvbench.core import records
-
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   base = tmp_path_factory.getbasetemp()
   root = (base.parent if worker else base) / "sweep"

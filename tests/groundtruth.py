@@ -366,12 +366,14 @@ def block_mask(problem: Problem, groups):
 STACK = 3
 
 
-def layer_stack_params(rng=np.random.default_rng(0)):
+def layer_stack_params(rng=None):
   """Parameters of an MLP whose `STACK` middle layers share one scan.
 
   `ws` and `bs` hold the middle layers' weights and biases stacked on a
-  leading axis; `w0`/`b0` and `w1`/`b1` are the first and last layers.
+  leading axis; `w0`/`b0` and `w1`/`b1` are the first and last layers;
+  drawn from `rng`, by default a new generator seeded 0.
   """
+  rng = np.random.default_rng(0) if rng is None else rng
 
   def normal(*shape):
     return rng.normal(size=shape)

@@ -12,7 +12,7 @@ import pytest
 
 import estimators
 from curvbench import app, config, runs
-from curvbench.core import checkpoints, records
+from curvbench.core import checkpoints, records, training
 from curvbench.measurements.timing import clock
 from tests.conftest import SKIPPED, SWEEP, TINY, curvbench_cli
 
@@ -180,8 +180,6 @@ def test_a_sweeps_approximations_share_one_training_trajectory(
   """In a sweep folder, spectra runs that train the same way (a fixed
   trainer) train once: the second reads the first's trajectory, and
   measures what it measures when it trains itself."""
-  from curvbench.core import training
-
   calls = []
   real = training.run
   monkeypatch.setattr(

@@ -36,7 +36,7 @@ def _sweep(target=0.35, claim="kfac", budget=None, points=10):
       for seed in SEEDS:
         run_id = f"{method}-{lr}-{seed}"
         end = final + 0.01 * (seed - 1.5) / 1.5
-        error = lambda step: 1 + (end - 1) * step / STEPS
+        error = lambda step, end=end: 1 + (end - 1) * step / STEPS
         runs.append(
           {
             "run_id": run_id,

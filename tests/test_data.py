@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvbench.core import data
+import problems
+from curvbench import config
+from curvbench.core import curvatures, data
 
 
 def test_mean_over_chunks_and_remainder_is_the_mean_over_examples():
@@ -214,9 +216,6 @@ def test_cpu_convolutions_in_a_loop_take_the_fast_layout_and_keep_values(
 def convnet():
   """The convnet problem in float64, 300 of its training examples in 3
   chunks of 80 and a remainder of 60, and the same examples as one batch."""
-  import problems
-  from curvbench import config
-
   problem = problems.make(config.compose("problem=convnet").problem)
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float64)
   train = data.select(problem, "train", chunk_size=100, dtype=np.float64)
@@ -233,8 +232,6 @@ def convnet():
 
 @pytest.mark.parametrize("work", ["gradient", "ggn", "hessian"])
 def test_dataset_products_over_chunks_equal_one_batch_of_all(convnet, work):
-  from curvbench.core import curvatures
-
   problem, params, chunks, whole = convnet
   if work == "gradient":
     fn = lambda p, d: d.mean(lambda b: jax.grad(problem.loss_fn)(p, b))

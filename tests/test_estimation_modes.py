@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import problems
-from curvbench import approximations, config, provenance, runs
+from curvbench import approximations, config, planning, provenance, runs
 from curvbench.measurements import MEASUREMENTS
 from tests.conftest import TINY
 
@@ -67,8 +67,6 @@ def test_outside_a_run_a_curvature_without_a_mode_is_the_librarys_default():
 
 def _points(*swept):
   """The runs of a sweep's points, as the sweeper loads them."""
-  from curvbench import planning
-
   jobs = planning.product([*swept, *TINY])
   return [config.load(config.compose(*job)) for job in jobs]
 

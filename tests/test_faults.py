@@ -673,7 +673,7 @@ def test_a_report_into_an_unwritable_folder_ends_in_one_line(
       if simulate:
 
         def unwritable(path, write):
-          raise OSError(simulate, why, str(path))
+          raise OSError(simulate, why, str(path))  # noqa: B023 - used at once
 
         patch.setattr(records, "atomic_write", unwritable)
       with pytest.raises(SystemExit) as refused:

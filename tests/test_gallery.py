@@ -160,7 +160,7 @@ def test_page_counts_findings_extensions_and_checks_apart():
 # --- Cohen et al. (edge of stability) ----------------------------------------
 
 
-def edge_runs(curve, seeds=range(2), loss="one_hot_squared_error", **change):
+def edge_runs(curve, seeds=(0, 1), loss="one_hot_squared_error", **change):
   """Full-batch runs at three step sizes per seed: the sharpness over 2/η at
   gradient-flow time τ is `curve(τ)`; every condition met unless `change`d
   (`every`: steps between measurements, `batch`, `error`: final training

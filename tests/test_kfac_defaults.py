@@ -4,13 +4,17 @@ model, and a diverged run says what to change, from its own records."""
 import dataclasses
 from pathlib import Path
 
+import jax
 import numpy as np
 import pandas as pd
 import pytest
 
 import curvbench
+import problems
+from curvbench import config
 from curvbench.measurements.training import divergence
 from curvbench.optimizers.kfac import KFAC
+from tests.conftest import TINY
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODE = "curvature.mode=ggn_curvature_prop"  # KFAC-JAX 0.0.8's default
@@ -163,12 +167,6 @@ def test_an_optimizer_without_a_trace_gets_the_bare_step():
 def test_only_a_traced_run_keeps_its_step_statistics():
   """Timing steps keep nothing; training asks (`start_trace`) and gets
   each update's damping, learning rate, momentum and reduction ratio."""
-  import jax
-
-  import problems
-  from curvbench import config
-  from tests.conftest import TINY
-
   run = config.load(config.compose("optimizer=kfac", *TINY))
   problem = problems.make(run.problem)
   trainer = run.optimizer.make(

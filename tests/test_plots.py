@@ -234,8 +234,6 @@ def test_heatmaps_with_one_block_and_no_inverse(tmp_path):
 
 
 def test_heatmap_lines_sit_at_block_boundaries():
-  import matplotlib.pyplot as plt
-
   fig, ax = plt.subplots()
   rows, cols = spectra_figures.draw_blocks(ax, ["a", "a", "b"], ["a", "a", "b"])
   assert rows == cols == [1.5]

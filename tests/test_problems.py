@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import socket
 import stat
 import tarfile
@@ -507,8 +508,6 @@ class _Exploit:
 
 
 def test_a_malicious_cifar10_batch_runs_nothing(tmp_path):
-  import pickle
-
   batches = tmp_path / "cifar-10-batches-py"
   batches.mkdir()
   marker = tmp_path / "pwned"
@@ -529,8 +528,6 @@ def test_a_malicious_cifar10_batch_runs_nothing(tmp_path):
 
 
 def test_cifar10_batches_binary_and_python_give_the_same_images(tmp_path):
-  import pickle
-
   rng = np.random.default_rng(0)
   images = {
     n: rng.integers(0, 256, (3, 3072), np.uint8)

@@ -9,6 +9,7 @@ import pytest
 
 from curvbench import config, latex, report, runs, sweep
 from curvbench.core import metrics, plots
+from curvbench.core.sections import Section, Table
 from curvbench.measurements.timing import memory
 from tests.conftest import TINY
 from tests.test_latex import bare_specials, parsed
@@ -323,8 +324,6 @@ def test_self_check_counts_the_seeds_of_the_runs_a_row_speaks_of():
   """A sweep whose parts run different seeds (the gallery's timing runs one
   seed, its training six): a row of one sample is a defect only where its
   own runs ran several."""
-  from curvbench.core.sections import Section, Table
-
   done = pd.DataFrame(
     dict(
       problem=["resnet"] + ["mlp"] * 6,

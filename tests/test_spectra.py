@@ -8,9 +8,11 @@ import pandas as pd
 import pytest
 
 from curvbench import approximations, config
+from curvbench.approximations import CURVATURES, Nearer
 from curvbench.core import curvatures, metrics
 from curvbench.core.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
+from curvbench.measurements.spectra import summary
 
 RHO = 1e-3  # the relative damping the single-value checks read
 
@@ -519,8 +521,6 @@ def test_the_closest_method_is_named_by_the_statistic_it_quotes():
   """One sample far off moves a method's mean but not its median: the
   finding ranks, quotes and compares the same statistic (medians), so
   the method it names first never has the higher figure."""
-  from curvbench.measurements.spectra import summary
-
   spiky, steady = [0.1, 0.1, 0.1, 0.1, 0.1, 2.0], [0.3] * 6
   rows = [
     dict(
@@ -561,9 +561,6 @@ def test_a_declared_claim_gets_a_verdict_per_cell_and_a_gap_over_its_floor(
   not, where the samples straddle it is not settled, and where both score
   alike (the same block) the cell is left out; gaps are paired over the
   floor."""
-  from curvbench.approximations import CURVATURES, Nearer
-  from curvbench.measurements.spectra import summary
-
   monkeypatch.setattr(
     CURVATURES.get("kfac"),
     "claims",

@@ -66,7 +66,7 @@ def test_cosine_similarity_is_recorded_wherever_the_relative_frobenius_is(
       p.loss_fn, make(tiny, name), params, batch, spec(), jax.random.key(1)
     )
     q = pd.DataFrame(tables["quality"]).set_index(["level", "block", "metric"])
-    where = lambda m: set(q.xs(m, level="metric").index)
+    where = lambda m, q=q: set(q.xs(m, level="metric").index)
     assert where("cosine_similarity") == where("relative_frobenius")
     assert len(where("cosine_similarity")) > 2  # network and blocks
     for level, block in where("cosine_similarity"):

@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from curvbench import approximations, config, optimizers
+from curvbench.optimizers import kfac as kfac_trainer
 from estimators.utils import staging
+from tests.conftest import TINY
 
 
 def _step(state, x, scale, refresh):
@@ -106,10 +109,6 @@ def test_stage_compiles_without_the_cpu_options_this_jaxlib_lacks():
 def test_kfac_memory_programs_compile_without_unknown_cpu_options(
   tiny, monkeypatch
 ):
-  from curvbench import approximations, config, optimizers
-  from curvbench.optimizers import kfac as kfac_trainer
-  from tests.conftest import TINY
-
   problem, params, batch = tiny
   monkeypatch.setattr(
     kfac_trainer,

@@ -11,10 +11,12 @@ import optax
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config, optimizers
+from curvbench import approximations, config, optimizers, runs
 from curvbench.core import curvatures, training
+from curvbench.measurements import training as measurement
 from curvbench.measurements.training import Training
 from curvbench.optimizers.preconditioned_sgd import precondition_by_curvature
+from tests.conftest import TINY_PROBLEM
 
 STEPS = Training(
   num_steps=12, log_every=1, eval_every=5, eval_size=50, train_eval_size=100
@@ -230,7 +232,7 @@ def test_training_averages_the_iterates_and_reports_the_lower_error(tiny):
   mean = params
   for k in range(1, cfg.num_steps + 1):  # iterate k is 0.9^k params
     mean = jax.tree.map(
-      lambda m, q: decay * m + (1 - decay) * 0.9**k * q, mean, params
+      lambda m, q, k=k: decay * m + (1 - decay) * 0.9**k * q, mean, params
     )
   evaluate = training.evaluator(p, cfg, np.float64)
   last = rows.loc[cfg.num_steps]
@@ -273,10 +275,6 @@ def test_every_kind_of_step_is_compiled_before_the_clock_starts(
   no program compiles inside the timed loop: K-FAC's refresh and
   damping-adaptation steps, once the state has been through a step,
   included."""
-  from curvbench import runs
-  from curvbench.measurements import training as measurement
-  from tests.conftest import TINY_PROBLEM
-
   events: list = []
 
   class Compiles(logging.Handler):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from estimators import utils
+from estimators.utils.array_math import symmetric_gram
 
 # One leaf below the size where gram_matrix stacks leaves, one above it.
 SHAPES = [(3, 4), (5,), (130, 130)]
@@ -58,8 +59,6 @@ def test_gram_matrix_rejects_trees_with_different_leaves():
 def test_symmetric_gram_is_the_gram_matrix(columns):
   """Widths from 384 take the blocked path (block products above the
   diagonal only, mirrored below); in float64, to rounding."""
-  from estimators.utils.array_math import symmetric_gram
-
   x = np.random.default_rng(columns).standard_normal((40, columns))
   got = np.asarray(jax.jit(symmetric_gram)(jnp.asarray(x)))
   np.testing.assert_allclose(got, x.T @ x, rtol=1e-12, atol=1e-12)

@@ -74,6 +74,7 @@ Run from the repository root (set-up: README.md here):
 
 import argparse
 import contextlib
+import operator
 import os
 import sys
 import types
@@ -508,7 +509,9 @@ def compare_estimates(s, args, key):
     peer_values, peer_vectors = h.eigenvalues(top_n=args.top_k)
   values, vectors = s.top(s.params, s.batch, key)
   values = np.asarray(values, np.float64)
-  vectors = [jax.tree.map(lambda x: x[i], vectors) for i in range(args.top_k)]
+  vectors = [
+    jax.tree.map(operator.itemgetter(i), vectors) for i in range(args.top_k)
+  ]
   peer_vectors = [s.model.tree(v) for v in peer_vectors]
 
   def residual(t, v):  # |H v - t v| / (|t| |v|)

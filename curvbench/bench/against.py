@@ -188,9 +188,11 @@ def load(ref: str, folder: Path) -> Version:
 def working_tree() -> Version:
   """The code this process imports: the working tree's `estimators`,
   `problems` and `curvbench.core.data`."""
-  import estimators
-  import problems
-  from curvbench.core import data
+  # Imported here, not at the top: the modules `sys.modules` holds when
+  # called, the working tree's once an earlier commit's are set aside.
+  import estimators  # noqa: PLC0415 - see above
+  import problems  # noqa: PLC0415 - see above
+  from curvbench.core import data  # noqa: PLC0415 - see above
 
   return Version("working tree", estimators, data, problems)
 

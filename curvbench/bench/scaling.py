@@ -44,6 +44,10 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
@@ -349,11 +353,6 @@ def figure(rows: pd.DataFrame, path) -> None:
   """Log-log panels, one per family: seconds (left) and XLA's program
   memory (right) against parameters, a line per kind of work, with the
   fitted exponent in the legend."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   families = list(dict.fromkeys(rows.family))
   fig, axes = plt.subplots(
     len(families), 2, squeeze=False, figsize=(10, 3.6 * len(families))

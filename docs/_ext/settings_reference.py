@@ -4,10 +4,10 @@ before the site is read, so it cannot drift from the code."""
 
 from pathlib import Path
 
+from curvbench import settings_doc
+
 
 def _write(app) -> None:
-  from curvbench import settings_doc
-
   out = Path(app.srcdir) / "generated" / "settings.md"
   out.parent.mkdir(parents=True, exist_ok=True)
   text = settings_doc.markdown()

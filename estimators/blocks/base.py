@@ -271,7 +271,7 @@ class CurvatureBlock(abc.ABC):
       raise ValueError(f"Block {name!r}: the tag has no parameters.")
     self._check_layer()
 
-  def _check_layer(self) -> None:
+  def _check_layer(self) -> None:  # noqa: B027 - a hook; checks nothing here
     """Hook for layer-specific validation of the tag equation."""
 
   # --- properties of the tagged layer ------------------------------------

@@ -122,7 +122,9 @@ class ParametersArrayLayout(base.CurvatureBlock):
       try:
         left, _ = utils.parse_rearrange_spec(spec)
       except ValueError as e:
-        raise self._layout_error(f"spec {i} ({spec!r}) is malformed: {e}")
+        raise self._layout_error(
+          f"spec {i} ({spec!r}) is malformed: {e}"
+        ) from None
       if len(left) != len(shape):
         raise self._layout_error(
           f"spec {i} ({spec!r}) names {len(left)} axes, but parameter {i} "

@@ -256,9 +256,9 @@ def limit_lapack_threads() -> None:
   _lapack_threads_limited = True
   if "OPENBLAS_NUM_THREADS" in os.environ:
     return
-  try:
-    import scipy.linalg.cython_lapack  # noqa: F401  (loads the library)
-    import threadpoolctl
+  try:  # optional to the library: without them the limit is skipped
+    import scipy.linalg.cython_lapack  # noqa: F401, PLC0415 - loads OpenBLAS
+    import threadpoolctl  # noqa: PLC0415 - see above
   except ImportError:
     return
   for lib in threadpoolctl.ThreadpoolController().lib_controllers:

@@ -18,7 +18,9 @@ import numpy as np
 from estimators.utils.tree_math import weighted_sum_of_objects
 
 
-class Finalizable(abc.ABC):
+# An ABC, as KFAC-JAX's, though it declares no abstract method: subclasses'
+# `abc.abstractmethod`s are enforced.
+class Finalizable(abc.ABC):  # noqa: B024 - see above
   """A mixin whose attributes freeze once `finalize` has been called.
 
   Subclasses call `super().__init__()` and set their attributes before
@@ -57,7 +59,7 @@ class Finalizable(abc.ABC):
     self._finalize(*args, **kwargs)
     self._finalized = True
 
-  def _finalize(self, *args: Any, **kwargs: Any) -> None:
+  def _finalize(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - a hook
     """A subclass's own finalization work (nothing by default)."""
 
   def unlock_attributes(self) -> None:

@@ -19,7 +19,9 @@ def _class_key(cls: type) -> str:
   return f"{cls.__module__}.{cls.__qualname__}"
 
 
-class State(abc.ABC):
+# An ABC, as KFAC-JAX's, though it declares no abstract method: subclasses'
+# `abc.abstractmethod`s are enforced.
+class State(abc.ABC):  # noqa: B024 - see above
   """Base of state classes: a dataclass whose fields are its pytree
   children (see `register_state_class`)."""
 

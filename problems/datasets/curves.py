@@ -21,7 +21,8 @@ def ink_curves(
   `points` is `(n, k, 2)` in pixel units; a pixel's ink is
   `exp(-d^2 / (2 width^2))` with `d` its distance to the curve.
   """
-  from scipy.interpolate import CubicSpline
+  # Loaded when curves are drawn, not with the registry (0.6 s).
+  from scipy.interpolate import CubicSpline  # noqa: PLC0415 - see above
 
   n, k, _ = points.shape
   t = np.linspace(0.0, 1.0, k)

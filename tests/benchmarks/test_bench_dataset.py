@@ -14,6 +14,7 @@ too: the dataset program's should stay that of about one batch.
 """
 
 import functools
+import operator
 import time
 
 import jax
@@ -59,7 +60,7 @@ def _setup(name):
   params = problem.init_params(jax.random.PRNGKey(0), jnp.float32)
   examples = data.select(problem, "train", dtype=np.float32)
   batches = [
-    jax.tree.map(lambda x: x[i], examples.chunks)
+    jax.tree.map(operator.itemgetter(i), examples.chunks)
     for i in range(examples.num_chunks)
   ]
   if examples.rest is not None:

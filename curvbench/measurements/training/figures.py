@@ -154,11 +154,13 @@ def sensitivity(
         parsed = m.setting.map(
           lambda s: dict(kv.split("=", 1) for kv in s.split(", ") if "=" in kv)
         )
-        if not parsed.map(lambda d: key in d).all():
+        if not all(key in d for d in parsed):
           continue
         best = parsed[m.best].iloc[0]
         same = parsed.map(
-          lambda d: all(d.get(k) == v for k, v in best.items() if k != key)
+          lambda d, best=best, key=key: all(
+            d.get(k) == v for k, v in best.items() if k != key
+          )
         )
         points = sorted(
           (float(d[key]), score)
