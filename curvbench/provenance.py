@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from omegaconf import DictConfig, OmegaConf
 
 import problems
-from curvbench import plugins
+from curvbench import config, plugins
 from curvbench.core.environment import code_version, device, versions
 
 NOT_IDENTITY = (
@@ -98,8 +98,6 @@ def plugin_code(cfg) -> dict:
   anything), and `plugins`, one hash over those and the code of each of
   its components declared outside curvbench (`plugins.source`); both None
   where it runs curvbench's own code only."""
-  from curvbench import config  # noqa: PLC0415 - config imports the registries
-
   named = {
     str(name): plugins.digest(str(name)) for name in cfg.get("plugins") or []
   }
