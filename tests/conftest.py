@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # Must happen before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
@@ -16,6 +17,9 @@ jax.config.update("jax_enable_x64", True)
 
 # Elapsed time and the time left, at every tenth of the tests.
 pytest_plugins = ["tests.time_left"]
+
+# The repository's root, wherever in tests/ a test file lies.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the harness's tiny problem ----------------------------------------------

@@ -15,8 +15,7 @@ import sys
 import pytest
 
 from curvbench.approximations import CURVATURES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
 
 # Every registered family, found by the registry.
 FAMILIES = tuple(CURVATURES.names())

@@ -10,8 +10,7 @@ import pytest
 from estimators import tags, utils
 from estimators.blocks import kronecker, stacked
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
-from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import (
+from tests.estimators.blocks.test_blocks import (
   EXACT_CASES,
   B,
   dense_case,
@@ -22,6 +21,7 @@ from tests.test_blocks import (
   np_patches,
   random_vector,
 )
+from tests.groundtruth import numpy_psd_power, random_normal
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3
@@ -34,7 +34,7 @@ CLASSES = {
   "dense": (DenseEKFAC, kronecker.DenseTwoKroneckerFactored),
   "dense_repeated": (DenseEKFAC, kronecker.RepeatedDenseTwoKroneckerFactored),
   # Per-location scalings: the per-row curvature below is their target
-  # (the per-example default is tested in tests/test_ekfac_conv.py).
+  # (the per-example default is tested in tests/estimators/blocks/test_ekfac_conv.py).
   "conv": (
     functools.partial(Conv2DEKFAC, scalings="per_location"),
     kronecker.Conv2DTwoKroneckerFactored,

@@ -19,10 +19,19 @@ from estimators.blocks import (
   set_max_parallel_elements,
   stacked,
 )
+from tests.estimators.blocks.test_blocks import (
+  dense_layer,
+  make_case,
+  random_vector,
+)
+from tests.estimators.blocks.test_shampoo import (
+  CASES,
+  FAMILIES,
+  dense_case,
+  kfac_class,
+)
+from tests.estimators.blocks.test_tnt import example_matrices, matrix_order
 from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import dense_layer, make_case, random_vector
-from tests.test_shampoo import CASES, FAMILIES, dense_case, kfac_class
-from tests.test_tnt import example_matrices, matrix_order
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3  # the products' identity weight, not the block's κ

@@ -11,7 +11,7 @@ from curvbench import config, latex, report, runs, sweep
 from curvbench.core import metrics, plots
 from curvbench.measurements.timing import memory
 from tests.conftest import TINY
-from tests.test_latex import bare_specials, parsed
+from tests.curvbench.test_latex import bare_specials, parsed
 
 
 def test_report_merges_tables_and_figures(sweep, tmp_path, capsys):

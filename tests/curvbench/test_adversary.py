@@ -6,8 +6,8 @@ and that is not the code the runs recorded; any edit in code a run
 executes is another run; a malformed record is named and the rest of the
 report stands. (The Python API's input checks, the reference store's and
 the MNIST files' content digests have their rounds beside their code:
-tests/test_input_checks.py, tests/test_references.py,
-tests/test_fetch_mnist_data.py.)"""
+tests/problems/test_input_checks.py, tests/curvbench/core/test_references.py,
+tests/problems/test_fetch_mnist_data.py.)"""
 
 import json
 import shutil

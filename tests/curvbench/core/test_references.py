@@ -11,7 +11,7 @@ from curvbench.core.costs import Costs
 from curvbench.core.references import ReferenceStore, content_hash
 from curvbench.measurements.spectra import compute as spectra
 from problems.datafiles import arrays_sha256
-from tests.test_spectra import make, spec
+from tests.curvbench.measurements.test_spectra import make, spec
 
 KEY = dict(problem={"name": "tiny"})
 

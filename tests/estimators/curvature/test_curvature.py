@@ -84,7 +84,7 @@ def test_exact_full_blocks_equal_block_diagonal_of_ggn(name, loss, mode):
 
 @pytest.mark.parametrize("name", ["mlp", "convnet", "scale_shift"])
 def test_fisher_empirical_is_the_mean_outer_product_over_the_batch_size(name):
-  """KFAC-JAX's block-diagonal convention (tests/test_fisher_empirical.py
+  """KFAC-JAX's block-diagonal convention (tests/estimators/curvature/test_fisher_empirical.py
   has both conventions and every family)."""
   problem = PROBLEMS[name](
     loss="softmax" if name != "scale_shift" else "squared"

@@ -4,7 +4,6 @@ them, and the same-block note where every approximation agrees."""
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,9 +16,9 @@ import problems
 from curvbench import config, report, runs
 from curvbench.core import plots, registration_report
 from curvbench.measurements.spectra import summary
-from tests.conftest import SHORT
+from tests.conftest import ROOT, SHORT
 
-DOCS = Path(__file__).parent.parent / "docs" / "reference" / "records.md"
+DOCS = ROOT / "docs" / "reference" / "records.md"
 
 
 class _Net(nnx.Module):

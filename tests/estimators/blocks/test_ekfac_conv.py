@@ -17,16 +17,21 @@ from estimators import utils
 from estimators.blocks import kronecker
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
 from tests import groundtruth as gt
-from tests.groundtruth import random_normal
-from tests.test_blocks import conv_layer, fitted, make_case, to_dense
-from tests.test_curvature import estimate
-from tests.test_ekfac import (
+from tests.estimators.blocks.test_blocks import (
+  conv_layer,
+  fitted,
+  make_case,
+  to_dense,
+)
+from tests.estimators.blocks.test_ekfac import (
   in_matrix_layout,
   matrix_order,
   per_row_curvature,
   rows,
   state_basis,
 )
+from tests.estimators.curvature.test_curvature import estimate
+from tests.groundtruth import random_normal
 
 jax.config.update("jax_enable_x64", True)
 

@@ -2,7 +2,6 @@
 model, and a diverged run says what to change, from its own records."""
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,8 +10,9 @@ import pytest
 import curvbench
 from curvbench.measurements.training import divergence
 from curvbench.optimizers.kfac import KFAC
+from tests.conftest import ROOT
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 MODE = "curvature.mode=ggn_curvature_prop"  # KFAC-JAX 0.0.8's default
 # The built-in problems a CPU trains in seconds, and the steps each gets;
 # the sweep behind the defaults ran five seeds of 300 (100 for resnet and

@@ -18,7 +18,7 @@ from estimators import utils
 from estimators.blocks import kronecker
 from estimators.blocks import weight_sharing as ws
 from tests import groundtruth as gt
-from tests.test_blocks import (
+from tests.estimators.blocks.test_blocks import (
   TOL,
   conv_layer,
   dense_layer,

@@ -12,7 +12,7 @@ import pytest
 
 from curvbench import app, config, planning, report, runs
 from curvbench.core import records
-from tests.conftest import TINY
+from tests.conftest import ROOT, TINY
 
 ADAM = ("measure=training", "optimizer=adam", *TINY)
 
@@ -188,7 +188,7 @@ print(json.dumps(out))"""
     text=True,
     check=True,
     cwd=tmp_path,
-    env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
   )
   theirs, shared = json.loads(result.stdout.strip().splitlines()[-1])
   assert "holds files curvbench did not write" in theirs, theirs

@@ -35,8 +35,8 @@ import pytest
 
 import estimators
 from curvbench.optimizers.kfac import MNIST_EXAMPLES
+from tests.conftest import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CANDIDATES = [
   os.environ.get("KFAC_JAX_SOURCE"),
   str(ROOT.parent / "kfac-jax-0.0.8"),

@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 
 from estimators import blocks, tags, utils
+from tests.estimators.blocks.test_blocks import (
+  S,
+  dense_layer,
+  fitted,
+  make_case,
+  random_vector,
+)
 from tests.groundtruth import numpy_psd_power
-from tests.test_blocks import S, dense_layer, fitted, make_case, random_vector
 
 V, D, B, T = 9, 3, 4, 5
 TOL = dict(rtol=1e-9, atol=1e-12)

@@ -22,7 +22,7 @@ import pytest
 
 from curvbench import app, config, report, runs, sweep
 from curvbench.core import checkpoints, records
-from tests.conftest import TINY
+from tests.conftest import ROOT, TINY
 
 ADAM = (
   "measure=training",
@@ -30,7 +30,6 @@ ADAM = (
   *TINY,
   "measure.training.checkpoint_steps=[2]",
 )
-REPO = Path(__file__).resolve().parents[1]
 NO_SPACE = "No space left on device"
 
 
@@ -235,10 +234,10 @@ def _script_output(script: str, cwd: Path):
 
 def _cli(*args):
   return subprocess.run(
-    [str(REPO / ".venv" / "bin" / "curvbench"), *args],
+    [str(ROOT / ".venv" / "bin" / "curvbench"), *args],
     capture_output=True,
     text=True,
-    cwd=REPO,
+    cwd=ROOT,
     timeout=300,
   )
 
@@ -281,10 +280,10 @@ def test_the_sweeper_ends_in_one_line_on_an_unwritable_disk(tmp_path):
   script = f"""
 import errno, json, os, sys
 from pathlib import Path
-sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, {str(ROOT)!r})
 from curvbench import app, records
 import pytest
-from tests.test_faults import simulated
+from tests.curvbench.test_faults import simulated
 out = []
 for cause in ("read-only", "forbidden", "fills"):
   folder = Path({str(tmp_path)!r}) / cause
@@ -391,11 +390,11 @@ def test_the_command_ends_a_run_that_fills_its_disk_in_one_line(tmp_path):
   script = f"""
 import json, sys
 from pathlib import Path
-sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, {str(ROOT)!r})
 import pytest
 from safetensors import SafetensorError
 from curvbench import app, runs
-from tests.test_faults import fills_at, full_disk
+from tests.curvbench.test_faults import fills_at, full_disk
 out = []
 for case in ("harness", "library"):
   with pytest.MonkeyPatch.context() as patch:

@@ -14,9 +14,8 @@ import pytest
 
 from curvbench.approximations import CURVATURES
 from estimators import blocks, utils
-from tests.groundtruth import numpy_psd_power
-from tests.test_blocks import S, random_vector
-from tests.test_embedding_blocks import (
+from tests.estimators.blocks.test_blocks import S, random_vector
+from tests.estimators.blocks.test_embedding_blocks import (
   IDS,
   TABLE,
   B,
@@ -26,7 +25,8 @@ from tests.test_embedding_blocks import (
   lookup,
   one_hot_case,
 )
-from tests.test_kl_shampoo import kl_objective
+from tests.estimators.blocks.test_kl_shampoo import kl_objective
+from tests.groundtruth import numpy_psd_power
 
 TOL = dict(rtol=1e-8, atol=1e-11)
 DAMPING = 0.3

@@ -9,8 +9,7 @@ import pytest
 
 from estimators import blocks, tags, utils
 from estimators.blocks import tnt
-from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import (
+from tests.estimators.blocks.test_blocks import (
   TOL,
   B,
   conv_case,
@@ -23,6 +22,7 @@ from tests.test_blocks import (
   random_vector,
   to_dense,
 )
+from tests.groundtruth import numpy_psd_power, random_normal
 
 DAMPING = 0.3
 POWERS = [1, -1, -0.5]

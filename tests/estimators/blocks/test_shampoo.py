@@ -22,15 +22,19 @@ from estimators.blocks import (
   shampoo,
   stacked,
 )
-from tests.groundtruth import numpy_psd_power, random_normal
-from tests.test_blocks import (
+from tests.estimators.blocks.test_blocks import (
   conv_case,
   conv_layer,
   dense_layer,
   make_case,
   random_vector,
 )
-from tests.test_tnt import example_matrices, matrix_order, repeated_case
+from tests.estimators.blocks.test_tnt import (
+  example_matrices,
+  matrix_order,
+  repeated_case,
+)
+from tests.groundtruth import numpy_psd_power, random_normal
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 DAMPING = 0.3
@@ -583,7 +587,7 @@ def test_the_approximations_map_dense_and_conv_tags_to_the_families():
   for name, (dense, conv) in expected.items():
     settings = CURVATURES.defaults(name)
     ctors = settings.blocks
-    # Embeddings: tests/test_shampoo_embedding.py.
+    # Embeddings: tests/estimators/blocks/test_shampoo_embedding.py.
     assert set(ctors) == {
       "dense_tag",
       "repeated_dense_tag",

@@ -15,9 +15,7 @@ import pytest
 from curvbench import config, plugins, provenance
 from curvbench.core import records
 from problems import PROBLEMS
-from tests.conftest import TINY
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, TINY
 
 PROBLEM_PLUGIN = """
 import dataclasses
@@ -144,7 +142,7 @@ def test_an_installed_entry_point_joins_the_registry_and_clashes_refuse(
   (info / "entry_points.txt").write_text(
     "[curvbench.plugins]\nlab = lab_models\n"
   )
-  env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+  env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
   out = _run(
     sys.executable,
     "-c",
@@ -177,7 +175,7 @@ def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
   """Declared in a test folder, named on the command line; the report, a
   process of its own, renders its section where the reader trusts it and
   its code is the code the runs recorded."""
-  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
   sweep = tmp_path / "sweep"
   _run(
     sys.executable,

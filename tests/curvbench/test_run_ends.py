@@ -4,15 +4,13 @@ sweep tells the time left after each point, finishes its points before it
 names the failed ones, and names its folders by the values that vary."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from curvbench import config, measurements, planning, runs
 from curvbench.core import records
-from tests.conftest import TINY, curvbench_cli
+from tests.conftest import ROOT, TINY, curvbench_cli
 
-REPO = Path(__file__).resolve().parents[1]
 # SGD steps so long that the loss overflows float32 within a few steps.
 DIVERGING = (
   "measure=training",
@@ -108,7 +106,7 @@ def test_the_command_exits_non_zero_for_a_diverged_run_or_sweep_point(
   cache = f"compilation_cache={tmp_path / 'cache'}"
   single = tmp_path / "single"
   failed = curvbench_cli(
-    f"hydra.run.dir={single}", *TINY, *DIVERGING, cache, cwd=REPO
+    f"hydra.run.dir={single}", *TINY, *DIVERGING, cache, cwd=ROOT
   )
   assert failed.returncode == 1, failed.stderr[-3000:]
   last = failed.stderr.strip().splitlines()[-1]
@@ -123,7 +121,7 @@ def test_the_command_exits_non_zero_for_a_diverged_run_or_sweep_point(
     *DIVERGING[:2],
     "optimizer.learning_rate=0.1,1e38",
     cache,
-    cwd=REPO,
+    cwd=ROOT,
   )
   assert swept.returncode == 1, swept.stderr[-3000:]
   folders = sorted(p.name for p in root.iterdir() if not p.name[0] == ".")
