@@ -400,8 +400,61 @@ def test_ema_over_two_updates(cls):
 
 # --- products, caches and eigenvalues against numpy --------------------------
 
-DAMPING = 0.3
+DAMPING = 0.3  # the products' identity weight, not a block's own damping
 POWERS = [1, -1, -0.5]
+# Every product mode: (power, exact, from the cache).
+MODES = [
+  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
+]
+
+
+def matpower_products(block, cached, v, damping=DAMPING):
+  """The product of `v` with every power in every mode (keyed "p e c"),
+  and the eigenvalues computed afresh ("eig") and from the cache
+  ("eig_cached"); traceable, for one program per test."""
+  out = {
+    f"{p} {e} {c}": utils.flatten_arrays(
+      block.multiply_matpower(cached, v, damping, p, e, c)
+    )
+    for p, e, c in MODES
+  }
+  out["eig"] = block.eigenvalues(cached, False)
+  out["eig_cached"] = block.eigenvalues(cached, True)
+  return out
+
+
+def fit_with_products(block, data, batch, v, products, round_trip=False):
+  """The block's state and dense matrix after one update on `data`; with
+  `products`, also its cache at every power and `matpower_products` of
+  `v`, and with `round_trip` its `round_trips`. Traceable."""
+  powers = POWERS if products else None
+  state = block.init(None, powers, powers, products)
+  state = block.update_curvature_matrix_estimate(
+    state, data, 0.0, 1.0, batch, None
+  )
+  got = dict(state=state, dense=block.to_dense_matrix(state))
+  if products:
+    cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
+    got["cached"] = cached
+    got.update(matpower_products(block, cached, v))
+    if round_trip:
+      got.update(round_trips(block, cached, v))
+  return got
+
+
+def round_trips(block, cached, v, damping=DAMPING):
+  """`v` multiplied, then multiplied by the inverse, in each exact and
+  cache mode (keyed "back e c")."""
+  out = {}
+  for e in (True, False):
+    for c in (True, False):
+      forth = block.multiply(cached, v, damping, e, c)
+      out[f"back {e} {c}"] = utils.flatten_arrays(
+        block.multiply_inverse(cached, forth, damping, e, c)
+      )
+  return out
+
+
 PRODUCT_BLOCKS = {
   "full": (blocks.DenseFull, dense_case),
   "full_eigh": (
@@ -427,19 +480,11 @@ def test_products_match_numpy(name):
   if name == "full_eigh":
     assert "eigendecomposition" in state.cache
   v = random_vector(block)
-  modes = [
-    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-  ]
 
   @jax.jit  # one program: compiling many small ones dominates test time
   def run(state, v, damping):
     cached = block.update_cache(state, damping, POWERS, POWERS, True)
-    out = {
-      f"{p} {e} {c}": utils.flatten_arrays(
-        block.multiply_matpower(cached, v, damping, p, e, c)
-      )
-      for p, e, c in modes
-    }
+    out = matpower_products(block, cached, v, damping)
     out["dense"] = block.to_dense_matrix(state)
     out["back"] = utils.flatten_arrays(
       block.multiply_inverse(
@@ -450,8 +495,6 @@ def test_products_match_numpy(name):
         False,
       )
     )
-    out["eig"] = block.eigenvalues(cached, False)
-    out["eig_cached"] = block.eigenvalues(cached, True)
     return cached, out
 
   cached, out = run(state, v, DAMPING)
@@ -459,7 +502,7 @@ def test_products_match_numpy(name):
     state
   )
   m = np.asarray(out["dense"])
-  for p, e, c in modes:
+  for p, e, c in MODES:
     if e or "kfac" not in name:  # approximate powers are exact here
       expected = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ flat(v)
       np.testing.assert_allclose(
@@ -595,20 +638,10 @@ def test_pi_adjusted_powers_with_block_scale():
 # --- multiple devices ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-  "cls,case",
-  [
-    (blocks.DenseFull, dense_case),
-    (blocks.DenseTwoKroneckerFactored, dense_case),
-    (blocks.Conv2DDiagonal, lambda: conv_case("NHWC", batch=4)),
-    (blocks.Conv2DTwoKroneckerFactored, lambda: conv_case("NCHW", batch=4)),
-    # EKFAC averages its scalings over devices on top of the factors.
-    (blocks.DenseEKFAC, dense_case),
-  ],
-)
-def test_pmean_over_devices_equals_concatenated_batch(cls, case):
-  eqn, data, _ = case()
-  block = cls(eqn, "layer")
+def estimates_on_one_and_two_devices(block, data):
+  """The block's first estimate from the whole batch on one device, and
+  from its halves on two (`pmap`, the parameters on both), as
+  `(single, multi)`: `multi`'s leaves have a leading device axis."""
   state = block.init(None, None, None, False)
   n = data["inputs"][0].shape[0]
   single = jax.jit(
@@ -629,6 +662,23 @@ def test_pmean_over_devices_equals_concatenated_batch(cls, case):
     ),
     axis_name="i",
   )(sharded)
+  return single, multi
+
+
+@pytest.mark.parametrize(
+  "cls,case",
+  [
+    (blocks.DenseFull, dense_case),
+    (blocks.DenseTwoKroneckerFactored, dense_case),
+    (blocks.Conv2DDiagonal, lambda: conv_case("NHWC", batch=4)),
+    (blocks.Conv2DTwoKroneckerFactored, lambda: conv_case("NCHW", batch=4)),
+    # EKFAC averages its scalings over devices on top of the factors.
+    (blocks.DenseEKFAC, dense_case),
+  ],
+)
+def test_pmean_over_devices_equals_concatenated_batch(cls, case):
+  eqn, data, _ = case()
+  single, multi = estimates_on_one_and_two_devices(cls(eqn, "layer"), data)
   for got, want in zip(
     jax.tree_util.tree_leaves(multi), jax.tree_util.tree_leaves(single)
   ):

@@ -11,21 +11,23 @@ from estimators import tags, utils
 from estimators.blocks import kronecker, stacked
 from estimators.blocks.eigenbasis import Conv2DEKFAC, DenseEKFAC
 from tests.estimators.blocks.test_blocks import (
+  DAMPING,
   EXACT_CASES,
+  MODES,
+  POWERS,
   B,
   dense_case,
   dense_layer,
   fitted,
   flat,
   make_case,
+  matpower_products,
   np_patches,
   random_vector,
 )
 from tests.groundtruth import numpy_psd_power, random_normal
 
 TOL = dict(rtol=1e-8, atol=1e-10)
-DAMPING = 0.3
-POWERS = [1, -1, -0.5]
 
 # The exact-data cases of the dense and conv blocks.
 CASES = {k: case for k, case in EXACT_CASES.items() if not k.startswith("ss_")}
@@ -174,19 +176,11 @@ def test_products_and_eigenvalues_match_numpy(name):
   )
   v = random_vector(block)
   x, dy = data["inputs"][0], data["outputs_tangent"][0][0]
-  modes = [
-    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-  ]
 
   @jax.jit
   def run(state, v, damping):
     cached = block.update_cache(state, damping, POWERS, POWERS, True)
-    out = {
-      f"{p} {e} {c}": utils.flatten_arrays(
-        block.multiply_matpower(cached, v, damping, p, e, c)
-      )
-      for p, e, c in modes
-    }
+    out = matpower_products(block, cached, v, damping)
     # Cached powers keep the weight given to update_cache.
     out["-1 True True"] = utils.flatten_arrays(
       block.multiply_inverse(cached, v, 5 * damping, True, True)
@@ -198,8 +192,6 @@ def test_products_and_eigenvalues_match_numpy(name):
           cached, block.multiply(cached, v, damping, True, c), damping, False, c
         )
       )
-    out["eig"] = block.eigenvalues(cached, False)
-    out["eig_cached"] = block.eigenvalues(cached, True)
     if isinstance(block, DenseEKFAC):  # the gradient X̃ᵀ dY given as rows
       out["outer_sum"] = utils.flatten_arrays(
         block.multiply_inverse_outer_sum(cached, (x,), (dy,))
@@ -213,7 +205,7 @@ def test_products_and_eigenvalues_match_numpy(name):
   # Same factors, so the refresh keeps the basis.
   np.testing.assert_allclose(cached.inputs_basis, state.inputs_basis, **TOL)
   m = np.asarray(out["dense"])
-  for p, e, c in modes:
+  for p, e, c in MODES:
     expected = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ flat(v)
     np.testing.assert_allclose(out[f"{p} {e} {c}"], expected, **TOL)
   for c in (True, False):

@@ -12,10 +12,14 @@ import pytest
 
 from estimators import blocks, tags, utils
 from tests.estimators.blocks.test_blocks import (
+  DAMPING,
+  MODES,
+  POWERS,
   S,
   dense_layer,
   fitted,
   make_case,
+  matpower_products,
   random_vector,
 )
 from tests.groundtruth import numpy_psd_power
@@ -162,44 +166,30 @@ def test_equal_to_brute_force_per_example_definitions(name):
   )
 
 
-DAMPING = 0.3
-POWERS = [1, -1, -0.5]
-
-
 @pytest.mark.parametrize("cls", NEW_BLOCKS)
 def test_products_eigenvalues_and_state_size(cls):
   block, state, _, _ = fitted(
     cls, embedding_case("repeats"), exact=POWERS, approx=POWERS, eig=True
   )
   v = random_vector(block)
-  modes = [
-    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-  ]
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-    out = {
-      str(m): utils.flatten_arrays(
-        block.multiply_matpower(cached, v, DAMPING, *m)
-      )
-      for m in modes
-    }
+    out = matpower_products(block, cached, v)
     out["dense"] = block.to_dense_matrix(cached)
-    out["eig"] = block.eigenvalues(cached, False)
-    out["eig_cached"] = block.eigenvalues(cached, True)
     return cached, out
 
   cached, out = run(state, v)
   m = np.asarray(out["dense"])
   kronecker = cls in (blocks.EmbeddingKFAC, blocks.EmbeddingTNT)
-  for p, e, c in modes:
+  for p, e, c in MODES:
     if e or not kronecker:  # approximate Kronecker powers damp the factors
       want = numpy_psd_power(m + DAMPING * np.eye(len(m)), p) @ np.asarray(
         utils.flatten_arrays(v)
       )
       np.testing.assert_allclose(
-        out[str((p, e, c))], want, rtol=1e-8, atol=1e-10
+        out[f"{p} {e} {c}"], want, rtol=1e-8, atol=1e-10
       )
   for key in ("eig", "eig_cached"):
     np.testing.assert_allclose(

@@ -20,7 +20,11 @@ from estimators.blocks import (
   stacked,
 )
 from tests.estimators.blocks.test_blocks import (
+  DAMPING,
+  MODES,
   dense_layer,
+  estimates_on_one_and_two_devices,
+  fit_with_products,
   make_case,
   random_vector,
 )
@@ -34,11 +38,6 @@ from tests.estimators.blocks.test_tnt import example_matrices, matrix_order
 from tests.groundtruth import numpy_psd_power, random_normal
 
 TOL = dict(rtol=1e-8, atol=1e-10)
-DAMPING = 0.3  # the products' identity weight, not the block's κ
-POWERS = [1, -1, -0.5]
-MODES = [
-  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-]
 CLASSES = (kl_shampoo.DenseKLShampoo, kl_shampoo.Conv2DKLShampoo)
 STEPS = (1, 3)
 OTHERS = ("shampoo2", "shampoo", "kfac", "optimal")
@@ -78,30 +77,10 @@ def fit(name):
 
   @jax.jit
   def run(data):
-    out = {}
-    for key, block in blocks.items():
-      products = key == "kl"
-      state = block.init(
-        None,
-        POWERS if products else None,
-        POWERS if products else None,
-        products,
-      )
-      state = block.update_curvature_matrix_estimate(
-        state, data, 0.0, 1.0, batch, None
-      )
-      got = dict(state=state, dense=block.to_dense_matrix(state))
-      if products:
-        cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-        got["cached"] = cached
-        for p, e, u in MODES:
-          got[f"{p} {e} {u}"] = utils.flatten_arrays(
-            block.multiply_matpower(cached, v, DAMPING, p, e, u)
-          )
-        got["eig"] = block.eigenvalues(cached, False)
-        got["eig_cached"] = block.eigenvalues(cached, True)
-      out[key] = got
-    return out
+    return {
+      key: fit_with_products(block, data, batch, v, key == "kl")
+      for key, block in blocks.items()
+    }
 
   out = jax.tree_util.tree_map(np.asarray, run(data))
   layout = np.ix_(*[matrix_order(blocks["kl"], fmt)] * 2)
@@ -366,21 +345,7 @@ def test_zero_estimates_give_zero_blocks_and_finite_inverses():
 def test_pmean_over_devices_equals_the_concatenated_batch():
   eqn, data, _ = dense_case()
   block = kl_shampoo.DenseKLShampoo(eqn, "layer")
-  state = block.init(None, None, None, False)
-  update = block.update_curvature_matrix_estimate
-  single = jax.jit(update, static_argnums=(4, 5))(
-    state, data, 0.0, 1.0, 6, None
-  )
-
-  def split(key, value):
-    if key in ("params", "params_tangent"):
-      return jnp.broadcast_to(value, (2,) + value.shape)
-    return jnp.stack(jnp.split(value, 2, axis=int(key == "outputs_tangent")))
-
-  sharded = {k: tuple(split(k, v) for v in vs) for k, vs in data.items()}
-  multi = jax.pmap(lambda d: update(state, d, 0.0, 1.0, 3, "i"), axis_name="i")(
-    sharded
-  )
+  single, multi = estimates_on_one_and_two_devices(block, data)
   for field in ("kl_inputs", "kl_outputs", "iterations"):
     for device in (0, 1):
       np.testing.assert_allclose(

@@ -23,9 +23,13 @@ from estimators.blocks import (
   stacked,
 )
 from tests.estimators.blocks.test_blocks import (
+  DAMPING,
+  MODES,
   conv_case,
   conv_layer,
   dense_layer,
+  estimates_on_one_and_two_devices,
+  fit_with_products,
   make_case,
   random_vector,
 )
@@ -37,8 +41,6 @@ from tests.estimators.blocks.test_tnt import (
 from tests.groundtruth import numpy_psd_power, random_normal
 
 TOL = dict(rtol=1e-8, atol=1e-10)
-DAMPING = 0.3
-POWERS = [1, -1, -0.5]
 Optimal = (
   optimal_kronecker.DenseOptimalKronecker,
   optimal_kronecker.Conv2DOptimalKronecker,
@@ -78,9 +80,6 @@ FAMILIES = {
   ),
 }
 PRODUCTS = ("shampoo2", "shampoo", "soap", "optimal")
-MODES = [
-  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-]
 
 
 def kfac_class(name):
@@ -110,36 +109,12 @@ def fit_all(name):
 
   @jax.jit
   def run(data):
-    out = {}
-    for f, block in blocks.items():
-      products = f in PRODUCTS
-      state = block.init(
-        None,
-        POWERS if products else None,
-        POWERS if products else None,
-        products,
+    return {
+      f: fit_with_products(
+        block, data, batch, v, f in PRODUCTS, round_trip=True
       )
-      state = block.update_curvature_matrix_estimate(
-        state, data, 0.0, 1.0, batch, None
-      )
-      got = dict(state=state, dense=block.to_dense_matrix(state))
-      if products:
-        cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-        got["cached"] = cached
-        for p, e, u in MODES:
-          got[f"{p} {e} {u}"] = utils.flatten_arrays(
-            block.multiply_matpower(cached, v, DAMPING, p, e, u)
-          )
-        for e in (True, False):
-          for u in (True, False):
-            forth = block.multiply(cached, v, DAMPING, e, u)
-            got[f"back {e} {u}"] = utils.flatten_arrays(
-              block.multiply_inverse(cached, forth, DAMPING, e, u)
-            )
-        got["eig"] = block.eigenvalues(cached, False)
-        got["eig_cached"] = block.eigenvalues(cached, True)
-      out[f] = got
-    return out
+      for f, block in blocks.items()
+    }
 
   out = jax.tree_util.tree_map(np.asarray, run(data))
   order = matrix_order(blocks["shampoo"], fmt)
@@ -542,21 +517,7 @@ def test_zero_estimates_give_zero_blocks_and_finite_inverses():
 def test_pmean_over_devices_equals_the_concatenated_batch():
   eqn, data, _ = dense_case()
   block = optimal_kronecker.DenseOptimalKronecker(eqn, "layer")
-  state = block.init(None, None, None, False)
-  update = block.update_curvature_matrix_estimate
-  single = jax.jit(update, static_argnums=(4, 5))(
-    state, data, 0.0, 1.0, 6, None
-  )
-
-  def split(key, value):
-    if key in ("params", "params_tangent"):
-      return jnp.broadcast_to(value, (2,) + value.shape)
-    return jnp.stack(jnp.split(value, 2, axis=int(key == "outputs_tangent")))
-
-  sharded = {k: tuple(split(k, v) for v in vs) for k, vs in data.items()}
-  multi = jax.pmap(lambda d: update(state, d, 0.0, 1.0, 3, "i"), axis_name="i")(
-    sharded
-  )
+  single, multi = estimates_on_one_and_two_devices(block, data)
   fields = (
     "inputs_factor",
     "outputs_factor",

@@ -14,7 +14,13 @@ import pytest
 
 from curvbench.approximations import CURVATURES
 from estimators import blocks, utils
-from tests.estimators.blocks.test_blocks import S, random_vector
+from tests.estimators.blocks.test_blocks import (
+  DAMPING,
+  MODES,
+  S,
+  fit_with_products,
+  random_vector,
+)
 from tests.estimators.blocks.test_embedding_blocks import (
   IDS,
   TABLE,
@@ -29,11 +35,6 @@ from tests.estimators.blocks.test_kl_shampoo import kl_objective
 from tests.groundtruth import numpy_psd_power
 
 TOL = dict(rtol=1e-8, atol=1e-11)
-DAMPING = 0.3
-POWERS = [1, -1, -0.5]
-MODES = [
-  (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-]
 # name: (embedding block, the family's block for dense tags)
 FAMILIES = {
   "shampoo2": (blocks.EmbeddingShampoo2, blocks.DenseShampoo2),
@@ -63,26 +64,12 @@ def fit(name, products=False):
 
   @jax.jit
   def run(data):
-    out = {}
-    for key, block in fitted.items():
-      with_products = products and key not in ("kfac", "tnt")
-      powers = POWERS if with_products else None
-      state = block.init(None, powers, powers, with_products)
-      state = block.update_curvature_matrix_estimate(
-        state, data, 0.0, 1.0, B, None
+    return {
+      key: fit_with_products(
+        block, data, B, v, products and key not in ("kfac", "tnt")
       )
-      got = dict(state=state, dense=block.to_dense_matrix(state))
-      if with_products:
-        cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-        got["cached"] = cached
-        for p, e, u in MODES:
-          got[f"{p} {e} {u}"] = utils.flatten_arrays(
-            block.multiply_matpower(cached, v, DAMPING, p, e, u)
-          )
-        got["eig"] = block.eigenvalues(cached, False)
-        got["eig_cached"] = block.eigenvalues(cached, True)
-      out[key] = got
-    return out
+      for key, block in fitted.items()
+    }
 
   out = jax.tree_util.tree_map(np.asarray, run(data))
   return fitted, out, dict(c=np.asarray(c), g=example_gradients(name), v=v)

@@ -10,6 +10,9 @@ import pytest
 from estimators import blocks, tags, utils
 from estimators.blocks import tnt
 from tests.estimators.blocks.test_blocks import (
+  DAMPING,
+  MODES,
+  POWERS,
   TOL,
   B,
   conv_case,
@@ -19,13 +22,12 @@ from tests.estimators.blocks.test_blocks import (
   fitted,
   flat,
   make_case,
+  matpower_products,
   random_vector,
+  round_trips,
   to_dense,
 )
 from tests.groundtruth import numpy_psd_power, random_normal
-
-DAMPING = 0.3
-POWERS = [1, -1, -0.5]
 
 
 def repeated_case(bias=True):
@@ -211,30 +213,16 @@ PRODUCT_BLOCKS = {
 def products(block, state, v):
   """Every product mode, a round trip per mode, the dense matrix and the
   eigenvalues, in one compiled program."""
-  modes = [
-    (p, e, c) for p in POWERS for e in (True, False) for c in (True, False)
-  ]
 
   @jax.jit
   def run(state, v):
     cached = block.update_cache(state, DAMPING, POWERS, POWERS, True)
-    out = {}
-    for p, e, c in modes:
-      out[f"{p} {e} {c}"] = utils.flatten_arrays(
-        block.multiply_matpower(cached, v, DAMPING, p, e, c)
-      )
-    for e in (True, False):
-      for c in (True, False):
-        forth = block.multiply(cached, v, DAMPING, e, c)
-        out[f"back {e} {c}"] = utils.flatten_arrays(
-          block.multiply_inverse(cached, forth, DAMPING, e, c)
-        )
+    out = matpower_products(block, cached, v)
+    out.update(round_trips(block, cached, v))
     out["dense"] = block.to_dense_matrix(state)
-    out["eig"] = block.eigenvalues(cached, False)
-    out["eig_cached"] = block.eigenvalues(cached, True)
     return cached, out
 
-  return modes, run(state, v)
+  return MODES, run(state, v)
 
 
 @pytest.mark.parametrize("name", list(PRODUCT_BLOCKS))
