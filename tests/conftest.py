@@ -139,6 +139,23 @@ def sweep(tmp_path_factory):
   return root, status
 
 
+@pytest.fixture
+def forget():
+  """Unregisters, after the test, the problems (and their datasets) it
+  registers from Python: the test appends their names."""
+  import problems
+
+  names = []
+  yield names
+  for name in names:
+    for registry, key in (
+      (problems.PROBLEMS, name),
+      (problems.DATASETS, f"{name}_data"),
+    ):
+      if key in registry:
+        registry.unregister(key)
+
+
 def truncate(path, keep=0.5):
   """Cuts a file to `keep` of its bytes, as a crash mid-write would."""
   data = path.read_bytes()

@@ -24,20 +24,6 @@ def _regression(n=250):
   return curvbench.Data(x, np.stack([np.sin(x.sum(1)), x[:, 0] * x[:, 1]], 1))
 
 
-@pytest.fixture
-def forget():
-  """Unregisters what a test registers from Python."""
-  names = []
-  yield names
-  for name in names:
-    for registry, key in (
-      (problems.PROBLEMS, name),
-      (problems.DATASETS, f"{name}_data"),
-    ):
-      if key in registry:
-        registry.unregister(key)
-
-
 @pytest.mark.slow
 def test_a_regression_model_of_plain_jax_runs_every_measurement(
   tmp_path, monkeypatch, forget

@@ -195,7 +195,7 @@ BAD = {
 
 
 @pytest.fixture
-def forget():
+def forget_entries():
   """Unregisters what a test registers."""
   names = []
   yield names
@@ -205,9 +205,11 @@ def forget():
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_the_api_refuses_bad_examples_before_any_run(case, tmp_path, forget):
+def test_the_api_refuses_bad_examples_before_any_run(
+  case, tmp_path, forget_entries
+):
   model, data, task, loss, message = BAD[case]
-  forget += [(PROBLEMS, "bad"), (DATASETS, "bad_data")]
+  forget_entries += [(PROBLEMS, "bad"), (DATASETS, "bad_data")]
   out = tmp_path / "sweep"
   with pytest.raises(checks.ExamplesError, match=f"^Data: {message}"):
     curvbench.measure(
@@ -217,8 +219,8 @@ def test_the_api_refuses_bad_examples_before_any_run(case, tmp_path, forget):
   assert "bad" not in PROBLEMS
 
 
-def test_whole_float_labels_and_one_hot_rows_are_class_labels(forget):
-  forget += [(PROBLEMS, "ok"), (DATASETS, "ok_data")]
+def test_whole_float_labels_and_one_hot_rows_are_class_labels(forget_entries):
+  forget_entries += [(PROBLEMS, "ok"), (DATASETS, "ok_data")]
   x, y = _x(), _labels()
   for labels in (y.astype(np.float32), np.eye(2)[y]):
     curvbench.register_model("ok", MODEL, curvbench.Data(x, labels))
@@ -299,8 +301,8 @@ PLUGIN_BAD = {
 
 
 @pytest.fixture
-def lab(forget, monkeypatch):
-  forget += [(PROBLEMS, "lab"), (DATASETS, "lab_data")]
+def lab(forget_entries, monkeypatch):
+  forget_entries += [(PROBLEMS, "lab"), (DATASETS, "lab_data")]
   DATASETS.register(LabData)
   PROBLEMS.register(LabProblem)
   return lambda arrays, task: (

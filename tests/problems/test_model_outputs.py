@@ -69,20 +69,6 @@ def _data(n=60):
   return curvbench.Data(rng.normal(size=(n, 4)), rng.integers(0, 3, n))
 
 
-@pytest.fixture
-def forget():
-  """Unregisters what a test registers from Python."""
-  names = []
-  yield names
-  for name in names:
-    for registry, key in (
-      (problems.PROBLEMS, name),
-      (problems.DATASETS, f"{name}_data"),
-    ):
-      if key in registry:
-        registry.unregister(key)
-
-
 def _problem(name, model, forget):
   forget.append(name)
   curvbench.register_model(name, model, _data())

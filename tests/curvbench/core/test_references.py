@@ -11,7 +11,8 @@ from curvbench.core.costs import Costs
 from curvbench.core.references import ReferenceStore, content_hash
 from curvbench.measurements.spectra import compute as spectra
 from problems.datafiles import arrays_sha256
-from tests.curvbench.measurements.test_spectra import make, spec
+from tests.cases import tiny_curvature
+from tests.curvbench.measurements.test_spectra import spec
 
 KEY = dict(problem={"name": "tiny"})
 
@@ -227,7 +228,7 @@ def test_two_approximations_share_the_exact_reference_and_agree(tiny, tmp_path):
     costs = Costs()
     tables = spectra.measure(
       p.loss_fn,
-      make(tiny, name),
+      tiny_curvature(tiny, name),
       at,
       batch,
       spec(),

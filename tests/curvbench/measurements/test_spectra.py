@@ -1,43 +1,21 @@
 """Spectra records on a tiny problem against brute force."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 import pandas as pd
 import pytest
 
-from curvbench import approximations, config
 from curvbench.core import curvatures, metrics
 from curvbench.core.costs import Costs
 from curvbench.measurements.spectra import compute as spectra
+from tests.cases import RHO, spectra_settings, tiny_curvature
 
-RHO = 1e-3  # the relative damping the single-value checks read
-
-
-def spec(**overrides):
-  """The spectra settings, small, with `overrides`."""
-  cfg = config.load(config.compose()).measure.spectra
-  return dataclasses.replace(
-    cfg,
-    **dict(
-      dict(
-        references=["ggn"],
-        top_k=3,
-        lanczos_iters=40,
-        slq_probes=2,
-        frobenius_probes=4,
-        cg_iters=300,
-        relative_dampings=[RHO],
-      ),
-      **overrides,
-    ),
-  )
-
-
-def make(tiny, name):
-  cfg = config.plain(config.compose(f"curvature={name}").curvature)
-  return approximations.make(cfg, tiny[0].loss_fn)
+# The shared small settings, with conjugate gradients run long enough for
+# the tight comparisons here.
+spec = functools.partial(spectra_settings, cg_iters=300)
 
 
 def quality(tables, block="all", reference="ggn", rho=RHO):
@@ -56,7 +34,7 @@ def test_exact_spectrum_equals_numpy_and_exact_estimator_has_no_error(
   tiny, tiny_ggn
 ):
   p, params, batch = tiny
-  cur = make(tiny, "explicit_exact")
+  cur = tiny_curvature(tiny, "explicit_exact")
   tables = spectra.measure(
     p.loss_fn, cur, params, batch, spec(), jax.random.PRNGKey(1)
   )
@@ -85,7 +63,7 @@ def test_block_spectrum_and_metrics_against_dense_export(
   tiny, tiny_ggn, block_type
 ):
   p, params, batch = tiny
-  cur = make(tiny, block_type)
+  cur = tiny_curvature(tiny, block_type)
   tables = spectra.measure(
     p.loss_fn, cur, params, batch, spec(), jax.random.PRNGKey(1)
   )
@@ -106,7 +84,7 @@ def test_block_spectrum_and_metrics_against_dense_export(
 
 def test_lanczos_method_agrees_with_dense(tiny, tiny_ggn):
   p, params, batch = tiny
-  cur = make(tiny, "implicit_exact")
+  cur = tiny_curvature(tiny, "implicit_exact")
   tables = spectra.measure(
     p.loss_fn, cur, params, batch, spec(method="lanczos"), jax.random.PRNGKey(1)
   )
@@ -128,7 +106,7 @@ def test_lanczos_block_metrics_estimate_the_dense_ones(tiny):
   for the whole network and for each block type (here the hidden layer's
   type, named by the problem, and the output layer's, by its tag)."""
   p, params, batch = tiny
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   roles = (("dense_0", "hidden"),)
   dense_tables = spectra.measure(
     p.loss_fn,
@@ -171,7 +149,7 @@ def test_dense_method_that_would_not_fit_says_the_alternative(tiny):
   with pytest.raises(MemoryError, match="lanczos"):
     spectra.measure(
       p.loss_fn,
-      make(tiny, "kfac"),
+      tiny_curvature(tiny, "kfac"),
       params,
       batch,
       spec(max_dense_gib=1e-9),
@@ -181,7 +159,7 @@ def test_dense_method_that_would_not_fit_says_the_alternative(tiny):
 
 def test_per_block_quality_is_the_metric_of_each_exact_block(tiny, tiny_ggn):
   p, params, batch = tiny
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   tables = spectra.measure(
     p.loss_fn, cur, params, batch, spec(), jax.random.PRNGKey(1)
   )
@@ -224,7 +202,7 @@ def test_signed_hessian_density_and_top_k_match_the_exact_spectrum(tiny):
   hessian = jax.hessian(lambda w: p.loss_fn(unravel(w), batch))(flat_params)
   exact = np.linalg.eigvalsh(hessian)
   assert exact.min() < -1e-3  # signed: there is negative mass to get right
-  cur = make(tiny, "implicit_hessian")
+  cur = tiny_curvature(tiny, "implicit_hessian")
   tables = spectra.measure(
     p.loss_fn,
     cur,
@@ -268,7 +246,7 @@ def test_zero_is_at_least_ten_round_offs_of_the_precision():
 
 def test_dense_statistics_and_heatmaps_are_exact(tiny, tiny_ggn):
   p, params, batch = tiny
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   cfg = spec(heatmap_blocks=2, heatmap_units=4, damping=0.1)
   tables = spectra.measure(
     p.loss_fn, cur, params, batch, cfg, jax.random.PRNGKey(1)
@@ -321,7 +299,7 @@ def test_natural_gradient_cosine_compares_matrices_at_damping_relative_to_each(
   largest eigenvalue and K-FAC by rho times its own (through its own
   preconditioner, as its optimizer applies it): brute force in float64."""
   p, params, batch = tiny
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   rhos = [1e-4, 1e-2]
   tables = spectra.measure(
     p.loss_fn,
@@ -367,7 +345,7 @@ def test_quality_against_every_reference_and_identical_ones_said_once(tiny):
   hessian = np.asarray(
     jax.hessian(lambda w: p.loss_fn(unravel(w), batch))(flat)
   )
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   tables = spectra.measure(
     p.loss_fn,
     cur,
@@ -404,7 +382,7 @@ def test_matrix_free_measures_a_reference_equal_to_an_earlier_one_once(tiny):
   costs = Costs()
   tables = spectra.measure(
     p.loss_fn,
-    make(tiny, "kfac"),
+    tiny_curvature(tiny, "kfac"),
     params,
     batch,
     spec(
@@ -450,7 +428,7 @@ def test_gradient_share_in_the_top_eigenvectors_against_brute_force(tiny):
   for method, tolerance in (("dense", 1e-9), ("lanczos", 1e-6)):
     tables = spectra.measure(
       p.loss_fn,
-      make(tiny, "kfac"),
+      tiny_curvature(tiny, "kfac"),
       params,
       batch,
       spec(
@@ -478,7 +456,7 @@ def test_a_block_diagonal_approximation_is_decomposed_by_its_blocks(tiny):
   blocks = curvatures.layer_blocks(p.loss_fn, params, batch)
 
   def dense(name):
-    cur = make(tiny, name)
+    cur = tiny_curvature(tiny, name)
     return cur, np.asarray(
       cur.to_dense(
         curvatures.estimate(cur, jax.random.PRNGKey(1), params, batch)

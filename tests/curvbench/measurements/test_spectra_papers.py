@@ -4,7 +4,6 @@ the gradient's alignment with the curvature (Gur-Ari et al. 2018) and
 Papyan's class-mean test of the GGN's outliers (2019, 2020), against hand
 computations and brute force in float64."""
 
-import dataclasses
 import types
 
 import jax
@@ -19,26 +18,8 @@ from curvbench.core import metrics, records
 from curvbench.core.data import Data
 from curvbench.measurements.spectra import class_means
 from curvbench.measurements.spectra import compute as spectra
+from tests.cases import spectra_settings, tiny_curvature
 from tests.conftest import TINY
-
-
-def spec(**overrides):
-  cfg = config.load(config.compose()).measure.spectra
-  small = dict(
-    references=["ggn"],
-    top_k=3,
-    lanczos_iters=40,
-    slq_probes=2,
-    frobenius_probes=4,
-    relative_dampings=[1e-3],
-  )
-  return dataclasses.replace(cfg, **{**small, **overrides})
-
-
-def make(tiny, name):
-  cfg = config.plain(config.compose(f"curvature={name}").curvature)
-  return approximations.make(cfg, tiny[0].loss_fn)
-
 
 # --- cosine similarity ---------------------------------------------------------
 
@@ -63,7 +44,12 @@ def test_cosine_similarity_is_recorded_wherever_the_relative_frobenius_is(
   p, params, batch = tiny
   for name, exact in (("explicit_exact", True), ("kfac", False)):
     tables = spectra.measure(
-      p.loss_fn, make(tiny, name), params, batch, spec(), jax.random.key(1)
+      p.loss_fn,
+      tiny_curvature(tiny, name),
+      params,
+      batch,
+      spectra_settings(),
+      jax.random.key(1),
     )
     q = pd.DataFrame(tables["quality"]).set_index(["level", "block", "metric"])
     where = lambda m: set(q.xs(m, level="metric").index)
@@ -76,7 +62,7 @@ def test_cosine_similarity_is_recorded_wherever_the_relative_frobenius_is(
         assert cos == pytest.approx(1.0, abs=1e-12)
       else:  # the best rescaling does at least as well as none
         assert 0 < cos < 1 and np.sqrt(1 - cos**2) <= frob + 1e-12
-  cur = make(tiny, "kfac")
+  cur = tiny_curvature(tiny, "kfac")
   state = cur.estimate(jax.random.key(1), params, Data.of(batch), 1)
   approx = np.asarray(cur.to_dense(state), np.float64)
   assert q.value["network", "all", "cosine_similarity"] == pytest.approx(
@@ -198,7 +184,7 @@ def test_class_means_need_the_ggn_and_the_outputs(tiny):
   empirical = approximations.make(
     config.plain(config.compose(*overrides).curvature), p.loss_fn
   )
-  cfg = spec(class_means=True, references=["hessian"])
+  cfg = spectra_settings(class_means=True, references=["hessian"])
   with pytest.raises(ValueError, match="add ggn to"):
     spectra.measure(
       p.loss_fn,
@@ -212,10 +198,10 @@ def test_class_means_need_the_ggn_and_the_outputs(tiny):
   with pytest.raises(ValueError, match="outputs=problem.outputs"):
     spectra.measure(
       p.loss_fn,
-      make(tiny, "kfac"),
+      tiny_curvature(tiny, "kfac"),
       params,
       batch,
-      spec(class_means=True),
+      spectra_settings(class_means=True),
       jax.random.key(1),
     )
 
@@ -231,10 +217,10 @@ def test_gradient_alignment_and_class_mean_rows_against_brute_force(
   p, params, batch = tiny
   tables = spectra.measure(
     p.loss_fn,
-    make(tiny, "kfac"),
+    tiny_curvature(tiny, "kfac"),
     params,
     batch,
-    spec(
+    spectra_settings(
       method=method,
       class_means=True,
       per_block=False,

@@ -3,7 +3,7 @@ method's exact metrics on a tiny network: each within 3 of its reported
 standard errors; their errors and probes needed in the quality rows and
 the report's tables (float64)."""
 
-import dataclasses
+import functools
 import math
 
 import jax
@@ -15,6 +15,7 @@ from curvbench import approximations, config
 from curvbench.core import metrics
 from curvbench.measurements.spectra import compute as spectra
 from curvbench.measurements.spectra import summary
+from tests.cases import spectra_settings
 
 ROLES = (("dense_0", "hidden"),)  # a block type per layer: roles differ
 PROBES = dict(frobenius_probes=30, diagonal_probes=30, slq_probes=4)
@@ -29,23 +30,10 @@ PROBED = {
 UNBIASED = ("relative_frobenius", "diagonal_relative_error")
 
 
-def spec(**overrides):
-  cfg = config.load(config.compose()).measure.spectra
-  return dataclasses.replace(
-    cfg,
-    **dict(
-      dict(
-        references=["ggn"],
-        top_k=3,
-        lanczos_iters=40,
-        cg_iters=300,
-        relative_dampings=[1e-3],
-        heatmap_blocks=0,
-        **PROBES,
-      ),
-      **overrides,
-    ),
-  )
+# The shared small settings with many probes, and no heatmaps.
+spec = functools.partial(
+  spectra_settings, cg_iters=300, heatmap_blocks=0, **PROBES
+)
 
 
 @pytest.fixture(scope="module")
