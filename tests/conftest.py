@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # Must happen before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
@@ -16,6 +17,9 @@ jax.config.update("jax_enable_x64", True)
 
 # Elapsed time and the time left, at every tenth of the tests.
 pytest_plugins = ["tests.time_left"]
+
+# The repository's root, wherever in tests/ a test file lies.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the harness's tiny problem ----------------------------------------------
@@ -130,6 +134,23 @@ def sweep(tmp_path_factory):
     name: records.RunDir(root / name).marker()["status"] for name in SWEEP
   }
   return root, status
+
+
+@pytest.fixture
+def forget():
+  """Unregisters, after the test, the problems (and their datasets) it
+  registers from Python: the test appends their names."""
+  import problems
+
+  names = []
+  yield names
+  for name in names:
+    for registry, key in (
+      (problems.PROBLEMS, name),
+      (problems.DATASETS, f"{name}_data"),
+    ):
+      if key in registry:
+        registry.unregister(key)
 
 
 def truncate(path, keep=0.5):

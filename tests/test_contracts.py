@@ -3,7 +3,7 @@ registry and listed nowhere: each problem builds, is fully registered and
 trains; each optimizer trains and reaches the report; each measurement runs
 and reports the tables it declares, and its report holds nothing
 inconsistent (each curvature approximation's contract is in
-tests/test_curvatures.py: its products, spectrum and inverse against its
+tests/curvbench/core/test_curvatures.py: its products, spectrum and inverse against its
 own dense matrix). And a toy problem and block type, declared in this
 module, and a toy measurement, declared in its own folder
 (tests/toy_measurement), go the whole way (compose, run, report) with

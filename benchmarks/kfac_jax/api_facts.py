@@ -5,9 +5,11 @@ this folder's README): it walks the package and its public submodules and
 records, per public name, its kind and, for classes and functions, each
 parameter's name, kind and default. Defaults that are not plain literals are
 recorded as "<object>". Only facts are kept (no code, no docstrings), in
-tests/kfac_jax_api.json, which tests/test_kfac_jax_signatures.py reads.
+tests/estimators/kfac_jax/kfac_jax_api.json, which
+tests/estimators/kfac_jax/test_kfac_jax_signatures.py reads.
 
-  python benchmarks/kfac_jax/api_facts.py [--out tests/kfac_jax_api.json]
+  python benchmarks/kfac_jax/api_facts.py \
+    [--out tests/estimators/kfac_jax/kfac_jax_api.json]
 """
 
 import argparse
@@ -159,7 +161,9 @@ def _one_line(match):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--package", default="kfac_jax")
-  parser.add_argument("--out", default="tests/kfac_jax_api.json")
+  parser.add_argument(
+    "--out", default="tests/estimators/kfac_jax/kfac_jax_api.json"
+  )
   args = parser.parse_args()
   package = importlib.import_module(args.package)
   classes = {}
