@@ -140,8 +140,6 @@ def sweep(tmp_path_factory):
 def forget():
   """Unregisters, after the test, the problems (and their datasets) it
   registers from Python: the test appends their names."""
-  import problems
-
   names = []
   yield names
   for name in names:
