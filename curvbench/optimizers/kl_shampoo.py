@@ -36,7 +36,7 @@ as in the reference) and call `c` from 0:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from curvbench.components import Flag, Number, Whole, setting
 from curvbench.core import palette
 from curvbench.optimizers import OPTIMIZERS, TransformationSettings
 from curvbench.optimizers.kronecker import (
+  CountedState,
   as_matrix,
   decay_after_step,
   eigenbasis,
@@ -78,14 +79,11 @@ class ParameterState(NamedTuple):
   momentum: jax.Array  # M, the gradients' average, as a matrix
 
 
-class KLShampooState(NamedTuple):
+class KLShampooState(CountedState):
   """The KL-Shampoo transformation's state: the call count and each
   parameter's `ParameterState`."""
 
-  # Calls so far (the first one takes no step); shadows `tuple.count`,
-  # under optax's name for the step count.
-  count: jax.Array  # type: ignore[assignment]
-  parameters: Any  # a ParameterState per parameter, in the params' tree
+  __slots__ = ()  # a tuple still, as the NamedTuple it extends
 
 
 @OPTIMIZERS.register

@@ -16,7 +16,7 @@ the rows' factor and the step size already absorb.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +120,16 @@ def decay_after_step(direction, params, step_size, decay):
   return stepped - decay * (params + stepped)
 
 
+class CountedState(NamedTuple):
+  """The state `per_parameter_update` keeps: the call count and each
+  parameter's state (SOAP's and KL-Shampoo's state types subclass it)."""
+
+  # Calls so far (the first one takes no step); shadows `tuple.count`,
+  # under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]
+  parameters: Any  # one state per parameter, in the params' tree
+
+
 def per_parameter_update(
   name: str,
   weight_decay: float,
@@ -130,7 +140,7 @@ def per_parameter_update(
   state_type,
 ):
   """The optax `update` of an optimizer whose state is `state_type(count,
-  parameters)`: `step(g, st, p, count) -> (update, st)` for each parameter,
+  parameters)` (a `CountedState`): `step(g, st, p, count) -> (update, st)` for each parameter,
   then every parameter's state through `first` at the first call and
   `refresh` every `frequency` calls after it (SOAP, KL-Shampoo)."""
 

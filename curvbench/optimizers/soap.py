@@ -28,7 +28,7 @@ size 1, is longer than `max_precond_dim`, or belongs to a vector while
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from curvbench.components import Flag, Number, setting
 from curvbench.core import palette
 from curvbench.optimizers import OPTIMIZERS, TransformationSettings
 from curvbench.optimizers.kronecker import (
+  CountedState,
   as_matrix,
   decay_after_step,
   eigenbasis,
@@ -70,14 +71,11 @@ class ParameterState(NamedTuple):
   nu: jax.Array  # Adam's second moment, in the rotated basis
 
 
-class SoapState(NamedTuple):
+class SoapState(CountedState):
   """The SOAP transformation's state: the call count and each
   parameter's `ParameterState`."""
 
-  # Calls so far (the first one takes no step); shadows `tuple.count`,
-  # under optax's name for the step count.
-  count: jax.Array  # type: ignore[assignment]
-  parameters: Any  # a ParameterState per parameter, in the params' tree
+  __slots__ = ()  # a tuple still, as the NamedTuple it extends
 
 
 @OPTIMIZERS.register
