@@ -3,12 +3,14 @@ each layer's (damped) exact block in KL divergence, by the paper's
 fixed-point iteration on the per-example weight gradients."""
 
 import dataclasses
-import functools
-from typing import Any
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench.approximations.optimal_kronecker import tolerance_setting
+from curvbench.approximations.shampoo import (
+  max_full_vocab_setting,
+  shampoo_family_blocks,
+)
 from curvbench.components import Number, Whole, setting
 from curvbench.core import palette
 
@@ -28,13 +30,7 @@ class KLShampoo(BlockDiagonal):
     "the most fixed-point steps per update (1 from the "
     "previous factors: the paper's moving-average step)",
   )
-  tolerance: float | None = setting(
-    None,
-    Number(0, null=True),
-    "stop once a step moves the unit-norm "
-    "input factor by at most this (Frobenius); null: the square root of "
-    "the parameters' machine epsilon",
-  )
+  tolerance: float | None = tolerance_setting()
   damping: float = setting(
     1e-3,
     Number(0),
@@ -46,17 +42,12 @@ class KLShampoo(BlockDiagonal):
   @property
   def blocks(self):
     # A property, not the usual class constant: the blocks take settings.
-    options: dict[str, Any] = dict(
+    return shampoo_family_blocks(
+      kfac.DenseKLShampoo,
+      kfac.Conv2DKLShampoo,
+      kfac.EmbeddingKLShampoo,
+      self.max_full_vocab,
       max_iterations=self.max_iterations,
       tolerance=self.tolerance,
       damping=self.damping,
     )
-    dense = functools.partial(kfac.DenseKLShampoo, **options)
-    return {
-      "dense_tag": dense,
-      "repeated_dense_tag": dense,
-      "conv2d_tag": functools.partial(kfac.Conv2DKLShampoo, **options),
-      "embedding_tag": functools.partial(
-        kfac.EmbeddingKLShampoo, max_full_vocab=self.max_full_vocab, **options
-      ),
-    }

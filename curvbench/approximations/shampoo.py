@@ -23,6 +23,26 @@ def max_full_vocab_setting():
   )
 
 
+def shampoo_family_blocks(
+  dense, conv, embedding, max_full_vocab: int, **options
+) -> dict:
+  """The blocks of a Shampoo-family approximation: the library's `dense`,
+  `conv` and `embedding` block classes for dense (shared over positions
+  too), conv and embedding layers, each given `options`, the embedding's
+  `max_full_vocab` too."""
+  if options:
+    dense = functools.partial(dense, **options)
+    conv = functools.partial(conv, **options)
+  return {
+    "dense_tag": dense,
+    "repeated_dense_tag": dense,
+    "conv2d_tag": conv,
+    "embedding_tag": functools.partial(
+      embedding, max_full_vocab=max_full_vocab, **options
+    ),
+  }
+
+
 @CURVATURES.register
 @dataclasses.dataclass
 class Shampoo(BlockDiagonal):
@@ -38,11 +58,9 @@ class Shampoo(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {
-      "dense_tag": kfac.DenseShampoo,
-      "repeated_dense_tag": kfac.DenseShampoo,
-      "conv2d_tag": kfac.Conv2DShampoo,
-      "embedding_tag": functools.partial(
-        kfac.EmbeddingShampoo, max_full_vocab=self.max_full_vocab
-      ),
-    }
+    return shampoo_family_blocks(
+      kfac.DenseShampoo,
+      kfac.Conv2DShampoo,
+      kfac.EmbeddingShampoo,
+      self.max_full_vocab,
+    )

@@ -3,12 +3,14 @@ factors `L = E[G Gᵀ]`, `R = E[Gᵀ G]` of the per-example weight gradients;
 for a weight matrix it is the same matrix as two-factor TNT."""
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal, Nearer
-from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench.approximations.shampoo import (
+  max_full_vocab_setting,
+  shampoo_family_blocks,
+)
 from curvbench.core import palette
 
 
@@ -36,11 +38,9 @@ class Shampoo2(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {
-      "dense_tag": kfac.DenseShampoo2,
-      "repeated_dense_tag": kfac.DenseShampoo2,
-      "conv2d_tag": kfac.Conv2DShampoo2,
-      "embedding_tag": functools.partial(
-        kfac.EmbeddingShampoo2, max_full_vocab=self.max_full_vocab
-      ),
-    }
+    return shampoo_family_blocks(
+      kfac.DenseShampoo2,
+      kfac.Conv2DShampoo2,
+      kfac.EmbeddingShampoo2,
+      self.max_full_vocab,
+    )

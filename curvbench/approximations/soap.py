@@ -3,11 +3,13 @@ refitted to the per-example second moments in it (George et al.'s
 correction, as EKFAC does for K-FAC's basis)."""
 
 import dataclasses
-import functools
 
 import estimators as kfac
 from curvbench.approximations import CURVATURES, BlockDiagonal
-from curvbench.approximations.shampoo import max_full_vocab_setting
+from curvbench.approximations.shampoo import (
+  max_full_vocab_setting,
+  shampoo_family_blocks,
+)
 from curvbench.core import palette
 
 
@@ -27,11 +29,9 @@ class SOAP(BlockDiagonal):
   def blocks(self):
     # A property, not the usual class constant: the embedding block takes
     # a setting.
-    return {
-      "dense_tag": kfac.DenseSOAP,
-      "repeated_dense_tag": kfac.DenseSOAP,
-      "conv2d_tag": kfac.Conv2DSOAP,
-      "embedding_tag": functools.partial(
-        kfac.EmbeddingSOAP, max_full_vocab=self.max_full_vocab
-      ),
-    }
+    return shampoo_family_blocks(
+      kfac.DenseSOAP,
+      kfac.Conv2DSOAP,
+      kfac.EmbeddingSOAP,
+      self.max_full_vocab,
+    )

@@ -572,38 +572,50 @@ def every(
 # --- conditions the claims share ------------------------------------------------
 
 
-def setting_in(name: str, key: str, values: Iterable, paper: str) -> Condition:
-  """The runs' config `key` takes only `values`."""
+def _only(
+  name: str,
+  paper: str,
+  values: Iterable,
+  found_in: Callable[[Evidence], set],
+  missing: str,
+  shown: str,
+) -> Condition:
+  """The condition that the values `found_in` the evidence are among
+  `values`; none found raises `MissingRecords(missing)`, and the found
+  ones are shown after `shown`."""
   allowed = set(values)
 
   def met(evidence: Evidence) -> tuple[bool, str]:
-    found = evidence.setting(key)
+    found = found_in(evidence)
     if not found:
-      raise MissingRecords(f"config {key}")
+      raise MissingRecords(missing)
     return (
       found <= allowed,
-      f"{key}={', '.join(map(str, sorted(found, key=str)))}",
+      f"{shown}{', '.join(map(str, sorted(found, key=str)))}",
     )
 
   return Condition(name, paper, met)
+
+
+def setting_in(name: str, key: str, values: Iterable, paper: str) -> Condition:
+  """The runs' config `key` takes only `values`."""
+  return _only(
+    name, paper, values, lambda e: e.setting(key), f"config {key}", f"{key}="
+  )
 
 
 def column_in(
   name: str, column: str, values: Iterable, paper: str
 ) -> Condition:
   """Every record's `column` (e.g. `loss`, `task`) takes only `values`."""
-  allowed = set(values)
-
-  def met(evidence: Evidence) -> tuple[bool, str]:
-    found = evidence.column(column)
-    if not found:
-      raise MissingRecords(f"the records' {column}")
-    return (
-      found <= allowed,
-      f"{column} {', '.join(map(str, sorted(found, key=str)))}",
-    )
-
-  return Condition(name, paper, met)
+  return _only(
+    name,
+    paper,
+    values,
+    lambda e: e.column(column),
+    f"the records' {column}",
+    f"{column} ",
+  )
 
 
 def full_batch(paper: str) -> Condition:

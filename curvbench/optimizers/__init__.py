@@ -18,9 +18,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
+import optax
 from jax.sharding import Mesh
 
 from curvbench.components import Component, Registry
+from curvbench.core import training
 from curvbench.core.curvatures import Curvature
 
 
@@ -60,6 +62,22 @@ class OptimizerSettings(Component, abc.ABC):
     return self.name
 
 
+@dataclasses.dataclass
+class TransformationSettings(OptimizerSettings):
+  """An optimizer that is one optax transformation of its settings and no
+  curvature (`shampoo`, `soap`, `kl_shampoo`)."""
+
+  @abc.abstractmethod
+  def transformation(self) -> optax.GradientTransformation:
+    """The optax transformation of these settings."""
+
+  def make(self, loss_fn, curvature=None, mesh=None):
+    del curvature, mesh  # runs SPMD on a split batch
+    return training.OptaxTrainer(
+      loss_fn, lambda batch, rng: self.transformation()
+    )
+
+
 OPTIMIZERS = Registry(
   "optimizer",
   # The components' base class: abstract, and never instantiated.
@@ -84,4 +102,10 @@ def make(
   return settings.make(loss_fn, curvature, mesh)
 
 
-__all__ = ["DTYPES", "OPTIMIZERS", "OptimizerSettings", "make"]
+__all__ = [
+  "DTYPES",
+  "OPTIMIZERS",
+  "OptimizerSettings",
+  "TransformationSettings",
+  "make",
+]

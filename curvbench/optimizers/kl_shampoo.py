@@ -36,28 +36,34 @@ as in the reference) and call `c` from 0:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from curvbench.components import Flag, Number, OneOf, Whole, setting
-from curvbench.core import palette, training
-from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
+from curvbench.components import Flag, Number, Whole, setting
+from curvbench.core import palette
+from curvbench.optimizers import OPTIMIZERS, TransformationSettings
 from curvbench.optimizers.kronecker import (
+  CountedState,
   as_matrix,
   decay_after_step,
   eigenbasis,
+  eigenbasis_setting,
+  empty_factors,
   matrix_shape,
+  max_precond_dim_setting,
+  normalize_grads_setting,
   per_parameter_update,
   power_qr,
+  precondition_1d_setting,
+  precondition_frequency_setting,
   rotate,
   unit_rms,
   unrotate,
+  weight_decay_setting,
 )
-
-BASES = ("qr", "eigh")
 
 
 class ParameterState(NamedTuple):
@@ -73,19 +79,16 @@ class ParameterState(NamedTuple):
   momentum: jax.Array  # M, the gradients' average, as a matrix
 
 
-class KLShampooState(NamedTuple):
+class KLShampooState(CountedState):
   """The KL-Shampoo transformation's state: the call count and each
   parameter's `ParameterState`."""
 
-  # Calls so far (the first one takes no step); shadows `tuple.count`,
-  # under optax's name for the step count.
-  count: jax.Array  # type: ignore[assignment]
-  parameters: Any  # a ParameterState per parameter, in the params' tree
+  __slots__ = ()  # a tuple still, as the NamedTuple it extends
 
 
 @OPTIMIZERS.register
 @dataclasses.dataclass
-class KLShampoo(OptimizerSettings):
+class KLShampoo(TransformationSettings):
   """`kl_shampoo(learning_rate, ...)`; defaults the reference
   implementation's (its docstring's learning rate: its signature's 1e-4
   suits the language models it was tuned on)."""
@@ -101,14 +104,8 @@ class KLShampoo(OptimizerSettings):
   eps: float = setting(
     1e-8, Number(0), "damping: added to √(λ_a λ_b) in the step"
   )
-  weight_decay: float = setting(
-    0.01,
-    Number(0),
-    "decoupled weight decay, times the learning rate, after the step",
-  )
-  precondition_frequency: int = setting(
-    10, Whole(1), "steps between eigenbasis refreshes"
-  )
+  weight_decay: float = weight_decay_setting()
+  precondition_frequency: int = precondition_frequency_setting()
   eigenvalue_init: float = setting(
     0.1, Number(0, low_in=False), "the eigenvalue estimates' start"
   )
@@ -118,20 +115,10 @@ class KLShampoo(OptimizerSettings):
     "bound λ^(-1/2) by max(10, min(d, max_clamp_value)) on a side of d",
   )
   max_clamp_value: int = setting(4000, Whole(1), "the bound's cap")
-  max_precond_dim: int = setting(
-    10000, Whole(1), "longest side given a factor (longer: the standard basis)"
-  )
-  precondition_1d: bool = setting(False, Flag(), "give vectors a factor")
-  normalize_grads: bool = setting(
-    False, Flag(), "scale each parameter's direction to unit RMS"
-  )
-  eigenbasis: str = setting(
-    "qr",
-    OneOf(BASES),
-    "refresh the bases by one "
-    "power-iteration step and QR (the paper's), or "
-    "by an eigendecomposition",
-  )
+  max_precond_dim: int = max_precond_dim_setting()
+  precondition_1d: bool = precondition_1d_setting()
+  normalize_grads: bool = normalize_grads_setting()
+  eigenbasis: str = eigenbasis_setting()
 
   def ignored(self):
     if self.clamping:
@@ -139,14 +126,7 @@ class KLShampoo(OptimizerSettings):
     return {"max_clamp_value": "clamping=false bounds nothing"}
 
   def transformation(self) -> optax.GradientTransformation:
-    """The optax transformation of these settings."""
     return _transformation(self)
-
-  def make(self, loss_fn, curvature=None, mesh=None):
-    del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(
-      loss_fn, lambda batch, rng: self.transformation()
-    )
 
 
 def kl_shampoo(learning_rate: float, **options) -> optax.GradientTransformation:
@@ -160,29 +140,16 @@ def kl_shampoo(learning_rate: float, **options) -> optax.GradientTransformation:
 def _transformation(s: KLShampoo) -> optax.GradientTransformation:
   beta = s.shampoo_beta
 
-  def factored(shape) -> tuple[bool, ...]:
-    rows, cols = matrix_shape(shape)
-    vector = cols == 1
-    return tuple(
-      1 < d <= s.max_precond_dim and (s.precondition_1d or not vector)
-      for d in (rows, cols)
-    )
-
   def floor(d: int) -> float:
     """The least eigenvalue estimate on a side of `d` (clamping)."""
     return max(10, min(d, s.max_clamp_value)) ** -2.0 if s.clamping else 0.0
 
   def init_one(p):
-    (rows, cols), sides = matrix_shape(p.shape), factored(p.shape)
-    square = lambda d, side: jnp.zeros((d, d), p.dtype) if side else None
-    eye = lambda d, side: jnp.eye(d, dtype=p.dtype) if side else None
+    rows, cols = matrix_shape(p.shape)
     # Eigenvalues of one before the first call make its factor update the
     # reference's plain G Gᵀ / d_b.
     return ParameterState(
-      square(rows, sides[0]),
-      square(cols, sides[1]),
-      eye(rows, sides[0]),
-      eye(cols, sides[1]),
+      *empty_factors(p, s.max_precond_dim, s.precondition_1d),
       jnp.ones(rows, p.dtype),
       jnp.ones(cols, p.dtype),
       jnp.zeros((rows, cols), p.dtype),

@@ -1,6 +1,8 @@
 """What the Kronecker-factored optimizers (`shampoo`, `soap`, `kl_shampoo`)
 share: each parameter seen as a matrix, the eigenbases of its factors,
-rotations into them and the references' weight decay.
+rotations into them and the references' weight decay; and the settings
+SOAP and KL-Shampoo take alike (KL-Shampoo's reference implementation
+grew out of SOAP's).
 
 A parameter is preconditioned as a matrix `G` of shape `(rows, cols)`: its
 size-1 axes dropped and its leading axes merged, so a dense kernel stays
@@ -14,12 +16,16 @@ the rows' factor and the step size already absorb.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from curvbench.components import Flag, Number, OneOf, Whole, setting
 from estimators.utils import symmetrize
+
+# How SOAP and KL-Shampoo refresh their eigenbases.
+BASES = ("qr", "eigh")
 
 
 def matrix_shape(shape) -> tuple[int, int]:
@@ -30,6 +36,30 @@ def matrix_shape(shape) -> tuple[int, int]:
   if len(dims) == 1:
     return dims[0], 1
   return math.prod(dims[:-1]), dims[-1]
+
+
+# One side's factor or basis: None where the side keeps the standard basis.
+Side = jax.Array | None
+
+
+def empty_factors(
+  p: jax.Array, max_dim: int, precondition_1d: bool
+) -> tuple[Side, Side, Side, Side]:
+  """`(left, right, left_basis, right_basis)` of SOAP and KL-Shampoo before
+  the first gradient, for a parameter like `p`: zero factors and identity
+  bases. A side gets none (None: it keeps the standard basis) if it has
+  size 1, is longer than `max_dim`, or belongs to a vector while
+  `precondition_1d` is false."""
+  rows, cols = matrix_shape(p.shape)
+  vector = cols == 1
+
+  def side(d: int, make) -> Side:
+    given = 1 < d <= max_dim and (precondition_1d or not vector)
+    return make(d) if given else None
+
+  zeros = lambda d: jnp.zeros((d, d), p.dtype)
+  eye = lambda d: jnp.eye(d, dtype=p.dtype)
+  return side(rows, zeros), side(cols, zeros), side(rows, eye), side(cols, eye)
 
 
 def as_matrix(x: jax.Array) -> jax.Array:
@@ -90,6 +120,16 @@ def decay_after_step(direction, params, step_size, decay):
   return stepped - decay * (params + stepped)
 
 
+class CountedState(NamedTuple):
+  """The state `per_parameter_update` keeps: the call count and each
+  parameter's state (SOAP's and KL-Shampoo's state types subclass it)."""
+
+  # Calls so far (the first one takes no step); shadows `tuple.count`,
+  # under optax's name for the step count.
+  count: jax.Array  # type: ignore[assignment]
+  parameters: Any  # one state per parameter, in the params' tree
+
+
 def per_parameter_update(
   name: str,
   weight_decay: float,
@@ -100,7 +140,7 @@ def per_parameter_update(
   state_type,
 ):
   """The optax `update` of an optimizer whose state is `state_type(count,
-  parameters)`: `step(g, st, p, count) -> (update, st)` for each parameter,
+  parameters)` (a `CountedState`): `step(g, st, p, count) -> (update, st)` for each parameter,
   then every parameter's state through `first` at the first call and
   `refresh` every `frequency` calls after it (SOAP, KL-Shampoo)."""
 
@@ -138,3 +178,48 @@ def per_parameter_update(
     )
 
   return update
+
+
+# --- the settings SOAP and KL-Shampoo share (each of them declares them) ---
+
+
+def weight_decay_setting():
+  """Decoupled weight decay applied after the step (`decay_after_step`)."""
+  return setting(
+    0.01,
+    Number(0),
+    "decoupled weight decay, times the learning rate, after the step",
+  )
+
+
+def precondition_frequency_setting():
+  """How often the eigenbases are refreshed."""
+  return setting(10, Whole(1), "steps between eigenbasis refreshes")
+
+
+def max_precond_dim_setting():
+  """The longest side given a factor (`factored_sides`)."""
+  return setting(
+    10000, Whole(1), "longest side given a factor (longer: the standard basis)"
+  )
+
+
+def precondition_1d_setting():
+  """Whether vectors get a factor (`factored_sides`)."""
+  return setting(False, Flag(), "give vectors a factor")
+
+
+def normalize_grads_setting():
+  """Whether each direction is scaled to unit RMS (`unit_rms`)."""
+  return setting(False, Flag(), "scale each parameter's direction to unit RMS")
+
+
+def eigenbasis_setting():
+  """How the eigenbases are refreshed: one of `BASES`."""
+  return setting(
+    "qr",
+    OneOf(BASES),
+    "refresh the bases by one "
+    "power-iteration step and QR (the paper's), or "
+    "by an eigendecomposition",
+  )

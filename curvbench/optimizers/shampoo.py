@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import optax
 
 from curvbench.components import Flag, Number, OneOf, Parsed, Whole, setting
-from curvbench.core import palette, training
-from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
+from curvbench.core import palette
+from curvbench.optimizers import OPTIMIZERS, TransformationSettings
 from curvbench.optimizers.kronecker import as_matrix, matrix_shape
 from estimators.utils import newton, safe_psd_eigh
 
@@ -141,7 +141,7 @@ def _unit_interval(value) -> None:
 
 @OPTIMIZERS.register
 @dataclasses.dataclass
-class Shampoo(OptimizerSettings):
+class Shampoo(TransformationSettings):
   """`shampoo(learning_rate, ...)`. Defaults: Distributed Shampoo's
   (`DistributedShampoo`, 2024), with the grafting its README recommends in
   place of Adam (Adam grafting, β2 0.999, ε 1e-8; betas (0.9, 0.999))."""
@@ -247,14 +247,7 @@ class Shampoo(OptimizerSettings):
       )
 
   def transformation(self) -> optax.GradientTransformation:
-    """The optax transformation of these settings."""
     return _transformation(self)
-
-  def make(self, loss_fn, curvature=None, mesh=None):
-    del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(
-      loss_fn, lambda batch, rng: self.transformation()
-    )
 
 
 def shampoo(learning_rate: float, **options) -> optax.GradientTransformation:

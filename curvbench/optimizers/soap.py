@@ -28,29 +28,35 @@ size 1, is longer than `max_precond_dim`, or belongs to a vector while
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from curvbench.components import Flag, Number, OneOf, Whole, setting
-from curvbench.core import palette, training
-from curvbench.optimizers import OPTIMIZERS, OptimizerSettings
+from curvbench.components import Flag, Number, setting
+from curvbench.core import palette
+from curvbench.optimizers import OPTIMIZERS, TransformationSettings
 from curvbench.optimizers.kronecker import (
+  CountedState,
   as_matrix,
   decay_after_step,
   eigenbasis,
+  eigenbasis_setting,
+  empty_factors,
   matrix_shape,
+  max_precond_dim_setting,
+  normalize_grads_setting,
   outer_products,
   per_parameter_update,
   power_qr,
+  precondition_1d_setting,
+  precondition_frequency_setting,
   rotate,
   unit_rms,
   unrotate,
+  weight_decay_setting,
 )
-
-BASES = ("qr", "eigh")
 
 
 class ParameterState(NamedTuple):
@@ -65,19 +71,16 @@ class ParameterState(NamedTuple):
   nu: jax.Array  # Adam's second moment, in the rotated basis
 
 
-class SoapState(NamedTuple):
+class SoapState(CountedState):
   """The SOAP transformation's state: the call count and each
   parameter's `ParameterState`."""
 
-  # Calls so far (the first one takes no step); shadows `tuple.count`,
-  # under optax's name for the step count.
-  count: jax.Array  # type: ignore[assignment]
-  parameters: Any  # a ParameterState per parameter, in the params' tree
+  __slots__ = ()  # a tuple still, as the NamedTuple it extends
 
 
 @OPTIMIZERS.register
 @dataclasses.dataclass
-class SOAP(OptimizerSettings):
+class SOAP(TransformationSettings):
   """`soap(learning_rate, ...)`; defaults the reference implementation's."""
 
   name: str = "soap"
@@ -92,39 +95,16 @@ class SOAP(OptimizerSettings):
   eps: float = setting(
     1e-8, Number(0, low_in=False), "added to the root of the second moment"
   )
-  weight_decay: float = setting(
-    0.01,
-    Number(0),
-    "decoupled weight decay, times the learning rate, after the step",
-  )
-  precondition_frequency: int = setting(
-    10, Whole(1), "steps between eigenbasis refreshes"
-  )
-  max_precond_dim: int = setting(
-    10000, Whole(1), "longest side given a factor (longer: the standard basis)"
-  )
-  precondition_1d: bool = setting(False, Flag(), "give vectors a factor")
-  normalize_grads: bool = setting(
-    False, Flag(), "scale each parameter's direction to unit RMS"
-  )
+  weight_decay: float = weight_decay_setting()
+  precondition_frequency: int = precondition_frequency_setting()
+  max_precond_dim: int = max_precond_dim_setting()
+  precondition_1d: bool = precondition_1d_setting()
+  normalize_grads: bool = normalize_grads_setting()
   correct_bias: bool = setting(True, Flag(), "Adam's bias correction")
-  eigenbasis: str = setting(
-    "qr",
-    OneOf(BASES),
-    "refresh the bases by one "
-    "power-iteration step and QR (the paper's), or "
-    "by an eigendecomposition",
-  )
+  eigenbasis: str = eigenbasis_setting()
 
   def transformation(self) -> optax.GradientTransformation:
-    """The optax transformation of these settings."""
     return _transformation(self)
-
-  def make(self, loss_fn, curvature=None, mesh=None):
-    del curvature, mesh  # runs SPMD on a split batch
-    return training.OptaxTrainer(
-      loss_fn, lambda batch, rng: self.transformation()
-    )
 
 
 def soap(learning_rate: float, **options) -> optax.GradientTransformation:
@@ -138,26 +118,10 @@ def soap(learning_rate: float, **options) -> optax.GradientTransformation:
 def _transformation(s: SOAP) -> optax.GradientTransformation:
   beta = s.b2 if s.shampoo_beta is None else s.shampoo_beta
 
-  def factored(shape) -> tuple[bool, ...]:
-    rows, cols = matrix_shape(shape)
-    vector = cols == 1
-    return tuple(
-      1 < d <= s.max_precond_dim and (s.precondition_1d or not vector)
-      for d in (rows, cols)
-    )
-
   def init_one(p):
-    (rows, cols), sides = matrix_shape(p.shape), factored(p.shape)
-    square = lambda d, side: jnp.zeros((d, d), p.dtype) if side else None
-    eye = lambda d, side: jnp.eye(d, dtype=p.dtype) if side else None
-    zeros = jnp.zeros((rows, cols), p.dtype)
+    zeros = jnp.zeros(matrix_shape(p.shape), p.dtype)
     return ParameterState(
-      square(rows, sides[0]),
-      square(cols, sides[1]),
-      eye(rows, sides[0]),
-      eye(cols, sides[1]),
-      zeros,
-      zeros,
+      *empty_factors(p, s.max_precond_dim, s.precondition_1d), zeros, zeros
     )
 
   def init(params):
