@@ -125,7 +125,7 @@ def check_nonnegative_setting(
   if (
     not isinstance(value, numbers.Real)
     or isinstance(value, bool)
-    or not value >= 0
+    or not float(value) >= 0
   ):
     wanted = "a number >= 0 or None" if none_allowed else "a number >= 0"
     raise ValueError(
