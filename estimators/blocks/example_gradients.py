@@ -280,6 +280,13 @@ class ExampleGradientsMixin(_KroneckerBlock):
     """The identity in the input factor's form, `(input_size, input_size)`."""
     return jnp.eye(self.input_size(), dtype=self.parameters_dtype)
 
+  def _checked_gradients(self, estimation_data, batch_size, pmap_axis_name):
+    """`(gradients, mean)` for an update: the batch's gradients, once its
+    data is checked, and the average over the devices sharing the batch."""
+    self._check_estimation_data(estimation_data, batch_size)
+    gradients = self._example_gradients(estimation_data, batch_size)
+    return gradients, device_mean(pmap_axis_name)
+
   def _example_gradients(
     self, data, batch_size
   ) -> ExampleGradients | EmbeddingGradients:

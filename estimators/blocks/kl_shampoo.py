@@ -212,9 +212,9 @@ class KLShampooMixin(
     Raises:
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
-    self._check_estimation_data(estimation_data, batch_size)
-    grads = self._example_gradients(estimation_data, batch_size)
-    mean = example_gradients.device_mean(pmap_axis_name)
+    grads, mean = self._checked_gradients(
+      estimation_data, batch_size, pmap_axis_name
+    )
     dtype = self.parameters_dtype
     eye_a = self._inputs_identity()
     eye_b = jnp.eye(self.output_size(), dtype=dtype)
