@@ -24,6 +24,7 @@ import estimators as kfac
 from curvbench.components import (
   Choice,
   Component,
+  OneOf,
   Registry,
   Text,
   Whole,
@@ -106,6 +107,17 @@ CLASSIFIER_LOSSES = {
   "softmax_cross_entropy": "softmax_cross_entropy",
   "squared_error": "one_hot_squared_error",
 }
+
+
+def classifier_loss_setting() -> Any:
+  """The `loss` setting of a classifier: a key of `CLASSIFIER_LOSSES`."""
+  return setting(
+    "softmax_cross_entropy",
+    OneOf(tuple(CLASSIFIER_LOSSES)),
+    "the training loss: softmax_cross_entropy, or squared_error, half the "
+    "squared distance to the one-hot label summed over the classes (as "
+    "Cohen et al. 2021 train most runs)",
+  )
 
 
 def loss(name: str) -> Callable:

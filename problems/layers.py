@@ -163,3 +163,11 @@ def activation(name: str):
       f"Unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}."
     )
   return ACTIVATIONS[name]
+
+
+def dense_to_logits(h, sizes, act, num_classes: int):
+  """Dense layers `dense_0, dense_1, ...` of `sizes` units, each followed by
+  `act`, then the linear layer `logits` of `num_classes` units."""
+  for i, size in enumerate(sizes):
+    h = act(Dense(size, name=f"dense_{i}")(h))
+  return Dense(num_classes, name="logits")(h)

@@ -59,6 +59,15 @@ def damped_scalings(
   return grid if power == 1 else jnp.power(grid, power)
 
 
+def fold_scalings(
+  old: utils.WeightedMovingAverage, scalings: jax.Array, ema_old, ema_new
+) -> utils.WeightedMovingAverage:
+  """`old` with a batch's `scalings` folded in; a refresh leaves `old` with
+  weight 0, and then its value, from the old basis, is dropped."""
+  ema_old = jnp.where(old.weight == 0, 0, ema_old)
+  return old.updated(scalings, ema_old, ema_new)
+
+
 class EKFAC(kronecker.TwoKroneckerFactored):
   """`U diag(s) Uᵀ` with `U = U_A ⊗ U_G` from K-FAC's factors (see module).
 
@@ -202,15 +211,11 @@ class EKFAC(kronecker.TwoKroneckerFactored):
     scalings = self._batch_scalings(estimation_data, batch_size, u_a, u_g)
     if pmap_axis_name is not None:
       scalings = jax.lax.pmean(scalings, pmap_axis_name)
-    old = state.scalings
-    # Weight 0 after a refresh: the kept value is from the old basis and
-    # must not enter the new average.
-    ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
       state,
       inputs_basis=u_a,
       outputs_basis=u_g,
-      scalings=old.updated(scalings, ema_old, ema_new),
+      scalings=fold_scalings(state.scalings, scalings, ema_old, ema_new),
     )
 
   def update_cache(

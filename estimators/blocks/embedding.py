@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from estimators import tags, utils
-from estimators.blocks import base, diagonal, eigenbasis, full
+from estimators.blocks import base, diagonal, eigenbasis, full, kronecker
 
 if TYPE_CHECKING:
   # As `layers`' mixins: the type checker sees the block it is mixed into.
@@ -228,14 +228,15 @@ class EmbeddingKFAC(EmbeddingMixin, base.CurvatureBlock):
           outputs_factor_eigenvalues=vals,
           outputs_factor_eigenvectors=vecs,
         )
-      for p in exact_powers:
-        updates[base.cache_key(p, exact=True)] = jnp.asarray(
-          identity_weight, a.dtype
-        )
-    for p in approx_powers:
-      updates[base.cache_key(p, exact=False)] = _approx_power_entry(
-        a, g, identity_weight, p
+    updates.update(
+      kronecker.power_entries(
+        exact_powers,
+        approx_powers,
+        identity_weight,
+        a.dtype,
+        lambda p: _approx_power_entry(a, g, identity_weight, p),
       )
+    )
     return updates
 
 
@@ -338,13 +339,12 @@ class EmbeddingEKFAC(EmbeddingKFAC):
     scalings = self._batch_scalings(estimation_data, batch_size, basis)
     if pmap_axis_name is not None:
       scalings = jax.lax.pmean(scalings, pmap_axis_name)
-    old = state.scalings
-    # Weight 0 after a refresh: the kept value is from the old basis.
-    ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
       state,
       outputs_basis=basis,
-      scalings=old.updated(scalings, ema_old, ema_new),
+      scalings=eigenbasis.fold_scalings(
+        state.scalings, scalings, ema_old, ema_new
+      ),
     )
 
   def update_cache(

@@ -60,6 +60,16 @@ def factor_eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array | None]:
   return jnp.maximum(factor, 0), None
 
 
+def kronecker_eigh(
+  inputs: jax.Array, outputs: jax.Array
+) -> tuple[jax.Array | None, jax.Array | None, jax.Array]:
+  """`(Q_a, Q_b, outer(values_a, values_b))` of `inputs ⊗ outputs`, from the
+  factors' eigendecompositions (`factor_eigh`)."""
+  a_values, q_a = factor_eigh(inputs)
+  b_values, q_b = factor_eigh(outputs)
+  return q_a, q_b, jnp.outer(a_values, b_values)
+
+
 def device_mean(pmap_axis_name: str | None):
   """The average over the devices that share a batch (`pmap_axis_name`;
   None: one device, the identity)."""
@@ -87,6 +97,65 @@ def eigen_multiply(
   if q_l is not None:
     return utils.kronecker_eigen_multiply(q_l, q_r, grid, v)
   return ((v @ q_r) * grid) @ q_r.T
+
+
+# --- settings and loop of the iterative fits ----------------------------------
+
+
+def check_int_setting(block_name, setting: str, value, least: int):
+  """Raises a ValueError unless `value` is an int (not a bool) >= `least`."""
+  if (
+    not isinstance(value, numbers.Integral)
+    or isinstance(value, bool)
+    or value < least
+  ):
+    raise ValueError(
+      f"Block {block_name!r}: {setting} must be an int >= {least}, "
+      f"got {value!r}."
+    )
+
+
+def check_nonnegative_setting(
+  block_name, setting: str, value, none_allowed: bool = False
+):
+  """Raises a ValueError unless `value` is a real number (not a bool) >= 0,
+  or None where `none_allowed`."""
+  if none_allowed and value is None:
+    return
+  if (
+    not isinstance(value, numbers.Real)
+    or isinstance(value, bool)
+    or not float(value) >= 0
+  ):
+    wanted = "a number >= 0 or None" if none_allowed else "a number >= 0"
+    raise ValueError(
+      f"Block {block_name!r}: {setting} must be {wanted}, got {value!r}."
+    )
+
+
+def fit_tolerance(tolerance: float | None, dtype) -> float:
+  """The tolerance of an iterative fit: `tolerance`, or for None the square
+  root of `dtype`'s machine epsilon."""
+  if tolerance is None:
+    return float(jnp.finfo(dtype).eps) ** 0.5
+  return float(tolerance)
+
+
+def fit_loop(step, start: tuple, max_iterations: int, tolerance: float, dtype):
+  """Runs `step` on a carry `(*start, change, steps)` while `steps <
+  max_iterations` and `change > tolerance`; `step` returns the next carry,
+  `change` how far its iterate moved. Starts from infinite change and zero
+  steps and returns the last carry."""
+
+  def unfinished(carry):
+    *_, change, steps = carry
+    return (steps < max_iterations) & (change > tolerance)
+
+  return jax.lax.while_loop(
+    unfinished,
+    step,
+    (*start, jnp.full([], jnp.inf, dtype), jnp.zeros([], jnp.int32)),
+  )
 
 
 # --- dense, repeated dense and conv tags -------------------------------------
@@ -210,6 +279,13 @@ class ExampleGradientsMixin(_KroneckerBlock):
   def _inputs_identity(self) -> jax.Array:
     """The identity in the input factor's form, `(input_size, input_size)`."""
     return jnp.eye(self.input_size(), dtype=self.parameters_dtype)
+
+  def _checked_gradients(self, estimation_data, batch_size, pmap_axis_name):
+    """`(gradients, mean)` for an update: the batch's gradients, once its
+    data is checked, and the average over the devices sharing the batch."""
+    self._check_estimation_data(estimation_data, batch_size)
+    gradients = self._example_gradients(estimation_data, batch_size)
+    return gradients, device_mean(pmap_axis_name)
 
   def _example_gradients(
     self, data, batch_size
@@ -407,15 +483,7 @@ class EmbeddingFactors(
       ValueError: for a negative or non-integer `max_full_vocab`, or a tag
         the block cannot take.
     """
-    if (
-      not isinstance(max_full_vocab, numbers.Integral)
-      or isinstance(max_full_vocab, bool)
-      or max_full_vocab < 0
-    ):
-      raise ValueError(
-        f"Block {name!r}: max_full_vocab must be an int >= 0, "
-        f"got {max_full_vocab!r}."
-      )
+    check_int_setting(name, "max_full_vocab", max_full_vocab, 0)
     self._max_full_vocab: int = int(max_full_vocab)
     super().__init__(layer_tag_eq, name, **kwargs)
 

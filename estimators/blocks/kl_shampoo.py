@@ -32,7 +32,6 @@ fixed point `tr(S⁻¹ (C + κ I)) = d_a d_b`), not a matched trace.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -47,15 +46,6 @@ def _unit(factor):
   """`factor / ||factor||_F` (a zero factor stays zero)."""
   norm = jnp.linalg.norm(factor)
   return factor / jnp.where(norm >= jnp.finfo(factor.dtype).tiny, norm, 1)
-
-
-def _check_setting(name, value, check, wanted):
-  if not check(value):
-    raise ValueError(f"Block {name!r}: {wanted}, got {value!r}.")
-
-
-def _is_number(value):
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class KLShampooMixin(
@@ -149,32 +139,17 @@ class KLShampooMixin(
     Raises:
       ValueError: for an invalid setting or a layer the block cannot take.
     """
-    _check_setting(
-      name,
-      max_iterations,
-      lambda v: isinstance(v, numbers.Integral)
-      and not isinstance(v, bool)
-      and int(v) >= 1,
-      "max_iterations must be an int >= 1",
+    example_gradients.check_int_setting(
+      name, "max_iterations", max_iterations, 1
     )
-    _check_setting(
-      name,
-      tolerance,
-      lambda v: v is None or (_is_number(v) and v >= 0),
-      "tolerance must be a number >= 0 or None",
+    example_gradients.check_nonnegative_setting(
+      name, "tolerance", tolerance, none_allowed=True
     )
-    _check_setting(
-      name,
-      damping,
-      lambda v: _is_number(v) and v >= 0,
-      "damping must be a number >= 0",
-    )
+    example_gradients.check_nonnegative_setting(name, "damping", damping)
     self._max_iterations: int = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance: float = (
-      float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
-      if tolerance is None
-      else float(tolerance)
+    self._tolerance = example_gradients.fit_tolerance(
+      tolerance, self.parameters_dtype
     )
     self._damping = float(damping)
 
@@ -237,9 +212,9 @@ class KLShampooMixin(
     Raises:
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
-    self._check_estimation_data(estimation_data, batch_size)
-    grads = self._example_gradients(estimation_data, batch_size)
-    mean = example_gradients.device_mean(pmap_axis_name)
+    grads, mean = self._checked_gradients(
+      estimation_data, batch_size, pmap_axis_name
+    )
     dtype = self.parameters_dtype
     eye_a = self._inputs_identity()
     eye_b = jnp.eye(self.output_size(), dtype=dtype)
@@ -280,19 +255,12 @@ class KLShampooMixin(
       b = right(example_gradients.factor_inverse(a)) / d_a
       return a, b, jnp.linalg.norm(_unit(a) - _unit(a_prev)), steps + 1
 
-    def unfinished(carry):
-      *_, change, steps = carry
-      return (steps < self._max_iterations) & (change > self._tolerance)
-
-    a, b, change, steps = jax.lax.while_loop(
-      unfinished,
+    a, b, change, steps = example_gradients.fit_loop(
       step,
-      (
-        jnp.zeros_like(eye_a),
-        b0,
-        jnp.full([], jnp.inf, dtype),
-        jnp.zeros([], jnp.int32),
-      ),
+      (jnp.zeros_like(eye_a), b0),
+      self._max_iterations,
+      self._tolerance,
+      dtype,
     )
     # Back to the target's units, balanced: tr S_a / d_a = tr S_b / d_b.
     mean_a = _trace(a) / d_a
@@ -312,9 +280,7 @@ class KLShampooMixin(
     return example_gradients.factor_apply(state.kl_inputs, v) @ state.kl_outputs
 
   def _kronecker_spectrum(self, state):
-    a_values, q_a = example_gradients.factor_eigh(state.kl_inputs)
-    b_values, q_b = example_gradients.factor_eigh(state.kl_outputs)
-    return q_a, q_b, jnp.outer(a_values, b_values)
+    return example_gradients.kronecker_eigh(state.kl_inputs, state.kl_outputs)
 
 
 class DenseKLShampoo(KLShampooMixin, shampoo.AssembledOuterSum, tnt.DenseTNT):

@@ -418,14 +418,15 @@ class TwoKroneckerFactored(ParametersArrayLayout):
           outputs_factor_eigenvalues=g_vals,
           outputs_factor_eigenvectors=g_vecs,
         )
-      for p in exact_powers:
-        updates[base.cache_key(p, exact=True)] = jnp.asarray(
-          identity_weight, a.dtype
-        )
-    for p in approx_powers:
-      updates[base.cache_key(p, exact=False)] = _approx_power_entry(
-        a, g, identity_weight, p
+    updates.update(
+      power_entries(
+        exact_powers,
+        approx_powers,
+        identity_weight,
+        a.dtype,
+        lambda p: _approx_power_entry(a, g, identity_weight, p),
       )
+    )
     return updates
 
 
@@ -435,6 +436,24 @@ class TwoKroneckerFactored(ParametersArrayLayout):
 # two products, and the root is much cheaper to refresh than the inverse.
 _ROOT_MIN_SIZE = 1024
 _ROOT_MIN_RATIO = 8
+
+
+def power_entries(
+  exact_powers, approx_powers, identity_weight, dtype, approx_entry
+) -> dict[str, Any]:
+  """The cache entries of a Kronecker-factored block's powers.
+
+  An exact power keeps only its identity weight (the eigendecompositions it
+  uses are shared by all exact powers and cached apart); an approximate one
+  keeps `approx_entry(power)`.
+  """
+  entries: dict[str, Any] = {
+    base.cache_key(p, exact=True): jnp.asarray(identity_weight, dtype)
+    for p in exact_powers
+  }
+  for p in approx_powers:
+    entries[base.cache_key(p, exact=False)] = approx_entry(p)
+  return entries
 
 
 def _approx_power_entry(a, g, identity_weight, power):

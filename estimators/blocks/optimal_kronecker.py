@@ -20,7 +20,6 @@ block is PSD and its powers use the eigendecompositions of `A` and `B`.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -120,30 +119,16 @@ class OptimalKroneckerMixin(
       ValueError: for a negative or non-integer `max_iterations`, a negative
         `tolerance`, or a layer the block cannot take.
     """
-    if (
-      not isinstance(max_iterations, numbers.Integral)
-      or isinstance(max_iterations, bool)
-      or max_iterations < 0
-    ):
-      raise ValueError(
-        f"Block {name!r}: max_iterations must be an int >= 0, "
-        f"got {max_iterations!r}."
-      )
-    if tolerance is not None and (
-      not isinstance(tolerance, numbers.Real)
-      or isinstance(tolerance, bool)
-      or not tolerance >= 0
-    ):
-      raise ValueError(
-        f"Block {name!r}: tolerance must be a number >= 0 or "
-        f"None, got {tolerance!r}."
-      )
+    example_gradients.check_int_setting(
+      name, "max_iterations", max_iterations, 0
+    )
+    example_gradients.check_nonnegative_setting(
+      name, "tolerance", tolerance, none_allowed=True
+    )
     self._max_iterations: int = int(max_iterations)
     super().__init__(layer_tag_eq, name, **kwargs)
-    self._tolerance: float = (
-      float(jnp.finfo(self.parameters_dtype).eps) ** 0.5
-      if tolerance is None
-      else float(tolerance)
+    self._tolerance = example_gradients.fit_tolerance(
+      tolerance, self.parameters_dtype
     )
 
   @property
@@ -202,9 +187,9 @@ class OptimalKroneckerMixin(
     Raises:
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
-    self._check_estimation_data(estimation_data, batch_size)
-    grads = self._example_gradients(estimation_data, batch_size)
-    mean = example_gradients.device_mean(pmap_axis_name)
+    grads, mean = self._checked_gradients(
+      estimation_data, batch_size, pmap_axis_name
+    )
     dtype = self.parameters_dtype
     eye_in = self._inputs_identity()
     eye_out = jnp.eye(self.output_size(), dtype=dtype)
@@ -246,20 +231,12 @@ class OptimalKroneckerMixin(
         b, scale = _normalized(right(a))
         return a, b, scale, jnp.linalg.norm(a - a_prev), steps + 1
 
-      def unfinished(carry):
-        *_, change, steps = carry
-        return (steps < self._max_iterations) & (change > self._tolerance)
-
-      a, b, scale, change, steps = jax.lax.while_loop(
-        unfinished,
+      a, b, scale, change, steps = example_gradients.fit_loop(
         step,
-        (
-          a0,
-          b0,
-          jnp.zeros([], dtype),
-          jnp.full([], jnp.inf, dtype),
-          jnp.zeros([], jnp.int32),
-        ),
+        (a0, b0, jnp.zeros([], dtype)),
+        self._max_iterations,
+        self._tolerance,
+        dtype,
       )
     return dataclasses.replace(
       state,
@@ -279,9 +256,10 @@ class OptimalKroneckerMixin(
     )
 
   def _kronecker_spectrum(self, state):
-    a_values, q_a = example_gradients.factor_eigh(state.kronecker_inputs)
-    b_values, q_b = example_gradients.factor_eigh(state.kronecker_outputs)
-    return q_a, q_b, state.kronecker_scale * jnp.outer(a_values, b_values)
+    q_a, q_b, values = example_gradients.kronecker_eigh(
+      state.kronecker_inputs, state.kronecker_outputs
+    )
+    return q_a, q_b, state.kronecker_scale * values
 
 
 class DenseOptimalKronecker(

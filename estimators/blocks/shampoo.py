@@ -348,9 +348,9 @@ class SOAPScalings(_ExampleGradientsBlock):
     Raises:
       ValueError: if the data lacks arrays or has shapes that do not fit.
     """
-    self._check_estimation_data(estimation_data, batch_size)
-    mean = example_gradients.device_mean(pmap_axis_name)
-    grads = self._example_gradients(estimation_data, batch_size)
+    grads, mean = self._checked_gradients(
+      estimation_data, batch_size, pmap_axis_name
+    )
     fresh = state.inputs_factor.weight == 0
     left, right, squares = mean(
       grads.shampoo_moments(state.inputs_basis, state.outputs_basis)
@@ -367,14 +367,13 @@ class SOAPScalings(_ExampleGradientsBlock):
     squares = jax.lax.cond(
       fresh, lambda: mean(grads.projected_squares(u_a, u_g)), lambda: squares
     )
-    old = state.scalings
-    # Weight 0 after a refresh: the kept value is from the old basis.
-    ema_old = jnp.where(old.weight == 0, 0, ema_old)
     return dataclasses.replace(
       state,
       inputs_basis=u_a,
       outputs_basis=u_g,
-      scalings=old.updated(squares, ema_old, ema_new),
+      scalings=eigenbasis.fold_scalings(
+        state.scalings, squares, ema_old, ema_new
+      ),
     )
 
   def _batch_scalings(self, estimation_data, batch_size, u_a, u_g):

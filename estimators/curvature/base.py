@@ -445,6 +445,35 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
       The product, shaped like the parameters.
     """
 
+  def _multiply_power(
+    self,
+    state,
+    parameter_structured_vector,
+    identity_weight,
+    power,
+    exact_power,
+    use_cached,
+    pmap_axis_name,
+    norm_to_scale_identity_weight_per_block,
+  ) -> Params:
+    """`multiply_matpower`, passing the per-block norm only when it is set:
+    estimators written before the option existed do not take it."""
+    extra = {}
+    if norm_to_scale_identity_weight_per_block is not None:
+      extra["norm_to_scale_identity_weight_per_block"] = (
+        norm_to_scale_identity_weight_per_block
+      )
+    return self.multiply_matpower(
+      state,
+      parameter_structured_vector,
+      identity_weight,
+      power,
+      exact_power=exact_power,
+      use_cached=use_cached,
+      pmap_axis_name=pmap_axis_name,
+      **extra,
+    )
+
   def multiply(
     self,
     state: Any,
@@ -456,21 +485,15 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     """`(C + identity_weight I) @ v`; see `multiply_matpower`."""
-    extra = {}
-    if norm_to_scale_identity_weight_per_block is not None:
-      # Only then, for estimators written before the option existed.
-      extra["norm_to_scale_identity_weight_per_block"] = (
-        norm_to_scale_identity_weight_per_block
-      )
-    return self.multiply_matpower(
+    return self._multiply_power(
       state,
       parameter_structured_vector,
       identity_weight,
       1,
-      exact_power=exact_power,
-      use_cached=use_cached,
-      pmap_axis_name=pmap_axis_name,
-      **extra,
+      exact_power,
+      use_cached,
+      pmap_axis_name,
+      norm_to_scale_identity_weight_per_block,
     )
 
   def multiply_inverse(
@@ -484,21 +507,15 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     norm_to_scale_identity_weight_per_block: str | None = None,
   ) -> Params:
     """`(C + identity_weight I) ** -1 @ v`; see `multiply_matpower`."""
-    extra = {}
-    if norm_to_scale_identity_weight_per_block is not None:
-      # Only then, for estimators written before the option existed.
-      extra["norm_to_scale_identity_weight_per_block"] = (
-        norm_to_scale_identity_weight_per_block
-      )
-    return self.multiply_matpower(
+    return self._multiply_power(
       state,
       parameter_structured_vector,
       identity_weight,
       -1,
-      exact_power=exact_power,
-      use_cached=use_cached,
-      pmap_axis_name=pmap_axis_name,
-      **extra,
+      exact_power,
+      use_cached,
+      pmap_axis_name,
+      norm_to_scale_identity_weight_per_block,
     )
 
   @abc.abstractmethod

@@ -478,6 +478,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     n = self.num_samples if mode in SAMPLED_MODES else 1
     if n == 0:
       return state
+    fold = functools.partial(
+      self._fold,
+      batch_size=batch_size,
+      pmap_axis_name=pmap_axis_name,
+      mode=mode,
+      identity_weight=identity_weight,
+    )
     if n == 1 or self.should_vmap_samples:
       data = self.blocks_estimation_data(
         func_args,
@@ -487,16 +494,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         num_samples=n,
         pmap_axis_name=pmap_axis_name,
       )
-      return self._fold(
-        state,
-        data,
-        ema_old,
-        ema_new,
-        batch_size,
-        pmap_axis_name,
-        mode,
-        identity_weight,
-      )
+      return fold(state, data, ema_old, ema_new)
 
     # One sample at a time: the first replaces `ema_old`'s share, each adds
     # `ema_new / n`, so the result is the vectorised one's.
@@ -504,17 +502,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     def one_sample(k, carry):
       data = self.blocks_estimation_data(func_args, keys[k], mode, batch_size)
-      old = jnp.where(k == 0, ema_old, 1.0)
-      return self._fold(
-        carry,
-        data,
-        old,
-        ema_new / n,
-        batch_size,
-        pmap_axis_name,
-        mode,
-        identity_weight,
-      )
+      return fold(carry, data, jnp.where(k == 0, ema_old, 1.0), ema_new / n)
 
     return jax.lax.fori_loop(0, n, one_sample, state)
 

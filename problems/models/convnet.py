@@ -11,6 +11,7 @@ from problems.base import (
   PROBLEMS,
   Problem,
   ProblemSettings,
+  classifier_loss_setting,
 )
 
 
@@ -35,13 +36,7 @@ class ConvNet(ProblemSettings):
     OneOf(tuple(layers.ACTIVATIONS)),
     "nonlinearity of every block and dense layer",
   )
-  loss: str = setting(
-    "softmax_cross_entropy",
-    OneOf(tuple(CLASSIFIER_LOSSES)),
-    "the training loss: softmax_cross_entropy, or squared_error, half the "
-    "squared distance to the one-hot label summed over the classes (as "
-    "Cohen et al. 2021 train most runs)",
-  )
+  loss: str = classifier_loss_setting()
 
   def disagreements_with(self, data, prefix):
     refusal = self.not_images(data, prefix)
@@ -72,9 +67,7 @@ class ConvNet(ProblemSettings):
           h, window_shape=(2, 2, 1), strides=(2, 2, 1), padding="VALID"
         )
       h = h.reshape(h.shape[0], -1)
-      for i, size in enumerate(self.dense):
-        h = act(layers.Dense(size, name=f"dense_{i}")(h))
-      return layers.Dense(data.num_classes, name="logits")(h)
+      return layers.dense_to_logits(h, self.dense, act, data.num_classes)
 
     return Problem.from_model(
       model,

@@ -9,6 +9,7 @@ from problems.base import (
   PROBLEMS,
   Problem,
   ProblemSettings,
+  classifier_loss_setting,
 )
 
 
@@ -30,13 +31,7 @@ class MLP(ProblemSettings):
     OneOf(tuple(layers.ACTIVATIONS)),
     "nonlinearity after each hidden layer",
   )
-  loss: str = setting(
-    "softmax_cross_entropy",
-    OneOf(tuple(CLASSIFIER_LOSSES)),
-    "the training loss: softmax_cross_entropy, or squared_error, half the "
-    "squared distance to the one-hot label summed over the classes (as "
-    "Cohen et al. 2021 train most runs)",
-  )
+  loss: str = classifier_loss_setting()
 
   def hidden_sizes(self) -> list[int]:
     """`hidden` if given, else `depth` layers of `width` units."""
@@ -50,9 +45,7 @@ class MLP(ProblemSettings):
 
     def model(x):
       h = x.reshape(x.shape[0], -1)
-      for i, size in enumerate(sizes):
-        h = act(layers.Dense(size, name=f"dense_{i}")(h))
-      return layers.Dense(data.num_classes, name="logits")(h)
+      return layers.dense_to_logits(h, sizes, act, data.num_classes)
 
     return Problem.from_model(
       model,
