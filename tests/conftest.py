@@ -157,6 +157,21 @@ def truncate(path, keep=0.5):
   path.write_bytes(data[: int(len(data) * keep)])
 
 
+def run_checked(*args, cwd, env=None):
+  """Runs the command `args` in `cwd`; its output, after asserting it
+  succeeded (the ends of its output in the failure message)."""
+  result = subprocess.run(
+    [str(a) for a in args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  return result.stdout
+
+
 def curvbench_cli(*args, cwd, timeout=900):
   """`python -m curvbench ARGS` in `cwd`, its output captured."""
   return subprocess.run(

@@ -9,6 +9,7 @@ registration. Ground truth uses only `forward`, `jax.jacobian` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from jax import lax
 
 import estimators as kfac
+from curvbench.core import curvatures
 
 # --- per-example losses: (registration, per-example loss of (z, t)) ----------
 
@@ -269,6 +271,18 @@ def scale_shift_net(loss="squared", batch=5, seed=0):
   return _problem(register, per_example, layers, params, (x, t))
 
 
+# The models above by name, each built with its defaults (the convnet also
+# channels-first with unit strides and VALID padding).
+MODELS = {
+  "mlp": mlp,
+  "convnet": convnet,
+  "convnet_nchw": functools.partial(
+    convnet, data_format="NCHW", padding="VALID", strides=1
+  ),
+  "scale_shift": scale_shift_net,
+}
+
+
 def deep_linear(batch=7, seed=0):
   """Three bias-free linear layers and squared error."""
   rng = jax.random.PRNGKey(seed)
@@ -345,6 +359,69 @@ def numpy_psd_power(matrix, power):
   """
   values, vectors = np.linalg.eigh((matrix + matrix.T) / 2)
   return (vectors * np.maximum(values, 0) ** power) @ vectors.T
+
+
+def softmax_ggn(jac, logits):
+  """The GGN of the mean softmax cross-entropy over N outputs.
+
+  `jac` is the (N, C, P) Jacobian of the logits in the flat parameters and
+  `logits` their (N, C) values.
+  """
+  p = jax.nn.softmax(logits)
+  h = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+  return jnp.einsum("nci,ncd,ndj->ij", jac, h, jac) / len(logits)
+
+
+def assert_exact_products_equal(loss_fn, params, batch, truths):
+  """The harness's matrix-free exact curvatures multiply like brute force.
+
+  `truths` maps a curvature name ("ggn", "hessian") to its dense matrix in
+  the flat parameters; two random vectors are multiplied both ways.
+  """
+  unravel = jax.flatten_util.ravel_pytree(params)[1]
+  rng = jax.random.PRNGKey(1)
+  for name, truth in truths.items():
+    exact = curvatures.exact(name, loss_fn, matrix_free=True)
+    state = curvatures.estimate(exact, rng, params, batch)
+    multiply = jax.jit(exact.multiply)
+    for seed in range(2):
+      vec = np.random.default_rng(seed).normal(size=len(truth))
+      got = jax.flatten_util.ravel_pytree(multiply(state, unravel(vec)))[0]
+      np.testing.assert_allclose(
+        got, truth @ vec, rtol=1e-8, atol=1e-10 * np.abs(truth @ vec).max()
+      )
+
+
+def one_batch_state(
+  est, args, batch_size, mode="ggn_exact", rngs=(0, 1), **init_kwargs
+):
+  """`est`'s state after one update that replaces its zero start with the
+  statistics of `args` (decay 0, weight 1), estimated in `mode`.
+
+  `rngs` seeds the keys of `init` and of the update; `init_kwargs` go to
+  `init` (the powers to cache).
+  """
+  init_rng, update_rng = (jax.random.PRNGKey(seed) for seed in rngs)
+  state = est.init(init_rng, args, **init_kwargs)
+  return est.update_curvature_matrix_estimate(
+    state, 0.0, 1.0, batch_size, update_rng, args, estimation_mode=mode
+  )
+
+
+def one_batch_dense(est, args, batch_size, mode="ggn_exact"):
+  """`est`'s dense matrix after `one_batch_state`."""
+  return est.to_dense_matrix(one_batch_state(est, args, batch_size, mode))
+
+
+def one_step(opt, problem, params=None, state=None, **hyper):
+  """`opt.step` on `problem`'s batch from `params` (the problem's own by
+  default) and `state` (a fresh `opt.init` by default), both keyed by
+  PRNGKey(0): what `step` returns, (params, state, stats)."""
+  params = problem.params if params is None else params
+  rng = jax.random.PRNGKey(0)
+  if state is None:
+    state = opt.init(params, rng, problem.batch)
+  return opt.step(params, state, rng, batch=problem.batch, **hyper)
 
 
 def block_mask(problem: Problem, groups):

@@ -2,7 +2,6 @@
 configs and runs the command, with the source tree nowhere on its path."""
 
 import os
-import subprocess
 import sys
 import sysconfig
 import tomllib
@@ -11,20 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_checked
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run(*args, cwd, env=None):
-  result = subprocess.run(
-    [str(a) for a in args],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  return result.stdout
 
 
 # The packages a type checker reads the annotations of (PEP 561).
@@ -47,7 +35,7 @@ def test_the_wheel_lists_every_package_and_marks_the_typed_ones():
 
 @pytest.mark.slow
 def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
-  run(
+  run_checked(
     sys.executable,
     "-m",
     "pip",
@@ -61,9 +49,9 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     cwd=tmp_path,
   )
   venv = tmp_path / "venv"
-  run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+  run_checked(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
   site = Path(
-    run(
+    run_checked(
       venv / "bin/python",
       "-c",
       "import sysconfig; print(sysconfig.get_path('purelib'))",
@@ -79,7 +67,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     packed = set(archive.namelist())
   assert "curvbench/core/stats.py" in packed
   assert {f"{p}/py.typed" for p in TYPED} <= packed
-  run(
+  run_checked(
     sys.executable,
     "-m",
     "pip",
@@ -95,7 +83,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   work = tmp_path / "work"
   work.mkdir()
-  where = run(
+  where = run_checked(
     venv / "bin/python",
     "-c",
     "import curvbench; print(curvbench.__file__)",
@@ -111,7 +99,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     if p.is_dir() and not p.name.endswith((".dist-info", "__pycache__"))
   }
   assert tops == {"curvbench", "estimators", "problems", "hydra_plugins"}
-  missing = run(
+  missing = run_checked(
     venv / "bin/python",
     "-c",
     "import importlib.util; print(importlib.util.find_spec('components'))",
@@ -119,7 +107,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     env=env,
   )
   assert missing.strip() == "None"
-  run(
+  run_checked(
     venv / "bin/curvbench",
     "-m",
     "name=installed",
@@ -134,7 +122,9 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     cwd=work,
     env=env,
   )
-  run(venv / "bin/curvbench", "report", "reports/installed", cwd=work, env=env)
+  run_checked(
+    venv / "bin/curvbench", "report", "reports/installed", cwd=work, env=env
+  )
   text = (work / "reports/installed/report/report.md").read_text()
   assert "kfac/ggn_exact" in text and "## Timing" in text
   assert (work / "reports/installed/report/report.html").stat().st_size
@@ -153,7 +143,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     "measure.spectra.samples=1",
     "progress=false",
   ]
-  run(
+  run_checked(
     venv / "bin/curvbench",
     "-m",
     f"plugins=[{','.join(models)}]",
@@ -164,7 +154,7 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     cwd=work,
     env=env,
   )
-  run(
+  run_checked(
     venv / "bin/python",
     "-c",
     "import curvbench\n"
@@ -175,7 +165,9 @@ def test_wheel_in_a_fresh_environment_runs_and_reports(tmp_path):
     env=env,
   )
   for sweep in ("models", "api"):
-    run(venv / "bin/curvbench", "report", f"reports/{sweep}", cwd=work, env=env)
+    run_checked(
+      venv / "bin/curvbench", "report", f"reports/{sweep}", cwd=work, env=env
+    )
     quality = (work / f"reports/{sweep}/report/quality_all.csv").read_text()
     for name in models.values():
       for method in ("kfac/ggn_exact", "ekfac/ggn_exact"):

@@ -30,17 +30,21 @@ def test_a_regression_model_of_plain_jax_runs_every_measurement(
 ):
   forget.append("sine")
   monkeypatch.chdir(tmp_path)  # nothing depends on the working directory
-  results = curvbench.measure(
-    curvbench.Model(_apply, init=_init),
-    _regression(),
-    task="regression",
-    name="sine",
-    approximations=["kfac", "diagonal"],
-    measurements=["spectra", "timing", "training"],
-    optimizers=["kfac", "adam"],
-    batch_size=16,
-    settings=SHORT,
-  )
+
+  def measure():
+    return curvbench.measure(
+      curvbench.Model(_apply, init=_init),
+      _regression(),
+      task="regression",
+      name="sine",
+      approximations=["kfac", "diagonal"],
+      measurements=["spectra", "timing", "training"],
+      optimizers=["kfac", "adam"],
+      batch_size=16,
+      settings=SHORT,
+    )
+
+  results = measure()
   assert results.path == tmp_path.joinpath("reports", "sine").relative_to(
     tmp_path
   )
@@ -61,17 +65,7 @@ def test_a_regression_model_of_plain_jax_runs_every_measurement(
   assert problem.num_params == 3 * 6 + 6 + 6 * 2 + 2
   # Asked again, every run is found finished, none is redone.
   stamps = {p: p.stat().st_mtime for p in results.path.rglob("DONE.json")}
-  again = curvbench.measure(
-    curvbench.Model(_apply, init=_init),
-    _regression(),
-    task="regression",
-    name="sine",
-    approximations=["kfac", "diagonal"],
-    measurements=["spectra", "timing", "training"],
-    optimizers=["kfac", "adam"],
-    batch_size=16,
-    settings=SHORT,
-  )
+  again = measure()
   assert {p: p.stat().st_mtime for p in again.path.rglob("DONE.json")} == stamps
   written = results.report()
   assert written["self_check"] == []

@@ -14,28 +14,19 @@ from curvbench.measurements.spectra import summary
 CURVBENCH = Path(sys.executable).parent / "curvbench"
 
 
-@pytest.mark.slow
-def test_kfac_paper_small_tunes_and_reports(tmp_path):
-  """The small preset, shortened: the sweeper expands each optimizer's grid
-  (3 settings here) over 2 seeds; the report picks one setting per
-  optimizer, draws the tuned curves and the sensitivity, compares the
-  chosen settings at equal time and says whether K-FAC's claim holds."""
+def _sweep_and_report(tmp_path, experiment, *overrides):
+  """Runs the preset `experiment` as a sweep under `tmp_path` with the
+  given overrides, then its report; the report's folder."""
   sweep = tmp_path / "sweep"
   subprocess.run(
     [
       str(CURVBENCH),
       "-m",
-      "+experiment=kfac_paper_small",
+      f"+experiment={experiment}",
       f"hydra.sweep.dir={sweep}",
       "progress=false",
       f"compilation_cache={tmp_path / 'jax_cache'}",
-      "measure.training.num_steps=10",
-      "measure.training.eval_every=5",
-      "seed=0,1",  # replaces the preset's seeds
-      "tuning.grid.adam.learning_rate=[0.001,0.01]",
-      "tuning.grid.sgd.learning_rate=[0.1]",
-      "tuning.grid.sgd.momentum=[0.9]",
-      "tuning.grid.kfac.initial_damping=[1.0]",
+      *overrides,
     ],
     check=True,
     capture_output=True,
@@ -49,7 +40,26 @@ def test_kfac_paper_small_tunes_and_reports(tmp_path):
     text=True,
     timeout=300,
   )
-  out = sweep / "report"
+  return sweep / "report"
+
+
+@pytest.mark.slow
+def test_kfac_paper_small_tunes_and_reports(tmp_path):
+  """The small preset, shortened: the sweeper expands each optimizer's grid
+  (3 settings here) over 2 seeds; the report picks one setting per
+  optimizer, draws the tuned curves and the sensitivity, compares the
+  chosen settings at equal time and says whether K-FAC's claim holds."""
+  out = _sweep_and_report(
+    tmp_path,
+    "kfac_paper_small",
+    "measure.training.num_steps=10",
+    "measure.training.eval_every=5",
+    "seed=0,1",  # replaces the preset's seeds
+    "tuning.grid.adam.learning_rate=[0.001,0.01]",
+    "tuning.grid.sgd.learning_rate=[0.1]",
+    "tuning.grid.sgd.momentum=[0.9]",
+    "tuning.grid.kfac.initial_damping=[1.0]",
+  )
   tuned = pd.read_csv(out / "tuning.csv")
   assert len(tuned) == 4 and (tuned.seeds == 2).all()
   assert tuned.groupby("method").best.sum().to_dict() == {
@@ -114,42 +124,23 @@ def test_kronecker_family_checks_morwani_et_al_and_trains_the_family(tmp_path):
   verdict on Shampoo² against Shampoo (Morwani et al.) with their gaps over
   the nearest Kronecker product, and Shampoo trained beside Adam for the
   same seconds, K-FAC only with the canonical curvature."""
-  sweep = tmp_path / "sweep"
-  subprocess.run(
-    [
-      str(CURVBENCH),
-      "-m",
-      "+experiment=kronecker_family",
-      f"hydra.sweep.dir={sweep}",
-      "progress=false",
-      f"compilation_cache={tmp_path / 'jax_cache'}",
-      "problem=mlp",
-      "measure=spectra,training",
-      "seed=0,1",
-      "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
-      "curvature.mode=ggn_exact",
-      "optimizer=kfac,adam,shampoo",
-      "measure.spectra.steps=[0,2]",
-      "measure.spectra.references=[ggn]",
-      "measure.training.budget_s=1",
-      "measure.training.problems=[mlp]",
-      "tuning.grid.kfac.initial_damping=[1.0]",
-      "tuning.grid.adam.learning_rate=[0.01]",
-      "tuning.grid.shampoo.learning_rate=[0.01]",
-    ],
-    check=True,
-    capture_output=True,
-    text=True,
-    timeout=900,
+  out = _sweep_and_report(
+    tmp_path,
+    "kronecker_family",
+    "problem=mlp",
+    "measure=spectra,training",
+    "seed=0,1",
+    "curvature=kfac,shampoo,shampoo2,optimal_kronecker",
+    "curvature.mode=ggn_exact",
+    "optimizer=kfac,adam,shampoo",
+    "measure.spectra.steps=[0,2]",
+    "measure.spectra.references=[ggn]",
+    "measure.training.budget_s=1",
+    "measure.training.problems=[mlp]",
+    "tuning.grid.kfac.initial_damping=[1.0]",
+    "tuning.grid.adam.learning_rate=[0.01]",
+    "tuning.grid.shampoo.learning_rate=[0.01]",
   )
-  subprocess.run(
-    [str(CURVBENCH), "report", str(sweep)],
-    check=True,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  out = sweep / "report"
   text = (out / "report.md").read_text()
   assert "Claim (Morwani et al., ICLR 2025)" in text
   assert "shampoo2 is nearer the exact matrix than shampoo" in text

@@ -15,7 +15,7 @@ import pytest
 from curvbench import config, plugins, provenance
 from curvbench.core import records
 from problems import PROBLEMS
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, run_checked
 
 PROBLEM_PLUGIN = """
 import dataclasses
@@ -113,19 +113,6 @@ def test_plugins_cannot_be_swept():
     config.plugins_of(["plugins=a,b"])
 
 
-def _run(*args, cwd, env=None):
-  result = subprocess.run(
-    [str(a) for a in args],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  return result.stdout
-
-
 def test_an_installed_entry_point_joins_the_registry_and_clashes_refuse(
   tmp_path,
 ):
@@ -143,7 +130,7 @@ def test_an_installed_entry_point_joins_the_registry_and_clashes_refuse(
     "[curvbench.plugins]\nlab = lab_models\n"
   )
   env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
-  out = _run(
+  out = run_checked(
     sys.executable,
     "-c",
     "from curvbench import config; "
@@ -177,7 +164,7 @@ def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
   its code is the code the runs recorded."""
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   sweep = tmp_path / "sweep"
-  _run(
+  run_checked(
     sys.executable,
     "-m",
     "curvbench",
@@ -191,13 +178,13 @@ def test_a_plugin_measurement_is_run_and_reported_from_the_command_line(
     env=env,
   )
   # Not trusted: nothing imported, its section listed as not rendered.
-  _run(
+  run_checked(
     sys.executable, "-m", "curvbench", "report", sweep, cwd=tmp_path, env=env
   )
   text = (sweep / "report" / "report.md").read_text()
   assert "## Gradient norms" not in text and "## Not rendered" in text
   assert "--trust tests.toy_measurement.plugin" in text
-  _run(
+  run_checked(
     sys.executable,
     "-m",
     "curvbench",

@@ -208,11 +208,9 @@ class SlowFirstCall:
     return params, (inner, count + 1), loss
 
 
-def test_first_logged_step_excludes_compile_time(tiny):
-  problem, params, _ = tiny
-  run = config.load(config.compose(*TRAIN, "measure.training.log_every=1"))
-  opt = SlowFirstCall(run.optimizer.make(problem.loss_fn))
-  rows = training.run(
+def _train(problem, opt, params, run, **kwargs):
+  """`training.run` of `opt` with `run`'s training settings, seed 0."""
+  return training.run(
     problem,
     opt,
     params,
@@ -220,7 +218,15 @@ def test_first_logged_step_excludes_compile_time(tiny):
     jax.random.PRNGKey(0),
     0,
     progress=False,
+    **kwargs,
   )
+
+
+def test_first_logged_step_excludes_compile_time(tiny):
+  problem, params, _ = tiny
+  run = config.load(config.compose(*TRAIN, "measure.training.log_every=1"))
+  opt = SlowFirstCall(run.optimizer.make(problem.loss_fn))
+  rows = _train(problem, opt, params, run)
   df = pd.DataFrame(rows)
   assert (df.compile_s >= 0.6).all()  # both kinds of step, before the clock
   assert df.wall_s.iloc[-1] < 0.3 and df.wall_s.is_monotonic_increasing
@@ -241,14 +247,11 @@ def test_kfac_compiles_every_kind_of_step_before_the_clock(tiny):
     handler = _Collect(compiled)
     logger.addHandler(handler)
     try:
-      rows = training.run(
+      rows = _train(
         problem,
         opt,
         params,
-        run.measure.training,
-        jax.random.PRNGKey(0),
-        0,
-        progress=False,
+        run,
         at_steps=[0],
         on_step=lambda *_: compiled.append("clock started"),
       )

@@ -420,13 +420,9 @@ def test_optimizer_updates_equinox_params_in_their_own_shapes():
       use_exact_inverses=True,
       multi_device=False,
     )
-    rng = jax.random.PRNGKey(0)
-    state = opt.init(problem.params, rng, problem.batch)
-    new, _, _ = opt.step(
-      problem.params,
-      state,
-      rng,
-      batch=problem.batch,
+    new, _, _ = gt.one_step(
+      opt,
+      problem,
       learning_rate=0.5,
       momentum=0.0,
       damping=0.1,

@@ -457,18 +457,9 @@ def test_weight_decay_inside_the_function_does_not_hide_layers():
 # --- agreement with hand registration ------------------------------------
 
 
-@pytest.mark.parametrize(
-  "name", ["mlp", "convnet", "convnet_nchw", "scale_shift"]
-)
+@pytest.mark.parametrize("name", list(gt.MODELS))
 def test_auto_tags_equal_hand_written_tags(name):
-  problem = {
-    "mlp": gt.mlp,
-    "convnet": gt.convnet,
-    "convnet_nchw": functools.partial(
-      gt.convnet, data_format="NCHW", padding="VALID", strides=1
-    ),
-    "scale_shift": gt.scale_shift_net,
-  }[name]()
+  problem = gt.MODELS[name]()
   register = gt.LOSSES["softmax" if name != "scale_shift" else "squared"][0]
 
   def untagged(p, batch):
@@ -497,17 +488,7 @@ def test_estimator_registers_layers_by_default():
     matrices = []
     for func in (untagged, problem.tagged):
       est = kfac.BlockDiagonalCurvature(func)
-      state = est.init(jax.random.PRNGKey(0), args)
-      state = est.update_curvature_matrix_estimate(
-        state,
-        0.0,
-        1.0,
-        5,
-        jax.random.PRNGKey(1),
-        args,
-        estimation_mode="ggn_exact",
-      )
-      matrices.append(est.to_dense_matrix(state))
+      matrices.append(gt.one_batch_dense(est, args, 5))
     return matrices
 
   auto, hand = curvature((problem.params, problem.batch))
@@ -555,17 +536,7 @@ def test_full_blocks_on_auto_tags_equal_the_exact_ggn_blocks():
   @jax.jit
   def curvature(args):
     est = kfac.BlockDiagonalCurvature(untagged, layer_tag_to_block_ctor=ctors)
-    state = est.init(jax.random.PRNGKey(0), args)
-    state = est.update_curvature_matrix_estimate(
-      state,
-      0.0,
-      1.0,
-      6,
-      jax.random.PRNGKey(1),
-      args,
-      estimation_mode="ggn_exact",
-    )
-    return est.to_dense_matrix(state), problem.ggn()
+    return gt.one_batch_dense(est, args, 6), problem.ggn()
 
   estimate, ggn = curvature(args)
   np.testing.assert_allclose(
@@ -624,17 +595,7 @@ def test_embedding_lookups_register_alike_however_written():
     out = []
     for lookup in LOOKUPS.values():
       est = kfac.BlockDiagonalCurvature(_token_model(lookup))
-      state = est.init(jax.random.PRNGKey(0), args)
-      state = est.update_curvature_matrix_estimate(
-        state,
-        0.0,
-        1.0,
-        5,
-        jax.random.PRNGKey(1),
-        args,
-        estimation_mode="ggn_exact",
-      )
-      out.append(est.to_dense_matrix(state))
+      out.append(gt.one_batch_dense(est, args, 5))
     return out
 
   first, *others = curvatures(args)
@@ -928,18 +889,7 @@ def _dense_curvature(func, params, batch, mode, family):
   est = kfac.BlockDiagonalCurvature(
     func, layer_tag_to_block_ctor={"dense_tag": family}
   )
-  args = (params, batch)
-  state = est.init(jax.random.PRNGKey(0), args)
-  state = est.update_curvature_matrix_estimate(
-    state,
-    0.0,
-    1.0,
-    len(batch[0]),
-    jax.random.PRNGKey(1),
-    args,
-    estimation_mode=mode,
-  )
-  return est.to_dense_matrix(state)
+  return gt.one_batch_dense(est, (params, batch), len(batch[0]), mode)
 
 
 @pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])

@@ -124,15 +124,8 @@ def test_damping_follows_the_reduction_ratio(lr, direction):
     damping_adaptation_interval=1,
     damping_adaptation_decay=0.5,
   )
-  state = opt.init(problem.params, jax.random.PRNGKey(0), problem.batch)
-  _, state, stats = opt.step(
-    problem.params,
-    state,
-    jax.random.PRNGKey(0),
-    batch=problem.batch,
-    learning_rate=lr,
-    momentum=0.0,
-    global_step_int=0,
+  _, state, stats = gt.one_step(
+    opt, problem, learning_rate=lr, momentum=0.0, global_step_int=0
   )
   rho = float(stats["rho"])
   if direction == "up":
@@ -210,16 +203,8 @@ def test_kronecker_step_preconditions_the_gradient_with_the_cached_inverse():
   problem = gt.mlp(loss="softmax", batch=2, d_in=6, hidden=8)
   lr, damping, l2 = 0.3, 0.05, 0.01
   opt = make(problem, **KFAC)
-  rng = jax.random.PRNGKey(0)
-  state = opt.init(problem.params, rng, problem.batch)
-  params, state, _ = opt.step(
-    problem.params,
-    state,
-    rng,
-    batch=problem.batch,
-    learning_rate=lr,
-    momentum=0.5,
-    damping=damping,
+  params, state, _ = gt.one_step(
+    opt, problem, learning_rate=lr, momentum=0.5, damping=damping
   )
   assert all(b.outer_sum_is_cheaper() for b in opt.estimator.blocks)
   grads = jax.grad(problem.tagged)(problem.params, problem.batch)
@@ -308,15 +293,8 @@ def test_norms_in_stats():
   opt = make(
     problem, include_norms_in_stats=True, include_per_param_norms_in_stats=True
   )
-  state = opt.init(problem.params, jax.random.PRNGKey(0), problem.batch)
-  _, _, stats = opt.step(
-    problem.params,
-    state,
-    jax.random.PRNGKey(0),
-    batch=problem.batch,
-    learning_rate=0.1,
-    momentum=0.0,
-    damping=0.1,
+  _, _, stats = gt.one_step(
+    opt, problem, learning_rate=0.1, momentum=0.0, damping=0.1
   )
   grads = jax.grad(problem.tagged)(problem.params, problem.batch)
   assert float(stats["grad_norm"]) == pytest.approx(

@@ -19,6 +19,7 @@ import problems
 from problems import checks
 from problems.data import Dataset
 from problems.model_outputs import OutputError
+from tests import groundtruth as gt
 from tests.conftest import SHORT, two_layer_init
 
 
@@ -78,17 +79,8 @@ def _problem(name, model, forget):
 def _kfac_ggn(problem, params, batch):
   """K-FAC's dense matrix in ggn_exact mode on `batch`, and its blocks."""
   estimator = kfac.BlockDiagonalCurvature(problem.loss_fn)
-  state = estimator.init(jax.random.PRNGKey(0), (params, batch))
-  state = estimator.update_curvature_matrix_estimate(
-    state,
-    0.0,
-    1.0,
-    len(batch[0]),
-    jax.random.PRNGKey(1),
-    (params, batch),
-    estimation_mode="ggn_exact",
-  )
-  return np.asarray(estimator.to_dense_matrix(state)), estimator.blocks
+  dense = gt.one_batch_dense(estimator, (params, batch), len(batch[0]))
+  return np.asarray(dense), estimator.blocks
 
 
 @pytest.mark.parametrize("kind", list(RETURNS))

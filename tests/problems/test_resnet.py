@@ -16,12 +16,13 @@ import pytest
 import estimators as kfac
 import problems
 from curvbench import config
-from curvbench.core import checkpoints, curvatures, training
+from curvbench.core import checkpoints, training
 from curvbench.core.costs import Costs
 from curvbench.core.data import Data
 from curvbench.measurements.spectra import compute as spectra
 from curvbench.measurements.timing import clock
 from curvbench.optimizers.sgd import SGD
+from tests import groundtruth as gt
 
 # 8x8 digits -> 8x8, 4x4: conv_in, a block per stage, a projection shortcut.
 TINY = dict(name="resnet", widths=[2, 3], blocks=1, batch_size=4)
@@ -74,9 +75,7 @@ def test_exact_ggn_and_hessian_products_equal_brute_force(batch_norm):
   # The batch's outputs depend on every example (batch statistics): the GGN
   # is that of the whole batch's Jacobian, (B, C, P).
   jac = jax.jit(jax.jacobian(logits))(flat)
-  p = jax.nn.softmax(logits(flat))
-  h = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
-  ggn = jnp.einsum("nci,ncd,ndj->ij", jac, h, jac) / len(x)
+  ggn = gt.softmax_ggn(jac, logits(flat))
   # The batch really is coupled: one example's logits move with another's
   # input, which per-example gradients taken one at a time would miss.
   other = jax.jit(
@@ -85,17 +84,9 @@ def test_exact_ggn_and_hessian_products_equal_brute_force(batch_norm):
     )
   )
   assert np.abs(other(x[0])).max() > 1e-3
-  rng = jax.random.PRNGKey(1)
-  for name, truth in (("ggn", ggn), ("hessian", hessian)):
-    exact = curvatures.exact(name, problem.loss_fn, matrix_free=True)
-    state = curvatures.estimate(exact, rng, params, batch)
-    multiply = jax.jit(exact.multiply)
-    for seed in range(2):
-      vec = np.random.default_rng(seed).normal(size=len(flat))
-      got = jax.flatten_util.ravel_pytree(multiply(state, unravel(vec)))[0]
-      np.testing.assert_allclose(
-        got, truth @ vec, rtol=1e-8, atol=1e-10 * np.abs(truth @ vec).max()
-      )
+  gt.assert_exact_products_equal(
+    problem.loss_fn, params, batch, {"ggn": ggn, "hessian": hessian}
+  )
 
 
 def _reference_forward(params, x, state, momentum=0.1, eps=1e-5):

@@ -15,9 +15,9 @@ import pytest
 import estimators as kfac
 import problems
 from curvbench import approximations, config
-from curvbench.core import curvatures
 from problems import DATASETS
 from problems.datasets import modular
+from tests import groundtruth as gt
 
 TINY = dict(
   name="transformer",
@@ -150,39 +150,21 @@ def _flat_loss_and_logits(problem, params, batch):
 
 def test_exact_ggn_and_hessian_products_equal_brute_force(tiny):
   problem, params, batch = tiny
-  flat, loss, logits, _, unravel = _flat_loss_and_logits(problem, params, batch)
+  flat, loss, logits, _, _ = _flat_loss_and_logits(problem, params, batch)
   hessian = jax.jit(jax.hessian(loss))(flat)
   out = logits(flat)  # (B, T, V)
   b, t, v = out.shape
   jac = jax.jit(jax.jacobian(logits))(flat).reshape(b * t, v, -1)
-  p = jax.nn.softmax(out).reshape(b * t, v)
-  h = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
-  ggn = jnp.einsum("nvi,nvw,nwj->ij", jac, h, jac) / (b * t)
-  rng = jax.random.PRNGKey(1)
-  for name, truth in (("ggn", ggn), ("hessian", hessian)):
-    exact = curvatures.exact(name, problem.loss_fn, matrix_free=True)
-    state = curvatures.estimate(exact, rng, params, batch)
-    multiply = jax.jit(exact.multiply)
-    for seed in range(2):
-      vec = np.random.default_rng(seed).normal(size=len(flat))
-      got = jax.flatten_util.ravel_pytree(multiply(state, unravel(vec)))[0]
-      np.testing.assert_allclose(
-        got, truth @ vec, rtol=1e-8, atol=1e-10 * np.abs(truth @ vec).max()
-      )
+  ggn = gt.softmax_ggn(jac, out.reshape(b * t, v))
+  gt.assert_exact_products_equal(
+    problem.loss_fn, params, batch, {"ggn": ggn, "hessian": hessian}
+  )
 
 
 def _blocks(problem, params, batch, **kwargs):
   est = kfac.BlockDiagonalCurvature(problem.loss_fn, **kwargs)
-  rng = jax.random.PRNGKey(2)
-  state = est.init(rng, (params, batch), exact_powers_to_cache=None)
-  state = est.update_curvature_matrix_estimate(
-    state,
-    0.0,
-    1.0,
-    len(batch[0]),
-    rng,
-    (params, batch),
-    estimation_mode="ggn_exact",
+  state = gt.one_batch_state(
+    est, (params, batch), len(batch[0]), rngs=(2, 2), exact_powers_to_cache=None
   )
   return est, state
 

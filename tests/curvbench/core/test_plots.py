@@ -709,35 +709,25 @@ def test_training_against_seconds_reads_the_time_grid(drawn, tmp_path):
   (every seed evaluated there); against steps, the evaluations every seed
   makes at the same steps, the grid rows (each seed's own step) left
   out."""
+
+  def row(seed, step, step_s, time_point_s):
+    return dict(
+      problem="mlp",
+      method="adam",
+      label="adam",
+      run_id=f"s{seed}",
+      step=step,
+      wall_s=step * step_s,
+      train_error=1.0 / (1 + step),
+      time_point_s=time_point_s,
+    )
+
   rows = []
   for seed, step_s in enumerate((0.01, 0.012, 0.015)):
     for step in range(0, 101, 10):
-      rows.append(
-        dict(
-          problem="mlp",
-          method="adam",
-          label="adam",
-          run_id=f"s{seed}",
-          step=step,
-          wall_s=step * step_s,
-          train_error=1.0 / (1 + step),
-          time_point_s=(0.0 if step == 0 else np.nan),
-        )
-      )
+      rows.append(row(seed, step, step_s, 0.0 if step == 0 else np.nan))
     for t in (0.25, 0.5, 0.75, 1.0):
-      held = int(t / step_s)
-      rows.append(
-        dict(
-          problem="mlp",
-          method="adam",
-          label="adam",
-          run_id=f"s{seed}",
-          step=held,
-          wall_s=held * step_s,
-          train_error=1.0 / (1 + held),
-          time_point_s=t,
-        )
-      )
+      rows.append(row(seed, int(t / step_s), step_s, t))
   training_figures.training(pd.DataFrame(rows), tmp_path, {"adam": "C0"})
   steps, seconds = drawn["training_mlp"].axes[:2]
   assert list(steps.lines[0].get_xdata()) == list(range(0, 101, 10))

@@ -24,6 +24,22 @@ STEP_S = {"kfac[kfac/ggn]": 0.1, "adam": 0.01, "sgd": 0.01}
 STEPS = 100
 
 
+def _point(run, step, step_s, error, **grid):
+  """One row of `run`'s curve: its error at `step` (`grid` marks a point of
+  the time grid)."""
+  return dict(
+    run_id=run["run_id"],
+    problem="mlp",
+    method=run["method"],
+    seed=run["seed"],
+    step=step,
+    wall_s=step * step_s,
+    train_error=error(step),
+    **grid,
+    diverged=False,
+  )
+
+
 def _sweep(target=0.35, claim="kfac", budget=None, points=10):
   """A tuned training sweep's runs and curves: each run's error falls
   linearly from 1 to its final value over 100 steps. With a `budget` of
@@ -62,35 +78,13 @@ def _sweep(target=0.35, claim="kfac", budget=None, points=10):
         last = (
           STEPS if budget is None else min(STEPS, int(round(budget / step_s)))
         )
+        run = dict(run_id=run_id, method=method, seed=seed)
         for step in range(0, last + 1, 10):
-          curves.append(
-            dict(
-              run_id=run_id,
-              problem="mlp",
-              method=method,
-              seed=seed,
-              step=step,
-              wall_s=step * step_s,
-              train_error=error(step),
-              diverged=False,
-            )
-          )
+          curves.append(_point(run, step, step_s, error))
         for k in range(1, points + 1) if budget is not None else ():
           t = budget * k / points
           held = min(int(np.floor(t / step_s + 1e-9)), last)
-          curves.append(
-            dict(
-              run_id=run_id,
-              problem="mlp",
-              method=method,
-              seed=seed,
-              step=held,
-              wall_s=held * step_s,
-              train_error=error(held),
-              time_point_s=t,
-              diverged=False,
-            )
-          )
+          curves.append(_point(run, held, step_s, error, time_point_s=t))
   runs = pd.DataFrame(runs)
   done = sweep.settings(runs)
   tables = {"training": sweep.with_labels(pd.DataFrame(curves), done)}

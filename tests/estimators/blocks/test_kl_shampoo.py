@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from curvbench.approximations import CURVATURES
-from estimators import tags, utils
+from estimators import utils
 from estimators.blocks import (
   get_max_parallel_elements,
   kl_shampoo,
@@ -25,7 +25,6 @@ from tests.estimators.blocks.test_blocks import (
   dense_layer,
   estimates_on_one_and_two_devices,
   fit_with_products,
-  make_case,
   random_vector,
 )
 from tests.estimators.blocks.test_shampoo import (
@@ -33,9 +32,11 @@ from tests.estimators.blocks.test_shampoo import (
   FAMILIES,
   dense_case,
   kfac_class,
+  two_dense_batches,
+  updated_twice,
 )
 from tests.estimators.blocks.test_tnt import example_matrices, matrix_order
-from tests.groundtruth import numpy_psd_power, random_normal
+from tests.groundtruth import numpy_psd_power
 
 TOL = dict(rtol=1e-8, atol=1e-10)
 CLASSES = (kl_shampoo.DenseKLShampoo, kl_shampoo.Conv2DKLShampoo)
@@ -190,17 +191,7 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
   (`S_a ← ρ S_a + (1-ρ)/d_b (E[G S_b⁻¹ Gᵀ] + κ tr(S_b⁻¹) I)`, then `S_b`
   from the new `S_a`); iterated, the estimate is the fixed point for the
   weighted mean `T` of the previous estimate and the damped batch block."""
-  params = (random_normal(1, 4, 3), random_normal(2, 3))
-  (eqn, d1, _), (_, d2, c2) = (
-    make_case(
-      dense_layer,
-      tags.register_dense,
-      random_normal(20 + k, 6, 4),
-      params,
-      seed=k,
-    )
-    for k in range(2)
-  )
+  eqn, d1, d2, c2 = two_dense_batches()
   blocks = [
     kl_shampoo.DenseKLShampoo(
       eqn, "d", max_iterations=k, tolerance=0.0, damping=0.01
@@ -210,14 +201,7 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
 
   @jax.jit
   def run(d1, d2):
-    out = []
-    for block in blocks:
-      s1 = block.update_curvature_matrix_estimate(
-        block.init(None, None, None, False), d1, 0.9, 0.1, 6, None
-      )
-      s2 = block.update_curvature_matrix_estimate(s1, d2, 0.5, 1.0, 6, None)
-      out.append((s1, s2, block.to_dense_matrix(s1), block.to_dense_matrix(s2)))
-    return out
+    return [updated_twice(block, d1, d2) for block in blocks]
 
   (s1, one, _, k_one), (f1, fixed, k1, k_fixed) = run(d1, d2)
   m = example_matrices(dense_layer, d2, None)

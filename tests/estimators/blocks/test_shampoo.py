@@ -259,9 +259,10 @@ def test_optimal_kronecker_is_the_nearest_kronecker_product(name):
     assert error <= scaled_error(c, k) * (1 + 1e-12), f
 
 
-def test_later_updates_fit_the_average_with_the_previous_estimate():
-  """The second update is the nearest Kronecker product to the weighted
-  mean of the first estimate and the second batch's exact block."""
+def two_dense_batches():
+  """Two batches of 6 examples (seeds 0 and 1) through one dense layer with
+  bias (input 5, output 3): its equation, both batches' block data and the
+  second's exact block."""
   params = (random_normal(1, 4, 3), random_normal(2, 3))
   (eqn, d1, _), (_, d2, c2) = (
     make_case(
@@ -273,16 +274,26 @@ def test_later_updates_fit_the_average_with_the_previous_estimate():
     )
     for k in range(2)
   )
+  return eqn, d1, d2, c2
+
+
+def updated_twice(block, d1, d2):
+  """`block`'s states after a first update from zero with `d1` (decay 0.9,
+  weight 0.1) and a second with `d2` (decay 0.5, weight 1), and their dense
+  matrices."""
+  s1 = block.update_curvature_matrix_estimate(
+    block.init(None, None, None, False), d1, 0.9, 0.1, 6, None
+  )
+  s2 = block.update_curvature_matrix_estimate(s1, d2, 0.5, 1.0, 6, None)
+  return s1, s2, block.to_dense_matrix(s1), block.to_dense_matrix(s2)
+
+
+def test_later_updates_fit_the_average_with_the_previous_estimate():
+  """The second update is the nearest Kronecker product to the weighted
+  mean of the first estimate and the second batch's exact block."""
+  eqn, d1, d2, c2 = two_dense_batches()
   block = optimal_kronecker.DenseOptimalKronecker(eqn, "d")
-
-  @jax.jit
-  def run(d1, d2):
-    s1 = block.update_curvature_matrix_estimate(
-      block.init(None, None, None, False), d1, 0.9, 0.1, 6, None
-    )
-    s2 = block.update_curvature_matrix_estimate(s1, d2, 0.5, 1.0, 6, None)
-    return s1, s2, block.to_dense_matrix(s1), block.to_dense_matrix(s2)
-
+  run = jax.jit(lambda d1, d2: updated_twice(block, d1, d2))
   s1, s2, k1, k2 = run(d1, d2)
   np.testing.assert_allclose(s1.kronecker_weight, 0.1, **TOL)
   np.testing.assert_allclose(s2.kronecker_weight, 1.05, **TOL)

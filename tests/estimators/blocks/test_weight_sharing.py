@@ -122,23 +122,9 @@ def _kfac_dense(problem, tag, ctor):
 
 def _estimate(est, problem):
   """`est`'s dense matrix for the problem's batch in mode ggn_exact."""
-  args = (problem.params, problem.batch)
-  state = est.init(jax.random.PRNGKey(0), args)
-
-  @jax.jit  # one program: eager dispatch would compile every operation
-  def run(state, args):
-    state = est.update_curvature_matrix_estimate(
-      state,
-      0.0,
-      1.0,
-      B,
-      jax.random.PRNGKey(1),
-      args,
-      estimation_mode="ggn_exact",
-    )
-    return est.to_dense_matrix(state)
-
-  return np.asarray(run(state, args))
+  # One program: eager dispatch would compile every operation.
+  run = jax.jit(lambda args: gt.one_batch_dense(est, args, B))
+  return np.asarray(run((problem.params, problem.batch)))
 
 
 def _exact_ggn(problem):

@@ -1,7 +1,5 @@
 """Estimators against brute-force ground truth (float64)."""
 
-import functools
-
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -21,15 +19,6 @@ DIAG = {
   "dense_tag": kfac.DenseDiagonal,
   "conv2d_tag": kfac.Conv2DDiagonal,
   "scale_and_shift_tag": kfac.ScaleAndShiftDiagonal,
-}
-
-PROBLEMS = {
-  "mlp": gt.mlp,
-  "convnet": gt.convnet,
-  "convnet_nchw": functools.partial(
-    gt.convnet, data_format="NCHW", padding="VALID", strides=1
-  ),
-  "scale_shift": gt.scale_shift_net,
 }
 GROUPS = {
   "mlp": [["w1", "b1"], ["w2", "b2"]],
@@ -58,7 +47,7 @@ def estimate(problem, mode, ctor_map=None, rng=0, estimator=None, args=None):
   return est, state
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("name", list(gt.MODELS))
 @pytest.mark.parametrize(
   "loss", ["softmax", "sigmoid", "squared", "normal", "categorical"]
 )
@@ -66,7 +55,7 @@ def estimate(problem, mode, ctor_map=None, rng=0, estimator=None, args=None):
 def test_exact_full_blocks_equal_block_diagonal_of_ggn(name, loss, mode):
   if name != "mlp" and loss in ("categorical", "normal"):
     pytest.skip("loss families are covered on the MLP")
-  problem = PROBLEMS[name](loss=loss)
+  problem = gt.MODELS[name](loss=loss)
   est, state = estimate(problem, mode, FULL)
   ggn = problem.ggn()
   expected = ggn * gt.block_mask(problem, GROUPS[name])
@@ -86,7 +75,7 @@ def test_exact_full_blocks_equal_block_diagonal_of_ggn(name, loss, mode):
 def test_fisher_empirical_is_the_mean_outer_product_over_the_batch_size(name):
   """KFAC-JAX's block-diagonal convention (tests/estimators/curvature/test_fisher_empirical.py
   has both conventions and every family)."""
-  problem = PROBLEMS[name](
+  problem = gt.MODELS[name](
     loss="softmax" if name != "scale_shift" else "squared"
   )
   est, state = estimate(problem, "fisher_empirical", FULL)
@@ -252,7 +241,7 @@ def test_several_losses_add_their_curvatures():
 
 @pytest.mark.parametrize("name", ["mlp", "convnet", "scale_shift"])
 def test_implicit_products_equal_dense_products(name):
-  problem = PROBLEMS[name](
+  problem = gt.MODELS[name](
     loss="sigmoid"
     if name == "mlp"
     else ("softmax" if name == "convnet" else "squared")
@@ -457,14 +446,10 @@ def test_untagged_parameters_get_a_generic_block():
 # --- several devices ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("ctor_map", [None, FULL])
-def test_two_devices_equal_one_device(ctor_map):
-  assert jax.local_device_count() >= 2
-  problem = gt.mlp(loss="softmax", batch=8)
-  est, state1 = estimate(problem, "ggn_exact", ctor_map)
-  args = (problem.params, problem.batch)
-  state0 = est.init(jax.random.PRNGKey(1), args)
-  split = jax.tree.map(lambda x: x.reshape((2, 4) + x.shape[1:]), problem.batch)
+def _update_on_two_devices(est, state0, params, split, **kwargs):
+  """`est`'s update of `state0` with the batch `split` in two halves, one a
+  device, its statistics summed over the devices; the first device's
+  state."""
 
   def update(batch):
     return est.update_curvature_matrix_estimate(
@@ -473,13 +458,25 @@ def test_two_devices_equal_one_device(ctor_map):
       1.0,
       4,
       jax.random.PRNGKey(0),
-      (problem.params, batch),
+      (params, batch),
       pmap_axis_name="i",
-      estimation_mode="ggn_exact",
+      **kwargs,
     )
 
-  state2 = jax.pmap(update, axis_name="i")(split)
-  state2 = jax.tree.map(lambda x: x[0], state2)
+  return jax.tree.map(lambda x: x[0], jax.pmap(update, axis_name="i")(split))
+
+
+@pytest.mark.parametrize("ctor_map", [None, FULL])
+def test_two_devices_equal_one_device(ctor_map):
+  assert jax.local_device_count() >= 2
+  problem = gt.mlp(loss="softmax", batch=8)
+  est, state1 = estimate(problem, "ggn_exact", ctor_map)
+  args = (problem.params, problem.batch)
+  state0 = est.init(jax.random.PRNGKey(1), args)
+  split = jax.tree.map(lambda x: x.reshape((2, 4) + x.shape[1:]), problem.batch)
+  state2 = _update_on_two_devices(
+    est, state0, problem.params, split, estimation_mode="ggn_exact"
+  )
   np.testing.assert_allclose(
     est.to_dense_matrix(state2),
     est.to_dense_matrix(state1),
@@ -497,19 +494,7 @@ def test_two_devices_explicit_exact():
   state0 = est.init(
     jax.random.PRNGKey(1), (problem.params, jax.tree.map(lambda x: x[0], split))
   )
-
-  def update(batch):
-    return est.update_curvature_matrix_estimate(
-      state0,
-      0.0,
-      1.0,
-      4,
-      jax.random.PRNGKey(0),
-      (problem.params, batch),
-      pmap_axis_name="i",
-    )
-
-  state = jax.tree.map(lambda x: x[0], jax.pmap(update, axis_name="i")(split))
+  state = _update_on_two_devices(est, state0, problem.params, split)
   np.testing.assert_allclose(
     est.to_dense_matrix(state), problem.ggn(), rtol=1e-9, atol=1e-12
   )
@@ -594,7 +579,7 @@ def _brute_force_empirical_fisher_product(per_example_grads, v):
   "name,loss", [("mlp", "softmax"), ("mlp", "squared"), ("convnet", "softmax")]
 )
 def test_implicit_empirical_fisher_equals_per_example_gradients(name, loss):
-  problem = PROBLEMS[name](loss=loss)
+  problem = gt.MODELS[name](loss=loss)
   est = kfac.ImplicitExactCurvature(problem.tagged)
   args = (problem.params, problem.batch)
   flat, unravel = problem.flat_params

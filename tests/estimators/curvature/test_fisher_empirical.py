@@ -23,6 +23,7 @@ import estimators as kfac
 import problems
 from curvbench import config
 from curvbench.approximations import CURVATURES
+from tests import groundtruth as gt
 from tests.conftest import TINY_PROBLEM
 
 BATCH_SIZES = (1, 3, 16)
@@ -86,18 +87,15 @@ def estimate(family, problem, params, batch, normalization=None):
     layer_tag_to_block_ctor=dict(settings.blocks) or None,
     **chosen,
   )
-  args = (params, batch)
-  rng = jax.random.PRNGKey(1)
   coupled = isinstance(estimator, kfac.BlockTridiagonalCurvature)
-  state = estimator.init(rng, args, None, -1 if coupled else None)
-  state = estimator.update_curvature_matrix_estimate(
-    state,
-    0.0,
-    1.0,
+  state = gt.one_batch_state(
+    estimator,
+    (params, batch),
     len(batch[1]),
-    rng,
-    args,
-    estimation_mode="fisher_empirical",
+    "fisher_empirical",
+    rngs=(1, 1),
+    exact_powers_to_cache=None,
+    approx_powers_to_cache=-1 if coupled else None,
   )
   learns = bool(
     jax.tree.leaves(

@@ -17,6 +17,7 @@ from curvbench.core import training
 from curvbench.measurements.training import Training
 from curvbench.optimizers.kfac import KFAC
 from estimators.utils import newton
+from tests import groundtruth as gt
 
 EPS64 = float(jnp.finfo(jnp.float64).eps)
 
@@ -142,16 +143,13 @@ def autoencoder():
 def estimated(settings, problem, params, batch):
   """The estimator of `settings` with one batch's statistics (float64)."""
   estimator = settings.make(problem.loss_fn).estimator
-  rng = jax.random.PRNGKey(1)
-  state = estimator.init(rng, (params, batch), None, (-1,))
-  state = estimator.update_curvature_matrix_estimate(
-    state,
-    0.0,
-    1.0,
-    len(batch[1]),
-    rng,
+  state = gt.one_batch_state(
+    estimator,
     (params, batch),
-    estimation_mode="ggn_exact",
+    len(batch[1]),
+    rngs=(1, 1),
+    exact_powers_to_cache=None,
+    approx_powers_to_cache=(-1,),
   )
   return estimator, state
 
