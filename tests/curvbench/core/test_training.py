@@ -162,6 +162,21 @@ def test_batch_schedule_grows_exponentially_to_the_whole_set_on_rungs():
   assert training.batch_schedule(total, total, steps, 2.0)(1) == total
 
 
+def _rows(problem, trainer, params, cfg):
+  """The records of `training.run` with `cfg`, seed 0, as a table."""
+  return pd.DataFrame(
+    training.run(
+      problem,
+      trainer,
+      params,
+      cfg,
+      jax.random.PRNGKey(0),
+      data_seed=0,
+      progress=False,
+    )
+  )
+
+
 class Shrinking:
   """A trainer whose step multiplies the parameters by 0.9 and records its
   batch sizes (the warm-up steps first)."""
@@ -183,17 +198,7 @@ def test_training_grows_the_batch_and_compiles_every_size_first(tiny):
   p, params, _ = tiny
   cfg = dataclasses.replace(STEPS, batch_growth_steps=8, eval_every=100)
   trainer = Shrinking()
-  rows = pd.DataFrame(
-    training.run(
-      p,
-      trainer,
-      params,
-      cfg,
-      jax.random.PRNGKey(0),
-      data_seed=0,
-      progress=False,
-    )
-  )
+  rows = _rows(p, trainer, params, cfg)
   size = training.batch_schedule(p.batch_size, len(p.data.x_train), 8, 2.0)
   schedule = [size(k) for k in range(1, cfg.num_steps + 1)]
   assert len(set(schedule)) > 2 and schedule[-1] == len(p.data.x_train)
@@ -201,34 +206,14 @@ def test_training_grows_the_batch_and_compiles_every_size_first(tiny):
   assert sorted(set(trainer.sizes[:warm])) == sorted(set(schedule))
   assert trainer.sizes[warm:] == schedule
   assert list(rows.batch_size[1:]) == schedule
-  assert "batch_size" not in pd.DataFrame(
-    training.run(
-      p,
-      Shrinking(),
-      params,
-      STEPS,
-      jax.random.PRNGKey(0),
-      data_seed=0,
-      progress=False,
-    )
-  )
+  assert "batch_size" not in _rows(p, Shrinking(), params, STEPS)
 
 
 def test_training_averages_the_iterates_and_reports_the_lower_error(tiny):
   p, params, _ = tiny
   decay = 0.7
   cfg = dataclasses.replace(STEPS, average_decay=decay)
-  rows = pd.DataFrame(
-    training.run(
-      p,
-      Shrinking(),
-      params,
-      cfg,
-      jax.random.PRNGKey(0),
-      data_seed=0,
-      progress=False,
-    )
-  ).set_index("step")
+  rows = _rows(p, Shrinking(), params, cfg).set_index("step")
   mean = params
   for k in range(1, cfg.num_steps + 1):  # iterate k is 0.9^k params
     mean = jax.tree.map(

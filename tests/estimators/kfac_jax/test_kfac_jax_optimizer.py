@@ -13,6 +13,7 @@ import pytest
 
 import estimators as kfac_jax
 from tests import groundtruth as gt
+from tests.groundtruth import one_step
 
 FULL = {"dense_tag": kfac_jax.DenseFull}
 GROUPS = [["w1", "b1"], ["w2", "b2"]]
@@ -43,17 +44,21 @@ def block_ggn(problem, params=None):
   return problem.ggn() * gt.block_mask(problem, GROUPS)
 
 
-def one_step(opt, problem, params=None, state=None, **hyper):
-  params = problem.params if params is None else params
-  rng = jax.random.PRNGKey(0)
-  if state is None:
-    state = opt.init(params, rng, problem.batch)
-  return opt.step(params, state, rng, batch=problem.batch, **hyper)
-
-
 def grads_of(problem, params=None):
   params = problem.params if params is None else params
   return ravel(jax.grad(problem.tagged)(params, problem.batch))
+
+
+def assert_preconditioned_step(problem, new_params, curvature, damping, lr):
+  """From the problem's params, `new_params` is the step `-lr` times the
+  gradient preconditioned by `curvature` with `damping` plus the L2 term."""
+  inverse = np.linalg.inv(curvature + (damping + L2) * np.eye(len(curvature)))
+  np.testing.assert_allclose(
+    ravel(new_params) - ravel(problem.params),
+    -lr * inverse @ grads_of(problem),
+    rtol=1e-8,
+    atol=1e-12,
+  )
 
 
 # --- module-level names ----------------------------------------------------
@@ -189,13 +194,8 @@ def test_preconditioner_damping_differs_from_the_damping(kind):
   new_params, _, stats = one_step(
     opt, problem, learning_rate=lr, momentum=0.0, damping=damping
   )
-  curvature = block_ggn(problem)
-  inverse = np.linalg.inv(curvature + (precon + L2) * np.eye(len(curvature)))
-  np.testing.assert_allclose(
-    ravel(new_params) - ravel(problem.params),
-    -lr * inverse @ grads_of(problem),
-    rtol=1e-8,
-    atol=1e-12,
+  assert_preconditioned_step(
+    problem, new_params, block_ggn(problem), precon, lr
   )
   assert float(stats["precon_damping"]) == pytest.approx(precon)
   assert float(stats["damping"]) == pytest.approx(damping)
@@ -242,13 +242,7 @@ def test_value_func_for_estimator_sets_the_curvature():
     opt, problem, learning_rate=lr, momentum=0.0, damping=damping
   )
   curvature = 2.0 * block_ggn(problem)
-  inverse = np.linalg.inv(curvature + (damping + L2) * np.eye(len(curvature)))
-  np.testing.assert_allclose(
-    ravel(new_params) - ravel(problem.params),
-    -lr * inverse @ grads_of(problem),
-    rtol=1e-8,
-    atol=1e-12,
-  )
+  assert_preconditioned_step(problem, new_params, curvature, damping, lr)
 
 
 def test_norm_to_scale_identity_weight_per_block():
@@ -335,15 +329,8 @@ def test_num_estimator_samples_reach_the_estimator():
   assert opt.estimator.should_vmap_samples
   # The first estimate is the estimator's own mean of three samples.
   rng = jax.random.PRNGKey(0)
-  state = opt.init(problem.params, rng, problem.batch)
-  _, new_state, _ = opt.step(
-    problem.params,
-    state,
-    rng,
-    batch=problem.batch,
-    learning_rate=0.1,
-    momentum=0.0,
-    damping=0.1,
+  _, new_state, _ = one_step(
+    opt, problem, learning_rate=0.1, momentum=0.0, damping=0.1
   )
   own = kfac_jax.BlockDiagonalCurvature(
     problem.tagged,
@@ -426,16 +413,9 @@ def test_rejected_step_keeps_params_and_raises_the_damping():
     damping_adaptation_interval=100,
     debug=False,
   )
-  rng = jax.random.PRNGKey(0)
-  state = opt.init(problem.params, rng, problem.batch)
   # A huge step overshoots: the loss goes up and the step is rejected.
-  params, rejected, stats = opt.step(
-    problem.params,
-    state,
-    rng,
-    batch=problem.batch,
-    learning_rate=50.0,
-    momentum=0.0,
+  params, rejected, stats = one_step(
+    opt, problem, learning_rate=50.0, momentum=0.0
   )
   assert bool(stats["step_rejected"])
   np.testing.assert_array_equal(ravel(params), ravel(problem.params))
@@ -443,13 +423,8 @@ def test_rejected_step_keeps_params_and_raises_the_damping():
   assert float(rejected.damping) == pytest.approx(1.5)
   assert int(rejected.step_counter) == 1
   # A small one lowers the loss and is taken; the damping stays.
-  params, taken, stats = opt.step(
-    problem.params,
-    rejected,
-    rng,
-    batch=problem.batch,
-    learning_rate=0.01,
-    momentum=0.0,
+  params, taken, stats = one_step(
+    opt, problem, state=rejected, learning_rate=0.01, momentum=0.0
   )
   assert not bool(stats["step_rejected"])
   assert float(taken.damping) == pytest.approx(1.5)
@@ -526,11 +501,7 @@ def test_excluded_parameters_leave_the_l2_term_of_the_exact_model():
     use_adaptive_damping=True,
     initial_damping=0.1,
   )
-  rng = jax.random.PRNGKey(0)
-  state = opt.init(problem.params, rng, problem.batch)
-  new_params, new_state, stats = opt.step(
-    problem.params, state, rng, batch=problem.batch, momentum=0.0
-  )
+  new_params, new_state, stats = one_step(opt, problem, momentum=0.0)
   grads = grads_of(problem)
   precon = ravel(
     opt.estimator.multiply_inverse(
