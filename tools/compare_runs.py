@@ -12,7 +12,10 @@ off a clock or the machine's load (seconds, ratios of seconds, load
 averages), the rows that hold such a quantity (a report row whose `cost`
 or `quantity` is seconds) or that a clock placed (a training curve's
 `time_point_s` rows), and the values of the report's timing tables, whose
-rows are still compared. Exits 1 naming each table that differs, else 0.
+rows are still compared. Numbers count as equal to round-off (relative
+`ROUNDOFF`): a statistic over seeds adds them in the order of their run
+ids, which hash the code, so two commits may sum them in another order.
+Exits 1 naming each table that differs, else 0.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ IDENTITY = {
 # Read off a clock or the load: seconds, ratios of seconds, load averages.
 CLOCK = re.compile(
   r"(?:_s$|seconds|^ratio_|_ratio_to|load_average|cpu_share|^contended$"
-  r"|^busy|^steps_per_sample$)"
+  r"|^busy|^steps_per_sample$|^process_cores$)"
 )
+# Relative difference of two numbers that are the same but for the order
+# of a sum: a few units in the last place of a float64.
+ROUNDOFF = 1e-12
 # The report's tables of timings: every value in them is read off a clock.
 TIMED = {"report/timing.csv", "report/step_ratio.csv"}
 # The columns of a report table that name the quantity in its row.
@@ -66,8 +72,11 @@ def comparable(frame: pd.DataFrame, timed: bool = False) -> pd.DataFrame:
   return frame.sort_values(kept, kind="stable").reset_index(drop=True)
 
 
-def differences(a: pd.DataFrame, b: pd.DataFrame) -> list[str]:
-  """What differs between two comparable tables, one line each."""
+def differences(
+  a: pd.DataFrame, b: pd.DataFrame, rounded: list[int]
+) -> list[str]:
+  """What differs between two comparable tables, one line each; the count
+  of numbers equal only to round-off is added to `rounded`."""
   if list(a.columns) != list(b.columns):
     gone = sorted(set(a.columns) - set(b.columns))
     new = sorted(set(b.columns) - set(a.columns))
@@ -78,6 +87,10 @@ def differences(a: pd.DataFrame, b: pd.DataFrame) -> list[str]:
   for column in a.columns:
     x, y = a[column], b[column]
     same = (x == y) | (x.isna() & y.isna())
+    if pd.api.types.is_float_dtype(x) and pd.api.types.is_float_dtype(y):
+      close = np.isclose(x, y, rtol=ROUNDOFF, atol=0.0)
+      rounded.append(int((close & ~same).sum()))
+      same |= close
     if not same.all():
       first = int(np.flatnonzero(~same.to_numpy())[0])
       out.append(
@@ -107,6 +120,7 @@ def main(argv=None) -> int:
   before, after = tables(args.before), tables(args.after)
   if not before:
     parser.error(f"{args.before} holds no tables (a sweep folder?)")
+  rounded: list[int] = []
   problems = [f"{name}: only before" for name in sorted(before.keys() - after)]
   problems += [f"{name}: only after" for name in sorted(after.keys() - before)]
   for name in sorted(before.keys() & after.keys()):
@@ -114,11 +128,14 @@ def main(argv=None) -> int:
     problems += [
       f"{name}: {line}"
       for line in differences(
-        comparable(a, name in TIMED), comparable(b, name in TIMED)
+        comparable(a, name in TIMED), comparable(b, name in TIMED), rounded
       )
     ]
   shared = len(before.keys() & after.keys())
-  print(f"{shared} tables compared; {len(problems)} differences")
+  print(
+    f"{shared} tables compared; {len(problems)} differences; "
+    f"{sum(rounded)} numbers equal only to round-off (relative {ROUNDOFF:g})"
+  )
   print("\n".join(problems))
   return 1 if problems else 0
 
