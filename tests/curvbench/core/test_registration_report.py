@@ -46,6 +46,8 @@ APPROXIMATIONS = ("kfac", "ekfac")
 
 @pytest.fixture(scope="module")
 def nnx_problem():
+  """The Flax NNX network registered as a problem for this module's tests,
+  unregistered after them (tests elsewhere list the registered problems)."""
   graph, _ = nnx.split(_Net(nnx.Rngs(0)))
   rng = np.random.default_rng(0)
   model = curvbench.Model(
@@ -53,9 +55,11 @@ def nnx_problem():
     init=lambda key, x: nnx.split(_Net(nnx.Rngs(key)))[1],
   )
   data = curvbench.Data(rng.normal(size=(24, 4)), rng.integers(0, 3, 24))
-  return curvbench.register_model(
+  yield curvbench.register_model(
     "nnx_norms", model, data, loss="softmax_cross_entropy"
   )
+  problems.PROBLEMS.unregister("nnx_norms")
+  problems.DATASETS.unregister("nnx_norms_data")
 
 
 def _registration(name, approximation):
