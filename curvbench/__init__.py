@@ -58,7 +58,9 @@ class _ToolkitPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     return importlib.util.spec_from_loader(fullname, self)
 
   def create_module(self, spec):
-    return importlib.import_module(f"curvbench.core.{spec.name[10:]}")
+    return importlib.import_module(
+      f"curvbench.core.{spec.name.partition('.')[2]}"
+    )
 
   def exec_module(self, module):
     pass

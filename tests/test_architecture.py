@@ -4,7 +4,10 @@ private names, and outside a component's own package nothing branches on a
 component's name."""
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 from curvbench import config
 
@@ -242,3 +245,14 @@ def test_outside_its_package_nothing_branches_on_a_components_name():
           if isinstance(value, ast.Constant) and value.value in names:
             branches.append(f"{name}:{node.lineno}: {value.value!r}")
   assert branches == []
+
+
+def test_the_toolkits_old_paths_import_the_same_modules():
+  """Code written before the toolkit moved to curvbench.core still runs:
+  `curvbench.stats` is `curvbench.core.stats`; a name no module holds is
+  still an error."""
+  for name in ("stats", "records", "palette", "curvatures"):
+    old = importlib.import_module(f"curvbench.{name}")
+    assert old is importlib.import_module(f"curvbench.core.{name}")
+  with pytest.raises(ModuleNotFoundError):
+    importlib.import_module("curvbench.no_such_module")
