@@ -23,6 +23,7 @@ from typing import cast
 import jax
 import numpy as np
 import pandas as pd
+from jax.experimental.compilation_cache import compilation_cache
 from omegaconf import OmegaConf
 
 import problems
@@ -37,14 +38,16 @@ def use_compilation_cache(path: str | None) -> None:
   """Keeps JAX's compiled programs in `path` (the `compilation_cache`
   setting; None: no cache), so a restarted run, or the next seed, loads
   what an earlier one compiled. Every program is kept, however quick its
-  compilation: a run compiles many small ones. JAX fixes the directory at
-  the process's first compilation, so the `curvbench` command and
-  `curvbench.measure` call this before any run."""
+  compilation: a run compiles many small ones. JAX settles its cache at
+  the process's first compilation; where the directory changes, the cache
+  is reset so that it takes the new one even after something compiled
+  (e.g. a notebook that ran a model before `curvbench.measure`)."""
   if path is None:
     return
-  jax.config.update(
-    "jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path))
-  )
+  folder = os.path.abspath(os.path.expanduser(path))
+  if jax.config.values.get("jax_compilation_cache_dir") != folder:
+    jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.reset_cache()
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 

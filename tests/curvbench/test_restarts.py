@@ -140,3 +140,27 @@ def test_a_sweep_killed_at_three_moments_loses_no_finished_run(tmp_path):
   for name in markers:
     assert records.RunDir(root / name).marker()["status"] == "complete"
   assert list(cache.iterdir())  # compiled programs kept for the restarts
+
+
+def test_a_run_keeps_its_programs_in_its_own_cache_folder_after_another(
+  tmp_path,
+):
+  """A process whose earlier runs (or a notebook) kept programs in one
+  folder keeps the next run's in that run's folder."""
+  code = (
+    "import jax, jax.numpy as jnp, os, sys; from curvbench import runs; "
+    "runs.use_compilation_cache(sys.argv[1]); "
+    "jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready(); "
+    "runs.use_compilation_cache(sys.argv[2]); "
+    "jax.jit(lambda x: x * 3 + 2)(jnp.ones(5)).block_until_ready(); "
+    "print(len(os.listdir(sys.argv[2])))"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code, tmp_path / "first", tmp_path / "second"],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert int(done.stdout.split()[-1]) >= 1
