@@ -1,4 +1,5 @@
-"""What identifies a run and what produced it.
+"""What identifies a run, and the provenance columns its records carry (the
+code, versions and device behind them come from `core.environment`).
 
 A run's id is a hash of what it measures with: its fully resolved config,
 less the keys that do not change its results (`NOT_IDENTITY`: the sweep's
